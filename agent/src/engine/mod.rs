@@ -1,0 +1,756 @@
+//! The engine: pure and synchronous. `Engine::step(ctx, observation, now)` updates the state
+//! and returns the events it caused; `Engine::view` derives the node verdict, the desired
+//! labels, taints and condition, and the record. No I/O, no clocks, no async: the caller passes
+//! `now`, the policy and the catalog, so every behaviour is a table test.
+//!
+//! What it does: dedupes repeats of a fault into one record with a count; counts occurrences
+//! (repeats within the policy's burst window are one occurrence); escalates by frequency and
+//! duration (sticky while the fault is active); clears faults on recovery rules, on a reboot
+//! (kernel-log faults), on an operator's clear or when a source says the condition is gone;
+//! keeps recovered faults as bounded history.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::catalog::{Catalog, FaultCode};
+use crate::parse::PciAddr;
+use crate::policy::{Policy, TaintEffect};
+use crate::record::{Fault, FaultType, Handling, Health, Source};
+
+#[cfg(test)]
+mod tests;
+
+/// Which device a signal is about. Every field is optional; the engine fills in what it knows.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceRef {
+    pub pci: Option<PciAddr>,
+    pub uuid: Option<String>,
+    pub index: Option<u32>,
+    /// An explicit name (`Ascend910-3`, a detector's name); wins over derived names.
+    pub name: Option<String>,
+}
+
+impl DeviceRef {
+    pub fn pci(pci: PciAddr) -> Self {
+        DeviceRef {
+            pci: Some(pci),
+            ..Default::default()
+        }
+    }
+    pub fn named(name: &str) -> Self {
+        DeviceRef {
+            name: Some(name.to_string()),
+            ..Default::default()
+        }
+    }
+}
+
+/// A fault occurrence reported by a source.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Signal {
+    pub source: Source,
+    pub code: FaultCode,
+    /// `None`: the whole node.
+    pub device: Option<DeviceRef>,
+    pub message: String,
+    /// When it happened, if the source knows (kernel timestamp); else `now`.
+    pub at: Option<DateTime<Utc>>,
+    /// How many occurrences this signal stands for (lost records for `KMSG_LOSS`); at least 1.
+    pub count: u64,
+}
+
+impl Signal {
+    pub fn new(source: Source, code: FaultCode, device: Option<DeviceRef>, message: impl Into<String>) -> Self {
+        Signal {
+            source,
+            code,
+            device,
+            message: message.into(),
+            at: None,
+            count: 1,
+        }
+    }
+}
+
+/// A detector's health as its source reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum DetectorState {
+    Running,
+    /// Nothing to watch on this machine (no NVML on a CPU node): normal, no fault.
+    Idle,
+    Down,
+}
+
+impl DetectorState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DetectorState::Running => "Running",
+            DetectorState::Idle => "Idle",
+            DetectorState::Down => "Down",
+        }
+    }
+}
+
+/// Everything that can happen to the engine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Observation {
+    Signal(Signal),
+    /// A condition a source watches is gone (a link is back up): clears the matching active
+    /// fault from that source.
+    Resolved {
+        source: Source,
+        code: FaultCode,
+        device: Option<DeviceRef>,
+    },
+    /// A device's identity: PCI address with UUID and/or index.
+    DeviceSeen {
+        pci: PciAddr,
+        uuid: Option<String>,
+        index: Option<u32>,
+    },
+    /// The node's boot id. A change clears kernel-log faults: they described the last boot.
+    Boot { boot_id: String },
+    /// An operator cleared faults (any code / device when `None`).
+    OperatorClear {
+        code: Option<String>,
+        device: Option<String>,
+    },
+    Detector {
+        name: String,
+        state: DetectorState,
+        reason: Option<String>,
+    },
+    /// Time passed: duration escalation, quiet recovery, history pruning.
+    Tick,
+}
+
+/// What a step changed that the outside world may want to hear about (Events, logs, metrics).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "event", rename_all = "PascalCase")]
+pub enum EngineEvent {
+    NewFault {
+        code: String,
+        device: String,
+        handling: Handling,
+        message: String,
+    },
+    Escalated {
+        code: String,
+        device: String,
+        from: Handling,
+        to: Handling,
+        rule: String,
+    },
+    Recovered {
+        code: String,
+        device: String,
+        reason: String,
+    },
+    Reclassified {
+        code: String,
+        device: String,
+        from: Handling,
+        to: Handling,
+    },
+    HealthChanged {
+        from: Health,
+        to: Health,
+    },
+}
+
+/// The policy and catalog a step runs under.
+#[derive(Debug, Clone, Copy)]
+pub struct Ctx<'a> {
+    pub policy: &'a Policy,
+    pub catalog: &'a Catalog,
+}
+
+/// One fault with what the engine needs beyond the record.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FaultState {
+    pub fault: Fault,
+    pub code: FaultCodeRepr,
+    /// Key of the device (`pci`, uuid, name or `node`).
+    pub device_key: String,
+    /// The catalog/policy level, before escalation.
+    pub base: Handling,
+    /// The level escalation raised it to (sticky while active).
+    pub escalated: Option<Handling>,
+    /// Start times of recent occurrences, newest last (bounded).
+    pub occurrences: VecDeque<DateTime<Utc>>,
+    /// When the current active period started.
+    pub active_since: DateTime<Utc>,
+}
+
+/// `FaultCode` in a serializable form (for the persisted state).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "t", rename_all = "snake_case")]
+pub enum FaultCodeRepr {
+    Xid { xid: u32 },
+    Sxid { sxid: u32, fatal: bool },
+    Named { name: String },
+}
+
+impl From<&FaultCode> for FaultCodeRepr {
+    fn from(c: &FaultCode) -> Self {
+        match c {
+            FaultCode::Xid(x) => FaultCodeRepr::Xid { xid: *x },
+            FaultCode::Sxid { code, fatal } => FaultCodeRepr::Sxid {
+                sxid: *code,
+                fatal: *fatal,
+            },
+            FaultCode::Named(n) => FaultCodeRepr::Named { name: n.clone() },
+        }
+    }
+}
+
+impl From<&FaultCodeRepr> for FaultCode {
+    fn from(c: &FaultCodeRepr) -> Self {
+        match c {
+            FaultCodeRepr::Xid { xid } => FaultCode::Xid(*xid),
+            FaultCodeRepr::Sxid { sxid, fatal } => FaultCode::Sxid {
+                code: *sxid,
+                fatal: *fatal,
+            },
+            FaultCodeRepr::Named { name } => FaultCode::Named(name.clone()),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+struct DeviceInfo {
+    uuid: Option<String>,
+    index: Option<u32>,
+}
+
+/// A detector's last reported state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DetectorInfo {
+    pub state: DetectorState,
+    pub reason: Option<String>,
+}
+
+/// The engine's whole state. Serializable so the agent can persist it across restarts.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Engine {
+    boot_id: Option<String>,
+    /// Keyed by `code/device_key`.
+    faults: BTreeMap<String, FaultState>,
+    devices: BTreeMap<PciAddr, DeviceInfo>,
+    detectors: BTreeMap<String, DetectorInfo>,
+    /// Recovered faults dropped from the history so far.
+    dropped: u64,
+    /// Bumped on every change visible in the record.
+    #[serde(default)]
+    revision: u64,
+}
+
+/// Most occurrences remembered per fault (frequency rules need at most `count` of them).
+const MAX_OCCURRENCES: usize = 64;
+
+/// A taint the node should carry.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct DesiredTaint {
+    pub key: String,
+    pub value: String,
+    pub effect: TaintEffect,
+}
+
+/// The `AcceleratorHealthy` condition.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DesiredCondition {
+    pub status: bool,
+    pub reason: String,
+    pub message: String,
+}
+
+/// What the node should look like: the input of every node sink.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeView {
+    pub health: Health,
+    pub handling: Option<Handling>,
+    pub labels: BTreeMap<String, String>,
+    pub taints: Vec<DesiredTaint>,
+    pub condition: DesiredCondition,
+    /// Active faults first (most severe first), then recovered ones (newest first).
+    pub faults: Vec<Fault>,
+    pub dropped_faults: u64,
+}
+
+/// The label every node gets.
+pub const HEALTH_LABEL: &str = "faultline.io/health";
+
+impl Engine {
+    pub fn new() -> Self {
+        Engine::default()
+    }
+
+    /// A counter bumped by every change that shows in `view`.
+    pub fn revision(&self) -> u64 {
+        self.revision
+    }
+
+    pub fn boot_id(&self) -> Option<&str> {
+        self.boot_id.as_deref()
+    }
+
+    pub fn detectors(&self) -> &BTreeMap<String, DetectorInfo> {
+        &self.detectors
+    }
+
+    /// All faults, in key order.
+    pub fn faults(&self) -> impl Iterator<Item = &FaultState> {
+        self.faults.values()
+    }
+
+    /// Applies one observation. Returns the events it caused.
+    pub fn step(&mut self, ctx: Ctx<'_>, obs: Observation, now: DateTime<Utc>) -> Vec<EngineEvent> {
+        let before = self.health(ctx.policy);
+        let mut events = Vec::new();
+        match obs {
+            Observation::Signal(s) => self.signal(ctx, s, now, &mut events),
+            Observation::Resolved { source, code, device } => {
+                let key = self.fault_key(&code, device.as_ref());
+                if let Some(f) = self.faults.get_mut(&key) {
+                    if f.fault.active && (f.fault.source == source || f.fault.also_seen_by.contains(&source)) {
+                        recover(f, now, format!("{source} reports the condition is gone"), &mut events);
+                    }
+                }
+            }
+            Observation::DeviceSeen { pci, uuid, index } => self.device_seen(pci, uuid, index),
+            Observation::Boot { boot_id } => {
+                if self.boot_id.as_deref().is_some_and(|old| old != boot_id) {
+                    for f in self.faults.values_mut() {
+                        if f.fault.active && f.fault.source == Source::Kmsg {
+                            recover(f, now, "node rebooted".into(), &mut events);
+                        }
+                    }
+                }
+                if self.boot_id.as_deref() != Some(boot_id.as_str()) {
+                    self.boot_id = Some(boot_id);
+                    self.revision += 1;
+                }
+            }
+            Observation::OperatorClear { code, device } => {
+                for f in self.faults.values_mut() {
+                    let code_ok = code.as_deref().is_none_or(|c| c == f.fault.fault_code);
+                    let dev_ok = device
+                        .as_deref()
+                        .is_none_or(|d| d == f.fault.device || Some(d) == f.fault.device_uuid.as_deref() || Some(d) == f.fault.pci_bus_id.as_deref());
+                    if f.fault.active && code_ok && dev_ok {
+                        recover(f, now, "cleared by operator".into(), &mut events);
+                    }
+                }
+            }
+            Observation::Detector { name, state, reason } => self.detector(ctx, name, state, reason, now, &mut events),
+            Observation::Tick => self.tick(ctx.policy, now, &mut events),
+        }
+        self.prune(ctx.policy, now);
+        if !events.is_empty() {
+            self.revision += 1;
+        }
+        let after = self.health(ctx.policy);
+        if after != before {
+            events.push(EngineEvent::HealthChanged { from: before, to: after });
+        }
+        events
+    }
+
+    /// Re-applies the catalog and policy to every fault (after a policy reload).
+    pub fn reclassify(&mut self, ctx: Ctx<'_>) -> Vec<EngineEvent> {
+        let mut events = Vec::new();
+        for f in self.faults.values_mut() {
+            let c = ctx.policy.classify(ctx.catalog, &FaultCode::from(&f.code));
+            let from = f.fault.fault_handling;
+            f.base = c.handling;
+            f.fault.fault_type = c.fault_type;
+            let to = f.escalated.map_or(f.base, |e| e.max(f.base));
+            set_handling(&mut f.fault, to);
+            if from != to && f.fault.active {
+                events.push(EngineEvent::Reclassified {
+                    code: f.fault.fault_code.clone(),
+                    device: f.fault.device.clone(),
+                    from,
+                    to,
+                });
+            }
+        }
+        self.revision += 1;
+        events
+    }
+
+    fn device_seen(&mut self, pci: PciAddr, uuid: Option<String>, index: Option<u32>) {
+        let info = self.devices.entry(pci).or_default();
+        let mut changed = false;
+        if uuid.is_some() && info.uuid != uuid {
+            info.uuid = uuid;
+            changed = true;
+        }
+        if index.is_some() && info.index != index {
+            info.index = index;
+            changed = true;
+        }
+        if !changed {
+            return;
+        }
+        let info = info.clone();
+        let pci_s = pci.to_string();
+        for f in self.faults.values_mut() {
+            if f.fault.pci_bus_id.as_deref() == Some(pci_s.as_str()) {
+                f.fault.device_uuid = info.uuid.clone();
+                if let Some(i) = info.index {
+                    f.fault.device = format!("GPU-{i}");
+                }
+            }
+        }
+        self.revision += 1;
+    }
+
+    /// Key and display fields for a device reference, using what the engine knows.
+    fn resolve_device(&self, d: Option<&DeviceRef>) -> (String, String, Option<String>, Option<String>) {
+        let Some(d) = d else {
+            return ("node".into(), "node".into(), None, None);
+        };
+        let known = d.pci.and_then(|p| self.devices.get(&p));
+        let uuid = d.uuid.clone().or_else(|| known.and_then(|k| k.uuid.clone()));
+        let index = d.index.or_else(|| known.and_then(|k| k.index));
+        let pci = d.pci.map(|p| p.to_string());
+        let key = pci
+            .clone()
+            .or_else(|| uuid.clone())
+            .or_else(|| d.name.clone())
+            .or_else(|| index.map(|i| format!("GPU-{i}")))
+            .unwrap_or_else(|| "node".into());
+        let name = d
+            .name
+            .clone()
+            .or_else(|| index.map(|i| format!("GPU-{i}")))
+            .or_else(|| pci.as_ref().map(|p| format!("GPU-{p}")))
+            .or_else(|| uuid.clone())
+            .unwrap_or_else(|| "node".into());
+        (key, name, uuid, pci)
+    }
+
+    fn fault_key(&self, code: &FaultCode, device: Option<&DeviceRef>) -> String {
+        format!("{}/{}", code, self.resolve_device(device).0)
+    }
+
+    fn signal(&mut self, ctx: Ctx<'_>, s: Signal, now: DateTime<Utc>, events: &mut Vec<EngineEvent>) {
+        let at = s.at.unwrap_or(now);
+        let count = s.count.max(1);
+        let (dkey, dname, uuid, pci) = self.resolve_device(s.device.as_ref());
+        let key = format!("{}/{}", s.code, dkey);
+        let burst = chrono::Duration::from_std(ctx.policy.burst_window).unwrap_or(chrono::Duration::zero());
+        match self.faults.get_mut(&key) {
+            Some(f) => {
+                let was_active = f.fault.active;
+                f.fault.count = f.fault.count.saturating_add(count);
+                if s.source != f.fault.source && !f.fault.also_seen_by.contains(&s.source) {
+                    f.fault.also_seen_by.push(s.source);
+                    f.fault.also_seen_by.sort();
+                }
+                if f.fault.device_uuid.is_none() {
+                    f.fault.device_uuid = uuid;
+                }
+                let new_occurrence = !was_active || at - f.fault.last_seen > burst;
+                if at > f.fault.last_seen {
+                    f.fault.last_seen = at;
+                }
+                if new_occurrence {
+                    push_occurrence(&mut f.occurrences, at);
+                }
+                if !was_active {
+                    f.fault.active = true;
+                    f.fault.recovered_at = None;
+                    f.fault.message = s.message;
+                    f.active_since = at;
+                    f.escalated = None;
+                    f.fault.escalated_from = None;
+                    set_handling(&mut f.fault, f.base);
+                    events.push(EngineEvent::NewFault {
+                        code: f.fault.fault_code.clone(),
+                        device: f.fault.device.clone(),
+                        handling: f.fault.fault_handling,
+                        message: f.fault.message.clone(),
+                    });
+                }
+                escalate(ctx.policy, f, now, events);
+                // Even a counters-only change shows in the record.
+                self.revision += 1;
+            }
+            None => {
+                let c = ctx.policy.classify(ctx.catalog, &s.code);
+                let message = if s.message.is_empty() { c.description.clone() } else { s.message };
+                let mut f = FaultState {
+                    fault: Fault {
+                        fault_type: c.fault_type,
+                        fault_code: s.code.to_string(),
+                        fault_handling: c.handling,
+                        fault_level: c.handling,
+                        large_model_fault_level: c.handling,
+                        device: dname,
+                        device_uuid: uuid,
+                        pci_bus_id: pci,
+                        source: s.source,
+                        also_seen_by: Vec::new(),
+                        message,
+                        first_seen: at,
+                        last_seen: at,
+                        count,
+                        active: true,
+                        recovered_at: None,
+                        escalated_from: None,
+                    },
+                    code: FaultCodeRepr::from(&s.code),
+                    device_key: dkey,
+                    base: c.handling,
+                    escalated: None,
+                    occurrences: VecDeque::from([at]),
+                    active_since: at,
+                };
+                events.push(EngineEvent::NewFault {
+                    code: f.fault.fault_code.clone(),
+                    device: f.fault.device.clone(),
+                    handling: f.fault.fault_handling,
+                    message: f.fault.message.clone(),
+                });
+                escalate(ctx.policy, &mut f, now, events);
+                self.faults.insert(key, f);
+                self.revision += 1;
+            }
+        }
+    }
+
+    fn detector(
+        &mut self,
+        ctx: Ctx<'_>,
+        name: String,
+        state: DetectorState,
+        reason: Option<String>,
+        now: DateTime<Utc>,
+        events: &mut Vec<EngineEvent>,
+    ) {
+        let info = DetectorInfo {
+            state,
+            reason: reason.clone(),
+        };
+        if self.detectors.get(&name) != Some(&info) {
+            self.detectors.insert(name.clone(), info);
+            self.revision += 1;
+        }
+        let device = DeviceRef::named(&name);
+        let code = FaultCode::named("DETECTOR_DOWN");
+        match state {
+            DetectorState::Down => {
+                let key = self.fault_key(&code, Some(&device));
+                let already = self.faults.get(&key).is_some_and(|f| f.fault.active);
+                if !already {
+                    let msg = format!("{name}: {}", reason.unwrap_or_else(|| "down".into()));
+                    let s = Signal::new(Source::Agent, code, Some(device), msg);
+                    self.signal(ctx, s, now, events);
+                }
+            }
+            DetectorState::Running | DetectorState::Idle => {
+                let key = self.fault_key(&code, Some(&device));
+                if let Some(f) = self.faults.get_mut(&key) {
+                    if f.fault.active {
+                        recover(f, now, format!("{name} is {}", state.as_str()), events);
+                    }
+                }
+            }
+        }
+    }
+
+    fn tick(&mut self, policy: &Policy, now: DateTime<Utc>, events: &mut Vec<EngineEvent>) {
+        for f in self.faults.values_mut() {
+            if !f.fault.active {
+                continue;
+            }
+            escalate(policy, f, now, events);
+            let quiet = now - f.fault.last_seen;
+            let rule = policy.recovery.iter().find(|r| {
+                (r.codes.is_empty() || r.codes.iter().any(|c| *c == f.fault.fault_code))
+                    && (r.sources.is_empty() || r.sources.contains(&f.fault.source))
+                    && r.max_handling.is_none_or(|m| f.fault.fault_handling <= m)
+                    && chrono::Duration::from_std(r.clear_after).is_ok_and(|d| quiet >= d)
+            });
+            if let Some(r) = rule {
+                let why = format!(
+                    "quiet for {} (recovery rule {})",
+                    humantime::format_duration(r.clear_after),
+                    r.name.as_deref().unwrap_or("unnamed")
+                );
+                recover(f, now, why, events);
+            }
+        }
+    }
+
+    /// Drops recovered faults past retention, then the oldest beyond the cap.
+    fn prune(&mut self, policy: &Policy, now: DateTime<Utc>) {
+        let retention = chrono::Duration::from_std(policy.recovered_retention).unwrap_or(chrono::Duration::MAX);
+        let before = self.faults.len();
+        self.faults
+            .retain(|_, f| f.fault.active || f.fault.recovered_at.is_none_or(|r| now - r < retention));
+        let mut recovered: Vec<(DateTime<Utc>, String)> = self
+            .faults
+            .iter()
+            .filter(|(_, f)| !f.fault.active)
+            .map(|(k, f)| (f.fault.recovered_at.unwrap_or(f.fault.last_seen), k.clone()))
+            .collect();
+        if recovered.len() > policy.max_recovered {
+            recovered.sort();
+            let excess = recovered.len() - policy.max_recovered;
+            for (_, k) in recovered.into_iter().take(excess) {
+                self.faults.remove(&k);
+                self.dropped += 1;
+            }
+        }
+        if self.faults.len() != before {
+            self.revision += 1;
+        }
+    }
+
+    /// The node verdict: the most severe health any active fault's level maps to.
+    pub fn health(&self, policy: &Policy) -> Health {
+        self.faults
+            .values()
+            .filter(|f| f.fault.active)
+            .map(|f| policy.node_action(f.fault.fault_handling).health)
+            .max()
+            .unwrap_or(Health::Healthy)
+    }
+
+    /// The desired node state and the record's fault list.
+    pub fn view(&self, policy: &Policy) -> NodeView {
+        let mut active: Vec<&FaultState> = self.faults.values().filter(|f| f.fault.active).collect();
+        active.sort_by(|a, b| {
+            b.fault
+                .fault_handling
+                .cmp(&a.fault.fault_handling)
+                .then_with(|| a.fault.fault_code.cmp(&b.fault.fault_code))
+                .then_with(|| a.fault.device.cmp(&b.fault.device))
+        });
+        let health = self.health(policy);
+        let handling = active.first().map(|f| f.fault.fault_handling);
+        // One taint per key, valued by the most severe fault mapped to it.
+        let mut taints: BTreeMap<String, DesiredTaint> = BTreeMap::new();
+        let mut condition = true;
+        for f in &active {
+            let action = policy.node_action(f.fault.fault_handling);
+            condition &= action.condition;
+            if let Some(t) = action.taint {
+                taints.entry(t.key.clone()).or_insert(DesiredTaint {
+                    key: t.key,
+                    value: f.fault.fault_code.clone(),
+                    effect: t.effect,
+                });
+            }
+        }
+        let condition = match active.first() {
+            None => DesiredCondition {
+                status: true,
+                reason: "NoFaults".into(),
+                message: "no active accelerator faults".into(),
+            },
+            Some(worst) => DesiredCondition {
+                status: condition,
+                reason: worst.fault.fault_handling.to_string(),
+                message: summarize(&active),
+            },
+        };
+        let mut recovered: Vec<&FaultState> = self.faults.values().filter(|f| !f.fault.active).collect();
+        recovered.sort_by(|a, b| {
+            b.fault
+                .recovered_at
+                .cmp(&a.fault.recovered_at)
+                .then_with(|| a.fault.fault_code.cmp(&b.fault.fault_code))
+                .then_with(|| a.fault.device.cmp(&b.fault.device))
+        });
+        NodeView {
+            health,
+            handling,
+            labels: BTreeMap::from([(HEALTH_LABEL.to_string(), health.to_string())]),
+            taints: taints.into_values().collect(),
+            condition,
+            faults: active.iter().chain(recovered.iter()).map(|f| f.fault.clone()).collect(),
+            dropped_faults: self.dropped,
+        }
+    }
+}
+
+/// A one-line summary of active faults for the condition message.
+fn summarize(active: &[&FaultState]) -> String {
+    let mut parts: Vec<String> = active
+        .iter()
+        .take(5)
+        .map(|f| format!("{} on {} ({})", f.fault.fault_code, f.fault.device, f.fault.fault_handling))
+        .collect();
+    if active.len() > 5 {
+        parts.push(format!("and {} more", active.len() - 5));
+    }
+    parts.join("; ")
+}
+
+fn push_occurrence(q: &mut VecDeque<DateTime<Utc>>, at: DateTime<Utc>) {
+    q.push_back(at);
+    while q.len() > MAX_OCCURRENCES {
+        q.pop_front();
+    }
+}
+
+fn set_handling(f: &mut Fault, h: Handling) {
+    f.fault_handling = h;
+    f.fault_level = h;
+    f.large_model_fault_level = h;
+}
+
+fn recover(f: &mut FaultState, now: DateTime<Utc>, reason: String, events: &mut Vec<EngineEvent>) {
+    f.fault.active = false;
+    f.fault.recovered_at = Some(now);
+    events.push(EngineEvent::Recovered {
+        code: f.fault.fault_code.clone(),
+        device: f.fault.device.clone(),
+        reason,
+    });
+}
+
+/// Applies the escalation rules that match; never lowers a fault.
+fn escalate(policy: &Policy, f: &mut FaultState, now: DateTime<Utc>, events: &mut Vec<EngineEvent>) {
+    if !f.fault.active {
+        return;
+    }
+    for (i, r) in policy.escalation.iter().enumerate() {
+        if r.handling <= f.fault.fault_handling || !r.codes.iter().any(|c| *c == f.fault.fault_code) {
+            continue;
+        }
+        let hit = match (r.count, r.window, r.duration) {
+            (Some(n), Some(w), _) => {
+                let w = chrono::Duration::from_std(w).unwrap_or(chrono::Duration::MAX);
+                let recent = f.occurrences.iter().filter(|t| now - **t <= w).count();
+                recent >= n as usize
+            }
+            (_, _, Some(d)) => chrono::Duration::from_std(d).is_ok_and(|d| now - f.active_since >= d),
+            _ => false,
+        };
+        if hit {
+            let from = f.fault.fault_handling;
+            f.escalated = Some(r.handling);
+            f.fault.escalated_from = Some(f.base);
+            set_handling(&mut f.fault, r.handling);
+            events.push(EngineEvent::Escalated {
+                code: f.fault.fault_code.clone(),
+                device: f.fault.device.clone(),
+                from,
+                to: r.handling,
+                rule: r.name.clone().unwrap_or_else(|| format!("escalation[{i}]")),
+            });
+        }
+    }
+}
+
+/// Fault types seen among active faults (for metrics).
+pub fn active_types(view: &NodeView) -> BTreeSet<FaultType> {
+    view.faults.iter().filter(|f| f.active).map(|f| f.fault_type).collect()
+}

@@ -1,0 +1,427 @@
+//! Table-driven tests and property tests for the engine.
+
+use std::time::Duration;
+
+use chrono::TimeZone;
+use proptest::prelude::*;
+
+use super::*;
+use crate::policy::Policy;
+
+fn t(s: i64) -> DateTime<Utc> {
+    Utc.timestamp_opt(1_700_000_000 + s, 0).single().expect("valid time")
+}
+
+fn pci(s: &str) -> PciAddr {
+    s.parse().expect("pci")
+}
+
+fn xid(x: u32, gpu: &str) -> Observation {
+    Observation::Signal(Signal::new(
+        Source::Kmsg,
+        FaultCode::Xid(x),
+        Some(DeviceRef::pci(pci(gpu))),
+        format!("xid {x}"),
+    ))
+}
+
+fn named(code: &str, source: Source) -> Observation {
+    Observation::Signal(Signal::new(source, FaultCode::named(code), None, code))
+}
+
+struct Rig {
+    engine: Engine,
+    policy: Policy,
+    catalog: Catalog,
+}
+
+impl Rig {
+    fn new(policy: &str) -> Rig {
+        Rig {
+            engine: Engine::new(),
+            policy: Policy::parse(policy).expect("policy"),
+            catalog: Catalog::builtin().expect("catalog"),
+        }
+    }
+    fn at(&mut self, s: i64, obs: Observation) -> Vec<EngineEvent> {
+        let ctx = Ctx {
+            policy: &self.policy,
+            catalog: &self.catalog,
+        };
+        self.engine.step(ctx, obs, t(s))
+    }
+    fn view(&self) -> NodeView {
+        self.engine.view(&self.policy)
+    }
+    fn only(&self) -> Fault {
+        let v = self.view();
+        assert_eq!(v.faults.len(), 1, "{:#?}", v.faults);
+        v.faults[0].clone()
+    }
+}
+
+#[test]
+fn healthy_node_view() {
+    let r = Rig::new("");
+    let v = r.view();
+    assert_eq!(v.health, Health::Healthy);
+    assert_eq!(v.handling, None);
+    assert!(v.taints.is_empty());
+    assert!(v.condition.status);
+    assert_eq!(v.labels[HEALTH_LABEL], "Healthy");
+}
+
+/// Each row: the Xid, the verdict, the taint, the condition status (DESIGN.md's action table).
+#[test]
+fn xid_to_node_actions() {
+    let rows: &[(u32, Health, Option<(&str, TaintEffect)>, bool, Handling)] = &[
+        (79, Health::Unhealthy, Some(("faultline.io/unhealthy", TaintEffect::NoSchedule)), false, Handling::SeparateNPU),
+        (95, Health::Degraded, None, true, Handling::RestartNPU),
+        (13, Health::Degraded, None, true, Handling::RestartBusiness),
+        (43, Health::Healthy, None, true, Handling::NotHandleFault),
+        (63, Health::Healthy, None, true, Handling::NotHandleFault),
+        (99_999, Health::Degraded, Some(("faultline.io/degraded", TaintEffect::PreferNoSchedule)), false, Handling::PreSeparateNPU),
+    ];
+    for &(x, health, taint, cond, handling) in rows {
+        let mut r = Rig::new("");
+        r.at(0, xid(x, "0000:3b:00.0"));
+        let v = r.view();
+        assert_eq!(v.health, health, "Xid {x}");
+        assert_eq!(v.handling, Some(handling), "Xid {x}");
+        assert_eq!(v.condition.status, cond, "Xid {x}");
+        match taint {
+            None => assert!(v.taints.is_empty(), "Xid {x}: {:?}", v.taints),
+            Some((key, effect)) => assert_eq!(
+                v.taints,
+                vec![DesiredTaint { key: key.into(), value: format!("Xid{x}"), effect }],
+                "Xid {x}"
+            ),
+        }
+    }
+}
+
+#[test]
+fn identical_signals_dedupe_into_one_fault_with_a_count() {
+    let mut r = Rig::new("");
+    let mut new_faults = 0;
+    for i in 0..800_000u32 {
+        let ev = r.at(i64::from(i / 1000), xid(95, "0000:3b:00.0"));
+        new_faults += ev.iter().filter(|e| matches!(e, EngineEvent::NewFault { .. })).count();
+    }
+    let f = r.only();
+    assert_eq!(f.count, 800_000);
+    assert_eq!(new_faults, 1);
+    assert_eq!(f.first_seen, t(0));
+    assert_eq!(f.last_seen, t(799));
+}
+
+#[test]
+fn different_devices_are_different_faults() {
+    let mut r = Rig::new("");
+    r.at(0, xid(79, "0000:3b:00.0"));
+    r.at(0, xid(79, "0000:86:00.0"));
+    r.at(0, xid(13, "0000:86:00.0"));
+    assert_eq!(r.view().faults.len(), 3);
+}
+
+#[test]
+fn uuid_line_names_the_device_of_earlier_and_later_faults() {
+    let mut r = Rig::new("");
+    r.at(0, xid(31, "0000:3b:00.0"));
+    r.at(1, Observation::DeviceSeen { pci: pci("0000:3b:00.0"), uuid: Some("GPU-abc".into()), index: None });
+    r.at(2, xid(79, "0000:3b:00.0"));
+    for f in r.view().faults {
+        assert_eq!(f.device_uuid.as_deref(), Some("GPU-abc"), "{}", f.fault_code);
+        assert_eq!(f.pci_bus_id.as_deref(), Some("0000:3b:00.0"));
+        assert_eq!(f.device, "GPU-0000:3b:00.0");
+    }
+    r.at(3, Observation::DeviceSeen { pci: pci("0000:3b:00.0"), uuid: None, index: Some(3) });
+    assert!(r.view().faults.iter().all(|f| f.device == "GPU-3"));
+}
+
+#[test]
+fn frequency_escalation_counts_occurrences_not_lines() {
+    let mut r = Rig::new(
+        "escalation:\n  - codes: [Xid13]\n    count: 3\n    window: 1h\n    handling: SeparateNPU\nburst_window: 5s\n",
+    );
+    // A burst of 50 lines within 5 s is one occurrence.
+    for i in 0..50 {
+        r.at(i / 10, xid(13, "0000:3b:00.0"));
+    }
+    assert_eq!(r.only().fault_handling, Handling::RestartBusiness);
+    r.at(600, xid(13, "0000:3b:00.0"));
+    assert_eq!(r.only().fault_handling, Handling::RestartBusiness);
+    let ev = r.at(1200, xid(13, "0000:3b:00.0"));
+    assert!(ev.iter().any(|e| matches!(e, EngineEvent::Escalated { to: Handling::SeparateNPU, .. })), "{ev:?}");
+    let f = r.only();
+    assert_eq!(f.fault_handling, Handling::SeparateNPU);
+    assert_eq!(f.escalated_from, Some(Handling::RestartBusiness));
+    assert_eq!(r.view().health, Health::Unhealthy);
+}
+
+#[test]
+fn frequency_outside_the_window_does_not_escalate() {
+    let mut r = Rig::new("escalation:\n  - codes: [Xid13]\n    count: 2\n    window: 10m\n    handling: SeparateNPU\n");
+    r.at(0, xid(13, "0000:3b:00.0"));
+    r.at(601, xid(13, "0000:3b:00.0"));
+    assert_eq!(r.only().fault_handling, Handling::RestartBusiness);
+}
+
+#[test]
+fn duration_escalation_fires_on_tick() {
+    let mut r = Rig::new("escalation:\n  - codes: [NVLINK_DOWN]\n    duration: 20s\n    handling: SeparateNPU\n");
+    r.at(0, named("NVLINK_DOWN", Source::Nvml));
+    r.at(19, Observation::Tick);
+    assert_eq!(r.only().fault_handling, Handling::PreSeparateNPU);
+    r.at(20, Observation::Tick);
+    assert_eq!(r.only().fault_handling, Handling::SeparateNPU);
+}
+
+#[test]
+fn escalation_survives_quiet_but_not_recovery() {
+    let mut r = Rig::new("escalation:\n  - codes: [Xid95]\n    count: 2\n    window: 1h\n    handling: SeparateNPU\n");
+    r.at(0, xid(95, "0000:3b:00.0"));
+    r.at(100, xid(95, "0000:3b:00.0"));
+    r.at(5000, Observation::Tick);
+    assert_eq!(r.only().fault_handling, Handling::SeparateNPU, "sticky while active");
+    r.at(5001, Observation::OperatorClear { code: None, device: None });
+    r.at(9000, xid(95, "0000:3b:00.0"));
+    let f = r.only();
+    assert!(f.active);
+    assert_eq!(f.fault_handling, Handling::RestartNPU, "a fresh period starts at the base level");
+}
+
+#[test]
+fn reboot_clears_kernel_log_faults_only() {
+    let mut r = Rig::new("");
+    r.at(0, Observation::Boot { boot_id: "a".into() });
+    r.at(1, xid(79, "0000:3b:00.0"));
+    r.at(1, named("GPU_MISSING", Source::Nvml));
+    r.at(2, Observation::Boot { boot_id: "a".into() });
+    assert!(r.view().faults.iter().all(|f| f.active), "same boot: nothing clears");
+    let ev = r.at(3, Observation::Boot { boot_id: "b".into() });
+    assert!(ev.iter().any(|e| matches!(e, EngineEvent::Recovered { code, .. } if code == "Xid79")));
+    let v = r.view();
+    let xid79 = v.faults.iter().find(|f| f.fault_code == "Xid79").unwrap();
+    let missing = v.faults.iter().find(|f| f.fault_code == "GPU_MISSING").unwrap();
+    assert!(!xid79.active && xid79.recovered_at == Some(t(3)));
+    assert!(missing.active);
+}
+
+#[test]
+fn operator_clear_by_code_and_device() {
+    let mut r = Rig::new("");
+    r.at(0, xid(79, "0000:3b:00.0"));
+    r.at(0, xid(79, "0000:86:00.0"));
+    r.at(0, xid(95, "0000:86:00.0"));
+    r.at(1, Observation::OperatorClear { code: Some("Xid79".into()), device: Some("0000:86:00.0".into()) });
+    let active: Vec<(String, String)> = r
+        .view()
+        .faults
+        .into_iter()
+        .filter(|f| f.active)
+        .map(|f| (f.fault_code, f.pci_bus_id.unwrap_or_default()))
+        .collect();
+    assert_eq!(
+        active,
+        vec![("Xid79".into(), "0000:3b:00.0".into()), ("Xid95".into(), "0000:86:00.0".into())]
+    );
+}
+
+#[test]
+fn quiet_recovery_rules() {
+    // Defaults: KMSG_LOSS clears after 10 min quiet, app-level kernel faults after 1 h.
+    let mut r = Rig::new("");
+    r.at(0, named("KMSG_LOSS", Source::Agent));
+    r.at(0, xid(13, "0000:3b:00.0"));
+    r.at(0, xid(79, "0000:3b:00.0"));
+    r.at(599, Observation::Tick);
+    assert_eq!(r.view().faults.iter().filter(|f| f.active).count(), 3);
+    r.at(600, Observation::Tick);
+    assert_eq!(r.view().faults.iter().filter(|f| f.active).count(), 2);
+    r.at(3600, Observation::Tick);
+    let active: Vec<String> = r.view().faults.into_iter().filter(|f| f.active).map(|f| f.fault_code).collect();
+    assert_eq!(active, vec!["Xid79"], "a SeparateNPU fault waits for reboot or operator");
+}
+
+#[test]
+fn resolved_clears_only_from_the_reporting_source() {
+    let mut r = Rig::new("");
+    r.at(0, named("NVLINK_DOWN", Source::Nvml));
+    r.at(1, Observation::Resolved { source: Source::Kmsg, code: FaultCode::named("NVLINK_DOWN"), device: None });
+    assert!(r.only().active);
+    r.at(2, Observation::Resolved { source: Source::Nvml, code: FaultCode::named("NVLINK_DOWN"), device: None });
+    assert!(!r.only().active);
+}
+
+#[test]
+fn same_fault_from_two_sources_is_one_fault() {
+    let mut r = Rig::new("");
+    r.at(0, xid(79, "0000:3b:00.0"));
+    let mut s = Signal::new(Source::Nvml, FaultCode::Xid(79), Some(DeviceRef::pci(pci("0000:3b:00.0"))), "nvml");
+    s.at = Some(t(1));
+    r.at(1, Observation::Signal(s));
+    let f = r.only();
+    assert_eq!((f.source, f.also_seen_by.clone(), f.count), (Source::Kmsg, vec![Source::Nvml], 2));
+}
+
+#[test]
+fn detector_down_and_back() {
+    let mut r = Rig::new("");
+    r.at(0, Observation::Detector { name: "nvml".into(), state: DetectorState::Down, reason: Some("init failed".into()) });
+    let f = r.only();
+    assert_eq!((f.fault_code.as_str(), f.device.as_str(), f.active), ("DETECTOR_DOWN", "nvml", true));
+    assert!(f.message.contains("init failed"));
+    assert_eq!(r.view().health, Health::Healthy, "a blind detector is not a sick node");
+    r.at(5, Observation::Detector { name: "nvml".into(), state: DetectorState::Running, reason: None });
+    assert!(!r.only().active);
+    r.at(6, Observation::Detector { name: "ascend".into(), state: DetectorState::Idle, reason: None });
+    assert_eq!(r.view().faults.len(), 1, "idle is normal: no fault");
+}
+
+#[test]
+fn policy_reload_reclassifies_and_keeps_escalations() {
+    let mut r = Rig::new("");
+    r.at(0, xid(43, "0000:3b:00.0"));
+    assert_eq!(r.view().health, Health::Healthy);
+    r.policy = Policy::parse("overrides:\n  Xid43: { handling: SeparateNPU }\n").unwrap();
+    let ev = r.engine.reclassify(Ctx { policy: &r.policy, catalog: &r.catalog });
+    assert!(matches!(ev.as_slice(), [EngineEvent::Reclassified { to: Handling::SeparateNPU, .. }]), "{ev:?}");
+    assert_eq!(r.view().health, Health::Unhealthy);
+}
+
+#[test]
+fn history_is_bounded_and_dropped_counted() {
+    let mut r = Rig::new("max_recovered: 3\nrecovered_retention: 1h\n");
+    for i in 0..6u8 {
+        let gpu = format!("0000:{:02x}:00.0", i + 1);
+        r.at(i64::from(i), xid(79, &gpu));
+        r.at(i64::from(i), Observation::OperatorClear { code: None, device: Some(gpu) });
+    }
+    let v = r.view();
+    assert_eq!(v.faults.len(), 3);
+    assert_eq!(v.dropped_faults, 3);
+    // Newest recovered first; the oldest were dropped.
+    assert_eq!(v.faults[0].pci_bus_id.as_deref(), Some("0000:06:00.0"));
+    r.at(10_000, Observation::Tick);
+    assert!(r.view().faults.is_empty(), "past retention");
+}
+
+#[test]
+fn taints_one_per_key_valued_by_the_worst_fault() {
+    let mut r = Rig::new("");
+    r.at(0, xid(99_999, "0000:3b:00.0")); // unknown: PreSeparateNPU
+    r.at(0, xid(79, "0000:86:00.0"));
+    let v = r.view();
+    assert_eq!(v.health, Health::Unhealthy);
+    assert_eq!(v.taints.len(), 2);
+    assert_eq!(v.taints[1].key, "faultline.io/unhealthy");
+    assert_eq!(v.taints[1].value, "Xid79");
+    assert_eq!(v.condition.reason, "SeparateNPU");
+    assert!(v.condition.message.starts_with("Xid79 on GPU-0000:86:00.0"), "{}", v.condition.message);
+}
+
+#[test]
+fn state_round_trips_through_json() {
+    let mut r = Rig::new("");
+    r.at(0, Observation::Boot { boot_id: "b".into() });
+    r.at(0, xid(79, "0000:3b:00.0"));
+    r.at(0, Observation::DeviceSeen { pci: pci("0000:3b:00.0"), uuid: Some("GPU-x".into()), index: Some(1) });
+    let json = serde_json::to_string(&r.engine).unwrap();
+    let back: Engine = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, r.engine);
+}
+
+// ---- properties ----
+
+fn arb_obs() -> impl Strategy<Value = (i64, Observation)> {
+    let gpu = prop::sample::select(vec!["0000:3b:00.0", "0000:86:00.0", "0001:c5:00.0"]);
+    let xids = prop::sample::select(vec![13u32, 31, 43, 48, 63, 74, 79, 95, 119, 99_999]);
+    let codes = prop::sample::select(vec!["GPU_LOST", "NVLINK_DOWN", "KMSG_LOSS", "MCE_CORRECTED", "STRAGGLER"]);
+    let sources = prop::sample::select(vec![Source::Kmsg, Source::Nvml, Source::Agent]);
+    let obs = prop_oneof![
+        6 => (xids, gpu.clone()).prop_map(|(x, g)| xid(x, g)),
+        2 => (codes.clone(), sources.clone()).prop_map(|(c, s)| named(c, s)),
+        1 => Just(Observation::Tick),
+        1 => prop::option::of(prop::sample::select(vec!["Xid79", "Xid13", "GPU_LOST"]))
+            .prop_map(|c| Observation::OperatorClear { code: c.map(String::from), device: None }),
+        1 => prop::sample::select(vec!["a", "b"]).prop_map(|b| Observation::Boot { boot_id: b.into() }),
+        1 => (codes, sources).prop_map(|(c, s)| Observation::Resolved { source: s, code: FaultCode::named(c), device: None }),
+        1 => (gpu, 0u32..8).prop_map(|(g, i)| Observation::DeviceSeen { pci: pci(g), uuid: Some(format!("GPU-{i}")), index: Some(i) }),
+    ];
+    (0i64..4000, obs)
+}
+
+// History is kept long enough that nothing is pruned (pruning has its own test).
+const POLICY: &str = "recovered_retention: 100000h\nmax_recovered: 100000\nescalation:\n  - codes: [Xid13, Xid31]\n    count: 2\n    window: 1h\n    handling: SeparateNPU\n  - codes: [NVLINK_DOWN]\n    duration: 30s\n    handling: SeparateNPU\n";
+
+fn run(obs: &[(i64, Observation)]) -> (Engine, Vec<Vec<EngineEvent>>) {
+    let mut r = Rig::new(POLICY);
+    let mut now = 0;
+    let mut all = Vec::new();
+    for (dt, o) in obs {
+        now += dt;
+        all.push(r.at(now, o.clone()));
+    }
+    (r.engine, all)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// The verdict is never less severe than any active fault's own action.
+    #[test]
+    fn verdict_never_below_worst_active_fault(obs in prop::collection::vec(arb_obs(), 1..80)) {
+        let (engine, _) = run(&obs);
+        let policy = Policy::parse(POLICY).unwrap();
+        let v = engine.view(&policy);
+        for f in v.faults.iter().filter(|f| f.active) {
+            prop_assert!(v.health >= policy.node_action(f.fault_handling).health, "{:?} vs {:?}", v.health, f);
+            prop_assert!(v.handling >= Some(f.fault_handling));
+        }
+        if v.faults.iter().all(|f| !f.active) {
+            prop_assert_eq!(v.health, Health::Healthy);
+        }
+    }
+
+    /// Same input, same output.
+    #[test]
+    fn deterministic(obs in prop::collection::vec(arb_obs(), 1..80)) {
+        let (a, ea) = run(&obs);
+        let (b, eb) = run(&obs);
+        prop_assert_eq!(a, b);
+        prop_assert_eq!(ea, eb);
+    }
+
+    /// Every signal is counted exactly once unless its fault was dropped from history.
+    #[test]
+    fn nothing_lost(obs in prop::collection::vec(arb_obs(), 1..80)) {
+        let (engine, _) = run(&obs);
+        let signals = obs.iter().filter(|(_, o)| matches!(o, Observation::Signal(_))).count() as u64;
+        let counted: u64 = engine.faults().map(|f| f.fault.count).sum();
+        prop_assert_eq!(counted, signals);
+    }
+
+    /// Fault handling always equals all three level fields, and escalation never lowers.
+    #[test]
+    fn levels_consistent(obs in prop::collection::vec(arb_obs(), 1..80)) {
+        let (engine, _) = run(&obs);
+        for f in engine.faults() {
+            prop_assert_eq!(f.fault.fault_handling, f.fault.fault_level);
+            prop_assert_eq!(f.fault.fault_handling, f.fault.large_model_fault_level);
+            if f.fault.active {
+                prop_assert!(f.fault.fault_handling >= f.base);
+            }
+        }
+    }
+}
+
+#[test]
+fn burst_window_zero_counts_every_line() {
+    let mut r = Rig::new("burst_window: 0s\nescalation:\n  - codes: [Xid13]\n    count: 3\n    window: 1m\n    handling: SeparateNPU\n");
+    let _ = Duration::from_secs(0);
+    r.at(0, xid(13, "0000:3b:00.0"));
+    r.at(1, xid(13, "0000:3b:00.0"));
+    r.at(2, xid(13, "0000:3b:00.0"));
+    assert_eq!(r.only().fault_handling, Handling::SeparateNPU);
+}

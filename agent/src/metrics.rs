@@ -1,0 +1,150 @@
+//! Every metric the agent exports, defined in one place.
+//!
+//! Naming (docs/metrics.md): `faultline_<what>_<unit>`; counters get `_total` from the encoder;
+//! label values are bounded sets (kinds, sources, levels), never fault messages or devices.
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::Registry;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct KindLabel {
+    pub kind: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HandlingLabel {
+    pub handling: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DetectorLabel {
+    pub detector: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SinkLabel {
+    pub sink: &'static str,
+}
+
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+pub enum ReloadResult {
+    Ok,
+    Rejected,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadLabel {
+    pub result: ReloadResult,
+}
+
+/// All metrics. Cheap to share: every handle is reference-counted.
+#[derive(Debug)]
+pub struct Metrics {
+    pub registry: Registry,
+    pub kmsg_records: Counter,
+    pub kmsg_lost: Counter,
+    pub kmsg_overruns: Counter,
+    pub kmsg_malformed: Counter,
+    pub kmsg_truncated: Counter,
+    pub kmsg_skipped: Counter,
+    pub kmsg_matched: Family<KindLabel, Counter>,
+    pub engine_events: Family<KindLabel, Counter>,
+    pub engine_inputs: Counter,
+    pub faults_active: Family<HandlingLabel, Gauge>,
+    pub node_health: Gauge,
+    pub sink_writes: Family<SinkLabel, Counter>,
+    pub sink_errors: Family<SinkLabel, Counter>,
+    pub sink_write_seconds: Family<SinkLabel, Histogram>,
+    pub policy_reloads: Family<ReloadLabel, Counter>,
+    pub policy_valid: Gauge,
+    pub detector_up: Family<DetectorLabel, Gauge>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let m = Metrics {
+            kmsg_records: Counter::default(),
+            kmsg_lost: Counter::default(),
+            kmsg_overruns: Counter::default(),
+            kmsg_malformed: Counter::default(),
+            kmsg_truncated: Counter::default(),
+            kmsg_skipped: Counter::default(),
+            kmsg_matched: Family::default(),
+            engine_events: Family::default(),
+            engine_inputs: Counter::default(),
+            faults_active: Family::default(),
+            node_health: Gauge::default(),
+            sink_writes: Family::default(),
+            sink_errors: Family::default(),
+            sink_write_seconds: Family::new_with_constructor(|| {
+                Histogram::new([0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0])
+            }),
+            policy_reloads: Family::default(),
+            policy_valid: Gauge::default(),
+            detector_up: Family::default(),
+            registry: Registry::default(),
+        };
+        let r = &mut registry;
+        r.register("faultline_kmsg_records", "Kernel log records read", m.kmsg_records.clone());
+        r.register("faultline_kmsg_lost_records", "Kernel log records lost before they were read (sequence gaps)", m.kmsg_lost.clone());
+        r.register("faultline_kmsg_overruns", "Times the kernel log reader fell behind the ring buffer (EPIPE)", m.kmsg_overruns.clone());
+        r.register("faultline_kmsg_malformed_records", "Kernel log records that did not parse as kmsg format (still scanned)", m.kmsg_malformed.clone());
+        r.register("faultline_kmsg_truncated_lines", "Input lines longer than the limit; their start was kept", m.kmsg_truncated.clone());
+        r.register("faultline_kmsg_skipped_records", "Records already counted before a restart, skipped", m.kmsg_skipped.clone());
+        r.register("faultline_kmsg_matched_records", "Kernel log records that matched a fault parser, by kind", m.kmsg_matched.clone());
+        r.register("faultline_engine_events", "Engine events (new fault, escalation, recovery, ...), by kind", m.engine_events.clone());
+        r.register("faultline_engine_inputs", "Inputs applied by the engine", m.engine_inputs.clone());
+        r.register("faultline_faults_active", "Active faults by handling level", m.faults_active.clone());
+        r.register("faultline_node_health", "Node verdict: 0 Healthy, 1 Degraded, 2 Unhealthy", m.node_health.clone());
+        r.register("faultline_sink_writes", "Successful sink writes", m.sink_writes.clone());
+        r.register("faultline_sink_errors", "Failed sink writes (retried)", m.sink_errors.clone());
+        r.register("faultline_sink_write_seconds", "Time to complete one sink write", m.sink_write_seconds.clone());
+        r.register("faultline_policy_reloads", "Policy file loads, by result", m.policy_reloads.clone());
+        r.register("faultline_policy_valid", "1 when the newest policy file was accepted, 0 when rejected", m.policy_valid.clone());
+        r.register("faultline_detector_up", "1 when a detector is running, 0 when down or idle", m.detector_up.clone());
+        r.register(
+            "faultline_build",
+            "Build information",
+            Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// The text exposition format.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_rules() {
+        let m = Metrics::new();
+        m.kmsg_records.inc();
+        m.sink_writes.get_or_create(&SinkLabel { sink: "file" }).inc();
+        let text = m.encode();
+        assert!(text.contains("faultline_kmsg_records_total 1"), "{text}");
+        assert!(text.contains("faultline_sink_writes_total{sink=\"file\"} 1"), "{text}");
+        for line in text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+            assert!(line.starts_with("faultline_"), "{line}");
+        }
+    }
+}

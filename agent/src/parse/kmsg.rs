@@ -1,0 +1,181 @@
+//! The `/dev/kmsg` record format: `pri,seq,usec,flags[,…];message` followed by optional
+//! continuation lines that start with a space (`SUBSYSTEM=pci`, `DEVICE=+pci:…`).
+//!
+//! See the kernel's `Documentation/ABI/testing/dev-kmsg`. A record that breaks the format is an
+//! error the caller counts; its text is still scanned for faults so nothing is lost.
+
+use std::borrow::Cow;
+
+/// One parsed record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KmsgRecord<'a> {
+    /// Syslog facility (`pri >> 3`).
+    pub facility: u32,
+    /// Syslog level (`pri & 7`).
+    pub level: u8,
+    /// Kernel sequence number: consecutive records differ by one; a gap is lost records.
+    pub seq: u64,
+    /// Microseconds since boot (CLOCK_MONOTONIC).
+    pub usec: u64,
+    /// `-` for a whole record, `c` for a continuation fragment.
+    pub flag: char,
+    /// The message text; invalid UTF-8 is replaced, never rejected.
+    pub message: Cow<'a, str>,
+    /// `KEY=value` continuation lines.
+    pub dict: Vec<(Cow<'a, str>, Cow<'a, str>)>,
+}
+
+/// Why a record did not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RecordError {
+    #[error("empty record")]
+    Empty,
+    #[error("record has no ';' after its header (truncated or not kmsg format)")]
+    NoHeader,
+    #[error("record header field {field} is not a number: {value:?}")]
+    BadField { field: &'static str, value: String },
+    #[error("record header has {0} fields, want at least 4 (pri,seq,usec,flags)")]
+    ShortHeader(usize),
+}
+
+fn text(b: &[u8]) -> Cow<'_, str> {
+    String::from_utf8_lossy(b)
+}
+
+fn number(field: &'static str, b: &[u8]) -> Result<u64, RecordError> {
+    std::str::from_utf8(b)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| RecordError::BadField {
+            field,
+            value: String::from_utf8_lossy(b).into_owned(),
+        })
+}
+
+/// Parses one record (header line and its continuation lines; a trailing newline is optional).
+pub fn parse_record(raw: &[u8]) -> Result<KmsgRecord<'_>, RecordError> {
+    let raw = raw.strip_suffix(b"\n").unwrap_or(raw);
+    if raw.is_empty() {
+        return Err(RecordError::Empty);
+    }
+    let semi = memchr::memchr(b';', raw).ok_or(RecordError::NoHeader)?;
+    let header = &raw[..semi];
+    // The header never holds a newline; a ';' found past one belongs to a later line.
+    if memchr::memchr(b'\n', header).is_some() {
+        return Err(RecordError::NoHeader);
+    }
+    let mut fields = header.split(|c| *c == b',');
+    let mut next = || fields.next();
+    let (Some(pri), Some(seq), Some(usec), Some(flag)) = (next(), next(), next(), next()) else {
+        return Err(RecordError::ShortHeader(header.split(|c| *c == b',').count()));
+    };
+    let pri = number("pri", pri)?;
+    let seq = number("seq", seq)?;
+    let usec = number("usec", usec)?;
+    let flag = match flag.first() {
+        Some(c) if c.is_ascii_graphic() => *c as char,
+        _ => '-',
+    };
+    let body = &raw[semi + 1..];
+    let (message, rest) = match memchr::memchr(b'\n', body) {
+        Some(i) => (&body[..i], &body[i + 1..]),
+        None => (body, &b""[..]),
+    };
+    let dict = rest
+        .split(|c| *c == b'\n')
+        .filter_map(|line| line.strip_prefix(b" "))
+        .filter_map(|kv| {
+            let eq = memchr::memchr(b'=', kv)?;
+            Some((text(&kv[..eq]), text(&kv[eq + 1..])))
+        })
+        .collect();
+    Ok(KmsgRecord {
+        facility: (pri >> 3) as u32,
+        level: (pri & 7) as u8,
+        seq,
+        usec,
+        flag,
+        message: text(message),
+        dict,
+    })
+}
+
+/// Strips a `dmesg`-style `[ 1234.567890] ` timestamp from a plain log line.
+pub fn strip_dmesg_time(line: &str) -> &str {
+    let t = line.trim_start();
+    if let Some(rest) = t.strip_prefix('[') {
+        if let Some(end) = rest.find(']') {
+            if rest[..end].trim().bytes().all(|c| c.is_ascii_digit() || c == b'.') {
+                return rest[end + 1..].trim_start();
+            }
+        }
+    }
+    line
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn parses_a_record_with_dictionary() {
+        let r = parse_record(
+            b"4,339,5140900,-;NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.\n SUBSYSTEM=pci\n DEVICE=+pci:0000:3b:00.0\n",
+        )
+        .unwrap();
+        assert_eq!((r.facility, r.level, r.seq, r.usec, r.flag), (0, 4, 339, 5140900, '-'));
+        assert!(r.message.starts_with("NVRM: Xid"));
+        assert_eq!(r.dict.len(), 2);
+        assert_eq!(r.dict[1].1, "+pci:0000:3b:00.0");
+    }
+
+    #[test]
+    fn accepts_extra_header_fields() {
+        // Newer kernels append fields (caller id) after the flags.
+        let r = parse_record(b"6,1,2,-,caller=T1;hello").unwrap();
+        assert_eq!((r.seq, r.message.as_ref()), (1, "hello"));
+    }
+
+    #[test]
+    fn invalid_utf8_is_replaced_not_rejected() {
+        let r = parse_record(b"6,7,8,-;NVRM: \xff\xfe Xid").unwrap();
+        assert!(r.message.contains('\u{fffd}'));
+        assert!(r.message.ends_with("Xid"));
+    }
+
+    #[test]
+    fn bad_records_say_why() {
+        assert_eq!(parse_record(b""), Err(RecordError::Empty));
+        assert_eq!(parse_record(b"6,339,51409"), Err(RecordError::NoHeader));
+        assert_eq!(parse_record(b"6,339;x"), Err(RecordError::ShortHeader(2)));
+        assert_eq!(
+            parse_record(b"6,x9,1,-;x"),
+            Err(RecordError::BadField { field: "seq", value: "x9".into() })
+        );
+        let e = parse_record(b"6,x9,1,-;x").unwrap_err().to_string();
+        assert!(e.contains("seq") && e.contains("x9"), "{e}");
+    }
+
+    #[test]
+    fn dmesg_time_is_stripped() {
+        assert_eq!(strip_dmesg_time("[  12.345678] NVRM: x"), "NVRM: x");
+        assert_eq!(strip_dmesg_time("[not time] x"), "[not time] x");
+    }
+
+    proptest! {
+        #[test]
+        fn never_panics(raw in proptest::collection::vec(any::<u8>(), 0..300)) {
+            let _ = parse_record(&raw);
+        }
+
+        #[test]
+        fn header_round_trips(pri in 0u64..192, seq: u64, usec: u64, msg in "[^\n]{0,80}") {
+            let raw = format!("{pri},{seq},{usec},-;{msg}");
+            let r = parse_record(raw.as_bytes()).unwrap();
+            prop_assert_eq!(r.seq, seq);
+            prop_assert_eq!(r.usec, usec);
+            prop_assert_eq!(r.message.as_ref(), msg.as_str());
+        }
+    }
+}

@@ -1,0 +1,398 @@
+//! The policy file: per-code overrides, escalation and recovery rules, node actions.
+//!
+//! YAML (or JSON, which is YAML) with unknown fields rejected. `Policy::parse` returns either a
+//! validated policy or an error that names the field path and, for syntax errors, the line and
+//! column. The built-in default is the empty document: every field has a default.
+//! Reloading on change lives in `crate::source::policy_watch`; this module is pure.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::catalog::{Catalog, Classification, FaultCode};
+use crate::record::{FaultType, Handling, Health, Source};
+
+/// Override of one code's classification.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Override {
+    #[serde(default)]
+    pub fault_type: Option<FaultType>,
+    #[serde(default)]
+    pub handling: Option<Handling>,
+}
+
+/// Raise a fault's handling when it repeats (`count` occurrences within `window`) or lasts
+/// (`duration` of being continuously active).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EscalationRule {
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Fault codes the rule applies to (`Xid13`, `80E01801`, `NVLINK_DOWN`).
+    pub codes: Vec<String>,
+    #[serde(default)]
+    pub count: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    pub window: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    pub duration: Option<Duration>,
+    /// The level to raise to (never lowers a fault).
+    pub handling: Handling,
+}
+
+/// Clear a fault after it has been quiet (no new signal) for `clear_after`. A rule applies when
+/// every filter it sets matches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RecoveryRule {
+    #[serde(default)]
+    pub name: Option<String>,
+    #[serde(default)]
+    pub codes: Vec<String>,
+    #[serde(default)]
+    pub sources: Vec<Source>,
+    /// Applies only to faults whose current handling is at most this level.
+    #[serde(default)]
+    pub max_handling: Option<Handling>,
+    #[serde(with = "humantime_serde")]
+    pub clear_after: Duration,
+}
+
+/// A taint the node gets for a handling level; its value is the fault code.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaintSpec {
+    pub key: String,
+    pub effect: TaintEffect,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum TaintEffect {
+    NoSchedule,
+    PreferNoSchedule,
+    NoExecute,
+}
+
+impl TaintEffect {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TaintEffect::NoSchedule => "NoSchedule",
+            TaintEffect::PreferNoSchedule => "PreferNoSchedule",
+            TaintEffect::NoExecute => "NoExecute",
+        }
+    }
+}
+
+/// What the node gets when this is its most severe active handling.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NodeAction {
+    pub health: Health,
+    #[serde(default)]
+    pub taint: Option<TaintSpec>,
+    /// Status of the `AcceleratorHealthy` condition.
+    pub condition: bool,
+}
+
+/// The whole policy.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Policy {
+    /// Per-code classification overrides, keyed by fault code.
+    pub overrides: BTreeMap<String, Override>,
+    pub escalation: Vec<EscalationRule>,
+    pub recovery: Vec<RecoveryRule>,
+    /// Node action per handling level; levels left out keep their defaults.
+    pub node_actions: BTreeMap<Handling, NodeAction>,
+    /// Repeats of a fault closer together than this are one occurrence (for `count` rules).
+    #[serde(with = "humantime_serde")]
+    pub burst_window: Duration,
+    /// How long recovered faults stay in the record as history.
+    #[serde(with = "humantime_serde")]
+    pub recovered_retention: Duration,
+    /// At most this many recovered faults are kept (oldest dropped first).
+    pub max_recovered: usize,
+    /// Expected number of GPUs on this node (0: do not check). Used by the NVML source.
+    pub expected_gpus: u32,
+}
+
+impl Default for Policy {
+    fn default() -> Self {
+        Policy {
+            overrides: BTreeMap::new(),
+            escalation: Vec::new(),
+            recovery: default_recovery(),
+            node_actions: BTreeMap::new(),
+            burst_window: Duration::from_secs(5),
+            recovered_retention: Duration::from_secs(24 * 3600),
+            max_recovered: 100,
+            expected_gpus: 0,
+        }
+    }
+}
+
+/// The default recovery rules (docs/policy.md explains them).
+fn default_recovery() -> Vec<RecoveryRule> {
+    vec![
+        RecoveryRule {
+            name: Some("agent-log-loss".into()),
+            codes: vec!["KMSG_LOSS".into()],
+            sources: vec![],
+            max_handling: None,
+            clear_after: Duration::from_secs(600),
+        },
+        RecoveryRule {
+            name: Some("app-level-kernel-faults".into()),
+            codes: vec![],
+            sources: vec![Source::Kmsg],
+            max_handling: Some(Handling::RestartBusiness),
+            clear_after: Duration::from_secs(3600),
+        },
+    ]
+}
+
+/// The default node action for a level (DESIGN.md's table).
+pub fn default_node_action(h: Handling) -> NodeAction {
+    use Handling::*;
+    match h {
+        ManuallySeparateNPU | SeparateNPU => NodeAction {
+            health: Health::Unhealthy,
+            taint: Some(TaintSpec {
+                key: "faultline.io/unhealthy".into(),
+                effect: TaintEffect::NoSchedule,
+            }),
+            condition: false,
+        },
+        PreSeparateNPU => NodeAction {
+            health: Health::Degraded,
+            taint: Some(TaintSpec {
+                key: "faultline.io/degraded".into(),
+                effect: TaintEffect::PreferNoSchedule,
+            }),
+            condition: false,
+        },
+        RestartNPU | FreeRestartNPU | RestartBusiness | RestartRequest => NodeAction {
+            health: Health::Degraded,
+            taint: None,
+            condition: true,
+        },
+        SubHealthFault | NotHandleFault => NodeAction {
+            health: Health::Healthy,
+            taint: None,
+            condition: true,
+        },
+    }
+}
+
+/// A rejected policy: where and why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{location}: {message}")]
+pub struct PolicyError {
+    /// `field path` and/or `line N column M`.
+    pub location: String,
+    pub message: String,
+}
+
+impl Policy {
+    /// Parses and validates policy text (YAML or JSON).
+    pub fn parse(text: &str) -> Result<Policy, PolicyError> {
+        if text.trim().is_empty() {
+            return Ok(Policy::default());
+        }
+        let de = serde_norway::Deserializer::from_str(text);
+        let policy: Policy = serde_path_to_error::deserialize(de).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            let line = inner
+                .location()
+                .map(|l| format!("line {} column {}", l.line(), l.column()));
+            let location = match (path.as_str(), line) {
+                (".", Some(l)) | ("", Some(l)) => l,
+                (".", None) | ("", None) => "policy".to_string(),
+                (p, Some(l)) => format!("field {p} ({l})"),
+                (p, None) => format!("field {p}"),
+            };
+            // serde_norway appends " at line N column M"; the location says it already.
+            let msg = inner.to_string();
+            let message = match msg.find(" at line ") {
+                Some(i) => msg[..i].to_string(),
+                None => msg,
+            };
+            PolicyError { location, message }
+        })?;
+        policy.validate()?;
+        Ok(policy)
+    }
+
+    fn validate(&self) -> Result<(), PolicyError> {
+        let err = |location: String, message: &str| {
+            Err(PolicyError {
+                location,
+                message: message.to_string(),
+            })
+        };
+        for code in self.overrides.keys() {
+            if !valid_code(code) {
+                return err(format!("field overrides.{code}"), "not a fault code (letters, digits and _ only)");
+            }
+        }
+        for (i, r) in self.escalation.iter().enumerate() {
+            let at = |f: &str| format!("field escalation[{i}]{f}");
+            if r.codes.is_empty() {
+                return err(at(".codes"), "must list at least one fault code");
+            }
+            if let Some(c) = r.codes.iter().find(|c| !valid_code(c)) {
+                return err(at(".codes"), &format!("{c:?} is not a fault code"));
+            }
+            match (r.count, r.window, r.duration) {
+                (Some(0), _, _) => return err(at(".count"), "must be at least 1"),
+                (Some(_), Some(w), None) if w.is_zero() => return err(at(".window"), "must be longer than 0s"),
+                (Some(_), Some(_), None) => {}
+                (None, None, Some(d)) if d.is_zero() => return err(at(".duration"), "must be longer than 0s"),
+                (None, None, Some(_)) => {}
+                _ => {
+                    return err(
+                        at(""),
+                        "needs either `count` with `window` (frequency) or `duration` alone",
+                    )
+                }
+            }
+        }
+        for (i, r) in self.recovery.iter().enumerate() {
+            if r.clear_after.is_zero() {
+                return err(format!("field recovery[{i}].clear_after"), "must be longer than 0s");
+            }
+            if let Some(c) = r.codes.iter().find(|c| !valid_code(c)) {
+                return err(format!("field recovery[{i}].codes"), &format!("{c:?} is not a fault code"));
+            }
+        }
+        for (h, a) in &self.node_actions {
+            if let Some(t) = &a.taint {
+                if !t.key.starts_with("faultline.io/") {
+                    return err(
+                        format!("field node_actions.{h}.taint.key"),
+                        "the agent only owns taints under faultline.io/",
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The classification of a code: the catalog's, then this policy's override.
+    pub fn classify(&self, catalog: &Catalog, code: &FaultCode) -> Classification {
+        let mut c = catalog.classify(code);
+        if let Some(o) = self.overrides.get(&code.to_string()) {
+            if let Some(t) = o.fault_type {
+                c.fault_type = t;
+            }
+            if let Some(h) = o.handling {
+                c.handling = h;
+            }
+        }
+        c
+    }
+
+    /// The node action for a level.
+    pub fn node_action(&self, h: Handling) -> NodeAction {
+        self.node_actions
+            .get(&h)
+            .cloned()
+            .unwrap_or_else(|| default_node_action(h))
+    }
+}
+
+/// Fault codes are what Kubernetes accepts as a label/taint value: letters, digits, `_`, `-`.
+fn valid_code(c: &str) -> bool {
+    !c.is_empty()
+        && c.len() <= 63
+        && c.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Hex sha256 of a policy text.
+pub fn checksum(text: &str) -> String {
+    hex::encode(Sha256::digest(text.as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_text_is_the_default() {
+        assert_eq!(Policy::parse(""), Ok(Policy::default()));
+        assert_eq!(Policy::parse("{}"), Ok(Policy::default()));
+    }
+
+    #[test]
+    fn full_policy_parses() {
+        let p = Policy::parse(
+            r#"
+overrides:
+  Xid43: { handling: RestartBusiness }
+  "80E01801": { fault_type: CardUnhealthy }
+escalation:
+  - codes: [Xid13, Xid31]
+    count: 3
+    window: 24h
+    handling: PreSeparateNPU
+  - name: link-down-lasting
+    codes: ["81078603"]
+    duration: 20s
+    handling: PreSeparateNPU
+recovery:
+  - codes: [NVLINK_ERRORS]
+    clear_after: 30m
+node_actions:
+  PreSeparateNPU: { health: Unhealthy, taint: { key: faultline.io/unhealthy, effect: NoSchedule }, condition: false }
+burst_window: 2s
+expected_gpus: 8
+"#,
+        )
+        .expect("valid");
+        assert_eq!(p.escalation[0].window, Some(Duration::from_secs(86400)));
+        assert_eq!(p.escalation[1].duration, Some(Duration::from_secs(20)));
+        assert_eq!(p.expected_gpus, 8);
+        assert_eq!(p.node_action(Handling::PreSeparateNPU).health, Health::Unhealthy);
+        assert_eq!(p.node_action(Handling::SeparateNPU), default_node_action(Handling::SeparateNPU));
+    }
+
+    /// Each bad policy is rejected with an error that names where the problem is.
+    #[test]
+    fn bad_policies_name_field_and_line() {
+        let cases: &[(&str, &[&str])] = &[
+            ("escalation:\n  - codes: [Xid13]\n    count: three\n    window: 1h\n    handling: SeparateNPU\n",
+             &["escalation[0].count", "line 3"]),
+            ("overrides:\n  Xid13: { handling: Reboot }\n", &["overrides.Xid13.handling", "Reboot"]),
+            ("escalation:\n  - codes: [Xid13]\n    count: 2\n    window: 5 parsecs\n    handling: SeparateNPU\n",
+             &["escalation[0].window"]),
+            ("escalation:\n  - codes: [Xid13]\n    handling: SeparateNPU\n", &["escalation[0]", "count"]),
+            ("escalation:\n  - codes: []\n    duration: 1s\n    handling: SeparateNPU\n", &["escalation[0].codes"]),
+            ("escalation:\n  - codes: [Xid13]\n    count: 0\n    window: 1h\n    handling: SeparateNPU\n", &["escalation[0].count"]),
+            ("recovery:\n  - clear_after: 0s\n", &["recovery[0].clear_after"]),
+            ("burst_windw: 1s\n", &["unknown field", "burst_windw"]),
+            ("overrides: [1, 2\n", &["line"]),
+            ("node_actions:\n  SeparateNPU: { health: Unhealthy, taint: { key: example.com/x, effect: NoSchedule }, condition: false }\n",
+             &["node_actions.SeparateNPU.taint.key"]),
+            ("overrides:\n  \"bad code!\": {}\n", &["overrides.bad code!"]),
+        ];
+        for (text, needles) in cases {
+            let err = Policy::parse(text).expect_err(text).to_string();
+            for n in *needles {
+                assert!(err.contains(n), "error {err:?} for {text:?} lacks {n:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn overrides_apply_over_the_catalog() {
+        let cat = Catalog::builtin().unwrap();
+        let p = Policy::parse("overrides:\n  Xid43: { handling: SeparateNPU, fault_type: NodeUnhealthy }\n").unwrap();
+        let c = p.classify(&cat, &FaultCode::Xid(43));
+        assert_eq!((c.handling, c.fault_type), (Handling::SeparateNPU, FaultType::NodeUnhealthy));
+        assert_eq!(Policy::default().classify(&cat, &FaultCode::Xid(43)).handling, Handling::NotHandleFault);
+    }
+}

@@ -1,0 +1,250 @@
+//! The engine loop: applies inputs from every source to the engine, in order, and publishes a
+//! [`Snapshot`] on a `watch` channel whenever the visible state changed.
+//!
+//! This is the only place that owns the engine; sources and sinks talk to it through channels.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::catalog::Catalog;
+use crate::engine::{Ctx, DesiredCondition, DesiredTaint, Engine, EngineEvent, Observation};
+use crate::metrics::{HandlingLabel, KindLabel, Metrics};
+use crate::record::{check_code, AgentStatus, DetectorStatus, Handling, Health, NodeRecord, API_VERSION};
+use crate::source::policy_watch::LoadedPolicy;
+use crate::source::Input;
+
+/// Wall-clock time, injectable for tests.
+pub trait Clock: Send + Sync + std::fmt::Debug {
+    fn now(&self) -> DateTime<Utc>;
+}
+
+/// The system clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> DateTime<Utc> {
+        Utc::now()
+    }
+}
+
+/// What the agent saves across restarts (`state.json` in the state directory).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PersistedState {
+    pub version: u32,
+    /// The last kernel log record whose effects are in `engine` (same boot only).
+    pub kmsg_cursor: Option<u64>,
+    pub engine: Engine,
+}
+
+pub const STATE_VERSION: u32 = 1;
+
+/// What sinks see.
+#[derive(Debug, Clone)]
+pub struct Snapshot {
+    pub revision: u64,
+    pub record: Arc<NodeRecord>,
+    pub labels: std::collections::BTreeMap<String, String>,
+    pub taints: Vec<DesiredTaint>,
+    pub condition: DesiredCondition,
+    pub state: Arc<PersistedState>,
+    /// When the newest input in this snapshot was applied (for latency metrics).
+    pub applied_at: std::time::Instant,
+}
+
+/// Liveness of the engine loop, for `/healthz`.
+#[derive(Debug, Default)]
+pub struct Heartbeat(AtomicI64);
+
+impl Heartbeat {
+    pub fn beat(&self, now: DateTime<Utc>) {
+        self.0.store(now.timestamp_millis(), Ordering::Relaxed);
+    }
+    /// Milliseconds since the last beat.
+    pub fn age_ms(&self, now: DateTime<Utc>) -> i64 {
+        now.timestamp_millis() - self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Everything the engine loop needs.
+#[derive(Debug)]
+pub struct EngineLoop {
+    pub node: String,
+    pub engine: Engine,
+    pub kmsg_cursor: Option<u64>,
+    pub catalog: Arc<Catalog>,
+    pub policy: watch::Receiver<LoadedPolicy>,
+    pub inputs: mpsc::Receiver<Input>,
+    pub snapshots: watch::Sender<Option<Snapshot>>,
+    pub metrics: Arc<Metrics>,
+    pub clock: Arc<dyn Clock>,
+    pub heartbeat: Arc<Heartbeat>,
+    pub tick: Duration,
+    pub shutdown: CancellationToken,
+}
+
+/// Most inputs applied before a snapshot is published.
+const BATCH: usize = 4096;
+
+impl EngineLoop {
+    /// Runs until shutdown; then applies what is already queued and publishes a final snapshot.
+    pub async fn run(mut self) {
+        let span = tracing::info_span!("engine", node = %self.node);
+        let _e = span.enter();
+        let mut published = u64::MAX;
+        let mut tick = tokio::time::interval(self.tick);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut loaded = self.policy.borrow_and_update().clone();
+        loop {
+            tokio::select! {
+                biased;
+                _ = self.shutdown.cancelled() => break,
+                Ok(()) = self.policy.changed() => {
+                    let next = self.policy.borrow_and_update().clone();
+                    let policy_changed = next.policy != loaded.policy;
+                    loaded = next;
+                    if policy_changed {
+                        let ctx = Ctx { policy: &loaded.policy, catalog: &self.catalog };
+                        let events = self.engine.reclassify(ctx);
+                        self.note(&events);
+                    }
+                    published = u64::MAX; // the policy status is part of the record
+                }
+                input = self.inputs.recv() => {
+                    let Some(first) = input else { break };
+                    self.apply(&loaded, first);
+                    let mut n = 1;
+                    while n < BATCH {
+                        match self.inputs.try_recv() {
+                            Ok(i) => { self.apply(&loaded, i); n += 1; }
+                            Err(_) => break,
+                        }
+                    }
+                }
+                _ = tick.tick() => self.apply(&loaded, Input::Obs(Observation::Tick)),
+            }
+            self.heartbeat.beat(self.clock.now());
+            if self.engine.revision() != published {
+                published = self.engine.revision();
+                self.publish(&loaded);
+            }
+        }
+        // Shutdown: nothing queued is dropped.
+        while let Ok(i) = self.inputs.try_recv() {
+            self.apply(&loaded, i);
+        }
+        self.publish(&loaded);
+        info!(revision = self.engine.revision(), "engine stopped");
+    }
+
+    fn apply(&mut self, loaded: &LoadedPolicy, input: Input) {
+        self.metrics.engine_inputs.inc();
+        match input {
+            Input::KmsgCursor(seq) => self.kmsg_cursor = Some(seq),
+            Input::Obs(obs) => {
+                let ctx = Ctx {
+                    policy: &loaded.policy,
+                    catalog: &self.catalog,
+                };
+                let events = self.engine.step(ctx, obs, self.clock.now());
+                self.note(&events);
+            }
+        }
+    }
+
+    fn note(&self, events: &[EngineEvent]) {
+        for e in events {
+            let kind = match e {
+                EngineEvent::NewFault { code, device, handling, message } => {
+                    warn!(code = %code, device = %device, handling = %handling, message = %message, "new fault");
+                    "new_fault"
+                }
+                EngineEvent::Escalated { code, device, from, to, rule } => {
+                    warn!(code = %code, device = %device, from = %from, to = %to, rule = %rule, "fault escalated");
+                    "escalated"
+                }
+                EngineEvent::Recovered { code, device, reason } => {
+                    info!(code = %code, device = %device, reason = %reason, "fault recovered");
+                    "recovered"
+                }
+                EngineEvent::Reclassified { code, device, from, to } => {
+                    info!(code = %code, device = %device, from = %from, to = %to, "fault reclassified by policy");
+                    "reclassified"
+                }
+                EngineEvent::HealthChanged { from, to } => {
+                    warn!(from = %from, to = %to, "node health changed");
+                    "health_changed"
+                }
+            };
+            self.metrics.engine_events.get_or_create(&KindLabel { kind }).inc();
+        }
+    }
+
+    fn publish(&self, loaded: &LoadedPolicy) {
+        let view = self.engine.view(&loaded.policy);
+        let now = self.clock.now();
+        let detectors = self
+            .engine
+            .detectors()
+            .iter()
+            .map(|(name, d)| DetectorStatus {
+                name: name.clone(),
+                state: d.state.as_str().to_string(),
+                reason: d.reason.clone(),
+            })
+            .collect();
+        for h in Handling::ALL {
+            let n = view.faults.iter().filter(|f| f.active && f.fault_handling == h).count();
+            self.metrics.faults_active.get_or_create(&HandlingLabel { handling: h.as_str() }).set(n as i64);
+        }
+        self.metrics.node_health.set(match view.health {
+            Health::Healthy => 0,
+            Health::Degraded => 1,
+            Health::Unhealthy => 2,
+        });
+        for (name, d) in self.engine.detectors() {
+            let up = i64::from(d.state == crate::engine::DetectorState::Running);
+            self.metrics
+                .detector_up
+                .get_or_create(&crate::metrics::DetectorLabel { detector: name.clone() })
+                .set(up);
+        }
+        let record = NodeRecord {
+            api_version: API_VERSION.to_string(),
+            node: self.node.clone(),
+            health: view.health,
+            handling: view.handling,
+            update_time: now,
+            check_code: check_code(&view.faults),
+            faults: view.faults,
+            dropped_faults: view.dropped_faults,
+            agent: AgentStatus {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                policy: loaded.status.clone(),
+                detectors,
+            },
+        };
+        debug!(revision = self.engine.revision(), health = %record.health, "publishing snapshot");
+        let snap = Snapshot {
+            revision: self.engine.revision(),
+            record: Arc::new(record),
+            labels: view.labels,
+            taints: view.taints,
+            condition: view.condition,
+            state: Arc::new(PersistedState {
+                version: STATE_VERSION,
+                kmsg_cursor: self.kmsg_cursor,
+                engine: self.engine.clone(),
+            }),
+            applied_at: std::time::Instant::now(),
+        };
+        self.snapshots.send_replace(Some(snap));
+    }
+}

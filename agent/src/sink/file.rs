@@ -1,0 +1,172 @@
+//! The node-local file sink: `faults.json` (the record) and `state.json` (what a restart
+//! needs) in the state directory.
+//!
+//! Each file is replaced atomically (write a temporary file in the same directory, fsync,
+//! rename), so a reader never sees a half-written file. Writes are coalesced: the first change
+//! after a quiet period is written at once, later ones at most every `min_interval`. A failed
+//! write is retried with backoff; the engine keeps running meanwhile.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+use crate::metrics::{Metrics, SinkLabel};
+use crate::runtime::{PersistedState, Snapshot};
+
+pub const FAULTS_FILE: &str = "faults.json";
+pub const STATE_FILE: &str = "state.json";
+
+/// Errors of the file sink.
+#[derive(Debug, thiserror::Error)]
+pub enum FileSinkError {
+    #[error("cannot write {path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot encode {what}: {source}")]
+    Encode {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Replaces `path` with `bytes` atomically; the file is readable by everyone (job scripts).
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FileSinkError> {
+    let io = |source| FileSinkError::Io {
+        path: path.to_path_buf(),
+        source,
+    };
+    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".faultline-")
+        .tempfile_in(dir)
+        .map_err(io)?;
+    tmp.write_all(bytes).map_err(io)?;
+    tmp.as_file().sync_data().map_err(io)?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o644)).map_err(io)?;
+    }
+    tmp.persist(path).map_err(|e| io(e.error))?;
+    Ok(())
+}
+
+/// Writes one snapshot: the state first (so the record is never ahead of what a restart
+/// restores), then the record.
+pub fn write_snapshot(dir: &Path, snap: &Snapshot) -> Result<(), FileSinkError> {
+    let state = serde_json::to_vec(&*snap.state).map_err(|source| FileSinkError::Encode { what: "state", source })?;
+    write_atomic(&dir.join(STATE_FILE), &state)?;
+    let mut record = serde_json::to_vec_pretty(&*snap.record).map_err(|source| FileSinkError::Encode { what: "record", source })?;
+    record.push(b'\n');
+    write_atomic(&dir.join(FAULTS_FILE), &record)
+}
+
+/// Reads `state.json`; a missing file is `Ok(None)`, an unreadable one an error to log.
+pub fn read_state(dir: &Path) -> Result<Option<PersistedState>, String> {
+    let path = dir.join(STATE_FILE);
+    match std::fs::read(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("cannot read {}: {e}", path.display())),
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| format!("cannot parse {}: {e}", path.display())),
+    }
+}
+
+/// Runs the sink until the snapshot channel closes (the engine stopped) or shutdown; always
+/// writes the last snapshot it saw before returning.
+pub async fn run(dir: PathBuf, mut rx: watch::Receiver<Option<Snapshot>>, metrics: Arc<Metrics>, min_interval: Duration, shutdown: CancellationToken) {
+    let label = SinkLabel { sink: "file" };
+    let mut last_write: Option<Instant> = None;
+    let mut written: Option<u64> = None;
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let closed = rx.changed().await.is_err();
+        if !closed {
+            if let Some(at) = last_write {
+                let wait = min_interval.saturating_sub(at.elapsed());
+                if !wait.is_zero() {
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.cancelled() => {}
+                    }
+                }
+            }
+        }
+        loop {
+            let snap = rx.borrow_and_update().clone();
+            let Some(snap) = snap else { break };
+            if written == Some(snap.revision) {
+                break;
+            }
+            let d = dir.clone();
+            let started = Instant::now();
+            let snap2 = snap.clone();
+            let result = tokio::task::spawn_blocking(move || write_snapshot(&d, &snap2))
+                .await
+                .unwrap_or_else(|e| Err(FileSinkError::Io { path: dir.clone(), source: std::io::Error::other(e.to_string()) }));
+            match result {
+                Ok(()) => {
+                    metrics.sink_writes.get_or_create(&label).inc();
+                    metrics.sink_write_seconds.get_or_create(&label).observe(started.elapsed().as_secs_f64());
+                    debug!(revision = snap.revision, latency_us = snap.applied_at.elapsed().as_micros() as u64, "record written");
+                    written = Some(snap.revision);
+                    last_write = Some(Instant::now());
+                    backoff = Duration::from_millis(100);
+                    break;
+                }
+                Err(e) => {
+                    metrics.sink_errors.get_or_create(&label).inc();
+                    warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "writing the local record failed");
+                    if closed && shutdown.is_cancelled() && backoff > Duration::from_secs(2) {
+                        return; // give up at shutdown after a few tries
+                    }
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(30));
+                }
+            }
+        }
+        if closed {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_write_replaces_whole_files_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("faults.json");
+        write_atomic(&p, b"{\"a\":1}").unwrap();
+        write_atomic(&p, b"{\"a\":2}").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"{\"a\":2}");
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(leftovers.len(), 1, "{leftovers:?}");
+    }
+
+    #[test]
+    fn unwritable_directory_is_a_clear_error() {
+        let err = write_atomic(Path::new("/nonexistent-dir/faults.json"), b"x").unwrap_err().to_string();
+        assert!(err.contains("/nonexistent-dir/faults.json"), "{err}");
+    }
+
+    #[test]
+    fn corrupt_state_is_reported_not_fatal() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(read_state(dir.path()), Ok(None));
+        std::fs::write(dir.path().join(STATE_FILE), b"{not json").unwrap();
+        let err = read_state(dir.path()).unwrap_err();
+        assert!(err.contains("cannot parse") && err.contains("state.json"), "{err}");
+    }
+}

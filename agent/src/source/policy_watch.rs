@@ -1,0 +1,199 @@
+//! Loads the policy file and reloads it when it changes.
+//!
+//! The file's directory is watched (notify) rather than the file, because Kubernetes updates a
+//! mounted ConfigMap by swapping a symlink; a slow re-check covers missed events. A rejected
+//! file leaves the last good policy in force and puts the error into the policy status, which
+//! the record and the metrics show. The current policy is published on a `watch` channel.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use notify::{RecursiveMode, Watcher};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::metrics::{Metrics, ReloadLabel, ReloadResult};
+use crate::policy::{checksum, Policy};
+use crate::record::PolicyStatus;
+
+/// The policy in force and its status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadedPolicy {
+    pub policy: Arc<Policy>,
+    pub status: PolicyStatus,
+}
+
+impl LoadedPolicy {
+    pub fn builtin() -> Self {
+        LoadedPolicy {
+            policy: Arc::new(Policy::default()),
+            status: PolicyStatus {
+                source: "builtin".into(),
+                checksum: checksum(""),
+                error: None,
+            },
+        }
+    }
+}
+
+/// Reads and validates the file; on error returns the message for the status.
+pub fn read_policy(path: &Path) -> Result<(Policy, String), String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let policy = Policy::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok((policy, checksum(&text)))
+}
+
+/// Applies a (re)load result to the current state. Returns the new state, or `None` when
+/// nothing changed.
+pub fn apply_load(current: &LoadedPolicy, path: &Path, result: Result<(Policy, String), String>, metrics: &Metrics) -> Option<LoadedPolicy> {
+    match result {
+        Ok((policy, sum)) => {
+            if sum == current.status.checksum && current.status.error.is_none() && current.status.source != "builtin" {
+                return None;
+            }
+            metrics.policy_reloads.get_or_create(&ReloadLabel { result: ReloadResult::Ok }).inc();
+            metrics.policy_valid.set(1);
+            info!(path = %path.display(), checksum = %sum, "policy loaded");
+            Some(LoadedPolicy {
+                policy: Arc::new(policy),
+                status: PolicyStatus {
+                    source: path.display().to_string(),
+                    checksum: sum,
+                    error: None,
+                },
+            })
+        }
+        Err(msg) => {
+            if current.status.error.as_deref() == Some(msg.as_str()) {
+                return None;
+            }
+            metrics.policy_reloads.get_or_create(&ReloadLabel { result: ReloadResult::Rejected }).inc();
+            metrics.policy_valid.set(0);
+            warn!(error = %msg, "policy rejected; the previous policy stays in force");
+            Some(LoadedPolicy {
+                policy: current.policy.clone(),
+                status: PolicyStatus {
+                    error: Some(msg),
+                    ..current.status.clone()
+                },
+            })
+        }
+    }
+}
+
+/// Loads the policy once (the built-in default when `path` is `None`).
+pub fn initial(path: Option<&Path>, metrics: &Metrics) -> LoadedPolicy {
+    let builtin = LoadedPolicy::builtin();
+    match path {
+        None => {
+            metrics.policy_valid.set(1);
+            builtin
+        }
+        Some(p) => apply_load(&builtin, p, read_policy(p), metrics).unwrap_or(builtin),
+    }
+}
+
+/// Watches `path` and publishes every change on `tx` until shutdown.
+pub async fn watch_policy(path: PathBuf, tx: watch::Sender<LoadedPolicy>, metrics: Arc<Metrics>, shutdown: CancellationToken, recheck: Duration) {
+    let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<()>();
+    let dir = path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+    let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+        if res.is_ok() {
+            let _ = ev_tx.send(());
+        }
+    })
+    .and_then(|mut w| w.watch(&dir, RecursiveMode::NonRecursive).map(|()| w));
+    let _watcher = match watcher {
+        Ok(w) => Some(w),
+        Err(e) => {
+            warn!(error = %e, dir = %dir.display(), "cannot watch the policy directory; re-checking periodically only");
+            None
+        }
+    };
+    let mut tick = tokio::time::interval(recheck);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            Some(()) = ev_rx.recv() => {
+                // Let a burst of events (write, rename, symlink swap) settle.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                while ev_rx.try_recv().is_ok() {}
+            }
+            _ = tick.tick() => {}
+        }
+        let p = path.clone();
+        let result = tokio::task::spawn_blocking(move || read_policy(&p))
+            .await
+            .unwrap_or_else(|e| Err(format!("policy reader failed: {e}")));
+        let current = tx.borrow().clone();
+        if let Some(next) = apply_load(&current, &path, result, &metrics) {
+            let _ = tx.send(next);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Handling;
+
+    #[test]
+    fn bad_reload_keeps_the_last_good_policy_and_reports_the_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policy.yaml");
+        let m = Metrics::new();
+        std::fs::write(&path, "overrides:\n  Xid43: { handling: SeparateNPU }\n").unwrap();
+        let good = initial(Some(&path), &m);
+        assert_eq!(good.status.error, None);
+        assert_eq!(good.policy.overrides["Xid43"].handling, Some(Handling::SeparateNPU));
+
+        std::fs::write(&path, "overrides:\n  Xid43: { handling: Sometimes }\n").unwrap();
+        let bad = apply_load(&good, &path, read_policy(&path), &m).expect("a change");
+        assert_eq!(bad.policy, good.policy, "last good policy stays");
+        let err = bad.status.error.clone().unwrap();
+        assert!(err.contains("overrides.Xid43.handling") && err.contains("line 2"), "{err}");
+        assert_eq!(m.policy_valid.get(), 0);
+        assert!(apply_load(&bad, &path, read_policy(&path), &m).is_none(), "same error: no change");
+
+        std::fs::write(&path, "expected_gpus: 8\n").unwrap();
+        let fixed = apply_load(&bad, &path, read_policy(&path), &m).unwrap();
+        assert_eq!((fixed.policy.expected_gpus, fixed.status.error.clone()), (8, None));
+        assert_eq!(m.policy_valid.get(), 1);
+    }
+
+    #[test]
+    fn missing_file_at_start_runs_on_builtin_with_error() {
+        let m = Metrics::new();
+        let p = initial(Some(Path::new("/nonexistent/faultline/policy.yaml")), &m);
+        assert_eq!(*p.policy, Policy::default());
+        assert!(p.status.error.unwrap().contains("cannot read"));
+    }
+
+    #[tokio::test]
+    async fn watcher_publishes_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policy.yaml");
+        std::fs::write(&path, "expected_gpus: 1\n").unwrap();
+        let m = Arc::new(Metrics::new());
+        let (tx, mut rx) = watch::channel(initial(Some(&path), &m));
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(watch_policy(path.clone(), tx, m, stop.clone(), Duration::from_secs(3600)));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        std::fs::write(&path, "expected_gpus: 4\n").unwrap();
+        tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                rx.changed().await.unwrap();
+                if rx.borrow().policy.expected_gpus == 4 {
+                    break;
+                }
+            }
+        })
+        .await
+        .expect("reload seen");
+        stop.cancel();
+        task.await.unwrap();
+    }
+}
