@@ -15,3 +15,6 @@ pub mod metrics;
 pub mod runtime;
 pub mod sink;
 pub mod source;
+pub mod cli;
+pub mod daemon;
+pub mod http;

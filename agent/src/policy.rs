@@ -217,10 +217,12 @@ impl Policy {
             };
             // serde_norway appends " at line N column M"; the location says it already.
             let msg = inner.to_string();
-            let message = match msg.find(" at line ") {
+            let msg = match msg.find(" at line ") {
                 Some(i) => msg[..i].to_string(),
                 None => msg,
             };
+            // It may also start with the path, which the location says too.
+            let message = msg.strip_prefix(&format!("{path}: ")).map(str::to_string).unwrap_or(msg);
             PolicyError { location, message }
         })?;
         policy.validate()?;

@@ -11,7 +11,7 @@ use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, info, warn, Instrument};
 
 use crate::catalog::Catalog;
 use crate::engine::{Ctx, DesiredCondition, DesiredTaint, Engine, EngineEvent, Observation};
@@ -49,6 +49,7 @@ pub const STATE_VERSION: u32 = 1;
 /// What sinks see.
 #[derive(Debug, Clone)]
 pub struct Snapshot {
+    /// Increases with every published snapshot (engine changes and policy status changes).
     pub revision: u64,
     pub record: Arc<NodeRecord>,
     pub labels: std::collections::BTreeMap<String, String>,
@@ -95,10 +96,14 @@ const BATCH: usize = 4096;
 
 impl EngineLoop {
     /// Runs until shutdown; then applies what is already queued and publishes a final snapshot.
-    pub async fn run(mut self) {
+    pub async fn run(self) {
         let span = tracing::info_span!("engine", node = %self.node);
-        let _e = span.enter();
+        self.run_inner().instrument(span).await
+    }
+
+    async fn run_inner(mut self) {
         let mut published = u64::MAX;
+        let mut seq = 0u64;
         let mut tick = tokio::time::interval(self.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut loaded = self.policy.borrow_and_update().clone();
@@ -133,14 +138,15 @@ impl EngineLoop {
             self.heartbeat.beat(self.clock.now());
             if self.engine.revision() != published {
                 published = self.engine.revision();
-                self.publish(&loaded);
+                seq += 1;
+                self.publish(&loaded, seq);
             }
         }
         // Shutdown: nothing queued is dropped.
         while let Ok(i) = self.inputs.try_recv() {
             self.apply(&loaded, i);
         }
-        self.publish(&loaded);
+        self.publish(&loaded, seq + 1);
         info!(revision = self.engine.revision(), "engine stopped");
     }
 
@@ -163,7 +169,7 @@ impl EngineLoop {
         for e in events {
             let kind = match e {
                 EngineEvent::NewFault { code, device, handling, message } => {
-                    warn!(code = %code, device = %device, handling = %handling, message = %message, "new fault");
+                    warn!(code = %code, device = %device, handling = %handling, text = %message, "new fault");
                     "new_fault"
                 }
                 EngineEvent::Escalated { code, device, from, to, rule } => {
@@ -187,7 +193,7 @@ impl EngineLoop {
         }
     }
 
-    fn publish(&self, loaded: &LoadedPolicy) {
+    fn publish(&self, loaded: &LoadedPolicy, seq: u64) {
         let view = self.engine.view(&loaded.policy);
         let now = self.clock.now();
         let detectors = self
@@ -233,7 +239,7 @@ impl EngineLoop {
         };
         debug!(revision = self.engine.revision(), health = %record.health, "publishing snapshot");
         let snap = Snapshot {
-            revision: self.engine.revision(),
+            revision: seq,
             record: Arc::new(record),
             labels: view.labels,
             taints: view.taints,

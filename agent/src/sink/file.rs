@@ -83,7 +83,14 @@ pub fn read_state(dir: &Path) -> Result<Option<PersistedState>, String> {
 
 /// Runs the sink until the snapshot channel closes (the engine stopped) or shutdown; always
 /// writes the last snapshot it saw before returning.
-pub async fn run(dir: PathBuf, mut rx: watch::Receiver<Option<Snapshot>>, metrics: Arc<Metrics>, min_interval: Duration, shutdown: CancellationToken) {
+pub async fn run(
+    dir: PathBuf,
+    mut rx: watch::Receiver<Option<Snapshot>>,
+    metrics: Arc<Metrics>,
+    min_interval: Duration,
+    ready: Arc<std::sync::atomic::AtomicBool>,
+    shutdown: CancellationToken,
+) {
     let label = SinkLabel { sink: "file" };
     let mut last_write: Option<Instant> = None;
     let mut written: Option<u64> = None;
@@ -120,6 +127,7 @@ pub async fn run(dir: PathBuf, mut rx: watch::Receiver<Option<Snapshot>>, metric
                     debug!(revision = snap.revision, latency_us = snap.applied_at.elapsed().as_micros() as u64, "record written");
                     written = Some(snap.revision);
                     last_write = Some(Instant::now());
+                    ready.store(true, std::sync::atomic::Ordering::Relaxed);
                     backoff = Duration::from_millis(100);
                     break;
                 }

@@ -102,9 +102,16 @@ impl KmsgReader {
             Err(e) => {
                 let text = String::from_utf8_lossy(raw);
                 if looks_like_header(raw) {
-                    // A truncated or corrupt record: say so, and still scan what is there.
+                    // A truncated or corrupt record: say so, and still scan what is there. Its
+                    // sequence number, when readable, was read, not lost.
                     self.metrics.kmsg_malformed.inc();
                     debug!(error = %e, line = %truncate(&text, 120), "malformed kmsg record");
+                    if let Some(seq) = header_seq(raw) {
+                        if self.last_seq.is_none_or(|last| seq > last) {
+                            self.last_seq = Some(seq);
+                            self.unsent_cursor = true;
+                        }
+                    }
                 }
                 self.scan(strip_dmesg_time(text.trim_end_matches('\n')), None, out);
             }
@@ -151,6 +158,13 @@ impl KmsgReader {
 fn looks_like_header(raw: &[u8]) -> bool {
     let digits = raw.iter().take_while(|c| c.is_ascii_digit()).count();
     digits > 0 && raw.get(digits) == Some(&b',')
+}
+
+/// The sequence number of a record whose header is otherwise broken (`4,41,11000`).
+fn header_seq(raw: &[u8]) -> Option<u64> {
+    let head = raw.split(|c| *c == b';' || *c == b'\n').next()?;
+    let seq = head.split(|c| *c == b',').nth(1)?;
+    std::str::from_utf8(seq).ok()?.parse().ok()
 }
 
 fn truncate(s: &str, n: usize) -> &str {

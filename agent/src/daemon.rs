@@ -1,0 +1,190 @@
+//! The agent process: configuration, start-up (restore state, load policy), wiring sources,
+//! the engine loop and sinks together, and an orderly shutdown that flushes the record.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn, Instrument};
+
+use crate::catalog::Catalog;
+use crate::engine::Observation;
+use crate::http::{self, HttpState};
+use crate::metrics::Metrics;
+use crate::runtime::{Clock, EngineLoop, Heartbeat, SystemClock};
+use crate::sink::file;
+use crate::source::{control, kmsg, policy_watch, Input, SourceContext};
+
+/// Default port of the metrics/health endpoints.
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:20260";
+
+/// Agent configuration: flags, each also settable by an environment variable.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AgentConfig {
+    /// This node's name (Kubernetes: from the downward API). Default: the host name.
+    #[arg(long, env = "NODE_NAME")]
+    pub node_name: Option<String>,
+    /// Where the local record (`faults.json`) and the restart state live.
+    #[arg(long, env = "FAULTLINE_STATE_DIR", default_value = "/run/faultline")]
+    pub state_dir: PathBuf,
+    /// Kernel log to read: `/dev/kmsg`, or a file or FIFO of kmsg records or dmesg lines.
+    #[arg(long, env = "FAULTLINE_KMSG_PATH", default_value = "/dev/kmsg")]
+    pub kmsg_path: PathBuf,
+    /// Do not read the kernel log at all.
+    #[arg(long)]
+    pub no_kmsg: bool,
+    /// Policy file (YAML or JSON); reloaded when it changes. Default: built-in policy.
+    #[arg(long, env = "FAULTLINE_POLICY")]
+    pub policy: Option<PathBuf>,
+    /// Address of /metrics, /healthz, /readyz and /v1/record.
+    #[arg(long, env = "FAULTLINE_LISTEN", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
+    /// Minimum time between two writes of the local record (writes are coalesced).
+    #[arg(long, default_value = "125ms", value_parser = humantime::parse_duration)]
+    pub write_interval: Duration,
+    /// How often a kernel log file at its end is checked for growth.
+    #[arg(long, default_value = "10ms", value_parser = humantime::parse_duration)]
+    pub follow_interval: Duration,
+    #[arg(long, default_value = "/proc/sys/kernel/random/boot_id", hide = true)]
+    pub boot_id_path: PathBuf,
+    #[arg(long, default_value = "/proc/stat", hide = true)]
+    pub proc_stat_path: PathBuf,
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .ok()
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+fn read_boot_id(path: &Path) -> Option<String> {
+    match std::fs::read_to_string(path) {
+        Ok(s) if !s.trim().is_empty() => Some(s.trim().to_string()),
+        Ok(_) => None,
+        Err(e) => {
+            warn!(path = %path.display(), error = %e, "cannot read the boot id; kernel-log faults will not clear on reboot");
+            None
+        }
+    }
+}
+
+/// Runs the agent until `shutdown` is cancelled, then flushes and returns.
+pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let node = cfg.node_name.clone().unwrap_or_else(hostname);
+    let span = tracing::info_span!("agent", node = %node);
+    run_node(cfg, node, shutdown).instrument(span).await
+}
+
+async fn run_node(cfg: AgentConfig, node: String, shutdown: CancellationToken) -> anyhow::Result<()> {
+    let metrics = Arc::new(Metrics::new());
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+    let catalog = Arc::new(Catalog::builtin().context("built-in catalog")?);
+    std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("cannot create state directory {}", cfg.state_dir.display()))?;
+    std::fs::create_dir_all(cfg.state_dir.join(control::CLEAR_DIR)).ok();
+
+    // Restore what the last run knew. Its kernel log cursor is only valid within the same boot.
+    let boot_id = read_boot_id(&cfg.boot_id_path);
+    let persisted = match file::read_state(&cfg.state_dir) {
+        Ok(p) => p.unwrap_or_default(),
+        Err(e) => {
+            warn!(error = %e, "ignoring unreadable saved state; starting fresh");
+            Default::default()
+        }
+    };
+    let same_boot = boot_id.is_some() && persisted.engine.boot_id() == boot_id.as_deref();
+    let resume_after = if same_boot { persisted.kmsg_cursor } else { None };
+    info!(same_boot, resume_after = ?resume_after, faults = persisted.engine.faults().count(), "state restored");
+
+    let loaded = policy_watch::initial(cfg.policy.as_deref(), &metrics);
+    let (policy_tx, policy_rx) = watch::channel(loaded);
+    let (in_tx, in_rx) = mpsc::channel::<Input>(8192);
+    let (snap_tx, snap_rx) = watch::channel(None);
+    let heartbeat = Arc::new(Heartbeat::default());
+    heartbeat.beat(clock.now());
+    let ready = Arc::new(AtomicBool::new(false));
+    let source_shutdown = shutdown.child_token();
+    let ctx = SourceContext {
+        tx: in_tx.clone(),
+        metrics: metrics.clone(),
+        shutdown: source_shutdown.clone(),
+    };
+    if let Some(b) = &boot_id {
+        in_tx.send(Input::Obs(Observation::Boot { boot_id: b.clone() })).await.ok();
+    }
+
+    let mut tasks = tokio::task::JoinSet::new();
+    if let Some(path) = cfg.policy.clone() {
+        let watcher = policy_watch::watch_policy(path, policy_tx, metrics.clone(), source_shutdown.clone(), Duration::from_secs(30));
+        tasks.spawn(watcher.instrument(tracing::info_span!("source", name = "policy")));
+    }
+    let clears = control::run(cfg.state_dir.clone(), ctx.clone(), Duration::from_secs(1));
+    tasks.spawn(clears.instrument(tracing::info_span!("source", name = "control")));
+    if cfg.no_kmsg {
+        info!("kernel log source disabled");
+    } else {
+        let kcfg = kmsg::KmsgConfig {
+            path: cfg.kmsg_path.clone(),
+            resume_after,
+            boot_time: kmsg::boot_time(&cfg.proc_stat_path),
+            follow_interval: cfg.follow_interval,
+        };
+        // A blocking thread: a read of /dev/kmsg cannot be cancelled, so it is not joined.
+        kmsg::spawn(kcfg, ctx.clone());
+    }
+    drop(ctx);
+    drop(in_tx);
+
+    let engine_loop = EngineLoop {
+        node: node.clone(),
+        engine: persisted.engine,
+        kmsg_cursor: persisted.kmsg_cursor.filter(|_| same_boot),
+        catalog,
+        policy: policy_rx,
+        inputs: in_rx,
+        snapshots: snap_tx,
+        metrics: metrics.clone(),
+        clock: clock.clone(),
+        heartbeat: heartbeat.clone(),
+        tick: Duration::from_secs(1),
+        shutdown: shutdown.clone(),
+    };
+    let engine_task = tokio::spawn(engine_loop.run());
+    let sink_task = tokio::spawn(
+        file::run(cfg.state_dir.clone(), snap_rx.clone(), metrics.clone(), cfg.write_interval, ready.clone(), shutdown.clone())
+            .instrument(tracing::info_span!("sink", name = "file")),
+    );
+
+    let listener = http::bind(cfg.listen).await.with_context(|| format!("cannot listen on {}", cfg.listen))?;
+    let bound = listener.local_addr()?;
+    info!(addr = %bound, state_dir = %cfg.state_dir.display(), "faultline agent running");
+    let _ = file::write_atomic(&cfg.state_dir.join("listen.addr"), bound.to_string().as_bytes());
+    let http_state = HttpState {
+        metrics,
+        heartbeat,
+        clock,
+        ready,
+        snapshots: snap_rx,
+    };
+    tasks.spawn(async move {
+        if let Err(e) = http::serve(listener, http_state, shutdown.clone()).await {
+            warn!(error = %e, "HTTP server stopped");
+        }
+    });
+
+    // Shutdown order: the engine drains its queue and publishes a final snapshot; the file sink
+    // writes it; sources and the server stop.
+    let _ = engine_task.await;
+    source_shutdown.cancel();
+    let _ = sink_task.await;
+    while tasks.join_next().await.is_some() {}
+    info!("faultline agent stopped; record flushed");
+    Ok(())
+}
+

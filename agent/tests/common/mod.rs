@@ -1,0 +1,154 @@
+//! Helpers for tests that run the real `faultline-agent` binary.
+
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use faultline_agent::record::NodeRecord;
+
+pub fn fixtures() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+}
+
+/// A running agent in its own temporary directory.
+pub struct Agent {
+    pub child: Child,
+    pub dir: PathBuf,
+    pub kmsg: PathBuf,
+    pub boot_id: PathBuf,
+}
+
+pub struct Opts<'a> {
+    pub extra: &'a [&'a str],
+}
+
+impl Agent {
+    /// Starts the agent on `dir/kmsg` (created if missing) with boot id file `dir/boot_id`.
+    pub fn start(dir: &Path, extra: &[&str]) -> Agent {
+        let kmsg = dir.join("kmsg");
+        let boot_id = dir.join("boot_id");
+        if !kmsg.exists() {
+            std::fs::write(&kmsg, b"").unwrap();
+        }
+        if !boot_id.exists() {
+            std::fs::write(&boot_id, b"boot-1\n").unwrap();
+        }
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_faultline-agent"));
+        cmd.arg("--kmsg-path")
+            .arg(&kmsg)
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--boot-id-path")
+            .arg(&boot_id)
+            .args(["--listen", "127.0.0.1:0", "--node-name", "node-a", "--follow-interval", "5ms"])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(std::fs::File::create(dir.join("agent.log")).unwrap()));
+        let child = cmd.spawn().expect("start faultline-agent");
+        Agent { child, dir: dir.to_path_buf(), kmsg, boot_id }
+    }
+
+    pub fn state(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+
+    pub fn record_path(&self) -> PathBuf {
+        self.state().join("faults.json")
+    }
+
+    pub fn append(&self, bytes: &[u8]) {
+        let mut f = std::fs::OpenOptions::new().append(true).open(&self.kmsg).unwrap();
+        f.write_all(bytes).unwrap();
+    }
+
+    pub fn record(&self) -> Option<NodeRecord> {
+        let bytes = std::fs::read(self.record_path()).ok()?;
+        Some(serde_json::from_slice(&bytes).expect("the record is always whole, valid JSON"))
+    }
+
+    /// Waits until the record satisfies `f`; panics with the last record and the log if not.
+    pub fn wait_for(&self, what: &str, f: impl Fn(&NodeRecord) -> bool) -> NodeRecord {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Some(r) = self.record() {
+                if f(&r) {
+                    return r;
+                }
+                if Instant::now() > deadline {
+                    panic!("timed out waiting for {what}; record: {}\nlog:\n{}", serde_json::to_string_pretty(&r).unwrap(), self.log());
+                }
+            } else if Instant::now() > deadline {
+                panic!("timed out waiting for {what}; no record; log:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default()
+    }
+
+    pub fn addr(&self) -> String {
+        let p = self.state().join("listen.addr");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(s) = std::fs::read_to_string(&p) {
+                return s;
+            }
+            assert!(Instant::now() < deadline, "no listen.addr; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// One HTTP GET on loopback; returns (status, body).
+    pub fn get(&self, path: &str) -> (u16, String) {
+        use std::io::Read;
+        let mut s = std::net::TcpStream::connect(self.addr()).unwrap();
+        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).unwrap();
+        let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+        let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        (status, body)
+    }
+
+    /// The value of a metric line (exact name with labels).
+    pub fn metric(&self, name: &str) -> f64 {
+        let (_, body) = self.get("/metrics");
+        body.lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or(0.0)
+    }
+
+    /// SIGTERM and wait; returns the exit status code.
+    pub fn stop(mut self) -> i32 {
+        let pid = self.child.id().to_string();
+        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st.code().unwrap_or(-1);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("agent did not stop on SIGTERM; log:\n{}", self.log());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub fn fault<'a>(r: &'a NodeRecord, code: &str) -> Option<&'a faultline_agent::record::Fault> {
+    r.faults.iter().find(|f| f.fault_code == code)
+}
