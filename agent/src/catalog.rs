@@ -18,7 +18,10 @@ const FAULTLINE_YAML: &str = include_str!("../catalog/faultline.yaml");
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum FaultCode {
     Xid(u32),
-    Sxid { code: u32, fatal: bool },
+    Sxid {
+        code: u32,
+        fatal: bool,
+    },
     /// A named condition (`GPU_LOST`) or an Ascend code (`80E01801`).
     Named(String),
 }
@@ -146,14 +149,16 @@ impl Catalog {
     }
 
     fn from_yaml(nvidia: &str, own: &str) -> Result<Catalog, CatalogError> {
-        let nv: NvidiaFile = serde_norway::from_str(nvidia).map_err(|source| CatalogError::Parse {
-            file: "nvidia.yaml",
-            source,
-        })?;
-        let own: FaultlineFile = serde_norway::from_str(own).map_err(|source| CatalogError::Parse {
-            file: "faultline.yaml",
-            source,
-        })?;
+        let nv: NvidiaFile =
+            serde_norway::from_str(nvidia).map_err(|source| CatalogError::Parse {
+                file: "nvidia.yaml",
+                source,
+            })?;
+        let own: FaultlineFile =
+            serde_norway::from_str(own).map_err(|source| CatalogError::Parse {
+                file: "faultline.yaml",
+                source,
+            })?;
         let invalid = |what: String| CatalogError::Invalid {
             file: "nvidia.yaml",
             what,
@@ -164,7 +169,10 @@ impl Catalog {
             let handling = match e.handling {
                 Some(h) => h,
                 None => *nv.actions.get(&e.action).ok_or_else(|| {
-                    invalid(format!("Xid {} uses action {:?}, which `actions` does not map", e.xid, e.action))
+                    invalid(format!(
+                        "Xid {} uses action {:?}, which `actions` does not map",
+                        e.xid, e.action
+                    ))
                 })?,
             };
             let class = Class {
@@ -172,7 +180,16 @@ impl Catalog {
                 handling,
             };
             xid_actions.insert(e.xid, e.action);
-            if xid.insert(e.xid, Entry { class, name: e.name }).is_some() {
+            if xid
+                .insert(
+                    e.xid,
+                    Entry {
+                        class,
+                        name: e.name,
+                    },
+                )
+                .is_some()
+            {
                 return Err(invalid(format!("Xid {} is listed twice", e.xid)));
             }
         }
@@ -183,7 +200,16 @@ impl Catalog {
                 handling: e.handling,
             };
             let _ = e.fatal;
-            if sxid.insert(e.sxid, Entry { class, name: e.name }).is_some() {
+            if sxid
+                .insert(
+                    e.sxid,
+                    Entry {
+                        class,
+                        name: e.name,
+                    },
+                )
+                .is_some()
+            {
                 return Err(invalid(format!("SXid {} is listed twice", e.sxid)));
             }
         }
@@ -283,7 +309,11 @@ mod tests {
         assert_eq!(c.xid_action(13), Some("RESTART_APP"));
         assert_eq!(h(13), Handling::RestartBusiness);
         assert_eq!(h(31), Handling::RestartBusiness);
-        assert_eq!(h(79), Handling::SeparateNPU, "fallen off the bus: reboot the node");
+        assert_eq!(
+            h(79),
+            Handling::SeparateNPU,
+            "fallen off the bus: reboot the node"
+        );
         assert_eq!(h(43), Handling::NotHandleFault);
         assert_eq!(h(63), Handling::NotHandleFault);
         assert_eq!(h(92), Handling::NotHandleFault);
@@ -303,8 +333,14 @@ mod tests {
     #[test]
     fn unknown_sxid_depends_on_severity() {
         let c = cat();
-        let fatal = c.classify(&FaultCode::Sxid { code: 99_998, fatal: true });
-        let non = c.classify(&FaultCode::Sxid { code: 99_998, fatal: false });
+        let fatal = c.classify(&FaultCode::Sxid {
+            code: 99_998,
+            fatal: true,
+        });
+        let non = c.classify(&FaultCode::Sxid {
+            code: 99_998,
+            fatal: false,
+        });
         assert!(fatal.handling > non.handling);
         assert_eq!(fatal.handling, Handling::SeparateNPU);
     }
@@ -319,7 +355,14 @@ mod tests {
     #[test]
     fn fault_code_strings() {
         assert_eq!(FaultCode::Xid(79).to_string(), "Xid79");
-        assert_eq!(FaultCode::Sxid { code: 12028, fatal: false }.to_string(), "SXid12028");
+        assert_eq!(
+            FaultCode::Sxid {
+                code: 12028,
+                fatal: false
+            }
+            .to_string(),
+            "SXid12028"
+        );
         assert_eq!(FaultCode::named("GPU_LOST").to_string(), "GPU_LOST");
     }
 }

@@ -13,8 +13,11 @@ use crate::source::control::{ClearRequest, CLEAR_DIR};
 
 /// Sets up `tracing` for a binary: `text` or `json` to stderr, level from `RUST_LOG`.
 pub fn init_tracing(format: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     if format == "json" {
         builder.json().init();
     } else {
@@ -31,19 +34,29 @@ pub struct Outcome {
 
 impl Outcome {
     fn ok(message: impl Into<String>) -> Self {
-        Outcome { code: 0, message: message.into() }
+        Outcome {
+            code: 0,
+            message: message.into(),
+        }
     }
     fn unhealthy(message: impl Into<String>) -> Self {
-        Outcome { code: 1, message: message.into() }
+        Outcome {
+            code: 1,
+            message: message.into(),
+        }
     }
     fn error(message: impl Into<String>) -> Self {
-        Outcome { code: 2, message: message.into() }
+        Outcome {
+            code: 2,
+            message: message.into(),
+        }
     }
 }
 
 /// Where the local record is.
 pub fn record_path(file: Option<&Path>, state_dir: &Path) -> PathBuf {
-    file.map(Path::to_path_buf).unwrap_or_else(|| state_dir.join(FAULTS_FILE))
+    file.map(Path::to_path_buf)
+        .unwrap_or_else(|| state_dir.join(FAULTS_FILE))
 }
 
 /// Why a record could not be read.
@@ -89,10 +102,23 @@ pub fn summary(r: &NodeRecord) -> String {
 /// Renders a record as a table.
 pub fn table(r: &NodeRecord, all: bool) -> String {
     let mut out = String::new();
-    let handling = r.handling.map(|h| h.to_string()).unwrap_or_else(|| "-".into());
+    let handling = r
+        .handling
+        .map(|h| h.to_string())
+        .unwrap_or_else(|| "-".into());
     let rows = vec![
-        vec!["NODE".to_string(), "HEALTH".into(), "HANDLING".into(), "UPDATED".into()],
-        vec![r.node.clone(), r.health.to_string(), handling, r.update_time.format("%Y-%m-%dT%H:%M:%SZ").to_string()],
+        vec![
+            "NODE".to_string(),
+            "HEALTH".into(),
+            "HANDLING".into(),
+            "UPDATED".into(),
+        ],
+        vec![
+            r.node.clone(),
+            r.health.to_string(),
+            handling,
+            r.update_time.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+        ],
     ];
     out.push_str(&columns(&rows));
     let faults: Vec<_> = r.faults.iter().filter(|f| all || f.active).collect();
@@ -100,7 +126,18 @@ pub fn table(r: &NodeRecord, all: bool) -> String {
         out.push_str("\nno active faults\n");
     } else {
         out.push('\n');
-        let mut rows = vec![["CODE", "TYPE", "HANDLING", "DEVICE", "COUNT", "LAST SEEN", "STATE", "MESSAGE"].map(String::from).to_vec()];
+        let mut rows = vec![[
+            "CODE",
+            "TYPE",
+            "HANDLING",
+            "DEVICE",
+            "COUNT",
+            "LAST SEEN",
+            "STATE",
+            "MESSAGE",
+        ]
+        .map(String::from)
+        .to_vec()];
         for f in faults {
             let mut msg: String = f.message.chars().take(60).collect();
             if f.message.chars().count() > 60 {
@@ -113,17 +150,29 @@ pub fn table(r: &NodeRecord, all: bool) -> String {
                 f.device.clone(),
                 f.count.to_string(),
                 f.last_seen.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
-                if f.active { "active".into() } else { "recovered".into() },
+                if f.active {
+                    "active".into()
+                } else {
+                    "recovered".into()
+                },
                 msg,
             ]);
         }
         out.push_str(&columns(&rows));
     }
     if let Some(e) = &r.agent.policy.error {
-        let _ = writeln!(out, "\nwarning: the newest policy was rejected (the previous one is in force): {e}");
+        let _ = writeln!(
+            out,
+            "\nwarning: the newest policy was rejected (the previous one is in force): {e}"
+        );
     }
     for d in r.agent.detectors.iter().filter(|d| d.state == "Down") {
-        let _ = writeln!(out, "warning: detector {} is down: {}", d.name, d.reason.as_deref().unwrap_or("unknown reason"));
+        let _ = writeln!(
+            out,
+            "warning: detector {} is down: {}",
+            d.name,
+            d.reason.as_deref().unwrap_or("unknown reason")
+        );
     }
     out
 }
@@ -131,14 +180,26 @@ pub fn table(r: &NodeRecord, all: bool) -> String {
 fn columns(rows: &[Vec<String>]) -> String {
     let n = rows.iter().map(Vec::len).max().unwrap_or(0);
     let widths: Vec<usize> = (0..n)
-        .map(|i| rows.iter().filter_map(|r| r.get(i)).map(|c| c.chars().count()).max().unwrap_or(0))
+        .map(|i| {
+            rows.iter()
+                .filter_map(|r| r.get(i))
+                .map(|c| c.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
         .collect();
     let mut out = String::new();
     for r in rows {
         let line: Vec<String> = r
             .iter()
             .enumerate()
-            .map(|(i, c)| if i + 1 == r.len() { c.clone() } else { format!("{c:<w$}", w = widths[i]) })
+            .map(|(i, c)| {
+                if i + 1 == r.len() {
+                    c.clone()
+                } else {
+                    format!("{c:<w$}", w = widths[i])
+                }
+            })
             .collect();
         out.push_str(line.join("  ").trim_end());
         out.push('\n');
@@ -157,28 +218,48 @@ pub fn get(path: &Path, json: bool, all: bool) -> Outcome {
 
 /// `faultline wait-healthy`: polls the record until it is healthy (0), the timeout passes
 /// while it is not (1), or it cannot be read at all (2).
-pub fn wait_healthy(path: &Path, timeout: Duration, interval: Duration, allow_degraded: bool) -> Outcome {
+pub fn wait_healthy(
+    path: &Path,
+    timeout: Duration,
+    interval: Duration,
+    allow_degraded: bool,
+) -> Outcome {
     let deadline = Instant::now() + timeout;
     let acceptable = |h: Health| h == Health::Healthy || (allow_degraded && h == Health::Degraded);
     loop {
         let last = read_record(path);
         match &last {
-            Ok(r) if acceptable(r.health) => return Outcome::ok(format!("healthy: {}", summary(r))),
+            Ok(r) if acceptable(r.health) => {
+                return Outcome::ok(format!("healthy: {}", summary(r)))
+            }
             Err(e @ ReadError::Invalid(..)) => return Outcome::error(format!("error: {e}")),
             _ => {}
         }
         if Instant::now() >= deadline {
             return match last {
-                Ok(r) => Outcome::unhealthy(format!("unhealthy after {}: {}", humantime::format_duration(timeout), summary(&r))),
+                Ok(r) => Outcome::unhealthy(format!(
+                    "unhealthy after {}: {}",
+                    humantime::format_duration(timeout),
+                    summary(&r)
+                )),
                 Err(e) => Outcome::error(format!("error: {e}")),
             };
         }
-        std::thread::sleep(interval.min(deadline.saturating_duration_since(Instant::now())).max(Duration::from_millis(1)));
+        std::thread::sleep(
+            interval
+                .min(deadline.saturating_duration_since(Instant::now()))
+                .max(Duration::from_millis(1)),
+        );
     }
 }
 
 /// `faultline clear`: asks the agent to clear faults, and waits until it has taken the request.
-pub fn clear(state_dir: &Path, code: Option<String>, device: Option<String>, wait: Duration) -> Outcome {
+pub fn clear(
+    state_dir: &Path,
+    code: Option<String>,
+    device: Option<String>,
+    wait: Duration,
+) -> Outcome {
     let dir = state_dir.join(CLEAR_DIR);
     if let Err(e) = std::fs::create_dir_all(&dir) {
         return Outcome::error(format!("error: cannot create {}: {e}", dir.display()));
@@ -186,7 +267,10 @@ pub fn clear(state_dir: &Path, code: Option<String>, device: Option<String>, wai
     let req = ClearRequest { code, device };
     let name = format!(
         "{}-{}.json",
-        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
         std::process::id()
     );
     let path = dir.join(name);
@@ -205,7 +289,11 @@ pub fn clear(state_dir: &Path, code: Option<String>, device: Option<String>, wai
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    Outcome::error(format!("error: the agent did not take {} within {} (is it running?)", path.display(), humantime::format_duration(wait)))
+    Outcome::error(format!(
+        "error: the agent did not take {} within {} (is it running?)",
+        path.display(),
+        humantime::format_duration(wait)
+    ))
 }
 
 #[cfg(test)]
@@ -225,17 +313,41 @@ mod tests {
     #[test]
     fn wait_healthy_exit_codes() {
         let (_d, p) = file(HEALTHY);
-        assert_eq!(wait_healthy(&p, Duration::from_millis(50), Duration::from_millis(10), false).code, 0);
+        assert_eq!(
+            wait_healthy(
+                &p,
+                Duration::from_millis(50),
+                Duration::from_millis(10),
+                false
+            )
+            .code,
+            0
+        );
         let (_d, p) = file(UNHEALTHY);
-        let o = wait_healthy(&p, Duration::from_millis(50), Duration::from_millis(10), false);
+        let o = wait_healthy(
+            &p,
+            Duration::from_millis(50),
+            Duration::from_millis(10),
+            false,
+        );
         assert_eq!(o.code, 1);
         assert!(o.message.contains("Xid79 on GPU-3"), "{}", o.message);
         assert!(!o.message.contains('\n'), "one line");
-        let o = wait_healthy(Path::new("/nonexistent/faults.json"), Duration::from_millis(30), Duration::from_millis(10), false);
+        let o = wait_healthy(
+            Path::new("/nonexistent/faults.json"),
+            Duration::from_millis(30),
+            Duration::from_millis(10),
+            false,
+        );
         assert_eq!(o.code, 2);
         assert!(o.message.contains("is the agent running"), "{}", o.message);
         let (_d, p) = file("{\"not\": \"a record\"}");
-        let o = wait_healthy(&p, Duration::from_secs(60), Duration::from_millis(10), false);
+        let o = wait_healthy(
+            &p,
+            Duration::from_secs(60),
+            Duration::from_millis(10),
+            false,
+        );
         assert_eq!(o.code, 2, "a foreign file fails at once: {}", o.message);
     }
 
@@ -247,7 +359,12 @@ mod tests {
             std::thread::sleep(Duration::from_millis(100));
             write_atomic(&p2, HEALTHY.as_bytes()).unwrap();
         });
-        let o = wait_healthy(&p, Duration::from_secs(30), Duration::from_millis(20), false);
+        let o = wait_healthy(
+            &p,
+            Duration::from_secs(30),
+            Duration::from_millis(20),
+            false,
+        );
         writer.join().unwrap();
         assert_eq!(o.code, 0, "{}", o.message);
     }
@@ -257,7 +374,13 @@ mod tests {
         let (_d, p) = file(UNHEALTHY);
         let o = get(&p, false, false);
         assert_eq!(o.code, 0);
-        assert!(o.message.contains("Xid79") && o.message.contains("GPU-3") && o.message.contains("SeparateNPU"), "{}", o.message);
+        assert!(
+            o.message.contains("Xid79")
+                && o.message.contains("GPU-3")
+                && o.message.contains("SeparateNPU"),
+            "{}",
+            o.message
+        );
         assert!(o.message.contains("policy was rejected"), "{}", o.message);
         assert!(o.message.contains("detector kmsg is down"), "{}", o.message);
         let j = get(&p, true, false);
@@ -268,9 +391,20 @@ mod tests {
     #[test]
     fn clear_times_out_without_an_agent() {
         let d = tempfile::tempdir().unwrap();
-        let o = clear(d.path(), Some("Xid79".into()), None, Duration::from_millis(50));
+        let o = clear(
+            d.path(),
+            Some("Xid79".into()),
+            None,
+            Duration::from_millis(50),
+        );
         assert_eq!(o.code, 2);
-        let left: Vec<_> = std::fs::read_dir(d.path().join(CLEAR_DIR)).unwrap().collect();
-        assert_eq!(left.len(), 1, "the request stays for the agent to take later");
+        let left: Vec<_> = std::fs::read_dir(d.path().join(CLEAR_DIR))
+            .unwrap()
+            .collect();
+        assert_eq!(
+            left.len(),
+            1,
+            "the request stays for the agent to take later"
+        );
     }
 }

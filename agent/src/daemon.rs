@@ -82,11 +82,16 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
     run_node(cfg, node, shutdown).instrument(span).await
 }
 
-async fn run_node(cfg: AgentConfig, node: String, shutdown: CancellationToken) -> anyhow::Result<()> {
+async fn run_node(
+    cfg: AgentConfig,
+    node: String,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
     let metrics = Arc::new(Metrics::new());
     let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let catalog = Arc::new(Catalog::builtin().context("built-in catalog")?);
-    std::fs::create_dir_all(&cfg.state_dir).with_context(|| format!("cannot create state directory {}", cfg.state_dir.display()))?;
+    std::fs::create_dir_all(&cfg.state_dir)
+        .with_context(|| format!("cannot create state directory {}", cfg.state_dir.display()))?;
     std::fs::create_dir_all(cfg.state_dir.join(control::CLEAR_DIR)).ok();
 
     // Restore what the last run knew. Its kernel log cursor is only valid within the same boot.
@@ -99,7 +104,11 @@ async fn run_node(cfg: AgentConfig, node: String, shutdown: CancellationToken) -
         }
     };
     let same_boot = boot_id.is_some() && persisted.engine.boot_id() == boot_id.as_deref();
-    let resume_after = if same_boot { persisted.kmsg_cursor } else { None };
+    let resume_after = if same_boot {
+        persisted.kmsg_cursor
+    } else {
+        None
+    };
     info!(same_boot, resume_after = ?resume_after, faults = persisted.engine.faults().count(), "state restored");
 
     let loaded = policy_watch::initial(cfg.policy.as_deref(), &metrics);
@@ -116,12 +125,21 @@ async fn run_node(cfg: AgentConfig, node: String, shutdown: CancellationToken) -
         shutdown: source_shutdown.clone(),
     };
     if let Some(b) = &boot_id {
-        in_tx.send(Input::Obs(Observation::Boot { boot_id: b.clone() })).await.ok();
+        in_tx
+            .send(Input::Obs(Observation::Boot { boot_id: b.clone() }))
+            .await
+            .ok();
     }
 
     let mut tasks = tokio::task::JoinSet::new();
     if let Some(path) = cfg.policy.clone() {
-        let watcher = policy_watch::watch_policy(path, policy_tx, metrics.clone(), source_shutdown.clone(), Duration::from_secs(30));
+        let watcher = policy_watch::watch_policy(
+            path,
+            policy_tx,
+            metrics.clone(),
+            source_shutdown.clone(),
+            Duration::from_secs(30),
+        );
         tasks.spawn(watcher.instrument(tracing::info_span!("source", name = "policy")));
     }
     let clears = control::run(cfg.state_dir.clone(), ctx.clone(), Duration::from_secs(1));
@@ -157,14 +175,26 @@ async fn run_node(cfg: AgentConfig, node: String, shutdown: CancellationToken) -
     };
     let engine_task = tokio::spawn(engine_loop.run());
     let sink_task = tokio::spawn(
-        file::run(cfg.state_dir.clone(), snap_rx.clone(), metrics.clone(), cfg.write_interval, ready.clone(), shutdown.clone())
-            .instrument(tracing::info_span!("sink", name = "file")),
+        file::run(
+            cfg.state_dir.clone(),
+            snap_rx.clone(),
+            metrics.clone(),
+            cfg.write_interval,
+            ready.clone(),
+            shutdown.clone(),
+        )
+        .instrument(tracing::info_span!("sink", name = "file")),
     );
 
-    let listener = http::bind(cfg.listen).await.with_context(|| format!("cannot listen on {}", cfg.listen))?;
+    let listener = http::bind(cfg.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", cfg.listen))?;
     let bound = listener.local_addr()?;
     info!(addr = %bound, state_dir = %cfg.state_dir.display(), "faultline agent running");
-    let _ = file::write_atomic(&cfg.state_dir.join("listen.addr"), bound.to_string().as_bytes());
+    let _ = file::write_atomic(
+        &cfg.state_dir.join("listen.addr"),
+        bound.to_string().as_bytes(),
+    );
     let http_state = HttpState {
         metrics,
         heartbeat,
@@ -187,4 +217,3 @@ async fn run_node(cfg: AgentConfig, node: String, shutdown: CancellationToken) -
     info!("faultline agent stopped; record flushed");
     Ok(())
 }
-

@@ -41,7 +41,10 @@ pub fn router(state: HttpState) -> Router {
 
 async fn metrics(State(s): State<HttpState>) -> Response {
     (
-        [(header::CONTENT_TYPE, "text/plain; version=0.0.4; charset=utf-8")],
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
         s.metrics.encode(),
     )
         .into_response()
@@ -52,7 +55,11 @@ async fn healthz(State(s): State<HttpState>) -> Response {
     if age <= STALE_MS {
         (StatusCode::OK, "ok\n").into_response()
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, format!("engine loop silent for {age} ms\n")).into_response()
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("engine loop silent for {age} ms\n"),
+        )
+            .into_response()
     }
 }
 
@@ -60,7 +67,11 @@ async fn readyz(State(s): State<HttpState>) -> Response {
     if s.ready.load(Ordering::Relaxed) {
         (StatusCode::OK, "ready\n").into_response()
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "the local record has not been written yet\n").into_response()
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the local record has not been written yet\n",
+        )
+            .into_response()
     }
 }
 
@@ -77,7 +88,11 @@ async fn record(State(s): State<HttpState>) -> Response {
 }
 
 /// Serves until shutdown.
-pub async fn serve(listener: tokio::net::TcpListener, state: HttpState, shutdown: CancellationToken) -> std::io::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    state: HttpState,
+    shutdown: CancellationToken,
+) -> std::io::Result<()> {
     axum::serve(listener, router(state))
         .with_graceful_shutdown(async move { shutdown.cancelled().await })
         .await

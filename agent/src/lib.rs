@@ -7,14 +7,14 @@
 #![forbid(unsafe_code)]
 
 pub mod catalog;
+pub mod cli;
+pub mod daemon;
 pub mod engine;
+pub mod http;
+pub mod metrics;
 pub mod parse;
 pub mod policy;
 pub mod record;
-pub mod metrics;
 pub mod runtime;
 pub mod sink;
 pub mod source;
-pub mod cli;
-pub mod daemon;
-pub mod http;

@@ -89,7 +89,9 @@ impl Metrics {
             sink_writes: Family::default(),
             sink_errors: Family::default(),
             sink_write_seconds: Family::new_with_constructor(|| {
-                Histogram::new([0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0])
+                Histogram::new([
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+                ])
             }),
             policy_reloads: Family::default(),
             policy_valid: Gauge::default(),
@@ -97,23 +99,91 @@ impl Metrics {
             registry: Registry::default(),
         };
         let r = &mut registry;
-        r.register("faultline_kmsg_records", "Kernel log records read", m.kmsg_records.clone());
-        r.register("faultline_kmsg_lost_records", "Kernel log records lost before they were read (sequence gaps)", m.kmsg_lost.clone());
-        r.register("faultline_kmsg_overruns", "Times the kernel log reader fell behind the ring buffer (EPIPE)", m.kmsg_overruns.clone());
-        r.register("faultline_kmsg_malformed_records", "Kernel log records that did not parse as kmsg format (still scanned)", m.kmsg_malformed.clone());
-        r.register("faultline_kmsg_truncated_lines", "Input lines longer than the limit; their start was kept", m.kmsg_truncated.clone());
-        r.register("faultline_kmsg_skipped_records", "Records already counted before a restart, skipped", m.kmsg_skipped.clone());
-        r.register("faultline_kmsg_matched_records", "Kernel log records that matched a fault parser, by kind", m.kmsg_matched.clone());
-        r.register("faultline_engine_events", "Engine events (new fault, escalation, recovery, ...), by kind", m.engine_events.clone());
-        r.register("faultline_engine_inputs", "Inputs applied by the engine", m.engine_inputs.clone());
-        r.register("faultline_faults_active", "Active faults by handling level", m.faults_active.clone());
-        r.register("faultline_node_health", "Node verdict: 0 Healthy, 1 Degraded, 2 Unhealthy", m.node_health.clone());
-        r.register("faultline_sink_writes", "Successful sink writes", m.sink_writes.clone());
-        r.register("faultline_sink_errors", "Failed sink writes (retried)", m.sink_errors.clone());
-        r.register("faultline_sink_write_seconds", "Time to complete one sink write", m.sink_write_seconds.clone());
-        r.register("faultline_policy_reloads", "Policy file loads, by result", m.policy_reloads.clone());
-        r.register("faultline_policy_valid", "1 when the newest policy file was accepted, 0 when rejected", m.policy_valid.clone());
-        r.register("faultline_detector_up", "1 when a detector is running, 0 when down or idle", m.detector_up.clone());
+        r.register(
+            "faultline_kmsg_records",
+            "Kernel log records read",
+            m.kmsg_records.clone(),
+        );
+        r.register(
+            "faultline_kmsg_lost_records",
+            "Kernel log records lost before they were read (sequence gaps)",
+            m.kmsg_lost.clone(),
+        );
+        r.register(
+            "faultline_kmsg_overruns",
+            "Times the kernel log reader fell behind the ring buffer (EPIPE)",
+            m.kmsg_overruns.clone(),
+        );
+        r.register(
+            "faultline_kmsg_malformed_records",
+            "Kernel log records that did not parse as kmsg format (still scanned)",
+            m.kmsg_malformed.clone(),
+        );
+        r.register(
+            "faultline_kmsg_truncated_lines",
+            "Input lines longer than the limit; their start was kept",
+            m.kmsg_truncated.clone(),
+        );
+        r.register(
+            "faultline_kmsg_skipped_records",
+            "Records already counted before a restart, skipped",
+            m.kmsg_skipped.clone(),
+        );
+        r.register(
+            "faultline_kmsg_matched_records",
+            "Kernel log records that matched a fault parser, by kind",
+            m.kmsg_matched.clone(),
+        );
+        r.register(
+            "faultline_engine_events",
+            "Engine events (new fault, escalation, recovery, ...), by kind",
+            m.engine_events.clone(),
+        );
+        r.register(
+            "faultline_engine_inputs",
+            "Inputs applied by the engine",
+            m.engine_inputs.clone(),
+        );
+        r.register(
+            "faultline_faults_active",
+            "Active faults by handling level",
+            m.faults_active.clone(),
+        );
+        r.register(
+            "faultline_node_health",
+            "Node verdict: 0 Healthy, 1 Degraded, 2 Unhealthy",
+            m.node_health.clone(),
+        );
+        r.register(
+            "faultline_sink_writes",
+            "Successful sink writes",
+            m.sink_writes.clone(),
+        );
+        r.register(
+            "faultline_sink_errors",
+            "Failed sink writes (retried)",
+            m.sink_errors.clone(),
+        );
+        r.register(
+            "faultline_sink_write_seconds",
+            "Time to complete one sink write",
+            m.sink_write_seconds.clone(),
+        );
+        r.register(
+            "faultline_policy_reloads",
+            "Policy file loads, by result",
+            m.policy_reloads.clone(),
+        );
+        r.register(
+            "faultline_policy_valid",
+            "1 when the newest policy file was accepted, 0 when rejected",
+            m.policy_valid.clone(),
+        );
+        r.register(
+            "faultline_detector_up",
+            "1 when a detector is running, 0 when down or idle",
+            m.detector_up.clone(),
+        );
         r.register(
             "faultline_build",
             "Build information",
@@ -139,11 +209,19 @@ mod tests {
     fn names_follow_the_rules() {
         let m = Metrics::new();
         m.kmsg_records.inc();
-        m.sink_writes.get_or_create(&SinkLabel { sink: "file" }).inc();
+        m.sink_writes
+            .get_or_create(&SinkLabel { sink: "file" })
+            .inc();
         let text = m.encode();
         assert!(text.contains("faultline_kmsg_records_total 1"), "{text}");
-        assert!(text.contains("faultline_sink_writes_total{sink=\"file\"} 1"), "{text}");
-        for line in text.lines().filter(|l| !l.starts_with('#') && !l.is_empty()) {
+        assert!(
+            text.contains("faultline_sink_writes_total{sink=\"file\"} 1"),
+            "{text}"
+        );
+        for line in text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+        {
             assert!(line.starts_with("faultline_"), "{line}");
         }
     }

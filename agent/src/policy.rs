@@ -222,7 +222,10 @@ impl Policy {
                 None => msg,
             };
             // It may also start with the path, which the location says too.
-            let message = msg.strip_prefix(&format!("{path}: ")).map(str::to_string).unwrap_or(msg);
+            let message = msg
+                .strip_prefix(&format!("{path}: "))
+                .map(str::to_string)
+                .unwrap_or(msg);
             PolicyError { location, message }
         })?;
         policy.validate()?;
@@ -238,7 +241,10 @@ impl Policy {
         };
         for code in self.overrides.keys() {
             if !valid_code(code) {
-                return err(format!("field overrides.{code}"), "not a fault code (letters, digits and _ only)");
+                return err(
+                    format!("field overrides.{code}"),
+                    "not a fault code (letters, digits and _ only)",
+                );
             }
         }
         for (i, r) in self.escalation.iter().enumerate() {
@@ -251,9 +257,13 @@ impl Policy {
             }
             match (r.count, r.window, r.duration) {
                 (Some(0), _, _) => return err(at(".count"), "must be at least 1"),
-                (Some(_), Some(w), None) if w.is_zero() => return err(at(".window"), "must be longer than 0s"),
+                (Some(_), Some(w), None) if w.is_zero() => {
+                    return err(at(".window"), "must be longer than 0s")
+                }
                 (Some(_), Some(_), None) => {}
-                (None, None, Some(d)) if d.is_zero() => return err(at(".duration"), "must be longer than 0s"),
+                (None, None, Some(d)) if d.is_zero() => {
+                    return err(at(".duration"), "must be longer than 0s")
+                }
                 (None, None, Some(_)) => {}
                 _ => {
                     return err(
@@ -265,10 +275,16 @@ impl Policy {
         }
         for (i, r) in self.recovery.iter().enumerate() {
             if r.clear_after.is_zero() {
-                return err(format!("field recovery[{i}].clear_after"), "must be longer than 0s");
+                return err(
+                    format!("field recovery[{i}].clear_after"),
+                    "must be longer than 0s",
+                );
             }
             if let Some(c) = r.codes.iter().find(|c| !valid_code(c)) {
-                return err(format!("field recovery[{i}].codes"), &format!("{c:?} is not a fault code"));
+                return err(
+                    format!("field recovery[{i}].codes"),
+                    &format!("{c:?} is not a fault code"),
+                );
             }
         }
         for (h, a) in &self.node_actions {
@@ -311,7 +327,8 @@ impl Policy {
 fn valid_code(c: &str) -> bool {
     !c.is_empty()
         && c.len() <= 63
-        && c.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+        && c.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 /// Hex sha256 of a policy text.
@@ -358,8 +375,14 @@ expected_gpus: 8
         assert_eq!(p.escalation[0].window, Some(Duration::from_secs(86400)));
         assert_eq!(p.escalation[1].duration, Some(Duration::from_secs(20)));
         assert_eq!(p.expected_gpus, 8);
-        assert_eq!(p.node_action(Handling::PreSeparateNPU).health, Health::Unhealthy);
-        assert_eq!(p.node_action(Handling::SeparateNPU), default_node_action(Handling::SeparateNPU));
+        assert_eq!(
+            p.node_action(Handling::PreSeparateNPU).health,
+            Health::Unhealthy
+        );
+        assert_eq!(
+            p.node_action(Handling::SeparateNPU),
+            default_node_action(Handling::SeparateNPU)
+        );
     }
 
     /// Each bad policy is rejected with an error that names where the problem is.
@@ -392,9 +415,20 @@ expected_gpus: 8
     #[test]
     fn overrides_apply_over_the_catalog() {
         let cat = Catalog::builtin().unwrap();
-        let p = Policy::parse("overrides:\n  Xid43: { handling: SeparateNPU, fault_type: NodeUnhealthy }\n").unwrap();
+        let p = Policy::parse(
+            "overrides:\n  Xid43: { handling: SeparateNPU, fault_type: NodeUnhealthy }\n",
+        )
+        .unwrap();
         let c = p.classify(&cat, &FaultCode::Xid(43));
-        assert_eq!((c.handling, c.fault_type), (Handling::SeparateNPU, FaultType::NodeUnhealthy));
-        assert_eq!(Policy::default().classify(&cat, &FaultCode::Xid(43)).handling, Handling::NotHandleFault);
+        assert_eq!(
+            (c.handling, c.fault_type),
+            (Handling::SeparateNPU, FaultType::NodeUnhealthy)
+        );
+        assert_eq!(
+            Policy::default()
+                .classify(&cat, &FaultCode::Xid(43))
+                .handling,
+            Handling::NotHandleFault
+        );
     }
 }

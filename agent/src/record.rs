@@ -197,7 +197,10 @@ pub mod rfc3339 {
 
     pub mod option {
         use super::*;
-        pub fn serialize<S: Serializer>(t: &Option<DateTime<Utc>>, s: S) -> Result<S::Ok, S::Error> {
+        pub fn serialize<S: Serializer>(
+            t: &Option<DateTime<Utc>>,
+            s: S,
+        ) -> Result<S::Ok, S::Error> {
             match t {
                 Some(t) => super::serialize(t, s),
                 None => s.serialize_none(),
@@ -245,7 +248,11 @@ pub struct Fault {
     pub count: u64,
     /// False once the fault recovered; recovered faults stay for a while as history.
     pub active: bool,
-    #[serde(default, with = "rfc3339::option", skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        with = "rfc3339::option",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub recovered_at: Option<DateTime<Utc>>,
     /// The level before escalation, when an escalation rule raised it.
     #[serde(default, skip_serializing_if = "Option::is_none")]

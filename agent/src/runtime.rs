@@ -16,7 +16,9 @@ use tracing::{debug, info, warn, Instrument};
 use crate::catalog::Catalog;
 use crate::engine::{Ctx, DesiredCondition, DesiredTaint, Engine, EngineEvent, Observation};
 use crate::metrics::{HandlingLabel, KindLabel, Metrics};
-use crate::record::{check_code, AgentStatus, DetectorStatus, Handling, Health, NodeRecord, API_VERSION};
+use crate::record::{
+    check_code, AgentStatus, DetectorStatus, Handling, Health, NodeRecord, API_VERSION,
+};
 use crate::source::policy_watch::LoadedPolicy;
 use crate::source::Input;
 
@@ -168,19 +170,39 @@ impl EngineLoop {
     fn note(&self, events: &[EngineEvent]) {
         for e in events {
             let kind = match e {
-                EngineEvent::NewFault { code, device, handling, message } => {
+                EngineEvent::NewFault {
+                    code,
+                    device,
+                    handling,
+                    message,
+                } => {
                     warn!(code = %code, device = %device, handling = %handling, text = %message, "new fault");
                     "new_fault"
                 }
-                EngineEvent::Escalated { code, device, from, to, rule } => {
+                EngineEvent::Escalated {
+                    code,
+                    device,
+                    from,
+                    to,
+                    rule,
+                } => {
                     warn!(code = %code, device = %device, from = %from, to = %to, rule = %rule, "fault escalated");
                     "escalated"
                 }
-                EngineEvent::Recovered { code, device, reason } => {
+                EngineEvent::Recovered {
+                    code,
+                    device,
+                    reason,
+                } => {
                     info!(code = %code, device = %device, reason = %reason, "fault recovered");
                     "recovered"
                 }
-                EngineEvent::Reclassified { code, device, from, to } => {
+                EngineEvent::Reclassified {
+                    code,
+                    device,
+                    from,
+                    to,
+                } => {
                     info!(code = %code, device = %device, from = %from, to = %to, "fault reclassified by policy");
                     "reclassified"
                 }
@@ -189,7 +211,10 @@ impl EngineLoop {
                     "health_changed"
                 }
             };
-            self.metrics.engine_events.get_or_create(&KindLabel { kind }).inc();
+            self.metrics
+                .engine_events
+                .get_or_create(&KindLabel { kind })
+                .inc();
         }
     }
 
@@ -207,8 +232,17 @@ impl EngineLoop {
             })
             .collect();
         for h in Handling::ALL {
-            let n = view.faults.iter().filter(|f| f.active && f.fault_handling == h).count();
-            self.metrics.faults_active.get_or_create(&HandlingLabel { handling: h.as_str() }).set(n as i64);
+            let n = view
+                .faults
+                .iter()
+                .filter(|f| f.active && f.fault_handling == h)
+                .count();
+            self.metrics
+                .faults_active
+                .get_or_create(&HandlingLabel {
+                    handling: h.as_str(),
+                })
+                .set(n as i64);
         }
         self.metrics.node_health.set(match view.health {
             Health::Healthy => 0,
@@ -219,7 +253,9 @@ impl EngineLoop {
             let up = i64::from(d.state == crate::engine::DetectorState::Running);
             self.metrics
                 .detector_up
-                .get_or_create(&crate::metrics::DetectorLabel { detector: name.clone() })
+                .get_or_create(&crate::metrics::DetectorLabel {
+                    detector: name.clone(),
+                })
                 .set(up);
         }
         let record = NodeRecord {

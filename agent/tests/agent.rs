@@ -1,6 +1,8 @@
 //! End-to-end tests of the standalone agent: the real binary, a kernel log file, the local
 //! record, metrics, restarts, policy reloads and shutdown.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is the failure report
+
 mod common;
 
 use std::time::Duration;
@@ -13,7 +15,9 @@ fn mixed_replay() -> Vec<u8> {
     // Bad input the fixture file cannot hold as text: invalid UTF-8, and a line far over the
     // length limit whose start holds a fault.
     data.extend_from_slice(b"4,44,14000,-;\xff\xfe\xfd invalid utf-8 \xc3\x28\n");
-    data.extend_from_slice(b"4,45,15000,-;NVRM: Xid (PCI:0000:b1:00): 48, pid=1, name=x, DBE (0x1,0x2) ");
+    data.extend_from_slice(
+        b"4,45,15000,-;NVRM: Xid (PCI:0000:b1:00): 48, pid=1, name=x, DBE (0x1,0x2) ",
+    );
     data.extend(std::iter::repeat_n(b'x', 200_000));
     data.push(b'\n');
     data
@@ -25,35 +29,103 @@ fn replay_yields_the_expected_records() {
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("kmsg"), mixed_replay()).unwrap();
     let agent = Agent::start(dir.path(), &[]);
-    let r = agent.wait_for("all faults", |r| r.faults.len() >= 9 && fault(r, "Xid48").is_some());
+    let r = agent.wait_for("all faults", |r| {
+        r.faults.len() >= 9 && fault(r, "Xid48").is_some()
+    });
 
     let want: &[(&str, &str, u64, Handling, FaultType)] = &[
-        ("Xid79", "GPU-0000:3b:00.0", 3, Handling::SeparateNPU, FaultType::CardUnhealthy),
-        ("Xid13", "GPU-0000:86:00.0", 2, Handling::RestartBusiness, FaultType::CardUnhealthy),
-        ("Xid74", "GPU-0000:1a:00.0", 1, Handling::RestartNPU, FaultType::CardNetworkUnhealthy),
-        ("SXid12028", "nvswitch3", 1, Handling::SubHealthFault, FaultType::NodeUnhealthy),
-        ("PCIE_AER_FATAL", "pci-0000:01:00.0", 1, Handling::SeparateNPU, FaultType::NodeUnhealthy),
-        ("MCE_CORRECTED", "node", 1, Handling::NotHandleFault, FaultType::NodeUnhealthy),
-        ("KMSG_LOSS", "node", 28, Handling::SubHealthFault, FaultType::NodeUnhealthy),
-        ("Xid95", "GPU-0000:af:00.0", 1, Handling::RestartNPU, FaultType::CardUnhealthy),
-        ("Xid48", "GPU-0000:b1:00.0", 1, Handling::RestartNPU, FaultType::CardUnhealthy),
+        (
+            "Xid79",
+            "GPU-0000:3b:00.0",
+            3,
+            Handling::SeparateNPU,
+            FaultType::CardUnhealthy,
+        ),
+        (
+            "Xid13",
+            "GPU-0000:86:00.0",
+            2,
+            Handling::RestartBusiness,
+            FaultType::CardUnhealthy,
+        ),
+        (
+            "Xid74",
+            "GPU-0000:1a:00.0",
+            1,
+            Handling::RestartNPU,
+            FaultType::CardNetworkUnhealthy,
+        ),
+        (
+            "SXid12028",
+            "nvswitch3",
+            1,
+            Handling::SubHealthFault,
+            FaultType::NodeUnhealthy,
+        ),
+        (
+            "PCIE_AER_FATAL",
+            "pci-0000:01:00.0",
+            1,
+            Handling::SeparateNPU,
+            FaultType::NodeUnhealthy,
+        ),
+        (
+            "MCE_CORRECTED",
+            "node",
+            1,
+            Handling::NotHandleFault,
+            FaultType::NodeUnhealthy,
+        ),
+        (
+            "KMSG_LOSS",
+            "node",
+            28,
+            Handling::SubHealthFault,
+            FaultType::NodeUnhealthy,
+        ),
+        (
+            "Xid95",
+            "GPU-0000:af:00.0",
+            1,
+            Handling::RestartNPU,
+            FaultType::CardUnhealthy,
+        ),
+        (
+            "Xid48",
+            "GPU-0000:b1:00.0",
+            1,
+            Handling::RestartNPU,
+            FaultType::CardUnhealthy,
+        ),
     ];
     assert_eq!(r.faults.len(), want.len(), "{:#?}", r.faults);
     for (code, device, count, handling, ftype) in want {
         let f = fault(&r, code).unwrap_or_else(|| panic!("{code} missing"));
         assert_eq!(
-            (f.device.as_str(), f.count, f.fault_handling, f.fault_type, f.active),
+            (
+                f.device.as_str(),
+                f.count,
+                f.fault_handling,
+                f.fault_type,
+                f.active
+            ),
             (*device, *count, *handling, *ftype, true),
             "{code}"
         );
     }
     let x79 = fault(&r, "Xid79").unwrap();
-    assert_eq!(x79.device_uuid.as_deref(), Some("GPU-5d1c7f7e-1e0b-1b2c-3c4d-0123456789ab"));
+    assert_eq!(
+        x79.device_uuid.as_deref(),
+        Some("GPU-5d1c7f7e-1e0b-1b2c-3c4d-0123456789ab")
+    );
     assert_eq!(x79.pci_bus_id.as_deref(), Some("0000:3b:00.0"));
     assert_eq!(x79.source, Source::Kmsg);
     assert!(fault(&r, "Xid74").unwrap().message.contains("link 14"));
     assert_eq!(fault(&r, "KMSG_LOSS").unwrap().source, Source::Agent);
-    assert_eq!((r.health, r.handling), (Health::Unhealthy, Some(Handling::SeparateNPU)));
+    assert_eq!(
+        (r.health, r.handling),
+        (Health::Unhealthy, Some(Handling::SeparateNPU))
+    );
     assert_eq!(r.node, "node-a");
 
     // The bad records were counted, not fatal.
@@ -88,9 +160,13 @@ fn whole_corpus_through_the_agent() {
             Some("xid") => format!("Xid{}", num("xid").unwrap()),
             Some("fallen_off_bus") => "Xid79".into(),
             Some("sxid") => format!("SXid{}", num("sxid").unwrap()),
-            Some("pcie_aer") if e.get("fatal") == Some(&serde_json::Value::Bool(true)) => "PCIE_AER_FATAL".into(),
+            Some("pcie_aer") if e.get("fatal") == Some(&serde_json::Value::Bool(true)) => {
+                "PCIE_AER_FATAL".into()
+            }
             Some("pcie_aer") => "PCIE_AER_NONFATAL".into(),
-            Some("machine_check") if e.get("corrected") == Some(&serde_json::Value::Bool(true)) => "MCE_CORRECTED".into(),
+            Some("machine_check") if e.get("corrected") == Some(&serde_json::Value::Bool(true)) => {
+                "MCE_CORRECTED".into()
+            }
             Some("machine_check") => "MCE_UNCORRECTED".into(),
             _ => continue, // gpu_uuid: identity, not a fault
         };
@@ -102,11 +178,15 @@ fn whole_corpus_through_the_agent() {
     let n = cases.len() as f64;
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while agent.metric("faultline_kmsg_records_total") < n {
-        assert!(std::time::Instant::now() < deadline, "agent did not read the corpus");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "agent did not read the corpus"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let r = agent.wait_for("corpus faults", |r| r.faults.len() >= want.len());
-    let got: std::collections::BTreeSet<String> = r.faults.iter().map(|f| f.fault_code.clone()).collect();
+    let got: std::collections::BTreeSet<String> =
+        r.faults.iter().map(|f| f.fault_code.clone()).collect();
     assert_eq!(got, want);
     agent.stop();
 }
@@ -114,17 +194,33 @@ fn whole_corpus_through_the_agent() {
 #[test]
 fn restart_neither_recounts_nor_forgets() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("kmsg"), std::fs::read(fixtures().join("replay/mixed.kmsg")).unwrap()).unwrap();
+    std::fs::write(
+        dir.path().join("kmsg"),
+        std::fs::read(fixtures().join("replay/mixed.kmsg")).unwrap(),
+    )
+    .unwrap();
     let agent = Agent::start(dir.path(), &[]);
-    agent.wait_for("replay", |r| fault(r, "Xid79").is_some_and(|f| f.count == 3));
+    agent.wait_for("replay", |r| {
+        fault(r, "Xid79").is_some_and(|f| f.count == 3)
+    });
     assert_eq!(agent.stop(), 0);
 
     // Same boot: the log is read again from its start, but counted records are skipped.
     let agent = Agent::start(dir.path(), &[]);
     agent.append(b"4,46,16000,-;NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.\n");
-    let r = agent.wait_for("the new record", |r| fault(r, "Xid79").is_some_and(|f| f.count >= 4));
-    assert_eq!(fault(&r, "Xid79").unwrap().count, 4, "only the new line counted");
-    assert_eq!(fault(&r, "Xid13").unwrap().count, 2, "restored, not recounted");
+    let r = agent.wait_for("the new record", |r| {
+        fault(r, "Xid79").is_some_and(|f| f.count >= 4)
+    });
+    assert_eq!(
+        fault(&r, "Xid79").unwrap().count,
+        4,
+        "only the new line counted"
+    );
+    assert_eq!(
+        fault(&r, "Xid13").unwrap().count,
+        2,
+        "restored, not recounted"
+    );
     // 43 -> 46 skips two records: lost while the agent was down.
     assert_eq!(fault(&r, "KMSG_LOSS").unwrap().count, 28 + 2);
     assert!(agent.metric("faultline_kmsg_skipped_records_total") >= 14.0);
@@ -148,7 +244,9 @@ fn sigterm_flushes_the_latest_state() {
     let agent = Agent::start(dir.path(), &["--write-interval", "1h"]);
     agent.append(b"4,1,100,-;NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=a, Graphics Exception\n");
     agent.wait_for("first write", |r| fault(r, "Xid13").is_some());
-    agent.append(b"4,2,200,-;NVRM: Xid (PCI:0000:86:00): 79, pid=1, name=a, GPU has fallen off the bus.\n");
+    agent.append(
+        b"4,2,200,-;NVRM: Xid (PCI:0000:86:00): 79, pid=1, name=a, GPU has fallen off the bus.\n",
+    );
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while agent.metric("faultline_kmsg_records_total") < 2.0 {
         assert!(std::time::Instant::now() < deadline);
@@ -159,7 +257,8 @@ fn sigterm_flushes_the_latest_state() {
     assert!(fault(&before, "Xid79").is_none(), "still coalesced");
     let dir_state = agent.state();
     assert_eq!(agent.stop(), 0);
-    let after: faultline_agent::record::NodeRecord = serde_json::from_slice(&std::fs::read(dir_state.join("faults.json")).unwrap()).unwrap();
+    let after: faultline_agent::record::NodeRecord =
+        serde_json::from_slice(&std::fs::read(dir_state.join("faults.json")).unwrap()).unwrap();
     assert!(fault(&after, "Xid79").is_some(), "flushed on SIGTERM");
     assert_eq!(after.health, Health::Unhealthy);
 }
@@ -176,8 +275,15 @@ fn bad_policy_is_rejected_visibly_and_detection_goes_on() {
     std::fs::write(&policy, "overrides:\n  Xid43: { handling: SeparateNPU }\nescalation:\n  - codes: [Xid13]\n    count: lots\n").unwrap();
     let r = agent.wait_for("policy error in record", |r| r.agent.policy.error.is_some());
     let err = r.agent.policy.error.clone().unwrap();
-    assert!(err.contains("escalation[0].count") && err.contains("line 5"), "{err}");
-    assert_eq!(r.health, Health::Unhealthy, "last good policy still in force");
+    assert!(
+        err.contains("escalation[0].count") && err.contains("line 5"),
+        "{err}"
+    );
+    assert_eq!(
+        r.health,
+        Health::Unhealthy,
+        "last good policy still in force"
+    );
     assert_eq!(agent.metric("faultline_policy_valid"), 0.0);
     assert!(agent.metric("faultline_policy_reloads_total{result=\"Rejected\"}") >= 1.0);
 
@@ -185,7 +291,10 @@ fn bad_policy_is_rejected_visibly_and_detection_goes_on() {
     agent.wait_for("detection continues", |r| fault(r, "Xid95").is_some());
 
     std::fs::write(&policy, "overrides: {}\n").unwrap();
-    let r = agent.wait_for("good policy back", |r| r.agent.policy.error.is_none() && fault(r, "Xid43").is_some_and(|f| f.fault_handling == Handling::NotHandleFault));
+    let r = agent.wait_for("good policy back", |r| {
+        r.agent.policy.error.is_none()
+            && fault(r, "Xid43").is_some_and(|f| f.fault_handling == Handling::NotHandleFault)
+    });
     assert_eq!(r.health, Health::Degraded, "Xid95 alone: RestartNPU");
     assert_eq!(agent.metric("faultline_policy_valid"), 1.0);
     agent.stop();
@@ -209,12 +318,21 @@ fn unreadable_kernel_log_is_a_detector_fault_not_a_crash() {
 fn operator_clear_and_cli() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
-    agent.append(b"4,1,100,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=a, GPU has fallen off the bus.\n");
+    agent.append(
+        b"4,1,100,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=a, GPU has fallen off the bus.\n",
+    );
     agent.wait_for("fault", |r| r.health == Health::Unhealthy);
     let cli = env!("CARGO_BIN_EXE_faultline");
     let state = agent.state();
     let out = std::process::Command::new(cli)
-        .args(["wait-healthy", "--timeout", "200ms", "--interval", "50ms", "--state-dir"])
+        .args([
+            "wait-healthy",
+            "--timeout",
+            "200ms",
+            "--interval",
+            "50ms",
+            "--state-dir",
+        ])
         .arg(&state)
         .output()
         .unwrap();
@@ -222,12 +340,34 @@ fn operator_clear_and_cli() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("Xid79") && err.lines().count() == 1, "{err}");
 
-    let out = std::process::Command::new(cli).args(["clear", "--code", "Xid79", "--state-dir"]).arg(&state).output().unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
-    let out = std::process::Command::new(cli).args(["wait-healthy", "--timeout", "20s", "--state-dir"]).arg(&state).output().unwrap();
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = std::process::Command::new(cli)
+        .args(["clear", "--code", "Xid79", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = std::process::Command::new(cli)
+        .args(["wait-healthy", "--timeout", "20s", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
-    let out = std::process::Command::new(cli).args(["get", "-o", "json", "--all", "--state-dir"]).arg(&state).output().unwrap();
+    let out = std::process::Command::new(cli)
+        .args(["get", "-o", "json", "--all", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
     let r: faultline_agent::record::NodeRecord = serde_json::from_slice(&out.stdout).unwrap();
     assert!(!fault(&r, "Xid79").unwrap().active);
     agent.stop();
@@ -235,7 +375,10 @@ fn operator_clear_and_cli() {
 
 #[test]
 fn record_validates_against_the_published_schema() {
-    let schema: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(fixtures().join("../../docs/record.schema.json")).unwrap()).unwrap();
+    let schema: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("../../docs/record.schema.json")).unwrap(),
+    )
+    .unwrap();
     let validator = jsonschema::validator_for(&schema).expect("schema compiles");
 
     let dir = tempfile::tempdir().unwrap();
@@ -247,11 +390,19 @@ fn record_validates_against_the_published_schema() {
     agent.append(b"4,46,16000,-;NVRM: Xid (PCI:0000:86:00): 13, pid=1, name=a, x\n");
     let state = agent.state();
     // Recovered faults, an escalation source list and a policy error all appear in one record.
-    std::process::Command::new(env!("CARGO_BIN_EXE_faultline")).args(["clear", "--code", "Xid95", "--state-dir"]).arg(&state).output().unwrap();
+    std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
+        .args(["clear", "--code", "Xid95", "--state-dir"])
+        .arg(&state)
+        .output()
+        .unwrap();
     let r = agent.wait_for("cleared", |r| fault(r, "Xid95").is_some_and(|f| !f.active));
     assert!(r.agent.policy.error.is_some());
-    let value: serde_json::Value = serde_json::from_slice(&std::fs::read(agent.record_path()).unwrap()).unwrap();
-    let errors: Vec<String> = validator.iter_errors(&value).map(|e| format!("{} at {}", e, e.instance_path())).collect();
+    let value: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(agent.record_path()).unwrap()).unwrap();
+    let errors: Vec<String> = validator
+        .iter_errors(&value)
+        .map(|e| format!("{} at {}", e, e.instance_path()))
+        .collect();
     assert!(errors.is_empty(), "{errors:#?}");
 
     // The schema is strict: it rejects what the contract does not allow.

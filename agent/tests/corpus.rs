@@ -1,6 +1,8 @@
 //! Drives the kernel message parsers with the fixture corpus in tests/fixtures/kernel-lines.yaml:
 //! every real-format line must yield the expected event, every other line must yield none.
 
+#![allow(clippy::unwrap_used)] // test code: a panic is the failure report
+
 use std::path::PathBuf;
 
 use faultline_agent::parse::parse_message;
@@ -16,7 +18,8 @@ struct Case {
 }
 
 fn corpus() -> Vec<Case> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/kernel-lines.yaml");
+    let path =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/kernel-lines.yaml");
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     serde_norway::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
@@ -36,13 +39,28 @@ fn corpus_lines_parse_as_expected() {
                 for (k, v) in want {
                     let actual = got.get(k).unwrap_or(&Value::Null);
                     if actual != v {
-                        failures.push(format!("{:?}\n  field {k}: want {v}, got {actual}\n  source: {:?}", c.line, c.source));
+                        failures.push(format!(
+                            "{:?}\n  field {k}: want {v}, got {actual}\n  source: {:?}",
+                            c.line, c.source
+                        ));
                     }
                 }
             }
-            _ => failures.push(format!("{:?}\n  want {:?}\n  got  {:?}", c.line, c.expect, got)),
+            _ => failures.push(format!(
+                "{:?}\n  want {:?}\n  got  {:?}",
+                c.line, c.expect, got
+            )),
         }
     }
-    assert!(failures.is_empty(), "{} of {} corpus lines failed:\n{}", failures.len(), cases.len(), failures.join("\n"));
-    assert!(matching >= 60 && non_matching >= 40, "{matching} matching, {non_matching} non-matching");
+    assert!(
+        failures.is_empty(),
+        "{} of {} corpus lines failed:\n{}",
+        failures.len(),
+        cases.len(),
+        failures.join("\n")
+    );
+    assert!(
+        matching >= 60 && non_matching >= 40,
+        "{matching} matching, {non_matching} non-matching"
+    );
 }

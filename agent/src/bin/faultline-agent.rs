@@ -7,7 +7,12 @@ use signal_hook::consts::{SIGINT, SIGTERM};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Parser)]
-#[command(name = "faultline-agent", version, about = "Accelerator node-health agent", args_override_self = true)]
+#[command(
+    name = "faultline-agent",
+    version,
+    about = "Accelerator node-health agent",
+    args_override_self = true
+)]
 struct Cli {
     #[command(flatten)]
     agent: faultline_agent::daemon::AgentConfig,

@@ -7,10 +7,19 @@ use clap::{Parser, Subcommand, ValueEnum};
 use faultline_agent::cli;
 
 #[derive(Debug, Parser)]
-#[command(name = "faultline", version, about = "Read and act on faultline's fault records")]
+#[command(
+    name = "faultline",
+    version,
+    about = "Read and act on faultline's fault records"
+)]
 struct Cli {
     /// The agent's state directory (holds faults.json).
-    #[arg(long, global = true, env = "FAULTLINE_STATE_DIR", default_value = "/run/faultline")]
+    #[arg(
+        long,
+        global = true,
+        env = "FAULTLINE_STATE_DIR",
+        default_value = "/run/faultline"
+    )]
     state_dir: PathBuf,
     #[command(subcommand)]
     command: Command,
@@ -63,10 +72,22 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let outcome = match cli.command {
-        Command::Get { file, output, all } => cli::get(&cli::record_path(file.as_deref(), &cli.state_dir), matches!(output, Output::Json), all),
-        Command::WaitHealthy { file, timeout, interval, allow_degraded } => {
-            cli::wait_healthy(&cli::record_path(file.as_deref(), &cli.state_dir), timeout, interval, allow_degraded)
-        }
+        Command::Get { file, output, all } => cli::get(
+            &cli::record_path(file.as_deref(), &cli.state_dir),
+            matches!(output, Output::Json),
+            all,
+        ),
+        Command::WaitHealthy {
+            file,
+            timeout,
+            interval,
+            allow_degraded,
+        } => cli::wait_healthy(
+            &cli::record_path(file.as_deref(), &cli.state_dir),
+            timeout,
+            interval,
+            allow_degraded,
+        ),
         Command::Clear { code, device, wait } => cli::clear(&cli.state_dir, code, device, wait),
     };
     if outcome.code == 0 {

@@ -62,7 +62,12 @@ pub struct Signal {
 }
 
 impl Signal {
-    pub fn new(source: Source, code: FaultCode, device: Option<DeviceRef>, message: impl Into<String>) -> Self {
+    pub fn new(
+        source: Source,
+        code: FaultCode,
+        device: Option<DeviceRef>,
+        message: impl Into<String>,
+    ) -> Self {
         Signal {
             source,
             code,
@@ -111,7 +116,9 @@ pub enum Observation {
         index: Option<u32>,
     },
     /// The node's boot id. A change clears kernel-log faults: they described the last boot.
-    Boot { boot_id: String },
+    Boot {
+        boot_id: String,
+    },
     /// An operator cleared faults (any code / device when `None`).
     OperatorClear {
         code: Option<String>,
@@ -311,11 +318,22 @@ impl Engine {
         let mut events = Vec::new();
         match obs {
             Observation::Signal(s) => self.signal(ctx, s, now, &mut events),
-            Observation::Resolved { source, code, device } => {
+            Observation::Resolved {
+                source,
+                code,
+                device,
+            } => {
                 let key = self.fault_key(&code, device.as_ref());
                 if let Some(f) = self.faults.get_mut(&key) {
-                    if f.fault.active && (f.fault.source == source || f.fault.also_seen_by.contains(&source)) {
-                        recover(f, now, format!("{source} reports the condition is gone"), &mut events);
+                    if f.fault.active
+                        && (f.fault.source == source || f.fault.also_seen_by.contains(&source))
+                    {
+                        recover(
+                            f,
+                            now,
+                            format!("{source} reports the condition is gone"),
+                            &mut events,
+                        );
                     }
                 }
             }
@@ -336,15 +354,21 @@ impl Engine {
             Observation::OperatorClear { code, device } => {
                 for f in self.faults.values_mut() {
                     let code_ok = code.as_deref().is_none_or(|c| c == f.fault.fault_code);
-                    let dev_ok = device
-                        .as_deref()
-                        .is_none_or(|d| d == f.fault.device || Some(d) == f.fault.device_uuid.as_deref() || Some(d) == f.fault.pci_bus_id.as_deref());
+                    let dev_ok = device.as_deref().is_none_or(|d| {
+                        d == f.fault.device
+                            || Some(d) == f.fault.device_uuid.as_deref()
+                            || Some(d) == f.fault.pci_bus_id.as_deref()
+                    });
                     if f.fault.active && code_ok && dev_ok {
                         recover(f, now, "cleared by operator".into(), &mut events);
                     }
                 }
             }
-            Observation::Detector { name, state, reason } => self.detector(ctx, name, state, reason, now, &mut events),
+            Observation::Detector {
+                name,
+                state,
+                reason,
+            } => self.detector(ctx, name, state, reason, now, &mut events),
             Observation::Tick => self.tick(ctx.policy, now, &mut events),
         }
         self.prune(ctx.policy, now);
@@ -353,7 +377,10 @@ impl Engine {
         }
         let after = self.health(ctx.policy);
         if after != before {
-            events.push(EngineEvent::HealthChanged { from: before, to: after });
+            events.push(EngineEvent::HealthChanged {
+                from: before,
+                to: after,
+            });
         }
         events
     }
@@ -409,12 +436,18 @@ impl Engine {
     }
 
     /// Key and display fields for a device reference, using what the engine knows.
-    fn resolve_device(&self, d: Option<&DeviceRef>) -> (String, String, Option<String>, Option<String>) {
+    fn resolve_device(
+        &self,
+        d: Option<&DeviceRef>,
+    ) -> (String, String, Option<String>, Option<String>) {
         let Some(d) = d else {
             return ("node".into(), "node".into(), None, None);
         };
         let known = d.pci.and_then(|p| self.devices.get(&p));
-        let uuid = d.uuid.clone().or_else(|| known.and_then(|k| k.uuid.clone()));
+        let uuid = d
+            .uuid
+            .clone()
+            .or_else(|| known.and_then(|k| k.uuid.clone()));
         let index = d.index.or_else(|| known.and_then(|k| k.index));
         let pci = d.pci.map(|p| p.to_string());
         let key = pci
@@ -437,12 +470,19 @@ impl Engine {
         format!("{}/{}", code, self.resolve_device(device).0)
     }
 
-    fn signal(&mut self, ctx: Ctx<'_>, s: Signal, now: DateTime<Utc>, events: &mut Vec<EngineEvent>) {
+    fn signal(
+        &mut self,
+        ctx: Ctx<'_>,
+        s: Signal,
+        now: DateTime<Utc>,
+        events: &mut Vec<EngineEvent>,
+    ) {
         let at = s.at.unwrap_or(now);
         let count = s.count.max(1);
         let (dkey, dname, uuid, pci) = self.resolve_device(s.device.as_ref());
         let key = format!("{}/{}", s.code, dkey);
-        let burst = chrono::Duration::from_std(ctx.policy.burst_window).unwrap_or(chrono::Duration::zero());
+        let burst =
+            chrono::Duration::from_std(ctx.policy.burst_window).unwrap_or(chrono::Duration::zero());
         match self.faults.get_mut(&key) {
             Some(f) => {
                 let was_active = f.fault.active;
@@ -482,7 +522,11 @@ impl Engine {
             }
             None => {
                 let c = ctx.policy.classify(ctx.catalog, &s.code);
-                let message = if s.message.is_empty() { c.description.clone() } else { s.message };
+                let message = if s.message.is_empty() {
+                    c.description.clone()
+                } else {
+                    s.message
+                };
                 let mut f = FaultState {
                     fault: Fault {
                         fault_type: c.fault_type,
@@ -571,7 +615,7 @@ impl Engine {
             escalate(policy, f, now, events);
             let quiet = now - f.fault.last_seen;
             let rule = policy.recovery.iter().find(|r| {
-                (r.codes.is_empty() || r.codes.iter().any(|c| *c == f.fault.fault_code))
+                (r.codes.is_empty() || r.codes.contains(&f.fault.fault_code))
                     && (r.sources.is_empty() || r.sources.contains(&f.fault.source))
                     && r.max_handling.is_none_or(|m| f.fault.fault_handling <= m)
                     && chrono::Duration::from_std(r.clear_after).is_ok_and(|d| quiet >= d)
@@ -589,10 +633,12 @@ impl Engine {
 
     /// Drops recovered faults past retention, then the oldest beyond the cap.
     fn prune(&mut self, policy: &Policy, now: DateTime<Utc>) {
-        let retention = chrono::Duration::from_std(policy.recovered_retention).unwrap_or(chrono::Duration::MAX);
+        let retention =
+            chrono::Duration::from_std(policy.recovered_retention).unwrap_or(chrono::Duration::MAX);
         let before = self.faults.len();
-        self.faults
-            .retain(|_, f| f.fault.active || f.fault.recovered_at.is_none_or(|r| now - r < retention));
+        self.faults.retain(|_, f| {
+            f.fault.active || f.fault.recovered_at.is_none_or(|r| now - r < retention)
+        });
         let mut recovered: Vec<(DateTime<Utc>, String)> = self
             .faults
             .iter()
@@ -624,7 +670,8 @@ impl Engine {
 
     /// The desired node state and the record's fault list.
     pub fn view(&self, policy: &Policy) -> NodeView {
-        let mut active: Vec<&FaultState> = self.faults.values().filter(|f| f.fault.active).collect();
+        let mut active: Vec<&FaultState> =
+            self.faults.values().filter(|f| f.fault.active).collect();
         active.sort_by(|a, b| {
             b.fault
                 .fault_handling
@@ -660,7 +707,8 @@ impl Engine {
                 message: summarize(&active),
             },
         };
-        let mut recovered: Vec<&FaultState> = self.faults.values().filter(|f| !f.fault.active).collect();
+        let mut recovered: Vec<&FaultState> =
+            self.faults.values().filter(|f| !f.fault.active).collect();
         recovered.sort_by(|a, b| {
             b.fault
                 .recovered_at
@@ -674,7 +722,11 @@ impl Engine {
             labels: BTreeMap::from([(HEALTH_LABEL.to_string(), health.to_string())]),
             taints: taints.into_values().collect(),
             condition,
-            faults: active.iter().chain(recovered.iter()).map(|f| f.fault.clone()).collect(),
+            faults: active
+                .iter()
+                .chain(recovered.iter())
+                .map(|f| f.fault.clone())
+                .collect(),
             dropped_faults: self.dropped,
         }
     }
@@ -685,7 +737,12 @@ fn summarize(active: &[&FaultState]) -> String {
     let mut parts: Vec<String> = active
         .iter()
         .take(5)
-        .map(|f| format!("{} on {} ({})", f.fault.fault_code, f.fault.device, f.fault.fault_handling))
+        .map(|f| {
+            format!(
+                "{} on {} ({})",
+                f.fault.fault_code, f.fault.device, f.fault.fault_handling
+            )
+        })
         .collect();
     if active.len() > 5 {
         parts.push(format!("and {} more", active.len() - 5));
@@ -717,12 +774,18 @@ fn recover(f: &mut FaultState, now: DateTime<Utc>, reason: String, events: &mut 
 }
 
 /// Applies the escalation rules that match; never lowers a fault.
-fn escalate(policy: &Policy, f: &mut FaultState, now: DateTime<Utc>, events: &mut Vec<EngineEvent>) {
+fn escalate(
+    policy: &Policy,
+    f: &mut FaultState,
+    now: DateTime<Utc>,
+    events: &mut Vec<EngineEvent>,
+) {
     if !f.fault.active {
         return;
     }
     for (i, r) in policy.escalation.iter().enumerate() {
-        if r.handling <= f.fault.fault_handling || !r.codes.iter().any(|c| *c == f.fault.fault_code) {
+        if r.handling <= f.fault.fault_handling || !r.codes.contains(&f.fault.fault_code)
+        {
             continue;
         }
         let hit = match (r.count, r.window, r.duration) {
@@ -731,7 +794,9 @@ fn escalate(policy: &Policy, f: &mut FaultState, now: DateTime<Utc>, events: &mu
                 let recent = f.occurrences.iter().filter(|t| now - **t <= w).count();
                 recent >= n as usize
             }
-            (_, _, Some(d)) => chrono::Duration::from_std(d).is_ok_and(|d| now - f.active_since >= d),
+            (_, _, Some(d)) => {
+                chrono::Duration::from_std(d).is_ok_and(|d| now - f.active_since >= d)
+            }
             _ => false,
         };
         if hit {
@@ -752,5 +817,9 @@ fn escalate(policy: &Policy, f: &mut FaultState, now: DateTime<Utc>, events: &mu
 
 /// Fault types seen among active faults (for metrics).
 pub fn active_types(view: &NodeView) -> BTreeSet<FaultType> {
-    view.faults.iter().filter(|f| f.active).map(|f| f.fault_type).collect()
+    view.faults
+        .iter()
+        .filter(|f| f.active)
+        .map(|f| f.fault_type)
+        .collect()
 }

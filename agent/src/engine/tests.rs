@@ -9,7 +9,9 @@ use super::*;
 use crate::policy::Policy;
 
 fn t(s: i64) -> DateTime<Utc> {
-    Utc.timestamp_opt(1_700_000_000 + s, 0).single().expect("valid time")
+    Utc.timestamp_opt(1_700_000_000 + s, 0)
+        .single()
+        .expect("valid time")
 }
 
 fn pci(s: &str) -> PciAddr {
@@ -74,13 +76,26 @@ fn healthy_node_view() {
 /// Each row: the Xid, the verdict, the taint, the condition status (DESIGN.md's action table).
 #[test]
 fn xid_to_node_actions() {
-    let rows: &[(u32, Health, Option<(&str, TaintEffect)>, bool, Handling)] = &[
-        (79, Health::Unhealthy, Some(("faultline.io/unhealthy", TaintEffect::NoSchedule)), false, Handling::SeparateNPU),
+    type Row = (u32, Health, Option<(&'static str, TaintEffect)>, bool, Handling);
+    let rows: &[Row] = &[
+        (
+            79,
+            Health::Unhealthy,
+            Some(("faultline.io/unhealthy", TaintEffect::NoSchedule)),
+            false,
+            Handling::SeparateNPU,
+        ),
         (95, Health::Degraded, None, true, Handling::RestartNPU),
         (13, Health::Degraded, None, true, Handling::RestartBusiness),
         (43, Health::Healthy, None, true, Handling::NotHandleFault),
         (63, Health::Healthy, None, true, Handling::NotHandleFault),
-        (99_999, Health::Degraded, Some(("faultline.io/degraded", TaintEffect::PreferNoSchedule)), false, Handling::PreSeparateNPU),
+        (
+            99_999,
+            Health::Degraded,
+            Some(("faultline.io/degraded", TaintEffect::PreferNoSchedule)),
+            false,
+            Handling::PreSeparateNPU,
+        ),
     ];
     for &(x, health, taint, cond, handling) in rows {
         let mut r = Rig::new("");
@@ -93,7 +108,11 @@ fn xid_to_node_actions() {
             None => assert!(v.taints.is_empty(), "Xid {x}: {:?}", v.taints),
             Some((key, effect)) => assert_eq!(
                 v.taints,
-                vec![DesiredTaint { key: key.into(), value: format!("Xid{x}"), effect }],
+                vec![DesiredTaint {
+                    key: key.into(),
+                    value: format!("Xid{x}"),
+                    effect
+                }],
                 "Xid {x}"
             ),
         }
@@ -106,7 +125,10 @@ fn identical_signals_dedupe_into_one_fault_with_a_count() {
     let mut new_faults = 0;
     for i in 0..800_000u32 {
         let ev = r.at(i64::from(i / 1000), xid(95, "0000:3b:00.0"));
-        new_faults += ev.iter().filter(|e| matches!(e, EngineEvent::NewFault { .. })).count();
+        new_faults += ev
+            .iter()
+            .filter(|e| matches!(e, EngineEvent::NewFault { .. }))
+            .count();
     }
     let f = r.only();
     assert_eq!(f.count, 800_000);
@@ -128,14 +150,33 @@ fn different_devices_are_different_faults() {
 fn uuid_line_names_the_device_of_earlier_and_later_faults() {
     let mut r = Rig::new("");
     r.at(0, xid(31, "0000:3b:00.0"));
-    r.at(1, Observation::DeviceSeen { pci: pci("0000:3b:00.0"), uuid: Some("GPU-abc".into()), index: None });
+    r.at(
+        1,
+        Observation::DeviceSeen {
+            pci: pci("0000:3b:00.0"),
+            uuid: Some("GPU-abc".into()),
+            index: None,
+        },
+    );
     r.at(2, xid(79, "0000:3b:00.0"));
     for f in r.view().faults {
-        assert_eq!(f.device_uuid.as_deref(), Some("GPU-abc"), "{}", f.fault_code);
+        assert_eq!(
+            f.device_uuid.as_deref(),
+            Some("GPU-abc"),
+            "{}",
+            f.fault_code
+        );
         assert_eq!(f.pci_bus_id.as_deref(), Some("0000:3b:00.0"));
         assert_eq!(f.device, "GPU-0000:3b:00.0");
     }
-    r.at(3, Observation::DeviceSeen { pci: pci("0000:3b:00.0"), uuid: None, index: Some(3) });
+    r.at(
+        3,
+        Observation::DeviceSeen {
+            pci: pci("0000:3b:00.0"),
+            uuid: None,
+            index: Some(3),
+        },
+    );
     assert!(r.view().faults.iter().all(|f| f.device == "GPU-3"));
 }
 
@@ -152,7 +193,16 @@ fn frequency_escalation_counts_occurrences_not_lines() {
     r.at(600, xid(13, "0000:3b:00.0"));
     assert_eq!(r.only().fault_handling, Handling::RestartBusiness);
     let ev = r.at(1200, xid(13, "0000:3b:00.0"));
-    assert!(ev.iter().any(|e| matches!(e, EngineEvent::Escalated { to: Handling::SeparateNPU, .. })), "{ev:?}");
+    assert!(
+        ev.iter().any(|e| matches!(
+            e,
+            EngineEvent::Escalated {
+                to: Handling::SeparateNPU,
+                ..
+            }
+        )),
+        "{ev:?}"
+    );
     let f = r.only();
     assert_eq!(f.fault_handling, Handling::SeparateNPU);
     assert_eq!(f.escalated_from, Some(Handling::RestartBusiness));
@@ -169,7 +219,9 @@ fn frequency_outside_the_window_does_not_escalate() {
 
 #[test]
 fn duration_escalation_fires_on_tick() {
-    let mut r = Rig::new("escalation:\n  - codes: [NVLINK_DOWN]\n    duration: 20s\n    handling: SeparateNPU\n");
+    let mut r = Rig::new(
+        "escalation:\n  - codes: [NVLINK_DOWN]\n    duration: 20s\n    handling: SeparateNPU\n",
+    );
     r.at(0, named("NVLINK_DOWN", Source::Nvml));
     r.at(19, Observation::Tick);
     assert_eq!(r.only().fault_handling, Handling::PreSeparateNPU);
@@ -183,27 +235,65 @@ fn escalation_survives_quiet_but_not_recovery() {
     r.at(0, xid(95, "0000:3b:00.0"));
     r.at(100, xid(95, "0000:3b:00.0"));
     r.at(5000, Observation::Tick);
-    assert_eq!(r.only().fault_handling, Handling::SeparateNPU, "sticky while active");
-    r.at(5001, Observation::OperatorClear { code: None, device: None });
+    assert_eq!(
+        r.only().fault_handling,
+        Handling::SeparateNPU,
+        "sticky while active"
+    );
+    r.at(
+        5001,
+        Observation::OperatorClear {
+            code: None,
+            device: None,
+        },
+    );
     r.at(9000, xid(95, "0000:3b:00.0"));
     let f = r.only();
     assert!(f.active);
-    assert_eq!(f.fault_handling, Handling::RestartNPU, "a fresh period starts at the base level");
+    assert_eq!(
+        f.fault_handling,
+        Handling::RestartNPU,
+        "a fresh period starts at the base level"
+    );
 }
 
 #[test]
 fn reboot_clears_kernel_log_faults_only() {
     let mut r = Rig::new("");
-    r.at(0, Observation::Boot { boot_id: "a".into() });
+    r.at(
+        0,
+        Observation::Boot {
+            boot_id: "a".into(),
+        },
+    );
     r.at(1, xid(79, "0000:3b:00.0"));
     r.at(1, named("GPU_MISSING", Source::Nvml));
-    r.at(2, Observation::Boot { boot_id: "a".into() });
-    assert!(r.view().faults.iter().all(|f| f.active), "same boot: nothing clears");
-    let ev = r.at(3, Observation::Boot { boot_id: "b".into() });
-    assert!(ev.iter().any(|e| matches!(e, EngineEvent::Recovered { code, .. } if code == "Xid79")));
+    r.at(
+        2,
+        Observation::Boot {
+            boot_id: "a".into(),
+        },
+    );
+    assert!(
+        r.view().faults.iter().all(|f| f.active),
+        "same boot: nothing clears"
+    );
+    let ev = r.at(
+        3,
+        Observation::Boot {
+            boot_id: "b".into(),
+        },
+    );
+    assert!(ev
+        .iter()
+        .any(|e| matches!(e, EngineEvent::Recovered { code, .. } if code == "Xid79")));
     let v = r.view();
     let xid79 = v.faults.iter().find(|f| f.fault_code == "Xid79").unwrap();
-    let missing = v.faults.iter().find(|f| f.fault_code == "GPU_MISSING").unwrap();
+    let missing = v
+        .faults
+        .iter()
+        .find(|f| f.fault_code == "GPU_MISSING")
+        .unwrap();
     assert!(!xid79.active && xid79.recovered_at == Some(t(3)));
     assert!(missing.active);
 }
@@ -214,7 +304,13 @@ fn operator_clear_by_code_and_device() {
     r.at(0, xid(79, "0000:3b:00.0"));
     r.at(0, xid(79, "0000:86:00.0"));
     r.at(0, xid(95, "0000:86:00.0"));
-    r.at(1, Observation::OperatorClear { code: Some("Xid79".into()), device: Some("0000:86:00.0".into()) });
+    r.at(
+        1,
+        Observation::OperatorClear {
+            code: Some("Xid79".into()),
+            device: Some("0000:86:00.0".into()),
+        },
+    );
     let active: Vec<(String, String)> = r
         .view()
         .faults
@@ -224,7 +320,10 @@ fn operator_clear_by_code_and_device() {
         .collect();
     assert_eq!(
         active,
-        vec![("Xid79".into(), "0000:3b:00.0".into()), ("Xid95".into(), "0000:86:00.0".into())]
+        vec![
+            ("Xid79".into(), "0000:3b:00.0".into()),
+            ("Xid95".into(), "0000:86:00.0".into())
+        ]
     );
 }
 
@@ -240,17 +339,41 @@ fn quiet_recovery_rules() {
     r.at(600, Observation::Tick);
     assert_eq!(r.view().faults.iter().filter(|f| f.active).count(), 2);
     r.at(3600, Observation::Tick);
-    let active: Vec<String> = r.view().faults.into_iter().filter(|f| f.active).map(|f| f.fault_code).collect();
-    assert_eq!(active, vec!["Xid79"], "a SeparateNPU fault waits for reboot or operator");
+    let active: Vec<String> = r
+        .view()
+        .faults
+        .into_iter()
+        .filter(|f| f.active)
+        .map(|f| f.fault_code)
+        .collect();
+    assert_eq!(
+        active,
+        vec!["Xid79"],
+        "a SeparateNPU fault waits for reboot or operator"
+    );
 }
 
 #[test]
 fn resolved_clears_only_from_the_reporting_source() {
     let mut r = Rig::new("");
     r.at(0, named("NVLINK_DOWN", Source::Nvml));
-    r.at(1, Observation::Resolved { source: Source::Kmsg, code: FaultCode::named("NVLINK_DOWN"), device: None });
+    r.at(
+        1,
+        Observation::Resolved {
+            source: Source::Kmsg,
+            code: FaultCode::named("NVLINK_DOWN"),
+            device: None,
+        },
+    );
     assert!(r.only().active);
-    r.at(2, Observation::Resolved { source: Source::Nvml, code: FaultCode::named("NVLINK_DOWN"), device: None });
+    r.at(
+        2,
+        Observation::Resolved {
+            source: Source::Nvml,
+            code: FaultCode::named("NVLINK_DOWN"),
+            device: None,
+        },
+    );
     assert!(!r.only().active);
 }
 
@@ -258,24 +381,60 @@ fn resolved_clears_only_from_the_reporting_source() {
 fn same_fault_from_two_sources_is_one_fault() {
     let mut r = Rig::new("");
     r.at(0, xid(79, "0000:3b:00.0"));
-    let mut s = Signal::new(Source::Nvml, FaultCode::Xid(79), Some(DeviceRef::pci(pci("0000:3b:00.0"))), "nvml");
+    let mut s = Signal::new(
+        Source::Nvml,
+        FaultCode::Xid(79),
+        Some(DeviceRef::pci(pci("0000:3b:00.0"))),
+        "nvml",
+    );
     s.at = Some(t(1));
     r.at(1, Observation::Signal(s));
     let f = r.only();
-    assert_eq!((f.source, f.also_seen_by.clone(), f.count), (Source::Kmsg, vec![Source::Nvml], 2));
+    assert_eq!(
+        (f.source, f.also_seen_by.clone(), f.count),
+        (Source::Kmsg, vec![Source::Nvml], 2)
+    );
 }
 
 #[test]
 fn detector_down_and_back() {
     let mut r = Rig::new("");
-    r.at(0, Observation::Detector { name: "nvml".into(), state: DetectorState::Down, reason: Some("init failed".into()) });
+    r.at(
+        0,
+        Observation::Detector {
+            name: "nvml".into(),
+            state: DetectorState::Down,
+            reason: Some("init failed".into()),
+        },
+    );
     let f = r.only();
-    assert_eq!((f.fault_code.as_str(), f.device.as_str(), f.active), ("DETECTOR_DOWN", "nvml", true));
+    assert_eq!(
+        (f.fault_code.as_str(), f.device.as_str(), f.active),
+        ("DETECTOR_DOWN", "nvml", true)
+    );
     assert!(f.message.contains("init failed"));
-    assert_eq!(r.view().health, Health::Healthy, "a blind detector is not a sick node");
-    r.at(5, Observation::Detector { name: "nvml".into(), state: DetectorState::Running, reason: None });
+    assert_eq!(
+        r.view().health,
+        Health::Healthy,
+        "a blind detector is not a sick node"
+    );
+    r.at(
+        5,
+        Observation::Detector {
+            name: "nvml".into(),
+            state: DetectorState::Running,
+            reason: None,
+        },
+    );
     assert!(!r.only().active);
-    r.at(6, Observation::Detector { name: "ascend".into(), state: DetectorState::Idle, reason: None });
+    r.at(
+        6,
+        Observation::Detector {
+            name: "ascend".into(),
+            state: DetectorState::Idle,
+            reason: None,
+        },
+    );
     assert_eq!(r.view().faults.len(), 1, "idle is normal: no fault");
 }
 
@@ -285,8 +444,20 @@ fn policy_reload_reclassifies_and_keeps_escalations() {
     r.at(0, xid(43, "0000:3b:00.0"));
     assert_eq!(r.view().health, Health::Healthy);
     r.policy = Policy::parse("overrides:\n  Xid43: { handling: SeparateNPU }\n").unwrap();
-    let ev = r.engine.reclassify(Ctx { policy: &r.policy, catalog: &r.catalog });
-    assert!(matches!(ev.as_slice(), [EngineEvent::Reclassified { to: Handling::SeparateNPU, .. }]), "{ev:?}");
+    let ev = r.engine.reclassify(Ctx {
+        policy: &r.policy,
+        catalog: &r.catalog,
+    });
+    assert!(
+        matches!(
+            ev.as_slice(),
+            [EngineEvent::Reclassified {
+                to: Handling::SeparateNPU,
+                ..
+            }]
+        ),
+        "{ev:?}"
+    );
     assert_eq!(r.view().health, Health::Unhealthy);
 }
 
@@ -296,7 +467,13 @@ fn history_is_bounded_and_dropped_counted() {
     for i in 0..6u8 {
         let gpu = format!("0000:{:02x}:00.0", i + 1);
         r.at(i64::from(i), xid(79, &gpu));
-        r.at(i64::from(i), Observation::OperatorClear { code: None, device: Some(gpu) });
+        r.at(
+            i64::from(i),
+            Observation::OperatorClear {
+                code: None,
+                device: Some(gpu),
+            },
+        );
     }
     let v = r.view();
     assert_eq!(v.faults.len(), 3);
@@ -318,15 +495,31 @@ fn taints_one_per_key_valued_by_the_worst_fault() {
     assert_eq!(v.taints[1].key, "faultline.io/unhealthy");
     assert_eq!(v.taints[1].value, "Xid79");
     assert_eq!(v.condition.reason, "SeparateNPU");
-    assert!(v.condition.message.starts_with("Xid79 on GPU-0000:86:00.0"), "{}", v.condition.message);
+    assert!(
+        v.condition.message.starts_with("Xid79 on GPU-0000:86:00.0"),
+        "{}",
+        v.condition.message
+    );
 }
 
 #[test]
 fn state_round_trips_through_json() {
     let mut r = Rig::new("");
-    r.at(0, Observation::Boot { boot_id: "b".into() });
+    r.at(
+        0,
+        Observation::Boot {
+            boot_id: "b".into(),
+        },
+    );
     r.at(0, xid(79, "0000:3b:00.0"));
-    r.at(0, Observation::DeviceSeen { pci: pci("0000:3b:00.0"), uuid: Some("GPU-x".into()), index: Some(1) });
+    r.at(
+        0,
+        Observation::DeviceSeen {
+            pci: pci("0000:3b:00.0"),
+            uuid: Some("GPU-x".into()),
+            index: Some(1),
+        },
+    );
     let json = serde_json::to_string(&r.engine).unwrap();
     let back: Engine = serde_json::from_str(&json).unwrap();
     assert_eq!(back, r.engine);
@@ -337,7 +530,13 @@ fn state_round_trips_through_json() {
 fn arb_obs() -> impl Strategy<Value = (i64, Observation)> {
     let gpu = prop::sample::select(vec!["0000:3b:00.0", "0000:86:00.0", "0001:c5:00.0"]);
     let xids = prop::sample::select(vec![13u32, 31, 43, 48, 63, 74, 79, 95, 119, 99_999]);
-    let codes = prop::sample::select(vec!["GPU_LOST", "NVLINK_DOWN", "KMSG_LOSS", "MCE_CORRECTED", "STRAGGLER"]);
+    let codes = prop::sample::select(vec![
+        "GPU_LOST",
+        "NVLINK_DOWN",
+        "KMSG_LOSS",
+        "MCE_CORRECTED",
+        "STRAGGLER",
+    ]);
     let sources = prop::sample::select(vec![Source::Kmsg, Source::Nvml, Source::Agent]);
     let obs = prop_oneof![
         6 => (xids, gpu.clone()).prop_map(|(x, g)| xid(x, g)),

@@ -201,9 +201,15 @@ fn parse_sxid(msg: &str, at: usize) -> Option<KernelEvent> {
         return None;
     }
     let (fatal, text) = if lower.starts_with("non-fatal") || lower.starts_with("nonfatal") {
-        (Some(false), rest.split_once(',').map(|(_, t)| t.trim()).unwrap_or(""))
+        (
+            Some(false),
+            rest.split_once(',').map(|(_, t)| t.trim()).unwrap_or(""),
+        )
     } else if lower.starts_with("fatal") {
-        (Some(true), rest.split_once(',').map(|(_, t)| t.trim()).unwrap_or(""))
+        (
+            Some(true),
+            rest.split_once(',').map(|(_, t)| t.trim()).unwrap_or(""),
+        )
     } else {
         // Some SXids print no severity word (`10007, IO failure`).
         (None, rest.trim())
@@ -267,22 +273,35 @@ fn parse_aer(msg: &str) -> Option<KernelEvent> {
     } else {
         return None;
     };
-    if let Some(i) = memmem::find(b, b"error received").or_else(|| memmem::find(b, b"error message received")) {
+    if let Some(i) =
+        memmem::find(b, b"error received").or_else(|| memmem::find(b, b"error message received"))
+    {
         // `pcieport <port>: AER: Uncorrected (Fatal) error received: <dev>` (or `… from <dev>`,
         // or `id=0018` on old kernels, where only the reporting port is known).
         let tail = &msg[i..];
         let after = tail
             .find("received:")
             .map(|j| &tail[j + "received:".len()..])
-            .or_else(|| tail.find("received from ").map(|j| &tail[j + "received from ".len()..]));
+            .or_else(|| {
+                tail.find("received from ")
+                    .map(|j| &tail[j + "received from ".len()..])
+            });
         let dev = after.and_then(first_pci_word);
         let pci = dev.or_else(|| first_pci_word(&msg[..i]))?;
-        return Some(KernelEvent::PcieAer { pci, fatal, message: msg.trim().to_string() });
+        return Some(KernelEvent::PcieAer {
+            pci,
+            fatal,
+            message: msg.trim().to_string(),
+        });
     }
     if let Some(i) = memmem::find(b, b"PCIe Bus Error: severity=") {
         // `<driver> <dev>: [AER: ]PCIe Bus Error: severity=Uncorrected (Fatal), type=…`
         let pci = first_pci_word(&msg[..i])?;
-        return Some(KernelEvent::PcieAer { pci, fatal, message: msg.trim().to_string() });
+        return Some(KernelEvent::PcieAer {
+            pci,
+            fatal,
+            message: msg.trim().to_string(),
+        });
     }
     None
 }
@@ -360,18 +379,28 @@ mod tests {
         ) else {
             panic!("no match")
         };
-        assert_eq!((xid, pid, process.as_deref()), (31, Some(2210), Some("python3")));
+        assert_eq!(
+            (xid, pid, process.as_deref()),
+            (31, Some(2210), Some("python3"))
+        );
         assert!(message.starts_with("Ch 00000008"), "{message}");
     }
 
     #[test]
     fn xid_old_form_without_pci_prefix() {
-        let Some(KernelEvent::Xid { pci: p, xid, message, .. }) =
-            parse_message("NVRM: Xid (0000:03:00): 14, Channel 00000001")
+        let Some(KernelEvent::Xid {
+            pci: p,
+            xid,
+            message,
+            ..
+        }) = parse_message("NVRM: Xid (0000:03:00): 14, Channel 00000001")
         else {
             panic!("no match")
         };
-        assert_eq!((p, xid, message.as_str()), (pci("0000:03:00.0"), 14, "Channel 00000001"));
+        assert_eq!(
+            (p, xid, message.as_str()),
+            (pci("0000:03:00.0"), 14, "Channel 00000001")
+        );
     }
 
     #[test]
@@ -406,7 +435,10 @@ mod tests {
             panic!()
         };
         assert_eq!(fatal, Some(true));
-        assert_eq!(parse_message("nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Data {0x0, 0x1}"), None);
+        assert_eq!(
+            parse_message("nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 12028, Data {0x0, 0x1}"),
+            None
+        );
     }
 
     #[test]
@@ -452,9 +484,15 @@ mod tests {
 
     #[test]
     fn machine_checks() {
-        let Some(KernelEvent::MachineCheck { corrected, cpu, bank, .. }) = parse_message(
+        let Some(KernelEvent::MachineCheck {
+            corrected,
+            cpu,
+            bank,
+            ..
+        }) = parse_message(
             "mce: [Hardware Error]: CPU 3: Machine Check Exception: 5 Bank 4: b200000000070f0f",
-        ) else {
+        )
+        else {
             panic!()
         };
         assert_eq!((corrected, cpu, bank), (false, Some(3), Some(4)));
@@ -470,7 +508,10 @@ mod tests {
             panic!()
         };
         assert!(corrected, "UC bit clear");
-        assert_eq!(parse_message("mce: [Hardware Error]: TSC 0 ADDR 1ffffb0d0"), None);
+        assert_eq!(
+            parse_message("mce: [Hardware Error]: TSC 0 ADDR 1ffffb0d0"),
+            None
+        );
     }
 
     proptest! {

@@ -67,7 +67,9 @@ pub fn parse_record(raw: &[u8]) -> Result<KmsgRecord<'_>, RecordError> {
     let mut fields = header.split(|c| *c == b',');
     let mut next = || fields.next();
     let (Some(pri), Some(seq), Some(usec), Some(flag)) = (next(), next(), next(), next()) else {
-        return Err(RecordError::ShortHeader(header.split(|c| *c == b',').count()));
+        return Err(RecordError::ShortHeader(
+            header.split(|c| *c == b',').count(),
+        ));
     };
     let pri = number("pri", pri)?;
     let seq = number("seq", seq)?;
@@ -105,7 +107,11 @@ pub fn strip_dmesg_time(line: &str) -> &str {
     let t = line.trim_start();
     if let Some(rest) = t.strip_prefix('[') {
         if let Some(end) = rest.find(']') {
-            if rest[..end].trim().bytes().all(|c| c.is_ascii_digit() || c == b'.') {
+            if rest[..end]
+                .trim()
+                .bytes()
+                .all(|c| c.is_ascii_digit() || c == b'.')
+            {
                 return rest[end + 1..].trim_start();
             }
         }
@@ -124,7 +130,10 @@ mod tests {
             b"4,339,5140900,-;NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.\n SUBSYSTEM=pci\n DEVICE=+pci:0000:3b:00.0\n",
         )
         .unwrap();
-        assert_eq!((r.facility, r.level, r.seq, r.usec, r.flag), (0, 4, 339, 5140900, '-'));
+        assert_eq!(
+            (r.facility, r.level, r.seq, r.usec, r.flag),
+            (0, 4, 339, 5140900, '-')
+        );
         assert!(r.message.starts_with("NVRM: Xid"));
         assert_eq!(r.dict.len(), 2);
         assert_eq!(r.dict[1].1, "+pci:0000:3b:00.0");
@@ -151,7 +160,10 @@ mod tests {
         assert_eq!(parse_record(b"6,339;x"), Err(RecordError::ShortHeader(2)));
         assert_eq!(
             parse_record(b"6,x9,1,-;x"),
-            Err(RecordError::BadField { field: "seq", value: "x9".into() })
+            Err(RecordError::BadField {
+                field: "seq",
+                value: "x9".into()
+            })
         );
         let e = parse_record(b"6,x9,1,-;x").unwrap_err().to_string();
         assert!(e.contains("seq") && e.contains("x9"), "{e}");

@@ -150,7 +150,17 @@ mod tests {
 
     #[test]
     fn rejects_what_is_not_an_address() {
-        for bad in ["", "PCI:", "3b", "0000:3b", "000:3b:00", "0:3b:00", "0000:3b:20.0", "123456789:00:00.0", "zz:00"] {
+        for bad in [
+            "",
+            "PCI:",
+            "3b",
+            "0000:3b",
+            "000:3b:00",
+            "0:3b:00",
+            "0000:3b:20.0",
+            "123456789:00:00.0",
+            "zz:00",
+        ] {
             assert!(bad.parse::<PciAddr>().is_err(), "{bad:?} parsed");
         }
     }

@@ -62,9 +62,16 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FileSinkError> {
 /// Writes one snapshot: the state first (so the record is never ahead of what a restart
 /// restores), then the record.
 pub fn write_snapshot(dir: &Path, snap: &Snapshot) -> Result<(), FileSinkError> {
-    let state = serde_json::to_vec(&*snap.state).map_err(|source| FileSinkError::Encode { what: "state", source })?;
+    let state = serde_json::to_vec(&*snap.state).map_err(|source| FileSinkError::Encode {
+        what: "state",
+        source,
+    })?;
     write_atomic(&dir.join(STATE_FILE), &state)?;
-    let mut record = serde_json::to_vec_pretty(&*snap.record).map_err(|source| FileSinkError::Encode { what: "record", source })?;
+    let mut record =
+        serde_json::to_vec_pretty(&*snap.record).map_err(|source| FileSinkError::Encode {
+            what: "record",
+            source,
+        })?;
     record.push(b'\n');
     write_atomic(&dir.join(FAULTS_FILE), &record)
 }
@@ -119,12 +126,24 @@ pub async fn run(
             let snap2 = snap.clone();
             let result = tokio::task::spawn_blocking(move || write_snapshot(&d, &snap2))
                 .await
-                .unwrap_or_else(|e| Err(FileSinkError::Io { path: dir.clone(), source: std::io::Error::other(e.to_string()) }));
+                .unwrap_or_else(|e| {
+                    Err(FileSinkError::Io {
+                        path: dir.clone(),
+                        source: std::io::Error::other(e.to_string()),
+                    })
+                });
             match result {
                 Ok(()) => {
                     metrics.sink_writes.get_or_create(&label).inc();
-                    metrics.sink_write_seconds.get_or_create(&label).observe(started.elapsed().as_secs_f64());
-                    debug!(revision = snap.revision, latency_us = snap.applied_at.elapsed().as_micros() as u64, "record written");
+                    metrics
+                        .sink_write_seconds
+                        .get_or_create(&label)
+                        .observe(started.elapsed().as_secs_f64());
+                    debug!(
+                        revision = snap.revision,
+                        latency_us = snap.applied_at.elapsed().as_micros() as u64,
+                        "record written"
+                    );
                     written = Some(snap.revision);
                     last_write = Some(Instant::now());
                     ready.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -159,13 +178,18 @@ mod tests {
         write_atomic(&p, b"{\"a\":1}").unwrap();
         write_atomic(&p, b"{\"a\":2}").unwrap();
         assert_eq!(std::fs::read(&p).unwrap(), b"{\"a\":2}");
-        let leftovers: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
         assert_eq!(leftovers.len(), 1, "{leftovers:?}");
     }
 
     #[test]
     fn unwritable_directory_is_a_clear_error() {
-        let err = write_atomic(Path::new("/nonexistent-dir/faults.json"), b"x").unwrap_err().to_string();
+        let err = write_atomic(Path::new("/nonexistent-dir/faults.json"), b"x")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("/nonexistent-dir/faults.json"), "{err}");
     }
 
@@ -175,6 +199,9 @@ mod tests {
         assert_eq!(read_state(dir.path()), Ok(None));
         std::fs::write(dir.path().join(STATE_FILE), b"{not json").unwrap();
         let err = read_state(dir.path()).unwrap_err();
-        assert!(err.contains("cannot parse") && err.contains("state.json"), "{err}");
+        assert!(
+            err.contains("cannot parse") && err.contains("state.json"),
+            "{err}"
+        );
     }
 }

@@ -95,8 +95,17 @@ mod tests {
         let got = collect(dir.path());
         assert_eq!(
             got.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>(),
-            vec![ClearRequest { code: Some("Xid79".into()), device: None }, ClearRequest::default()]
+            vec![
+                ClearRequest {
+                    code: Some("Xid79".into()),
+                    device: None
+                },
+                ClearRequest::default()
+            ]
         );
-        assert!(dir.path().join("2.rejected").exists(), "kept for the operator to see");
+        assert!(
+            dir.path().join("2.rejected").exists(),
+            "kept for the operator to see"
+        );
     }
 }

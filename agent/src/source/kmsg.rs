@@ -51,7 +51,12 @@ pub struct KmsgReader {
 }
 
 impl KmsgReader {
-    pub fn new(resume_after: Option<u64>, boot_time: Option<DateTime<Utc>>, use_record_time: bool, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        resume_after: Option<u64>,
+        boot_time: Option<DateTime<Utc>>,
+        use_record_time: bool,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         KmsgReader {
             last_seq: resume_after,
             resumed: resume_after.is_some(),
@@ -87,8 +92,11 @@ impl KmsgReader {
                 }
                 self.last_seq = Some(rec.seq);
                 let at = if self.use_record_time {
-                    self.boot_time
-                        .and_then(|b| b.checked_add_signed(chrono::Duration::microseconds(rec.usec.min(i64::MAX as u64) as i64)))
+                    self.boot_time.and_then(|b| {
+                        b.checked_add_signed(chrono::Duration::microseconds(
+                            rec.usec.min(i64::MAX as u64) as i64,
+                        ))
+                    })
                 } else {
                     None
                 };
@@ -133,7 +141,11 @@ impl KmsgReader {
             return;
         }
         self.metrics.kmsg_lost.inc_by(lost);
-        warn!(lost, next_seq = seq, "kernel log records lost before they were read");
+        warn!(
+            lost,
+            next_seq = seq,
+            "kernel log records lost before they were read"
+        );
         let mut s = Signal::new(
             Source::Agent,
             FaultCode::named("KMSG_LOSS"),
@@ -149,7 +161,10 @@ impl KmsgReader {
         let Some(ev) = parse_message(msg) else {
             return false;
         };
-        self.metrics.kmsg_matched.get_or_create(&crate::metrics::KindLabel { kind: ev.kind() }).inc();
+        self.metrics
+            .kmsg_matched
+            .get_or_create(&crate::metrics::KindLabel { kind: ev.kind() })
+            .inc();
         out.push(Input::Obs(to_observation(ev, at)));
         true
     }
@@ -182,7 +197,13 @@ pub fn to_observation(ev: KernelEvent, at: Option<DateTime<Utc>>) -> Observation
         Observation::Signal(s)
     };
     match ev {
-        KernelEvent::Xid { pci, xid, link, message, .. } => {
+        KernelEvent::Xid {
+            pci,
+            xid,
+            link,
+            message,
+            ..
+        } => {
             let message = match link {
                 Some(l) if !message.contains("link") => format!("{message} (link {l})"),
                 _ => message,
@@ -199,7 +220,14 @@ pub fn to_observation(ev: KernelEvent, at: Option<DateTime<Utc>>) -> Observation
             pci.map(DeviceRef::pci),
             "GPU has fallen off the bus".into(),
         ),
-        KernelEvent::Sxid { pci, sxid, fatal, switch, message, .. } => {
+        KernelEvent::Sxid {
+            pci,
+            sxid,
+            fatal,
+            switch,
+            message,
+            ..
+        } => {
             let name = match switch {
                 Some(n) => format!("nvswitch{n}"),
                 None => format!("nvswitch-{pci}"),
@@ -213,8 +241,16 @@ pub fn to_observation(ev: KernelEvent, at: Option<DateTime<Utc>>) -> Observation
             let fatal = fatal.unwrap_or(false);
             signal(FaultCode::Sxid { code: sxid, fatal }, Some(device), message)
         }
-        KernelEvent::PcieAer { pci, fatal, message } => {
-            let code = if fatal { "PCIE_AER_FATAL" } else { "PCIE_AER_NONFATAL" };
+        KernelEvent::PcieAer {
+            pci,
+            fatal,
+            message,
+        } => {
+            let code = if fatal {
+                "PCIE_AER_FATAL"
+            } else {
+                "PCIE_AER_NONFATAL"
+            };
             let device = DeviceRef {
                 pci: Some(pci),
                 name: Some(format!("pci-{pci}")),
@@ -222,8 +258,14 @@ pub fn to_observation(ev: KernelEvent, at: Option<DateTime<Utc>>) -> Observation
             };
             signal(FaultCode::named(code), Some(device), message)
         }
-        KernelEvent::MachineCheck { corrected, message, .. } => {
-            let code = if corrected { "MCE_CORRECTED" } else { "MCE_UNCORRECTED" };
+        KernelEvent::MachineCheck {
+            corrected, message, ..
+        } => {
+            let code = if corrected {
+                "MCE_CORRECTED"
+            } else {
+                "MCE_UNCORRECTED"
+            };
             signal(FaultCode::named(code), None, message)
         }
     }
@@ -232,7 +274,12 @@ pub fn to_observation(ev: KernelEvent, at: Option<DateTime<Utc>>) -> Observation
 /// Reads `/proc/stat`'s `btime`: the wall-clock time of boot.
 pub fn boot_time(proc_stat: &Path) -> Option<DateTime<Utc>> {
     let text = std::fs::read_to_string(proc_stat).ok()?;
-    let secs: i64 = text.lines().find_map(|l| l.strip_prefix("btime "))?.trim().parse().ok()?;
+    let secs: i64 = text
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
     DateTime::from_timestamp(secs, 0)
 }
 
@@ -272,7 +319,11 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
             Ok(f) => f,
             Err(e) => {
                 warn!(error = %e, "cannot open the kernel log; retrying");
-                if !detector(&ctx, DetectorState::Down, Some(format!("cannot open {}: {e}", cfg.path.display()))) {
+                if !detector(
+                    &ctx,
+                    DetectorState::Down,
+                    Some(format!("cannot open {}: {e}", cfg.path.display())),
+                ) {
                     return;
                 }
                 std::thread::sleep(retry);
@@ -280,9 +331,17 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
                 continue;
             }
         };
-        let is_device = file.metadata().map(|m| m.file_type().is_char_device()).unwrap_or(false);
+        let is_device = file
+            .metadata()
+            .map(|m| m.file_type().is_char_device())
+            .unwrap_or(false);
         let r = reader.get_or_insert_with(|| {
-            KmsgReader::new(cfg.resume_after, cfg.boot_time, is_device, ctx.metrics.clone())
+            KmsgReader::new(
+                cfg.resume_after,
+                cfg.boot_time,
+                is_device,
+                ctx.metrics.clone(),
+            )
         });
         if !detector(&ctx, DetectorState::Running, None) {
             return;
@@ -340,7 +399,12 @@ fn read_device(mut file: File, r: &mut KmsgReader, ctx: &SourceContext) -> io::R
 }
 
 /// A file or FIFO: bounded lines, followed at its end.
-fn read_lines(file: File, r: &mut KmsgReader, ctx: &SourceContext, follow: Duration) -> io::Result<()> {
+fn read_lines(
+    file: File,
+    r: &mut KmsgReader,
+    ctx: &SourceContext,
+    follow: Duration,
+) -> io::Result<()> {
     let mut reader = BufReader::with_capacity(64 * 1024, file);
     let mut line = Vec::with_capacity(1024);
     let mut out = Vec::new();
@@ -357,7 +421,10 @@ fn read_lines(file: File, r: &mut KmsgReader, ctx: &SourceContext, follow: Durat
             LineRead::Line { truncated } => {
                 if truncated {
                     ctx.metrics.kmsg_truncated.inc();
-                    debug!(kept = MAX_LINE, "kernel log line longer than the limit; kept its start");
+                    debug!(
+                        kept = MAX_LINE,
+                        "kernel log line longer than the limit; kept its start"
+                    );
                 }
                 r.feed(&line, &mut out);
                 line.clear();
@@ -374,12 +441,18 @@ enum LineRead {
     Eof,
     /// The input ended mid-line (a writer is mid-line): the start is kept in `line`.
     Partial,
-    Line { truncated: bool },
+    Line {
+        truncated: bool,
+    },
 }
 
 /// Appends up to `max` bytes of the next line to `line`; bytes past `max` up to the newline are
 /// dropped. A line without its newline at the end of the input stays pending in `line`.
-fn read_bounded_line<R: BufRead>(r: &mut R, line: &mut Vec<u8>, max: usize) -> io::Result<LineRead> {
+fn read_bounded_line<R: BufRead>(
+    r: &mut R,
+    line: &mut Vec<u8>,
+    max: usize,
+) -> io::Result<LineRead> {
     let mut truncated = line.len() > max;
     loop {
         let buf = match r.fill_buf() {
@@ -388,7 +461,11 @@ fn read_bounded_line<R: BufRead>(r: &mut R, line: &mut Vec<u8>, max: usize) -> i
             Err(e) => return Err(e),
         };
         if buf.is_empty() {
-            return Ok(if line.is_empty() { LineRead::Eof } else { LineRead::Partial });
+            return Ok(if line.is_empty() {
+                LineRead::Eof
+            } else {
+                LineRead::Partial
+            });
         }
         let (chunk, done) = match memchr::memchr(b'\n', buf) {
             Some(i) => (&buf[..i], Some(i + 1)),
@@ -502,15 +579,30 @@ mod tests {
         data.extend_from_slice(b"\nshort\npartial");
         let mut rd = BufReader::with_capacity(8, &data[..]);
         let mut line = Vec::new();
-        assert!(matches!(read_bounded_line(&mut rd, &mut line, 10).unwrap(), LineRead::Line { truncated: true }));
+        assert!(matches!(
+            read_bounded_line(&mut rd, &mut line, 10).unwrap(),
+            LineRead::Line { truncated: true }
+        ));
         assert_eq!(line.len(), 10);
         line.clear();
-        assert!(matches!(read_bounded_line(&mut rd, &mut line, 10).unwrap(), LineRead::Line { truncated: false }));
+        assert!(matches!(
+            read_bounded_line(&mut rd, &mut line, 10).unwrap(),
+            LineRead::Line { truncated: false }
+        ));
         assert_eq!(line, b"short");
         line.clear();
-        assert!(matches!(read_bounded_line(&mut rd, &mut line, 10).unwrap(), LineRead::Partial));
-        assert_eq!(line, b"partial", "a line without newline waits for the rest");
-        assert!(matches!(read_bounded_line(&mut rd, &mut line, 10).unwrap(), LineRead::Partial));
+        assert!(matches!(
+            read_bounded_line(&mut rd, &mut line, 10).unwrap(),
+            LineRead::Partial
+        ));
+        assert_eq!(
+            line, b"partial",
+            "a line without newline waits for the rest"
+        );
+        assert!(matches!(
+            read_bounded_line(&mut rd, &mut line, 10).unwrap(),
+            LineRead::Partial
+        ));
     }
 
     #[test]
@@ -518,11 +610,51 @@ mod tests {
         let p = "0000:3b:00.0".parse().unwrap();
         let cases = [
             (KernelEvent::FallenOffBus { pci: Some(p) }, "Xid79"),
-            (KernelEvent::PcieAer { pci: p, fatal: true, message: String::new() }, "PCIE_AER_FATAL"),
-            (KernelEvent::PcieAer { pci: p, fatal: false, message: String::new() }, "PCIE_AER_NONFATAL"),
-            (KernelEvent::MachineCheck { corrected: true, cpu: None, bank: None, message: String::new() }, "MCE_CORRECTED"),
-            (KernelEvent::MachineCheck { corrected: false, cpu: None, bank: None, message: String::new() }, "MCE_UNCORRECTED"),
-            (KernelEvent::Sxid { pci: p, sxid: 12028, fatal: Some(false), switch: Some(3), link: None, message: String::new() }, "SXid12028"),
+            (
+                KernelEvent::PcieAer {
+                    pci: p,
+                    fatal: true,
+                    message: String::new(),
+                },
+                "PCIE_AER_FATAL",
+            ),
+            (
+                KernelEvent::PcieAer {
+                    pci: p,
+                    fatal: false,
+                    message: String::new(),
+                },
+                "PCIE_AER_NONFATAL",
+            ),
+            (
+                KernelEvent::MachineCheck {
+                    corrected: true,
+                    cpu: None,
+                    bank: None,
+                    message: String::new(),
+                },
+                "MCE_CORRECTED",
+            ),
+            (
+                KernelEvent::MachineCheck {
+                    corrected: false,
+                    cpu: None,
+                    bank: None,
+                    message: String::new(),
+                },
+                "MCE_UNCORRECTED",
+            ),
+            (
+                KernelEvent::Sxid {
+                    pci: p,
+                    sxid: 12028,
+                    fatal: Some(false),
+                    switch: Some(3),
+                    link: None,
+                    message: String::new(),
+                },
+                "SXid12028",
+            ),
         ];
         for (ev, code) in cases {
             match to_observation(ev, None) {

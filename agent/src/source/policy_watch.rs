@@ -40,20 +40,34 @@ impl LoadedPolicy {
 
 /// Reads and validates the file; on error returns the message for the status.
 pub fn read_policy(path: &Path) -> Result<(Policy, String), String> {
-    let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
     let policy = Policy::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     Ok((policy, checksum(&text)))
 }
 
 /// Applies a (re)load result to the current state. Returns the new state, or `None` when
 /// nothing changed.
-pub fn apply_load(current: &LoadedPolicy, path: &Path, result: Result<(Policy, String), String>, metrics: &Metrics) -> Option<LoadedPolicy> {
+pub fn apply_load(
+    current: &LoadedPolicy,
+    path: &Path,
+    result: Result<(Policy, String), String>,
+    metrics: &Metrics,
+) -> Option<LoadedPolicy> {
     match result {
         Ok((policy, sum)) => {
-            if sum == current.status.checksum && current.status.error.is_none() && current.status.source != "builtin" {
+            if sum == current.status.checksum
+                && current.status.error.is_none()
+                && current.status.source != "builtin"
+            {
                 return None;
             }
-            metrics.policy_reloads.get_or_create(&ReloadLabel { result: ReloadResult::Ok }).inc();
+            metrics
+                .policy_reloads
+                .get_or_create(&ReloadLabel {
+                    result: ReloadResult::Ok,
+                })
+                .inc();
             metrics.policy_valid.set(1);
             info!(path = %path.display(), checksum = %sum, "policy loaded");
             Some(LoadedPolicy {
@@ -69,7 +83,12 @@ pub fn apply_load(current: &LoadedPolicy, path: &Path, result: Result<(Policy, S
             if current.status.error.as_deref() == Some(msg.as_str()) {
                 return None;
             }
-            metrics.policy_reloads.get_or_create(&ReloadLabel { result: ReloadResult::Rejected }).inc();
+            metrics
+                .policy_reloads
+                .get_or_create(&ReloadLabel {
+                    result: ReloadResult::Rejected,
+                })
+                .inc();
             metrics.policy_valid.set(0);
             warn!(error = %msg, "policy rejected; the previous policy stays in force");
             Some(LoadedPolicy {
@@ -96,9 +115,18 @@ pub fn initial(path: Option<&Path>, metrics: &Metrics) -> LoadedPolicy {
 }
 
 /// Watches `path` and publishes every change on `tx` until shutdown.
-pub async fn watch_policy(path: PathBuf, tx: watch::Sender<LoadedPolicy>, metrics: Arc<Metrics>, shutdown: CancellationToken, recheck: Duration) {
+pub async fn watch_policy(
+    path: PathBuf,
+    tx: watch::Sender<LoadedPolicy>,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+    recheck: Duration,
+) {
     let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<()>();
-    let dir = path.parent().map(Path::to_path_buf).unwrap_or_else(|| PathBuf::from("."));
+    let dir = path
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_else(|| PathBuf::from("."));
     let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
         if res.is_ok() {
             let _ = ev_tx.send(());
@@ -148,19 +176,31 @@ mod tests {
         std::fs::write(&path, "overrides:\n  Xid43: { handling: SeparateNPU }\n").unwrap();
         let good = initial(Some(&path), &m);
         assert_eq!(good.status.error, None);
-        assert_eq!(good.policy.overrides["Xid43"].handling, Some(Handling::SeparateNPU));
+        assert_eq!(
+            good.policy.overrides["Xid43"].handling,
+            Some(Handling::SeparateNPU)
+        );
 
         std::fs::write(&path, "overrides:\n  Xid43: { handling: Sometimes }\n").unwrap();
         let bad = apply_load(&good, &path, read_policy(&path), &m).expect("a change");
         assert_eq!(bad.policy, good.policy, "last good policy stays");
         let err = bad.status.error.clone().unwrap();
-        assert!(err.contains("overrides.Xid43.handling") && err.contains("line 2"), "{err}");
+        assert!(
+            err.contains("overrides.Xid43.handling") && err.contains("line 2"),
+            "{err}"
+        );
         assert_eq!(m.policy_valid.get(), 0);
-        assert!(apply_load(&bad, &path, read_policy(&path), &m).is_none(), "same error: no change");
+        assert!(
+            apply_load(&bad, &path, read_policy(&path), &m).is_none(),
+            "same error: no change"
+        );
 
         std::fs::write(&path, "expected_gpus: 8\n").unwrap();
         let fixed = apply_load(&bad, &path, read_policy(&path), &m).unwrap();
-        assert_eq!((fixed.policy.expected_gpus, fixed.status.error.clone()), (8, None));
+        assert_eq!(
+            (fixed.policy.expected_gpus, fixed.status.error.clone()),
+            (8, None)
+        );
         assert_eq!(m.policy_valid.get(), 1);
     }
 
@@ -180,7 +220,13 @@ mod tests {
         let m = Arc::new(Metrics::new());
         let (tx, mut rx) = watch::channel(initial(Some(&path), &m));
         let stop = CancellationToken::new();
-        let task = tokio::spawn(watch_policy(path.clone(), tx, m, stop.clone(), Duration::from_secs(3600)));
+        let task = tokio::spawn(watch_policy(
+            path.clone(),
+            tx,
+            m,
+            stop.clone(),
+            Duration::from_secs(3600),
+        ));
         tokio::time::sleep(Duration::from_millis(200)).await;
         std::fs::write(&path, "expected_gpus: 4\n").unwrap();
         tokio::time::timeout(Duration::from_secs(10), async {

@@ -43,13 +43,27 @@ impl Agent {
             .arg(dir.join("state"))
             .arg("--boot-id-path")
             .arg(&boot_id)
-            .args(["--listen", "127.0.0.1:0", "--node-name", "node-a", "--follow-interval", "5ms"])
+            .args([
+                "--listen",
+                "127.0.0.1:0",
+                "--node-name",
+                "node-a",
+                "--follow-interval",
+                "5ms",
+            ])
             .args(extra)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
-            .stderr(Stdio::from(std::fs::File::create(dir.join("agent.log")).unwrap()));
+            .stderr(Stdio::from(
+                std::fs::File::create(dir.join("agent.log")).unwrap(),
+            ));
         let child = cmd.spawn().expect("start faultline-agent");
-        Agent { child, dir: dir.to_path_buf(), kmsg, boot_id }
+        Agent {
+            child,
+            dir: dir.to_path_buf(),
+            kmsg,
+            boot_id,
+        }
     }
 
     pub fn state(&self) -> PathBuf {
@@ -61,7 +75,10 @@ impl Agent {
     }
 
     pub fn append(&self, bytes: &[u8]) {
-        let mut f = std::fs::OpenOptions::new().append(true).open(&self.kmsg).unwrap();
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.kmsg)
+            .unwrap();
         f.write_all(bytes).unwrap();
     }
 
@@ -79,10 +96,17 @@ impl Agent {
                     return r;
                 }
                 if Instant::now() > deadline {
-                    panic!("timed out waiting for {what}; record: {}\nlog:\n{}", serde_json::to_string_pretty(&r).unwrap(), self.log());
+                    panic!(
+                        "timed out waiting for {what}; record: {}\nlog:\n{}",
+                        serde_json::to_string_pretty(&r).unwrap(),
+                        self.log()
+                    );
                 }
             } else if Instant::now() > deadline {
-                panic!("timed out waiting for {what}; no record; log:\n{}", self.log());
+                panic!(
+                    "timed out waiting for {what}; no record; log:\n{}",
+                    self.log()
+                );
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -99,7 +123,11 @@ impl Agent {
             if let Ok(s) = std::fs::read_to_string(&p) {
                 return s;
             }
-            assert!(Instant::now() < deadline, "no listen.addr; log:\n{}", self.log());
+            assert!(
+                Instant::now() < deadline,
+                "no listen.addr; log:\n{}",
+                self.log()
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -108,11 +136,22 @@ impl Agent {
     pub fn get(&self, path: &str) -> (u16, String) {
         use std::io::Read;
         let mut s = std::net::TcpStream::connect(self.addr()).unwrap();
-        write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+        write!(
+            s,
+            "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+        .unwrap();
         let mut out = String::new();
         s.read_to_string(&mut out).unwrap();
-        let status = out.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
-        let body = out.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+        let status = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = out
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_string())
+            .unwrap_or_default();
         (status, body)
     }
 
@@ -120,7 +159,11 @@ impl Agent {
     pub fn metric(&self, name: &str) -> f64 {
         let (_, body) = self.get("/metrics");
         body.lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')).and_then(|v| v.trim().parse().ok()))
+            .find_map(|l| {
+                l.strip_prefix(name)
+                    .and_then(|v| v.strip_prefix(' '))
+                    .and_then(|v| v.trim().parse().ok())
+            })
             .unwrap_or(0.0)
     }
 
