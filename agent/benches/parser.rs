@@ -1,1 +1,129 @@
-fn main() {}
+//! Parser throughput: kernel log lines per second on one core, over a mixed corpus.
+//!
+//! The corpus is every line of tests/fixtures/kernel-lines.yaml (matching and not) plus
+//! ordinary kernel chatter, shaped like a busy node's log: about 1 line in 20 is a fault
+//! signal. Each run feeds the whole corpus through `KmsgReader::feed` (record parse, message
+//! parse, observation), then also through the engine. Reports the median of 11 runs.
+//!
+//! `cargo bench -p faultline-agent --bench parser`
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use faultline_agent::catalog::Catalog;
+use faultline_agent::engine::{Ctx, Engine};
+use faultline_agent::metrics::Metrics;
+use faultline_agent::policy::Policy;
+use faultline_agent::source::kmsg::KmsgReader;
+use faultline_agent::source::Input;
+
+const NOISE: &[&str] = &[
+    "IPv6: ADDRCONF(NETDEV_CHANGE): eth0: link becomes ready",
+    "EXT4-fs (nvme0n1p1): mounted filesystem with ordered data mode. Quota mode: none.",
+    "systemd[1]: Started Session 42 of user root.",
+    "audit: type=1400 audit(1700000000.123:42): apparmor=\"STATUS\" operation=\"profile_load\"",
+    "nvidia-uvm: Loaded the UVM driver, major device number 508.",
+    "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024",
+    "mlx5_core 0000:1f:00.0: mlx5_pcie_event:301:(pid 1234): PCIe slot advertised sufficient power (27W).",
+    "br-1234: port 2(veth5678) entered forwarding state",
+    "TCP: request_sock_TCP: Possible SYN flooding on port 8080. Sending cookies.",
+    "pcieport 0000:00:01.0: AER: Corrected error received: 0000:01:00.0",
+];
+
+fn corpus() -> Vec<Vec<u8>> {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../tests/fixtures/kernel-lines.yaml"
+    );
+    let text = std::fs::read_to_string(path).expect("corpus");
+    let cases: Vec<serde_json::Value> = serde_norway::from_str(&text).expect("corpus parses");
+    let fixture: Vec<String> = cases
+        .iter()
+        .filter_map(|c| c["line"].as_str().map(|l| l.replace('\n', " ")))
+        .collect();
+    let mut lines = Vec::new();
+    let mut seq = 0u64;
+    for round in 0..200 {
+        for f in &fixture {
+            // One fixture line, then 19 noise lines.
+            seq += 1;
+            lines.push(format!("4,{seq},{},-;{f}", seq * 10).into_bytes());
+            for k in 0..19 {
+                seq += 1;
+                let n = NOISE[(k + round) % NOISE.len()];
+                lines.push(format!("6,{seq},{},-;{n}", seq * 10).into_bytes());
+            }
+        }
+    }
+    lines
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn main() {
+    let lines = corpus();
+    let bytes: usize = lines.iter().map(Vec::len).sum();
+    let catalog = Catalog::builtin().expect("catalog");
+    let policy = Policy::default();
+    let mut parse_rates = Vec::new();
+    let mut pipeline_rates = Vec::new();
+    let mut signals = 0;
+    for _ in 0..11 {
+        let metrics = Arc::new(Metrics::new());
+        let mut reader = KmsgReader::new(None, None, false, metrics);
+        let mut out = Vec::with_capacity(64);
+        let start = Instant::now();
+        let mut n_out = 0;
+        for l in &lines {
+            reader.feed(l, &mut out);
+            n_out += out.len();
+            out.clear();
+        }
+        parse_rates.push(lines.len() as f64 / start.elapsed().as_secs_f64());
+        signals = n_out;
+
+        let metrics = Arc::new(Metrics::new());
+        let mut reader = KmsgReader::new(None, None, false, metrics);
+        let mut engine = Engine::new();
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let now = chrono::Utc::now();
+        let start = Instant::now();
+        for l in &lines {
+            reader.feed(l, &mut out);
+            for i in out.drain(..) {
+                if let Input::Obs(o) = i {
+                    engine.step(ctx, o, now);
+                }
+            }
+        }
+        pipeline_rates.push(lines.len() as f64 / start.elapsed().as_secs_f64());
+        std::hint::black_box(&engine);
+    }
+    let p = median(parse_rates);
+    let q = median(pipeline_rates);
+    println!(
+        "corpus: {} lines, {:.1} MiB, {} engine inputs per pass",
+        lines.len(),
+        bytes as f64 / 1048576.0,
+        signals
+    );
+    println!(
+        "parse (record + message + observation): median {:.2} M lines/s ({:.0} MiB/s)",
+        p / 1e6,
+        p * bytes as f64 / lines.len() as f64 / 1048576.0
+    );
+    println!(
+        "parse + engine step:                    median {:.2} M lines/s",
+        q / 1e6
+    );
+    println!(
+        "goal: > 1 M lines/s on one core -> {}",
+        if p > 1e6 { "met" } else { "NOT met" }
+    );
+}

@@ -20,6 +20,10 @@ use crate::runtime::{Clock, EngineLoop, Heartbeat, SystemClock};
 use crate::sink::file;
 use crate::source::{control, kmsg, policy_watch, Input, SourceContext};
 
+/// Written into the state directory while the agent runs: the address its endpoints are bound
+/// to (useful with `--listen …:0`).
+pub const LISTEN_ADDR_FILE: &str = "listen.addr";
+
 /// Default port of the metrics/health endpoints.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:20260";
 
@@ -44,9 +48,12 @@ pub struct AgentConfig {
     /// Address of /metrics, /healthz, /readyz and /v1/record.
     #[arg(long, env = "FAULTLINE_LISTEN", default_value = DEFAULT_LISTEN)]
     pub listen: SocketAddr,
-    /// Minimum time between two writes of the local record (writes are coalesced).
-    #[arg(long, default_value = "125ms", value_parser = humantime::parse_duration)]
+    /// Local record writes: after a burst of `--write-burst` writes, at most one per this
+    /// interval; changes in between are coalesced into the next write.
+    #[arg(long, default_value = "200ms", value_parser = humantime::parse_duration)]
     pub write_interval: Duration,
+    #[arg(long, default_value_t = 3)]
+    pub write_burst: u32,
     /// How often a kernel log file at its end is checked for growth.
     #[arg(long, default_value = "10ms", value_parser = humantime::parse_duration)]
     pub follow_interval: Duration,
@@ -179,7 +186,11 @@ async fn run_node(
             cfg.state_dir.clone(),
             snap_rx.clone(),
             metrics.clone(),
-            cfg.write_interval,
+            file::WriteBudget::new(
+                cfg.write_interval,
+                cfg.write_burst,
+                std::time::Instant::now(),
+            ),
             ready.clone(),
             shutdown.clone(),
         )
@@ -191,10 +202,8 @@ async fn run_node(
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
     let bound = listener.local_addr()?;
     info!(addr = %bound, state_dir = %cfg.state_dir.display(), "faultline agent running");
-    let _ = file::write_atomic(
-        &cfg.state_dir.join("listen.addr"),
-        bound.to_string().as_bytes(),
-    );
+    let addr_file = cfg.state_dir.join(LISTEN_ADDR_FILE);
+    let _ = file::write_atomic(&addr_file, bound.to_string().as_bytes());
     let http_state = HttpState {
         metrics,
         heartbeat,
@@ -214,6 +223,7 @@ async fn run_node(
     source_shutdown.cancel();
     let _ = sink_task.await;
     while tasks.join_next().await.is_some() {}
+    let _ = std::fs::remove_file(&addr_file);
     info!("faultline agent stopped; record flushed");
     Ok(())
 }

@@ -11,7 +11,10 @@ use std::time::{Duration, Instant};
 /// C = A x B for row-major n x n matrices (i-k-j loop order, cache friendly enough for a probe
 /// whose job is to compare nodes, not to win benchmarks).
 pub fn gemm(n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
-    assert!(a.len() == n * n && b.len() == n * n && c.len() == n * n, "matrix sizes");
+    assert!(
+        a.len() == n * n && b.len() == n * n && c.len() == n * n,
+        "matrix sizes"
+    );
     c.iter_mut().for_each(|x| *x = 0.0);
     for i in 0..n {
         let row = &mut c[i * n..(i + 1) * n];

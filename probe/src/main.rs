@@ -3,7 +3,11 @@
 use clap::{Parser, Subcommand};
 
 #[derive(Debug, Parser)]
-#[command(name = "faultline-probe", version, about = "faultline's peer-check workload")]
+#[command(
+    name = "faultline-probe",
+    version,
+    about = "faultline's peer-check workload"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -784,8 +784,7 @@ fn escalate(
         return;
     }
     for (i, r) in policy.escalation.iter().enumerate() {
-        if r.handling <= f.fault.fault_handling || !r.codes.contains(&f.fault.fault_code)
-        {
+        if r.handling <= f.fault.fault_handling || !r.codes.contains(&f.fault.fault_code) {
             continue;
         }
         let hit = match (r.count, r.window, r.duration) {

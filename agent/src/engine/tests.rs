@@ -76,7 +76,13 @@ fn healthy_node_view() {
 /// Each row: the Xid, the verdict, the taint, the condition status (DESIGN.md's action table).
 #[test]
 fn xid_to_node_actions() {
-    type Row = (u32, Health, Option<(&'static str, TaintEffect)>, bool, Handling);
+    type Row = (
+        u32,
+        Health,
+        Option<(&'static str, TaintEffect)>,
+        bool,
+        Handling,
+    );
     let rows: &[Row] = &[
         (
             79,

@@ -83,17 +83,39 @@ impl KernelEvent {
     }
 }
 
+/// Substring searchers built once: building one per call costs more than the search itself on
+/// short lines.
+struct Finders {
+    sxid: memmem::Finder<'static>,
+    xid: memmem::Finder<'static>,
+    nvrm: memmem::Finder<'static>,
+    uncorrect: memmem::Finder<'static>,
+    hw_error: memmem::Finder<'static>,
+    edac: memmem::Finder<'static>,
+    mem_error: memmem::Finder<'static>,
+}
+
+static FINDERS: std::sync::LazyLock<Finders> = std::sync::LazyLock::new(|| Finders {
+    sxid: memmem::Finder::new("SXid ("),
+    xid: memmem::Finder::new("Xid ("),
+    nvrm: memmem::Finder::new("NVRM:"),
+    uncorrect: memmem::Finder::new("Uncorrect"),
+    hw_error: memmem::Finder::new("Hardware Error]"),
+    edac: memmem::Finder::new("EDAC MC"),
+    mem_error: memmem::Finder::new("hardware memory error"),
+});
+
 /// Parses one kernel message. Returns `None` for every line that is not a fault signal.
 pub fn parse_message(msg: &str) -> Option<KernelEvent> {
     let b = msg.as_bytes();
-    // Order matters only for speed: each finder is a SIMD substring search.
-    if let Some(i) = memmem::find(b, b"SXid (") {
+    let f = &*FINDERS;
+    if let Some(i) = f.sxid.find(b) {
         return parse_sxid(msg, i);
     }
-    if let Some(i) = memmem::find(b, b"Xid (") {
+    if let Some(i) = f.xid.find(b) {
         return parse_xid(msg, i);
     }
-    if memmem::find(b, b"NVRM:").is_some() {
+    if f.nvrm.find(b).is_some() {
         if let Some(i) = memmem::find(b, b"GPU at PCI:") {
             return parse_uuid(msg, i);
         }
@@ -102,15 +124,12 @@ pub fn parse_message(msg: &str) -> Option<KernelEvent> {
         }
         return None;
     }
-    if memmem::find(b, b"Uncorrect").is_some() {
+    if f.uncorrect.find(b).is_some() {
         if let Some(e) = parse_aer(msg) {
             return Some(e);
         }
     }
-    if memmem::find(b, b"Hardware Error]").is_some()
-        || memmem::find(b, b"EDAC MC").is_some()
-        || memmem::find(b, b"hardware memory error").is_some()
-    {
+    if f.hw_error.find(b).is_some() || f.edac.find(b).is_some() || f.mem_error.find(b).is_some() {
         return parse_mce(msg);
     }
     None

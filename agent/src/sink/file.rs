@@ -2,9 +2,10 @@
 //! needs) in the state directory.
 //!
 //! Each file is replaced atomically (write a temporary file in the same directory, fsync,
-//! rename), so a reader never sees a half-written file. Writes are coalesced: the first change
-//! after a quiet period is written at once, later ones at most every `min_interval`. A failed
-//! write is retried with backoff; the engine keeps running meanwhile.
+//! rename), so a reader never sees a half-written file. Writes are rate-limited by a
+//! [`WriteBudget`]: a few writes back to back go out at once, after that one per interval, and
+//! every change in between is coalesced into the next write. A failed write is retried with
+//! backoff; the engine keeps running meanwhile.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -36,6 +37,36 @@ pub enum FileSinkError {
         #[source]
         source: serde_json::Error,
     },
+}
+
+/// A generic cell rate limiter (GCRA): up to `burst` writes at once, then one per `interval`.
+#[derive(Debug, Clone)]
+pub struct WriteBudget {
+    interval: Duration,
+    burst: u32,
+    /// The theoretical time of the next write if writes were evenly spaced.
+    tat: Instant,
+}
+
+impl WriteBudget {
+    pub fn new(interval: Duration, burst: u32, now: Instant) -> Self {
+        WriteBudget {
+            interval,
+            burst: burst.max(1),
+            tat: now,
+        }
+    }
+
+    /// How long to wait before the next write may go out.
+    pub fn wait(&self, now: Instant) -> Duration {
+        let slack = self.interval * (self.burst - 1);
+        (self.tat.checked_sub(slack).unwrap_or(now)).saturating_duration_since(now)
+    }
+
+    /// Records a write made at `now`.
+    pub fn spend(&mut self, now: Instant) {
+        self.tat = self.tat.max(now) + self.interval;
+    }
 }
 
 /// Replaces `path` with `bytes` atomically; the file is readable by everyone (job scripts).
@@ -94,25 +125,20 @@ pub async fn run(
     dir: PathBuf,
     mut rx: watch::Receiver<Option<Snapshot>>,
     metrics: Arc<Metrics>,
-    min_interval: Duration,
+    mut budget: WriteBudget,
     ready: Arc<std::sync::atomic::AtomicBool>,
     shutdown: CancellationToken,
 ) {
     let label = SinkLabel { sink: "file" };
-    let mut last_write: Option<Instant> = None;
     let mut written: Option<u64> = None;
     let mut backoff = Duration::from_millis(100);
     loop {
         let closed = rx.changed().await.is_err();
-        if !closed {
-            if let Some(at) = last_write {
-                let wait = min_interval.saturating_sub(at.elapsed());
-                if !wait.is_zero() {
-                    tokio::select! {
-                        _ = tokio::time::sleep(wait) => {}
-                        _ = shutdown.cancelled() => {}
-                    }
-                }
+        let wait = budget.wait(Instant::now());
+        if !closed && !wait.is_zero() && !shutdown.is_cancelled() {
+            tokio::select! {
+                _ = tokio::time::sleep(wait) => {}
+                _ = shutdown.cancelled() => {}
             }
         }
         loop {
@@ -145,7 +171,7 @@ pub async fn run(
                         "record written"
                     );
                     written = Some(snap.revision);
-                    last_write = Some(Instant::now());
+                    budget.spend(Instant::now());
                     ready.store(true, std::sync::atomic::Ordering::Relaxed);
                     backoff = Duration::from_millis(100);
                     break;
@@ -170,6 +196,41 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn budget_allows_a_burst_then_one_per_interval() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut b = WriteBudget::new(ms(100), 3, t0);
+        for _ in 0..3 {
+            assert_eq!(b.wait(t0), Duration::ZERO);
+            b.spend(t0);
+        }
+        assert_eq!(b.wait(t0), ms(100), "burst spent");
+        assert_eq!(b.wait(t0 + ms(40)), ms(60));
+        b.spend(t0 + ms(100));
+        assert_eq!(b.wait(t0 + ms(100)), ms(100));
+        // After a quiet period the whole burst is back, and no more.
+        let later = t0 + ms(10_000);
+        for _ in 0..3 {
+            assert_eq!(b.wait(later), Duration::ZERO);
+            b.spend(later);
+        }
+        assert!(b.wait(later) > Duration::ZERO);
+        // At most burst + elapsed/interval writes in any span: 3 + 10 over one second.
+        let mut b = WriteBudget::new(ms(100), 3, t0);
+        let mut now = t0;
+        let mut writes = 0;
+        while now < t0 + ms(1000) {
+            now += b.wait(now);
+            if now >= t0 + ms(1000) {
+                break;
+            }
+            b.spend(now);
+            writes += 1;
+        }
+        assert_eq!(writes, 12);
+    }
 
     #[test]
     fn atomic_write_replaces_whole_files_only() {

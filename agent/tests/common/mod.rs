@@ -36,6 +36,8 @@ impl Agent {
         if !boot_id.exists() {
             std::fs::write(&boot_id, b"boot-1\n").unwrap();
         }
+        // The previous agent in this directory removed it on exit; make sure of it.
+        let _ = std::fs::remove_file(dir.join("state").join("listen.addr"));
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_faultline-agent"));
         cmd.arg("--kmsg-path")
             .arg(&kmsg)
@@ -169,8 +171,7 @@ impl Agent {
 
     /// SIGTERM and wait; returns the exit status code.
     pub fn stop(mut self) -> i32 {
-        let pid = self.child.id().to_string();
-        Command::new("kill").args(["-TERM", &pid]).status().unwrap();
+        terminate(&self.child);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(st) = self.child.try_wait().unwrap() {
@@ -190,6 +191,12 @@ impl Drop for Agent {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Sends SIGTERM, as Kubernetes and systemd do.
+pub fn terminate(child: &Child) {
+    let pid = rustix::process::Pid::from_raw(child.id() as i32).expect("a live child has a pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
 }
 
 pub fn fault<'a>(r: &'a NodeRecord, code: &str) -> Option<&'a faultline_agent::record::Fault> {
