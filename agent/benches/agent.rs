@@ -8,6 +8,8 @@
 //!
 //! `cargo bench -p faultline-agent --bench agent [-- latency|storm|idle] [--events N] [--idle-secs S]`
 
+#![allow(clippy::unwrap_used)] // benchmark harness: a panic is the failure report
+
 use std::io::Write;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};

@@ -7,6 +7,8 @@
 //!
 //! `cargo bench -p faultline-agent --bench parser`
 
+#![allow(clippy::unwrap_used)] // benchmark harness: a panic is the failure report
+
 use std::sync::Arc;
 use std::time::Instant;
 
