@@ -18,7 +18,7 @@ use crate::http::{self, HttpState};
 use crate::metrics::Metrics;
 use crate::runtime::{Clock, EngineLoop, Heartbeat, SystemClock};
 use crate::sink::file;
-use crate::source::{control, kmsg, policy_watch, Input, SourceContext};
+use crate::source::{control, kmsg, nvml, policy_watch, Input, SourceContext};
 
 /// Written into the state directory while the agent runs: the address its endpoints are bound
 /// to (useful with `--listen …:0`).
@@ -42,6 +42,12 @@ pub struct AgentConfig {
     /// Do not read the kernel log at all.
     #[arg(long)]
     pub no_kmsg: bool,
+    /// NVML library to load instead of the system's `libnvidia-ml.so.1`.
+    #[arg(long, env = "FAULTLINE_NVML_LIB")]
+    pub nvml_lib: Option<PathBuf>,
+    /// Do not use NVML at all.
+    #[arg(long)]
+    pub no_nvml: bool,
     /// Policy file (YAML or JSON); reloaded when it changes. Default: built-in policy.
     #[arg(long, env = "FAULTLINE_POLICY")]
     pub policy: Option<PathBuf>,
@@ -162,6 +168,15 @@ async fn run_node(
         };
         // A blocking thread: a read of /dev/kmsg cannot be cancelled, so it is not joined.
         kmsg::spawn(kcfg, ctx.clone());
+    }
+    if cfg.no_nvml {
+        info!("NVML source disabled");
+    } else {
+        let ncfg = nvml::NvmlConfig {
+            library: cfg.nvml_lib.clone(),
+        };
+        let source = nvml::run(ncfg, policy_rx.clone(), ctx.clone());
+        tasks.spawn(source.instrument(tracing::info_span!("source", name = "nvml")));
     }
     drop(ctx);
     drop(in_tx);

@@ -97,6 +97,48 @@ pub struct NodeAction {
     pub condition: bool,
 }
 
+/// Settings of the NVML source.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct NvmlPolicy {
+    /// How often each GPU is polled.
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// An NVML call running longer than this marks the NVML detector down (it keeps waiting).
+    #[serde(with = "humantime_serde")]
+    pub call_timeout: Duration,
+    /// NVLinks per GPU that must be active (links 0..n). `None`: every link seen active since
+    /// the agent started must stay active.
+    pub nvlinks_expected: Option<u32>,
+    /// NVLink error counters (replay + recovery + CRC) growing by this much within the window
+    /// raise `NVLINK_ERRORS`.
+    pub nvlink_error_threshold: u64,
+    #[serde(with = "humantime_serde")]
+    pub nvlink_error_window: Duration,
+    /// PCIe replay counter growth that raises `PCIE_REPLAY_ERRORS`.
+    pub pcie_replay_threshold: u64,
+    #[serde(with = "humantime_serde")]
+    pub pcie_replay_window: Duration,
+    /// Also flag a PCIe generation below the maximum. Off by default: GPUs lower their link
+    /// generation when idle to save power, so only the width is a fault by default.
+    pub pcie_check_generation: bool,
+}
+
+impl Default for NvmlPolicy {
+    fn default() -> Self {
+        NvmlPolicy {
+            poll_interval: Duration::from_secs(10),
+            call_timeout: Duration::from_secs(30),
+            nvlinks_expected: None,
+            nvlink_error_threshold: 100,
+            nvlink_error_window: Duration::from_secs(600),
+            pcie_replay_threshold: 100,
+            pcie_replay_window: Duration::from_secs(600),
+            pcie_check_generation: false,
+        }
+    }
+}
+
 /// The whole policy.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -117,6 +159,7 @@ pub struct Policy {
     pub max_recovered: usize,
     /// Expected number of GPUs on this node (0: do not check). Used by the NVML source.
     pub expected_gpus: u32,
+    pub nvml: NvmlPolicy,
 }
 
 impl Default for Policy {
@@ -130,6 +173,7 @@ impl Default for Policy {
             recovered_retention: Duration::from_secs(24 * 3600),
             max_recovered: 100,
             expected_gpus: 0,
+            nvml: NvmlPolicy::default(),
         }
     }
 }
@@ -286,6 +330,16 @@ impl Policy {
                     &format!("{c:?} is not a fault code"),
                 );
             }
+        }
+        let n = &self.nvml;
+        if n.poll_interval < Duration::from_millis(100) {
+            return err("field nvml.poll_interval".into(), "must be at least 100ms");
+        }
+        if n.call_timeout.is_zero() {
+            return err("field nvml.call_timeout".into(), "must be longer than 0s");
+        }
+        if n.nvlink_error_window.is_zero() || n.pcie_replay_window.is_zero() {
+            return err("field nvml".into(), "error windows must be longer than 0s");
         }
         for (h, a) in &self.node_actions {
             if let Some(t) = &a.taint {

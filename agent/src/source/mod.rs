@@ -5,6 +5,7 @@
 
 pub mod control;
 pub mod kmsg;
+pub mod nvml;
 pub mod policy_watch;
 
 use std::sync::Arc;

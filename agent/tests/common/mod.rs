@@ -28,6 +28,11 @@ pub struct Opts<'a> {
 impl Agent {
     /// Starts the agent on `dir/kmsg` (created if missing) with boot id file `dir/boot_id`.
     pub fn start(dir: &Path, extra: &[&str]) -> Agent {
+        Agent::start_env(dir, extra, &[])
+    }
+
+    /// Like `start`, with extra environment variables for the agent process.
+    pub fn start_env(dir: &Path, extra: &[&str], env: &[(&str, &Path)]) -> Agent {
         let kmsg = dir.join("kmsg");
         let boot_id = dir.join("boot_id");
         if !kmsg.exists() {
@@ -54,6 +59,7 @@ impl Agent {
                 "5ms",
             ])
             .args(extra)
+            .envs(env.iter().map(|(k, v)| (*k, *v)))
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(Stdio::from(
@@ -191,6 +197,21 @@ impl Drop for Agent {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Runs the `faultline` CLI against a state directory; returns (exit code, stdout, stderr).
+pub fn cli(args: &[&str], state: &Path) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_faultline"))
+        .args(args)
+        .arg("--state-dir")
+        .arg(state)
+        .output()
+        .expect("run faultline");
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 /// Sends SIGTERM, as Kubernetes and systemd do.

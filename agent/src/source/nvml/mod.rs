@@ -1,0 +1,289 @@
+//! The NVML source: GPU inventory, Xid and double-bit ECC events, ECC counters, retired pages,
+//! remapped rows, the driver's recovery action, NVLink state and error rates, PCIe link state
+//! and replays, and lost GPUs.
+//!
+//! Threads, so that no NVML call can block anything but itself: one per GPU (polling), one for
+//! the device count, one for events. Each reports what it reads to an async loop that runs the
+//! pure [`analyze::Analyzer`] and sends observations to the engine. A watchdog in that loop
+//! marks the NVML detector down when a call has not returned within `nvml.call_timeout`, and up
+//! again when it returns. No NVML on the machine (no library, no driver) is normal: the
+//! detector is `Idle`, with one info line.
+
+pub mod analyze;
+pub mod readings;
+pub mod real;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+use tracing::{info, warn};
+
+use self::analyze::Analyzer;
+use self::readings::{CallTracker, DeviceReadings, Identity, NvmlBackend, NvmlEvent, Reading};
+use super::policy_watch::LoadedPolicy;
+use super::{Input, SourceContext};
+use crate::engine::{DetectorState, Observation};
+
+pub const DETECTOR: &str = "nvml";
+
+/// Where NVML comes from.
+#[derive(Debug, Clone, Default)]
+pub struct NvmlConfig {
+    /// The library to load; default: the system's `libnvidia-ml.so.1`.
+    pub library: Option<PathBuf>,
+}
+
+enum Msg {
+    Identity(Identity),
+    Count(Reading<u32>),
+    Readings(Box<DeviceReadings>),
+    Event(NvmlEvent),
+}
+
+async fn detector(ctx: &SourceContext, state: DetectorState, reason: Option<String>) -> bool {
+    let obs = Observation::Detector {
+        name: DETECTOR.into(),
+        state,
+        reason,
+    };
+    ctx.tx.send(Input::Obs(obs)).await.is_ok()
+}
+
+/// Opens NVML and runs the source until shutdown.
+pub async fn run(cfg: NvmlConfig, policy: watch::Receiver<LoadedPolicy>, ctx: SourceContext) {
+    let mut retry = Duration::from_secs(60);
+    loop {
+        let timeout = policy.borrow().policy.nvml.call_timeout;
+        let lib = cfg.library.clone();
+        let opened = tokio::time::timeout(
+            timeout,
+            tokio::task::spawn_blocking(move || real::open(lib.as_deref())),
+        )
+        .await;
+        let reason = match opened {
+            Ok(Ok(Ok(nvml))) => {
+                info!(driver = ?nvml.driver_version(), "NVML opened");
+                run_with(Arc::new(nvml), policy, ctx).await;
+                return;
+            }
+            Ok(Ok(Err(real::OpenError::Absent(why)))) => {
+                info!(reason = %why, "no NVML on this node; the NVML source is idle");
+                detector(&ctx, DetectorState::Idle, Some(why)).await;
+                return;
+            }
+            Ok(Ok(Err(real::OpenError::Broken(why)))) => why,
+            Ok(Err(e)) => format!("NVML init panicked: {e}"),
+            Err(_) => format!(
+                "NVML init did not return within {}",
+                humantime::format_duration(timeout)
+            ),
+        };
+        warn!(reason = %reason, "NVML is present but not working; retrying");
+        if !detector(&ctx, DetectorState::Down, Some(reason)).await {
+            return;
+        }
+        tokio::select! {
+            _ = ctx.shutdown.cancelled() => return,
+            _ = tokio::time::sleep(retry) => {}
+        }
+        retry = (retry * 2).min(Duration::from_secs(600));
+    }
+}
+
+fn spawn_thread(name: String, f: impl FnOnce() + Send + 'static) {
+    if let Err(e) = std::thread::Builder::new().name(name.clone()).spawn(f) {
+        warn!(thread = %name, error = %e, "cannot start an NVML thread");
+    }
+}
+
+/// Sleeps `total` in short steps, returning early at shutdown.
+fn nap(total: Duration, ctx: &SourceContext) {
+    let until = Instant::now() + total;
+    while !ctx.shutdown.is_cancelled() {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        std::thread::sleep(left.min(Duration::from_millis(200)));
+    }
+}
+
+/// Runs the source over an opened backend until shutdown.
+pub async fn run_with(
+    backend: Arc<dyn NvmlBackend>,
+    mut policy: watch::Receiver<LoadedPolicy>,
+    ctx: SourceContext,
+) {
+    let interval_ms = Arc::new(AtomicU64::new(
+        policy.borrow().policy.nvml.poll_interval.as_millis() as u64,
+    ));
+    let (tx, mut rx) = mpsc::channel::<Msg>(256);
+
+    // The device count, once now (it decides how many GPU threads run) and then every interval.
+    let inventory_calls = Arc::new(CallTracker::default());
+    let count = {
+        let (b, c) = (backend.clone(), inventory_calls.clone());
+        let t = policy.borrow().policy.nvml.call_timeout;
+        match tokio::time::timeout(t, tokio::task::spawn_blocking(move || b.device_count(&c))).await
+        {
+            Ok(Ok(Ok(n))) => n,
+            other => {
+                let why = match other {
+                    Ok(Ok(Err(e))) => format!("nvmlDeviceGetCount failed: {e:?}"),
+                    _ => "nvmlDeviceGetCount did not return".to_string(),
+                };
+                warn!(reason = %why, "NVML cannot count GPUs");
+                detector(&ctx, DetectorState::Down, Some(why)).await;
+                0
+            }
+        }
+    };
+    info!(gpus = count, "NVML source running");
+    if !detector(&ctx, DetectorState::Running, None).await {
+        return;
+    }
+    let _ = tx.send(Msg::Count(Ok(count))).await;
+
+    {
+        let (b, c, tx, ctx2, iv) = (
+            backend.clone(),
+            inventory_calls.clone(),
+            tx.clone(),
+            ctx.clone(),
+            interval_ms.clone(),
+        );
+        spawn_thread("nvml-count".into(), move || loop {
+            nap(Duration::from_millis(iv.load(Ordering::Relaxed)), &ctx2);
+            if ctx2.shutdown.is_cancelled()
+                || tx.blocking_send(Msg::Count(b.device_count(&c))).is_err()
+            {
+                return;
+            }
+        });
+    }
+    let mut trackers: Vec<(u32, Arc<CallTracker>)> = vec![(u32::MAX, inventory_calls)];
+    for i in 0..count {
+        let calls = Arc::new(CallTracker::default());
+        trackers.push((i, calls.clone()));
+        let (b, tx, ctx2, iv) = (
+            backend.clone(),
+            tx.clone(),
+            ctx.clone(),
+            interval_ms.clone(),
+        );
+        spawn_thread(format!("nvml-gpu{i}"), move || {
+            match b.identity(i, &calls) {
+                Ok(id) => {
+                    if tx.blocking_send(Msg::Identity(id)).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => warn!(gpu = i, error = ?e, "cannot read the GPU's identity"),
+            }
+            while !ctx2.shutdown.is_cancelled() {
+                let r = b.read(i, &calls);
+                if tx.blocking_send(Msg::Readings(Box::new(r))).is_err() {
+                    return;
+                }
+                nap(Duration::from_millis(iv.load(Ordering::Relaxed)), &ctx2);
+            }
+        });
+    }
+    {
+        let (b, tx, ctx2) = (backend.clone(), tx.clone(), ctx.clone());
+        spawn_thread("nvml-events".into(), move || {
+            let mut backoff = Duration::from_secs(1);
+            while !ctx2.shutdown.is_cancelled() {
+                let mut events = match b.events() {
+                    Ok(e) => e,
+                    Err(e) => {
+                        info!(error = ?e, "NVML events unavailable; polling only");
+                        nap(Duration::from_secs(300), &ctx2);
+                        continue;
+                    }
+                };
+                while !ctx2.shutdown.is_cancelled() {
+                    match events.wait(1000) {
+                        Ok(Some(ev)) => {
+                            if tx.blocking_send(Msg::Event(ev)).is_err() {
+                                return;
+                            }
+                            backoff = Duration::from_secs(1);
+                        }
+                        Ok(None) => {}
+                        Err(e) => {
+                            // A lost GPU shows in its polling thread; here only back off.
+                            warn!(error = ?e, "waiting for NVML events failed");
+                            nap(backoff, &ctx2);
+                            backoff = (backoff * 2).min(Duration::from_secs(60));
+                            break;
+                        }
+                    }
+                }
+            }
+        });
+    }
+    drop(tx);
+
+    let mut analyzer = Analyzer::new();
+    let mut hung = false;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let out = tokio::select! {
+            _ = ctx.shutdown.cancelled() => return,
+            Ok(()) = policy.changed() => {
+                let ms = policy.borrow_and_update().policy.nvml.poll_interval.as_millis() as u64;
+                interval_ms.store(ms, Ordering::Relaxed);
+                continue;
+            }
+            msg = rx.recv() => {
+                let Some(msg) = msg else { return };
+                let loaded = policy.borrow().clone();
+                match msg {
+                    Msg::Identity(id) => analyzer.identity(id),
+                    Msg::Count(Ok(n)) => analyzer.inventory(n, loaded.policy.expected_gpus),
+                    Msg::Count(Err(e)) => {
+                        warn!(error = ?e, "nvmlDeviceGetCount failed");
+                        Vec::new()
+                    }
+                    Msg::Readings(r) => analyzer.readings(&loaded.policy.nvml, &r, Instant::now()),
+                    Msg::Event(ev) => analyzer.event(&ev),
+                }
+            }
+            _ = tick.tick() => {
+                let limit = policy.borrow().policy.nvml.call_timeout;
+                let now = Instant::now();
+                let stuck = trackers.iter().find_map(|(i, t)| t.stuck(limit, now).map(|(name, d)| (*i, name, d)));
+                match (stuck, hung) {
+                    (Some((i, name, d)), false) => {
+                        hung = true;
+                        let on = if i == u32::MAX { String::new() } else { format!(" on GPU {i}") };
+                        let why = format!("{name}{on} has not returned for {} s", d.as_secs());
+                        warn!(reason = %why, "NVML call hung");
+                        if !detector(&ctx, DetectorState::Down, Some(why)).await {
+                            return;
+                        }
+                    }
+                    (None, true) => {
+                        hung = false;
+                        info!("NVML calls return again");
+                        if !detector(&ctx, DetectorState::Running, None).await {
+                            return;
+                        }
+                    }
+                    _ => {}
+                }
+                continue;
+            }
+        };
+        for o in out {
+            if ctx.tx.send(Input::Obs(o)).await.is_err() {
+                return;
+            }
+        }
+    }
+}

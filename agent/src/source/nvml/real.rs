@@ -1,0 +1,316 @@
+//! [`NvmlBackend`] over the real NVML, through nvml-wrapper. The only module that touches NVML.
+//!
+//! NVML is loaded once per process and kept for its lifetime (`&'static`), so devices and the
+//! event set can live on their own threads. In CI this runs against the fake
+//! `libnvidia-ml.so` from `tests/fake-nvml`, loaded through the same `lib_path` mechanism.
+
+use std::path::Path;
+
+use nvml_wrapper::bitmasks::event::EventTypes;
+use nvml_wrapper::enum_wrappers::device::{EccCounter, MemoryError};
+use nvml_wrapper::enum_wrappers::nv_link::ErrorCounter;
+use nvml_wrapper::enums::device::SampleValue;
+use nvml_wrapper::enums::event::XidError;
+use nvml_wrapper::error::NvmlError;
+use nvml_wrapper::structs::device::FieldId;
+use nvml_wrapper::{EventSet, Nvml};
+
+use super::readings::{
+    CallError, CallTracker, DeviceReadings, EventKind, EventWaiter, Identity, Link, NvmlBackend,
+    NvmlEvent, Pcie, Reading, Remap,
+};
+
+/// NVML field ids (NVML 12 numbering; nvml-wrapper translates for newer drivers).
+const FI_REMAPPED_COR: u32 = 142;
+const FI_REMAPPED_UNC: u32 = 143;
+const FI_REMAPPED_PENDING: u32 = 144;
+const FI_REMAPPED_FAILURE: u32 = 145;
+const FI_RECOVERY_ACTION: u32 = 230;
+/// NVML_NVLINK_MAX_LINKS in current headers.
+const MAX_LINKS: u32 = 18;
+
+/// Why NVML could not be opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum OpenError {
+    /// No library or no driver: a CPU node. Normal.
+    Absent(String),
+    /// NVML is there but does not work.
+    Broken(String),
+}
+
+fn call_error(e: NvmlError) -> CallError {
+    call_error_ref(&e)
+}
+
+fn call_error_ref(e: &NvmlError) -> CallError {
+    match e {
+        NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_) => CallError::NotSupported,
+        NvmlError::GpuLost => CallError::GpuLost,
+        NvmlError::ResetRequired => CallError::ResetRequired,
+        other => CallError::Other(other.to_string()),
+    }
+}
+
+/// NVML, loaded.
+#[derive(Debug)]
+pub struct RealNvml {
+    nvml: &'static Nvml,
+}
+
+/// Loads NVML from `lib` (default: the system's `libnvidia-ml.so.1`) and initializes it.
+pub fn open(lib: Option<&Path>) -> Result<RealNvml, OpenError> {
+    let mut builder = Nvml::builder();
+    if let Some(p) = lib {
+        builder.lib_path(p.as_os_str());
+    }
+    match builder.init() {
+        Ok(n) => Ok(RealNvml {
+            // One NVML per process, for the life of the process.
+            nvml: Box::leak(Box::new(n)),
+        }),
+        Err(NvmlError::LibloadingError(e)) => {
+            Err(OpenError::Absent(format!("cannot load NVML: {e}")))
+        }
+        Err(NvmlError::DriverNotLoaded) => {
+            Err(OpenError::Absent("the NVIDIA driver is not loaded".into()))
+        }
+        Err(e) => Err(OpenError::Broken(format!("NVML init failed: {e}"))),
+    }
+}
+
+impl RealNvml {
+    pub fn driver_version(&self) -> Option<String> {
+        self.nvml.sys_driver_version().ok()
+    }
+}
+
+fn field_u64(v: &Result<SampleValue, NvmlError>) -> Reading<u64> {
+    match v {
+        Ok(SampleValue::U32(x)) => Ok(u64::from(*x)),
+        Ok(SampleValue::U64(x)) => Ok(*x),
+        Ok(SampleValue::I64(x)) => Ok((*x).max(0) as u64),
+        Ok(SampleValue::F64(x)) => Ok(x.max(0.0) as u64),
+        Err(e) => Err(call_error_ref(e)),
+    }
+}
+
+impl NvmlBackend for RealNvml {
+    fn device_count(&self, calls: &CallTracker) -> Reading<u32> {
+        calls
+            .call("nvmlDeviceGetCount", || self.nvml.device_count())
+            .map_err(call_error)
+    }
+
+    fn identity(&self, index: u32, calls: &CallTracker) -> Reading<Identity> {
+        let d = calls
+            .call("nvmlDeviceGetHandleByIndex", || {
+                self.nvml.device_by_index(index)
+            })
+            .map_err(call_error)?;
+        let uuid = calls.call("nvmlDeviceGetUUID", || d.uuid()).ok();
+        let pci = calls
+            .call("nvmlDeviceGetPciInfo", || d.pci_info())
+            .ok()
+            .and_then(|p| p.bus_id.parse().ok());
+        let name = calls.call("nvmlDeviceGetName", || d.name()).ok();
+        Ok(Identity {
+            index,
+            uuid,
+            pci,
+            name,
+        })
+    }
+
+    fn read(&self, index: u32, calls: &CallTracker) -> DeviceReadings {
+        let d = match calls.call("nvmlDeviceGetHandleByIndex", || {
+            self.nvml.device_by_index(index)
+        }) {
+            Ok(d) => d,
+            Err(e) => return DeviceReadings::all_failed(index, call_error(e)),
+        };
+        let ecc = |counter| {
+            calls
+                .call("nvmlDeviceGetTotalEccErrors", || {
+                    d.total_ecc_errors(MemoryError::Uncorrected, counter)
+                })
+                .map_err(call_error)
+        };
+        let ecc_volatile = ecc(EccCounter::Volatile);
+        let ecc_aggregate = ecc(EccCounter::Aggregate);
+        let pages_pending = calls
+            .call("nvmlDeviceGetRetiredPagesPendingStatus", || {
+                d.are_pages_pending_retired()
+            })
+            .map_err(call_error);
+        let ids = [
+            FI_REMAPPED_COR,
+            FI_REMAPPED_UNC,
+            FI_REMAPPED_PENDING,
+            FI_REMAPPED_FAILURE,
+            FI_RECOVERY_ACTION,
+        ]
+        .map(FieldId);
+        let fields = calls
+            .call("nvmlDeviceGetFieldValues", || d.field_values_for(&ids))
+            .map_err(call_error);
+        let (remap, recovery_action) = match fields {
+            Ok(v) if v.len() == ids.len() => {
+                let val = |i: usize| {
+                    v[i].as_ref()
+                        .map_err(call_error_ref)
+                        .and_then(|s| field_u64(&s.value))
+                };
+                let remap = (|| {
+                    Ok(Remap {
+                        correctable: val(0)?,
+                        uncorrectable: val(1)?,
+                        pending: val(2)?,
+                        failure: val(3)?,
+                    })
+                })();
+                (remap, val(4))
+            }
+            Ok(_) => (
+                Err(CallError::Other("short field value answer".into())),
+                Err(CallError::Other("short field value answer".into())),
+            ),
+            Err(e) => (Err(e.clone()), Err(e)),
+        };
+        let links = (|| {
+            let mut out = Vec::new();
+            for l in 0..MAX_LINKS {
+                let link = d.link_wrapper_for(l);
+                match calls.call("nvmlDeviceGetNvLinkState", || link.is_active()) {
+                    Ok(active) => {
+                        let mut sum: Reading<u64> = Ok(0);
+                        for c in [
+                            ErrorCounter::DlReplay,
+                            ErrorCounter::DlRecovery,
+                            ErrorCounter::DlCrcFlit,
+                            ErrorCounter::DlCrcData,
+                        ] {
+                            let v = calls
+                                .call("nvmlDeviceGetNvLinkErrorCounter", || link.error_counter(c))
+                                .map_err(call_error);
+                            sum = match (sum, v) {
+                                (Ok(a), Ok(b)) => Ok(a.saturating_add(b)),
+                                (Err(e), _) | (_, Err(e)) => Err(e),
+                            };
+                        }
+                        out.push(Link {
+                            link: l,
+                            active,
+                            errors: sum,
+                        });
+                    }
+                    // Past the last link NVML answers INVALID_ARGUMENT; no NVLink at all is NOT_SUPPORTED.
+                    Err(NvmlError::InvalidArg) => break,
+                    Err(e) if l == 0 => return Err(call_error(e)),
+                    Err(e) => {
+                        let e = call_error(e);
+                        if e.is_lost() {
+                            return Err(e);
+                        }
+                        break;
+                    }
+                }
+            }
+            Ok(out)
+        })();
+        let pcie = (|| {
+            Ok(Pcie {
+                cur_gen: calls
+                    .call("nvmlDeviceGetCurrPcieLinkGeneration", || {
+                        d.current_pcie_link_gen()
+                    })
+                    .map_err(call_error)?,
+                max_gen: calls
+                    .call("nvmlDeviceGetMaxPcieLinkGeneration", || {
+                        d.max_pcie_link_gen()
+                    })
+                    .map_err(call_error)?,
+                cur_width: calls
+                    .call("nvmlDeviceGetCurrPcieLinkWidth", || {
+                        d.current_pcie_link_width()
+                    })
+                    .map_err(call_error)?,
+                max_width: calls
+                    .call("nvmlDeviceGetMaxPcieLinkWidth", || d.max_pcie_link_width())
+                    .map_err(call_error)?,
+            })
+        })();
+        let pcie_replay = calls
+            .call("nvmlDeviceGetPcieReplayCounter", || d.pcie_replay_counter())
+            .map(u64::from)
+            .map_err(call_error);
+        DeviceReadings {
+            index,
+            ecc_volatile,
+            ecc_aggregate,
+            pages_pending,
+            remap,
+            recovery_action,
+            links,
+            pcie,
+            pcie_replay,
+        }
+    }
+
+    fn events(&self) -> Reading<Box<dyn EventWaiter>> {
+        let wanted = EventTypes::CRITICAL_XID_ERROR | EventTypes::DOUBLE_BIT_ECC_ERROR;
+        let mut set = self.nvml.create_event_set().map_err(call_error)?;
+        let count = self.nvml.device_count().map_err(call_error)?;
+        let mut registered = 0;
+        for i in 0..count {
+            let Ok(d) = self.nvml.device_by_index(i) else {
+                continue;
+            };
+            let types = match d.supported_event_types() {
+                Ok(t) => t & wanted,
+                Err(_) => wanted,
+            };
+            if types.is_empty() {
+                continue;
+            }
+            match d.register_events(types, set) {
+                Ok(s) => {
+                    set = s;
+                    registered += 1;
+                }
+                Err(e) => {
+                    // The set is gone with the error; events stay unavailable, polling goes on.
+                    return Err(call_error(e.error));
+                }
+            }
+        }
+        if registered == 0 {
+            return Err(CallError::NotSupported);
+        }
+        Ok(Box::new(Events { set }))
+    }
+}
+
+struct Events {
+    set: EventSet<'static>,
+}
+
+impl EventWaiter for Events {
+    fn wait(&mut self, timeout_ms: u32) -> Reading<Option<NvmlEvent>> {
+        match self.set.wait(timeout_ms) {
+            Ok(ev) => {
+                let index = ev.device.index().ok();
+                let kind = if ev.event_type.contains(EventTypes::CRITICAL_XID_ERROR) {
+                    match ev.event_data {
+                        Some(XidError::Value(x)) => EventKind::Xid(x),
+                        _ => EventKind::Xid(0),
+                    }
+                } else {
+                    EventKind::DoubleBitEcc
+                };
+                Ok(Some(NvmlEvent { index, kind }))
+            }
+            Err(NvmlError::Timeout) => Ok(None),
+            Err(e) => Err(call_error(e)),
+        }
+    }
+}
