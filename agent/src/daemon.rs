@@ -18,7 +18,7 @@ use crate::http::{self, HttpState};
 use crate::metrics::Metrics;
 use crate::runtime::{Clock, EngineLoop, Heartbeat, SystemClock};
 use crate::sink::file;
-use crate::source::{control, kmsg, nvml, policy_watch, Input, SourceContext};
+use crate::source::{control, kmsg, node, nvml, policy_watch, Input, SourceContext};
 
 /// Written into the state directory while the agent runs: the address its endpoints are bound
 /// to (useful with `--listen …:0`).
@@ -48,6 +48,12 @@ pub struct AgentConfig {
     /// Do not use NVML at all.
     #[arg(long)]
     pub no_nvml: bool,
+    /// Kubernetes: use this kubeconfig instead of the in-cluster service account.
+    #[arg(long, env = "FAULTLINE_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Never talk to Kubernetes, even inside a cluster.
+    #[arg(long)]
+    pub standalone: bool,
     /// Policy file (YAML or JSON); reloaded when it changes. Default: built-in policy.
     #[arg(long, env = "FAULTLINE_POLICY")]
     pub policy: Option<PathBuf>,
@@ -169,13 +175,33 @@ async fn run_node(
         // A blocking thread: a read of /dev/kmsg cannot be cancelled, so it is not joined.
         kmsg::spawn(kcfg, ctx.clone());
     }
+    // Kubernetes mode: a kubeconfig was given, or the agent runs in a pod. Anything failing here
+    // leaves the agent standalone; detection never waits for the API.
+    let (label_tx, label_rx) = watch::channel(None);
+    let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+    if !cfg.standalone && (cfg.kubeconfig.is_some() || in_cluster) {
+        match node::client(cfg.kubeconfig.as_deref()).await {
+            Ok(client) => {
+                info!(node = %node, "Kubernetes mode");
+                let w = node::watch_gpu_count(
+                    client,
+                    node.clone(),
+                    label_tx,
+                    Duration::from_secs(60),
+                    source_shutdown.clone(),
+                );
+                tasks.spawn(w.instrument(tracing::info_span!("source", name = "node")));
+            }
+            Err(e) => warn!(error = %e, "cannot reach Kubernetes; running standalone"),
+        }
+    }
     if cfg.no_nvml {
         info!("NVML source disabled");
     } else {
         let ncfg = nvml::NvmlConfig {
             library: cfg.nvml_lib.clone(),
         };
-        let source = nvml::run(ncfg, policy_rx.clone(), ctx.clone());
+        let source = nvml::run(ncfg, policy_rx.clone(), label_rx, ctx.clone());
         tasks.spawn(source.instrument(tracing::info_span!("source", name = "nvml")));
     }
     drop(ctx);

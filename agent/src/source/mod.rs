@@ -5,6 +5,7 @@
 
 pub mod control;
 pub mod kmsg;
+pub mod node;
 pub mod nvml;
 pub mod policy_watch;
 

@@ -52,8 +52,22 @@ async fn detector(ctx: &SourceContext, state: DetectorState, reason: Option<Stri
     ctx.tx.send(Input::Obs(obs)).await.is_ok()
 }
 
-/// Opens NVML and runs the source until shutdown.
-pub async fn run(cfg: NvmlConfig, policy: watch::Receiver<LoadedPolicy>, ctx: SourceContext) {
+/// The expected GPU count: the policy's `expected_gpus` when set, else the node label's.
+fn expected(policy: &LoadedPolicy, label: Option<u32>) -> u32 {
+    match policy.policy.expected_gpus {
+        0 => label.unwrap_or(0),
+        n => n,
+    }
+}
+
+/// Opens NVML and runs the source until shutdown. `label_count` is the GPU count the node's
+/// labels state (Kubernetes mode; always `None` standalone).
+pub async fn run(
+    cfg: NvmlConfig,
+    policy: watch::Receiver<LoadedPolicy>,
+    label_count: watch::Receiver<Option<u32>>,
+    ctx: SourceContext,
+) {
     let mut retry = Duration::from_secs(60);
     loop {
         let timeout = policy.borrow().policy.nvml.call_timeout;
@@ -66,7 +80,7 @@ pub async fn run(cfg: NvmlConfig, policy: watch::Receiver<LoadedPolicy>, ctx: So
         let reason = match opened {
             Ok(Ok(Ok(nvml))) => {
                 info!(driver = ?nvml.driver_version(), "NVML opened");
-                run_with(Arc::new(nvml), policy, ctx).await;
+                run_with(Arc::new(nvml), policy, label_count, ctx).await;
                 return;
             }
             Ok(Ok(Err(real::OpenError::Absent(why)))) => {
@@ -115,6 +129,7 @@ fn nap(total: Duration, ctx: &SourceContext) {
 pub async fn run_with(
     backend: Arc<dyn NvmlBackend>,
     mut policy: watch::Receiver<LoadedPolicy>,
+    mut label_count: watch::Receiver<Option<u32>>,
     ctx: SourceContext,
 ) {
     let interval_ms = Arc::new(AtomicU64::new(
@@ -229,6 +244,7 @@ pub async fn run_with(
     drop(tx);
 
     let mut analyzer = Analyzer::new();
+    let mut last_count: Option<u32> = None;
     let mut hung = false;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -236,16 +252,26 @@ pub async fn run_with(
         let out = tokio::select! {
             _ = ctx.shutdown.cancelled() => return,
             Ok(()) = policy.changed() => {
-                let ms = policy.borrow_and_update().policy.nvml.poll_interval.as_millis() as u64;
-                interval_ms.store(ms, Ordering::Relaxed);
-                continue;
+                let loaded = policy.borrow_and_update().clone();
+                interval_ms.store(loaded.policy.nvml.poll_interval.as_millis() as u64, Ordering::Relaxed);
+                let want = expected(&loaded, *label_count.borrow());
+                last_count.map(|n| analyzer.inventory(n, want)).unwrap_or_default()
+            }
+            Ok(()) = label_count.changed() => {
+                let label = *label_count.borrow_and_update();
+                info!(count = ?label, "expected GPU count from the node label");
+                let want = expected(&policy.borrow(), label);
+                last_count.map(|n| analyzer.inventory(n, want)).unwrap_or_default()
             }
             msg = rx.recv() => {
                 let Some(msg) = msg else { return };
                 let loaded = policy.borrow().clone();
                 match msg {
                     Msg::Identity(id) => analyzer.identity(id),
-                    Msg::Count(Ok(n)) => analyzer.inventory(n, loaded.policy.expected_gpus),
+                    Msg::Count(Ok(n)) => {
+                        last_count = Some(n);
+                        analyzer.inventory(n, expected(&loaded, *label_count.borrow()))
+                    }
                     Msg::Count(Err(e)) => {
                         warn!(error = ?e, "nvmlDeviceGetCount failed");
                         Vec::new()
