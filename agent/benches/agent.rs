@@ -10,8 +10,9 @@
 
 #![allow(clippy::unwrap_used)] // benchmark harness: a panic is the failure report
 
+mod common;
+
 use std::io::Write;
-use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -114,15 +115,9 @@ impl Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        if let Some(pid) = rustix::process::Pid::from_raw(self.child.id() as i32) {
-            let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-        }
+        common::terminate(&self.child);
         let _ = self.child.wait();
     }
-}
-
-fn pct(sorted: &[f64], p: f64) -> f64 {
-    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
 fn latency(events: usize) {
@@ -136,41 +131,22 @@ fn latency(events: usize) {
         let want_count = (i / gpus.len() + 1) as u64;
         let pci = format!("0000:{gpu}:00.0");
         let line = format!("4,{},{},-;NVRM: Xid (PCI:0000:{gpu}:00): 95, pid=1, name=bench, Uncontained ECC error\n", i + 1, i);
-        let ino = std::fs::metadata(&path).map(|m| m.ino()).unwrap_or(0);
+        let ino = common::record_inode(&path);
         let t0 = Instant::now();
         a.write(line.as_bytes());
-        // Poll for the replaced file, then check it holds this event.
-        let mut cur_ino = ino;
-        loop {
-            if let Ok(m) = std::fs::metadata(&path) {
-                if m.ino() != cur_ino {
-                    cur_ino = m.ino();
-                    let r: serde_json::Value =
-                        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-                    let seen = r["faults"].as_array().unwrap().iter().any(|f| {
-                        f["pci_bus_id"] == pci.as_str() && f["count"].as_u64() >= Some(want_count)
-                    });
-                    if seen {
-                        break;
-                    }
-                }
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "event {i} never reached the record"
-            );
-            std::thread::sleep(Duration::from_micros(100));
-        }
+        common::wait_record(&path, ino, t0, &format!("event {i}"), |r| {
+            common::has_fault(r, "pci_bus_id", &pci, None, want_count)
+        });
         lat.push(t0.elapsed().as_secs_f64() * 1000.0);
         std::thread::sleep(Duration::from_millis(250).saturating_sub(t0.elapsed()));
     }
     lat.sort_by(|x, y| x.total_cmp(y));
     println!(
         "latency: {events} events, kmsg FIFO -> faults.json: median {:.2} ms, p99 {:.2} ms, max {:.2} ms (goal p99 < 50 ms: {})",
-        pct(&lat, 0.5),
-        pct(&lat, 0.99),
+        common::quantile(&lat, 0.5),
+        common::quantile(&lat, 0.99),
         lat[lat.len() - 1],
-        if pct(&lat, 0.99) < 50.0 { "met" } else { "NOT met" }
+        if common::quantile(&lat, 0.99) < 50.0 { "met" } else { "NOT met" }
     );
 }
 

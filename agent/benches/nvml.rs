@@ -9,7 +9,8 @@
 
 #![allow(clippy::unwrap_used)] // benchmark harness: a panic is the failure report
 
-use std::os::unix::fs::MetadataExt;
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -146,41 +147,20 @@ fn event(lib: &Path, events: usize) {
         let dev = k % 8;
         let want = (k / 8 + 1) as u64;
         all.push(json!({"id": k + 1, "device": dev, "type": "xid", "xid": 31}));
-        let ino = std::fs::metadata(&rec).map(|m| m.ino()).unwrap_or(0);
+        let ino = common::record_inode(&rec);
         let t0 = Instant::now();
         write_state(all.clone());
         let uuid = format!("GPU-00000000-0000-0000-0000-00000000000{dev}");
-        let mut cur = ino;
-        loop {
-            if let Ok(m) = std::fs::metadata(&rec) {
-                if m.ino() != cur {
-                    cur = m.ino();
-                    let v: Value = serde_json::from_slice(&std::fs::read(&rec).unwrap()).unwrap();
-                    let seen = v["faults"].as_array().unwrap().iter().any(|f| {
-                        f["device_uuid"] == uuid.as_str()
-                            && f["fault_code"] == "Xid31"
-                            && f["count"].as_u64() >= Some(want)
-                    });
-                    if seen {
-                        break;
-                    }
-                }
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(10),
-                "event {k} never reached the record"
-            );
-            std::thread::sleep(Duration::from_micros(200));
-        }
+        common::wait_record(&rec, ino, t0, &format!("event {k}"), |r| {
+            common::has_fault(r, "device_uuid", &uuid, Some("Xid31"), want)
+        });
         lat.push(t0.elapsed().as_secs_f64() * 1e3);
         std::thread::sleep(Duration::from_millis(250).saturating_sub(t0.elapsed()));
     }
-    if let Some(pid) = rustix::process::Pid::from_raw(child.id() as i32) {
-        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
-    }
+    common::terminate(&child);
     let _ = child.wait();
     lat.sort_by(|a, b| a.total_cmp(b));
-    let p = |q: f64| lat[((lat.len() - 1) as f64 * q).round() as usize];
+    let p = |q: f64| common::quantile(&lat, q);
     println!(
         "event: {events} Xid events, fake NVML -> faults.json: median {:.2} ms, p99 {:.2} ms, max {:.2} ms (goal p99 < 100 ms: {})",
         p(0.5),

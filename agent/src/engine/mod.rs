@@ -316,6 +316,7 @@ impl Engine {
     pub fn step(&mut self, ctx: Ctx<'_>, obs: Observation, now: DateTime<Utc>) -> Vec<EngineEvent> {
         let before = self.health(ctx.policy);
         let mut events = Vec::new();
+        let tick = obs == Observation::Tick;
         match obs {
             Observation::Signal(s) => self.signal(ctx, s, now, &mut events),
             Observation::Resolved {
@@ -371,7 +372,14 @@ impl Engine {
             } => self.detector(ctx, name, state, reason, now, &mut events),
             Observation::Tick => self.tick(ctx.policy, now, &mut events),
         }
-        self.prune(ctx.policy, now);
+        // History changes only with time or a recovery: not on the hot path of repeated signals.
+        if tick
+            || events
+                .iter()
+                .any(|e| matches!(e, EngineEvent::Recovered { .. }))
+        {
+            self.prune(ctx.policy, now);
+        }
         if !events.is_empty() {
             self.revision += 1;
         }

@@ -42,32 +42,16 @@ pub mod field {
     };
 }
 
-/// Every exported function whose behaviour `errors` / `hang` can change (all but
-/// `nvmlErrorString`, which has no return code).
-pub const INJECTABLE_FUNCTIONS: &[&str] = &[
+/// The exported functions that take no device and whose behaviour `errors` / `hang` can change
+/// (every export but `nvmlErrorString`, which has no return code, is here or in
+/// [`DEVICE_FUNCTIONS`]).
+pub const GLOBAL_FUNCTIONS: &[&str] = &[
     "nvmlInit_v2",
     "nvmlInitWithFlags",
     "nvmlShutdown",
     "nvmlSystemGetDriverVersion",
     "nvmlDeviceGetCount_v2",
-    "nvmlDeviceGetHandleByIndex_v2",
-    "nvmlDeviceGetUUID",
-    "nvmlDeviceGetName",
-    "nvmlDeviceGetIndex",
-    "nvmlDeviceGetPciInfo_v3",
-    "nvmlDeviceGetTotalEccErrors",
-    "nvmlDeviceGetRetiredPagesPendingStatus",
-    "nvmlDeviceGetFieldValues",
-    "nvmlDeviceGetNvLinkState",
-    "nvmlDeviceGetNvLinkErrorCounter",
-    "nvmlDeviceGetCurrPcieLinkGeneration",
-    "nvmlDeviceGetMaxPcieLinkGeneration",
-    "nvmlDeviceGetCurrPcieLinkWidth",
-    "nvmlDeviceGetMaxPcieLinkWidth",
-    "nvmlDeviceGetPcieReplayCounter",
     "nvmlEventSetCreate",
-    "nvmlDeviceRegisterEvents",
-    "nvmlDeviceGetSupportedEventTypes",
     "nvmlEventSetWait_v2",
     "nvmlEventSetFree",
 ];
@@ -555,14 +539,10 @@ impl std::error::Error for StateError {}
 
 /// Checks that `name` is a function the fake exports (and, for device lists, takes a device).
 fn check_function(name: &str, device_level: bool, where_: &str) -> Result<(), StateError> {
-    let known = if device_level {
-        DEVICE_FUNCTIONS
-    } else {
-        INJECTABLE_FUNCTIONS
-    };
-    if known.contains(&name) {
+    let takes_device = DEVICE_FUNCTIONS.contains(&name);
+    if takes_device || (!device_level && GLOBAL_FUNCTIONS.contains(&name)) {
         Ok(())
-    } else if device_level && INJECTABLE_FUNCTIONS.contains(&name) {
+    } else if device_level && GLOBAL_FUNCTIONS.contains(&name) {
         Err(StateError(format!(
             "{where_}: {name:?} does not take a device; put it in the top-level list"
         )))
