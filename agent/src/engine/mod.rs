@@ -9,7 +9,7 @@
 //! (kernel-log faults), on an operator's clear or when a source says the condition is gone;
 //! keeps recovered faults as bounded history.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -17,7 +17,7 @@ use serde::{Deserialize, Serialize};
 use crate::catalog::{Catalog, FaultCode};
 use crate::parse::PciAddr;
 use crate::policy::{Policy, TaintEffect};
-use crate::record::{Fault, FaultType, Handling, Health, Source};
+use crate::record::{Fault, Handling, Health, Source};
 
 #[cfg(test)]
 mod tests;
@@ -820,13 +820,4 @@ fn escalate(
             });
         }
     }
-}
-
-/// Fault types seen among active faults (for metrics).
-pub fn active_types(view: &NodeView) -> BTreeSet<FaultType> {
-    view.faults
-        .iter()
-        .filter(|f| f.active)
-        .map(|f| f.fault_type)
-        .collect()
 }

@@ -42,8 +42,6 @@ pub struct KmsgConfig {
 #[derive(Debug)]
 pub struct KmsgReader {
     last_seq: Option<u64>,
-    /// Whether `last_seq` came from a previous run (then a gap to the first record is loss too).
-    resumed: bool,
     boot_time: Option<DateTime<Utc>>,
     use_record_time: bool,
     metrics: Arc<Metrics>,
@@ -59,7 +57,6 @@ impl KmsgReader {
     ) -> Self {
         KmsgReader {
             last_seq: resume_after,
-            resumed: resume_after.is_some(),
             boot_time,
             use_record_time,
             metrics,
@@ -137,9 +134,6 @@ impl KmsgReader {
     }
 
     fn report_loss(&mut self, lost: u64, seq: u64, out: &mut Vec<Input>) {
-        if !self.resumed && self.last_seq.is_none() {
-            return;
-        }
         self.metrics.kmsg_lost.inc_by(lost);
         warn!(
             lost,
