@@ -16,8 +16,9 @@ use crate::catalog::Catalog;
 use crate::engine::Observation;
 use crate::http::{self, HttpState};
 use crate::metrics::Metrics;
-use crate::runtime::{Clock, EngineLoop, Heartbeat, SystemClock};
+use crate::runtime::{Clock, EngineLoop, Heartbeat, SinkReport, SystemClock};
 use crate::sink::file;
+use crate::sink::kube as kube_sink;
 use crate::source::{control, kmsg, node, nvml, policy_watch, Input, SourceContext};
 
 /// Written into the state directory while the agent runs: the address its endpoints are bound
@@ -54,6 +55,16 @@ pub struct AgentConfig {
     /// Never talk to Kubernetes, even inside a cluster.
     #[arg(long)]
     pub standalone: bool,
+    /// Kubernetes: the namespace of the fault ConfigMaps and the taint ledger.
+    #[arg(long, env = "POD_NAMESPACE", default_value = crate::sink::kube::DEFAULT_NAMESPACE)]
+    pub namespace: String,
+    /// Kubernetes: this agent's pod name (the reporting instance of its Events).
+    #[arg(long, env = "POD_NAME")]
+    pub pod_name: Option<String>,
+    /// Kubernetes: after start, changes that make the node look healthier wait this long (so a
+    /// restarted agent re-detects standing faults before it untaints anything).
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    pub settle: Duration,
     /// Policy file (YAML or JSON); reloaded when it changes. Default: built-in policy.
     #[arg(long, env = "FAULTLINE_POLICY")]
     pub policy: Option<PathBuf>,
@@ -179,18 +190,20 @@ async fn run_node(
     // leaves the agent standalone; detection never waits for the API.
     let (label_tx, label_rx) = watch::channel(None);
     let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+    let mut kube_client = None;
     if !cfg.standalone && (cfg.kubeconfig.is_some() || in_cluster) {
         match node::client(cfg.kubeconfig.as_deref()).await {
             Ok(client) => {
-                info!(node = %node, "Kubernetes mode");
+                info!(node = %node, namespace = %cfg.namespace, "Kubernetes mode");
                 let w = node::watch_gpu_count(
-                    client,
+                    client.clone(),
                     node.clone(),
                     label_tx,
                     Duration::from_secs(60),
                     source_shutdown.clone(),
                 );
                 tasks.spawn(w.instrument(tracing::info_span!("source", name = "node")));
+                kube_client = Some(client);
             }
             Err(e) => warn!(error = %e, "cannot reach Kubernetes; running standalone"),
         }
@@ -207,6 +220,8 @@ async fn run_node(
     drop(ctx);
     drop(in_tx);
 
+    let (report_tx, report_rx) = watch::channel(SinkReport::default());
+    let (events_tx, events_rx) = mpsc::channel(kube_sink::events::QUEUE);
     let engine_loop = EngineLoop {
         node: node.clone(),
         engine: persisted.engine,
@@ -219,7 +234,34 @@ async fn run_node(
         clock: clock.clone(),
         heartbeat: heartbeat.clone(),
         tick: Duration::from_secs(1),
+        events: kube_client.is_some().then_some(events_tx),
+        sink_report: report_rx,
         shutdown: shutdown.clone(),
+    };
+    let kube_sinks = match kube_client {
+        Some(client) => {
+            let kcfg = kube_sink::KubeSinkConfig {
+                namespace: cfg.namespace.clone(),
+                instance: cfg.pod_name.clone(),
+                settle: cfg.settle,
+                ..kube_sink::KubeSinkConfig::new(node.clone())
+            };
+            let inputs = kube_sink::KubeSinkInputs {
+                snapshots: snap_rx.clone(),
+                policy: engine_loop.policy.clone(),
+                events: events_rx,
+                report: report_tx,
+            };
+            kube_sink::spawn(
+                client,
+                kcfg,
+                inputs,
+                metrics.clone(),
+                clock.clone(),
+                shutdown.clone(),
+            )
+        }
+        None => Vec::new(),
     };
     let engine_task = tokio::spawn(engine_loop.run());
     let sink_task = tokio::spawn(
@@ -263,6 +305,9 @@ async fn run_node(
     let _ = engine_task.await;
     source_shutdown.cancel();
     let _ = sink_task.await;
+    for t in kube_sinks {
+        let _ = t.await;
+    }
     while tasks.join_next().await.is_some() {}
     let _ = std::fs::remove_file(&addr_file);
     info!("faultline agent stopped; record flushed");

@@ -63,6 +63,12 @@ pub struct Metrics {
     pub policy_reloads: Family<ReloadLabel, Counter>,
     pub policy_valid: Gauge,
     pub detector_up: Family<DetectorLabel, Gauge>,
+    /// Engine events the Kubernetes Event sink could not take (its queue was full).
+    pub events_dropped: Counter,
+    /// Taints withheld by the taint budget right now.
+    pub taints_withheld: Gauge,
+    /// Seconds from the engine applying a change to the node sink having written it.
+    pub kube_publish_seconds: Histogram,
 }
 
 impl Default for Metrics {
@@ -96,6 +102,11 @@ impl Metrics {
             policy_reloads: Family::default(),
             policy_valid: Gauge::default(),
             detector_up: Family::default(),
+            events_dropped: Counter::default(),
+            taints_withheld: Gauge::default(),
+            kube_publish_seconds: Histogram::new([
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            ]),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -183,6 +194,21 @@ impl Metrics {
             "faultline_detector_up",
             "1 when a detector is running, 0 when down or idle",
             m.detector_up.clone(),
+        );
+        r.register(
+            "faultline_kube_events_dropped",
+            "Kubernetes Events dropped because the Event sink's queue was full",
+            m.events_dropped.clone(),
+        );
+        r.register(
+            "faultline_taints_withheld",
+            "Taints this node should carry but the cluster's taint budget holds back",
+            m.taints_withheld.clone(),
+        );
+        r.register(
+            "faultline_kube_publish_seconds",
+            "From the engine applying a change to the node's labels, taints and condition matching it",
+            m.kube_publish_seconds.clone(),
         );
         r.register(
             "faultline_build",

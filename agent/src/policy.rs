@@ -139,6 +139,41 @@ impl Default for NvmlPolicy {
     }
 }
 
+/// The cluster-wide taint budget (Kubernetes mode): at most `max_percent` % of the nodes, and
+/// at least `min_nodes`, may be newly tainted by faultline within `window`. Further taints are
+/// withheld (recorded, and announced by a `TaintBudgetExceeded` Event) until the window moves on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TaintBudget {
+    /// Percentage of nodes (0..=100); 100 turns the budget off.
+    pub max_percent: u32,
+    /// Always allowed, whatever the percentage gives (so a small cluster can taint a node).
+    pub min_nodes: u32,
+    #[serde(with = "humantime_serde")]
+    pub window: Duration,
+}
+
+impl Default for TaintBudget {
+    fn default() -> Self {
+        TaintBudget {
+            max_percent: 10,
+            min_nodes: 1,
+            window: Duration::from_secs(600),
+        }
+    }
+}
+
+impl TaintBudget {
+    /// How many nodes may be newly tainted within the window, out of `nodes`.
+    pub fn limit(&self, nodes: u32) -> u32 {
+        if self.max_percent >= 100 {
+            return nodes.max(self.min_nodes).max(1);
+        }
+        let by_share = (u64::from(nodes) * u64::from(self.max_percent) / 100) as u32;
+        by_share.max(self.min_nodes)
+    }
+}
+
 /// The whole policy.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
@@ -160,6 +195,7 @@ pub struct Policy {
     /// Expected number of GPUs on this node (0: do not check). Used by the NVML source.
     pub expected_gpus: u32,
     pub nvml: NvmlPolicy,
+    pub taint_budget: TaintBudget,
 }
 
 impl Default for Policy {
@@ -174,6 +210,7 @@ impl Default for Policy {
             max_recovered: 100,
             expected_gpus: 0,
             nvml: NvmlPolicy::default(),
+            taint_budget: TaintBudget::default(),
         }
     }
 }
@@ -341,6 +378,15 @@ impl Policy {
         if n.nvlink_error_window.is_zero() || n.pcie_replay_window.is_zero() {
             return err("field nvml".into(), "error windows must be longer than 0s");
         }
+        if self.taint_budget.max_percent > 100 {
+            return err(
+                "field taint_budget.max_percent".into(),
+                "must be between 0 and 100",
+            );
+        }
+        if self.taint_budget.window.is_zero() {
+            return err("field taint_budget.window".into(), "must be longer than 0s");
+        }
         for (h, a) in &self.node_actions {
             if let Some(t) = &a.taint {
                 if !t.key.starts_with("faultline.io/") {
@@ -457,6 +503,8 @@ expected_gpus: 8
             ("node_actions:\n  SeparateNPU: { health: Unhealthy, taint: { key: example.com/x, effect: NoSchedule }, condition: false }\n",
              &["node_actions.SeparateNPU.taint.key"]),
             ("overrides:\n  \"bad code!\": {}\n", &["overrides.bad code!"]),
+            ("taint_budget: { max_percent: 150 }\n", &["taint_budget.max_percent"]),
+            ("taint_budget: { window: 0s }\n", &["taint_budget.window"]),
         ];
         for (text, needles) in cases {
             let err = Policy::parse(text).expect_err(text).to_string();
@@ -464,6 +512,37 @@ expected_gpus: 8
                 assert!(err.contains(n), "error {err:?} for {text:?} lacks {n:?}");
             }
         }
+    }
+
+    #[test]
+    fn taint_budget_limit() {
+        let b = |max_percent, min_nodes| TaintBudget {
+            max_percent,
+            min_nodes,
+            window: Duration::from_secs(600),
+        };
+        // (budget, nodes, limit)
+        let cases = [
+            (b(10, 1), 0, 1),
+            (b(10, 1), 5, 1),
+            (b(10, 1), 19, 1),
+            (b(10, 1), 20, 2),
+            (b(10, 1), 2000, 200),
+            (b(10, 0), 5, 0),
+            (b(0, 3), 100, 3),
+            (b(100, 1), 40, 40),
+            (b(50, 1), 7, 3),
+        ];
+        for (budget, nodes, want) in cases {
+            assert_eq!(budget.limit(nodes), want, "{budget:?} of {nodes}");
+        }
+        let p = Policy::parse("taint_budget: { max_percent: 5, window: 2m }\n").unwrap();
+        assert_eq!(p.taint_budget.max_percent, 5);
+        assert_eq!(
+            p.taint_budget.min_nodes, 1,
+            "unset fields keep their defaults"
+        );
+        assert_eq!(p.taint_budget.window, Duration::from_secs(120));
     }
 
     #[test]

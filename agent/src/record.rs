@@ -283,6 +283,22 @@ pub struct PolicyStatus {
     pub error: Option<String>,
 }
 
+/// Taints the Kubernetes node sink holds back because the cluster's taint budget is spent.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaintBudgetStatus {
+    /// The taints this node should carry but does not, as `key=value:Effect`.
+    pub withheld: Vec<String>,
+    /// Nodes newly tainted by faultline within the budget window, cluster-wide.
+    pub used: u32,
+    /// How many the budget allows within the window.
+    pub limit: u32,
+    /// Nodes counted (one fault ConfigMap per agent).
+    pub nodes: u32,
+    #[serde(with = "rfc3339")]
+    pub since: DateTime<Utc>,
+}
+
 /// What the agent says about itself.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -290,6 +306,9 @@ pub struct AgentStatus {
     pub version: String,
     pub policy: PolicyStatus,
     pub detectors: Vec<DetectorStatus>,
+    /// Present while a taint is withheld by the taint budget (Kubernetes mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub taint_budget: Option<TaintBudgetStatus>,
 }
 
 /// The whole record for one node.

@@ -17,7 +17,8 @@ use crate::catalog::Catalog;
 use crate::engine::{Ctx, DesiredCondition, DesiredTaint, Engine, EngineEvent, Observation};
 use crate::metrics::{HandlingLabel, KindLabel, Metrics};
 use crate::record::{
-    check_code, AgentStatus, DetectorStatus, Handling, Health, NodeRecord, API_VERSION,
+    check_code, AgentStatus, DetectorStatus, Handling, Health, NodeRecord, TaintBudgetStatus,
+    API_VERSION,
 };
 use crate::source::policy_watch::LoadedPolicy;
 use crate::source::Input;
@@ -76,6 +77,13 @@ impl Heartbeat {
     }
 }
 
+/// What sinks report about themselves; shown in the record's `agent` block.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SinkReport {
+    /// Set while the Kubernetes node sink withholds a taint (taint budget spent).
+    pub taint_budget: Option<TaintBudgetStatus>,
+}
+
 /// Everything the engine loop needs.
 #[derive(Debug)]
 pub struct EngineLoop {
@@ -90,6 +98,11 @@ pub struct EngineLoop {
     pub clock: Arc<dyn Clock>,
     pub heartbeat: Arc<Heartbeat>,
     pub tick: Duration,
+    /// Engine events for the Kubernetes Event sink (Kubernetes mode only). Never blocks: when
+    /// the sink is far behind, events are dropped and counted.
+    pub events: Option<mpsc::Sender<EngineEvent>>,
+    /// Sink reports to show in the record (a sender that is never used is fine).
+    pub sink_report: watch::Receiver<SinkReport>,
     pub shutdown: CancellationToken,
 }
 
@@ -109,10 +122,18 @@ impl EngineLoop {
         let mut tick = tokio::time::interval(self.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut loaded = self.policy.borrow_and_update().clone();
+        let mut report = self.sink_report.borrow_and_update().clone();
         loop {
             tokio::select! {
                 biased;
                 _ = self.shutdown.cancelled() => break,
+                Ok(()) = self.sink_report.changed() => {
+                    let next = self.sink_report.borrow_and_update().clone();
+                    if next != report {
+                        report = next;
+                        published = u64::MAX;
+                    }
+                }
                 Ok(()) = self.policy.changed() => {
                     let next = self.policy.borrow_and_update().clone();
                     let policy_changed = next.policy != loaded.policy;
@@ -141,14 +162,14 @@ impl EngineLoop {
             if self.engine.revision() != published {
                 published = self.engine.revision();
                 seq += 1;
-                self.publish(&loaded, seq);
+                self.publish(&loaded, &report, seq);
             }
         }
         // Shutdown: nothing queued is dropped.
         while let Ok(i) = self.inputs.try_recv() {
             self.apply(&loaded, i);
         }
-        self.publish(&loaded, seq + 1);
+        self.publish(&loaded, &report, seq + 1);
         info!(revision = self.engine.revision(), "engine stopped");
     }
 
@@ -169,6 +190,11 @@ impl EngineLoop {
 
     fn note(&self, events: &[EngineEvent]) {
         for e in events {
+            if let Some(tx) = &self.events {
+                if tx.try_send(e.clone()).is_err() {
+                    self.metrics.events_dropped.inc();
+                }
+            }
             let kind = match e {
                 EngineEvent::NewFault {
                     code,
@@ -218,7 +244,7 @@ impl EngineLoop {
         }
     }
 
-    fn publish(&self, loaded: &LoadedPolicy, seq: u64) {
+    fn publish(&self, loaded: &LoadedPolicy, report: &SinkReport, seq: u64) {
         let view = self.engine.view(&loaded.policy);
         let now = self.clock.now();
         let detectors = self
@@ -271,6 +297,7 @@ impl EngineLoop {
                 version: env!("CARGO_PKG_VERSION").to_string(),
                 policy: loaded.status.clone(),
                 detectors,
+                taint_budget: report.taint_budget.clone(),
             },
         };
         debug!(revision = self.engine.revision(), health = %record.health, "publishing snapshot");

@@ -4,3 +4,4 @@
 //! newest state (older ones are coalesced away) and never slows the engine.
 
 pub mod file;
+pub mod kube;

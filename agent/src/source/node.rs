@@ -50,7 +50,16 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, ClientError> {
         }
         None => Config::incluster()?,
     };
-    Ok(Client::try_from(config)?)
+    Ok(Client::try_from(with_timeouts(config))?)
+}
+
+/// The agent never watches, so no call needs to wait long: a hung API server costs a sink at
+/// most this long before it backs off and tries again.
+pub fn with_timeouts(mut config: Config) -> Config {
+    config.connect_timeout = Some(Duration::from_secs(5));
+    config.read_timeout = Some(Duration::from_secs(15));
+    config.write_timeout = Some(Duration::from_secs(15));
+    config
 }
 
 /// The expected GPU count a node's labels state, if any.

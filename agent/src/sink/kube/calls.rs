@@ -1,0 +1,127 @@
+//! Every Kubernetes API call the agent makes, as data.
+//!
+//! The RBAC manifests in `manifests/base/` must allow exactly these calls and nothing more: a test
+//! (`agent/tests/manifests.rs`) checks the Roles against this table, and the end-to-end tests
+//! check that every call the agent sends to the API emulator is listed here. Add a row here in the
+//! same change that adds a call.
+
+/// Where a call's target lives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scope {
+    /// A cluster-scoped object (Nodes).
+    Cluster,
+    /// The agent's own namespace (`faultline-system` by default).
+    AgentNamespace,
+    /// A fixed namespace (Events about a Node go to `default`).
+    Namespace(&'static str),
+}
+
+/// One kind of call: the RBAC verb on a resource (with subresource) in an API group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ApiCall {
+    /// API group: `""` for the core group.
+    pub group: &'static str,
+    /// Resource, with `/subresource` when there is one (`nodes/status`).
+    pub resource: &'static str,
+    pub verb: &'static str,
+    pub scope: Scope,
+    /// The module that makes the call, and why.
+    pub used_by: &'static str,
+}
+
+const fn call(
+    group: &'static str,
+    resource: &'static str,
+    verb: &'static str,
+    scope: Scope,
+    used_by: &'static str,
+) -> ApiCall {
+    ApiCall {
+        group,
+        resource,
+        verb,
+        scope,
+        used_by,
+    }
+}
+
+/// The whole table.
+pub const API_CALLS: &[ApiCall] = &[
+    call(
+        "",
+        "nodes",
+        "get",
+        Scope::Cluster,
+        "source::node (expected GPU count label), sink::kube::node (read before every change)",
+    ),
+    call(
+        "",
+        "nodes",
+        "patch",
+        Scope::Cluster,
+        "sink::kube::node: labels by server-side apply; taints by merge patch with resourceVersion",
+    ),
+    call(
+        "",
+        "nodes/status",
+        "patch",
+        Scope::Cluster,
+        "sink::kube::node: the AcceleratorHealthy condition by strategic merge patch",
+    ),
+    call(
+        "",
+        "configmaps",
+        "get",
+        Scope::AgentNamespace,
+        "sink::kube::configmap (adopt on start), sink::kube::budget (the taint ledger)",
+    ),
+    call(
+        "",
+        "configmaps",
+        "list",
+        Scope::AgentNamespace,
+        "sink::kube::budget (count the nodes: one fault ConfigMap per agent)",
+    ),
+    call(
+        "",
+        "configmaps",
+        "create",
+        Scope::AgentNamespace,
+        "sink::kube::budget (the taint ledger's first entry)",
+    ),
+    call(
+        "",
+        "configmaps",
+        "update",
+        Scope::AgentNamespace,
+        "sink::kube::budget (ledger entries, with resourceVersion)",
+    ),
+    call(
+        "",
+        "configmaps",
+        "patch",
+        Scope::AgentNamespace,
+        "sink::kube::configmap (faultline-<node> by server-side apply)",
+    ),
+    call(
+        "events.k8s.io",
+        "events",
+        "create",
+        Scope::Namespace("default"),
+        "sink::kube::events (kube-runtime Recorder: a new Event)",
+    ),
+    call(
+        "events.k8s.io",
+        "events",
+        "patch",
+        Scope::Namespace("default"),
+        "sink::kube::events (kube-runtime Recorder: a repeat of the same Event)",
+    ),
+];
+
+/// Whether `verb` on `group`/`resource` is in the table (for the emulator-based tests).
+pub fn listed(group: &str, resource: &str, verb: &str) -> bool {
+    API_CALLS
+        .iter()
+        .any(|c| c.group == group && c.resource == resource && c.verb == verb)
+}

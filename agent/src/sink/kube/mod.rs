@@ -1,0 +1,186 @@
+//! Kubernetes sinks: make the agent's own Node and its fault ConfigMap match the engine's
+//! latest snapshot, and announce changes as Events.
+//!
+//! Three tasks, each reading the newest snapshot (or notices) and writing only on change:
+//! - [`node`]: the `faultline.io/health` label (server-side apply), `faultline.io/*` taints
+//!   (read-modify-write with the resourceVersion, under the cluster's taint [`budget`]) and the
+//!   `AcceleratorHealthy` condition (strategic merge patch of the status);
+//! - [`configmap`]: `faultline-<node>` holding `faults.json` (server-side apply);
+//! - [`events`]: Events on the Node through kube-runtime's `Recorder`.
+//!
+//! What to write is decided by the pure functions in [`plan`]. Every API call they make is
+//! listed in [`calls`]. An API error never reaches the engine or the local file: the sink logs,
+//! counts, backs off and tries again with whatever is newest then.
+
+pub mod budget;
+pub mod calls;
+pub mod configmap;
+pub mod events;
+pub mod node;
+pub mod plan;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use crate::engine::EngineEvent;
+use crate::metrics::Metrics;
+use crate::runtime::{Clock, SinkReport, Snapshot};
+use crate::source::policy_watch::LoadedPolicy;
+
+/// The field manager of every write (server-side apply ownership, `managedFields`).
+pub const FIELD_MANAGER: &str = "faultline";
+/// The agent's namespace unless configured otherwise.
+pub const DEFAULT_NAMESPACE: &str = "faultline-system";
+
+/// Settings of the Kubernetes sinks.
+#[derive(Debug, Clone)]
+pub struct KubeSinkConfig {
+    pub node: String,
+    /// Where the fault ConfigMap and the taint ledger live.
+    pub namespace: String,
+    /// The reporting instance of Events (the pod name); defaults to the node name.
+    pub instance: Option<String>,
+    /// After start, changes that make the node look healthier wait this long, so a restarted
+    /// agent that lost its state re-detects standing faults before it untaints anything.
+    pub settle: Duration,
+    /// How often the node is re-read to repair drift when nothing changed (a read, no write).
+    pub resync: Duration,
+    /// How often a withheld taint asks the budget again.
+    pub budget_recheck: Duration,
+}
+
+impl KubeSinkConfig {
+    pub fn new(node: impl Into<String>) -> Self {
+        KubeSinkConfig {
+            node: node.into(),
+            namespace: DEFAULT_NAMESPACE.to_string(),
+            instance: None,
+            settle: Duration::from_secs(30),
+            resync: Duration::from_secs(300),
+            budget_recheck: Duration::from_secs(15),
+        }
+    }
+}
+
+/// Errors of the Kubernetes sinks (all retried).
+#[derive(Debug, thiserror::Error)]
+pub enum KubeSinkError {
+    #[error("{what}: {source}")]
+    Api {
+        what: &'static str,
+        #[source]
+        source: kube::Error,
+    },
+    #[error("the taint ledger changed under us {0} times in a row")]
+    LedgerContention(u32),
+    #[error("cannot encode {what}: {source}")]
+    Encode {
+        what: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
+/// Wraps an API error with what was being done.
+pub(crate) fn api(what: &'static str) -> impl FnOnce(kube::Error) -> KubeSinkError {
+    move |source| KubeSinkError::Api { what, source }
+}
+
+/// Whether an API error is a 409 Conflict (stale resourceVersion, or the object exists).
+pub(crate) fn is_conflict(e: &kube::Error) -> bool {
+    matches!(e, kube::Error::Api(s) if s.code == 409)
+}
+
+/// Exponential backoff with jitter between failed attempts: 200 ms doubling to 30 s.
+#[derive(Debug)]
+pub(crate) struct Retry {
+    current: ExponentialBackoff,
+}
+
+impl Retry {
+    fn builder() -> ExponentialBuilder {
+        ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(200))
+            .with_max_delay(Duration::from_secs(30))
+            .with_factor(2.0)
+            .with_jitter()
+            .without_max_times()
+    }
+    pub(crate) fn new() -> Self {
+        Retry {
+            current: Self::builder().build(),
+        }
+    }
+    pub(crate) fn next_delay(&mut self) -> Duration {
+        self.current.next().unwrap_or(Duration::from_secs(30))
+    }
+    pub(crate) fn reset(&mut self) {
+        self.current = Self::builder().build();
+    }
+}
+
+/// The channels the sinks need from the rest of the agent.
+#[derive(Debug)]
+pub struct KubeSinkInputs {
+    pub snapshots: watch::Receiver<Option<Snapshot>>,
+    pub policy: watch::Receiver<LoadedPolicy>,
+    /// Engine events, for the Event sink.
+    pub events: mpsc::Receiver<EngineEvent>,
+    /// Where the node sink reports a withheld taint (shown in the record).
+    pub report: watch::Sender<SinkReport>,
+}
+
+/// Starts the three sinks. They stop when the snapshot channel closes (the engine stopped),
+/// after a last attempt bounded by a few seconds.
+pub fn spawn(
+    client: kube::Client,
+    cfg: KubeSinkConfig,
+    inputs: KubeSinkInputs,
+    metrics: Arc<Metrics>,
+    clock: Arc<dyn Clock>,
+    shutdown: CancellationToken,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let (notice_tx, notice_rx) = mpsc::channel(events::QUEUE);
+    let forward = {
+        let tx = notice_tx.clone();
+        let mut rx = inputs.events;
+        let metrics = metrics.clone();
+        async move {
+            while let Some(e) = rx.recv().await {
+                if tx.try_send(plan::Notice::Engine(e)).is_err() {
+                    metrics.events_dropped.inc();
+                }
+            }
+        }
+    };
+    let budget = budget::Budget::new(client.clone(), &cfg.namespace, &cfg.node);
+    let node_sink = node::NodeSink::new(
+        client.clone(),
+        cfg.clone(),
+        budget,
+        notice_tx,
+        inputs.report,
+        metrics.clone(),
+        clock.clone(),
+    );
+    let node_task = node_sink.run(inputs.snapshots.clone(), inputs.policy, shutdown.clone());
+    let cm_task = configmap::run(
+        client.clone(),
+        cfg.clone(),
+        inputs.snapshots,
+        metrics.clone(),
+        shutdown.clone(),
+    );
+    let ev_task = events::run(client, cfg, notice_rx, metrics, shutdown);
+    vec![
+        tokio::spawn(forward),
+        tokio::spawn(node_task.instrument(tracing::info_span!("sink", name = "node"))),
+        tokio::spawn(cm_task.instrument(tracing::info_span!("sink", name = "configmap"))),
+        tokio::spawn(ev_task.instrument(tracing::info_span!("sink", name = "events"))),
+    ]
+}

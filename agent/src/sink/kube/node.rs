@@ -1,0 +1,338 @@
+//! The node sink: the agent's own Node gets the desired `faultline.io/health` label,
+//! `faultline.io/*` taints and `AcceleratorHealthy` condition, and nothing else changes.
+//!
+//! - Labels: server-side apply under [`FIELD_MANAGER`], which owns exactly the keys it sends.
+//! - Taints: `spec.taints` is one atomic list for every patch type, so the sink reads the Node,
+//!   keeps every foreign taint, edits its own, and writes the list back with a merge patch that
+//!   carries the resourceVersion it read (a 409 means someone else wrote: read again, retry).
+//! - Condition: a strategic merge patch of the status subresource; conditions merge by `type`,
+//!   so the kubelet's conditions survive.
+//!
+//! Every change starts with a read, and writes happen only where the Node differs from the
+//! desired state: a restarted agent adopts what is there and writes nothing.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Patch, PatchParams};
+use kube::{Api, Client};
+use serde_json::json;
+use tokio::sync::{mpsc, watch};
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use super::budget::{Answer, Budget};
+use super::plan::{self, Notice};
+use super::{api, is_conflict, KubeSinkConfig, KubeSinkError, Retry, FIELD_MANAGER};
+use crate::engine::{DesiredCondition, DesiredTaint};
+use crate::metrics::{Metrics, SinkLabel};
+use crate::policy::TaintBudget;
+use crate::record::TaintBudgetStatus;
+use crate::runtime::{Clock, SinkReport, Snapshot};
+use crate::source::policy_watch::LoadedPolicy;
+
+/// What the Node should carry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Desired {
+    pub labels: BTreeMap<String, String>,
+    pub taints: Vec<DesiredTaint>,
+    pub condition: DesiredCondition,
+}
+
+impl Desired {
+    pub fn of(s: &Snapshot) -> Self {
+        Desired {
+            labels: s.labels.clone(),
+            taints: s.taints.clone(),
+            condition: s.condition.clone(),
+        }
+    }
+}
+
+/// How one pass ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Outcome {
+    /// The Node matches (`withheld`: except taints the budget holds back).
+    Done { withheld: bool, wrote: bool },
+    /// The change would make the node look healthier and the agent has just started.
+    Settling,
+}
+
+/// Node sink state.
+#[derive(Debug)]
+pub struct NodeSink {
+    nodes: Api<Node>,
+    cfg: KubeSinkConfig,
+    budget: Budget,
+    notices: mpsc::Sender<Notice>,
+    report: watch::Sender<SinkReport>,
+    metrics: Arc<Metrics>,
+    clock: Arc<dyn Clock>,
+    started: Instant,
+    /// The taints withheld at the last pass (to announce only changes).
+    withheld: Vec<String>,
+}
+
+const MAX_TAINT_CONFLICTS: u32 = 8;
+
+impl NodeSink {
+    pub fn new(
+        client: Client,
+        cfg: KubeSinkConfig,
+        budget: Budget,
+        notices: mpsc::Sender<Notice>,
+        report: watch::Sender<SinkReport>,
+        metrics: Arc<Metrics>,
+        clock: Arc<dyn Clock>,
+    ) -> Self {
+        NodeSink {
+            nodes: Api::all(client),
+            cfg,
+            budget,
+            notices,
+            report,
+            metrics,
+            clock,
+            started: Instant::now(),
+            withheld: Vec::new(),
+        }
+    }
+
+    /// Runs until the snapshot channel closes, then makes one last bounded attempt.
+    pub async fn run(
+        mut self,
+        mut snapshots: watch::Receiver<Option<Snapshot>>,
+        policy: watch::Receiver<LoadedPolicy>,
+        _shutdown: CancellationToken,
+    ) {
+        let mut done: Option<Desired> = None;
+        let mut wake: Option<Instant> = None;
+        let mut retry = Retry::new();
+        loop {
+            let snap = snapshots.borrow_and_update().clone();
+            if let Some(snap) = snap {
+                let desired = Desired::of(&snap);
+                let due = wake.is_some_and(|w| Instant::now() >= w);
+                if done.as_ref() != Some(&desired) || due {
+                    let budget = policy.borrow().policy.taint_budget.clone();
+                    match self.reconcile(&desired, &budget).await {
+                        Ok(Outcome::Done { withheld, wrote }) => {
+                            if wrote {
+                                self.metrics
+                                    .kube_publish_seconds
+                                    .observe(snap.applied_at.elapsed().as_secs_f64());
+                            }
+                            done = Some(desired);
+                            retry.reset();
+                            let next = if withheld {
+                                self.cfg.budget_recheck
+                            } else {
+                                self.cfg.resync
+                            };
+                            wake = Some(Instant::now() + next);
+                        }
+                        Ok(Outcome::Settling) => {
+                            debug!("holding an improvement until the agent has settled");
+                            done = None;
+                            wake = Some(self.started + self.cfg.settle);
+                        }
+                        Err(e) => {
+                            self.metrics
+                                .sink_errors
+                                .get_or_create(&SinkLabel { sink: "node" })
+                                .inc();
+                            let delay = retry.next_delay();
+                            warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "updating the node failed; detection goes on");
+                            done = None;
+                            wake = Some(Instant::now() + delay);
+                        }
+                    }
+                }
+            }
+            let sleep = async {
+                match wake {
+                    Some(w) => tokio::time::sleep_until(w).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                changed = snapshots.changed() => {
+                    if changed.is_err() {
+                        break;
+                    }
+                }
+                _ = sleep => {}
+            }
+        }
+        // The engine stopped: push its final state if it differs, briefly.
+        let last = snapshots.borrow().clone();
+        if let Some(snap) = last {
+            let desired = Desired::of(&snap);
+            if done.as_ref() != Some(&desired) {
+                let budget = policy.borrow().policy.taint_budget.clone();
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(3), self.reconcile(&desired, &budget))
+                        .await;
+            }
+        }
+    }
+
+    fn wrote(&self, what: &'static str) {
+        self.metrics
+            .sink_writes
+            .get_or_create(&SinkLabel { sink: what })
+            .inc();
+    }
+
+    /// One pass: read the Node, write what differs.
+    async fn reconcile(
+        &mut self,
+        desired: &Desired,
+        budget: &TaintBudget,
+    ) -> Result<Outcome, KubeSinkError> {
+        let name = self.cfg.node.clone();
+        let mut node = self.nodes.get(&name).await.map_err(api("read the node"))?;
+        let labels = node.metadata.labels.clone();
+        if self.started.elapsed() < self.cfg.settle
+            && plan::is_improvement(labels.as_ref(), &desired.labels)
+        {
+            return Ok(Outcome::Settling);
+        }
+        let mut wrote = false;
+
+        // Taints first: they are what keeps new pods off a failing node.
+        let mut withheld: Option<(Vec<String>, u32, u32, u32)> = None;
+        for attempt in 0.. {
+            let now = self.clock.now();
+            let actual = node
+                .spec
+                .as_ref()
+                .and_then(|s| s.taints.clone())
+                .unwrap_or_default();
+            let mut withhold = false;
+            withheld = None;
+            if plan::needs_admission(&actual, &desired.taints) {
+                if let Answer::Denied { used, limit, nodes } =
+                    self.budget.admit(budget, now).await?
+                {
+                    withhold = true;
+                    let list = plan::withheld(&actual, &desired.taints)
+                        .iter()
+                        .map(plan::taint_string)
+                        .collect();
+                    withheld = Some((list, used, limit, nodes));
+                }
+            }
+            let Some(taints) = plan::plan_taints(&actual, &desired.taints, withhold, now) else {
+                break;
+            };
+            let body = json!({
+                "metadata": { "resourceVersion": node.metadata.resource_version },
+                "spec": { "taints": if taints.is_empty() { serde_json::Value::Null } else { json!(taints) } },
+            });
+            let pp = PatchParams {
+                field_manager: Some(FIELD_MANAGER.to_string()),
+                ..Default::default()
+            };
+            match self.nodes.patch(&name, &pp, &Patch::Merge(&body)).await {
+                Ok(n) => {
+                    info!(taints = ?taints.iter().filter(|t| t.key.starts_with(plan::OWNED_PREFIX)).map(|t| format!("{}={}:{}", t.key, t.value.as_deref().unwrap_or(""), t.effect)).collect::<Vec<_>>(), "node taints updated");
+                    self.wrote("node_taints");
+                    wrote = true;
+                    node = n;
+                    break;
+                }
+                Err(e) if is_conflict(&e) && attempt < MAX_TAINT_CONFLICTS => {
+                    debug!(attempt, "node changed meanwhile; reading it again");
+                    node = self.nodes.get(&name).await.map_err(api("read the node"))?;
+                }
+                Err(e) => return Err(api("write the node's taints")(e)),
+            }
+        }
+        self.note_withheld(withheld);
+
+        let conditions = node
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.clone())
+            .unwrap_or_default();
+        if let Some(c) = plan::plan_condition(&conditions, &desired.condition, self.clock.now()) {
+            let body = json!({ "status": { "conditions": [c] } });
+            let pp = PatchParams {
+                field_manager: Some(FIELD_MANAGER.to_string()),
+                ..Default::default()
+            };
+            self.nodes
+                .patch_status(&name, &pp, &Patch::Strategic(&body))
+                .await
+                .map_err(api("write the node's condition"))?;
+            info!(status = %c.status, reason = ?c.reason, "node condition updated");
+            self.wrote("node_condition");
+            wrote = true;
+        }
+
+        if plan::labels_differ(node.metadata.labels.as_ref(), &desired.labels) {
+            let body = json!({
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": { "name": name, "labels": desired.labels },
+            });
+            self.nodes
+                .patch(
+                    &name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&body),
+                )
+                .await
+                .map_err(api("apply the node's labels"))?;
+            info!(labels = ?desired.labels, "node labels applied");
+            self.wrote("node_labels");
+            wrote = true;
+        }
+        Ok(Outcome::Done {
+            withheld: !self.withheld.is_empty(),
+            wrote,
+        })
+    }
+
+    /// Publishes a change in withheld taints: in the record, as a metric, and as one Event.
+    fn note_withheld(&mut self, withheld: Option<(Vec<String>, u32, u32, u32)>) {
+        let list = withheld.as_ref().map(|w| w.0.clone()).unwrap_or_default();
+        self.metrics.taints_withheld.set(list.len() as i64);
+        if list == self.withheld {
+            return;
+        }
+        self.withheld = list.clone();
+        match withheld {
+            Some((taints, used, limit, nodes)) => {
+                warn!(
+                    ?taints,
+                    used, limit, nodes, "taint budget spent: taint withheld"
+                );
+                let since = self.clock.now();
+                self.report.send_replace(SinkReport {
+                    taint_budget: Some(TaintBudgetStatus {
+                        withheld: taints.clone(),
+                        used,
+                        limit,
+                        nodes,
+                        since,
+                    }),
+                });
+                let _ = self.notices.try_send(Notice::TaintWithheld {
+                    taints,
+                    used,
+                    limit,
+                    nodes,
+                });
+            }
+            None => {
+                info!("no taint withheld any more");
+                self.report.send_replace(SinkReport::default());
+            }
+        }
+    }
+}

@@ -1,0 +1,879 @@
+//! Pure decisions of the Kubernetes sinks: what to write, given what the API server has and what
+//! the engine wants. No I/O; every function here is table-tested below.
+//!
+//! The I/O modules (`node`, `configmap`, `budget`, `events`) read, call these, and write only
+//! when a function here says something differs.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use k8s_openapi::api::core::v1::{NodeCondition, Taint};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::engine::{DesiredCondition, DesiredTaint, EngineEvent, HEALTH_LABEL};
+use crate::policy::TaintEffect;
+use crate::record::{check_code, Health, NodeRecord};
+
+/// Taints, labels and ConfigMaps the agent owns all live under this prefix.
+pub const OWNED_PREFIX: &str = "faultline.io/";
+/// The condition type the agent owns.
+pub const CONDITION_TYPE: &str = "AcceleratorHealthy";
+
+fn time(t: DateTime<Utc>) -> Time {
+    Time(k8s_openapi::jiff::Timestamp::from_millisecond(t.timestamp_millis()).unwrap_or_default())
+}
+
+/// Taints that keep pods off a node (the budget counts these); `PreferNoSchedule` is a hint.
+pub fn is_hard(effect: &str) -> bool {
+    effect == TaintEffect::NoSchedule.as_str() || effect == TaintEffect::NoExecute.as_str()
+}
+
+fn owned(key: &str) -> bool {
+    key.starts_with(OWNED_PREFIX)
+}
+
+/// `key=value:Effect`, as `kubectl` prints a taint.
+pub fn taint_string(t: &DesiredTaint) -> String {
+    format!("{}={}:{}", t.key, t.value, t.effect.as_str())
+}
+
+/// Whether adding `desired` would newly taint the node, so the taint budget must admit it:
+/// the node carries no hard faultline taint yet and the engine wants one.
+pub fn needs_admission(actual: &[Taint], desired: &[DesiredTaint]) -> bool {
+    let has_hard = actual.iter().any(|t| owned(&t.key) && is_hard(&t.effect));
+    let wants_hard = desired.iter().any(|t| is_hard(t.effect.as_str()));
+    wants_hard && !has_hard
+}
+
+/// The taint list to write: every foreign taint exactly as it is (kubelet, node controller,
+/// operators), then the desired faultline taints, keeping `timeAdded` of those already present.
+/// With `withhold_hard`, hard faultline taints not already on the node are left out (the budget
+/// said no). Returns `None` when the node already carries exactly this set.
+pub fn plan_taints(
+    actual: &[Taint],
+    desired: &[DesiredTaint],
+    withhold_hard: bool,
+    now: DateTime<Utc>,
+) -> Option<Vec<Taint>> {
+    let mut out: Vec<Taint> = actual.iter().filter(|t| !owned(&t.key)).cloned().collect();
+    for d in desired {
+        let effect = d.effect.as_str();
+        let existing = actual.iter().find(|t| {
+            t.key == d.key && t.effect == effect && t.value.as_deref() == Some(d.value.as_str())
+        });
+        match existing {
+            Some(t) => out.push(t.clone()),
+            None if withhold_hard && is_hard(effect) => {}
+            None => out.push(Taint {
+                key: d.key.clone(),
+                value: Some(d.value.clone()),
+                effect: effect.to_string(),
+                time_added: Some(time(now)),
+            }),
+        }
+    }
+    let key = |t: &Taint| (t.key.clone(), t.effect.clone(), t.value.clone());
+    let mut a: Vec<_> = actual.iter().map(key).collect();
+    let mut b: Vec<_> = out.iter().map(key).collect();
+    a.sort();
+    b.sort();
+    (a != b).then_some(out)
+}
+
+/// The desired hard taints `plan_taints` leaves out when withholding.
+pub fn withheld(actual: &[Taint], desired: &[DesiredTaint]) -> Vec<DesiredTaint> {
+    desired
+        .iter()
+        .filter(|d| is_hard(d.effect.as_str()))
+        .filter(|d| {
+            !actual.iter().any(|t| {
+                t.key == d.key
+                    && t.effect == d.effect.as_str()
+                    && t.value.as_deref() == Some(d.value.as_str())
+            })
+        })
+        .cloned()
+        .collect()
+}
+
+/// The `AcceleratorHealthy` condition to write, or `None` when the node already says the same.
+/// `lastTransitionTime` moves only when the status flips; `lastHeartbeatTime` is the time of the
+/// write (the agent does not write heartbeats when nothing changed: the record's `updateTime`
+/// and the agent's liveness probe say it is alive).
+pub fn plan_condition(
+    actual: &[NodeCondition],
+    desired: &DesiredCondition,
+    now: DateTime<Utc>,
+) -> Option<NodeCondition> {
+    let status = if desired.status { "True" } else { "False" };
+    let cur = actual.iter().find(|c| c.type_ == CONDITION_TYPE);
+    if let Some(c) = cur {
+        if c.status == status
+            && c.reason.as_deref() == Some(desired.reason.as_str())
+            && c.message.as_deref() == Some(desired.message.as_str())
+        {
+            return None;
+        }
+    }
+    let transition = match cur {
+        Some(c) if c.status == status => c.last_transition_time.clone(),
+        _ => None,
+    };
+    Some(NodeCondition {
+        type_: CONDITION_TYPE.to_string(),
+        status: status.to_string(),
+        reason: Some(desired.reason.clone()),
+        message: Some(desired.message.clone()),
+        last_transition_time: Some(transition.unwrap_or_else(|| time(now))),
+        last_heartbeat_time: Some(time(now)),
+    })
+}
+
+/// Whether the node's labels differ from the desired ones (only the desired keys matter:
+/// server-side apply removes a key this field manager stopped sending by itself).
+pub fn labels_differ(
+    actual: Option<&BTreeMap<String, String>>,
+    desired: &BTreeMap<String, String>,
+) -> bool {
+    desired
+        .iter()
+        .any(|(k, v)| actual.and_then(|a| a.get(k)) != Some(v))
+}
+
+fn health_rank(label: Option<&String>) -> u8 {
+    match label.map(String::as_str) {
+        Some("Unhealthy") => 2,
+        Some("Degraded") => 1,
+        _ => 0,
+    }
+}
+
+/// Whether the desired health label is better than the node's current one: after a restart,
+/// such changes wait until the agent has settled (re-read its sources), so a node whose state
+/// directory was lost does not lose its taint for the seconds it takes to re-detect the fault.
+pub fn is_improvement(
+    actual: Option<&BTreeMap<String, String>>,
+    desired: &BTreeMap<String, String>,
+) -> bool {
+    health_rank(desired.get(HEALTH_LABEL)) < health_rank(actual.and_then(|a| a.get(HEALTH_LABEL)))
+}
+
+/// A Kubernetes label value for `s`: itself when valid, else a shortened form with a hash.
+pub fn label_value(s: &str) -> String {
+    let valid = s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+        && s.bytes().next().is_none_or(|b| b.is_ascii_alphanumeric())
+        && s.bytes().last().is_none_or(|b| b.is_ascii_alphanumeric());
+    if valid {
+        return s.to_string();
+    }
+    let clean: String = s
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' || c == '.' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(50)
+        .collect();
+    let clean = clean.trim_matches(|c: char| !c.is_ascii_alphanumeric());
+    let hash = hex::encode(&Sha256::digest(s.as_bytes())[..4]);
+    if clean.is_empty() {
+        hash
+    } else {
+        format!("{clean}-{hash}")
+    }
+}
+
+/// The labels of the fault ConfigMap (DESIGN.md).
+pub fn configmap_labels(node: &str, health: Health) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (
+            "app.kubernetes.io/name".to_string(),
+            "faultline".to_string(),
+        ),
+        ("faultline.io/node".to_string(), label_value(node)),
+        ("faultline.io/health".to_string(), health.to_string()),
+    ])
+}
+
+/// The most a ConfigMap may hold: 1 MiB over all keys and values.
+pub const CONFIGMAP_LIMIT: usize = 1024 * 1024;
+/// The data key of the fault ConfigMap.
+pub const RECORD_KEY: &str = "faults.json";
+
+/// The record as it goes into the ConfigMap: at most `limit` bytes of JSON. When it is larger,
+/// the oldest recovered faults go first, then the least severe active ones (the record is
+/// sorted that way: active most severe first, then recovered newest first), `droppedFaults`
+/// grows by as many, and `checkCode` is computed over what is left.
+pub fn fit_record(
+    record: &NodeRecord,
+    limit: usize,
+) -> Result<(String, NodeRecord), serde_json::Error> {
+    let full = serde_json::to_string_pretty(record)?;
+    if full.len() <= limit {
+        return Ok((full, record.clone()));
+    }
+    let mut r = record.clone();
+    let sizes: Vec<usize> = r
+        .faults
+        .iter()
+        .map(|f| serde_json::to_string_pretty(f).map(|s| s.len() + 8))
+        .collect::<Result<_, _>>()?;
+    let mut excess = full.len() - limit;
+    let mut drop = 0;
+    for size in sizes.iter().rev() {
+        if excess == 0 {
+            break;
+        }
+        excess = excess.saturating_sub(*size);
+        drop += 1;
+    }
+    loop {
+        let keep = r.faults.len().saturating_sub(drop);
+        let mut fitted = r.clone();
+        fitted.faults.truncate(keep);
+        fitted.dropped_faults = record.dropped_faults + (record.faults.len() - keep) as u64;
+        fitted.check_code = check_code(&fitted.faults);
+        let text = serde_json::to_string_pretty(&fitted)?;
+        if text.len() <= limit || keep == 0 {
+            return Ok((text, fitted));
+        }
+        drop += 1;
+        r = record.clone();
+    }
+}
+
+/// What decides whether the ConfigMap needs a write: everything in the record except
+/// `updateTime` (which changes with every snapshot).
+pub fn content_key(record: &NodeRecord) -> String {
+    let mut r = record.clone();
+    r.update_time = DateTime::<Utc>::UNIX_EPOCH;
+    let bytes = serde_json::to_vec(&r).unwrap_or_default();
+    hex::encode(Sha256::digest(&bytes))
+}
+
+/// One node's entry in the shared taint ledger.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LedgerEntry {
+    pub node: String,
+    #[serde(with = "crate::record::rfc3339")]
+    pub at: DateTime<Utc>,
+}
+
+/// The shared taint ledger (`faultline-taint-budget`, key `ledger.json`): which nodes faultline
+/// newly tainted, and when. Entries older than the budget window no longer count.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Ledger {
+    pub entries: Vec<LedgerEntry>,
+}
+
+/// The ledger's answer to one node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Admission {
+    /// The node is already in the window (no write needed).
+    AlreadyIn { used: u32 },
+    /// Admitted: the caller must write the ledger (with its resourceVersion) before tainting.
+    Admitted { used: u32 },
+    /// The budget is spent.
+    Denied { used: u32 },
+}
+
+impl Ledger {
+    /// Drops entries that left the window, then admits `node` if the budget allows.
+    pub fn decide(
+        &mut self,
+        node: &str,
+        now: DateTime<Utc>,
+        window: std::time::Duration,
+        limit: u32,
+    ) -> Admission {
+        let window = chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
+        self.entries
+            .retain(|e| now.signed_duration_since(e.at) < window && e.at <= now + window);
+        let used = self.entries.len() as u32;
+        if self.entries.iter().any(|e| e.node == node) {
+            return Admission::AlreadyIn { used };
+        }
+        if used >= limit {
+            return Admission::Denied { used };
+        }
+        self.entries.push(LedgerEntry {
+            node: node.to_string(),
+            at: now,
+        });
+        Admission::Admitted { used: used + 1 }
+    }
+}
+
+/// Something the Event sink publishes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    Engine(EngineEvent),
+    /// The budget held back these taints.
+    TaintWithheld {
+        taints: Vec<String>,
+        used: u32,
+        limit: u32,
+        nodes: u32,
+    },
+}
+
+/// An Event on the Node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventSpec {
+    pub warning: bool,
+    pub reason: &'static str,
+    /// The Recorder groups repeats by (type, reason, action): the action names the fault, so
+    /// two faults are two Events and a fault seen again is one Event with a higher count.
+    pub action: String,
+    pub note: String,
+}
+
+fn clip(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut end = max.saturating_sub(3);
+        while !s.is_char_boundary(end) {
+            end -= 1;
+        }
+        s.truncate(end);
+        s.push_str("...");
+    }
+    s
+}
+
+/// The Event for a notice, if it gets one (new faults, escalations, recoveries, withheld
+/// taints; policy reclassifications and verdict changes are in the condition and the record).
+pub fn event_for(n: &Notice) -> Option<EventSpec> {
+    let spec = match n {
+        Notice::Engine(EngineEvent::NewFault {
+            code,
+            device,
+            handling,
+            message,
+        }) => EventSpec {
+            warning: true,
+            reason: "FaultDetected",
+            action: format!("{code}/{device}"),
+            note: format!("{code} on {device} ({handling}): {message}"),
+        },
+        Notice::Engine(EngineEvent::Escalated {
+            code,
+            device,
+            from,
+            to,
+            rule,
+        }) => EventSpec {
+            warning: true,
+            reason: "FaultEscalated",
+            action: format!("{code}/{device}"),
+            note: format!("{code} on {device} escalated from {from} to {to} by rule {rule}"),
+        },
+        Notice::Engine(EngineEvent::Recovered {
+            code,
+            device,
+            reason,
+        }) => EventSpec {
+            warning: false,
+            reason: "FaultRecovered",
+            action: format!("{code}/{device}"),
+            note: format!("{code} on {device} recovered: {reason}"),
+        },
+        Notice::TaintWithheld {
+            taints,
+            used,
+            limit,
+            nodes,
+        } => EventSpec {
+            warning: true,
+            reason: "TaintBudgetExceeded",
+            action: "Taint".to_string(),
+            note: format!(
+                "withheld {}: {used} of {nodes} nodes were newly tainted by faultline within the budget window (limit {limit})",
+                taints.join(", ")
+            ),
+        },
+        Notice::Engine(_) => return None,
+    };
+    Some(EventSpec {
+        action: clip(spec.action, 128),
+        note: clip(spec.note, 1024),
+        ..spec
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{AgentStatus, Fault, FaultType, Handling, PolicyStatus, Source};
+    use chrono::TimeZone;
+
+    fn t(s: i64) -> DateTime<Utc> {
+        Utc.timestamp_opt(1_800_000_000 + s, 0).single().unwrap()
+    }
+
+    fn taint(key: &str, value: &str, effect: &str) -> Taint {
+        Taint {
+            key: key.into(),
+            value: Some(value.into()),
+            effect: effect.into(),
+            time_added: None,
+        }
+    }
+
+    fn want(key: &str, value: &str, effect: TaintEffect) -> DesiredTaint {
+        DesiredTaint {
+            key: key.into(),
+            value: value.into(),
+            effect,
+        }
+    }
+
+    fn keys(ts: &[Taint]) -> Vec<String> {
+        ts.iter()
+            .map(|t| {
+                format!(
+                    "{}={}:{}",
+                    t.key,
+                    t.value.clone().unwrap_or_default(),
+                    t.effect
+                )
+            })
+            .collect()
+    }
+
+    #[test]
+    fn taint_plans() {
+        let kubelet = taint("node.kubernetes.io/not-ready", "", "NoExecute");
+        let operator = taint("example.com/maintenance", "yes", "NoSchedule");
+        let ours = taint("faultline.io/unhealthy", "Xid79", "NoSchedule");
+        let unhealthy = want("faultline.io/unhealthy", "Xid79", TaintEffect::NoSchedule);
+        let degraded = want(
+            "faultline.io/degraded",
+            "Xid13",
+            TaintEffect::PreferNoSchedule,
+        );
+        // (name, actual, desired, withhold, expected list or None for no write)
+        type Case<'a> = (
+            &'a str,
+            Vec<Taint>,
+            Vec<DesiredTaint>,
+            bool,
+            Option<Vec<&'a str>>,
+        );
+        let cases: Vec<Case<'_>> = vec![
+            ("nothing to do", vec![], vec![], false, None),
+            (
+                "foreign only, nothing desired",
+                vec![kubelet.clone(), operator.clone()],
+                vec![],
+                false,
+                None,
+            ),
+            (
+                "add ours after foreign ones",
+                vec![kubelet.clone(), operator.clone()],
+                vec![unhealthy.clone()],
+                false,
+                Some(vec![
+                    "node.kubernetes.io/not-ready=:NoExecute",
+                    "example.com/maintenance=yes:NoSchedule",
+                    "faultline.io/unhealthy=Xid79:NoSchedule",
+                ]),
+            ),
+            (
+                "already there",
+                vec![operator.clone(), ours.clone()],
+                vec![unhealthy.clone()],
+                false,
+                None,
+            ),
+            (
+                "already there, other order",
+                vec![ours.clone(), operator.clone()],
+                vec![unhealthy.clone()],
+                false,
+                None,
+            ),
+            (
+                "remove ours, keep foreign",
+                vec![ours.clone(), operator.clone()],
+                vec![],
+                false,
+                Some(vec!["example.com/maintenance=yes:NoSchedule"]),
+            ),
+            (
+                "value changes",
+                vec![taint("faultline.io/unhealthy", "Xid48", "NoSchedule")],
+                vec![unhealthy.clone()],
+                false,
+                Some(vec!["faultline.io/unhealthy=Xid79:NoSchedule"]),
+            ),
+            (
+                "unhealthy to degraded",
+                vec![ours.clone()],
+                vec![degraded.clone()],
+                false,
+                Some(vec!["faultline.io/degraded=Xid13:PreferNoSchedule"]),
+            ),
+            (
+                "withheld hard taint is left out",
+                vec![operator.clone()],
+                vec![unhealthy.clone()],
+                true,
+                None,
+            ),
+            (
+                "withholding keeps soft taints",
+                vec![],
+                vec![unhealthy.clone(), degraded.clone()],
+                true,
+                Some(vec!["faultline.io/degraded=Xid13:PreferNoSchedule"]),
+            ),
+            (
+                "withholding keeps a hard taint already present",
+                vec![ours.clone()],
+                vec![unhealthy.clone()],
+                true,
+                None,
+            ),
+        ];
+        for (name, actual, desired, withhold, expect) in cases {
+            let got = plan_taints(&actual, &desired, withhold, t(0));
+            assert_eq!(
+                got.as_deref().map(keys),
+                expect.map(|v| v.iter().map(|s| s.to_string()).collect()),
+                "{name}"
+            );
+        }
+    }
+
+    #[test]
+    fn kept_taints_keep_their_time_added() {
+        let mut ours = taint("faultline.io/unhealthy", "Xid79", "NoSchedule");
+        ours.time_added = Some(time(t(-100)));
+        let extra = want(
+            "faultline.io/degraded",
+            "Xid13",
+            TaintEffect::PreferNoSchedule,
+        );
+        let plan = plan_taints(
+            &[ours.clone()],
+            &[
+                want("faultline.io/unhealthy", "Xid79", TaintEffect::NoSchedule),
+                extra,
+            ],
+            false,
+            t(0),
+        )
+        .unwrap();
+        assert_eq!(plan[0], ours);
+        assert_eq!(plan[1].time_added, Some(time(t(0))));
+    }
+
+    #[test]
+    fn admission_needed_only_for_a_newly_hard_tainted_node() {
+        let hard = want("faultline.io/unhealthy", "Xid79", TaintEffect::NoSchedule);
+        let soft = want(
+            "faultline.io/degraded",
+            "Xid13",
+            TaintEffect::PreferNoSchedule,
+        );
+        let foreign_hard = taint("example.com/x", "", "NoSchedule");
+        let ours_other_code = taint("faultline.io/unhealthy", "Xid48", "NoSchedule");
+        assert!(needs_admission(&[], std::slice::from_ref(&hard)));
+        assert!(
+            needs_admission(&[foreign_hard], std::slice::from_ref(&hard)),
+            "foreign taints do not count"
+        );
+        assert!(!needs_admission(&[], std::slice::from_ref(&soft)));
+        assert!(
+            !needs_admission(
+                std::slice::from_ref(&ours_other_code),
+                std::slice::from_ref(&hard)
+            ),
+            "already counted"
+        );
+        assert_eq!(withheld(&[], &[hard.clone(), soft]), vec![hard.clone()]);
+        assert_eq!(
+            withheld(&[ours_other_code], std::slice::from_ref(&hard)),
+            vec![hard]
+        );
+    }
+
+    fn cond(status: &str, reason: &str, message: &str, transition: i64) -> NodeCondition {
+        NodeCondition {
+            type_: CONDITION_TYPE.into(),
+            status: status.into(),
+            reason: Some(reason.into()),
+            message: Some(message.into()),
+            last_transition_time: Some(time(t(transition))),
+            last_heartbeat_time: Some(time(t(transition))),
+        }
+    }
+
+    #[test]
+    fn condition_plans() {
+        let ready = NodeCondition {
+            type_: "Ready".into(),
+            status: "True".into(),
+            ..Default::default()
+        };
+        let healthy = DesiredCondition {
+            status: true,
+            reason: "NoFault".into(),
+            message: "ok".into(),
+        };
+        let sick = DesiredCondition {
+            status: false,
+            reason: "Xid79".into(),
+            message: "GPU has fallen off the bus".into(),
+        };
+        // absent -> written, transition now
+        let c = plan_condition(std::slice::from_ref(&ready), &sick, t(10)).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.last_transition_time),
+            ("False", Some(time(t(10))))
+        );
+        // same -> nothing
+        assert_eq!(
+            plan_condition(
+                &[ready.clone(), cond("True", "NoFault", "ok", 0)],
+                &healthy,
+                t(10)
+            ),
+            None
+        );
+        // message changes, status does not -> transition time kept
+        let c = plan_condition(&[cond("False", "Xid48", "DBE", 3)], &sick, t(10)).unwrap();
+        assert_eq!(c.last_transition_time, Some(time(t(3))));
+        assert_eq!(c.last_heartbeat_time, Some(time(t(10))));
+        // status flips -> transition now
+        let c = plan_condition(&[cond("False", "Xid79", "x", 3)], &healthy, t(10)).unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.last_transition_time),
+            ("True", Some(time(t(10))))
+        );
+    }
+
+    #[test]
+    fn label_decisions() {
+        let l = |h: &str| BTreeMap::from([(HEALTH_LABEL.to_string(), h.to_string())]);
+        let mut other = l("Healthy");
+        other.insert("kubernetes.io/hostname".into(), "n1".into());
+        assert!(labels_differ(None, &l("Healthy")));
+        assert!(
+            !labels_differ(Some(&other), &l("Healthy")),
+            "foreign labels do not matter"
+        );
+        assert!(labels_differ(Some(&other), &l("Unhealthy")));
+        assert!(is_improvement(Some(&l("Unhealthy")), &l("Healthy")));
+        assert!(is_improvement(Some(&l("Unhealthy")), &l("Degraded")));
+        assert!(!is_improvement(Some(&l("Healthy")), &l("Unhealthy")));
+        assert!(!is_improvement(None, &l("Healthy")));
+    }
+
+    #[test]
+    fn label_values() {
+        assert_eq!(label_value("gpu-node-17"), "gpu-node-17");
+        assert_eq!(label_value("a.b_c-1"), "a.b_c-1");
+        let long = "n".repeat(100);
+        let v = label_value(&long);
+        assert!(v.len() <= 63 && v.starts_with("nnnn"), "{v}");
+        assert_ne!(
+            label_value(&"n".repeat(101)),
+            v,
+            "different names, different values"
+        );
+        let v = label_value("-weird/name-");
+        assert!(v.starts_with("weird-name-"), "{v}");
+    }
+
+    fn record(active: usize, recovered: usize, msg_len: usize) -> NodeRecord {
+        let fault = |i: usize, active: bool| Fault {
+            fault_type: FaultType::CardUnhealthy,
+            fault_code: format!("Xid{i}"),
+            fault_handling: Handling::RestartBusiness,
+            fault_level: Handling::RestartBusiness,
+            large_model_fault_level: Handling::RestartBusiness,
+            device: format!("GPU-{i}"),
+            device_uuid: None,
+            pci_bus_id: None,
+            source: Source::Kmsg,
+            message: "m".repeat(msg_len),
+            first_seen: t(0),
+            last_seen: t(0),
+            count: 1,
+            active,
+            recovered_at: (!active).then(|| t(1)),
+            escalated_from: None,
+            also_seen_by: vec![],
+        };
+        let faults: Vec<Fault> = (0..active)
+            .map(|i| fault(i, true))
+            .chain((0..recovered).map(|i| fault(1000 + i, false)))
+            .collect();
+        NodeRecord {
+            api_version: crate::record::API_VERSION.into(),
+            node: "n1".into(),
+            health: Health::Degraded,
+            handling: Some(Handling::RestartBusiness),
+            update_time: t(5),
+            check_code: check_code(&faults),
+            faults,
+            dropped_faults: 0,
+            agent: AgentStatus {
+                version: "0".into(),
+                policy: PolicyStatus::default(),
+                detectors: vec![],
+                taint_budget: None,
+            },
+        }
+    }
+
+    #[test]
+    fn small_records_go_in_whole() {
+        let r = record(2, 2, 10);
+        let (text, fitted) = fit_record(&r, CONFIGMAP_LIMIT).unwrap();
+        assert_eq!(fitted, r);
+        assert_eq!(serde_json::from_str::<NodeRecord>(&text).unwrap(), r);
+    }
+
+    #[test]
+    fn large_records_drop_recovered_faults_first() {
+        let r = record(10, 300, 4000);
+        let (text, fitted) = fit_record(&r, CONFIGMAP_LIMIT).unwrap();
+        assert!(text.len() <= CONFIGMAP_LIMIT, "{}", text.len());
+        let kept = fitted.faults.len();
+        assert!(
+            kept < 310 && kept > 200,
+            "dropped too many or too few: {kept}"
+        );
+        assert_eq!(fitted.dropped_faults, 310 - kept as u64);
+        assert_eq!(
+            fitted.faults.iter().filter(|f| f.active).count(),
+            10,
+            "active faults kept"
+        );
+        assert_eq!(
+            &fitted.faults[..],
+            &r.faults[..kept],
+            "oldest recovered went first"
+        );
+        assert_eq!(fitted.check_code, check_code(&fitted.faults));
+        // Only a little room is wasted: one more fault would not fit.
+        let (_, one_more) = fit_record(&r, text.len() + 4200).unwrap();
+        assert!(one_more.faults.len() >= kept);
+    }
+
+    #[test]
+    fn huge_active_sets_drop_least_severe_active_last() {
+        let r = record(400, 0, 4000);
+        let (text, fitted) = fit_record(&r, CONFIGMAP_LIMIT).unwrap();
+        assert!(text.len() <= CONFIGMAP_LIMIT);
+        assert!(fitted.dropped_faults > 0);
+        assert_eq!(fitted.faults[0], r.faults[0], "most severe first, kept");
+    }
+
+    #[test]
+    fn content_key_ignores_update_time_only() {
+        let a = record(1, 0, 5);
+        let mut b = a.clone();
+        b.update_time = t(999);
+        assert_eq!(content_key(&a), content_key(&b));
+        b.health = Health::Unhealthy;
+        assert_ne!(content_key(&a), content_key(&b));
+        let mut c = a.clone();
+        c.agent.taint_budget = Some(crate::record::TaintBudgetStatus {
+            withheld: vec!["x".into()],
+            used: 1,
+            limit: 1,
+            nodes: 3,
+            since: t(0),
+        });
+        assert_ne!(content_key(&a), content_key(&c), "a withheld taint is news");
+    }
+
+    #[test]
+    fn ledger_admits_within_budget_and_window() {
+        let w = std::time::Duration::from_secs(600);
+        let mut l = Ledger::default();
+        assert_eq!(l.decide("a", t(0), w, 2), Admission::Admitted { used: 1 });
+        assert_eq!(l.decide("a", t(1), w, 2), Admission::AlreadyIn { used: 1 });
+        assert_eq!(l.decide("b", t(2), w, 2), Admission::Admitted { used: 2 });
+        assert_eq!(l.decide("c", t(3), w, 2), Admission::Denied { used: 2 });
+        // a's entry leaves the window at t(600): c gets in.
+        assert_eq!(l.decide("c", t(599), w, 2), Admission::Denied { used: 2 });
+        assert_eq!(l.decide("c", t(600), w, 2), Admission::Admitted { used: 2 });
+        assert_eq!(
+            l.entries
+                .iter()
+                .map(|e| e.node.as_str())
+                .collect::<Vec<_>>(),
+            ["b", "c"]
+        );
+        // An entry from a clock far in the future is not trusted forever.
+        let mut l = Ledger {
+            entries: vec![LedgerEntry {
+                node: "z".into(),
+                at: t(10_000),
+            }],
+        };
+        assert_eq!(l.decide("a", t(0), w, 1), Admission::Admitted { used: 1 });
+        // A limit of 0 denies everything.
+        assert_eq!(
+            Ledger::default().decide("a", t(0), w, 0),
+            Admission::Denied { used: 0 }
+        );
+    }
+
+    #[test]
+    fn events_per_notice() {
+        let new = Notice::Engine(EngineEvent::NewFault {
+            code: "Xid79".into(),
+            device: "GPU-3".into(),
+            handling: Handling::SeparateNPU,
+            message: "GPU has fallen off the bus".into(),
+        });
+        let e = event_for(&new).unwrap();
+        assert_eq!(
+            (e.warning, e.reason, e.action.as_str()),
+            (true, "FaultDetected", "Xid79/GPU-3")
+        );
+        assert!(e.note.contains("fallen off the bus") && e.note.contains("SeparateNPU"));
+        let rec = Notice::Engine(EngineEvent::Recovered {
+            code: "Xid79".into(),
+            device: "GPU-3".into(),
+            reason: "reboot".into(),
+        });
+        assert_eq!(event_for(&rec).unwrap().reason, "FaultRecovered");
+        assert!(!event_for(&rec).unwrap().warning);
+        let health = Notice::Engine(EngineEvent::HealthChanged {
+            from: Health::Healthy,
+            to: Health::Unhealthy,
+        });
+        assert_eq!(event_for(&health), None);
+        let w = Notice::TaintWithheld {
+            taints: vec!["faultline.io/unhealthy=Xid79:NoSchedule".into()],
+            used: 2,
+            limit: 2,
+            nodes: 20,
+        };
+        let e = event_for(&w).unwrap();
+        assert_eq!(e.reason, "TaintBudgetExceeded");
+        assert!(e.note.contains("2 of 20"), "{}", e.note);
+        let long = Notice::Engine(EngineEvent::NewFault {
+            code: "Xid79".into(),
+            device: "d".repeat(300),
+            handling: Handling::SeparateNPU,
+            message: "é".repeat(2000),
+        });
+        let e = event_for(&long).unwrap();
+        assert!(e.action.len() <= 128 && e.note.len() <= 1024);
+    }
+}
