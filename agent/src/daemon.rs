@@ -65,6 +65,12 @@ pub struct AgentConfig {
     /// restarted agent re-detects standing faults before it untaints anything).
     #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     pub settle: Duration,
+    /// Kubernetes: how often a withheld taint asks the taint budget again.
+    #[arg(long, default_value = "15s", value_parser = humantime::parse_duration, hide = true)]
+    pub budget_recheck: Duration,
+    /// Kubernetes: how often the node is re-read to repair drift.
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration, hide = true)]
+    pub resync: Duration,
     /// Policy file (YAML or JSON); reloaded when it changes. Default: built-in policy.
     #[arg(long, env = "FAULTLINE_POLICY")]
     pub policy: Option<PathBuf>,
@@ -244,6 +250,8 @@ async fn run_node(
                 namespace: cfg.namespace.clone(),
                 instance: cfg.pod_name.clone(),
                 settle: cfg.settle,
+                budget_recheck: cfg.budget_recheck,
+                resync: cfg.resync,
                 ..kube_sink::KubeSinkConfig::new(node.clone())
             };
             let inputs = kube_sink::KubeSinkInputs {

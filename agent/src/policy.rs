@@ -514,6 +514,31 @@ expected_gpus: 8
         }
     }
 
+    /// The policy shipped in the manifests parses, and so does every example in its comments.
+    #[test]
+    fn shipped_policy_and_its_commented_examples_parse() {
+        let cm: serde_json::Value =
+            serde_norway::from_str(include_str!("../../manifests/base/policy.yaml")).unwrap();
+        let text = cm["data"]["policy.yaml"].as_str().unwrap();
+        let p = Policy::parse(text).unwrap();
+        assert_eq!(p.taint_budget, TaintBudget::default());
+        // Uncomment every example block ("# key:" lines and their indented "#   ..." lines).
+        let uncommented: String = text
+            .lines()
+            .filter_map(|l| {
+                let t = l.trim_start();
+                let body = t.strip_prefix("# ")?;
+                let is_yaml = body.starts_with("  ")
+                    || body.split_once(':').is_some_and(|(k, _)| {
+                        !k.is_empty() && k.chars().all(|c| c.is_ascii_lowercase() || c == '_')
+                    });
+                is_yaml.then(|| format!("{body}\n"))
+            })
+            .collect();
+        assert!(uncommented.contains("overrides:"), "{uncommented}");
+        Policy::parse(&uncommented).unwrap_or_else(|e| panic!("{e}\n{uncommented}"));
+    }
+
     #[test]
     fn taint_budget_limit() {
         let b = |max_percent, min_nodes| TaintBudget {

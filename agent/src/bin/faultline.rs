@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use faultline_agent::cli;
+use faultline_agent::record::Health;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -31,18 +32,54 @@ enum Output {
     Json,
 }
 
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum HealthArg {
+    Healthy,
+    Degraded,
+    Unhealthy,
+}
+
+impl From<HealthArg> for Health {
+    fn from(h: HealthArg) -> Self {
+        match h {
+            HealthArg::Healthy => Health::Healthy,
+            HealthArg::Degraded => Health::Degraded,
+            HealthArg::Unhealthy => Health::Unhealthy,
+        }
+    }
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Print this node's record.
     Get {
         /// Read this file instead of <state-dir>/faults.json.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "cluster")]
         file: Option<PathBuf>,
         #[arg(short, long, value_enum, default_value = "table")]
         output: Output,
         /// Include recovered faults.
         #[arg(long)]
         all: bool,
+        /// Every node's record, from the cluster's fault ConfigMaps (needs a kubeconfig or a
+        /// service account that may list ConfigMaps in the namespace).
+        #[arg(long)]
+        cluster: bool,
+        /// With --cluster: the kubeconfig to use (default: KUBECONFIG, ~/.kube/config, in-cluster).
+        #[arg(long, env = "FAULTLINE_KUBECONFIG", requires = "cluster")]
+        kubeconfig: Option<PathBuf>,
+        /// With --cluster: the namespace of the fault ConfigMaps.
+        #[arg(long, default_value = "faultline-system", requires = "cluster")]
+        namespace: String,
+        /// With --cluster: only this node.
+        #[arg(long, requires = "cluster")]
+        node: Option<String>,
+        /// With --cluster: only nodes with this verdict (repeat or comma-separate).
+        #[arg(long, value_enum, value_delimiter = ',', requires = "cluster")]
+        health: Vec<HealthArg>,
+        /// With --cluster: only nodes with an active fault of this code (e.g. Xid79).
+        #[arg(long, requires = "cluster")]
+        code: Option<String>,
     },
     /// Wait until this node is healthy: exit 0 healthy, 1 still unhealthy at the timeout,
     /// 2 when the record cannot be read.
@@ -72,7 +109,40 @@ enum Command {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     let outcome = match cli.command {
-        Command::Get { file, output, all } => cli::get(
+        Command::Get {
+            cluster: true,
+            output,
+            all,
+            kubeconfig,
+            namespace,
+            node,
+            health,
+            code,
+            ..
+        } => {
+            let filter = cli::ClusterFilter {
+                node,
+                health: health.into_iter().map(Health::from).collect(),
+                code,
+            };
+            let json = matches!(output, Output::Json);
+            let run = async {
+                match faultline_agent::source::node::client_infer(kubeconfig.as_deref()).await {
+                    Ok(client) => cli::get_cluster(client, &namespace, &filter, json, all).await,
+                    Err(e) => cli::Outcome::failed(format!("error: {e}")),
+                }
+            };
+            match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(run),
+                Err(e) => cli::Outcome::failed(format!("error: {e}")),
+            }
+        }
+        Command::Get {
+            file, output, all, ..
+        } => cli::get(
             &cli::record_path(file.as_deref(), &cli.state_dir),
             matches!(output, Output::Json),
             all,

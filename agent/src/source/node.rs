@@ -31,6 +31,8 @@ pub enum ClientError {
     InCluster(#[from] kube::config::InClusterError),
     #[error("client: {0}")]
     Client(#[from] kube::Error),
+    #[error("no Kubernetes configuration found (give --kubeconfig): {0}")]
+    Infer(String),
 }
 
 /// A client from an explicit kubeconfig, or the in-cluster service account.
@@ -50,6 +52,18 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, ClientError> {
         }
         None => Config::incluster()?,
     };
+    Ok(Client::try_from(with_timeouts(config))?)
+}
+
+/// A client from `--kubeconfig`, else the usual places (`KUBECONFIG`, `~/.kube/config`, the
+/// in-cluster service account): for the CLI.
+pub async fn client_infer(kubeconfig: Option<&Path>) -> Result<Client, ClientError> {
+    if kubeconfig.is_some() {
+        return client(kubeconfig).await;
+    }
+    let config = Config::infer()
+        .await
+        .map_err(|e| ClientError::Infer(e.to_string()))?;
     Ok(Client::try_from(with_timeouts(config))?)
 }
 

@@ -1,7 +1,7 @@
 //! Every Kubernetes API call the agent makes, as data.
 //!
 //! The RBAC manifests in `manifests/base/` must allow exactly these calls and nothing more: a test
-//! (`agent/tests/manifests.rs`) checks the Roles against this table, and the end-to-end tests
+//! (`tests/manifests/tests/rbac.rs`) checks the Roles against this table, and the end-to-end tests
 //! check that every call the agent sends to the API emulator is listed here. Add a row here in the
 //! same change that adds a call.
 

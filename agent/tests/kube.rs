@@ -1,0 +1,546 @@
+//! End-to-end tests of Kubernetes mode: the real `faultline-agent` binary talks to the API
+//! emulator (`tests/kube-emulator`) through a kubeconfig, exactly as it would talk to a cluster.
+//!
+//! Every test also checks that the agent made no API call missing from the call table
+//! (`sink::kube::calls`): the emulator authorizes the agent's token with rules built from that
+//! table, so an unlisted call would be refused with 403 and show up here.
+
+#![allow(clippy::unwrap_used)] // test code: a panic is the failure report
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::{fault, Agent};
+use faultline_agent::record::{Health, NodeRecord};
+use faultline_agent::sink::kube::calls::{Scope, API_CALLS};
+use faultline_kube_emulator::{
+    Call, Emulator, FaultAction, FaultRule, ResourceRef, Rule, UserInfo,
+};
+use k8s_openapi::api::core::v1::Node;
+use serde_json::{json, Value};
+
+const TOKEN: &str = "agent-token";
+const NS: &str = "faultline-system";
+const XID79: &[u8] =
+    b"4,100,5000000,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=0, name=x, GPU has fallen off the bus.\n";
+
+/// The RBAC rules the call table implies (the manifests test checks the Roles say the same).
+fn table_rules() -> Vec<Rule> {
+    API_CALLS
+        .iter()
+        .map(|c| Rule {
+            verbs: vec![c.verb.to_string()],
+            api_groups: vec![c.group.to_string()],
+            resources: vec![c.resource.to_string()],
+            resource_names: vec![],
+            namespace: match c.scope {
+                Scope::Cluster => None,
+                Scope::AgentNamespace => Some(NS.to_string()),
+                Scope::Namespace(ns) => Some(ns.to_string()),
+            },
+        })
+        .collect()
+}
+
+/// An emulated cluster with nodes that already carry a foreign taint and kubelet conditions.
+struct Cluster {
+    rt: tokio::runtime::Runtime,
+    emu: Emulator,
+    kubeconfig: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+fn operator_taint() -> Value {
+    json!({"key": "example.com/maintenance", "value": "planned", "effect": "NoSchedule"})
+}
+
+impl Cluster {
+    fn new(nodes: &[&str]) -> Cluster {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let emu = rt.block_on(Emulator::start()).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        emu.write_kubeconfig(&kubeconfig, TOKEN).unwrap();
+        emu.authorize(
+            TOKEN,
+            UserInfo {
+                username: format!("system:serviceaccount:{NS}:faultline"),
+                groups: vec!["system:serviceaccounts".into()],
+                extra: Default::default(),
+            },
+            table_rules(),
+        );
+        emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}));
+        for n in nodes {
+            let mut node = faultline_kube_emulator::node(n, &[("kubernetes.io/hostname", n)]);
+            node["spec"]["taints"] = json!([operator_taint()]);
+            emu.put(node);
+        }
+        Cluster {
+            rt,
+            emu,
+            kubeconfig,
+            _dir: dir,
+        }
+    }
+
+    fn start_agent(&self, dir: &std::path::Path, node: &str, extra: &[&str]) -> Agent {
+        let mut args = vec![
+            "--kubeconfig",
+            self.kubeconfig.to_str().unwrap(),
+            "--node-name",
+            node,
+            "--settle",
+            "2s",
+        ];
+        args.extend_from_slice(extra);
+        Agent::start(dir, &args)
+    }
+
+    fn node(&self, name: &str) -> Node {
+        serde_json::from_value(self.emu.get(&ResourceRef::node(name)).unwrap()).unwrap()
+    }
+
+    fn record(&self, node: &str) -> Option<NodeRecord> {
+        let cm = self
+            .emu
+            .get(&ResourceRef::config_map(NS, &format!("faultline-{node}")))?;
+        Some(serde_json::from_str(cm["data"]["faults.json"].as_str()?).unwrap())
+    }
+
+    fn configmap(&self, node: &str) -> Option<Value> {
+        self.emu
+            .get(&ResourceRef::config_map(NS, &format!("faultline-{node}")))
+    }
+
+    /// Events (events.k8s.io/v1) about `node`, as (reason, note, count).
+    fn events(&self, node: &str) -> Vec<(String, String, i64)> {
+        self.emu
+            .list("events.k8s.io", "events", Some("default"))
+            .into_iter()
+            .filter(|e| e["regarding"]["name"] == node && e["regarding"]["kind"] == "Node")
+            .map(|e| {
+                (
+                    e["reason"].as_str().unwrap_or_default().to_string(),
+                    e["note"].as_str().unwrap_or_default().to_string(),
+                    e["series"]["count"].as_i64().unwrap_or(1),
+                )
+            })
+            .collect()
+    }
+
+    fn taints(&self, node: &str) -> Vec<String> {
+        self.node(node)
+            .spec
+            .and_then(|s| s.taints)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|t| format!("{}={}:{}", t.key, t.value.unwrap_or_default(), t.effect))
+            .collect()
+    }
+
+    /// (status, reason) of a node condition.
+    fn condition(&self, node: &str, type_: &str) -> Option<(String, String)> {
+        self.condition_message(node, type_).map(|(s, r, _)| (s, r))
+    }
+
+    fn condition_message(&self, node: &str, type_: &str) -> Option<(String, String, String)> {
+        self.node(node)
+            .status
+            .and_then(|s| s.conditions)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|c| c.type_ == type_)
+            .map(|c| {
+                (
+                    c.status,
+                    c.reason.unwrap_or_default(),
+                    c.message.unwrap_or_default(),
+                )
+            })
+    }
+
+    /// The AcceleratorHealthy condition is False and its message names `code`.
+    fn condition_names(&self, node: &str, code: &str) -> bool {
+        self.condition_message(node, "AcceleratorHealthy")
+            .is_some_and(|(s, _, m)| s == "False" && m.contains(code))
+    }
+
+    fn wait(&self, what: &str, agent: Option<&Agent>, f: impl Fn(&Cluster) -> bool) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !f(self) {
+            if Instant::now() > deadline {
+                panic!(
+                    "timed out waiting for {what}\nnode: {}\nconfigmap: {}\ncalls: {:#?}\nlog:\n{}",
+                    serde_json::to_string_pretty(&self.emu.get(&ResourceRef::node("node-a")))
+                        .unwrap(),
+                    serde_json::to_string_pretty(&self.configmap("node-a")).unwrap(),
+                    self.emu.calls().iter().rev().take(20).collect::<Vec<_>>(),
+                    agent.map(|a| a.log()).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Every call the agent made was allowed, and it made no call it was refused.
+    fn assert_calls_listed(&self) {
+        for c in self.emu.calls() {
+            if c.token.as_deref() == Some(TOKEN) {
+                assert_ne!(
+                    c.status, 403,
+                    "the agent made a call the table does not list: {c:?}"
+                );
+                assert_ne!(c.status, 401, "{c:?}");
+            }
+        }
+    }
+
+    fn writes(&self) -> Vec<Call> {
+        self.emu
+            .calls()
+            .into_iter()
+            .filter(|c| c.is_write() && !c.injected)
+            .collect()
+    }
+}
+
+fn healthy_everywhere(c: &Cluster, node: &str) -> bool {
+    c.record(node).is_some_and(|r| r.health == Health::Healthy)
+        && c.node(node)
+            .metadata
+            .labels
+            .unwrap_or_default()
+            .get("faultline.io/health")
+            == Some(&"Healthy".to_string())
+        && c.condition(node, "AcceleratorHealthy").map(|c| c.0) == Some("True".into())
+}
+
+fn unhealthy_everywhere(c: &Cluster, node: &str) -> bool {
+    c.taints(node)
+        .contains(&"faultline.io/unhealthy=Xid79:NoSchedule".to_string())
+        && c.node(node)
+            .metadata
+            .labels
+            .unwrap_or_default()
+            .get("faultline.io/health")
+            == Some(&"Unhealthy".to_string())
+        && c.condition(node, "AcceleratorHealthy") == Some(("False".into(), "SeparateNPU".into()))
+        && c.condition_names(node, "Xid79")
+        && c.record(node)
+            .is_some_and(|r| r.health == Health::Unhealthy && fault(&r, "Xid79").is_some())
+        && c.events(node)
+            .iter()
+            .any(|e| e.0 == "FaultDetected" && e.1.contains("Xid79"))
+}
+
+/// The acceptance path: Xid 79 taints and labels the node, sets the condition False,
+/// writes the ConfigMap and an Event; foreign taints and kubelet conditions stay; a restart
+/// changes nothing.
+#[test]
+fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
+    let c = Cluster::new(&["node-a"]);
+    let dir = tempfile::tempdir().unwrap();
+    let agent = c.start_agent(dir.path(), "node-a", &[]);
+    c.wait("a healthy node", Some(&agent), |c| {
+        healthy_everywhere(c, "node-a")
+    });
+    let cm = c.configmap("node-a").unwrap();
+    assert_eq!(
+        cm["metadata"]["labels"]["app.kubernetes.io/name"],
+        "faultline"
+    );
+    assert_eq!(cm["metadata"]["labels"]["faultline.io/node"], "node-a");
+    assert_eq!(cm["metadata"]["labels"]["faultline.io/health"], "Healthy");
+    let ready_before = c.condition("node-a", "Ready");
+
+    agent.append(XID79);
+    c.wait("the Xid 79 everywhere", Some(&agent), |c| {
+        unhealthy_everywhere(c, "node-a")
+    });
+    let taints = c.taints("node-a");
+    assert!(
+        taints.contains(&"example.com/maintenance=planned:NoSchedule".to_string()),
+        "foreign taint kept: {taints:?}"
+    );
+    assert_eq!(taints.len(), 2, "{taints:?}");
+    assert_eq!(
+        c.condition("node-a", "Ready"),
+        ready_before,
+        "kubelet conditions untouched"
+    );
+    for t in ["MemoryPressure", "DiskPressure", "PIDPressure"] {
+        assert!(
+            c.condition("node-a", t).is_some(),
+            "kubelet condition {t} survived"
+        );
+    }
+    assert_eq!(
+        c.configmap("node-a").unwrap()["metadata"]["labels"]["faultline.io/health"],
+        "Unhealthy"
+    );
+    // The local file says the same as the ConfigMap.
+    let local = agent.record().unwrap();
+    assert_eq!(local.check_code, c.record("node-a").unwrap().check_code);
+
+    // Restart: the agent adopts what is there and writes nothing.
+    assert_eq!(agent.stop(), 0);
+    std::thread::sleep(Duration::from_millis(300));
+    c.emu.clear_calls();
+    let events_before = c.events("node-a");
+    let agent = c.start_agent(dir.path(), "node-a", &[]);
+    agent.addr();
+    // Long enough for the sinks to read everything back and the settle time to pass.
+    c.wait("the restarted agent to read the node", Some(&agent), |c| {
+        c.emu.calls().iter().filter(|x| x.method == "GET").count() >= 2
+    });
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(
+        c.writes(),
+        Vec::<Call>::new(),
+        "a restart writes nothing when nothing changed"
+    );
+    assert_eq!(c.events("node-a"), events_before, "no duplicate Events");
+    assert!(unhealthy_everywhere(&c, "node-a"));
+    c.assert_calls_listed();
+
+    // An operator clear brings everything back to healthy; the foreign taint still stays.
+    let (code, _, err) = common::cli(&["clear", "--code", "Xid79"], &agent.state());
+    assert_eq!(code, Some(0), "{err}");
+    c.wait("healthy again", Some(&agent), |c| {
+        healthy_everywhere(c, "node-a")
+            && c.taints("node-a") == ["example.com/maintenance=planned:NoSchedule"]
+            && c.events("node-a").iter().any(|e| e.0 == "FaultRecovered")
+    });
+    c.assert_calls_listed();
+}
+
+/// A second writer changes the node between the agent's read and write (409 on the taint
+/// patch); other calls fail with 500, 429 and timeouts; the API goes away entirely. Detection
+/// and the local file never wait, and the cluster converges to the latest state afterwards.
+#[test]
+fn api_errors_and_outages_never_stop_detection_and_converge() {
+    let c = Cluster::new(&["node-a"]);
+    let dir = tempfile::tempdir().unwrap();
+    let agent = c.start_agent(dir.path(), "node-a", &[]);
+    c.wait("a healthy node", Some(&agent), |c| {
+        healthy_everywhere(c, "node-a")
+    });
+
+    // Conflicts on the taint write, server errors on the condition, throttling on the ConfigMap.
+    c.emu.inject(FaultRule {
+        method: Some("PATCH".into()),
+        path_contains: Some("/api/v1/nodes/node-a?".into()),
+        action: FaultAction::Status {
+            code: 409,
+            retry_after_s: None,
+        },
+        times: Some(3),
+    });
+    c.emu.inject(FaultRule {
+        method: Some("PATCH".into()),
+        path_contains: Some("/nodes/node-a/status".into()),
+        action: FaultAction::Status {
+            code: 500,
+            retry_after_s: None,
+        },
+        times: Some(2),
+    });
+    c.emu.inject(FaultRule {
+        method: Some("PATCH".into()),
+        path_contains: Some("/configmaps/faultline-node-a".into()),
+        action: FaultAction::Status {
+            code: 429,
+            retry_after_s: Some(1),
+        },
+        times: Some(2),
+    });
+    c.emu.inject(FaultRule {
+        method: Some("POST".into()),
+        path_contains: Some("/events".into()),
+        action: FaultAction::Reset,
+        times: Some(1),
+    });
+    agent.append(XID79);
+    c.wait("convergence through errors", Some(&agent), |c| {
+        unhealthy_everywhere(c, "node-a")
+    });
+    let injected = c.emu.calls().iter().filter(|x| x.injected).count();
+    assert_eq!(injected, 8, "every injected failure was hit");
+
+    // The API goes away (and a request hangs before that): detection goes on.
+    c.emu.clear_faults();
+    c.emu.inject(FaultRule {
+        method: Some("GET".into()),
+        path_contains: Some("/api/v1/nodes/node-a".into()),
+        action: FaultAction::Hang,
+        times: Some(1),
+    });
+    c.rt.block_on(c.emu.down());
+    let t0 = Instant::now();
+    let (code, _, err) = common::cli(&["clear", "--code", "Xid79"], &agent.state());
+    assert_eq!(code, Some(0), "{err}");
+    agent.append(b"4,101,6000000,-;NVRM: Xid (PCI:0000:86:00): 48, pid=1, name=x, DBE (0x1,0x2)\n");
+    agent.wait_for("the local record while the API is down", |r| {
+        fault(r, "Xid48").is_some_and(|f| f.active) && fault(r, "Xid79").is_some_and(|f| !f.active)
+    });
+    assert!(
+        t0.elapsed() < Duration::from_secs(10),
+        "local detection did not wait for the API"
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    c.rt.block_on(c.emu.up()).unwrap();
+    // Xid 48 (double-bit ECC) is RestartNPU: Degraded, no taint, condition True naming it.
+    // The hung read costs the node sink one client timeout (15 s) before it retries.
+    c.wait(
+        "convergence to the latest state after the outage",
+        Some(&agent),
+        |c| {
+            c.taints("node-a") == ["example.com/maintenance=planned:NoSchedule"]
+                && c.record("node-a").is_some_and(|r| {
+                    r.health == Health::Degraded
+                        && fault(&r, "Xid48").is_some_and(|f| f.active)
+                        && fault(&r, "Xid79").is_some_and(|f| !f.active)
+                })
+                && c.node("node-a")
+                    .metadata
+                    .labels
+                    .unwrap_or_default()
+                    .get("faultline.io/health")
+                    == Some(&"Degraded".to_string())
+                && c.condition_message("node-a", "AcceleratorHealthy")
+                    .is_some_and(|(s, r, m)| {
+                        s == "True" && r == "RestartNPU" && m.contains("Xid48")
+                    })
+                && c.events("node-a")
+                    .iter()
+                    .any(|e| e.0 == "FaultDetected" && e.1.contains("Xid48"))
+                && c.events("node-a")
+                    .iter()
+                    .any(|e| e.0 == "FaultRecovered" && e.1.contains("Xid79"))
+        },
+    );
+    c.assert_calls_listed();
+    assert!(agent.metric("faultline_sink_errors_total{sink=\"node\"}") >= 1.0);
+}
+
+/// Many nodes fail at once: no more than the budget is newly tainted within the window, the
+/// rest carry the label and condition, a TaintBudgetExceeded Event and `agent.taintBudget`, and
+/// get their taint once the window moves on.
+#[test]
+fn taint_budget_holds_with_many_nodes() {
+    const N: usize = 24;
+    const WINDOW_S: i64 = 4;
+    let names: Vec<String> = (0..N).map(|i| format!("node-{i:02}")).collect();
+    let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+    let c = Cluster::new(&refs);
+    let policy_dir = tempfile::tempdir().unwrap();
+    let policy = policy_dir.path().join("policy.yaml");
+    // 10 % of 24 nodes: 2 per window.
+    std::fs::write(
+        &policy,
+        format!("taint_budget: {{ max_percent: 10, min_nodes: 1, window: {WINDOW_S}s }}\n"),
+    )
+    .unwrap();
+    let dirs: Vec<_> = (0..N).map(|_| tempfile::tempdir().unwrap()).collect();
+    let agents: Vec<Agent> = names
+        .iter()
+        .zip(&dirs)
+        .map(|(n, d)| {
+            c.start_agent(
+                d.path(),
+                n,
+                &[
+                    "--policy",
+                    policy.to_str().unwrap(),
+                    "--budget-recheck",
+                    "500ms",
+                ],
+            )
+        })
+        .collect();
+    c.wait("every agent's ConfigMap", None, |c| {
+        names.iter().all(|n| c.record(n).is_some())
+    });
+    for a in &agents {
+        a.append(XID79);
+    }
+    let tainted = |c: &Cluster| -> usize {
+        names
+            .iter()
+            .filter(|n| {
+                c.taints(n)
+                    .iter()
+                    .any(|t| t.starts_with("faultline.io/unhealthy="))
+            })
+            .count()
+    };
+    c.wait(
+        "every node to be labelled, and the rest of the budget to be withheld",
+        None,
+        |c| {
+            names.iter().all(|n| {
+                c.record(n).is_some_and(|r| r.health == Health::Unhealthy)
+                    && c.condition(n, "AcceleratorHealthy").map(|x| x.0) == Some("False".into())
+            }) && names
+                .iter()
+                .filter(|n| c.record(n).is_some_and(|r| r.agent.taint_budget.is_some()))
+                .count()
+                >= N - 2 - 2 // the window may already have moved on once
+        },
+    );
+    let withheld: Vec<NodeRecord> = names
+        .iter()
+        .filter_map(|n| c.record(n))
+        .filter(|r| r.agent.taint_budget.is_some())
+        .collect();
+    let tb = withheld[0].agent.taint_budget.clone().unwrap();
+    assert_eq!((tb.limit, tb.nodes), (2, N as u32), "{tb:?}");
+    assert_eq!(tb.withheld, ["faultline.io/unhealthy=Xid79:NoSchedule"]);
+    assert!(
+        c.events(&withheld[0].node)
+            .iter()
+            .any(|e| e.0 == "TaintBudgetExceeded"),
+        "withheld nodes say so in an Event"
+    );
+
+    // Reopens by itself: more nodes get tainted as windows pass.
+    c.wait("more nodes tainted after the window", None, |c| {
+        tainted(c) >= 6
+    });
+
+    // Never more than the budget within any window: check the taints' timeAdded.
+    let mut added: Vec<i64> = names
+        .iter()
+        .filter_map(|n| {
+            c.node(n)
+                .spec
+                .and_then(|s| s.taints)
+                .unwrap_or_default()
+                .into_iter()
+                .find_map(|t| {
+                    (t.key == "faultline.io/unhealthy")
+                        .then(|| t.time_added.unwrap().0.as_millisecond())
+                })
+        })
+        .collect();
+    added.sort();
+    for (i, t) in added.iter().enumerate() {
+        let in_window = added[i..]
+            .iter()
+            .filter(|u| **u < t + WINDOW_S * 1000)
+            .count();
+        assert!(
+            in_window <= 2,
+            "{in_window} nodes newly tainted within {WINDOW_S}s: {added:?}"
+        );
+    }
+    c.assert_calls_listed();
+    drop(agents);
+}

@@ -1,0 +1,678 @@
+//! The ValidatingAdmissionPolicy: its shape, and its CEL run (with the `cel-interpreter` crate)
+//! against handmade admission requests from the agent and from others.
+//!
+//! The evaluation follows the API server's order: matchConditions (any false: the policy does
+//! not apply), then variables (in order, each seeing the earlier ones), then validations (any
+//! false or erroring: denied, because failurePolicy is Fail). Kubernetes' `join` (from its
+//! strings library) is provided here; everything else is standard CEL.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cel_interpreter::extractors::This;
+use cel_interpreter::{Context, ExecutionError, Program, Value};
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
+use serde_json::{json, Value as Json};
+
+use crate::common::{self, NAMESPACE, SERVICE_ACCOUNT};
+
+const POLICY: &str = "faultline-agent-own-node";
+
+fn policy() -> ValidatingAdmissionPolicy {
+    let docs = common::base_objects();
+    common::find(&docs, "ValidatingAdmissionPolicy", POLICY).to()
+}
+
+fn agent_username() -> String {
+    format!("system:serviceaccount:{NAMESPACE}:{SERVICE_ACCOUNT}")
+}
+
+#[test]
+fn the_policy_covers_the_agents_writes_and_is_bound_with_deny() {
+    let p = policy();
+    let spec = p.spec.clone().expect("spec");
+    assert_eq!(spec.failure_policy.as_deref(), Some("Fail"));
+    let mc = spec.match_constraints.clone().expect("matchConstraints");
+    let rules = mc.resource_rules.clone().expect("resourceRules");
+    let covers = |resource: &str, op: &str| {
+        rules.iter().any(|r| {
+            r.api_groups.iter().flatten().any(|g| g.is_empty())
+                && r.resources.iter().flatten().any(|x| x == resource)
+                && r.operations.iter().flatten().any(|o| o == op)
+        })
+    };
+    for res in ["nodes", "nodes/status"] {
+        assert!(covers(res, "UPDATE"), "{res} UPDATE");
+    }
+    for op in ["CREATE", "UPDATE", "DELETE"] {
+        assert!(covers("configmaps", op), "configmaps {op}");
+    }
+    // ConfigMaps in the agent's namespace only (Nodes are cluster-scoped: never skipped).
+    let ns = mc.namespace_selector.expect("namespaceSelector");
+    let exprs = ns.match_expressions.expect("matchExpressions");
+    assert!(exprs.iter().any(|e| e.key == "kubernetes.io/metadata.name"
+        && e.operator == "In"
+        && e.values.as_deref() == Some(&[NAMESPACE.to_string()][..])));
+
+    let conds = spec.match_conditions.clone().expect("matchConditions");
+    assert!(
+        conds
+            .iter()
+            .any(|c| c.expression.contains(&agent_username())),
+        "matchConditions name the agent's service account"
+    );
+    let validations = spec.validations.clone().expect("validations");
+    assert!(validations.len() >= 5, "one validation per guarantee");
+    for v in &validations {
+        assert!(!v.expression.trim().is_empty());
+        assert!(
+            v.message.is_some() || v.message_expression.is_some(),
+            "{}",
+            v.expression
+        );
+    }
+    for v in spec.variables.iter().flatten() {
+        assert!(!v.expression.trim().is_empty(), "{}", v.name);
+    }
+
+    let docs = common::base_objects();
+    let b: ValidatingAdmissionPolicyBinding =
+        common::find(&docs, "ValidatingAdmissionPolicyBinding", POLICY).to();
+    let bs = b.spec.expect("spec");
+    assert_eq!(bs.policy_name.as_deref(), Some(POLICY));
+    assert_eq!(bs.validation_actions, Some(vec!["Deny".to_string()]));
+}
+
+// ---- evaluation ----
+
+/// The policy's expressions, compiled.
+struct Compiled {
+    match_conditions: Vec<(String, Program)>,
+    variables: Vec<(String, Program)>,
+    /// `(expression, program, message, messageExpression)`.
+    validations: Vec<(String, Program, Option<String>, Option<Program>)>,
+}
+
+fn compile(src: &str) -> Program {
+    Program::compile(src).unwrap_or_else(|e| panic!("CEL does not compile: {src}\n{e:?}"))
+}
+
+fn compiled() -> Compiled {
+    let spec = policy().spec.expect("spec");
+    Compiled {
+        match_conditions: spec
+            .match_conditions
+            .unwrap_or_default()
+            .into_iter()
+            .map(|c| (c.name, compile(&c.expression)))
+            .collect(),
+        variables: spec
+            .variables
+            .unwrap_or_default()
+            .into_iter()
+            .map(|v| (v.name, compile(&v.expression)))
+            .collect(),
+        validations: spec
+            .validations
+            .unwrap_or_default()
+            .into_iter()
+            .map(|v| {
+                let p = compile(&v.expression);
+                let m = v.message_expression.as_deref().map(compile);
+                (v.expression, p, v.message, m)
+            })
+            .collect(),
+    }
+}
+
+/// `list.join(separator)`, from Kubernetes' CEL strings library.
+fn join(This(list): This<Arc<Vec<Value>>>, sep: Arc<String>) -> Result<Value, ExecutionError> {
+    let parts: Result<Vec<String>, _> = list
+        .iter()
+        .map(|v| match v {
+            Value::String(s) => Ok(s.to_string()),
+            other => Err(ExecutionError::function_error(
+                "join",
+                format!("not a string: {other:?}"),
+            )),
+        })
+        .collect();
+    Ok(Value::String(Arc::new(parts?.join(sep.as_str()))))
+}
+
+#[derive(Debug, PartialEq)]
+enum Verdict {
+    /// A matchCondition was false: the policy does not apply.
+    NotApplicable,
+    Allowed,
+    /// The messages of the failed validations.
+    Denied(Vec<String>),
+}
+
+impl Verdict {
+    fn denied(&self) -> &[String] {
+        match self {
+            Verdict::Denied(m) => m,
+            other => panic!("expected a denial, got {other:?}"),
+        }
+    }
+}
+
+fn admit(c: &Compiled, request: &Json, object: &Json, old_object: &Json) -> Verdict {
+    let mut ctx = Context::default();
+    ctx.add_function("join", join);
+    for (name, v) in [
+        ("request", request),
+        ("object", object),
+        ("oldObject", old_object),
+    ] {
+        ctx.add_variable(name, v).expect("a JSON value");
+    }
+    ctx.add_variable_from_value("params", Value::Null);
+
+    for (name, p) in &c.match_conditions {
+        match p.execute(&ctx) {
+            Ok(Value::Bool(true)) => {}
+            Ok(Value::Bool(false)) => return Verdict::NotApplicable,
+            // failurePolicy Fail: an erroring condition rejects the request.
+            other => return Verdict::Denied(vec![format!("matchCondition {name}: {other:?}")]),
+        }
+    }
+    // Variables in order; one that fails is left out, so using it fails (lazily, as in the
+    // API server).
+    let mut vars: HashMap<String, Value> = HashMap::new();
+    for (name, p) in &c.variables {
+        ctx.add_variable_from_value("variables", vars.clone());
+        if let Ok(v) = p.execute(&ctx) {
+            vars.insert(name.clone(), v);
+        }
+    }
+    ctx.add_variable_from_value("variables", vars);
+
+    let mut denied = Vec::new();
+    for (expr, p, message, message_expr) in &c.validations {
+        match p.execute(&ctx) {
+            Ok(Value::Bool(true)) => {}
+            Ok(Value::Bool(false)) => {
+                let msg = match message_expr.as_ref().map(|m| m.execute(&ctx)) {
+                    Some(Ok(Value::String(s))) => s.to_string(),
+                    Some(other) => panic!("messageExpression of {expr} gave {other:?}"),
+                    None => message.clone().unwrap_or_else(|| expr.clone()),
+                };
+                denied.push(msg);
+            }
+            other => denied.push(format!("error in {expr}: {other:?}")),
+        }
+    }
+    if denied.is_empty() {
+        Verdict::Allowed
+    } else {
+        Verdict::Denied(denied)
+    }
+}
+
+// Handmade objects and requests.
+
+const NODE: &str = "gpu-node-1";
+
+fn user(username: &str, node: Option<&str>) -> Json {
+    let mut extra = json!({
+        "authentication.kubernetes.io/pod-name": ["faultline-agent-x7k2p"],
+        "authentication.kubernetes.io/pod-uid": ["0b9f8a1e-0000-4000-8000-000000000001"],
+    });
+    if let Some(n) = node {
+        extra["authentication.kubernetes.io/node-name"] = json!([n]);
+        extra["authentication.kubernetes.io/node-uid"] =
+            json!(["5e1a9c3d-0000-4000-8000-000000000002"]);
+    }
+    json!({
+        "username": username,
+        "uid": "7c4e0f2a-0000-4000-8000-000000000003",
+        "groups": ["system:serviceaccounts", "system:serviceaccounts:faultline-system", "system:authenticated"],
+        "extra": extra,
+    })
+}
+
+fn agent_on(node: Option<&str>) -> Json {
+    user(&agent_username(), node)
+}
+
+fn request(
+    user_info: Json,
+    resource: &str,
+    sub: &str,
+    op: &str,
+    name: &str,
+    namespace: &str,
+) -> Json {
+    let kind = if resource == "nodes" {
+        "Node"
+    } else {
+        "ConfigMap"
+    };
+    json!({
+        "uid": "a0e0f3c4-0000-4000-8000-000000000004",
+        "kind": {"group": "", "version": "v1", "kind": kind},
+        "resource": {"group": "", "version": "v1", "resource": resource},
+        "subResource": sub,
+        "requestKind": {"group": "", "version": "v1", "kind": kind},
+        "requestResource": {"group": "", "version": "v1", "resource": resource},
+        "requestSubResource": sub,
+        "name": name,
+        "namespace": namespace,
+        "operation": op,
+        "userInfo": user_info,
+        "dryRun": false,
+    })
+}
+
+fn node(name: &str) -> Json {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {
+            "name": name,
+            "resourceVersion": "4711",
+            "labels": {
+                "kubernetes.io/hostname": name,
+                "nvidia.com/gpu.count": "8",
+                "faultline.io/health": "Healthy",
+            },
+        },
+        "spec": {
+            "podCIDR": "10.244.1.0/24",
+            "taints": [
+                {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
+            ],
+        },
+        "status": {
+            "conditions": [
+                {"type": "Ready", "status": "True", "reason": "KubeletReady",
+                 "message": "kubelet is posting ready status",
+                 "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2025-12-01T00:00:00Z"},
+                {"type": "MemoryPressure", "status": "False", "reason": "KubeletHasSufficientMemory",
+                 "lastHeartbeatTime": "2026-01-01T00:00:00Z", "lastTransitionTime": "2025-12-01T00:00:00Z"},
+            ],
+        },
+    })
+}
+
+fn configmap(name: &str) -> Json {
+    json!({
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": NAMESPACE},
+        "data": {"faults.json": "{}"},
+    })
+}
+
+/// An update of `NODE` by the agent running there: `edit` turns the old node into the new one.
+fn node_update(
+    who: Json,
+    name: &str,
+    sub: &str,
+    edit: impl FnOnce(&mut Json),
+) -> (Json, Json, Json) {
+    let old = node(name);
+    let mut new = old.clone();
+    edit(&mut new);
+    (request(who, "nodes", sub, "UPDATE", name, ""), new, old)
+}
+
+fn run(c: &Compiled, (req, new, old): (Json, Json, Json)) -> Verdict {
+    admit(c, &req, &new, &old)
+}
+
+fn set_health(n: &mut Json, health: &str) {
+    n["metadata"]["labels"]["faultline.io/health"] = health.into();
+}
+
+fn add_taint(n: &mut Json, key: &str, value: &str, effect: &str) {
+    n["spec"]["taints"]
+        .as_array_mut()
+        .expect("taints")
+        .push(json!({"key": key, "value": value, "effect": effect}));
+}
+
+fn set_accelerator_condition(n: &mut Json, status: &str) {
+    n["status"]["conditions"]
+        .as_array_mut()
+        .expect("conditions")
+        .push(json!({"type": "AcceleratorHealthy", "status": status, "reason": "Xid79",
+                     "message": "GPU-3: GPU has fallen off the bus",
+                     "lastHeartbeatTime": "2026-01-01T00:00:05Z", "lastTransitionTime": "2026-01-01T00:00:05Z"}));
+}
+
+#[test]
+fn cel_allows_what_the_agent_does_on_its_own_node() {
+    let c = compiled();
+    let me = || agent_on(Some(NODE));
+
+    // Labels, by server-side apply.
+    let v = run(
+        &c,
+        node_update(me(), NODE, "", |n| set_health(n, "Unhealthy")),
+    );
+    assert_eq!(v, Verdict::Allowed);
+    // A label it adds for the first time, and one it removes.
+    let v = run(
+        &c,
+        node_update(me(), NODE, "", |n| {
+            n["metadata"]["labels"]["faultline.io/extra"] = "x".into();
+            n["metadata"]["labels"]
+                .as_object_mut()
+                .expect("labels")
+                .remove("faultline.io/health");
+        }),
+    );
+    assert_eq!(v, Verdict::Allowed);
+    // A taint added next to the foreign one, and then removed again.
+    let v = run(
+        &c,
+        node_update(me(), NODE, "", |n| {
+            add_taint(n, "faultline.io/unhealthy", "Xid79", "NoSchedule")
+        }),
+    );
+    assert_eq!(v, Verdict::Allowed);
+    let old_tainted = {
+        let mut n = node(NODE);
+        add_taint(&mut n, "faultline.io/unhealthy", "Xid79", "NoSchedule");
+        n
+    };
+    let v = admit(
+        &c,
+        &request(me(), "nodes", "", "UPDATE", NODE, ""),
+        &node(NODE),
+        &old_tainted,
+    );
+    assert_eq!(v, Verdict::Allowed);
+    // A node without any labels or taints before.
+    let bare = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}, "spec": {}, "status": {}});
+    let mut labelled = bare.clone();
+    labelled["metadata"]["labels"] = json!({"faultline.io/health": "Degraded"});
+    labelled["spec"]["taints"] =
+        json!([{"key": "faultline.io/degraded", "value": "Xid48", "effect": "PreferNoSchedule"}]);
+    let v = admit(
+        &c,
+        &request(me(), "nodes", "", "UPDATE", NODE, ""),
+        &labelled,
+        &bare,
+    );
+    assert_eq!(v, Verdict::Allowed);
+    // The condition, on the status subresource (added, then changed).
+    let v = run(
+        &c,
+        node_update(me(), NODE, "status", |n| {
+            set_accelerator_condition(n, "False")
+        }),
+    );
+    assert_eq!(v, Verdict::Allowed);
+    let mut before = node(NODE);
+    set_accelerator_condition(&mut before, "False");
+    let mut after = node(NODE);
+    set_accelerator_condition(&mut after, "True");
+    let v = admit(
+        &c,
+        &request(me(), "nodes", "status", "UPDATE", NODE, ""),
+        &after,
+        &before,
+    );
+    assert_eq!(v, Verdict::Allowed);
+
+    // Its own record, and the shared ConfigMaps.
+    for (op, name) in [
+        ("CREATE", format!("faultline-{NODE}")),
+        ("UPDATE", format!("faultline-{NODE}")),
+        ("CREATE", "faultline-taint-budget".to_string()),
+        ("UPDATE", "faultline-taint-budget".to_string()),
+        ("UPDATE", "faultline-peercheck".to_string()),
+    ] {
+        let old = if op == "CREATE" {
+            Json::Null
+        } else {
+            configmap(&name)
+        };
+        let req = request(me(), "configmaps", "", op, &name, NAMESPACE);
+        assert_eq!(
+            admit(&c, &req, &configmap(&name), &old),
+            Verdict::Allowed,
+            "{op} {name}"
+        );
+    }
+}
+
+#[test]
+fn cel_denies_the_agent_anything_else() {
+    let c = compiled();
+    let me = || agent_on(Some(NODE));
+
+    // Another node.
+    let v = run(
+        &c,
+        node_update(me(), "gpu-node-2", "", |n| set_health(n, "Unhealthy")),
+    );
+    assert!(
+        v.denied()
+            .iter()
+            .any(|m| m.contains("gpu-node-2") && m.contains(NODE)),
+        "{v:?}"
+    );
+
+    // A label it does not own: changed, added, removed.
+    let v = run(
+        &c,
+        node_update(me(), NODE, "", |n| {
+            n["metadata"]["labels"]["nvidia.com/gpu.count"] = "7".into()
+        }),
+    );
+    assert!(
+        v.denied()
+            .iter()
+            .any(|m| m.contains("nvidia.com/gpu.count")),
+        "{v:?}"
+    );
+    let v = run(
+        &c,
+        node_update(me(), NODE, "", |n| {
+            n["metadata"]["labels"]["example.com/x"] = "1".into()
+        }),
+    );
+    assert!(
+        v.denied().iter().any(|m| m.contains("example.com/x")),
+        "{v:?}"
+    );
+    let v = run(
+        &c,
+        node_update(me(), NODE, "", |n| {
+            n["metadata"]["labels"]
+                .as_object_mut()
+                .expect("labels")
+                .remove("kubernetes.io/hostname");
+        }),
+    );
+    assert!(
+        v.denied()
+            .iter()
+            .any(|m| m.contains("kubernetes.io/hostname")),
+        "{v:?}"
+    );
+    // A look-alike prefix is not faultline's.
+    let v = run(
+        &c,
+        node_update(me(), NODE, "", |n| {
+            n["metadata"]["labels"]["faultline.io.evil/x"] = "1".into()
+        }),
+    );
+    assert_eq!(v.denied().len(), 1, "{v:?}");
+
+    // A foreign taint: removed, its value changed, a new one added.
+    let v = run(
+        &c,
+        node_update(me(), NODE, "", |n| n["spec"]["taints"] = json!([])),
+    );
+    assert!(
+        v.denied()
+            .iter()
+            .any(|m| m.contains("nvidia.com/gpu:NoSchedule")),
+        "{v:?}"
+    );
+    let v = run(
+        &c,
+        node_update(me(), NODE, "", |n| {
+            n["spec"]["taints"][0]["value"] = "gone".into()
+        }),
+    );
+    assert_eq!(v.denied().len(), 1, "{v:?}");
+    let v = run(
+        &c,
+        node_update(me(), NODE, "", |n| {
+            add_taint(n, "node.kubernetes.io/unschedulable", "", "NoSchedule")
+        }),
+    );
+    assert!(
+        v.denied()
+            .iter()
+            .any(|m| m.contains("node.kubernetes.io/unschedulable")),
+        "{v:?}"
+    );
+
+    // The kubelet's conditions.
+    let v = run(
+        &c,
+        node_update(me(), NODE, "status", |n| {
+            n["status"]["conditions"][0]["status"] = "False".into()
+        }),
+    );
+    assert!(v.denied().iter().any(|m| m.contains("Ready")), "{v:?}");
+    let v = run(
+        &c,
+        node_update(me(), NODE, "status", |n| {
+            n["status"]["conditions"]
+                .as_array_mut()
+                .expect("conditions")
+                .remove(1);
+        }),
+    );
+    assert!(
+        v.denied().iter().any(|m| m.contains("MemoryPressure")),
+        "{v:?}"
+    );
+    let v = run(
+        &c,
+        node_update(me(), NODE, "status", |n| {
+            n["status"]["conditions"]
+                .as_array_mut()
+                .expect("conditions")
+                .push(json!(
+            {"type": "NetworkUnavailable", "status": "True", "reason": "NoRouteCreated"}));
+        }),
+    );
+    assert!(
+        v.denied().iter().any(|m| m.contains("NetworkUnavailable")),
+        "{v:?}"
+    );
+
+    // Someone else's record, and other ConfigMaps.
+    for (op, name) in [
+        ("UPDATE", "faultline-gpu-node-2"),
+        ("CREATE", "faultline-gpu-node-10"),
+        ("DELETE", "faultline-gpu-node-2"),
+        ("UPDATE", "faultline-policy"),
+        ("CREATE", "kube-root-ca.crt"),
+    ] {
+        let (new, old) = match op {
+            "CREATE" => (configmap(name), Json::Null),
+            "DELETE" => (Json::Null, configmap(name)),
+            _ => (configmap(name), configmap(name)),
+        };
+        let req = request(me(), "configmaps", "", op, name, NAMESPACE);
+        let v = admit(&c, &req, &new, &old);
+        assert!(
+            v.denied()
+                .iter()
+                .any(|m| m.contains(name) && m.contains(NODE)),
+            "{op} {name}: {v:?}"
+        );
+    }
+}
+
+/// Without the node name in the token (Kubernetes before 1.30, or a token not bound to a pod),
+/// the policy cannot tell which node is the agent's: it denies every Node write and the
+/// per-node record (fail closed); the shared ConfigMaps need no node name.
+#[test]
+fn cel_fails_closed_without_the_node_name() {
+    let c = compiled();
+    let anon = || agent_on(None);
+    let v = run(
+        &c,
+        node_update(anon(), NODE, "", |n| set_health(n, "Unhealthy")),
+    );
+    assert!(
+        v.denied().iter().any(|m| m.contains("no node name")),
+        "{v:?}"
+    );
+    let v = run(
+        &c,
+        node_update(anon(), NODE, "status", |n| {
+            set_accelerator_condition(n, "False")
+        }),
+    );
+    assert!(
+        v.denied().iter().any(|m| m.contains("no node name")),
+        "{v:?}"
+    );
+    let name = format!("faultline-{NODE}");
+    let req = request(anon(), "configmaps", "", "UPDATE", &name, NAMESPACE);
+    assert!(!admit(&c, &req, &configmap(&name), &configmap(&name))
+        .denied()
+        .is_empty());
+    // An empty name list is no better.
+    let mut odd = agent_on(None);
+    odd["extra"]["authentication.kubernetes.io/node-name"] = json!([]);
+    let v = run(
+        &c,
+        node_update(odd, NODE, "", |n| set_health(n, "Unhealthy")),
+    );
+    assert!(!v.denied().is_empty());
+
+    let req = request(
+        anon(),
+        "configmaps",
+        "",
+        "UPDATE",
+        "faultline-taint-budget",
+        NAMESPACE,
+    );
+    let cm = configmap("faultline-taint-budget");
+    assert_eq!(admit(&c, &req, &cm, &cm), Verdict::Allowed);
+}
+
+/// Everyone else is left alone: the kubelet, controllers, people.
+#[test]
+fn cel_does_not_apply_to_anyone_else() {
+    let c = compiled();
+    for who in [
+        user("system:node:gpu-node-1", None),
+        user("system:serviceaccount:kube-system:node-controller", None),
+        user("system:serviceaccount:other-ns:faultline", Some(NODE)),
+        user("alice@example.com", None),
+    ] {
+        let v = run(
+            &c,
+            node_update(who.clone(), "gpu-node-2", "", |n| {
+                n["metadata"]["labels"]["nvidia.com/gpu.count"] = "7".into();
+                n["spec"]["taints"] = json!([]);
+            }),
+        );
+        assert_eq!(v, Verdict::NotApplicable, "{who}");
+        let v = run(
+            &c,
+            node_update(who.clone(), NODE, "status", |n| {
+                n["status"]["conditions"][0]["status"] = "False".into()
+            }),
+        );
+        assert_eq!(v, Verdict::NotApplicable, "{who}");
+    }
+}

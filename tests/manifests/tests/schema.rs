@@ -1,0 +1,167 @@
+//! Every YAML document under `manifests/` is a faithful instance of its Kubernetes type.
+
+use k8s_openapi::api::admissionregistration::v1::{
+    ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
+};
+use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, PodTemplateSpec, ServiceAccount};
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+
+use crate::common::{self, strict, Doc};
+
+fn check<K: DeserializeOwned + Serialize>(v: &Value) -> Result<(), String> {
+    strict::<K>(v).map(|_| ())
+}
+
+/// Checks one document against the type its `apiVersion` and `kind` name. Kinds this test does
+/// not know are errors, so a new kind in the manifests needs a line here.
+fn check_doc(doc: &Doc) -> Result<(), String> {
+    let v = &doc.value;
+    match (doc.api_version(), doc.kind()) {
+        ("v1", "Namespace") => check::<Namespace>(v),
+        ("v1", "ServiceAccount") => check::<ServiceAccount>(v),
+        ("v1", "ConfigMap") => check::<ConfigMap>(v),
+        ("rbac.authorization.k8s.io/v1", "ClusterRole") => check::<ClusterRole>(v),
+        ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => check::<ClusterRoleBinding>(v),
+        ("rbac.authorization.k8s.io/v1", "Role") => check::<Role>(v),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding") => check::<RoleBinding>(v),
+        ("apps/v1", "DaemonSet") => check::<DaemonSet>(v),
+        ("batch/v1", "Job") => check::<Job>(v),
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy") => {
+            check::<ValidatingAdmissionPolicy>(v)
+        }
+        ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicyBinding") => {
+            check::<ValidatingAdmissionPolicyBinding>(v)
+        }
+        ("kubeflow.org/v1", "PyTorchJob") => check_pytorchjob(v),
+        ("kustomize.config.k8s.io/v1beta1", "Kustomization") => {
+            if doc.file.ends_with("kustomization.yaml") {
+                Ok(())
+            } else {
+                Err("a Kustomization outside a kustomization.yaml".into())
+            }
+        }
+        (a, k) => Err(format!(
+            "unknown kind {a:?} {k:?}: teach schema.rs about it"
+        )),
+    }
+}
+
+/// A PyTorchJob (a custom resource): the known top-level shape, and every replica's pod
+/// template as a strict `PodTemplateSpec`.
+fn check_pytorchjob(v: &Value) -> Result<(), String> {
+    let spec = v["spec"].as_object().ok_or("no spec")?;
+    for key in spec.keys() {
+        if ![
+            "runPolicy",
+            "pytorchReplicaSpecs",
+            "elasticPolicy",
+            "nprocPerNode",
+        ]
+        .contains(&key.as_str())
+        {
+            return Err(format!("spec.{key}: not a PyTorchJob field"));
+        }
+    }
+    let replicas = spec["pytorchReplicaSpecs"]
+        .as_object()
+        .ok_or("no spec.pytorchReplicaSpecs")?;
+    if replicas.is_empty() {
+        return Err("spec.pytorchReplicaSpecs is empty".into());
+    }
+    for (role, r) in replicas {
+        if !["Master", "Worker"].contains(&role.as_str()) {
+            return Err(format!("replica type {role}: not Master or Worker"));
+        }
+        for key in r.as_object().ok_or("replica spec is not a map")?.keys() {
+            if !["replicas", "restartPolicy", "template"].contains(&key.as_str()) {
+                return Err(format!("{role}.{key}: not a ReplicaSpec field"));
+            }
+        }
+        strict::<PodTemplateSpec>(&r["template"]).map_err(|e| format!("{role}.template: {e}"))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn every_document_is_a_faithful_instance_of_its_type() {
+    let docs = common::load("");
+    let files: std::collections::BTreeSet<_> = docs.iter().map(|d| d.file.as_str()).collect();
+    for required in [
+        "kustomization.yaml",
+        "base/kustomization.yaml",
+        "base/daemonset.yaml",
+        "examples/job.yaml",
+        "examples/pytorchjob.yaml",
+    ] {
+        assert!(files.contains(required), "{required} not found");
+    }
+    let errors: Vec<String> = docs
+        .iter()
+        .filter_map(|d| check_doc(d).err().map(|e| format!("{}: {e}", d.at())))
+        .collect();
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+    // Every document is checked against something: at least the kinds we ship.
+    let kinds: std::collections::BTreeSet<_> = docs.iter().map(|d| d.kind()).collect();
+    for k in [
+        "Namespace",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "Role",
+        "RoleBinding",
+        "DaemonSet",
+        "ConfigMap",
+        "ValidatingAdmissionPolicy",
+        "ValidatingAdmissionPolicyBinding",
+        "Job",
+        "PyTorchJob",
+    ] {
+        assert!(kinds.contains(k), "no {k} under manifests/");
+    }
+}
+
+/// The strict check itself catches what it is there for.
+#[test]
+fn the_strict_check_catches_misplaced_and_mistyped_fields() {
+    let docs = common::base_objects();
+    let ds = common::find(&docs, "DaemonSet", "faultline-agent");
+    assert!(check_doc(ds).is_ok());
+
+    let mut typo = ds.clone();
+    typo.value["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always".into();
+    let err = check_doc(&typo).expect_err("a typo'd field must be rejected");
+    assert!(err.contains("imagePullPolicyy"), "{err}");
+
+    let mut nested = ds.clone();
+    nested.value["spec"]["template"]["spec"]["containers"][0]["readOnlyRootFilesystem"] =
+        true.into();
+    assert!(check_doc(&nested).is_err(), "a field at the wrong level");
+
+    let mut typed = ds.clone();
+    typed.value["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] = "30".into();
+    assert!(
+        check_doc(&typed).is_err(),
+        "a string where a number belongs"
+    );
+
+    let job = common::load("examples")
+        .into_iter()
+        .find(|d| d.kind() == "PyTorchJob")
+        .expect("a PyTorchJob");
+    let mut bad = job.clone();
+    bad.value["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["initContainer"] =
+        Value::Array(vec![]);
+    assert!(
+        check_doc(&bad).is_err(),
+        "a typo inside a PyTorchJob template"
+    );
+
+    let mut unknown = ds.clone();
+    unknown.value["kind"] = "DeamonSet".into();
+    assert!(check_doc(&unknown).is_err(), "an unknown kind");
+}
