@@ -319,6 +319,22 @@ fn fleet(agents: usize) {
         took.as_secs_f64(),
         calls.len()
     );
+    // What the agents complained about meanwhile (first words of each warning).
+    let mut warns: BTreeMap<String, usize> = BTreeMap::new();
+    for (_, dir) in &children {
+        let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
+        for l in log
+            .lines()
+            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+        {
+            let msg = l.split(": ").nth(2).unwrap_or(l);
+            let key: String = msg.chars().take(90).collect();
+            *warns.entry(key).or_default() += 1;
+        }
+    }
+    for (w, n) in &warns {
+        println!("fleet: agent warnings: {n} x {w}");
+    }
     for (child, _) in &children {
         sigterm(child);
     }

@@ -12,13 +12,16 @@ use crate::record::{Health, NodeRecord};
 use crate::sink::file::{write_atomic, FAULTS_FILE};
 use crate::source::control::{ClearRequest, CLEAR_DIR};
 
-/// Sets up `tracing` for a binary: `text` or `json` to stderr, level from `RUST_LOG`.
+/// Sets up `tracing` for a binary: `text` or `json` to stderr, level from `RUST_LOG`. Colours
+/// only when stderr is a terminal, so logs collected from files or containers stay plain text.
 pub fn init_tracing(format: &str) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     if format == "json" {
         builder.json().init();
     } else {

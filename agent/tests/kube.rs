@@ -285,6 +285,38 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
         c.configmap("node-a").unwrap()["metadata"]["labels"]["faultline.io/health"],
         "Unhealthy"
     );
+    // `faultline get --cluster` reads every node's record from the ConfigMaps.
+    let get = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
+            .args([
+                "get",
+                "--cluster",
+                "--kubeconfig",
+                c.kubeconfig.to_str().unwrap(),
+            ])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let json: Vec<NodeRecord> =
+        serde_json::from_str(&get(&["--health", "unhealthy", "-o", "json"])).unwrap();
+    assert_eq!(json.len(), 1);
+    assert_eq!(
+        (json[0].node.as_str(), json[0].health),
+        ("node-a", Health::Unhealthy)
+    );
+    assert!(get(&["--health", "healthy"]).contains("no matching nodes"));
+    let table = get(&["--code", "Xid79"]);
+    assert!(
+        table.contains("node-a") && table.contains("Xid79@GPU-0000:3b:00.0"),
+        "{table}"
+    );
     // The local file says the same as the ConfigMap.
     let local = agent.record().unwrap();
     assert_eq!(local.check_code, c.record("node-a").unwrap().check_code);

@@ -362,55 +362,40 @@ fn broken_nvml_is_a_detector_fault() {
     rig.agent.stop();
 }
 
-/// A one-route stand-in for the API server on loopback: `GET /api/v1/nodes/node-a` answers a
-/// Node with `labels`, anything else 404. Returns its URL and the request lines it saw.
-fn fake_api(labels: Value) -> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
-    use std::io::{BufRead, BufReader, Write};
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
-    let log = seen.clone();
-    std::thread::spawn(move || {
-        for conn in listener.incoming() {
-            let Ok(mut conn) = conn else { return };
-            let mut reader = BufReader::new(conn.try_clone().unwrap());
-            let mut request = String::new();
-            if reader.read_line(&mut request).is_err() {
-                continue;
-            }
-            let mut line = String::new();
-            while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
-                line.clear();
-            }
-            log.lock().unwrap().push(request.trim().to_string());
-            let path = request.split_whitespace().nth(1).unwrap_or("");
-            let (status, body) = if path.starts_with("/api/v1/nodes/node-a") {
-                let node = json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a", "labels": labels}});
-                ("200 OK", node.to_string())
-            } else {
-                ("404 Not Found", json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404}).to_string())
-            };
-            let _ = write!(conn, "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}", body.len());
-        }
-    });
-    (url, seen)
-}
-
 /// On Kubernetes the expected GPU count comes from the node label `nvidia.com/gpu.count` when
-/// the policy does not set one; the agent reads its own Node and nothing else.
+/// the policy does not set one. The agent runs against the API emulator; among Nodes it touches
+/// only its own (another node in the emulated cluster is never read or written).
 #[test]
 fn expected_count_from_the_node_label() {
-    let (url, seen) =
-        fake_api(json!({"nvidia.com/gpu.count": "3", "kubernetes.io/hostname": "node-a"}));
+    use faultline_kube_emulator::{Emulator, UserInfo};
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let emu = rt.block_on(Emulator::start()).unwrap();
+    emu.authorize(
+        "t",
+        UserInfo::new("agent"),
+        vec![faultline_kube_emulator::Rule::new(&["*"], &["*"], &["*"])],
+    );
+    emu.put(
+        json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "faultline-system"}}),
+    );
+    emu.put(faultline_kube_emulator::node(
+        "node-a",
+        &[
+            ("nvidia.com/gpu.count", "3"),
+            ("kubernetes.io/hostname", "node-a"),
+        ],
+    ));
+    emu.put(faultline_kube_emulator::node(
+        "node-b",
+        &[("nvidia.com/gpu.count", "8")],
+    ));
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: t\n  cluster: {{server: \"{url}\"}}\nusers:\n- name: u\n  user: {{token: test}}\ncontexts:\n- name: c\n  context: {{cluster: t, user: u}}\ncurrent-context: c\n"
-        ),
-    )
-    .unwrap();
+    emu.write_kubeconfig(&kubeconfig, "t").unwrap();
     let state_path = dir.path().join("nvml-state.json");
     std::fs::write(&state_path, serde_json::to_vec(&two_gpus()).unwrap()).unwrap();
     let lib = fake_lib();
@@ -426,13 +411,22 @@ fn expected_count_from_the_node_label() {
     });
     let f = fault(&r, "GPU_MISSING").unwrap();
     assert!(f.message.contains("2 of the 3"), "{}", f.message);
-    let requests = seen.lock().unwrap().clone();
-    assert!(!requests.is_empty());
-    assert!(
-        requests
-            .iter()
-            .all(|r| r.starts_with("GET /api/v1/nodes/node-a")),
-        "{requests:?}"
-    );
     agent.stop();
+    let calls = emu.calls();
+    let node_calls: Vec<_> = calls
+        .iter()
+        .filter(|c| c.path.starts_with("/api/v1/nodes"))
+        .collect();
+    assert!(
+        node_calls
+            .iter()
+            .any(|c| c.method == "GET" && c.path == "/api/v1/nodes/node-a"),
+        "{node_calls:?}"
+    );
+    assert!(
+        node_calls
+            .iter()
+            .all(|c| c.path.starts_with("/api/v1/nodes/node-a")),
+        "{node_calls:?}"
+    );
 }
