@@ -232,30 +232,15 @@ fn idle(secs: u64) {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
-    let flag = |name: &str, default: u64| -> u64 {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
-    let which: Vec<&str> = args
-        .iter()
-        .map(String::as_str)
-        .filter(|a| ["latency", "storm", "idle"].contains(a))
-        .collect();
-    let all = which.is_empty();
-    if all || which.contains(&"storm") {
+    let args = common::Args::from_env();
+    let parts = ["latency", "storm", "idle"];
+    if args.wants(&parts, "storm") {
         storm();
     }
-    if all || which.contains(&"latency") {
-        latency(flag("--events", 1000) as usize);
+    if args.wants(&parts, "latency") {
+        latency(args.flag("--events", 1000) as usize);
     }
-    if all || which.contains(&"idle") {
-        idle(flag("--idle-secs", 60));
+    if args.wants(&parts, "idle") {
+        idle(args.flag("--idle-secs", 60));
     }
 }

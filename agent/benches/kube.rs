@@ -345,30 +345,15 @@ fn fleet(agents: usize) {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
-    let flag = |name: &str, default: u64| -> u64 {
-        args.iter()
-            .position(|a| a == name)
-            .and_then(|i| args.get(i + 1))
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(default)
-    };
-    let which: Vec<&str> = args
-        .iter()
-        .map(String::as_str)
-        .filter(|a| ["latency", "writes", "fleet"].contains(a))
-        .collect();
-    let all = which.is_empty();
-    if all || which.contains(&"latency") {
-        latency(flag("--events", 100) as usize);
+    let args = common::Args::from_env();
+    let parts = ["latency", "writes", "fleet"];
+    if args.wants(&parts, "latency") {
+        latency(args.flag("--events", 100) as usize);
     }
-    if all || which.contains(&"writes") {
-        writes(flag("--steady-secs", 60));
+    if args.wants(&parts, "writes") {
+        writes(args.flag("--steady-secs", 60));
     }
-    if all || which.contains(&"fleet") {
-        fleet(flag("--agents", 200) as usize);
+    if args.wants(&parts, "fleet") {
+        fleet(args.flag("--agents", 200) as usize);
     }
 }

@@ -171,22 +171,13 @@ fn event(lib: &Path, events: usize) {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args()
-        .skip(1)
-        .filter(|a| a != "--bench")
-        .collect();
-    let n = args
-        .iter()
-        .position(|a| a == "--events")
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(400);
-    let all = !args.iter().any(|a| a == "pass" || a == "event");
+    let args = common::Args::from_env();
+    let parts = ["event", "pass"];
     let lib = fake_lib();
-    if all || args.iter().any(|a| a == "event") {
-        event(&lib, n);
+    if args.wants(&parts, "event") {
+        event(&lib, args.flag("--events", 400) as usize);
     }
-    if all || args.iter().any(|a| a == "pass") {
+    if args.wants(&parts, "pass") {
         pass(&lib);
     }
 }

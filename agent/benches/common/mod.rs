@@ -63,3 +63,37 @@ pub fn terminate(child: &Child) {
         let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
     }
 }
+
+/// A bench's command line (after `cargo bench -- …`): which parts to run and `--name N` flags.
+pub struct Args(Vec<String>);
+
+impl Args {
+    pub fn from_env() -> Args {
+        Args(
+            std::env::args()
+                .skip(1)
+                .filter(|a| a != "--bench")
+                .collect(),
+        )
+    }
+
+    /// The value after `name`, or `default`.
+    pub fn flag(&self, name: &str, default: u64) -> u64 {
+        self.0
+            .iter()
+            .position(|a| a == name)
+            .and_then(|i| self.0.get(i + 1))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(default)
+    }
+
+    /// Whether to run the part `name` out of `parts`: named on the command line, or none named.
+    pub fn wants(&self, parts: &[&str], name: &str) -> bool {
+        let named: Vec<&String> = self
+            .0
+            .iter()
+            .filter(|a| parts.contains(&a.as_str()))
+            .collect();
+        named.is_empty() || named.iter().any(|a| *a == name)
+    }
+}

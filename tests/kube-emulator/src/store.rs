@@ -520,20 +520,7 @@ impl Store {
         let rt = resources::get(rid);
         check_type_meta(rt, &mut body)?;
         let m = meta_mut(&mut body)?;
-        if rt.namespaced {
-            match m.get("namespace").and_then(Value::as_str) {
-                Some(x) if !x.is_empty() && x != ns => {
-                    return Err(ApiError::bad_request(
-                        "the namespace of the provided object does not match the namespace sent on the request",
-                    ))
-                }
-                _ => {
-                    m.insert("namespace".into(), json!(ns));
-                }
-            }
-        } else {
-            m.remove("namespace");
-        }
+        set_namespace(rt, m, ns)?;
         if m.get("resourceVersion")
             .and_then(Value::as_str)
             .is_some_and(|s| !s.is_empty())
@@ -720,20 +707,7 @@ impl Store {
                 "the name of the object ({body_name}) does not match the name on the URL ({name})"
             )));
         }
-        if rt.namespaced {
-            match m.get("namespace").and_then(Value::as_str) {
-                Some(x) if !x.is_empty() && x != ns => {
-                    return Err(ApiError::bad_request(
-                        "the namespace of the provided object does not match the namespace sent on the request",
-                    ))
-                }
-                _ => {
-                    m.insert("namespace".into(), json!(ns));
-                }
-            }
-        } else {
-            m.remove("namespace");
-        }
+        set_namespace(rt, m, ns)?;
         let rv = m
             .get("resourceVersion")
             .and_then(Value::as_str)
@@ -1047,20 +1021,7 @@ impl Store {
                 m.insert("name".into(), json!(name));
             }
         }
-        if rt.namespaced {
-            match m.get("namespace").and_then(Value::as_str) {
-                Some(x) if !x.is_empty() && x != ns => {
-                    return Err(ApiError::bad_request(
-                        "the namespace of the provided object does not match the namespace sent on the request",
-                    ))
-                }
-                _ => {
-                    m.insert("namespace".into(), json!(ns));
-                }
-            }
-        } else {
-            m.remove("namespace");
-        }
+        set_namespace(rt, m, ns)?;
         let rv = m
             .get("resourceVersion")
             .and_then(Value::as_str)
@@ -1362,5 +1323,23 @@ impl Store {
     pub fn delete_direct(&mut self, rid: ResourceId, ns: &str, name: &str) -> bool {
         let key = Self::key(rid, ns, name);
         self.commit_delete(&key, None).is_some()
+    }
+}
+
+/// Puts the URL's namespace into a body's metadata (none for cluster-scoped kinds); a body
+/// naming another namespace is a bad request.
+fn set_namespace(rt: &ResourceType, m: &mut Map<String, Value>, ns: &str) -> Result<(), ApiError> {
+    if !rt.namespaced {
+        m.remove("namespace");
+        return Ok(());
+    }
+    match m.get("namespace").and_then(Value::as_str) {
+        Some(x) if !x.is_empty() && x != ns => Err(ApiError::bad_request(
+            "the namespace of the provided object does not match the namespace sent on the request",
+        )),
+        _ => {
+            m.insert("namespace".into(), json!(ns));
+            Ok(())
+        }
     }
 }

@@ -96,6 +96,24 @@ pub(crate) fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409)
 }
 
+/// Waits until the snapshot changes (true) or `wake` passes (true); false when the engine is
+/// gone. `None`: no deadline.
+pub(crate) async fn changed_or_woken<T>(
+    snapshots: &mut tokio::sync::watch::Receiver<T>,
+    wake: Option<tokio::time::Instant>,
+) -> bool {
+    let sleep = async {
+        match wake {
+            Some(w) => tokio::time::sleep_until(w).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        changed = snapshots.changed() => changed.is_ok(),
+        _ = sleep => true,
+    }
+}
+
 /// Exponential backoff with jitter between failed attempts: 200 ms doubling to 30 s.
 #[derive(Debug)]
 pub(crate) struct Retry {

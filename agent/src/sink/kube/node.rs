@@ -152,19 +152,8 @@ impl NodeSink {
                     }
                 }
             }
-            let sleep = async {
-                match wake {
-                    Some(w) => tokio::time::sleep_until(w).await,
-                    None => std::future::pending().await,
-                }
-            };
-            tokio::select! {
-                changed = snapshots.changed() => {
-                    if changed.is_err() {
-                        break;
-                    }
-                }
-                _ = sleep => {}
+            if !super::changed_or_woken(&mut snapshots, wake).await {
+                break;
             }
         }
         // The engine stopped: push its final state if it differs, briefly.
