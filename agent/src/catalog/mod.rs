@@ -11,8 +11,8 @@ use serde::Deserialize;
 
 use crate::record::{FaultType, Handling};
 
-const NVIDIA_YAML: &str = include_str!("../catalog/nvidia.yaml");
-const FAULTLINE_YAML: &str = include_str!("../catalog/faultline.yaml");
+const NVIDIA_YAML: &str = include_str!("../../catalog/nvidia.yaml");
+const FAULTLINE_YAML: &str = include_str!("../../catalog/faultline.yaml");
 
 /// A raw fault code as a source reports it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
