@@ -27,4 +27,15 @@ for l in replay.splitlines():
     put("kmsg_record", l)
 put("policy", b"overrides:\n  Xid43: { handling: SeparateNPU }\nescalation:\n  - codes: [Xid13]\n    count: 3\n    window: 24h\n    handling: PreSeparateNPU\nrecovery:\n  - sources: [kmsg]\n    max_handling: RestartBusiness\n    clear_after: 1h\nnvml:\n  poll_interval: 10s\n")
 put("policy", b'{"expected_gpus": 8, "node_actions": {"PreSeparateNPU": {"health": "Degraded", "condition": false}}}')
+# tests/fixtures/ascend: every recorded npu-smi sample seeds ascend_npu_smi, every hccn_tool
+# sample seeds ascend_hccn.
+ascend = os.path.join(fixtures, "ascend")
+for name in sorted(os.listdir(ascend)):
+    if name.endswith(".txt"):
+        data = open(os.path.join(ascend, name), "rb").read()
+        put("ascend_npu_smi" if name.startswith("npu-smi") else "ascend_hccn", data)
+# The built-in MindCluster tables seed ascend_tables.
+catalog = os.path.join(root, "..", "agent", "catalog")
+for name in ("ascend-faultCode.json", "ascend-faultCustomization.json"):
+    put("ascend_tables", open(os.path.join(catalog, name), "rb").read())
 print(f"seeded from {len(lines)} corpus lines", file=sys.stderr)

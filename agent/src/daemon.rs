@@ -17,9 +17,9 @@ use crate::engine::Observation;
 use crate::http::{self, HttpState};
 use crate::metrics::Metrics;
 use crate::runtime::{Clock, EngineLoop, Heartbeat, SinkReport, SystemClock};
-use crate::sink::file;
 use crate::sink::kube as kube_sink;
-use crate::source::{control, kmsg, node, nvml, policy_watch, Input, SourceContext};
+use crate::sink::{file, mindcluster};
+use crate::source::{ascend, control, kmsg, node, nvml, policy_watch, Input, SourceContext};
 
 /// Written into the state directory while the agent runs: the address its endpoints are bound
 /// to (useful with `--listen …:0`).
@@ -49,6 +49,9 @@ pub struct AgentConfig {
     /// Do not use NVML at all.
     #[arg(long)]
     pub no_nvml: bool,
+    /// Do not poll the Ascend tools (npu-smi, hccn_tool) at all.
+    #[arg(long)]
+    pub no_ascend: bool,
     /// Kubernetes: use this kubeconfig instead of the in-cluster service account.
     #[arg(long, env = "FAULTLINE_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
@@ -223,6 +226,17 @@ async fn run_node(
         let source = nvml::run(ncfg, policy_rx.clone(), label_rx, ctx.clone());
         tasks.spawn(source.instrument(tracing::info_span!("source", name = "nvml")));
     }
+    if cfg.no_ascend {
+        info!("Ascend source disabled");
+    } else {
+        let p = policy_rx.borrow().policy.ascend.clone();
+        let tools = Arc::new(ascend::tools::RealTools {
+            npu_smi: p.npu_smi,
+            hccn_tool: p.hccn_tool,
+        });
+        let source = ascend::run(tools, policy_rx.clone(), ctx.clone());
+        tasks.spawn(source.instrument(tracing::info_span!("source", name = "ascend")));
+    }
     drop(ctx);
     drop(in_tx);
 
@@ -244,6 +258,27 @@ async fn run_node(
         sink_report: report_rx,
         shutdown: shutdown.clone(),
     };
+    {
+        let sink = mindcluster::MindClusterSink {
+            dir: cfg.state_dir.clone(),
+            publisher: mindcluster::FileOnly,
+            snapshots: snap_rx.clone(),
+            policy: engine_loop.policy.clone(),
+            clock: clock.clone(),
+            metrics: metrics.clone(),
+            shutdown: shutdown.clone(),
+        };
+        let span = tracing::info_span!("sink", name = "mindcluster");
+        match &kube_client {
+            Some(c) => {
+                let p = kube_sink::deviceinfo::DeviceInfoPublisher::new(c.clone(), &node);
+                tasks.spawn(sink.with_publisher(p).run().instrument(span));
+            }
+            None => {
+                tasks.spawn(sink.run().instrument(span));
+            }
+        }
+    }
     let kube_sinks = match kube_client {
         Some(client) => {
             let kcfg = kube_sink::KubeSinkConfig {

@@ -31,6 +31,14 @@ pub struct SinkLabel {
     pub sink: &'static str,
 }
 
+/// An external tool call (Ascend `npu-smi`, `hccn_tool`) and how it ended: `ok`, `failed`
+/// (non-zero exit or cannot start), `timeout` (killed), `garbage` (output did not parse).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ToolLabel {
+    pub tool: &'static str,
+    pub result: &'static str,
+}
+
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
 pub enum ReloadResult {
     Ok,
@@ -69,6 +77,8 @@ pub struct Metrics {
     pub taints_withheld: Gauge,
     /// Seconds from the engine applying a change to the node sink having written it.
     pub kube_publish_seconds: Histogram,
+    /// Ascend tool calls, by tool and result.
+    pub tool_calls: Family<ToolLabel, Counter>,
 }
 
 impl Default for Metrics {
@@ -107,6 +117,7 @@ impl Metrics {
             kube_publish_seconds: Histogram::new([
                 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
             ]),
+            tool_calls: Family::default(),
             registry: Registry::default(),
         };
         let r = &mut registry;
@@ -194,6 +205,11 @@ impl Metrics {
             "faultline_detector_up",
             "1 when a detector is running, 0 when down or idle",
             m.detector_up.clone(),
+        );
+        r.register(
+            "faultline_tool_calls",
+            "External tool calls (npu-smi, hccn_tool), by tool and result",
+            m.tool_calls.clone(),
         );
         r.register(
             "faultline_kube_events_dropped",

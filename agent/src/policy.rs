@@ -6,11 +6,14 @@
 //! Reloading on change lives in `crate::source::policy_watch`; this module is pure.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::catalog::ascend::{self, AscendTable};
 use crate::catalog::{Catalog, Classification, FaultCode};
 use crate::record::{FaultType, Handling, Health, Source};
 
@@ -41,6 +44,10 @@ pub struct EscalationRule {
     pub duration: Option<Duration>,
     /// The level to raise to (never lowers a fault).
     pub handling: Handling,
+    /// Once the condition is gone, the fault counts as recovered only after staying gone this
+    /// long (MindCluster's `RecoverTimeout`); a return within it continues the same fault.
+    #[serde(default, with = "humantime_serde")]
+    pub recover_after: Option<Duration>,
 }
 
 /// Clear a fault after it has been quiet (no new signal) for `clear_after`. A rule applies when
@@ -139,6 +146,93 @@ impl Default for NvmlPolicy {
     }
 }
 
+/// The MindCluster-compatible output (opt-in): the `DeviceInfoCfg` document Volcano's Ascend
+/// rescheduling reads, as the ConfigMap `mindx-dl-deviceinfo-<node>` in `kube-system`
+/// (Kubernetes mode) and as `deviceinfo.json` next to the fault file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MindClusterPolicy {
+    pub enabled: bool,
+    /// Rewritten at least this often even when nothing changed (consumers treat an old
+    /// `UpdateTime` as a dead node).
+    #[serde(with = "humantime_serde")]
+    pub resync: Duration,
+}
+
+impl Default for MindClusterPolicy {
+    fn default() -> Self {
+        MindClusterPolicy {
+            enabled: false,
+            resync: Duration::from_secs(300),
+        }
+    }
+}
+
+/// Settings of the Ascend source.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AscendPolicy {
+    /// `npu-smi`: a path, or a name looked up on `PATH`. Not found: the source is idle.
+    pub npu_smi: String,
+    /// `hccn_tool`: a path, or a name looked up on `PATH`. Not found: links are not checked.
+    pub hccn_tool: String,
+    #[serde(with = "humantime_serde")]
+    pub poll_interval: Duration,
+    /// A tool call running longer than this is killed and the detector marked down.
+    #[serde(with = "humantime_serde")]
+    pub call_timeout: Duration,
+    /// The operator's `faultCode.json`; its entries win over the built-in table.
+    pub fault_code_file: Option<PathBuf>,
+    /// The operator's `faultCustomization.json`; replaces the built-in one.
+    pub fault_customization_file: Option<PathBuf>,
+    /// The link-up counter growing by this much within `link_flap_window` raises
+    /// `NPU_LINK_FLAPPING` (0: off).
+    pub link_flap_count: u64,
+    #[serde(with = "humantime_serde")]
+    pub link_flap_window: Duration,
+    /// Ports below this speed raise `NPU_LINK_SPEED_LOW` (0: not checked).
+    pub expected_speed_mbps: u64,
+    pub mindcluster: MindClusterPolicy,
+}
+
+impl Default for AscendPolicy {
+    fn default() -> Self {
+        AscendPolicy {
+            npu_smi: "npu-smi".into(),
+            hccn_tool: "hccn_tool".into(),
+            poll_interval: Duration::from_secs(10),
+            call_timeout: Duration::from_secs(10),
+            fault_code_file: None,
+            fault_customization_file: None,
+            link_flap_count: 3,
+            link_flap_window: Duration::from_secs(600),
+            expected_speed_mbps: 0,
+            mindcluster: MindClusterPolicy::default(),
+        }
+    }
+}
+
+/// The Ascend tables in force: not part of the policy text but loaded from the files it names
+/// (or built in).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AscendTables {
+    /// The operator's `faultCode.json`, when given.
+    pub codes: Option<Arc<AscendTable>>,
+    /// Escalation rules from `faultCustomization.json` (the operator's, else the built-in).
+    pub rules: Vec<EscalationRule>,
+}
+
+impl AscendTables {
+    fn builtin() -> Self {
+        AscendTables {
+            codes: None,
+            // The built-in file is tested to parse; an error here cannot happen at run time.
+            rules: ascend::parse_customization("builtin", ascend::BUILTIN_CUSTOMIZATION)
+                .unwrap_or_default(),
+        }
+    }
+}
+
 /// The cluster-wide taint budget (Kubernetes mode): at most `max_percent` % of the nodes, and
 /// at least `min_nodes`, may be newly tainted by faultline within `window`. Further taints are
 /// withheld (recorded, and announced by a `TaintBudgetExceeded` Event) until the window moves on.
@@ -195,7 +289,11 @@ pub struct Policy {
     /// Expected number of GPUs on this node (0: do not check). Used by the NVML source.
     pub expected_gpus: u32,
     pub nvml: NvmlPolicy,
+    pub ascend: AscendPolicy,
     pub taint_budget: TaintBudget,
+    /// Loaded from the files `ascend` names; see `Policy::with_ascend_files`.
+    #[serde(skip)]
+    pub ascend_tables: AscendTables,
 }
 
 impl Default for Policy {
@@ -210,7 +308,9 @@ impl Default for Policy {
             max_recovered: 100,
             expected_gpus: 0,
             nvml: NvmlPolicy::default(),
+            ascend: AscendPolicy::default(),
             taint_budget: TaintBudget::default(),
+            ascend_tables: AscendTables::builtin(),
         }
     }
 }
@@ -309,8 +409,48 @@ impl Policy {
                 .unwrap_or(msg);
             PolicyError { location, message }
         })?;
+        let mut policy = policy;
+        policy.ascend_tables = AscendTables::builtin();
         policy.validate()?;
         Ok(policy)
+    }
+
+    /// Applies the Ascend files the policy names, given as `(path, text)`: the operator's
+    /// `faultCode.json` and `faultCustomization.json`. The caller reads them (this stays pure).
+    pub fn with_ascend_files(
+        mut self,
+        codes: Option<(&str, &str)>,
+        customization: Option<(&str, &str)>,
+    ) -> Result<Policy, PolicyError> {
+        let err = |field: &str, e: ascend::AscendFileError| PolicyError {
+            location: format!("field ascend.{field}"),
+            message: e.to_string(),
+        };
+        if let Some((path, text)) = codes {
+            let t = AscendTable::parse(path, text).map_err(|e| err("fault_code_file", e))?;
+            self.ascend_tables.codes = Some(Arc::new(t));
+        }
+        if let Some((path, text)) = customization {
+            self.ascend_tables.rules = ascend::parse_customization(path, text)
+                .map_err(|e| err("fault_customization_file", e))?;
+        }
+        Ok(self)
+    }
+
+    /// Every escalation rule in force: the policy's own, then the Ascend customization's.
+    pub fn escalation_rules(&self) -> impl Iterator<Item = &EscalationRule> {
+        self.escalation
+            .iter()
+            .chain(self.ascend_tables.rules.iter())
+    }
+
+    /// How long a fault with this code must stay gone to count as recovered (0: at once).
+    pub fn recover_hold(&self, code: &str) -> Duration {
+        self.escalation_rules()
+            .filter(|r| r.codes.iter().any(|c| c == code))
+            .filter_map(|r| r.recover_after)
+            .max()
+            .unwrap_or(Duration::ZERO)
     }
 
     fn validate(&self) -> Result<(), PolicyError> {
@@ -335,6 +475,9 @@ impl Policy {
             }
             if let Some(c) = r.codes.iter().find(|c| !valid_code(c)) {
                 return err(at(".codes"), &format!("{c:?} is not a fault code"));
+            }
+            if r.recover_after.is_some_and(|d| d.is_zero()) {
+                return err(at(".recover_after"), "must be longer than 0s");
             }
             match (r.count, r.window, r.duration) {
                 (Some(0), _, _) => return err(at(".count"), "must be at least 1"),
@@ -378,6 +521,31 @@ impl Policy {
         if n.nvlink_error_window.is_zero() || n.pcie_replay_window.is_zero() {
             return err("field nvml".into(), "error windows must be longer than 0s");
         }
+        let a = &self.ascend;
+        if a.poll_interval < Duration::from_millis(100) {
+            return err(
+                "field ascend.poll_interval".into(),
+                "must be at least 100ms",
+            );
+        }
+        if a.call_timeout.is_zero() {
+            return err("field ascend.call_timeout".into(), "must be longer than 0s");
+        }
+        if a.npu_smi.trim().is_empty() || a.hccn_tool.trim().is_empty() {
+            return err("field ascend".into(), "tool names must not be empty");
+        }
+        if a.link_flap_window.is_zero() {
+            return err(
+                "field ascend.link_flap_window".into(),
+                "must be longer than 0s",
+            );
+        }
+        if a.mindcluster.resync < Duration::from_secs(1) {
+            return err(
+                "field ascend.mindcluster.resync".into(),
+                "must be at least 1s",
+            );
+        }
         if self.taint_budget.max_percent > 100 {
             return err(
                 "field taint_budget.max_percent".into(),
@@ -402,7 +570,19 @@ impl Policy {
 
     /// The classification of a code: the catalog's, then this policy's override.
     pub fn classify(&self, catalog: &Catalog, code: &FaultCode) -> Classification {
-        let mut c = catalog.classify(code);
+        let mut c = match code {
+            FaultCode::Ascend {
+                code,
+                network,
+                severe,
+            } => catalog.classify_ascend(
+                self.ascend_tables.codes.as_deref(),
+                code,
+                *network,
+                *severe,
+            ),
+            _ => catalog.classify(code),
+        };
         if let Some(o) = self.overrides.get(&code.to_string()) {
             if let Some(t) = o.fault_type {
                 c.fault_type = t;

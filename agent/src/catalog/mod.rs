@@ -2,7 +2,11 @@
 //!
 //! The tables are data (`agent/catalog/*.yaml`, embedded at build time): NVIDIA's Xid and SXid
 //! catalog with its recommended actions, and faultline's own named codes. The policy file can
-//! override any entry per code; `Catalog::classify` is what the engine calls.
+//! override any entry per code; `Catalog::classify` is what the engine calls. Ascend codes
+//! come from a table in MindCluster's `faultCode.json` format (`ascend`), built in and
+//! overridable by the operator's own file.
+
+pub mod ascend;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -22,8 +26,16 @@ pub enum FaultCode {
         code: u32,
         fatal: bool,
     },
-    /// A named condition (`GPU_LOST`) or an Ascend code (`80E01801`).
+    /// A named condition (`GPU_LOST`).
     Named(String),
+    /// An Ascend code (`80E01801`, normalized by `ascend::normalize_code`): a chip code from
+    /// npu-smi or a network code (`81078603`, link down). `severe`: the chip's health was worse
+    /// than a minor alarm when the code was read (decides the level of unlisted chip codes).
+    Ascend {
+        code: String,
+        network: bool,
+        severe: bool,
+    },
 }
 
 impl FaultCode {
@@ -39,6 +51,7 @@ impl fmt::Display for FaultCode {
             FaultCode::Xid(x) => write!(f, "Xid{x}"),
             FaultCode::Sxid { code, .. } => write!(f, "SXid{code}"),
             FaultCode::Named(s) => f.write_str(s),
+            FaultCode::Ascend { code, .. } => f.write_str(code),
         }
     }
 }
@@ -140,6 +153,8 @@ pub struct Catalog {
     named: HashMap<String, Entry>,
     /// Catalog action name for each Xid, for documentation and `faultline catalog`.
     xid_actions: HashMap<u32, String>,
+    /// The built-in Ascend `faultCode.json`.
+    ascend: ascend::AscendTable,
 }
 
 impl Catalog {
@@ -237,11 +252,27 @@ impl Catalog {
             unknown_sxid_nonfatal: nv.unknown_sxid_nonfatal,
             named,
             xid_actions,
+            ascend: ascend::AscendTable::parse(
+                "ascend-faultCode.json",
+                ascend::BUILTIN_FAULT_CODES,
+            )
+            .map_err(|e| CatalogError::Invalid {
+                file: "ascend-faultCode.json",
+                what: e.what,
+            })?,
         })
     }
 
     /// Classifies a code with the built-in tables (policy overrides are applied by the caller).
     pub fn classify(&self, code: &FaultCode) -> Classification {
+        if let FaultCode::Ascend {
+            code,
+            network,
+            severe,
+        } = code
+        {
+            return self.classify_ascend(None, code, *network, *severe);
+        }
         let (entry, default) = match code {
             FaultCode::Xid(x) => (self.xid.get(x), self.unknown_xid),
             FaultCode::Sxid { code, fatal } => (
@@ -253,6 +284,7 @@ impl Catalog {
                 },
             ),
             FaultCode::Named(n) => (self.named.get(n), self.unknown_xid),
+            FaultCode::Ascend { .. } => (None, self.unknown_xid),
         };
         match entry {
             Some(e) => Classification {
@@ -267,6 +299,35 @@ impl Catalog {
                 description: String::new(),
                 known: false,
             },
+        }
+    }
+
+    /// An Ascend code: the operator's table (when given) first, then the built-in one, then the
+    /// default for unlisted codes.
+    pub fn classify_ascend(
+        &self,
+        operator: Option<&ascend::AscendTable>,
+        code: &str,
+        network: bool,
+        severe: bool,
+    ) -> Classification {
+        let norm = ascend::normalize_code(code).unwrap_or_else(|| code.to_string());
+        let listed = operator
+            .and_then(|t| t.lookup(&norm, network))
+            .or_else(|| self.ascend.lookup(&norm, network));
+        let kind = if network { "network" } else { "chip" };
+        Classification {
+            fault_type: if network {
+                FaultType::CardNetworkUnhealthy
+            } else {
+                FaultType::CardUnhealthy
+            },
+            handling: listed.unwrap_or_else(|| ascend::unknown_handling(network, severe)),
+            description: match listed {
+                Some(_) => format!("Ascend {kind} fault {code}"),
+                None => format!("Ascend {kind} fault {code} (not in the fault code table)"),
+            },
+            known: listed.is_some(),
         }
     }
 

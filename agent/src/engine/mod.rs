@@ -9,7 +9,7 @@
 //! (kernel-log faults), on an operator's clear or when a source says the condition is gone;
 //! keeps recovered faults as bounded history.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -129,6 +129,22 @@ pub enum Observation {
         state: DetectorState,
         reason: Option<String>,
     },
+    /// Everything a level-triggered source sees wrong with one device in one domain (a chip's
+    /// error codes, a port's state), polled: codes not yet active become faults; active faults
+    /// from this source, device and domain that are no longer present recover (after the code's
+    /// recovery hold). A poll that failed sends no `Level`, so nothing is lost when a tool breaks.
+    Level {
+        source: Source,
+        device: DeviceRef,
+        domain: String,
+        present: Vec<Signal>,
+    },
+    /// The devices of one kind a source sees (`Ascend910` -> `Ascend910-0`, …), for outputs that
+    /// list healthy devices too.
+    Inventory {
+        kind: String,
+        names: Vec<String>,
+    },
     /// Time passed: duration escalation, quiet recovery, history pruning.
     Tick,
 }
@@ -189,15 +205,33 @@ pub struct FaultState {
     pub occurrences: VecDeque<DateTime<Utc>>,
     /// When the current active period started.
     pub active_since: DateTime<Utc>,
+    /// The `Level` domain that reports this fault, if a level-triggered source raised it.
+    #[serde(default)]
+    pub domain: Option<String>,
+    /// Since when the condition has been gone while the recovery hold runs.
+    #[serde(default)]
+    pub resolving_since: Option<DateTime<Utc>>,
 }
 
 /// `FaultCode` in a serializable form (for the persisted state).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(tag = "t", rename_all = "snake_case")]
 pub enum FaultCodeRepr {
-    Xid { xid: u32 },
-    Sxid { sxid: u32, fatal: bool },
-    Named { name: String },
+    Xid {
+        xid: u32,
+    },
+    Sxid {
+        sxid: u32,
+        fatal: bool,
+    },
+    Named {
+        name: String,
+    },
+    Ascend {
+        code: String,
+        network: bool,
+        severe: bool,
+    },
 }
 
 impl From<&FaultCode> for FaultCodeRepr {
@@ -209,6 +243,15 @@ impl From<&FaultCode> for FaultCodeRepr {
                 fatal: *fatal,
             },
             FaultCode::Named(n) => FaultCodeRepr::Named { name: n.clone() },
+            FaultCode::Ascend {
+                code,
+                network,
+                severe,
+            } => FaultCodeRepr::Ascend {
+                code: code.clone(),
+                network: *network,
+                severe: *severe,
+            },
         }
     }
 }
@@ -222,6 +265,15 @@ impl From<&FaultCodeRepr> for FaultCode {
                 fatal: *fatal,
             },
             FaultCodeRepr::Named { name } => FaultCode::Named(name.clone()),
+            FaultCodeRepr::Ascend {
+                code,
+                network,
+                severe,
+            } => FaultCode::Ascend {
+                code: code.clone(),
+                network: *network,
+                severe: *severe,
+            },
         }
     }
 }
@@ -252,6 +304,9 @@ pub struct Engine {
     /// Bumped on every change visible in the record.
     #[serde(default)]
     revision: u64,
+    /// Devices per kind, from `Observation::Inventory`.
+    #[serde(default)]
+    inventory: BTreeMap<String, BTreeSet<String>>,
 }
 
 /// Most occurrences remembered per fault (frequency rules need at most `count` of them).
@@ -307,6 +362,11 @@ impl Engine {
         &self.detectors
     }
 
+    /// The devices of one kind last reported by `Observation::Inventory`.
+    pub fn inventory(&self, kind: &str) -> Option<&BTreeSet<String>> {
+        self.inventory.get(kind)
+    }
+
     /// All faults, in key order.
     pub fn faults(&self) -> impl Iterator<Item = &FaultState> {
         self.faults.values()
@@ -329,7 +389,8 @@ impl Engine {
                     if f.fault.active
                         && (f.fault.source == source || f.fault.also_seen_by.contains(&source))
                     {
-                        recover(
+                        resolve(
+                            ctx.policy,
                             f,
                             now,
                             format!("{source} reports the condition is gone"),
@@ -342,7 +403,7 @@ impl Engine {
             Observation::Boot { boot_id } => {
                 if self.boot_id.as_deref().is_some_and(|old| old != boot_id) {
                     for f in self.faults.values_mut() {
-                        if f.fault.active && f.fault.source == Source::Kmsg {
+                        if f.fault.active && f.fault.source == Source::Kmsg && !sticky(f) {
                             recover(f, now, "node rebooted".into(), &mut events);
                         }
                     }
@@ -370,6 +431,19 @@ impl Engine {
                 state,
                 reason,
             } => self.detector(ctx, name, state, reason, now, &mut events),
+            Observation::Level {
+                source,
+                device,
+                domain,
+                present,
+            } => self.level(ctx, source, device, domain, present, now, &mut events),
+            Observation::Inventory { kind, names } => {
+                let names: BTreeSet<String> = names.into_iter().collect();
+                if self.inventory.get(&kind) != Some(&names) {
+                    self.inventory.insert(kind, names);
+                    self.revision += 1;
+                }
+            }
             Observation::Tick => self.tick(ctx.policy, now, &mut events),
         }
         // History changes only with time or a recovery: not on the hot path of repeated signals.
@@ -494,6 +568,8 @@ impl Engine {
         match self.faults.get_mut(&key) {
             Some(f) => {
                 let was_active = f.fault.active;
+                // The condition is back within the recovery hold: the same fault goes on.
+                f.resolving_since = None;
                 f.fault.count = f.fault.count.saturating_add(count);
                 if s.source != f.fault.source && !f.fault.also_seen_by.contains(&s.source) {
                     f.fault.also_seen_by.push(s.source);
@@ -561,6 +637,8 @@ impl Engine {
                     escalated: None,
                     occurrences: VecDeque::from([at]),
                     active_since: at,
+                    domain: None,
+                    resolving_since: None,
                 };
                 events.push(EngineEvent::NewFault {
                     code: f.fault.fault_code.clone(),
@@ -615,12 +693,74 @@ impl Engine {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
+    fn level(
+        &mut self,
+        ctx: Ctx<'_>,
+        source: Source,
+        device: DeviceRef,
+        domain: String,
+        present: Vec<Signal>,
+        now: DateTime<Utc>,
+        events: &mut Vec<EngineEvent>,
+    ) {
+        let dkey = self.resolve_device(Some(&device)).0;
+        let mut seen = BTreeSet::new();
+        for mut s in present {
+            if s.device.is_none() {
+                s.device = Some(device.clone());
+            }
+            let key = self.fault_key(&s.code, s.device.as_ref());
+            seen.insert(key.clone());
+            match self.faults.get_mut(&key) {
+                Some(f) if f.fault.active => {
+                    // Still there: nothing to record; a running recovery hold is cancelled.
+                    f.resolving_since = None;
+                    if f.domain.as_deref() != Some(domain.as_str()) {
+                        f.domain = Some(domain.clone());
+                    }
+                }
+                _ => {
+                    self.signal(ctx, s, now, events);
+                    if let Some(f) = self.faults.get_mut(&key) {
+                        f.domain = Some(domain.clone());
+                    }
+                }
+            }
+        }
+        for (k, f) in self.faults.iter_mut() {
+            if f.fault.active
+                && f.fault.source == source
+                && f.device_key == dkey
+                && f.domain.as_deref() == Some(domain.as_str())
+                && !seen.contains(k)
+            {
+                let why = format!("{source} no longer reports it");
+                resolve(ctx.policy, f, now, why, events);
+            }
+        }
+    }
+
     fn tick(&mut self, policy: &Policy, now: DateTime<Utc>, events: &mut Vec<EngineEvent>) {
         for f in self.faults.values_mut() {
             if !f.fault.active {
                 continue;
             }
             escalate(policy, f, now, events);
+            if let Some(since) = f.resolving_since {
+                let hold = policy.recover_hold(&f.fault.fault_code);
+                if chrono::Duration::from_std(hold).is_ok_and(|h| now - since >= h) {
+                    let why = format!(
+                        "gone for {} (recovery hold)",
+                        humantime::format_duration(hold)
+                    );
+                    recover(f, now, why, events);
+                }
+                continue;
+            }
+            if sticky(f) {
+                continue;
+            }
             let quiet = now - f.fault.last_seen;
             let rule = policy.recovery.iter().find(|r| {
                 (r.codes.is_empty() || r.codes.contains(&f.fault.fault_code))
@@ -771,7 +911,33 @@ fn set_handling(f: &mut Fault, h: Handling) {
     f.large_model_fault_level = h;
 }
 
+/// `ManuallySeparateNPU` means a person must look: only an operator's clear ends such a fault,
+/// not the condition going away, a reboot or a quiet period.
+fn sticky(f: &FaultState) -> bool {
+    f.fault.fault_handling == Handling::ManuallySeparateNPU
+}
+
+/// A source says the condition is gone: recover now, or start the code's recovery hold.
+fn resolve(
+    policy: &Policy,
+    f: &mut FaultState,
+    now: DateTime<Utc>,
+    reason: String,
+    events: &mut Vec<EngineEvent>,
+) {
+    if !f.fault.active || sticky(f) {
+        return;
+    }
+    let hold = policy.recover_hold(&f.fault.fault_code);
+    if hold.is_zero() {
+        recover(f, now, reason, events);
+    } else if f.resolving_since.is_none() {
+        f.resolving_since = Some(now);
+    }
+}
+
 fn recover(f: &mut FaultState, now: DateTime<Utc>, reason: String, events: &mut Vec<EngineEvent>) {
+    f.resolving_since = None;
     f.fault.active = false;
     f.fault.recovered_at = Some(now);
     events.push(EngineEvent::Recovered {
@@ -791,7 +957,7 @@ fn escalate(
     if !f.fault.active {
         return;
     }
-    for (i, r) in policy.escalation.iter().enumerate() {
+    for (i, r) in policy.escalation_rules().enumerate() {
         if r.handling <= f.fault.fault_handling || !r.codes.contains(&f.fault.fault_code) {
             continue;
         }
@@ -802,7 +968,9 @@ fn escalate(
                 recent >= n as usize
             }
             (_, _, Some(d)) => {
-                chrono::Duration::from_std(d).is_ok_and(|d| now - f.active_since >= d)
+                // A condition already gone (recovery hold running) stops the clock.
+                let until = f.resolving_since.unwrap_or(now);
+                chrono::Duration::from_std(d).is_ok_and(|d| until - f.active_since >= d)
             }
             _ => false,
         };

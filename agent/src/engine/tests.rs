@@ -7,6 +7,7 @@ use proptest::prelude::*;
 
 use super::*;
 use crate::policy::Policy;
+use crate::record::FaultType;
 
 fn t(s: i64) -> DateTime<Utc> {
     Utc.timestamp_opt(1_700_000_000 + s, 0)
@@ -629,4 +630,245 @@ fn burst_window_zero_counts_every_line() {
     r.at(1, xid(13, "0000:3b:00.0"));
     r.at(2, xid(13, "0000:3b:00.0"));
     assert_eq!(r.only().fault_handling, Handling::SeparateNPU);
+}
+
+fn npu_code(code: &str, network: bool, severe: bool) -> FaultCode {
+    FaultCode::Ascend {
+        code: code.into(),
+        network,
+        severe,
+    }
+}
+
+/// A poll of one chip's domain, with these codes present.
+fn level(chip: u32, domain: &str, codes: &[FaultCode]) -> Observation {
+    Observation::Level {
+        source: Source::Ascend,
+        device: DeviceRef::named(&format!("Ascend910-{chip}")),
+        domain: domain.into(),
+        present: codes
+            .iter()
+            .map(|c| Signal::new(Source::Ascend, c.clone(), None, format!("{c} seen")))
+            .collect(),
+    }
+}
+
+/// `code@device:handling` for active faults, `code@device:-` for recovered ones.
+fn states(r: &Rig) -> Vec<String> {
+    r.view()
+        .faults
+        .iter()
+        .map(|f| {
+            let h = if f.active {
+                f.fault_handling.to_string()
+            } else {
+                "-".into()
+            };
+            format!("{}@{}:{h}", f.fault_code, f.device)
+        })
+        .collect()
+}
+
+/// Ascend codes through the engine: classification from the built-in `faultCode.json` and the
+/// unlisted-code defaults, level-triggered appearance and clearing, record names.
+#[test]
+fn ascend_levels_classify_and_clear() {
+    let mut r = Rig::new("");
+    let codes = [
+        npu_code("80E3A201", false, false), // listed SeparateNPU
+        npu_code("80E01801", false, false), // listed RestartBusiness
+        npu_code("80ABCDEF", false, true),  // unlisted, chip health Alarm: SeparateNPU
+        npu_code("80ABCDEE", false, false), // unlisted, chip health OK: NotHandleFault
+    ];
+    let events = r.at(0, level(3, "npu-chip", &codes));
+    assert_eq!(
+        events
+            .iter()
+            .filter(|e| matches!(e, EngineEvent::NewFault { .. }))
+            .count(),
+        4
+    );
+    assert_eq!(
+        states(&r),
+        [
+            "80ABCDEF@Ascend910-3:SeparateNPU",
+            "80E3A201@Ascend910-3:SeparateNPU",
+            "80E01801@Ascend910-3:RestartBusiness",
+            "80ABCDEE@Ascend910-3:NotHandleFault",
+        ]
+    );
+    let f = &r.view().faults[0];
+    assert_eq!(f.fault_type, FaultType::CardUnhealthy);
+    assert_eq!(f.source, Source::Ascend);
+    // The same poll again changes nothing (no count, no event, no revision).
+    let rev = r.engine.revision();
+    assert!(r.at(10, level(3, "npu-chip", &codes)).is_empty());
+    assert_eq!(r.engine.revision(), rev);
+    assert_eq!(r.view().faults[0].count, 1);
+    // Another domain or another chip does not clear them.
+    r.at(11, level(3, "npu-link", &[]));
+    r.at(11, level(4, "npu-chip", &[]));
+    assert_eq!(r.view().faults.iter().filter(|f| f.active).count(), 4);
+    // Two codes gone: those two recover, at once (no hold for them).
+    r.at(20, level(3, "npu-chip", &codes[..2]));
+    assert_eq!(
+        states(&r),
+        [
+            "80E3A201@Ascend910-3:SeparateNPU",
+            "80E01801@Ascend910-3:RestartBusiness",
+            "80ABCDEE@Ascend910-3:-",
+            "80ABCDEF@Ascend910-3:-",
+        ]
+    );
+}
+
+/// MindCluster's duration rule (built in): link down 20 s -> PreSeparateNPU; recovered only after
+/// 60 s up; a return within the hold continues the same fault.
+#[test]
+fn link_down_duration_and_recovery_hold() {
+    let mut r = Rig::new("");
+    let down = [npu_code("81078603", true, false)];
+    r.at(0, level(0, "npu-link", &down));
+    assert_eq!(states(&r), ["81078603@Ascend910-0:NotHandleFault"]);
+    assert_eq!(
+        r.view().faults[0].fault_type,
+        FaultType::CardNetworkUnhealthy
+    );
+    r.at(19, Observation::Tick);
+    assert_eq!(states(&r), ["81078603@Ascend910-0:NotHandleFault"]);
+    let ev = r.at(20, Observation::Tick);
+    assert!(
+        ev.iter().any(|e| matches!(
+            e,
+            EngineEvent::Escalated {
+                to: Handling::PreSeparateNPU,
+                ..
+            }
+        )),
+        "{ev:?}"
+    );
+    assert_eq!(r.view().health, Health::Degraded);
+    // Up: still active during the hold.
+    r.at(30, level(0, "npu-link", &[]));
+    r.at(80, Observation::Tick);
+    assert_eq!(states(&r), ["81078603@Ascend910-0:PreSeparateNPU"]);
+    // Down again within the hold: the same fault, no new occurrence, no new event.
+    let ev = r.at(85, level(0, "npu-link", &down));
+    assert!(ev.is_empty(), "{ev:?}");
+    // Up for the whole hold: recovered.
+    r.at(100, level(0, "npu-link", &[]));
+    r.at(159, Observation::Tick);
+    assert_eq!(states(&r), ["81078603@Ascend910-0:PreSeparateNPU"]);
+    let ev = r.at(160, Observation::Tick);
+    assert!(
+        ev.iter()
+            .any(|e| matches!(e, EngineEvent::Recovered { .. })),
+        "{ev:?}"
+    );
+    assert_eq!(states(&r), ["81078603@Ascend910-0:-"]);
+    assert_eq!(r.view().health, Health::Healthy);
+}
+
+/// A short flap (down less than the duration, then up) does not escalate while the hold runs.
+#[test]
+fn duration_clock_stops_while_the_condition_is_gone() {
+    let mut r = Rig::new("");
+    r.at(
+        0,
+        level(0, "npu-link", &[npu_code("81078603", true, false)]),
+    );
+    r.at(5, level(0, "npu-link", &[]));
+    r.at(40, Observation::Tick);
+    assert_eq!(states(&r), ["81078603@Ascend910-0:NotHandleFault"]);
+    r.at(65, Observation::Tick);
+    assert_eq!(states(&r), ["81078603@Ascend910-0:-"]);
+}
+
+/// MindCluster's frequency rule: 80E01801 twice within 24 h -> ManuallySeparateNPU, which stays
+/// until an operator clears it, whatever the chip reports.
+#[test]
+fn frequency_escalation_to_manual_separation_is_sticky() {
+    let mut r = Rig::new(
+        "escalation:\n  - { codes: [\"80E01801\"], count: 2, window: 24h, handling: ManuallySeparateNPU }\n",
+    );
+    let code = [npu_code("80E01801", false, false)];
+    r.at(0, level(1, "npu-chip", &code));
+    r.at(60, level(1, "npu-chip", &[]));
+    assert_eq!(states(&r), ["80E01801@Ascend910-1:-"]);
+    r.at(3600, level(1, "npu-chip", &code));
+    assert_eq!(states(&r), ["80E01801@Ascend910-1:ManuallySeparateNPU"]);
+    assert_eq!(r.view().health, Health::Unhealthy);
+    // Gone from the chip, a day passes, the node reboots: still there.
+    r.at(3700, level(1, "npu-chip", &[]));
+    r.at(3700 + 86_400, Observation::Tick);
+    r.at(
+        3800 + 86_400,
+        Observation::Boot {
+            boot_id: "b2".into(),
+        },
+    );
+    assert_eq!(states(&r), ["80E01801@Ascend910-1:ManuallySeparateNPU"]);
+    r.at(
+        3900 + 86_400,
+        Observation::OperatorClear {
+            code: Some("80E01801".into()),
+            device: None,
+        },
+    );
+    assert_eq!(states(&r), ["80E01801@Ascend910-1:-"]);
+}
+
+/// The operator's faultCode.json wins over the built-in table; an operator customization file
+/// replaces the built-in duration rule.
+#[test]
+fn operator_ascend_tables() {
+    let policy = Policy::parse("")
+        .unwrap()
+        .with_ascend_files(
+            Some((
+                "codes.json",
+                r#"{"SeparateNPUNetworkCodes": ["81078603"], "RestartNPUCodes": ["80E01801"]}"#,
+            )),
+            Some(("custom.json", r#"{"FaultDuration": []}"#)),
+        )
+        .unwrap();
+    let mut r = Rig::new("");
+    r.policy = policy;
+    r.at(
+        0,
+        level(0, "npu-link", &[npu_code("81078603", true, false)]),
+    );
+    r.at(
+        0,
+        level(0, "npu-chip", &[npu_code("80E01801", false, false)]),
+    );
+    assert_eq!(
+        states(&r),
+        [
+            "81078603@Ascend910-0:SeparateNPU",
+            "80E01801@Ascend910-0:RestartNPU"
+        ]
+    );
+    // No hold any more: up means recovered at once.
+    r.at(5, level(0, "npu-link", &[]));
+    assert_eq!(
+        states(&r),
+        ["80E01801@Ascend910-0:RestartNPU", "81078603@Ascend910-0:-"]
+    );
+}
+
+#[test]
+fn inventory_is_kept_and_changes_bump_the_revision() {
+    let mut r = Rig::new("");
+    let inv = |n: u32| Observation::Inventory {
+        kind: "Ascend910".into(),
+        names: (0..n).map(|i| format!("Ascend910-{i}")).collect(),
+    };
+    r.at(0, inv(8));
+    let rev = r.engine.revision();
+    r.at(1, inv(8));
+    assert_eq!(r.engine.revision(), rev);
+    r.at(2, inv(7));
+    assert!(r.engine.revision() > rev);
+    assert_eq!(r.engine.inventory("Ascend910").map(|s| s.len()), Some(7));
 }

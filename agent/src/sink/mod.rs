@@ -5,3 +5,4 @@
 
 pub mod file;
 pub mod kube;
+pub mod mindcluster;

@@ -3,6 +3,7 @@
 //! Each source runs on its own task or thread, gets a [`SourceContext`] with the channel to the
 //! engine, the metrics and the shutdown token, and never blocks another source.
 
+pub mod ascend;
 pub mod control;
 pub mod kmsg;
 pub mod node;

@@ -38,12 +38,38 @@ impl LoadedPolicy {
     }
 }
 
-/// Reads and validates the file; on error returns the message for the status.
+/// Reads and validates the file and the Ascend tables it names; on error returns the message
+/// for the status. The checksum covers all of them, so an edited table is reloaded too.
 pub fn read_policy(path: &Path) -> Result<(Policy, String), String> {
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    let read = |p: &Path| {
+        std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()))
+    };
+    let text = read(path)?;
     let policy = Policy::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok((policy, checksum(&text)))
+    // Relative table paths are relative to the policy file.
+    let base = path.parent().unwrap_or(Path::new("."));
+    let table = |p: &Option<PathBuf>| -> Result<Option<(String, String)>, String> {
+        p.as_ref()
+            .map(|p| {
+                let full = base.join(p);
+                read(&full).map(|t| (full.display().to_string(), t))
+            })
+            .transpose()
+    };
+    let codes = table(&policy.ascend.fault_code_file)?;
+    let custom = table(&policy.ascend.fault_customization_file)?;
+    let mut all = text.clone();
+    for (_, t) in codes.iter().chain(custom.iter()) {
+        all.push('\0');
+        all.push_str(t);
+    }
+    let policy = policy
+        .with_ascend_files(
+            codes.as_ref().map(|(p, t)| (p.as_str(), t.as_str())),
+            custom.as_ref().map(|(p, t)| (p.as_str(), t.as_str())),
+        )
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok((policy, checksum(&all)))
 }
 
 /// Applies a (re)load result to the current state. Returns the new state, or `None` when

@@ -100,7 +100,11 @@ fn compile(src: &str) -> Program {
 }
 
 fn compiled() -> Compiled {
-    let spec = policy().spec.expect("spec");
+    compile_policy(policy())
+}
+
+fn compile_policy(policy: ValidatingAdmissionPolicy) -> Compiled {
+    let spec = policy.spec.expect("spec");
     Compiled {
         match_conditions: spec
             .match_conditions
@@ -675,4 +679,71 @@ fn cel_does_not_apply_to_anyone_else() {
         );
         assert_eq!(v, Verdict::NotApplicable, "{who}");
     }
+}
+
+/// The opt-in MindCluster component: the agent may write only its own node's
+/// `mindx-dl-deviceinfo-<node>` in kube-system, and nothing without a node name.
+#[test]
+fn cel_mindcluster_component_confines_the_agent_to_its_deviceinfo() {
+    let docs = common::component_objects("mindcluster");
+    let p: ValidatingAdmissionPolicy = common::find(
+        &docs,
+        "ValidatingAdmissionPolicy",
+        "faultline-agent-mindcluster",
+    )
+    .to();
+    let binding: ValidatingAdmissionPolicyBinding = common::find(
+        &docs,
+        "ValidatingAdmissionPolicyBinding",
+        "faultline-agent-mindcluster",
+    )
+    .to();
+    let bspec = binding.spec.expect("binding spec");
+    assert_eq!(
+        bspec.policy_name.as_deref(),
+        Some("faultline-agent-mindcluster")
+    );
+    assert_eq!(bspec.validation_actions, Some(vec!["Deny".to_string()]));
+    let c = compile_policy(p);
+    let cm = |name: &str| {
+        let mut v = configmap(name);
+        v["metadata"]["namespace"] = "kube-system".into();
+        v
+    };
+    let write = |who: Json, name: &str, op: &str| {
+        let req = request(who, "configmaps", "", op, name, "kube-system");
+        admit(&c, &req, &cm(name), &Json::Null)
+    };
+    let own = format!("mindx-dl-deviceinfo-{NODE}");
+    assert_eq!(
+        write(agent_on(Some(NODE)), &own, "CREATE"),
+        Verdict::Allowed
+    );
+    assert_eq!(
+        write(agent_on(Some(NODE)), &own, "UPDATE"),
+        Verdict::Allowed
+    );
+    for (who, name) in [
+        (
+            agent_on(Some(NODE)),
+            "mindx-dl-deviceinfo-gpu-node-2".to_string(),
+        ),
+        (agent_on(Some(NODE)), "kube-proxy".to_string()),
+        (agent_on(None), own.clone()),
+    ] {
+        let v = write(who, &name, "UPDATE");
+        assert!(!v.denied().is_empty(), "{name}: {v:?}");
+    }
+    // Anyone else is not this policy's business.
+    assert_eq!(
+        write(
+            user(
+                "system:serviceaccount:kube-system:ascend-device-plugin",
+                Some(NODE)
+            ),
+            "mindx-dl-deviceinfo-gpu-node-2",
+            "UPDATE"
+        ),
+        Verdict::NotApplicable
+    );
 }

@@ -121,6 +121,14 @@ pub fn load(sub: &str) -> Vec<Doc> {
     docs
 }
 
+/// The Kubernetes objects of an opt-in component (`manifests/components/<name>`).
+pub fn component_objects(name: &str) -> Vec<Doc> {
+    load(&format!("components/{name}"))
+        .into_iter()
+        .filter(|d| !d.file.ends_with("kustomization.yaml"))
+        .collect()
+}
+
 /// The Kubernetes objects of the kustomize base (its `kustomization.yaml` left out).
 pub fn base_objects() -> Vec<Doc> {
     load("base")

@@ -8,7 +8,7 @@ use k8s_openapi::api::rbac::v1::{
     ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, Subject,
 };
 
-use crate::calls::{ApiCall, Scope, API_CALLS};
+use crate::calls::{ApiCall, Scope, API_CALLS, MINDCLUSTER_CALLS};
 use crate::common::{self, Doc, NAMESPACE, SERVICE_ACCOUNT};
 
 /// Where a permission applies.
@@ -184,9 +184,21 @@ fn rbac_grants_exactly_the_call_table() {
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
 
+/// The opt-in MindCluster component grants exactly the calls the MindCluster output makes.
+#[test]
+fn the_mindcluster_component_grants_exactly_its_calls() {
+    let docs: Vec<Doc> = common::component_objects("mindcluster")
+        .into_iter()
+        .filter(|d| d.api_version() == "rbac.authorization.k8s.io/v1")
+        .collect();
+    assert!(!docs.is_empty());
+    let errors = problems(&docs, MINDCLUSTER_CALLS);
+    assert!(errors.is_empty(), "{}", errors.join("\n"));
+}
+
 #[test]
 fn every_call_in_the_table_has_a_reason() {
-    for c in API_CALLS {
+    for c in API_CALLS.iter().chain(MINDCLUSTER_CALLS) {
         assert!(!c.used_by.trim().is_empty(), "{c:?}");
         assert!(c.resource.split('/').count() <= 2, "{c:?}");
     }

@@ -45,6 +45,13 @@ fn check_doc(doc: &Doc) -> Result<(), String> {
                 Err("a Kustomization outside a kustomization.yaml".into())
             }
         }
+        ("kustomize.config.k8s.io/v1alpha1", "Component") => {
+            if doc.file.starts_with("components/") && doc.file.ends_with("kustomization.yaml") {
+                Ok(())
+            } else {
+                Err("a kustomize Component outside components/*/kustomization.yaml".into())
+            }
+        }
         (a, k) => Err(format!(
             "unknown kind {a:?} {k:?}: teach schema.rs about it"
         )),

@@ -119,9 +119,20 @@ pub const API_CALLS: &[ApiCall] = &[
     ),
 ];
 
-/// Whether `verb` on `group`/`resource` is in the table (for the emulator-based tests).
+/// Calls made only with the MindCluster output on (`ascend.mindcluster.enabled`). Their RBAC is
+/// the opt-in component `manifests/components/mindcluster`, checked against this table.
+pub const MINDCLUSTER_CALLS: &[ApiCall] = &[call(
+    "",
+    "configmaps",
+    "patch",
+    Scope::Namespace("kube-system"),
+    "sink::kube::deviceinfo (mindx-dl-deviceinfo-<node> by server-side apply)",
+)];
+
+/// Whether `verb` on `group`/`resource` is in either table (for the emulator-based tests).
 pub fn listed(group: &str, resource: &str, verb: &str) -> bool {
     API_CALLS
         .iter()
+        .chain(MINDCLUSTER_CALLS)
         .any(|c| c.group == group && c.resource == resource && c.verb == verb)
 }

@@ -15,6 +15,7 @@
 pub mod budget;
 pub mod calls;
 pub mod configmap;
+pub mod deviceinfo;
 pub mod events;
 pub mod node;
 pub mod plan;

@@ -1,0 +1,465 @@
+//! The MindCluster-compatible output (opt-in, `ascend.mindcluster.enabled`): the per-node
+//! `DeviceInfoCfg` document that Volcano's Ascend rescheduling reads from the ConfigMap
+//! `mindx-dl-deviceinfo-<node>` in `kube-system` (label `mx-consumer-cim=true`), and the same
+//! document as `deviceinfo.json` next to the fault file for standalone use.
+//!
+//! The document is rewritten when the device lists change (fault times do not count) and at
+//! least every `ascend.mindcluster.resync`, since consumers read an old `UpdateTime` as a dead
+//! node. Building it is pure (`device_list`, `render`); `run` writes it.
+//!
+//! Which chip goes in which list (docs/ascend.md explains the choice):
+//! - `huawei.com/Ascend910-Unhealthy`: an active chip fault at `FreeRestartNPU` or worse (the
+//!   chip needs a reset or isolation), including `NPU_LOST` and `NPU_UNHEALTHY`;
+//! - `huawei.com/Ascend910-NetworkUnhealthy`: an active network fault at `PreSeparateNPU` or
+//!   worse (a port down past its duration rule);
+//! - `huawei.com/Ascend910-Recovering`: a fault whose condition is gone but whose recovery hold
+//!   still runs;
+//! - `huawei.com/Ascend910`: every other chip the source has seen;
+//! - `huawei.com/Ascend910-Fault`: one element per chip with active Ascend codes (hex codes only:
+//!   faultline's named conditions stay out, a consumer may parse the codes as hex).
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::engine::{Engine, FaultCodeRepr};
+use crate::metrics::{Metrics, SinkLabel};
+use crate::record::{FaultType, Handling, Source};
+use crate::runtime::{Clock, Snapshot};
+use crate::sink::file::write_atomic;
+use crate::source::ascend::analyze::KIND;
+use crate::source::policy_watch::LoadedPolicy;
+
+pub const CONFIGMAP_PREFIX: &str = "mindx-dl-deviceinfo-";
+pub const NAMESPACE: &str = "kube-system";
+pub const DATA_KEY: &str = "DeviceInfoCfg";
+pub const CONSUMER_LABEL: (&str, &str) = ("mx-consumer-cim", "true");
+pub const FILE_NAME: &str = "deviceinfo.json";
+
+/// `huawei.com/Ascend910` and its suffixed keys.
+pub fn key(suffix: &str) -> String {
+    if suffix.is_empty() {
+        format!("huawei.com/{KIND}")
+    } else {
+        format!("huawei.com/{KIND}-{suffix}")
+    }
+}
+
+/// One element of the `-Fault` list.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct DeviceFault {
+    pub fault_type: FaultType,
+    pub npu_name: String,
+    pub large_model_fault_level: Handling,
+    pub fault_level: Handling,
+    pub fault_handling: Handling,
+    pub fault_code: String,
+    pub fault_time_and_level_map: BTreeMap<String, TimeAndLevel>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct TimeAndLevel {
+    /// Unix milliseconds of the fault's first sighting.
+    pub fault_time: i64,
+    pub fault_level: Handling,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "PascalCase")]
+struct DeviceInfo<'a> {
+    device_list: &'a BTreeMap<String, String>,
+    update_time: i64,
+}
+
+#[derive(Serialize)]
+struct DeviceInfoCfg<'a> {
+    #[serde(rename = "DeviceInfo")]
+    device_info: DeviceInfo<'a>,
+    #[serde(rename = "SuperPodID")]
+    super_pod_id: i64,
+    #[serde(rename = "ServerIndex")]
+    server_index: i64,
+    #[serde(rename = "CheckCode")]
+    check_code: String,
+}
+
+/// Sorts `Ascend910-2` before `Ascend910-10`.
+fn chip_order(name: &str) -> (u64, String) {
+    let n = name
+        .rsplit('-')
+        .next()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(u64::MAX);
+    (n, name.to_string())
+}
+
+fn join(names: &BTreeSet<String>) -> String {
+    let mut v: Vec<&String> = names.iter().collect();
+    v.sort_by_key(|n| chip_order(n));
+    v.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",")
+}
+
+/// The `DeviceList` map from the engine's state: chips from the Ascend inventory, faults from
+/// the Ascend source.
+pub fn device_list(engine: &Engine) -> BTreeMap<String, String> {
+    let prefix = format!("{KIND}-");
+    let mut all: BTreeSet<String> = engine.inventory(KIND).cloned().unwrap_or_default();
+    let mut unhealthy = BTreeSet::new();
+    let mut network = BTreeSet::new();
+    let mut recovering = BTreeSet::new();
+    // chip -> (type, worst level, code -> (time, level))
+    type Entry = (FaultType, Handling, BTreeMap<String, TimeAndLevel>);
+    let mut faults: BTreeMap<String, Entry> = BTreeMap::new();
+    for f in engine.faults() {
+        let r = &f.fault;
+        if !r.active || r.source != Source::Ascend || !r.device.starts_with(&prefix) {
+            continue;
+        }
+        all.insert(r.device.clone());
+        if f.resolving_since.is_some() {
+            recovering.insert(r.device.clone());
+            continue;
+        }
+        let h = r.fault_handling;
+        match r.fault_type {
+            FaultType::CardNetworkUnhealthy if h >= Handling::PreSeparateNPU => {
+                network.insert(r.device.clone());
+            }
+            FaultType::CardUnhealthy | FaultType::NodeUnhealthy
+                if h >= Handling::FreeRestartNPU =>
+            {
+                unhealthy.insert(r.device.clone());
+            }
+            _ => {}
+        }
+        if let FaultCodeRepr::Ascend { code, .. } = &f.code {
+            let e = faults
+                .entry(r.device.clone())
+                .or_insert((r.fault_type, h, BTreeMap::new()));
+            // A chip fault outranks a network fault in the element's type.
+            if r.fault_type == FaultType::CardUnhealthy {
+                e.0 = FaultType::CardUnhealthy;
+            }
+            e.1 = e.1.max(h);
+            e.2.insert(
+                code.clone(),
+                TimeAndLevel {
+                    fault_time: r.first_seen.timestamp_millis(),
+                    fault_level: h,
+                },
+            );
+        }
+    }
+    let healthy: BTreeSet<String> = all
+        .iter()
+        .filter(|n| !unhealthy.contains(*n) && !network.contains(*n) && !recovering.contains(*n))
+        .cloned()
+        .collect();
+    let mut names: Vec<&String> = faults.keys().collect();
+    names.sort_by_key(|n| chip_order(n));
+    let elements: Vec<DeviceFault> = names
+        .into_iter()
+        .map(|name| {
+            let (t, h, codes) = &faults[name];
+            DeviceFault {
+                fault_type: *t,
+                npu_name: name.clone(),
+                large_model_fault_level: *h,
+                fault_level: *h,
+                fault_handling: *h,
+                fault_code: codes.keys().cloned().collect::<Vec<_>>().join(","),
+                fault_time_and_level_map: codes.clone(),
+            }
+        })
+        .collect();
+    // Serializing plain data cannot fail; an empty list is the safe fallback all the same.
+    let fault_json = serde_json::to_string(&elements).unwrap_or_else(|_| "[]".into());
+    BTreeMap::from([
+        (key(""), join(&healthy)),
+        (key("Unhealthy"), join(&unhealthy)),
+        (key("NetworkUnhealthy"), join(&network)),
+        (key("Recovering"), join(&recovering)),
+        (key("Fault"), fault_json),
+    ])
+}
+
+/// The `DeviceInfoCfg` document: `CheckCode` is the hex sha256 of the JSON of `DeviceInfo`,
+/// fields in MindCluster's order, `SuperPodID` and `ServerIndex` -2 (not part of a super pod).
+pub fn render(list: &BTreeMap<String, String>, update_time: DateTime<Utc>) -> String {
+    let info = DeviceInfo {
+        device_list: list,
+        update_time: update_time.timestamp(),
+    };
+    let info_json = serde_json::to_string(&info).unwrap_or_default();
+    let doc = DeviceInfoCfg {
+        device_info: info,
+        super_pod_id: -2,
+        server_index: -2,
+        check_code: hex::encode(Sha256::digest(info_json.as_bytes())),
+    };
+    serde_json::to_string(&doc).unwrap_or_default()
+}
+
+/// Where the document goes besides the local file.
+pub trait Publisher: Send + Sync + 'static {
+    /// Writes the document; the error is logged and retried.
+    fn publish(
+        &self,
+        document: &str,
+    ) -> impl std::future::Future<Output = Result<(), String>> + Send;
+}
+
+/// No Kubernetes: the local file only.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FileOnly;
+
+impl Publisher for FileOnly {
+    async fn publish(&self, _document: &str) -> Result<(), String> {
+        Ok(())
+    }
+}
+
+/// Everything `run` needs.
+#[derive(Debug)]
+pub struct MindClusterSink<P: Publisher> {
+    pub dir: PathBuf,
+    pub publisher: P,
+    pub snapshots: watch::Receiver<Option<Snapshot>>,
+    pub policy: watch::Receiver<LoadedPolicy>,
+    pub clock: Arc<dyn Clock>,
+    pub metrics: Arc<Metrics>,
+    pub shutdown: CancellationToken,
+}
+
+impl<P: Publisher> MindClusterSink<P> {
+    /// The same sink publishing somewhere else as well.
+    pub fn with_publisher<Q: Publisher>(self, publisher: Q) -> MindClusterSink<Q> {
+        MindClusterSink {
+            dir: self.dir,
+            publisher,
+            snapshots: self.snapshots,
+            policy: self.policy,
+            clock: self.clock,
+            metrics: self.metrics,
+            shutdown: self.shutdown,
+        }
+    }
+
+    /// Runs until shutdown or the engine stops. Does nothing while the output is disabled.
+    pub async fn run(mut self) {
+        let label = SinkLabel {
+            sink: "mindcluster",
+        };
+        let mut file_written: Option<(BTreeMap<String, String>, Instant)> = None;
+        let mut published: Option<(BTreeMap<String, String>, Instant)> = None;
+        let mut retry = crate::sink::kube::Retry::new();
+        loop {
+            let (enabled, resync) = {
+                let p = &self.policy.borrow().policy.ascend.mindcluster;
+                (p.enabled, p.resync)
+            };
+            let snap = self.snapshots.borrow_and_update().clone();
+            let mut wake = None;
+            if let (true, Some(snap)) = (enabled, snap) {
+                let list = device_list(&snap.state.engine);
+                let now = Instant::now();
+                let due = |w: &Option<(BTreeMap<String, String>, Instant)>| {
+                    w.as_ref()
+                        .is_none_or(|(l, at)| *l != list || now.duration_since(*at) >= resync)
+                };
+                let doc = render(&list, self.clock.now());
+                let mut failed = false;
+                if due(&file_written) {
+                    let path = self.dir.join(FILE_NAME);
+                    let bytes = doc.clone().into_bytes();
+                    let r = tokio::task::spawn_blocking(move || write_atomic(&path, &bytes))
+                        .await
+                        .map_err(|e| e.to_string())
+                        .and_then(|r| r.map_err(|e| e.to_string()));
+                    match r {
+                        Ok(()) => file_written = Some((list.clone(), now)),
+                        Err(e) => {
+                            failed = true;
+                            warn!(error = %e, "writing deviceinfo.json failed");
+                        }
+                    }
+                }
+                if due(&published) {
+                    match self.publisher.publish(&doc).await {
+                        Ok(()) => {
+                            self.metrics.sink_writes.get_or_create(&label).inc();
+                            debug!("DeviceInfoCfg published");
+                            published = Some((list.clone(), now));
+                        }
+                        Err(e) => {
+                            failed = true;
+                            self.metrics.sink_errors.get_or_create(&label).inc();
+                            warn!(error = %e, "publishing DeviceInfoCfg failed; detection goes on");
+                        }
+                    }
+                }
+                let retry_at = if failed {
+                    Some(now + retry.next_delay())
+                } else {
+                    retry.reset();
+                    None
+                };
+                let resync_at = [&file_written, &published]
+                    .iter()
+                    .filter_map(|w| w.as_ref().map(|(_, at)| *at + resync))
+                    .min();
+                wake = match (retry_at, resync_at) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+            }
+            tokio::select! {
+                _ = self.shutdown.cancelled() => return,
+                more = crate::sink::kube::changed_or_woken(&mut self.snapshots, wake) => {
+                    if !more {
+                        return;
+                    }
+                }
+                changed = self.policy.changed() => {
+                    if changed.is_err() {
+                        return;
+                    }
+                    info!("policy changed; re-evaluating the MindCluster output");
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::{Catalog, FaultCode};
+    use crate::engine::{Ctx, DeviceRef, Observation, Signal};
+    use crate::policy::Policy;
+
+    fn t(s: i64) -> DateTime<Utc> {
+        DateTime::from_timestamp(1_790_000_000 + s, 0).unwrap()
+    }
+
+    fn ascend(code: &str, network: bool, chip: u32) -> Observation {
+        Observation::Signal(Signal::new(
+            Source::Ascend,
+            FaultCode::Ascend {
+                code: code.into(),
+                network,
+                severe: false,
+            },
+            Some(DeviceRef::named(&format!("Ascend910-{chip}"))),
+            "x",
+        ))
+    }
+
+    /// The byte layout, pinned against a sample checked by hand: the keys and their order,
+    /// the escaping of the Fault list, and the CheckCode over the DeviceInfo JSON.
+    #[test]
+    fn golden_document() {
+        let policy = Policy::parse("").unwrap();
+        let catalog = Catalog::builtin().unwrap();
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let mut e = Engine::new();
+        e.step(
+            ctx,
+            Observation::Inventory {
+                kind: KIND.into(),
+                names: (0..4).map(|i| format!("Ascend910-{i}")).collect(),
+            },
+            t(0),
+        );
+        // 80E3A201 is SeparateNPU in the built-in table; 80E01801 RestartBusiness; the link
+        // code starts at NotHandleFault.
+        e.step(ctx, ascend("80E3A201", false, 2), t(1));
+        e.step(ctx, ascend("80E01801", false, 2), t(2));
+        e.step(ctx, ascend("81078603", true, 3), t(3));
+        let list = device_list(&e);
+        let doc = render(&list, t(10));
+        let golden = include_str!("../../../tests/fixtures/ascend/deviceinfocfg-golden.json");
+        assert_eq!(doc, golden.trim_end());
+        // CheckCode is sha256 over exactly the DeviceInfo object's bytes.
+        let v: serde_json::Value = serde_json::from_str(&doc).unwrap();
+        let start = doc.find("{\"DeviceList\"").unwrap();
+        let end = doc.find(",\"SuperPodID\"").unwrap();
+        assert_eq!(
+            v["CheckCode"],
+            hex::encode(Sha256::digest(&doc.as_bytes()[start..end]))
+        );
+    }
+
+    #[test]
+    fn lists_follow_levels_and_holds() {
+        let policy = Policy::parse("").unwrap();
+        let catalog = Catalog::builtin().unwrap();
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let mut e = Engine::new();
+        e.step(
+            ctx,
+            Observation::Inventory {
+                kind: KIND.into(),
+                names: (0..11).map(|i| format!("Ascend910-{i}")).collect(),
+            },
+            t(0),
+        );
+        let level = |down: bool| Observation::Level {
+            source: Source::Ascend,
+            device: DeviceRef::named("Ascend910-10"),
+            domain: "npu-link".into(),
+            present: if down {
+                vec![Signal::new(
+                    Source::Ascend,
+                    FaultCode::Ascend {
+                        code: "81078603".into(),
+                        network: true,
+                        severe: false,
+                    },
+                    None,
+                    "down",
+                )]
+            } else {
+                vec![]
+            },
+        };
+        e.step(ctx, level(true), t(1));
+        let l = device_list(&e);
+        // Down for less than the duration rule: still healthy, but listed with its code.
+        assert!(
+            l[&key("")].ends_with("Ascend910-9,Ascend910-10"),
+            "{}",
+            l[&key("")]
+        );
+        assert_eq!(l[&key("NetworkUnhealthy")], "");
+        assert!(l[&key("Fault")].contains("\"fault_code\":\"81078603\""));
+        e.step(ctx, Observation::Tick, t(22));
+        let l = device_list(&e);
+        assert_eq!(l[&key("NetworkUnhealthy")], "Ascend910-10");
+        assert!(!l[&key("")].contains("Ascend910-10"));
+        // Up again: recovering for the hold, then healthy.
+        e.step(ctx, level(false), t(30));
+        let l = device_list(&e);
+        assert_eq!(l[&key("Recovering")], "Ascend910-10");
+        assert_eq!(l[&key("NetworkUnhealthy")], "");
+        e.step(ctx, Observation::Tick, t(91));
+        let l = device_list(&e);
+        assert_eq!(l[&key("Recovering")], "");
+        assert_eq!(l[&key("Fault")], "[]");
+        assert!(l[&key("")].ends_with("Ascend910-10"));
+    }
+}

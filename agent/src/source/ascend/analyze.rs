@@ -1,0 +1,574 @@
+//! The Ascend analyzer: pure. Turns one poll's tool results into engine observations.
+//!
+//! Per chip, each poll sends one `Level` observation per domain it could read completely:
+//! `npu-chip` (the error codes npu-smi reports, or `NPU_UNHEALTHY` for a bad health with no
+//! code), `npu-link` (link down as code `81078603`, low speed, flapping) and `npu-net` (net
+//! health). A domain whose query failed sends nothing, so its faults stay as they were, and the
+//! tool's detector goes down with the reason. A chip that vanishes from `npu-smi info` raises
+//! `NPU_LOST`.
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use crate::catalog::FaultCode;
+use crate::engine::{DetectorState, DeviceRef, Observation, Signal};
+use crate::parse::ascend::{ChipHealth, LinkStatus, NetHealth, NpuChip, NpuHealth};
+use crate::policy::AscendPolicy;
+use crate::record::Source;
+
+/// The code MindCluster uses for a network port that is down.
+pub const LINK_DOWN_CODE: &str = "81078603";
+/// The device kind in records and in `DeviceInfoCfg`.
+pub const KIND: &str = "Ascend910";
+pub const DOMAIN_CHIP: &str = "npu-chip";
+pub const DOMAIN_LINK: &str = "npu-link";
+pub const DOMAIN_NET: &str = "npu-net";
+/// Detector names (one per tool).
+pub const DETECTOR_NPU_SMI: &str = "npu-smi";
+pub const DETECTOR_HCCN: &str = "hccn_tool";
+
+/// One port's readings; `None` where the query was not made (not configured).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LinkPoll {
+    pub status: Result<LinkStatus, String>,
+    pub speed_mbps: Option<Result<u64, String>>,
+    pub up_count: Option<Result<u64, String>>,
+    pub net: Result<NetHealth, String>,
+}
+
+/// What one poll read. Errors are the reason, ready for the detector status.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Poll {
+    pub chips: Result<Vec<NpuChip>, String>,
+    /// Per chip (by logical id): its health query.
+    pub health: BTreeMap<u32, Result<ChipHealth, String>>,
+    /// Per chip (by logical id): its port, when hccn_tool is present.
+    pub links: BTreeMap<u32, LinkPoll>,
+    /// Why links were not read at all (`None`: they were, or hccn_tool is absent).
+    pub hccn_error: Option<String>,
+    /// hccn_tool is not installed (no ports to check: normal on inference cards).
+    pub hccn_absent: bool,
+}
+
+/// `Ascend910-<n>`.
+pub fn chip_name(id: u32) -> String {
+    format!("{KIND}-{id}")
+}
+
+fn device(id: u32) -> DeviceRef {
+    DeviceRef::named(&chip_name(id))
+}
+
+/// The analyzer's memory between polls.
+#[derive(Debug, Default)]
+pub struct Analyzer {
+    /// Chips seen so far, by logical id.
+    seen: BTreeMap<u32, NpuChip>,
+    /// Link-up counter samples per chip.
+    up_counts: BTreeMap<u32, VecDeque<(Instant, u64)>>,
+}
+
+impl Analyzer {
+    pub fn analyze(
+        &mut self,
+        poll: &Poll,
+        policy: &AscendPolicy,
+        now: Instant,
+    ) -> Vec<Observation> {
+        let mut out = Vec::new();
+        let chips = match &poll.chips {
+            Ok(c) => c,
+            Err(why) => {
+                out.push(detector(
+                    DETECTOR_NPU_SMI,
+                    DetectorState::Down,
+                    Some(why.clone()),
+                ));
+                return out;
+            }
+        };
+        let mut npu_smi_errors = Vec::new();
+        let mut hccn_errors: Vec<String> = poll.hccn_error.iter().cloned().collect();
+        // Chips gone since the last poll.
+        for (id, old) in &self.seen {
+            if !chips.iter().any(|c| c.logical_id() == *id) {
+                out.push(Observation::Signal(Signal::new(
+                    Source::Ascend,
+                    FaultCode::named("NPU_LOST"),
+                    Some(device(*id)),
+                    format!(
+                        "{} (NPU {} chip {}) is no longer listed by npu-smi",
+                        chip_name(*id),
+                        old.npu,
+                        old.chip
+                    ),
+                )));
+            }
+        }
+        for c in chips {
+            self.seen.insert(c.logical_id(), c.clone());
+        }
+        out.push(Observation::Inventory {
+            kind: KIND.into(),
+            names: self.seen.keys().map(|id| chip_name(*id)).collect(),
+        });
+        for c in chips {
+            let id = c.logical_id();
+            match poll.health.get(&id) {
+                Some(Ok(h)) => out.push(chip_level(c, h)),
+                Some(Err(why)) => npu_smi_errors.push(format!("{}: {why}", chip_name(id))),
+                None => {}
+            }
+            if let Some(l) = poll.links.get(&id) {
+                match self.link_level(id, l, policy, now) {
+                    Ok(o) => out.push(o),
+                    Err(why) => hccn_errors.push(format!("{}: {why}", chip_name(id))),
+                }
+                match &l.net {
+                    Ok(n) => out.push(net_level(id, n)),
+                    Err(why) => hccn_errors.push(format!("{}: {why}", chip_name(id))),
+                }
+            }
+        }
+        out.push(detector_from(DETECTOR_NPU_SMI, &npu_smi_errors, false));
+        out.push(detector_from(DETECTOR_HCCN, &hccn_errors, poll.hccn_absent));
+        out
+    }
+
+    fn link_level(
+        &mut self,
+        id: u32,
+        l: &LinkPoll,
+        policy: &AscendPolicy,
+        now: Instant,
+    ) -> Result<Observation, String> {
+        let status = l.status.clone()?;
+        let mut present = Vec::new();
+        if status == LinkStatus::Down {
+            present.push(signal(
+                FaultCode::Ascend {
+                    code: LINK_DOWN_CODE.into(),
+                    network: true,
+                    severe: false,
+                },
+                id,
+                format!(
+                    "{} network port is down (hccn_tool link status DOWN)",
+                    chip_name(id)
+                ),
+            ));
+        }
+        if let Some(speed) = &l.speed_mbps {
+            let speed = speed.clone()?;
+            // A port that is down reports no meaningful speed.
+            if status == LinkStatus::Up
+                && policy.expected_speed_mbps > 0
+                && speed < policy.expected_speed_mbps
+            {
+                present.push(signal(
+                    FaultCode::named("NPU_LINK_SPEED_LOW"),
+                    id,
+                    format!(
+                        "{} network port runs at {speed} Mb/s, expected {} Mb/s",
+                        chip_name(id),
+                        policy.expected_speed_mbps
+                    ),
+                ));
+            }
+        }
+        if let Some(count) = &l.up_count {
+            let count = count.clone()?;
+            let grew = growth(
+                self.up_counts.entry(id).or_default(),
+                now,
+                count,
+                policy.link_flap_window,
+            );
+            if policy.link_flap_count > 0 && grew >= policy.link_flap_count {
+                present.push(signal(
+                    FaultCode::named("NPU_LINK_FLAPPING"),
+                    id,
+                    format!(
+                        "{} network port came up {grew} times within {}",
+                        chip_name(id),
+                        humantime::format_duration(policy.link_flap_window)
+                    ),
+                ));
+            }
+        }
+        Ok(Observation::Level {
+            source: Source::Ascend,
+            device: device(id),
+            domain: DOMAIN_LINK.into(),
+            present,
+        })
+    }
+}
+
+fn signal(code: FaultCode, id: u32, message: String) -> Signal {
+    Signal::new(Source::Ascend, code, Some(device(id)), message)
+}
+
+fn chip_level(c: &NpuChip, h: &ChipHealth) -> Observation {
+    let id = c.logical_id();
+    // The health query is more specific than the table; either may say UNKNOWN.
+    let health = if h.health == NpuHealth::Ok && c.health != NpuHealth::Ok {
+        &c.health
+    } else {
+        &h.health
+    };
+    let severe = health.is_severe();
+    let info = h.error_info.trim();
+    let mut present: Vec<Signal> = h
+        .error_codes
+        .iter()
+        .map(|code| {
+            let code = format!("{code:08X}");
+            let mut msg = format!(
+                "{} reports error code {code} (health {})",
+                chip_name(id),
+                health.as_str()
+            );
+            if !info.is_empty() && !info.eq_ignore_ascii_case("NA") {
+                msg.push_str(": ");
+                msg.push_str(info);
+            }
+            signal(
+                FaultCode::Ascend {
+                    code,
+                    network: false,
+                    severe,
+                },
+                id,
+                msg,
+            )
+        })
+        .collect();
+    if present.is_empty() && severe {
+        present.push(signal(
+            FaultCode::named("NPU_UNHEALTHY"),
+            id,
+            format!(
+                "{} health is {} with no error code",
+                chip_name(id),
+                health.as_str()
+            ),
+        ));
+    }
+    if *health == NpuHealth::Unknown {
+        present.push(signal(
+            FaultCode::named("NPU_LOST"),
+            id,
+            format!(
+                "{} health is UNKNOWN (absent or not started)",
+                chip_name(id)
+            ),
+        ));
+    }
+    Observation::Level {
+        source: Source::Ascend,
+        device: device(id),
+        domain: DOMAIN_CHIP.into(),
+        present,
+    }
+}
+
+fn net_level(id: u32, n: &NetHealth) -> Observation {
+    let present = if n.healthy {
+        vec![]
+    } else {
+        vec![signal(
+            FaultCode::named("NPU_NET_UNHEALTHY"),
+            id,
+            format!("{} net health is {:?}", chip_name(id), n.state),
+        )]
+    };
+    Observation::Level {
+        source: Source::Ascend,
+        device: device(id),
+        domain: DOMAIN_NET.into(),
+        present,
+    }
+}
+
+fn detector(name: &str, state: DetectorState, reason: Option<String>) -> Observation {
+    Observation::Detector {
+        name: name.into(),
+        state,
+        reason,
+    }
+}
+
+/// Down with the first few reasons, Idle when the tool is absent, else Running.
+fn detector_from(name: &str, errors: &[String], absent: bool) -> Observation {
+    if absent {
+        return detector(name, DetectorState::Idle, Some(format!("{name} not found")));
+    }
+    if errors.is_empty() {
+        return detector(name, DetectorState::Running, None);
+    }
+    let mut reason = errors
+        .iter()
+        .take(3)
+        .cloned()
+        .collect::<Vec<_>>()
+        .join("; ");
+    if errors.len() > 3 {
+        reason.push_str(&format!("; and {} more", errors.len() - 3));
+    }
+    detector(name, DetectorState::Down, Some(reason))
+}
+
+/// Keeps `(time, value)` samples for `window` and returns the counter's growth over it.
+fn growth(hist: &mut VecDeque<(Instant, u64)>, now: Instant, value: u64, window: Duration) -> u64 {
+    hist.push_back((now, value));
+    while hist.len() > 1
+        && hist
+            .front()
+            .is_some_and(|(t, _)| now.saturating_duration_since(*t) > window)
+    {
+        hist.pop_front();
+    }
+    // A counter that went down was reset (driver reload): count from the reset.
+    let base = hist
+        .iter()
+        .rev()
+        .map(|(_, v)| *v)
+        .take_while(|v| *v <= value)
+        .min()
+        .unwrap_or(value);
+    value - base
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chip(id: u32, health: NpuHealth) -> NpuChip {
+        NpuChip {
+            npu: id,
+            chip: 0,
+            phy_id: None,
+            device: None,
+            name: "910B3".into(),
+            health,
+            bus_id: None,
+        }
+    }
+
+    fn health(h: NpuHealth, codes: &[u32]) -> ChipHealth {
+        ChipHealth {
+            health: h,
+            error_codes: codes.to_vec(),
+            error_info: String::new(),
+        }
+    }
+
+    fn up() -> LinkPoll {
+        LinkPoll {
+            status: Ok(LinkStatus::Up),
+            speed_mbps: None,
+            up_count: None,
+            net: Ok(NetHealth {
+                state: "Success".into(),
+                healthy: true,
+            }),
+        }
+    }
+
+    fn poll(n: u32) -> Poll {
+        Poll {
+            chips: Ok((0..n).map(|i| chip(i, NpuHealth::Ok)).collect()),
+            health: (0..n)
+                .map(|i| (i, Ok(health(NpuHealth::Ok, &[]))))
+                .collect(),
+            links: (0..n).map(|i| (i, up())).collect(),
+            hccn_error: None,
+            hccn_absent: false,
+        }
+    }
+
+    /// `domain:device:codes` for every Level, `detector=state` for detectors.
+    fn summary(obs: &[Observation]) -> Vec<String> {
+        obs.iter()
+            .filter_map(|o| match o {
+                Observation::Level {
+                    device,
+                    domain,
+                    present,
+                    ..
+                } => {
+                    let codes: Vec<String> = present.iter().map(|s| s.code.to_string()).collect();
+                    Some(format!(
+                        "{domain}:{}:{}",
+                        device.name.as_deref().unwrap_or("?"),
+                        codes.join(",")
+                    ))
+                }
+                Observation::Detector { name, state, .. } => {
+                    Some(format!("{name}={}", state.as_str()))
+                }
+                Observation::Signal(s) => Some(format!("signal:{}", s.code)),
+                Observation::Inventory { names, .. } => Some(format!("inventory:{}", names.len())),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn table() {
+        let p = AscendPolicy::default();
+        let t0 = Instant::now();
+        type Case = (&'static str, Box<dyn Fn(&mut Poll)>, Vec<&'static str>);
+        let cases: Vec<Case> = vec![
+            (
+                "healthy",
+                Box::new(|_| {}),
+                vec![
+                    "inventory:2",
+                    "npu-chip:Ascend910-0:",
+                    "npu-link:Ascend910-0:",
+                    "npu-net:Ascend910-0:",
+                    "npu-chip:Ascend910-1:",
+                    "npu-link:Ascend910-1:",
+                    "npu-net:Ascend910-1:",
+                    "npu-smi=Running",
+                    "hccn_tool=Running",
+                ],
+            ),
+            (
+                "error codes and a port down",
+                Box::new(|p| {
+                    p.health
+                        .insert(1, Ok(health(NpuHealth::Alarm, &[0x80E0_1801, 0x80C9_8008])));
+                    p.links.get_mut(&0).unwrap().status = Ok(LinkStatus::Down);
+                }),
+                vec![
+                    "inventory:2",
+                    "npu-chip:Ascend910-0:",
+                    "npu-link:Ascend910-0:81078603",
+                    "npu-net:Ascend910-0:",
+                    "npu-chip:Ascend910-1:80E01801,80C98008",
+                    "npu-link:Ascend910-1:",
+                    "npu-net:Ascend910-1:",
+                    "npu-smi=Running",
+                    "hccn_tool=Running",
+                ],
+            ),
+            (
+                "bad health without a code; unknown health; net fault",
+                Box::new(|p| {
+                    p.health.insert(0, Ok(health(NpuHealth::Critical, &[])));
+                    p.health.insert(1, Ok(health(NpuHealth::Unknown, &[])));
+                    p.links.get_mut(&1).unwrap().net = Ok(NetHealth {
+                        state: "Receive timeout".into(),
+                        healthy: false,
+                    });
+                }),
+                vec![
+                    "inventory:2",
+                    "npu-chip:Ascend910-0:NPU_UNHEALTHY",
+                    "npu-link:Ascend910-0:",
+                    "npu-net:Ascend910-0:",
+                    "npu-chip:Ascend910-1:NPU_LOST",
+                    "npu-link:Ascend910-1:",
+                    "npu-net:Ascend910-1:NPU_NET_UNHEALTHY",
+                    "npu-smi=Running",
+                    "hccn_tool=Running",
+                ],
+            ),
+            (
+                "a failed query sends no Level for its domain and downs the detector",
+                Box::new(|p| {
+                    p.health.insert(0, Err("garbage".into()));
+                    p.links.get_mut(&1).unwrap().status = Err("no answer".into());
+                }),
+                vec![
+                    "inventory:2",
+                    "npu-link:Ascend910-0:",
+                    "npu-net:Ascend910-0:",
+                    "npu-chip:Ascend910-1:",
+                    "npu-net:Ascend910-1:",
+                    "npu-smi=Down",
+                    "hccn_tool=Down",
+                ],
+            ),
+            (
+                "npu-smi info failing says only that",
+                Box::new(|p| p.chips = Err("npu-smi info: no chip rows found".into())),
+                vec!["npu-smi=Down"],
+            ),
+            (
+                "no hccn_tool: links idle",
+                Box::new(|p| {
+                    p.links.clear();
+                    p.hccn_absent = true;
+                }),
+                vec![
+                    "inventory:2",
+                    "npu-chip:Ascend910-0:",
+                    "npu-chip:Ascend910-1:",
+                    "npu-smi=Running",
+                    "hccn_tool=Idle",
+                ],
+            ),
+        ];
+        for (name, edit, want) in cases {
+            let mut a = Analyzer::default();
+            let mut pl = poll(2);
+            edit(&mut pl);
+            assert_eq!(summary(&a.analyze(&pl, &p, t0)), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn vanished_chip_is_lost_and_stays_in_the_inventory() {
+        let p = AscendPolicy::default();
+        let mut a = Analyzer::default();
+        let t0 = Instant::now();
+        a.analyze(&poll(3), &p, t0);
+        let mut pl = poll(3);
+        pl.chips.as_mut().unwrap().remove(2);
+        let s = summary(&a.analyze(&pl, &p, t0));
+        assert_eq!(s[0], "signal:NPU_LOST");
+        assert_eq!(s[1], "inventory:3");
+    }
+
+    #[test]
+    fn flapping_and_speed() {
+        let p = AscendPolicy {
+            expected_speed_mbps: 200_000,
+            ..AscendPolicy::default()
+        };
+        let mut a = Analyzer::default();
+        let t0 = Instant::now();
+        let with = |count: u64, speed: u64| {
+            let mut pl = poll(1);
+            let l = pl.links.get_mut(&0).unwrap();
+            l.up_count = Some(Ok(count));
+            l.speed_mbps = Some(Ok(speed));
+            pl
+        };
+        let link = |obs: Vec<Observation>| {
+            summary(&obs)
+                .into_iter()
+                .find(|s| s.starts_with("npu-link"))
+                .unwrap()
+        };
+        assert_eq!(
+            link(a.analyze(&with(10, 200_000), &p, t0)),
+            "npu-link:Ascend910-0:"
+        );
+        let t1 = t0 + Duration::from_secs(60);
+        assert_eq!(
+            link(a.analyze(&with(13, 100_000), &p, t1)),
+            "npu-link:Ascend910-0:NPU_LINK_SPEED_LOW,NPU_LINK_FLAPPING"
+        );
+        // Out of the window: the old samples no longer count.
+        let t2 = t1 + Duration::from_secs(700);
+        assert_eq!(
+            link(a.analyze(&with(13, 200_000), &p, t2)),
+            "npu-link:Ascend910-0:"
+        );
+    }
+}

@@ -1,0 +1,278 @@
+//! The Ascend NPU source: polls `npu-smi` (chips, health, error codes) and `hccn_tool` (port
+//! state, speed, link-up count, net health) every `ascend.poll_interval` and sends what the
+//! analyzer makes of it to the engine.
+//!
+//! No `npu-smi` on the node is normal (not an Ascend node): the detector is `Idle` and the
+//! source keeps looking, cheaply, in case the driver is installed later. A tool that hangs is
+//! killed at `ascend.call_timeout`; a tool that fails or prints something unparseable marks its
+//! detector `Down` with the reason. Neither stops the agent nor loses a fault already known.
+
+pub mod analyze;
+pub mod tools;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
+
+use self::analyze::{Analyzer, LinkPoll, Poll, DETECTOR_HCCN, DETECTOR_NPU_SMI};
+use self::tools::{Tool, ToolError, Tools};
+use super::policy_watch::LoadedPolicy;
+use super::{Input, SourceContext};
+use crate::engine::{DetectorState, Observation};
+use crate::metrics::{Metrics, ToolLabel};
+use crate::parse::ascend::{self as parse, AscendParseError};
+use crate::policy::AscendPolicy;
+
+/// One call: runs the tool, counts the outcome, parses. The error is the reason for the
+/// detector status.
+async fn call<T: Tools, R>(
+    tools: &T,
+    metrics: &Metrics,
+    policy: &AscendPolicy,
+    tool: Tool,
+    args: &[&str],
+    parse: impl FnOnce(&str) -> Result<R, AscendParseError>,
+) -> Result<R, CallError> {
+    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+    let shown = format!("{} {}", tool.as_str(), args.join(" "));
+    let result = match tools.run(tool, &args, policy.call_timeout).await {
+        Ok(out) => parse(&out).map_err(|e| ("garbage", CallError::Other(format!("{shown}: {e}")))),
+        Err(ToolError::NotFound(n)) => Err(("failed", CallError::Absent(n))),
+        Err(e @ ToolError::Timeout(_)) => {
+            Err(("timeout", CallError::Hung(format!("{shown}: {e}"))))
+        }
+        Err(e) => Err(("failed", CallError::Other(format!("{shown}: {e}")))),
+    };
+    let label = match &result {
+        Ok(_) => "ok",
+        Err((l, _)) => l,
+    };
+    metrics
+        .tool_calls
+        .get_or_create(&ToolLabel {
+            tool: tool.as_str(),
+            result: label,
+        })
+        .inc();
+    result.map_err(|(_, e)| e)
+}
+
+#[derive(Debug)]
+enum CallError {
+    Absent(String),
+    /// Timed out: further calls to the same tool in this poll are skipped.
+    Hung(String),
+    Other(String),
+}
+
+impl CallError {
+    fn reason(self) -> String {
+        match self {
+            CallError::Absent(n) => format!("{n} not found"),
+            CallError::Hung(s) | CallError::Other(s) => s,
+        }
+    }
+}
+
+/// Reads everything once. `None`: npu-smi is not installed.
+pub async fn poll_once<T: Tools>(
+    tools: &T,
+    policy: &AscendPolicy,
+    metrics: &Metrics,
+) -> Option<Poll> {
+    let chips = match call(
+        tools,
+        metrics,
+        policy,
+        Tool::NpuSmi,
+        &["info"],
+        parse::parse_npu_info,
+    )
+    .await
+    {
+        Err(CallError::Absent(_)) => return None,
+        Err(e) => Err(e.reason()),
+        Ok(c) => Ok(c),
+    };
+    let mut poll = Poll {
+        chips,
+        health: BTreeMap::new(),
+        links: BTreeMap::new(),
+        hccn_error: None,
+        hccn_absent: false,
+    };
+    let Ok(chips) = poll.chips.clone() else {
+        return Some(poll);
+    };
+    let mut npu_smi_hung: Option<String> = None;
+    for c in &chips {
+        let id = c.logical_id();
+        if let Some(h) = &npu_smi_hung {
+            poll.health.insert(id, Err(format!("skipped after {h}")));
+            continue;
+        }
+        let (npu, chip) = (c.npu.to_string(), c.chip.to_string());
+        let args = [
+            "info",
+            "-t",
+            "health",
+            "-i",
+            npu.as_str(),
+            "-c",
+            chip.as_str(),
+        ];
+        let r = call(
+            tools,
+            metrics,
+            policy,
+            Tool::NpuSmi,
+            &args,
+            parse::parse_chip_health,
+        )
+        .await;
+        let r = r.map_err(|e| {
+            if let CallError::Hung(s) = &e {
+                npu_smi_hung = Some(s.clone());
+            }
+            e.reason()
+        });
+        poll.health.insert(id, r);
+    }
+    for c in &chips {
+        let id = c.logical_id();
+        let ids = id.to_string();
+        let q = |what: &'static str| ["-i", ids.as_str(), what, "-g"];
+        let status = match call(
+            tools,
+            metrics,
+            policy,
+            Tool::HccnTool,
+            &q("-link"),
+            parse::parse_link_status,
+        )
+        .await
+        {
+            Err(CallError::Absent(_)) => {
+                poll.hccn_absent = true;
+                break;
+            }
+            Err(CallError::Hung(s)) => {
+                poll.hccn_error = Some(s);
+                break;
+            }
+            r => r.map_err(CallError::reason),
+        };
+        let speed_mbps = if policy.expected_speed_mbps > 0 {
+            Some(
+                call(
+                    tools,
+                    metrics,
+                    policy,
+                    Tool::HccnTool,
+                    &q("-speed"),
+                    parse::parse_speed_mbps,
+                )
+                .await
+                .map_err(CallError::reason),
+            )
+        } else {
+            None
+        };
+        let up_count = if policy.link_flap_count > 0 {
+            Some(
+                call(
+                    tools,
+                    metrics,
+                    policy,
+                    Tool::HccnTool,
+                    &q("-link_stat"),
+                    parse::parse_link_up_count,
+                )
+                .await
+                .map_err(CallError::reason),
+            )
+        } else {
+            None
+        };
+        let net = call(
+            tools,
+            metrics,
+            policy,
+            Tool::HccnTool,
+            &q("-net_health"),
+            parse::parse_net_health,
+        )
+        .await
+        .map_err(CallError::reason);
+        poll.links.insert(
+            id,
+            LinkPoll {
+                status,
+                speed_mbps,
+                up_count,
+                net,
+            },
+        );
+    }
+    Some(poll)
+}
+
+/// Runs the source until shutdown.
+pub async fn run<T: Tools>(
+    tools: Arc<T>,
+    mut policy: watch::Receiver<LoadedPolicy>,
+    ctx: SourceContext,
+) {
+    let mut analyzer = Analyzer::default();
+    let mut absent_reported = false;
+    loop {
+        let p = policy.borrow_and_update().policy.ascend.clone();
+        let started = Instant::now();
+        let observations = match poll_once(&*tools, &p, &ctx.metrics).await {
+            None => {
+                if absent_reported {
+                    Vec::new()
+                } else {
+                    absent_reported = true;
+                    info!(tool = %p.npu_smi, "npu-smi not found; the Ascend source is idle");
+                    [DETECTOR_NPU_SMI, DETECTOR_HCCN]
+                        .into_iter()
+                        .map(|name| Observation::Detector {
+                            name: name.into(),
+                            state: DetectorState::Idle,
+                            reason: Some(format!("{} not found", p.npu_smi)),
+                        })
+                        .collect()
+                }
+            }
+            Some(poll) => {
+                if absent_reported {
+                    info!("npu-smi found; the Ascend source is running");
+                    absent_reported = false;
+                }
+                if let Err(why) = &poll.chips {
+                    warn!(reason = %why, "npu-smi info failed");
+                }
+                analyzer.analyze(&poll, &p, Instant::now())
+            }
+        };
+        debug!(
+            took_ms = started.elapsed().as_millis() as u64,
+            n = observations.len(),
+            "ascend poll"
+        );
+        for o in observations {
+            if ctx.tx.send(Input::Obs(o)).await.is_err() {
+                return;
+            }
+        }
+        tokio::select! {
+            _ = ctx.shutdown.cancelled() => return,
+            _ = tokio::time::sleep(p.poll_interval) => {}
+            changed = policy.changed() => if changed.is_err() { return },
+        }
+    }
+}

@@ -1,0 +1,624 @@
+//! The Ascend source end to end: the real agent binary runs the fake `npu-smi` and `hccn_tool`
+//! (`tests/fake-ascend`, shell scripts found on a `PATH` the test sets) that replay recorded
+//! outputs from `tests/fixtures/ascend`; each test rewrites the replayed files while the agent
+//! runs to inject faults. No Ascend hardware is involved anywhere (docs/ascend.md says what that
+//! leaves unverified).
+
+#![allow(clippy::unwrap_used)] // test code: a panic is the failure report
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use chrono::Utc;
+use common::{fault, fixtures, Agent};
+use faultline_agent::record::{FaultType, Handling, Health, NodeRecord, Source};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+fn fixture(name: &str) -> String {
+    std::fs::read_to_string(fixtures().join("ascend").join(name)).unwrap()
+}
+
+/// npu-smi's health answer (the recorded error sample) with other codes and health.
+fn health_with(status: &str, codes: &str) -> String {
+    let text = fixture("npu-smi-health-error.txt");
+    assert!(text.contains("80E01801 80C98008") && text.contains(": Alarm"));
+    text.replace("80E01801 80C98008", codes)
+        .replace(": Alarm", &format!(": {status}"))
+}
+
+const CUSTOMIZATION: &str = r#"{
+  "FaultFrequency": [
+    {"EventId": ["80E01801"], "TimeWindow": 86400, "Times": 2, "FaultLevel": "ManuallySeparateNPU"}
+  ],
+  "FaultDuration": [
+    {"EventId": ["81078603"], "FaultTimeout": 1, "RecoverTimeout": 2, "FaultLevel": "PreSeparateNPU"}
+  ]
+}"#;
+
+struct Rig {
+    agent: Agent,
+    /// What the fake tools replay.
+    replay: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+fn fake_tools_path() -> String {
+    let fakes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fake-ascend");
+    format!(
+        "{}:{}",
+        fakes.display(),
+        std::env::var("PATH").unwrap_or_default()
+    )
+}
+
+impl Rig {
+    /// An 8-chip 910B node, healthy; `policy` goes under the test's `ascend:` settings.
+    fn start(policy: &str, path: &str, args: &[&str]) -> Rig {
+        let dir = tempfile::tempdir().unwrap();
+        let replay = dir.path().join("replay");
+        std::fs::create_dir_all(&replay).unwrap();
+        let put = |name: &str, text: &str| std::fs::write(replay.join(name), text).unwrap();
+        put("info.txt", &fixture("npu-smi-info-910b-8.txt"));
+        put("health.txt", &fixture("npu-smi-health-ok.txt"));
+        put("hccn-link.txt", &fixture("hccn-link-up.txt"));
+        put(
+            "hccn-net_health.txt",
+            &fixture("hccn-net-health-success.txt"),
+        );
+        put("hccn-link_stat.txt", &fixture("hccn-link-stat.txt"));
+        put("hccn-speed.txt", &fixture("hccn-speed.txt"));
+        std::fs::write(dir.path().join("custom.json"), CUSTOMIZATION).unwrap();
+        let policy_path = dir.path().join("policy.yaml");
+        std::fs::write(
+            &policy_path,
+            format!(
+                "ascend:\n  poll_interval: 200ms\n  call_timeout: 1s\n  fault_customization_file: custom.json\n{policy}"
+            ),
+        )
+        .unwrap();
+        let mut all = vec!["--policy", policy_path.to_str().unwrap(), "--no-nvml"];
+        all.extend_from_slice(args);
+        let agent = Agent::start_env(
+            dir.path(),
+            &all,
+            &[("PATH", Path::new(path)), ("FAKE_ASCEND_STATE", &replay)],
+        );
+        Rig {
+            agent,
+            replay,
+            _dir: dir,
+        }
+    }
+
+    fn put(&self, name: &str, text: &str) {
+        // Replace atomically: the agent may be reading the file this very moment.
+        let tmp = self.replay.join(format!(".{name}.tmp"));
+        std::fs::write(&tmp, text).unwrap();
+        std::fs::rename(&tmp, self.replay.join(name)).unwrap();
+    }
+
+    fn remove(&self, name: &str) {
+        std::fs::remove_file(self.replay.join(name)).unwrap();
+    }
+
+    fn running(&self) -> NodeRecord {
+        self.agent.wait_for("both Ascend detectors running", |r| {
+            detector(r, "npu-smi") == Some("Running") && detector(r, "hccn_tool") == Some("Running")
+        })
+    }
+}
+
+fn detector<'a>(r: &'a NodeRecord, name: &str) -> Option<&'a str> {
+    r.agent
+        .detectors
+        .iter()
+        .find(|d| d.name == name)
+        .map(|d| d.state.as_str())
+}
+
+fn on<'a>(
+    r: &'a NodeRecord,
+    code: &str,
+    device: &str,
+) -> Option<&'a faultline_agent::record::Fault> {
+    r.faults
+        .iter()
+        .find(|f| f.fault_code == code && f.device == device)
+}
+
+fn active_on(r: &NodeRecord, code: &str, device: &str) -> bool {
+    on(r, code, device).is_some_and(|f| f.active)
+}
+
+// MindCluster's DeviceInfoCfg, as Volcano's Ascend plugin reads it (its field names).
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeviceInfoCfg {
+    #[serde(rename = "DeviceInfo")]
+    device_info: DeviceInfo,
+    #[serde(rename = "SuperPodID")]
+    super_pod_id: i64,
+    #[serde(rename = "ServerIndex")]
+    server_index: i64,
+    #[serde(rename = "CheckCode")]
+    check_code: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeviceInfo {
+    #[serde(rename = "DeviceList")]
+    device_list: BTreeMap<String, String>,
+    #[serde(rename = "UpdateTime")]
+    update_time: i64,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct DeviceFault {
+    fault_type: String,
+    npu_name: String,
+    large_model_fault_level: String,
+    fault_level: String,
+    fault_handling: String,
+    fault_code: String,
+    fault_time_and_level_map: BTreeMap<String, TimeAndLevel>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TimeAndLevel {
+    fault_time: i64,
+    fault_level: String,
+}
+
+/// Parses a DeviceInfoCfg document and checks what every consumer relies on: the CheckCode
+/// over the DeviceInfo bytes, the five keys, and the Fault list's elements.
+fn parse_device_info(doc: &str) -> (DeviceInfoCfg, Vec<DeviceFault>) {
+    let cfg: DeviceInfoCfg = serde_json::from_str(doc).unwrap();
+    let start = doc.find("{\"DeviceList\"").unwrap();
+    let end = doc.rfind(",\"SuperPodID\"").unwrap();
+    assert_eq!(
+        cfg.check_code,
+        hex::encode(Sha256::digest(&doc.as_bytes()[start..end]))
+    );
+    assert_eq!((cfg.super_pod_id, cfg.server_index), (-2, -2));
+    let keys: Vec<&str> = cfg
+        .device_info
+        .device_list
+        .keys()
+        .map(|k| k.as_str())
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "huawei.com/Ascend910",
+            "huawei.com/Ascend910-Fault",
+            "huawei.com/Ascend910-NetworkUnhealthy",
+            "huawei.com/Ascend910-Recovering",
+            "huawei.com/Ascend910-Unhealthy",
+        ]
+    );
+    let faults: Vec<DeviceFault> =
+        serde_json::from_str(&cfg.device_info.device_list["huawei.com/Ascend910-Fault"]).unwrap();
+    for f in &faults {
+        assert_eq!(f.fault_level, f.fault_handling);
+        assert_eq!(f.large_model_fault_level, f.fault_handling);
+        let codes: Vec<&str> = f.fault_code.split(',').collect();
+        assert_eq!(codes.len(), f.fault_time_and_level_map.len());
+        for c in codes {
+            assert!(
+                c.len() == 8
+                    && c.bytes()
+                        .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_lowercase()),
+                "{c}"
+            );
+            assert!(f.fault_time_and_level_map[c].fault_time > 1_700_000_000_000);
+        }
+    }
+    (cfg, faults)
+}
+
+fn read_device_info(
+    rig: &Rig,
+    what: &str,
+    f: impl Fn(&DeviceInfoCfg, &[DeviceFault]) -> bool,
+) -> (DeviceInfoCfg, Vec<DeviceFault>) {
+    let path = rig.agent.state().join("deviceinfo.json");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        if let Ok(text) = std::fs::read_to_string(&path) {
+            let (cfg, faults) = parse_device_info(&text);
+            if f(&cfg, &faults) {
+                return (cfg, faults);
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for deviceinfo.json: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A chip error code appears and clears; records use Ascend names and the operator's level
+/// table; the MindCluster document follows, standalone, in the state directory.
+#[test]
+fn chip_error_code_appears_and_clears() {
+    let rig = Rig::start(
+        "  mindcluster: { enabled: true }\n",
+        &fake_tools_path(),
+        &[],
+    );
+    let r = rig.running();
+    assert!(r.faults.is_empty(), "{:?}", r.faults);
+    assert_eq!(r.health, Health::Healthy);
+    let (cfg, faults) = read_device_info(&rig, "eight healthy chips", |c, _| {
+        c.device_info.device_list["huawei.com/Ascend910"]
+            .split(',')
+            .count()
+            == 8
+    });
+    assert!(faults.is_empty());
+    assert_eq!(
+        cfg.device_info.device_list["huawei.com/Ascend910-Unhealthy"],
+        ""
+    );
+
+    // Card 3 (chip 0): a listed SeparateNPU code, in lower case as some drivers print it.
+    rig.put("health-3-0.txt", &health_with("Critical", "0x80e3a201"));
+    let r = rig.agent.wait_for("80E3A201 on Ascend910-3", |r| {
+        active_on(r, "80E3A201", "Ascend910-3")
+    });
+    let f = on(&r, "80E3A201", "Ascend910-3").unwrap();
+    assert_eq!(f.fault_handling, Handling::SeparateNPU);
+    assert_eq!(f.fault_type, FaultType::CardUnhealthy);
+    assert_eq!(f.source, Source::Ascend);
+    assert!(f.message.contains("HBM"), "{}", f.message);
+    assert_eq!(r.health, Health::Unhealthy);
+    let (cfg, faults) = read_device_info(&rig, "Ascend910-3 unhealthy", |c, _| {
+        c.device_info.device_list["huawei.com/Ascend910-Unhealthy"] == "Ascend910-3"
+    });
+    assert!(!cfg.device_info.device_list["huawei.com/Ascend910"].contains("Ascend910-3"));
+    assert_eq!(faults.len(), 1);
+    assert_eq!(faults[0].npu_name, "Ascend910-3");
+    assert_eq!(faults[0].fault_type, "CardUnhealthy");
+    assert_eq!(faults[0].fault_code, "80E3A201");
+    assert_eq!(faults[0].fault_handling, "SeparateNPU");
+    assert_eq!(
+        faults[0].fault_time_and_level_map["80E3A201"].fault_level,
+        "SeparateNPU"
+    );
+
+    // The code clears: the fault recovers, the chip is healthy again.
+    rig.remove("health-3-0.txt");
+    let r = rig.agent.wait_for("80E3A201 recovered", |r| {
+        on(r, "80E3A201", "Ascend910-3").is_some_and(|f| !f.active)
+    });
+    assert_eq!(r.health, Health::Healthy);
+    read_device_info(&rig, "all healthy again", |c, f| {
+        f.is_empty()
+            && c.device_info.device_list["huawei.com/Ascend910"]
+                .split(',')
+                .count()
+                == 8
+    });
+    rig.agent.stop();
+}
+
+/// A port goes down (code 81078603, CardNetworkUnhealthy), lasts past the duration rule of the
+/// operator's faultCustomization.json (1 s -> PreSeparateNPU) and comes back: the fault recovers
+/// only after the rule's RecoverTimeout (2 s) of the port being up.
+#[test]
+fn link_down_escalates_by_duration_and_recovers_after_the_hold() {
+    let rig = Rig::start("", &fake_tools_path(), &[]);
+    rig.running();
+    rig.put("hccn-5-link.txt", &fixture("hccn-link-down.txt"));
+    let r = rig.agent.wait_for("81078603 on Ascend910-5", |r| {
+        active_on(r, "81078603", "Ascend910-5")
+    });
+    let f = on(&r, "81078603", "Ascend910-5").unwrap();
+    assert_eq!(f.fault_type, FaultType::CardNetworkUnhealthy);
+    let r = rig.agent.wait_for("escalated to PreSeparateNPU", |r| {
+        on(r, "81078603", "Ascend910-5")
+            .is_some_and(|f| f.fault_handling == Handling::PreSeparateNPU)
+    });
+    let f = on(&r, "81078603", "Ascend910-5").unwrap();
+    assert_eq!(f.escalated_from, Some(Handling::NotHandleFault));
+    assert_eq!(r.health, Health::Degraded);
+    let up_at = Utc::now();
+    rig.remove("hccn-5-link.txt");
+    let r = rig.agent.wait_for("81078603 recovered", |r| {
+        on(r, "81078603", "Ascend910-5").is_some_and(|f| !f.active)
+    });
+    let held = on(&r, "81078603", "Ascend910-5")
+        .unwrap()
+        .recovered_at
+        .unwrap()
+        - up_at;
+    assert!(
+        held >= chrono::Duration::milliseconds(1800),
+        "recovered {held} after the port came up"
+    );
+    assert_eq!(r.health, Health::Healthy);
+    rig.agent.stop();
+}
+
+/// 80E01801 twice within 24 h (the operator's FaultFrequency rule) -> ManuallySeparateNPU, which
+/// stays after the chip stops reporting it, until `faultline clear`.
+#[test]
+fn frequency_escalation_to_manual_separation() {
+    let rig = Rig::start("", &fake_tools_path(), &[]);
+    rig.running();
+    let code = health_with("Alarm", "80E01801");
+    rig.put("health-1-0.txt", &code);
+    let r = rig
+        .agent
+        .wait_for("80E01801", |r| active_on(r, "80E01801", "Ascend910-1"));
+    assert_eq!(
+        on(&r, "80E01801", "Ascend910-1").unwrap().fault_handling,
+        Handling::RestartBusiness
+    );
+    rig.remove("health-1-0.txt");
+    rig.agent.wait_for("80E01801 cleared", |r| {
+        !active_on(r, "80E01801", "Ascend910-1")
+    });
+    rig.put("health-1-0.txt", &code);
+    let r = rig.agent.wait_for("ManuallySeparateNPU", |r| {
+        on(r, "80E01801", "Ascend910-1")
+            .is_some_and(|f| f.active && f.fault_handling == Handling::ManuallySeparateNPU)
+    });
+    assert_eq!(r.health, Health::Unhealthy);
+    rig.remove("health-1-0.txt");
+    // Several polls later it is still there.
+    std::thread::sleep(Duration::from_millis(1000));
+    let r = rig.agent.record().unwrap();
+    assert!(active_on(&r, "80E01801", "Ascend910-1"), "{:?}", r.faults);
+    let (code, _, err) = common::cli(&["clear", "--code", "80E01801"], &rig.agent.state());
+    assert_eq!(code, Some(0), "{err}");
+    rig.agent.wait_for("cleared by the operator", |r| {
+        !active_on(r, "80E01801", "Ascend910-1")
+    });
+    rig.agent.stop();
+}
+
+/// Garbage from a tool and a tool that hangs are detector faults with the reason: the agent goes
+/// on detecting (a kernel-log Xid still arrives), keeps the faults it knew, and recovers when the
+/// tool does.
+#[test]
+fn garbage_and_hangs_are_detector_faults() {
+    let rig = Rig::start("", &fake_tools_path(), &[]);
+    rig.running();
+    rig.put("health-2-0.txt", &health_with("Alarm", "80E18402"));
+    rig.agent
+        .wait_for("80E18402", |r| active_on(r, "80E18402", "Ascend910-2"));
+
+    // npu-smi prints garbage.
+    rig.put(
+        "info.txt",
+        "Segmentation fault (core dumped)\n\u{0}\u{7f}garbage|||\n",
+    );
+    let r = rig
+        .agent
+        .wait_for("npu-smi down", |r| active_on(r, "DETECTOR_DOWN", "npu-smi"));
+    let f = on(&r, "DETECTOR_DOWN", "npu-smi").unwrap();
+    assert!(f.message.contains("npu-smi info"), "{}", f.message);
+    assert!(
+        active_on(&r, "80E18402", "Ascend910-2"),
+        "a known fault was lost"
+    );
+    rig.put("info.txt", &fixture("npu-smi-info-910b-8.txt"));
+    rig.agent.wait_for("npu-smi back", |r| {
+        !active_on(r, "DETECTOR_DOWN", "npu-smi")
+    });
+
+    // hccn_tool prints garbage for one port.
+    rig.put("hccn-6-link.txt", "link status: SIDEWAYS\n");
+    let r = rig.agent.wait_for("hccn_tool down", |r| {
+        active_on(r, "DETECTOR_DOWN", "hccn_tool")
+    });
+    assert!(on(&r, "DETECTOR_DOWN", "hccn_tool")
+        .unwrap()
+        .message
+        .contains("Ascend910-6"));
+    rig.remove("hccn-6-link.txt");
+    rig.agent.wait_for("hccn_tool back", |r| {
+        !active_on(r, "DETECTOR_DOWN", "hccn_tool")
+    });
+
+    // npu-smi hangs: killed at call_timeout (1 s), every poll.
+    rig.put("npu-smi.hang", "");
+    let r = rig
+        .agent
+        .wait_for("npu-smi hung", |r| active_on(r, "DETECTOR_DOWN", "npu-smi"));
+    let f = on(&r, "DETECTOR_DOWN", "npu-smi").unwrap();
+    assert!(f.message.contains("no answer within 1s"), "{}", f.message);
+    rig.agent.append(
+        b"4,200,6000000,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=0, name=x, GPU has fallen off the bus.\n",
+    );
+    let r = rig.agent.wait_for("a kernel-log Xid meanwhile", |r| {
+        fault(r, "Xid79").is_some()
+    });
+    assert!(active_on(&r, "80E18402", "Ascend910-2"));
+    rig.remove("npu-smi.hang");
+    rig.agent.wait_for("npu-smi back after the hang", |r| {
+        !active_on(r, "DETECTOR_DOWN", "npu-smi")
+    });
+    assert!(
+        rig.agent
+            .metric("faultline_tool_calls_total{tool=\"npu-smi\",result=\"timeout\"}")
+            >= 1.0
+    );
+    assert!(
+        rig.agent
+            .metric("faultline_tool_calls_total{tool=\"npu-smi\",result=\"garbage\"}")
+            >= 1.0
+    );
+    rig.agent.stop();
+}
+
+/// A node without the Ascend tools: both detectors idle, no faults, nothing written for
+/// MindCluster unless it is turned on.
+#[test]
+fn no_ascend_tools_is_idle() {
+    let rig = Rig::start("", "/usr/bin:/bin", &[]);
+    let r = rig.agent.wait_for("Ascend detectors idle", |r| {
+        detector(r, "npu-smi") == Some("Idle") && detector(r, "hccn_tool") == Some("Idle")
+    });
+    assert!(r.faults.is_empty(), "{:?}", r.faults);
+    assert_eq!(r.health, Health::Healthy);
+    assert!(!rig.agent.state().join("deviceinfo.json").exists());
+    rig.agent.stop();
+}
+
+/// With the Kubernetes sinks present and the compatibility output on, the same document is the
+/// ConfigMap `mindx-dl-deviceinfo-<node>` in kube-system, labelled for MindCluster's consumers,
+/// rewritten when the lists change and refreshed every `resync` when nothing does. The agent
+/// runs against the API emulator with exactly the permissions of the call tables.
+#[test]
+fn deviceinfo_configmap_in_kubernetes_mode() {
+    use faultline_agent::sink::kube::calls::{Scope, API_CALLS, MINDCLUSTER_CALLS};
+    use faultline_kube_emulator::{Emulator, ResourceRef, Rule, UserInfo};
+    use serde_json::json;
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let emu = rt.block_on(Emulator::start()).unwrap();
+    let rules = API_CALLS
+        .iter()
+        .chain(MINDCLUSTER_CALLS)
+        .map(|c| Rule {
+            verbs: vec![c.verb.to_string()],
+            api_groups: vec![c.group.to_string()],
+            resources: vec![c.resource.to_string()],
+            resource_names: vec![],
+            namespace: match c.scope {
+                Scope::Cluster => None,
+                Scope::AgentNamespace => Some("faultline-system".to_string()),
+                Scope::Namespace(ns) => Some(ns.to_string()),
+            },
+        })
+        .collect();
+    emu.authorize(
+        "agent",
+        UserInfo::service_account("faultline-system", "faultline"),
+        rules,
+    );
+    for ns in ["faultline-system", "kube-system"] {
+        emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}));
+    }
+    emu.put(faultline_kube_emulator::node(
+        "node-a",
+        &[("kubernetes.io/hostname", "node-a")],
+    ));
+    let kdir = tempfile::tempdir().unwrap();
+    let kubeconfig = kdir.path().join("kubeconfig");
+    emu.write_kubeconfig(&kubeconfig, "agent").unwrap();
+
+    let rig = Rig::start(
+        "  mindcluster: { enabled: true, resync: 2s }\n",
+        &fake_tools_path(),
+        &[
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+            "--settle",
+            "0s",
+        ],
+    );
+    rig.running();
+    rig.put(
+        "health-4-0.txt",
+        &health_with("Critical", "80E18402 80C98008"),
+    );
+    let cm_ref = ResourceRef::config_map("kube-system", "mindx-dl-deviceinfo-node-a");
+    let read = || -> Option<(serde_json::Value, DeviceInfoCfg, Vec<DeviceFault>, String)> {
+        let cm = emu.get(&cm_ref)?;
+        let doc = cm["data"]["DeviceInfoCfg"].as_str()?.to_string();
+        let (cfg, faults) = parse_device_info(&doc);
+        Some((cm, cfg, faults, doc))
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let (cm, cfg, faults) = loop {
+        if let Some((cm, cfg, faults, _)) = read() {
+            if cfg.device_info.device_list["huawei.com/Ascend910-Unhealthy"] == "Ascend910-4" {
+                break (cm, cfg, faults);
+            }
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no DeviceInfoCfg with Ascend910-4 unhealthy"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(cm["metadata"]["labels"]["mx-consumer-cim"], "true");
+    assert_eq!(faults.len(), 1);
+    let f = &faults[0];
+    assert_eq!(
+        (f.npu_name.as_str(), f.fault_type.as_str()),
+        ("Ascend910-4", "CardUnhealthy")
+    );
+    // 80E18402 is SeparateNPU, 80C98008 RestartRequest: the element carries the worse.
+    assert_eq!(f.fault_handling, "SeparateNPU");
+    assert_eq!(f.fault_code, "80C98008,80E18402");
+    assert_eq!(
+        f.fault_time_and_level_map["80C98008"].fault_level,
+        "RestartRequest"
+    );
+    assert_eq!(
+        cfg.device_info.device_list["huawei.com/Ascend910"],
+        "Ascend910-0,Ascend910-1,Ascend910-2,Ascend910-3,Ascend910-5,Ascend910-6,Ascend910-7"
+    );
+    let now = Utc::now().timestamp();
+    assert!(
+        (now - cfg.device_info.update_time).abs() <= 5,
+        "UpdateTime {}",
+        cfg.device_info.update_time
+    );
+
+    // Nothing changes: the document is still refreshed within resync (2 s).
+    let first = cfg.device_info.update_time;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, cfg, _, _) = read().unwrap();
+        if cfg.device_info.update_time > first {
+            assert_eq!(
+                cfg.device_info.device_list["huawei.com/Ascend910-Unhealthy"],
+                "Ascend910-4"
+            );
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "UpdateTime not refreshed"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The standalone file says the same.
+    let local = std::fs::read_to_string(rig.agent.state().join("deviceinfo.json")).unwrap();
+    let (local, _) = parse_device_info(&local);
+    assert_eq!(
+        local.device_info.device_list["huawei.com/Ascend910-Unhealthy"],
+        "Ascend910-4"
+    );
+    // The node sinks act on the same fault by the normal rules, and no call was refused.
+    let node = emu.get(&ResourceRef::node("node-a")).unwrap();
+    assert_eq!(
+        node["metadata"]["labels"]["faultline.io/health"],
+        "Unhealthy"
+    );
+    rig.agent.stop();
+    let refused: Vec<_> = emu
+        .calls()
+        .into_iter()
+        .filter(|c| c.status == 403)
+        .collect();
+    assert!(refused.is_empty(), "{refused:?}");
+}
