@@ -229,11 +229,7 @@ async fn run_node(
     if cfg.no_ascend {
         info!("Ascend source disabled");
     } else {
-        let p = policy_rx.borrow().policy.ascend.clone();
-        let tools = Arc::new(ascend::tools::RealTools {
-            npu_smi: p.npu_smi,
-            hccn_tool: p.hccn_tool,
-        });
+        let tools = Arc::new(ascend::tools::RealTools::new(policy_rx.clone()));
         let source = ascend::run(tools, policy_rx.clone(), ctx.clone());
         tasks.spawn(source.instrument(tracing::info_span!("source", name = "ascend")));
     }

@@ -8,6 +8,9 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use tokio::io::AsyncReadExt;
+use tokio::sync::watch;
+
+use crate::source::policy_watch::LoadedPolicy;
 
 /// The two tools the source calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -52,21 +55,27 @@ pub trait Tools: Send + Sync + 'static {
 /// At most this much output is read from a tool (a runaway tool cannot eat the agent's memory).
 const MAX_OUTPUT: u64 = 1 << 20;
 
-/// The real tools, found by the names or paths the policy gives (re-resolved on every call, so
-/// a tool installed or replaced later is picked up).
+/// The real tools, found by the names or paths the policy in force gives (looked up on every
+/// call, so a policy change, or a tool installed or replaced later, is picked up).
 #[derive(Debug, Clone)]
 pub struct RealTools {
-    pub npu_smi: String,
-    pub hccn_tool: String,
+    policy: watch::Receiver<LoadedPolicy>,
 }
 
 impl RealTools {
+    pub fn new(policy: watch::Receiver<LoadedPolicy>) -> Self {
+        RealTools { policy }
+    }
+
     fn resolve(&self, tool: Tool) -> Result<PathBuf, ToolError> {
-        let name = match tool {
-            Tool::NpuSmi => &self.npu_smi,
-            Tool::HccnTool => &self.hccn_tool,
+        let name = {
+            let p = &self.policy.borrow().policy.ascend;
+            match tool {
+                Tool::NpuSmi => p.npu_smi.clone(),
+                Tool::HccnTool => p.hccn_tool.clone(),
+            }
         };
-        which::which(name).map_err(|_| ToolError::NotFound(name.clone()))
+        which::which(&name).map_err(|_| ToolError::NotFound(name))
     }
 }
 
@@ -157,9 +166,13 @@ mod tests {
         let ok = script(dir.path(), "ok", "echo \"args: $*\"");
         let bad = script(dir.path(), "bad", "echo 'Invalid card id.'; exit 3");
         let hang = script(dir.path(), "hang", "exec sleep 30");
-        let t = |npu: &str| RealTools {
-            npu_smi: npu.to_string(),
-            hccn_tool: "/nonexistent/hccn_tool".into(),
+        let t = |npu: &str| {
+            let mut loaded = LoadedPolicy::builtin();
+            let mut policy = (*loaded.policy).clone();
+            policy.ascend.npu_smi = npu.to_string();
+            policy.ascend.hccn_tool = "/nonexistent/hccn_tool".into();
+            loaded.policy = std::sync::Arc::new(policy);
+            RealTools::new(watch::channel(loaded).1)
         };
         let args = vec!["info".to_string(), "-t".to_string()];
         let d = Duration::from_secs(5);
