@@ -482,31 +482,12 @@ fn no_ascend_tools_is_idle() {
 /// runs against the API emulator with exactly the permissions of the call tables.
 #[test]
 fn deviceinfo_configmap_in_kubernetes_mode() {
-    use faultline_agent::sink::kube::calls::{Scope, API_CALLS, MINDCLUSTER_CALLS};
-    use faultline_kube_emulator::{Emulator, ResourceRef, Rule, UserInfo};
+    use faultline_agent::sink::kube::calls::{API_CALLS, MINDCLUSTER_CALLS};
+    use faultline_kube_emulator::{ResourceRef, UserInfo};
     use serde_json::json;
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let emu = rt.block_on(Emulator::start()).unwrap();
-    let rules = API_CALLS
-        .iter()
-        .chain(MINDCLUSTER_CALLS)
-        .map(|c| Rule {
-            verbs: vec![c.verb.to_string()],
-            api_groups: vec![c.group.to_string()],
-            resources: vec![c.resource.to_string()],
-            resource_names: vec![],
-            namespace: match c.scope {
-                Scope::Cluster => None,
-                Scope::AgentNamespace => Some("faultline-system".to_string()),
-                Scope::Namespace(ns) => Some(ns.to_string()),
-            },
-        })
-        .collect();
+    let (_rt, emu) = common::emulator();
+    let rules = common::rules_for(&[API_CALLS, MINDCLUSTER_CALLS], "faultline-system");
     emu.authorize(
         "agent",
         UserInfo::service_account("faultline-system", "faultline"),

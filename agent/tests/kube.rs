@@ -14,10 +14,8 @@ use std::time::{Duration, Instant};
 
 use common::{fault, Agent};
 use faultline_agent::record::{Health, NodeRecord};
-use faultline_agent::sink::kube::calls::{Scope, API_CALLS};
-use faultline_kube_emulator::{
-    Call, Emulator, FaultAction, FaultRule, ResourceRef, Rule, UserInfo,
-};
+use faultline_agent::sink::kube::calls::API_CALLS;
+use faultline_kube_emulator::{Call, Emulator, FaultAction, FaultRule, ResourceRef, UserInfo};
 use k8s_openapi::api::core::v1::Node;
 use serde_json::{json, Value};
 
@@ -25,24 +23,6 @@ const TOKEN: &str = "agent-token";
 const NS: &str = "faultline-system";
 const XID79: &[u8] =
     b"4,100,5000000,-;NVRM: Xid (PCI:0000:3b:00): 79, pid=0, name=x, GPU has fallen off the bus.\n";
-
-/// The RBAC rules the call table implies (the manifests test checks the Roles say the same).
-fn table_rules() -> Vec<Rule> {
-    API_CALLS
-        .iter()
-        .map(|c| Rule {
-            verbs: vec![c.verb.to_string()],
-            api_groups: vec![c.group.to_string()],
-            resources: vec![c.resource.to_string()],
-            resource_names: vec![],
-            namespace: match c.scope {
-                Scope::Cluster => None,
-                Scope::AgentNamespace => Some(NS.to_string()),
-                Scope::Namespace(ns) => Some(ns.to_string()),
-            },
-        })
-        .collect()
-}
 
 /// An emulated cluster with nodes that already carry a foreign taint and kubelet conditions.
 struct Cluster {
@@ -58,12 +38,7 @@ fn operator_taint() -> Value {
 
 impl Cluster {
     fn new(nodes: &[&str]) -> Cluster {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let emu = rt.block_on(Emulator::start()).unwrap();
+        let (rt, emu) = common::emulator();
         let dir = tempfile::tempdir().unwrap();
         let kubeconfig = dir.path().join("kubeconfig");
         emu.write_kubeconfig(&kubeconfig, TOKEN).unwrap();
@@ -74,7 +49,7 @@ impl Cluster {
                 groups: vec!["system:serviceaccounts".into()],
                 extra: Default::default(),
             },
-            table_rules(),
+            common::rules_for(&[API_CALLS], NS),
         );
         emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}));
         for n in nodes {

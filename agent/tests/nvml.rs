@@ -367,13 +367,8 @@ fn broken_nvml_is_a_detector_fault() {
 /// only its own (another node in the emulated cluster is never read or written).
 #[test]
 fn expected_count_from_the_node_label() {
-    use faultline_kube_emulator::{Emulator, UserInfo};
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let emu = rt.block_on(Emulator::start()).unwrap();
+    use faultline_kube_emulator::UserInfo;
+    let (_rt, emu) = common::emulator();
     emu.authorize(
         "t",
         UserInfo::new("agent"),

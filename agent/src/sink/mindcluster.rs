@@ -350,6 +350,21 @@ mod tests {
         DateTime::from_timestamp(1_790_000_000 + s, 0).unwrap()
     }
 
+    /// An engine whose Ascend inventory has chips 0..n.
+    fn with_chips(ctx: Ctx<'_>, n: u32) -> Engine {
+        let mut e = Engine::new();
+        let names = (0..n).map(|i| format!("Ascend910-{i}")).collect();
+        e.step(
+            ctx,
+            Observation::Inventory {
+                kind: KIND.into(),
+                names,
+            },
+            t(0),
+        );
+        e
+    }
+
     fn ascend(code: &str, network: bool, chip: u32) -> Observation {
         Observation::Signal(Signal::new(
             Source::Ascend,
@@ -367,21 +382,12 @@ mod tests {
     /// the escaping of the Fault list, and the CheckCode over the DeviceInfo JSON.
     #[test]
     fn golden_document() {
-        let policy = Policy::parse("").unwrap();
-        let catalog = Catalog::builtin().unwrap();
+        let (policy, catalog) = (Policy::parse("").unwrap(), Catalog::builtin().unwrap());
         let ctx = Ctx {
             policy: &policy,
             catalog: &catalog,
         };
-        let mut e = Engine::new();
-        e.step(
-            ctx,
-            Observation::Inventory {
-                kind: KIND.into(),
-                names: (0..4).map(|i| format!("Ascend910-{i}")).collect(),
-            },
-            t(0),
-        );
+        let mut e = with_chips(ctx, 4);
         // 80E3A201 is SeparateNPU in the built-in table; 80E01801 RestartBusiness; the link
         // code starts at NotHandleFault.
         e.step(ctx, ascend("80E3A201", false, 2), t(1));
@@ -403,21 +409,12 @@ mod tests {
 
     #[test]
     fn lists_follow_levels_and_holds() {
-        let policy = Policy::parse("").unwrap();
-        let catalog = Catalog::builtin().unwrap();
+        let (policy, catalog) = (Policy::parse("").unwrap(), Catalog::builtin().unwrap());
         let ctx = Ctx {
             policy: &policy,
             catalog: &catalog,
         };
-        let mut e = Engine::new();
-        e.step(
-            ctx,
-            Observation::Inventory {
-                kind: KIND.into(),
-                names: (0..11).map(|i| format!("Ascend910-{i}")).collect(),
-            },
-            t(0),
-        );
+        let mut e = with_chips(ctx, 11);
         let level = |down: bool| Observation::Level {
             source: Source::Ascend,
             device: DeviceRef::named("Ascend910-10"),

@@ -223,3 +223,41 @@ pub fn terminate(child: &Child) {
 pub fn fault<'a>(r: &'a NodeRecord, code: &str) -> Option<&'a faultline_agent::record::Fault> {
     r.faults.iter().find(|f| f.fault_code == code)
 }
+
+/// An API emulator on loopback with the runtime that serves it (keep both alive).
+pub fn emulator() -> (tokio::runtime::Runtime, faultline_kube_emulator::Emulator) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let emu = rt
+        .block_on(faultline_kube_emulator::Emulator::start())
+        .unwrap();
+    (rt, emu)
+}
+
+/// The RBAC rules a call table implies, with the agent in `agent_ns` (the manifests test
+/// checks the Roles say the same). An agent authorized with exactly these gets 403 for any
+/// call the tables do not list.
+pub fn rules_for(
+    tables: &[&[faultline_agent::sink::kube::calls::ApiCall]],
+    agent_ns: &str,
+) -> Vec<faultline_kube_emulator::Rule> {
+    use faultline_agent::sink::kube::calls::Scope;
+    tables
+        .iter()
+        .flat_map(|t| t.iter())
+        .map(|c| faultline_kube_emulator::Rule {
+            verbs: vec![c.verb.to_string()],
+            api_groups: vec![c.group.to_string()],
+            resources: vec![c.resource.to_string()],
+            resource_names: vec![],
+            namespace: match c.scope {
+                Scope::Cluster => None,
+                Scope::AgentNamespace => Some(agent_ns.to_string()),
+                Scope::Namespace(ns) => Some(ns.to_string()),
+            },
+        })
+        .collect()
+}

@@ -8,7 +8,7 @@
 //! `NPU_LOST`.
 
 use std::collections::{BTreeMap, VecDeque};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::catalog::FaultCode;
 use crate::engine::{DetectorState, DeviceRef, Observation, Signal};
@@ -178,7 +178,7 @@ impl Analyzer {
         }
         if let Some(count) = &l.up_count {
             let count = count.clone()?;
-            let grew = growth(
+            let grew = crate::source::counter_growth(
                 self.up_counts.entry(id).or_default(),
                 now,
                 count,
@@ -319,30 +319,10 @@ fn detector_from(name: &str, errors: &[String], absent: bool) -> Observation {
     detector(name, DetectorState::Down, Some(reason))
 }
 
-/// Keeps `(time, value)` samples for `window` and returns the counter's growth over it.
-fn growth(hist: &mut VecDeque<(Instant, u64)>, now: Instant, value: u64, window: Duration) -> u64 {
-    hist.push_back((now, value));
-    while hist.len() > 1
-        && hist
-            .front()
-            .is_some_and(|(t, _)| now.saturating_duration_since(*t) > window)
-    {
-        hist.pop_front();
-    }
-    // A counter that went down was reset (driver reload): count from the reset.
-    let base = hist
-        .iter()
-        .rev()
-        .map(|(_, v)| *v)
-        .take_while(|v| *v <= value)
-        .min()
-        .unwrap_or(value);
-    value - base
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     fn chip(id: u32, health: NpuHealth) -> NpuChip {
         NpuChip {

@@ -6,7 +6,7 @@
 //! its value one window ago.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use crate::catalog::FaultCode;
 use crate::engine::{DeviceRef, Observation, Signal};
@@ -41,26 +41,6 @@ fn device_ref(id: &Identity) -> DeviceRef {
         index: Some(id.index),
         name: None,
     }
-}
-
-/// Keeps `(time, value)` samples for `window` and returns the growth over it.
-fn growth(hist: &mut VecDeque<(Instant, u64)>, now: Instant, value: u64, window: Duration) -> u64 {
-    hist.push_back((now, value));
-    while hist.len() > 1
-        && hist
-            .front()
-            .is_some_and(|(t, _)| now.saturating_duration_since(*t) > window)
-    {
-        hist.pop_front();
-    }
-    // A counter that went down was reset: growth since then only.
-    let base = hist
-        .iter()
-        .map(|(_, v)| *v)
-        .take_while(|v| *v <= value)
-        .min()
-        .unwrap_or(value);
-    value.saturating_sub(base)
 }
 
 impl Analyzer {
@@ -234,7 +214,7 @@ impl Analyzer {
                 }
                 if let Ok(e) = l.errors {
                     let hist = dev.link_errors.entry(l.link).or_default();
-                    let g = growth(hist, now, e, p.nvlink_error_window);
+                    let g = crate::source::counter_growth(hist, now, e, p.nvlink_error_window);
                     if g >= p.nvlink_error_threshold {
                         noisy.push((l.link, g));
                     }
@@ -281,7 +261,7 @@ impl Analyzer {
             }
         }
         if let Ok(c) = r.pcie_replay {
-            let g = growth(&mut dev.replays, now, c, p.pcie_replay_window);
+            let g = crate::source::counter_growth(&mut dev.replays, now, c, p.pcie_replay_window);
             if g >= p.pcie_replay_threshold {
                 want.insert(
                     "PCIE_REPLAY_ERRORS",
@@ -362,6 +342,7 @@ impl Analyzer {
 mod tests {
     use super::super::readings::{Link, Pcie, Remap};
     use super::*;
+    use std::time::Duration;
 
     fn ok_readings(index: u32) -> DeviceReadings {
         DeviceReadings {
