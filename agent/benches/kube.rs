@@ -319,17 +319,21 @@ fn fleet(agents: usize) {
         took.as_secs_f64(),
         calls.len()
     );
-    // What the agents complained about meanwhile (first words of each warning).
+    // What the agents complained about meanwhile: each warning's message without its fields
+    // (`<time> WARN <target>: <message> key=value ...`), counted.
     let mut warns: BTreeMap<String, usize> = BTreeMap::new();
     for (_, dir) in &children {
         let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
         for l in log
             .lines()
-            .filter(|l| l.contains("WARN") || l.contains("ERROR"))
+            .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
         {
-            let msg = l.split(": ").nth(2).unwrap_or(l);
-            let key: String = msg.chars().take(90).collect();
-            *warns.entry(key).or_default() += 1;
+            let msg = l.split_once(": ").map_or(l, |(_, m)| m);
+            let words: Vec<&str> = msg
+                .split_whitespace()
+                .take_while(|w| !w.contains('='))
+                .collect();
+            *warns.entry(words.join(" ")).or_default() += 1;
         }
     }
     for (w, n) in &warns {
