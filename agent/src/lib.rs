@@ -13,6 +13,7 @@ pub mod engine;
 pub mod http;
 pub mod metrics;
 pub mod parse;
+pub mod peer;
 pub mod policy;
 pub mod record;
 pub mod runtime;

@@ -1,0 +1,232 @@
+//! Table tests and the property tests that hold the pairing guarantees over thousands of
+//! random clusters.
+
+use super::*;
+use proptest::prelude::*;
+
+fn run(n: usize, truth: &Truth) -> (Verdicts, usize, usize) {
+    simulate((0..n).collect(), truth, PairingConfig::default())
+}
+
+fn faulty(nodes: &[NodeId]) -> Truth {
+    Truth {
+        faulty: nodes.iter().copied().collect(),
+        noise: 0.05,
+        ..Truth::default()
+    }
+}
+
+#[test]
+fn healthy_cluster_is_one_round_without_verdicts() {
+    for n in [2, 3, 4, 5, 8, 9, 64] {
+        let (v, rounds, checks) = run(
+            n,
+            &Truth {
+                noise: 0.05,
+                ..Truth::default()
+            },
+        );
+        assert!(v.is_clean(), "{n}: {v:?}");
+        assert_eq!(rounds, 1, "{n}");
+        assert_eq!(checks, n.div_ceil(2), "{n}");
+    }
+}
+
+#[test]
+fn first_round_pairs_neighbours_and_the_odd_one_with_the_first() {
+    let mut p = Planner::new(vec![4, 2, 0, 1, 3], PairingConfig::default());
+    let r1 = p.next_round().unwrap();
+    let pairs: Vec<(Pair, bool)> = r1.iter().map(|c| (c.pair, c.exclusive)).collect();
+    assert_eq!(
+        pairs,
+        [
+            (Pair::new(4, 2), false),
+            (Pair::new(0, 1), true),
+            (Pair::new(3, 4), false),
+        ]
+    );
+    // Asking again before recording gives the same round.
+    assert_eq!(p.next_round().unwrap(), r1);
+}
+
+#[test]
+fn dlrover_example_six_nodes_node_six_faulty() {
+    // FACTS.md: 6 nodes, round 0 [{1,2},{3,4},{5,6}], {5,6} fails; node 6 is faulty.
+    // Here nodes 0..5 stand for 1..6.
+    let (v, rounds, _) = run(6, &faulty(&[5]));
+    assert_eq!(v.faulty, BTreeSet::from([5]));
+    assert!(v.broken_links.is_empty() && v.unknown.is_empty());
+    assert_eq!(rounds, 2);
+}
+
+#[test]
+fn a_broken_link_is_a_link() {
+    let truth = Truth {
+        broken_links: BTreeSet::from([Pair::new(2, 3)]),
+        ..Truth::default()
+    };
+    let (v, rounds, _) = run(8, &truth);
+    assert_eq!(v.broken_links, BTreeSet::from([Pair::new(2, 3)]));
+    assert!(v.faulty.is_empty() && v.unknown.is_empty(), "{v:?}");
+    assert_eq!(rounds, 2);
+}
+
+#[test]
+fn a_straggler_is_found_with_its_slowdown() {
+    let truth = Truth {
+        slow: BTreeMap::from([(6, 3.0)]),
+        noise: 0.05,
+        ..Truth::default()
+    };
+    let (v, rounds, _) = run(8, &truth);
+    assert!(
+        v.faulty.is_empty() && v.broken_links.is_empty() && v.unknown.is_empty(),
+        "{v:?}"
+    );
+    let ratio = v.stragglers[&6];
+    assert!((2.7..3.3).contains(&ratio), "{ratio}");
+    assert_eq!(v.stragglers.len(), 1);
+    assert_eq!(rounds, 2);
+}
+
+#[test]
+fn too_few_nodes_or_no_healthy_partner_is_unknown_with_the_reason() {
+    let (v, _, _) = run(2, &faulty(&[1]));
+    assert_eq!(v.unknown.len(), 2, "{v:?}");
+    assert!(
+        v.unknown[&0].contains("no node passed"),
+        "{}",
+        v.unknown[&0]
+    );
+    let (v, _, _) = run(1, &Truth::default());
+    assert_eq!(v.unknown.keys().copied().collect::<Vec<_>>(), [0]);
+    // Everyone faulty: nothing can be told apart.
+    let (v, _, _) = run(6, &faulty(&[0, 1, 2, 3, 4, 5]));
+    assert!(v.faulty.is_empty());
+    assert_eq!(v.unknown.len(), 6);
+}
+
+#[test]
+fn missing_results_count_as_failures() {
+    let mut p = Planner::new((0..4).collect(), PairingConfig::default());
+    let r1 = p.next_round().unwrap();
+    // Only the first pair reported.
+    p.record(&[(r1[0].pair, Outcome::Pass { seconds: 1.0 })]);
+    let r2 = p.next_round().unwrap();
+    assert_eq!(
+        r2.len(),
+        2,
+        "both members of the silent pair are checked again: {r2:?}"
+    );
+}
+
+#[test]
+fn neighbour_order_groups_by_topology_and_rotates() {
+    let m = |n: &str, t: Option<&str>| (n.to_string(), t.map(str::to_string));
+    let members = [
+        m("d", Some("rack-2")),
+        m("a", Some("rack-1")),
+        m("c", None),
+        m("b", Some("rack-1")),
+        m("e", Some("rack-2")),
+    ];
+    assert_eq!(neighbour_order(&members, 0), [1, 3, 0, 4, 2]);
+    assert_eq!(neighbour_order(&members, 1), [3, 0, 4, 2, 1]);
+    assert_eq!(neighbour_order(&members, 6), [3, 0, 4, 2, 1]);
+    assert!(neighbour_order(&[], 3).is_empty());
+}
+
+/// A random order of `n` nodes (the round-1 order does not matter to the guarantees).
+fn shuffled(n: usize, seed: u64) -> Vec<NodeId> {
+    let mut v: Vec<NodeId> = (0..n).collect();
+    let mut s = seed | 1;
+    for i in (1..n).rev() {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        v.swap(i, (s % (i as u64 + 1)) as usize);
+    }
+    v
+}
+
+fn pick(n: usize, k: usize, seed: u64) -> BTreeSet<NodeId> {
+    shuffled(n, seed.wrapping_mul(31).wrapping_add(7))
+        .into_iter()
+        .take(k)
+        .collect()
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    /// A single faulty node among N >= 3 is found in at most 2 rounds, and nothing else is
+    /// blamed.
+    #[test]
+    fn single_faulty_node_in_two_rounds(n in 3usize..300, f in any::<prop::sample::Index>(), seed in any::<u64>()) {
+        let f = f.index(n);
+        let truth = faulty(&[f]);
+        let (v, rounds, _) = simulate(shuffled(n, seed), &truth, PairingConfig::default());
+        prop_assert_eq!(&v.faulty, &BTreeSet::from([f]));
+        prop_assert!(v.broken_links.is_empty() && v.stragglers.is_empty() && v.unknown.is_empty(), "{:?}", v);
+        prop_assert!(rounds <= 2, "{} rounds", rounds);
+    }
+
+    /// k faulty nodes, k <= N/4, are all found, and only they, in at most 3 rounds.
+    #[test]
+    fn k_faulty_nodes_in_three_rounds(n in 4usize..400, k in 1usize..100, seed in any::<u64>()) {
+        let k = k.min(n / 4).max(1);
+        let truth = Truth { faulty: pick(n, k, seed), noise: 0.05, ..Truth::default() };
+        let (v, rounds, _) = simulate(shuffled(n, seed), &truth, PairingConfig::default());
+        prop_assert_eq!(&v.faulty, &truth.faulty);
+        prop_assert!(v.broken_links.is_empty() && v.unknown.is_empty(), "{:?}", v);
+        prop_assert!(rounds <= 3, "{} rounds for {} of {}", rounds, k, n);
+    }
+
+    /// Broken links between healthy nodes (at most one per node) are found as links and never
+    /// blamed on a node, also next to faulty nodes.
+    #[test]
+    fn broken_links_are_never_blamed_on_a_node(n in 4usize..200, links in 1usize..8, k in 0usize..4, seed in any::<u64>()) {
+        let order = shuffled(n, seed);
+        let k = k.min(n / 8);
+        let bad = pick(n, k, seed ^ 0xABCD);
+        // Disjoint links among healthy nodes.
+        let healthy: Vec<NodeId> = shuffled(n, seed ^ 0x5555).into_iter().filter(|x| !bad.contains(x)).collect();
+        let links: BTreeSet<Pair> = healthy.chunks(2).filter(|c| c.len() == 2).take(links.min(n / 4)).map(|c| Pair::new(c[0], c[1])).collect();
+        let truth = Truth { faulty: bad.clone(), broken_links: links.clone(), noise: 0.05, ..Truth::default() };
+        let (v, _, _) = simulate(order, &truth, PairingConfig::default());
+        // Soundness: no healthy node is called faulty, no link is called anything else.
+        prop_assert!(v.faulty.is_subset(&bad), "{:?} vs {:?}", v.faulty, bad);
+        prop_assert!(v.broken_links.is_subset(&links), "{:?} vs {:?}", v.broken_links, links);
+        for l in &links {
+            prop_assert!(!v.faulty.contains(&l.a()) && !v.faulty.contains(&l.b()));
+        }
+        // Completeness where there are enough healthy partners: every link that was checked is
+        // found, every faulty node is found.
+        prop_assert_eq!(&v.faulty, &bad);
+        prop_assert!(v.unknown.is_empty(), "{:?}", v.unknown);
+    }
+
+    /// A healthy cluster with noisy times finishes in one round with no verdicts.
+    #[test]
+    fn healthy_clusters_finish_in_one_round(n in 2usize..500, noise in 0.0f64..0.2) {
+        let (v, rounds, _) = run(n, &Truth { noise, ..Truth::default() });
+        prop_assert!(v.is_clean(), "{:?}", v);
+        prop_assert_eq!(rounds, 1);
+    }
+
+    /// Stragglers (at most N/8, slowed 2x to 10x) are found with about their slowdown, and no
+    /// normal node is called one.
+    #[test]
+    fn stragglers_are_found(n in 8usize..200, k in 1usize..6, factor in 2.0f64..10.0, seed in any::<u64>()) {
+        let k = k.min(n / 8);
+        let slow: BTreeMap<NodeId, f64> = pick(n, k, seed).into_iter().map(|x| (x, factor)).collect();
+        let truth = Truth { slow: slow.clone(), noise: 0.05, ..Truth::default() };
+        let (v, rounds, _) = simulate(shuffled(n, seed), &truth, PairingConfig::default());
+        prop_assert_eq!(v.stragglers.keys().copied().collect::<BTreeSet<_>>(), slow.keys().copied().collect::<BTreeSet<_>>(), "{:?}", v);
+        for r in v.stragglers.values() {
+            prop_assert!((r / factor - 1.0).abs() < 0.12, "ratio {} for {}x", r, factor);
+        }
+        prop_assert!(v.faulty.is_empty() && v.broken_links.is_empty() && v.unknown.is_empty(), "{:?}", v);
+        prop_assert!(rounds <= 3, "{} rounds", rounds);
+    }
+}
