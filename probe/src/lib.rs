@@ -1,10 +1,12 @@
 //! faultline-probe: the peer-check workload (allgather + GEMM), run by the agent as a child
 //! process with a hard deadline.
 //!
-//! This crate holds the CPU GEMM backend now; the TCP allgather, the cuBLAS/NCCL backends and
-//! the rendezvous come with the peer-check work (issue 6).
+//! Backends: the CPU GEMM (here) and the TCP allgather (`allgather`). The cuBLAS/NCCL backends
+//! and the rendezvous through the agents come with the rest of the peer-check work (issue 6).
 
 #![forbid(unsafe_code)]
+
+pub mod allgather;
 
 use std::time::{Duration, Instant};
 

@@ -1,0 +1,613 @@
+//! The TCP allgather backend: every rank contributes `bytes` and ends with every rank's data.
+//! A ring: rank r listens on its own address, connects to rank r+1 and accepts rank r-1; in each
+//! of the world-1 steps it sends one block to its successor while it receives one from its
+//! predecessor (full duplex, a thread per direction). Every received block is checked against
+//! the pattern its owner writes, so a corrupting path fails the check instead of passing it.
+//!
+//! Peers meet with a handshake (magic, protocol version, world size, the sender's rank, block
+//! size); any mismatch is a clear error, never a hang. Every socket has the deadline as its
+//! timeout, so a silent peer ends the check at the deadline.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::time::{Duration, Instant};
+
+const MAGIC: &[u8; 8] = b"FLPROBE1";
+const VERSION: u32 = 1;
+/// Data moves in pieces of this size (the buffers are never copied whole).
+const PIECE: usize = 1 << 20;
+
+/// One allgather run.
+#[derive(Debug, Clone)]
+pub struct AllgatherConfig {
+    /// Every rank's listening address, by rank.
+    pub peers: Vec<SocketAddr>,
+    pub rank: usize,
+    /// Bytes each rank contributes.
+    pub bytes: usize,
+    pub iterations: u32,
+    /// The whole run, connection included, ends with an error at this deadline.
+    pub timeout: Duration,
+}
+
+/// What a run measured.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct AllgatherResult {
+    pub world: usize,
+    pub rank: usize,
+    pub bytes_per_rank: usize,
+    pub iterations: u32,
+    /// Seconds per iteration, in order.
+    pub seconds: Vec<f64>,
+    /// Median seconds per iteration.
+    pub median_seconds: f64,
+    /// Algorithm bandwidth (all ranks' bytes over the median time), GB/s.
+    pub algbw_gbps: f64,
+    /// Bus bandwidth (algbw x (world-1)/world, comparable across world sizes, as nccl-tests
+    /// reports it), GB/s.
+    pub busbw_gbps: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AllgatherError {
+    #[error("bad configuration: {0}")]
+    Config(String),
+    #[error("cannot listen on {addr}: {source}")]
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("rank {rank} at {addr} not reachable before the deadline: {last}")]
+    Connect {
+        rank: usize,
+        addr: SocketAddr,
+        last: String,
+    },
+    #[error("rank {rank} did not connect before the deadline{}", .rejected.as_ref().map(|r| format!(" (rejected: {r})")).unwrap_or_default())]
+    Accept {
+        rank: usize,
+        /// The last connection turned away, and why.
+        rejected: Option<String>,
+    },
+    #[error("handshake with {peer}: {what}")]
+    Handshake { peer: String, what: String },
+    #[error("{what} with rank {rank}: {source}")]
+    Io {
+        what: &'static str,
+        rank: usize,
+        source: std::io::Error,
+    },
+    #[error("data from rank {owner} is corrupt (byte {offset} of its block)")]
+    Corrupt { owner: usize, offset: usize },
+    #[error("deadline ({0:?}) passed")]
+    Deadline(Duration),
+}
+
+/// The byte at `offset` of `rank`'s block: deterministic, different per rank and position.
+fn pattern(rank: usize, offset: usize) -> u8 {
+    ((rank.wrapping_mul(131) ^ offset.wrapping_mul(7) ^ (offset >> 12)) % 251) as u8
+}
+
+fn fill(rank: usize, buf: &mut [u8]) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = pattern(rank, i);
+    }
+}
+
+struct Hello {
+    version: u32,
+    world: u64,
+    rank: u64,
+    bytes: u64,
+}
+
+impl Hello {
+    fn encode(&self) -> [u8; 36] {
+        let mut b = [0u8; 36];
+        b[..8].copy_from_slice(MAGIC);
+        b[8..12].copy_from_slice(&self.version.to_be_bytes());
+        b[12..20].copy_from_slice(&self.world.to_be_bytes());
+        b[20..28].copy_from_slice(&self.rank.to_be_bytes());
+        b[28..36].copy_from_slice(&self.bytes.to_be_bytes());
+        b
+    }
+    fn decode(b: &[u8; 36]) -> Result<Hello, String> {
+        if &b[..8] != MAGIC {
+            return Err("not a faultline probe (bad magic)".into());
+        }
+        let u64_at = |i: usize| {
+            let mut x = [0u8; 8];
+            x.copy_from_slice(&b[i..i + 8]);
+            u64::from_be_bytes(x)
+        };
+        let mut v = [0u8; 4];
+        v.copy_from_slice(&b[8..12]);
+        Ok(Hello {
+            version: u32::from_be_bytes(v),
+            world: u64_at(12),
+            rank: u64_at(20),
+            bytes: u64_at(28),
+        })
+    }
+}
+
+fn left(deadline: Instant) -> Option<Duration> {
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+}
+
+fn set_timeouts(s: &TcpStream, deadline: Instant) -> std::io::Result<()> {
+    let t = left(deadline).unwrap_or(Duration::from_millis(1));
+    s.set_read_timeout(Some(t))?;
+    s.set_write_timeout(Some(t))?;
+    s.set_nodelay(true)
+}
+
+/// Checks a peer's hello against what this rank expects.
+fn check_hello(
+    h: &Hello,
+    cfg: &AllgatherConfig,
+    want_rank: usize,
+    peer: &str,
+) -> Result<(), AllgatherError> {
+    let bad = |what: String| AllgatherError::Handshake {
+        peer: peer.to_string(),
+        what,
+    };
+    if h.version != VERSION {
+        return Err(bad(format!(
+            "protocol version {} (this probe speaks {VERSION})",
+            h.version
+        )));
+    }
+    if h.world != cfg.peers.len() as u64 {
+        return Err(bad(format!(
+            "world size {} (this rank has {})",
+            h.world,
+            cfg.peers.len()
+        )));
+    }
+    if h.bytes != cfg.bytes as u64 {
+        return Err(bad(format!(
+            "{} bytes per rank (this rank has {})",
+            h.bytes, cfg.bytes
+        )));
+    }
+    if h.rank != want_rank as u64 {
+        return Err(bad(format!(
+            "it says it is rank {}, expected rank {want_rank}",
+            h.rank
+        )));
+    }
+    Ok(())
+}
+
+/// Connects the ring: (to successor, from predecessor).
+fn connect(
+    cfg: &AllgatherConfig,
+    deadline: Instant,
+) -> Result<(TcpStream, TcpStream), AllgatherError> {
+    let world = cfg.peers.len();
+    let me = cfg.rank;
+    let next = (me + 1) % world;
+    let prev = (me + world - 1) % world;
+    let addr = cfg.peers[me];
+    let listener =
+        TcpListener::bind(addr).map_err(|source| AllgatherError::Listen { addr, source })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|source| AllgatherError::Listen { addr, source })?;
+    let hello = Hello {
+        version: VERSION,
+        world: world as u64,
+        rank: me as u64,
+        bytes: cfg.bytes as u64,
+    }
+    .encode();
+    // Connect out (retrying while the successor starts) and accept in, on two threads.
+    let out_cfg = cfg.clone();
+    let outgoing = std::thread::spawn(move || -> Result<TcpStream, AllgatherError> {
+        let target = out_cfg.peers[next];
+        let mut last = String::from("never tried");
+        while let Some(t) = left(deadline) {
+            match TcpStream::connect_timeout(&target, t.min(Duration::from_secs(1))) {
+                Ok(mut s) => {
+                    set_timeouts(&s, deadline).map_err(|source| AllgatherError::Io {
+                        what: "set up the connection",
+                        rank: next,
+                        source,
+                    })?;
+                    s.write_all(&hello).map_err(|source| AllgatherError::Io {
+                        what: "send the handshake",
+                        rank: next,
+                        source,
+                    })?;
+                    let mut back = [0u8; 36];
+                    s.read_exact(&mut back)
+                        .map_err(|source| AllgatherError::Io {
+                            what: "read the handshake",
+                            rank: next,
+                            source,
+                        })?;
+                    let h = Hello::decode(&back).map_err(|what| AllgatherError::Handshake {
+                        peer: target.to_string(),
+                        what,
+                    })?;
+                    check_hello(&h, &out_cfg, next, &target.to_string())?;
+                    return Ok(s);
+                }
+                Err(e) => {
+                    last = e.to_string();
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            }
+        }
+        Err(AllgatherError::Connect {
+            rank: next,
+            addr: target,
+            last,
+        })
+    });
+    // Connections that are not the predecessor (a stranger, a probe of another run) are turned
+    // away and the wait goes on; the error at the deadline says what was turned away.
+    let mut rejected: Option<String> = None;
+    let incoming = loop {
+        match listener.accept() {
+            Ok((mut s, from)) => {
+                let _ = s.set_nonblocking(false);
+                if set_timeouts(&s, deadline).is_err() {
+                    continue;
+                }
+                let mut theirs = [0u8; 36];
+                if let Err(e) = s.read_exact(&mut theirs) {
+                    rejected = Some(format!("{from}: no handshake ({e})"));
+                    continue;
+                }
+                let checked = Hello::decode(&theirs)
+                    .map_err(|what| AllgatherError::Handshake {
+                        peer: from.to_string(),
+                        what,
+                    })
+                    .and_then(|h| check_hello(&h, cfg, prev, &from.to_string()));
+                if let Err(e) = checked {
+                    rejected = Some(e.to_string());
+                    continue;
+                }
+                s.write_all(&hello).map_err(|source| AllgatherError::Io {
+                    what: "answer the handshake",
+                    rank: prev,
+                    source,
+                })?;
+                break s;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if left(deadline).is_none() {
+                    return Err(AllgatherError::Accept {
+                        rank: prev,
+                        rejected,
+                    });
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(source) => {
+                return Err(AllgatherError::Io {
+                    what: "accept",
+                    rank: prev,
+                    source,
+                })
+            }
+        }
+    };
+    let out = outgoing
+        .join()
+        .map_err(|_| AllgatherError::Config("the connecting thread panicked".into()))??;
+    Ok((out, incoming))
+}
+
+/// Runs the allgather. `data` gets every rank's block, in rank order.
+pub fn run(cfg: &AllgatherConfig) -> Result<AllgatherResult, AllgatherError> {
+    let world = cfg.peers.len();
+    if world < 2 {
+        return Err(AllgatherError::Config(
+            "an allgather needs at least 2 ranks".into(),
+        ));
+    }
+    if cfg.rank >= world {
+        return Err(AllgatherError::Config(format!(
+            "rank {} of a world of {world}",
+            cfg.rank
+        )));
+    }
+    if cfg.bytes == 0 || cfg.iterations == 0 {
+        return Err(AllgatherError::Config(
+            "bytes and iterations must be at least 1".into(),
+        ));
+    }
+    let deadline = Instant::now() + cfg.timeout;
+    let (mut to_next, mut from_prev) = connect(cfg, deadline)?;
+    let me = cfg.rank;
+    let next = (me + 1) % world;
+    let prev = (me + world - 1) % world;
+    let mut blocks: Vec<Vec<u8>> = (0..world).map(|_| vec![0u8; cfg.bytes]).collect();
+    fill(me, &mut blocks[me]);
+    let mut seconds = Vec::new();
+    for _ in 0..cfg.iterations {
+        let t0 = Instant::now();
+        for step in 0..world - 1 {
+            // Send the block received `step` steps ago (own block first); receive the block
+            // of the rank `step + 1` places back.
+            let send_owner = (me + world - step) % world;
+            let recv_owner = (me + world - step - 1) % world;
+            let outgoing = std::mem::take(&mut blocks[send_owner]);
+            let mut writer = to_next.try_clone().map_err(|source| AllgatherError::Io {
+                what: "clone the socket",
+                rank: next,
+                source,
+            })?;
+            let sender = std::thread::spawn(move || -> (Vec<u8>, std::io::Result<()>) {
+                let r = outgoing.chunks(PIECE).try_for_each(|c| writer.write_all(c));
+                (outgoing, r)
+            });
+            let mut incoming = std::mem::take(&mut blocks[recv_owner]);
+            let read = incoming
+                .chunks_mut(PIECE)
+                .try_for_each(|c| from_prev.read_exact(c));
+            let (sent, wrote) = sender
+                .join()
+                .map_err(|_| AllgatherError::Config("the sending thread panicked".into()))?;
+            blocks[send_owner] = sent;
+            blocks[recv_owner] = incoming;
+            wrote.map_err(|source| AllgatherError::Io {
+                what: "send",
+                rank: next,
+                source,
+            })?;
+            read.map_err(|source| AllgatherError::Io {
+                what: "receive",
+                rank: prev,
+                source,
+            })?;
+            if left(deadline).is_none() {
+                return Err(AllgatherError::Deadline(cfg.timeout));
+            }
+        }
+        seconds.push(t0.elapsed().as_secs_f64());
+        for (owner, block) in blocks.iter().enumerate() {
+            if let Some(offset) = block
+                .iter()
+                .enumerate()
+                .position(|(i, b)| *b != pattern(owner, i))
+            {
+                return Err(AllgatherError::Corrupt { owner, offset });
+            }
+        }
+        // Refresh the received blocks so a stale copy can never pass the next check.
+        for (owner, block) in blocks.iter_mut().enumerate() {
+            if owner != me {
+                block.iter_mut().for_each(|b| *b = !*b);
+            }
+        }
+    }
+    let _ = to_next.flush();
+    let mut sorted = seconds.clone();
+    sorted.sort_by(f64::total_cmp);
+    let median = sorted[sorted.len() / 2];
+    let algbw = (cfg.bytes * world) as f64 / median.max(1e-9) / 1e9;
+    Ok(AllgatherResult {
+        world,
+        rank: me,
+        bytes_per_rank: cfg.bytes,
+        iterations: cfg.iterations,
+        median_seconds: median,
+        seconds,
+        algbw_gbps: algbw,
+        busbw_gbps: algbw * (world - 1) as f64 / world as f64,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Free loopback addresses (bound and released; good enough for tests on one machine).
+    fn addrs(n: usize) -> Vec<SocketAddr> {
+        let ls: Vec<TcpListener> = (0..n)
+            .map(|_| TcpListener::bind("127.0.0.1:0").unwrap())
+            .collect();
+        ls.iter().map(|l| l.local_addr().unwrap()).collect()
+    }
+
+    fn world(
+        n: usize,
+        bytes: usize,
+        edit: impl Fn(usize, &mut AllgatherConfig),
+    ) -> Vec<Result<AllgatherResult, AllgatherError>> {
+        let peers = addrs(n);
+        let handles: Vec<_> = (0..n)
+            .map(|rank| {
+                let mut cfg = AllgatherConfig {
+                    peers: peers.clone(),
+                    rank,
+                    bytes,
+                    iterations: 3,
+                    timeout: Duration::from_secs(10),
+                };
+                edit(rank, &mut cfg);
+                std::thread::spawn(move || run(&cfg))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    }
+
+    #[test]
+    fn ranks_exchange_and_verify_their_blocks() {
+        for n in [2, 3, 5] {
+            // Not a multiple of the piece size, to cover the last short piece.
+            let bytes = 3 * PIECE + 12_345;
+            for (rank, r) in world(n, bytes, |_, _| {}).into_iter().enumerate() {
+                let r = r.unwrap_or_else(|e| panic!("world {n} rank {rank}: {e}"));
+                assert_eq!((r.world, r.rank, r.bytes_per_rank), (n, rank, bytes));
+                assert_eq!(r.seconds.len(), 3);
+                assert!(r.algbw_gbps > 0.0 && r.busbw_gbps < r.algbw_gbps);
+            }
+        }
+    }
+
+    #[test]
+    fn a_missing_rank_ends_at_the_deadline_with_its_name() {
+        let peers = addrs(3);
+        let started = Instant::now();
+        let cfg = AllgatherConfig {
+            peers,
+            rank: 0,
+            bytes: 1024,
+            iterations: 1,
+            timeout: Duration::from_millis(600),
+        };
+        let e = run(&cfg).unwrap_err();
+        assert!(started.elapsed() < Duration::from_secs(5));
+        let s = e.to_string();
+        assert!(s.contains("rank 1") || s.contains("rank 2"), "{s}");
+    }
+
+    #[test]
+    fn mismatched_peers_are_rejected_clearly() {
+        let results = world(2, 4096, |rank, cfg| {
+            if rank == 1 {
+                cfg.bytes = 8192;
+                cfg.timeout = Duration::from_secs(2);
+            } else {
+                cfg.timeout = Duration::from_secs(2);
+            }
+        });
+        let msgs: Vec<String> = results
+            .into_iter()
+            .map(|r| r.expect_err("a mismatched run must fail").to_string())
+            .collect();
+        assert!(
+            msgs.iter()
+                .any(|m| m.contains("rejected") && m.contains("bytes per rank")),
+            "{msgs:?}"
+        );
+    }
+
+    #[test]
+    fn a_stranger_is_not_a_peer() {
+        let peers = addrs(2);
+        let p = peers.clone();
+        let stranger = std::thread::spawn(move || {
+            // Say something else to rank 0 first; then the real rank 1 runs.
+            for _ in 0..100 {
+                if let Ok(mut s) = TcpStream::connect(p[0]) {
+                    let _ = s.write_all(b"GET / HTTP/1.1\r\n\r\n and some more bytes....");
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        let h: Vec<_> = (0..2)
+            .map(|rank| {
+                let cfg = AllgatherConfig {
+                    peers: peers.clone(),
+                    rank,
+                    bytes: 1000,
+                    iterations: 1,
+                    timeout: Duration::from_secs(5),
+                };
+                std::thread::spawn(move || run(&cfg))
+            })
+            .collect();
+        stranger.join().unwrap();
+        // Rank 0 turns the stranger away and goes on waiting for rank 1.
+        for r in h.into_iter().map(|h| h.join().unwrap()) {
+            let r = r.unwrap();
+            assert_eq!(r.bytes_per_rank, 1000);
+        }
+    }
+
+    /// A path that flips one byte is caught by the receiver's check, not reported as a pass.
+    #[test]
+    fn a_corrupting_path_fails_the_check() {
+        let [a0, a1, proxy] = <[SocketAddr; 3]>::try_from(addrs(3)).unwrap();
+        // Rank 0 reaches rank 1 through the proxy; rank 1 reaches rank 0 directly.
+        let listener = TcpListener::bind(proxy).unwrap();
+        std::thread::spawn(move || {
+            let (mut down, _) = listener.accept().unwrap();
+            let mut up = loop {
+                if let Ok(s) = TcpStream::connect(a1) {
+                    break s;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            };
+            let (mut down_r, mut up_w) = (down.try_clone().unwrap(), up.try_clone().unwrap());
+            std::thread::spawn(move || {
+                let mut buf = vec![0u8; 65536];
+                let mut seen = 0usize;
+                while let Ok(n) = down_r.read(&mut buf) {
+                    if n == 0 {
+                        break;
+                    }
+                    let flip = 36 + 1000; // after the handshake
+                    if (seen..seen + n).contains(&flip) {
+                        buf[flip - seen] ^= 0x40;
+                    }
+                    seen += n;
+                    if up_w.write_all(&buf[..n]).is_err() {
+                        break;
+                    }
+                }
+            });
+            let _ = std::io::copy(&mut up, &mut down);
+        });
+        let cfg = |rank, peers: Vec<SocketAddr>| AllgatherConfig {
+            peers,
+            rank,
+            bytes: 64 * 1024,
+            iterations: 1,
+            timeout: Duration::from_secs(5),
+        };
+        let r0 = std::thread::spawn({
+            let c = cfg(0, vec![a0, proxy]);
+            move || run(&c)
+        });
+        let r1 = run(&cfg(1, vec![a0, a1]));
+        let _ = r0.join().unwrap();
+        match r1 {
+            Err(AllgatherError::Corrupt { owner, offset }) => {
+                assert_eq!((owner, offset), (0, 1000))
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn bad_configurations() {
+        let cfg = |peers: Vec<SocketAddr>, rank, bytes| AllgatherConfig {
+            peers,
+            rank,
+            bytes,
+            iterations: 1,
+            timeout: Duration::from_secs(1),
+        };
+        assert!(matches!(
+            run(&cfg(addrs(1), 0, 10)),
+            Err(AllgatherError::Config(_))
+        ));
+        assert!(matches!(
+            run(&cfg(addrs(2), 2, 10)),
+            Err(AllgatherError::Config(_))
+        ));
+        assert!(matches!(
+            run(&cfg(addrs(2), 0, 0)),
+            Err(AllgatherError::Config(_))
+        ));
+    }
+
+    #[test]
+    fn patterns_differ_between_ranks() {
+        let a: Vec<u8> = (0..64).map(|i| pattern(0, i)).collect();
+        let b: Vec<u8> = (0..64).map(|i| pattern(1, i)).collect();
+        assert_ne!(a, b);
+    }
+}
