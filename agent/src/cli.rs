@@ -422,9 +422,69 @@ pub async fn get_cluster(
     Outcome::ok(cluster_table(&shown).trim_end().to_string())
 }
 
+/// `faultline hosts`: usable nodes as `host:slots` lines, for Horovod elastic's
+/// `discover_hosts` script (and any launcher that wants a host list). Healthy nodes only, or
+/// also Degraded ones with `allow_degraded`; sorted by name.
+pub fn hosts_lines(records: &[NodeRecord], slots: u32, allow_degraded: bool) -> String {
+    records
+        .iter()
+        .filter(|r| match r.health {
+            Health::Healthy => true,
+            Health::Degraded => allow_degraded,
+            Health::Unhealthy => false,
+        })
+        .map(|r| format!("{}:{slots}\n", r.node))
+        .collect()
+}
+
+/// `faultline hosts --slots N`: prints nothing (exit 0) when no node is usable, so a
+/// discovery script never hands a launcher a broken host; exit 2 when the records cannot be
+/// read.
+pub async fn hosts(
+    client: kube::Client,
+    namespace: &str,
+    slots: u32,
+    allow_degraded: bool,
+) -> Outcome {
+    match cluster_records(client, namespace).await {
+        Ok((records, bad)) => {
+            for (name, why) in &bad {
+                eprintln!("warning: ConfigMap {namespace}/{name} holds no readable record: {why}");
+            }
+            Outcome::ok(
+                hosts_lines(&records, slots, allow_degraded)
+                    .trim_end()
+                    .to_string(),
+            )
+        }
+        Err(e) => Outcome::error(format!(
+            "error: cannot list fault ConfigMaps in {namespace}: {e}"
+        )),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn hosts_lists_usable_nodes_with_their_slots() {
+        let rec = |node: &str, health: Health| {
+            let mut r: NodeRecord = serde_json::from_str(HEALTHY).unwrap();
+            r.node = node.into();
+            r.health = health;
+            r
+        };
+        let records = [
+            rec("a", Health::Healthy),
+            rec("b", Health::Unhealthy),
+            rec("c", Health::Degraded),
+            rec("d", Health::Healthy),
+        ];
+        assert_eq!(hosts_lines(&records, 8, false), "a:8\nd:8\n");
+        assert_eq!(hosts_lines(&records, 4, true), "a:4\nc:4\nd:4\n");
+        assert_eq!(hosts_lines(&records[1..2], 8, true), "");
+    }
 
     const HEALTHY: &str = r#"{"apiVersion":"faultline.io/v1","node":"n1","health":"Healthy","updateTime":"2026-11-22T01:02:03.000Z","checkCode":"x","faults":[],"agent":{"version":"0","policy":{"source":"builtin","checksum":"y"},"detectors":[]}}"#;
     const UNHEALTHY: &str = r#"{"apiVersion":"faultline.io/v1","node":"n1","health":"Unhealthy","handling":"SeparateNPU","updateTime":"2026-11-22T01:02:03.000Z","checkCode":"x","faults":[{"fault_type":"CardUnhealthy","fault_code":"Xid79","fault_handling":"SeparateNPU","fault_level":"SeparateNPU","large_model_fault_level":"SeparateNPU","device":"GPU-3","source":"kmsg","message":"GPU has fallen off the bus","first_seen":"2026-11-22T01:02:03.000Z","last_seen":"2026-11-22T01:02:03.000Z","count":1,"active":true}],"agent":{"version":"0","policy":{"source":"/etc/p.yaml","checksum":"y","error":"field x: bad"},"detectors":[{"name":"kmsg","state":"Down","reason":"cannot open"}]}}"#;

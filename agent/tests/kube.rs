@@ -292,6 +292,28 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
         table.contains("node-a") && table.contains("Xid79@GPU-0000:3b:00.0"),
         "{table}"
     );
+    // `faultline hosts` leaves the unhealthy node out (node-b never ran an agent: no record).
+    let hosts = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
+            .args([
+                "hosts",
+                "--slots",
+                "8",
+                "--kubeconfig",
+                c.kubeconfig.to_str().unwrap(),
+            ])
+            .args(extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(hosts(&[]), "");
+    assert_eq!(hosts(&["--allow-degraded"]), "");
     // The local file says the same as the ConfigMap.
     let local = agent.record().unwrap();
     assert_eq!(local.check_code, c.record("node-a").unwrap().check_code);
@@ -325,6 +347,7 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
             && c.taints("node-a") == ["example.com/maintenance=planned:NoSchedule"]
             && c.events("node-a").iter().any(|e| e.0 == "FaultRecovered")
     });
+    assert_eq!(hosts(&[]), "node-a:8\n");
     c.assert_calls_listed();
 }
 

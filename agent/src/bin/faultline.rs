@@ -94,6 +94,22 @@ enum Command {
         #[arg(long)]
         allow_degraded: bool,
     },
+    /// Usable nodes as host:slots lines, from the cluster's fault records (for Horovod
+    /// elastic's discover_hosts and other launchers). Prints nothing when none is usable.
+    Hosts {
+        /// Slots (processes) per host to print.
+        #[arg(long)]
+        slots: u32,
+        /// Also list Degraded nodes (faults that only call for a restart).
+        #[arg(long)]
+        allow_degraded: bool,
+        /// The kubeconfig to use (default: KUBECONFIG, ~/.kube/config, in-cluster).
+        #[arg(long, env = "FAULTLINE_KUBECONFIG")]
+        kubeconfig: Option<PathBuf>,
+        /// The namespace of the fault ConfigMaps.
+        #[arg(long, default_value = "faultline-system")]
+        namespace: String,
+    },
     /// Ask the agent to clear active faults (all, or by code and/or device).
     Clear {
         #[arg(long)]
@@ -104,6 +120,28 @@ enum Command {
         #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
         wait: Duration,
     },
+}
+
+/// Runs a command that reads the cluster, on a small runtime, with a client from `kubeconfig`
+/// (or the usual places).
+fn with_cluster<F, Fut>(kubeconfig: Option<PathBuf>, f: F) -> cli::Outcome
+where
+    F: FnOnce(kube::Client) -> Fut,
+    Fut: std::future::Future<Output = cli::Outcome>,
+{
+    let run = async {
+        match faultline_agent::source::node::client_infer(kubeconfig.as_deref()).await {
+            Ok(client) => f(client).await,
+            Err(e) => cli::Outcome::failed(format!("error: {e}")),
+        }
+    };
+    match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt.block_on(run),
+        Err(e) => cli::Outcome::failed(format!("error: {e}")),
+    }
 }
 
 fn main() -> std::process::ExitCode {
@@ -126,20 +164,18 @@ fn main() -> std::process::ExitCode {
                 code,
             };
             let json = matches!(output, Output::Json);
-            let run = async {
-                match faultline_agent::source::node::client_infer(kubeconfig.as_deref()).await {
-                    Ok(client) => cli::get_cluster(client, &namespace, &filter, json, all).await,
-                    Err(e) => cli::Outcome::failed(format!("error: {e}")),
-                }
-            };
-            match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt.block_on(run),
-                Err(e) => cli::Outcome::failed(format!("error: {e}")),
-            }
+            with_cluster(kubeconfig, |client| async move {
+                cli::get_cluster(client, &namespace, &filter, json, all).await
+            })
         }
+        Command::Hosts {
+            slots,
+            allow_degraded,
+            kubeconfig,
+            namespace,
+        } => with_cluster(kubeconfig, |client| async move {
+            cli::hosts(client, &namespace, slots, allow_degraded).await
+        }),
         Command::Get {
             file, output, all, ..
         } => cli::get(
@@ -161,7 +197,11 @@ fn main() -> std::process::ExitCode {
         Command::Clear { code, device, wait } => cli::clear(&cli.state_dir, code, device, wait),
     };
     if outcome.code == 0 {
-        println!("{}", outcome.message);
+        // Nothing at all for an empty answer (`hosts` with no usable node): a discovery script
+        // must not hand its launcher an empty host line.
+        if !outcome.message.is_empty() {
+            println!("{}", outcome.message);
+        }
     } else {
         eprintln!("{}", outcome.message);
     }
