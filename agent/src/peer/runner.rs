@@ -1,0 +1,112 @@
+//! Runs the probe (`faultline-probe allgather`) as a child process with a hard deadline: a
+//! stuck socket or a hung accelerator call never hangs the agent, the child is killed at the
+//! deadline, and its memory (GPU memory included) is freed when it exits.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::pairing::Outcome;
+
+/// One probe run.
+#[derive(Debug, Clone)]
+pub struct ProbeSpec {
+    /// The `faultline-probe` binary.
+    pub probe: PathBuf,
+    /// Every rank's probe address, in rank order.
+    pub peers: Vec<SocketAddr>,
+    pub rank: usize,
+    pub bytes: u64,
+    pub iterations: u32,
+    /// The probe's own deadline (it fails by itself after this).
+    pub timeout: Duration,
+    /// How much longer the agent waits before it kills the child.
+    pub grace: Duration,
+}
+
+/// What the probe printed (the fields the agent uses).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+pub struct ProbeReport {
+    pub world: usize,
+    pub rank: usize,
+    pub median_seconds: f64,
+    pub busbw_gbps: f64,
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ProbeOutcome {
+    Passed(ProbeReport),
+    /// Why: the probe's own error, a kill at the deadline, unreadable output.
+    Failed(String),
+}
+
+impl ProbeOutcome {
+    /// The pairing planner's view.
+    pub fn outcome(&self) -> Outcome {
+        match self {
+            ProbeOutcome::Passed(r) => Outcome::Pass {
+                seconds: r.median_seconds,
+            },
+            ProbeOutcome::Failed(_) => Outcome::Fail,
+        }
+    }
+}
+
+fn excerpt(s: &[u8]) -> String {
+    let text = String::from_utf8_lossy(s);
+    let line = text
+        .lines()
+        .map(str::trim)
+        .rfind(|l| !l.is_empty())
+        .unwrap_or("");
+    line.chars().take(200).collect()
+}
+
+/// Runs the probe and waits at most `timeout + grace`.
+pub async fn run_probe(spec: &ProbeSpec) -> ProbeOutcome {
+    let peers: Vec<String> = spec.peers.iter().map(|p| p.to_string()).collect();
+    let child = tokio::process::Command::new(&spec.probe)
+        .arg("allgather")
+        .args(["--peers", &peers.join(",")])
+        .args(["--rank", &spec.rank.to_string()])
+        .args(["--size", &spec.bytes.to_string()])
+        .args(["--iterations", &spec.iterations.max(1).to_string()])
+        .args(["--timeout", &format!("{}ms", spec.timeout.as_millis())])
+        // One-line errors: the agent keeps the first line of stderr as the reason.
+        .env("RUST_BACKTRACE", "0")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn();
+    let child = match child {
+        Ok(c) => c,
+        Err(e) => return ProbeOutcome::Failed(format!("cannot run {}: {e}", spec.probe.display())),
+    };
+    let limit = spec.timeout + spec.grace;
+    // On the timeout path the future owning the child is dropped, which kills it.
+    match tokio::time::timeout(limit, child.wait_with_output()).await {
+        Err(_) => ProbeOutcome::Failed(format!(
+            "no result within {} (killed)",
+            humantime::format_duration(limit)
+        )),
+        Ok(Err(e)) => ProbeOutcome::Failed(format!("waiting for the probe: {e}")),
+        Ok(Ok(out)) if !out.status.success() => {
+            ProbeOutcome::Failed(format!("probe {}: {}", out.status, excerpt(&out.stderr)))
+        }
+        Ok(Ok(out)) => match serde_json::from_slice::<ProbeReport>(&out.stdout) {
+            Ok(r) if r.median_seconds.is_finite() && r.median_seconds >= 0.0 => {
+                ProbeOutcome::Passed(r)
+            }
+            Ok(r) => ProbeOutcome::Failed(format!("probe reported {} s", r.median_seconds)),
+            Err(e) => ProbeOutcome::Failed(format!(
+                "unreadable probe output ({e}): {}",
+                excerpt(&out.stdout)
+            )),
+        },
+    }
+}
