@@ -1,0 +1,208 @@
+//! A run's verdicts as this node's fault record sees them: pure. Each agent records only what
+//! concerns itself, so the node sinks label and taint by the normal rules:
+//! - `PEER_UNREACHABLE` on the node when the run found it faulty (it failed with every partner);
+//! - `PEER_LINK_FAILED` on `link:<partner>` for each broken link it is an end of;
+//! - `STRAGGLER` on the node, with the slowdown in the message.
+//!
+//! The observations are `Level`s (domain `peer`), so a later run that finds the node fine clears
+//! them. A run that could not tell (the node is `unknown`) or did not include the node changes
+//! nothing.
+
+use std::collections::BTreeSet;
+
+use super::pairing::{NodeId, Verdicts};
+use crate::catalog::FaultCode;
+use crate::engine::{DeviceRef, Observation, Signal};
+use crate::record::Source;
+
+/// The `Level` domain of peer-check faults.
+pub const DOMAIN: &str = "peer";
+
+/// The device a broken link is recorded on.
+pub fn link_device(partner: &str) -> String {
+    format!("link:{partner}")
+}
+
+/// Remembers which links this node reported, so a healed link is cleared by the next run.
+#[derive(Debug, Default)]
+pub struct VerdictTracker {
+    links: BTreeSet<String>,
+}
+
+impl VerdictTracker {
+    /// The observations for this node (`me`, an index into `members`) after a run.
+    pub fn observe(
+        &mut self,
+        members: &[String],
+        me: NodeId,
+        verdicts: &Verdicts,
+        run_id: &str,
+    ) -> Vec<Observation> {
+        let Some(my_name) = members.get(me) else {
+            return Vec::new();
+        };
+        if verdicts.unknown.contains_key(&me) {
+            return Vec::new();
+        }
+        let name = |n: NodeId| members.get(n).cloned().unwrap_or_else(|| format!("#{n}"));
+        let signal = |code: &str, device: &str, message: String| {
+            Signal::new(
+                Source::Peer,
+                FaultCode::named(code),
+                Some(DeviceRef::named(device)),
+                message,
+            )
+        };
+        let mut node = Vec::new();
+        if verdicts.faulty.contains(&me) {
+            node.push(signal(
+                "PEER_UNREACHABLE",
+                "node",
+                format!("peer check {run_id}: {my_name} failed with every partner, at least two of them good"),
+            ));
+        }
+        if let Some(ratio) = verdicts.stragglers.get(&me) {
+            node.push(signal(
+                "STRAGGLER",
+                "node",
+                format!("peer check {run_id}: {my_name} is {ratio:.2}x slower than the median, in two measurements"),
+            ));
+        }
+        let mut out = vec![Observation::Level {
+            source: Source::Peer,
+            device: DeviceRef::named("node"),
+            domain: DOMAIN.into(),
+            present: node,
+        }];
+        let now: BTreeSet<String> = verdicts
+            .broken_links
+            .iter()
+            .filter(|l| l.has(me))
+            .map(|l| name(l.other(me)))
+            .collect();
+        for partner in &now {
+            out.push(Observation::Level {
+                source: Source::Peer,
+                device: DeviceRef::named(&link_device(partner)),
+                domain: DOMAIN.into(),
+                present: vec![signal(
+                    "PEER_LINK_FAILED",
+                    &link_device(partner),
+                    format!("peer check {run_id}: the path between {my_name} and {partner} fails while both pass with others"),
+                )],
+            });
+        }
+        for healed in self.links.difference(&now) {
+            out.push(Observation::Level {
+                source: Source::Peer,
+                device: DeviceRef::named(&link_device(healed)),
+                domain: DOMAIN.into(),
+                present: Vec::new(),
+            });
+        }
+        self.links = now;
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::catalog::Catalog;
+    use crate::engine::{Ctx, Engine};
+    use crate::peer::pairing::{simulate, Pair, PairingConfig, Truth};
+    use crate::policy::Policy;
+    use crate::record::{Handling, Health};
+    use std::collections::BTreeMap;
+
+    fn members(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("gpu-{i}")).collect()
+    }
+
+    /// `code@device` of the active faults.
+    fn active(e: &Engine, p: &Policy) -> Vec<String> {
+        let mut v: Vec<String> = e
+            .view(p)
+            .faults
+            .iter()
+            .filter(|f| f.active)
+            .map(|f| format!("{}@{}", f.fault_code, f.device))
+            .collect();
+        v.sort();
+        v
+    }
+
+    #[test]
+    fn verdicts_reach_the_record_and_clear_on_a_clean_run() {
+        let (policy, catalog) = (Policy::parse("").unwrap(), Catalog::builtin().unwrap());
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let t = |s: i64| chrono::DateTime::from_timestamp(1_790_000_000 + s, 0).unwrap();
+        let m = members(8);
+        // Run 1 (simulated): node 3 faulty, link 4-5 broken, node 6 a 3x straggler.
+        let truth = Truth {
+            faulty: BTreeSet::from([3]),
+            broken_links: BTreeSet::from([Pair::new(4, 5)]),
+            slow: BTreeMap::from([(6, 3.0)]),
+            noise: 0.02,
+        };
+        let (v, _, _) = simulate((0..8).collect(), &truth, PairingConfig::default());
+        let mut engines: Vec<(Engine, VerdictTracker)> = (0..8)
+            .map(|_| (Engine::new(), VerdictTracker::default()))
+            .collect();
+        for (i, (e, tr)) in engines.iter_mut().enumerate() {
+            for o in tr.observe(&m, i, &v, "run-1") {
+                e.step(ctx, o, t(0));
+            }
+        }
+        assert_eq!(active(&engines[3].0, &policy), ["PEER_UNREACHABLE@node"]);
+        assert_eq!(engines[3].0.view(&policy).health, Health::Degraded);
+        assert_eq!(
+            active(&engines[4].0, &policy),
+            ["PEER_LINK_FAILED@link:gpu-5"]
+        );
+        assert_eq!(
+            active(&engines[5].0, &policy),
+            ["PEER_LINK_FAILED@link:gpu-4"]
+        );
+        assert_eq!(active(&engines[6].0, &policy), ["STRAGGLER@node"]);
+        let straggler = &engines[6].0.view(&policy).faults[0];
+        assert!(
+            straggler.message.contains("3.0") || straggler.message.contains("2.9"),
+            "{}",
+            straggler.message
+        );
+        assert_eq!(straggler.fault_handling, Handling::SubHealthFault);
+        for i in [0, 1, 2, 7] {
+            assert!(active(&engines[i].0, &policy).is_empty(), "gpu-{i}");
+        }
+        // Run 2: everything repaired; every recorded fault recovers.
+        let (v2, _, _) = simulate(
+            (0..8).collect(),
+            &Truth::default(),
+            PairingConfig::default(),
+        );
+        for (i, (e, tr)) in engines.iter_mut().enumerate() {
+            for o in tr.observe(&m, i, &v2, "run-2") {
+                e.step(ctx, o, t(1800));
+            }
+            assert!(
+                active(e, &policy).is_empty(),
+                "gpu-{i}: {:?}",
+                active(e, &policy)
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_or_absent_changes_nothing() {
+        let m = members(2);
+        let mut v = Verdicts::default();
+        v.unknown.insert(0, "no partner".into());
+        let mut tr = VerdictTracker::default();
+        assert!(tr.observe(&m, 0, &v, "r").is_empty());
+        assert!(tr.observe(&m, 5, &Verdicts::default(), "r").is_empty());
+    }
+}
