@@ -7,6 +7,7 @@
 #![forbid(unsafe_code)]
 
 pub mod catalog;
+pub mod child;
 pub mod cli;
 pub mod daemon;
 pub mod engine;

@@ -260,15 +260,11 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
         c.configmap("node-a").unwrap()["metadata"]["labels"]["faultline.io/health"],
         "Unhealthy"
     );
-    // `faultline get --cluster` reads every node's record from the ConfigMaps.
-    let get = |args: &[&str]| {
+    // The cluster commands of the CLI, against the emulator: `faultline <command> <args>`.
+    let cluster_cli = |command: &[&str], args: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
-            .args([
-                "get",
-                "--cluster",
-                "--kubeconfig",
-                c.kubeconfig.to_str().unwrap(),
-            ])
+            .args(command)
+            .args(["--kubeconfig", c.kubeconfig.to_str().unwrap()])
             .args(args)
             .output()
             .unwrap();
@@ -279,6 +275,8 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
         );
         String::from_utf8(out.stdout).unwrap()
     };
+    // `faultline get --cluster` reads every node's record from the ConfigMaps.
+    let get = |args: &[&str]| cluster_cli(&["get", "--cluster"], args);
     let json: Vec<NodeRecord> =
         serde_json::from_str(&get(&["--health", "unhealthy", "-o", "json"])).unwrap();
     assert_eq!(json.len(), 1);
@@ -292,26 +290,8 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
         table.contains("node-a") && table.contains("Xid79@GPU-0000:3b:00.0"),
         "{table}"
     );
-    // `faultline hosts` leaves the unhealthy node out (node-b never ran an agent: no record).
-    let hosts = |extra: &[&str]| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
-            .args([
-                "hosts",
-                "--slots",
-                "8",
-                "--kubeconfig",
-                c.kubeconfig.to_str().unwrap(),
-            ])
-            .args(extra)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
+    // `faultline hosts` leaves the unhealthy node out: with no usable node it prints nothing.
+    let hosts = |args: &[&str]| cluster_cli(&["hosts", "--slots", "8"], args);
     assert_eq!(hosts(&[]), "");
     assert_eq!(hosts(&["--allow-degraded"]), "");
     // The local file says the same as the ConfigMap.

@@ -4,12 +4,12 @@
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::Duration;
 
 use serde::Deserialize;
 
 use super::pairing::Outcome;
+use crate::child::ChildError;
 
 /// One probe run.
 #[derive(Debug, Clone)]
@@ -57,48 +57,35 @@ impl ProbeOutcome {
 }
 
 fn excerpt(s: &[u8]) -> String {
-    let text = String::from_utf8_lossy(s);
-    let line = text
-        .lines()
-        .map(str::trim)
-        .rfind(|l| !l.is_empty())
-        .unwrap_or("");
-    line.chars().take(200).collect()
+    crate::child::first_line(&String::from_utf8_lossy(s), 200)
 }
 
 /// Runs the probe and waits at most `timeout + grace`.
 pub async fn run_probe(spec: &ProbeSpec) -> ProbeOutcome {
     let peers: Vec<String> = spec.peers.iter().map(|p| p.to_string()).collect();
-    let child = tokio::process::Command::new(&spec.probe)
-        .arg("allgather")
+    let mut cmd = tokio::process::Command::new(&spec.probe);
+    cmd.arg("allgather")
         .args(["--peers", &peers.join(",")])
         .args(["--rank", &spec.rank.to_string()])
         .args(["--size", &spec.bytes.to_string()])
         .args(["--iterations", &spec.iterations.max(1).to_string()])
         .args(["--timeout", &format!("{}ms", spec.timeout.as_millis())])
         // One-line errors: the agent keeps the first line of stderr as the reason.
-        .env("RUST_BACKTRACE", "0")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn();
-    let child = match child {
-        Ok(c) => c,
-        Err(e) => return ProbeOutcome::Failed(format!("cannot run {}: {e}", spec.probe.display())),
-    };
+        .env("RUST_BACKTRACE", "0");
     let limit = spec.timeout + spec.grace;
-    // On the timeout path the future owning the child is dropped, which kills it.
-    match tokio::time::timeout(limit, child.wait_with_output()).await {
-        Err(_) => ProbeOutcome::Failed(format!(
+    match crate::child::run(&mut cmd, limit).await {
+        Err(ChildError::Spawn(e)) => {
+            ProbeOutcome::Failed(format!("cannot run {}: {e}", spec.probe.display()))
+        }
+        Err(ChildError::Timeout(_)) => ProbeOutcome::Failed(format!(
             "no result within {} (killed)",
             humantime::format_duration(limit)
         )),
-        Ok(Err(e)) => ProbeOutcome::Failed(format!("waiting for the probe: {e}")),
-        Ok(Ok(out)) if !out.status.success() => {
+        Err(ChildError::Io(e)) => ProbeOutcome::Failed(format!("waiting for the probe: {e}")),
+        Ok(out) if !out.status.success() => {
             ProbeOutcome::Failed(format!("probe {}: {}", out.status, excerpt(&out.stderr)))
         }
-        Ok(Ok(out)) => match serde_json::from_slice::<ProbeReport>(&out.stdout) {
+        Ok(out) => match serde_json::from_slice::<ProbeReport>(&out.stdout) {
             Ok(r) if r.median_seconds.is_finite() && r.median_seconds >= 0.0 => {
                 ProbeOutcome::Passed(r)
             }

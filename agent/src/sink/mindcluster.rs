@@ -275,9 +275,12 @@ impl<P: Publisher> MindClusterSink<P> {
                     w.as_ref()
                         .is_none_or(|(l, at)| *l != list || now.duration_since(*at) >= resync)
                 };
-                let doc = render(&list, self.clock.now());
+                let (file_due, publish_due) = (due(&file_written), due(&published));
+                // Rendered (JSON, sha256) only when something will be written: snapshots come
+                // with every engine change, most of which leave the device lists alone.
+                let doc = (file_due || publish_due).then(|| render(&list, self.clock.now()));
                 let mut failed = false;
-                if due(&file_written) {
+                if let (true, Some(doc)) = (file_due, &doc) {
                     let path = self.dir.join(FILE_NAME);
                     let bytes = doc.clone().into_bytes();
                     let r = tokio::task::spawn_blocking(move || write_atomic(&path, &bytes))
@@ -292,8 +295,8 @@ impl<P: Publisher> MindClusterSink<P> {
                         }
                     }
                 }
-                if due(&published) {
-                    match self.publisher.publish(&doc).await {
+                if let (true, Some(doc)) = (publish_due, &doc) {
+                    match self.publisher.publish(doc).await {
                         Ok(()) => {
                             self.metrics.sink_writes.get_or_create(&label).inc();
                             debug!("DeviceInfoCfg published");

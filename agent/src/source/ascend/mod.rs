@@ -165,38 +165,30 @@ pub async fn poll_once<T: Tools>(
             }
             r => r.map_err(CallError::reason),
         };
-        let speed_mbps = if policy.expected_speed_mbps > 0 {
-            Some(
-                call(
-                    tools,
-                    metrics,
-                    policy,
-                    Tool::HccnTool,
-                    &q("-speed"),
-                    parse::parse_speed_mbps,
-                )
-                .await
-                .map_err(CallError::reason),
-            )
-        } else {
-            None
-        };
-        let up_count = if policy.link_flap_count > 0 {
-            Some(
-                call(
-                    tools,
-                    metrics,
-                    policy,
-                    Tool::HccnTool,
-                    &q("-link_stat"),
-                    parse::parse_link_up_count,
-                )
-                .await
-                .map_err(CallError::reason),
-            )
-        } else {
-            None
-        };
+        // The counters asked for only when the policy uses them.
+        let counter =
+            |on: bool, what: &'static str, parse: fn(&str) -> Result<u64, AscendParseError>| {
+                let args = q(what);
+                async move {
+                    if !on {
+                        return None;
+                    }
+                    let r = call(tools, metrics, policy, Tool::HccnTool, &args, parse).await;
+                    Some(r.map_err(CallError::reason))
+                }
+            };
+        let speed_mbps = counter(
+            policy.expected_speed_mbps > 0,
+            "-speed",
+            parse::parse_speed_mbps,
+        )
+        .await;
+        let up_count = counter(
+            policy.link_flap_count > 0,
+            "-link_stat",
+            parse::parse_link_up_count,
+        )
+        .await;
         let net = call(
             tools,
             metrics,

@@ -1,14 +1,13 @@
-//! Running the Ascend command-line tools: behind a trait so tests can replace them, and the real
-//! runner spawns the process with a hard deadline and kills it (and never waits on it) when the
-//! deadline passes.
+//! Running the Ascend command-line tools: behind a trait so tests can replace them; the real
+//! runner uses `crate::child` (a hard deadline, the child killed when it passes).
 
 use std::future::Future;
 use std::path::PathBuf;
-use std::process::Stdio;
 use std::time::Duration;
 
-use tokio::io::AsyncReadExt;
 use tokio::sync::watch;
+
+use crate::child::{self, ChildError};
 
 use crate::source::policy_watch::LoadedPolicy;
 
@@ -52,9 +51,6 @@ pub trait Tools: Send + Sync + 'static {
     ) -> impl Future<Output = Result<String, ToolError>> + Send;
 }
 
-/// At most this much output is read from a tool (a runaway tool cannot eat the agent's memory).
-const MAX_OUTPUT: u64 = 1 << 20;
-
 /// The real tools, found by the names or paths the policy in force gives (looked up on every
 /// call, so a policy change, or a tool installed or replaced later, is picked up).
 #[derive(Debug, Clone)]
@@ -87,65 +83,36 @@ impl Tools for RealTools {
         timeout: Duration,
     ) -> Result<String, ToolError> {
         let path = self.resolve(tool)?;
-        let mut child = tokio::process::Command::new(&path)
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| ToolError::Io(format!("{}: {e}", path.display())))?;
-        let mut stdout = child.stdout.take();
-        let mut stderr = child.stderr.take();
-        let work = async {
-            let mut out = Vec::new();
-            let mut err = Vec::new();
-            if let Some(o) = stdout.as_mut() {
-                o.take(MAX_OUTPUT).read_to_end(&mut out).await?;
-            }
-            if let Some(e) = stderr.as_mut() {
-                e.take(4096).read_to_end(&mut err).await?;
-            }
-            let status = child.wait().await?;
-            Ok::<_, std::io::Error>((status, out, err))
-        };
-        match tokio::time::timeout(timeout, work).await {
-            Err(_) => Err(ToolError::Timeout(timeout)),
-            Ok(Err(e)) => Err(ToolError::Io(e.to_string())),
-            Ok(Ok((status, out, err))) => {
-                let text = String::from_utf8_lossy(&out).into_owned();
-                if status.success() {
+        let mut cmd = tokio::process::Command::new(&path);
+        cmd.args(args);
+        match child::run(&mut cmd, timeout).await {
+            Err(ChildError::Timeout(d)) => Err(ToolError::Timeout(d)),
+            Err(ChildError::Spawn(e)) => Err(ToolError::Io(format!("{}: {e}", path.display()))),
+            Err(ChildError::Io(e)) => Err(ToolError::Io(e)),
+            Ok(out) => {
+                let text = String::from_utf8_lossy(&out.stdout).into_owned();
+                if out.status.success() {
                     Ok(text)
                 } else {
                     // npu-smi prints its complaints on stdout; keep whichever said something.
-                    let said = if err.is_empty() {
+                    let said = if out.stderr.is_empty() {
                         text
                     } else {
-                        String::from_utf8_lossy(&err).into_owned()
+                        String::from_utf8_lossy(&out.stderr).into_owned()
                     };
                     Err(ToolError::Failed {
-                        status: status.to_string(),
+                        status: out.status.to_string(),
                         stderr: excerpt(&said),
                     })
                 }
             }
         }
-        // Dropping `child` on the timeout path kills the process (kill_on_drop); tokio reaps it.
     }
 }
 
 /// The first line with text, shortened: enough for a reason in the record.
 pub fn excerpt(s: &str) -> String {
-    let line = s
-        .lines()
-        .map(str::trim)
-        .find(|l| !l.is_empty())
-        .unwrap_or("");
-    let mut out: String = line.chars().take(120).collect();
-    if line.chars().count() > 120 {
-        out.push('…');
-    }
-    out
+    child::first_line(s, 120)
 }
 
 #[cfg(test)]
@@ -197,12 +164,5 @@ mod tests {
             t(&ok).run(Tool::HccnTool, &args, d).await,
             Err(ToolError::NotFound(_))
         ));
-    }
-
-    #[test]
-    fn excerpts_are_short_first_lines() {
-        assert_eq!(excerpt("\n  first \nsecond"), "first");
-        assert_eq!(excerpt(&"x".repeat(200)).chars().count(), 121);
-        assert_eq!(excerpt(""), "");
     }
 }
