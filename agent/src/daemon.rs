@@ -28,6 +28,9 @@ pub const LISTEN_ADDR_FILE: &str = "listen.addr";
 /// Default port of the metrics/health endpoints.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:20260";
 
+/// Default address of the peer-check service.
+pub const DEFAULT_PEER_LISTEN: &str = "0.0.0.0:20261";
+
 /// Agent configuration: flags, each also settable by an environment variable.
 #[derive(Debug, Clone, clap::Args)]
 pub struct AgentConfig {
@@ -89,6 +92,30 @@ pub struct AgentConfig {
     /// How often a kernel log file at its end is checked for growth.
     #[arg(long, default_value = "10ms", value_parser = humantime::parse_duration)]
     pub follow_interval: Duration,
+    /// Peer checks: the shared secret (a mounted Kubernetes Secret). Without it the agent takes
+    /// no part in peer checks.
+    #[arg(long, env = "FAULTLINE_PEER_SECRET_FILE")]
+    pub peer_secret_file: Option<PathBuf>,
+    /// Peer checks: where this agent's gRPC service listens.
+    #[arg(long, env = "FAULTLINE_PEER_LISTEN", default_value = DEFAULT_PEER_LISTEN)]
+    pub peer_listen: SocketAddr,
+    /// Peer checks: the address (ip or ip:port) other agents reach this one at. Default: the
+    /// pod IP (`POD_IP`), or this node's line of the members file.
+    #[arg(long, env = "FAULTLINE_PEER_ADDRESS")]
+    pub peer_address: Option<String>,
+    /// Peer checks without Kubernetes: the members file (`node ip:port [topology]` per line);
+    /// the first node listed coordinates.
+    #[arg(long, env = "FAULTLINE_PEER_MEMBERS")]
+    pub peer_members: Option<PathBuf>,
+    /// Peer checks in Kubernetes: label selector of the agent pods.
+    #[arg(long, env = "FAULTLINE_PEER_SELECTOR", default_value = crate::peer::members::DEFAULT_SELECTOR)]
+    pub peer_selector: String,
+    /// The `faultline-probe` binary. Default: next to this binary, else on PATH.
+    #[arg(long, env = "FAULTLINE_PROBE")]
+    pub probe_bin: Option<PathBuf>,
+    /// First of the 32 ports the probes listen on during checks.
+    #[arg(long, env = "FAULTLINE_PROBE_PORT_BASE", default_value_t = 20270)]
+    pub probe_port_base: u16,
     #[arg(long, default_value = "/proc/sys/kernel/random/boot_id", hide = true)]
     pub boot_id_path: PathBuf,
     #[arg(long, default_value = "/proc/stat", hide = true)]
@@ -112,6 +139,137 @@ fn read_boot_id(path: &Path) -> Option<String> {
             None
         }
     }
+}
+
+/// The probe binary: the flag, else `faultline-probe` next to this binary, else on PATH.
+fn probe_bin(flag: Option<&Path>) -> PathBuf {
+    if let Some(p) = flag {
+        return p.to_path_buf();
+    }
+    let sibling = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("faultline-probe")))
+        .filter(|p| p.exists());
+    sibling.unwrap_or_else(|| PathBuf::from("faultline-probe"))
+}
+
+/// Everything peer checks need, or `None` when this agent cannot take part (said why).
+async fn peer_setup(
+    cfg: &AgentConfig,
+    secret: &Path,
+    node: &str,
+    kube_client: Option<kube::Client>,
+    policy: watch::Receiver<crate::source::policy_watch::LoadedPolicy>,
+    ctx: SourceContext,
+) -> anyhow::Result<Option<crate::peer::PeerSetup>> {
+    use crate::peer::{self, members, publish, service};
+    let key = peer::wire::load_key(secret)?;
+    let static_members = match &cfg.peer_members {
+        Some(p) => {
+            let text = std::fs::read_to_string(p)
+                .with_context(|| format!("cannot read {}", p.display()))?;
+            Some(members::parse_members(&p.display().to_string(), &text)?)
+        }
+        None => None,
+    };
+    let listener = tokio::net::TcpListener::bind(cfg.peer_listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", cfg.peer_listen))?;
+    let port = listener.local_addr()?.port();
+    let own_line = static_members
+        .as_ref()
+        .and_then(|m| m.iter().find(|m| m.node == node));
+    let address: SocketAddr = match (&cfg.peer_address, std::env::var("POD_IP").ok(), own_line) {
+        (Some(a), _, _) => match a.parse::<SocketAddr>() {
+            Ok(sa) => sa,
+            Err(_) => SocketAddr::new(
+                a.parse()
+                    .with_context(|| format!("--peer-address {a:?} is not an ip or ip:port"))?,
+                port,
+            ),
+        },
+        (None, Some(ip), _) => SocketAddr::new(
+            ip.parse()
+                .with_context(|| format!("POD_IP {ip:?} is not an ip"))?,
+            port,
+        ),
+        (None, None, Some(m)) => m.address.parse()?,
+        (None, None, None) if !cfg.peer_listen.ip().is_unspecified() => {
+            SocketAddr::new(cfg.peer_listen.ip(), port)
+        }
+        _ => anyhow::bail!(
+            "no address for other agents to reach this one: set --peer-address (or POD_IP)"
+        ),
+    };
+    let (members, election, publisher): (
+        Arc<dyn members::Members>,
+        peer::Election,
+        Arc<dyn peer::coordinator::Publisher>,
+    ) = match (static_members, kube_client) {
+        (Some(list), _) => {
+            let first = list.first().map(|m| m.node == node).unwrap_or(false);
+            let path = cfg.peer_members.clone().unwrap_or_default();
+            (
+                Arc::new(members::StaticMembers { path }),
+                if first {
+                    peer::Election::Always
+                } else {
+                    peer::Election::Never
+                },
+                Arc::new(publish::FilePublisher {
+                    dir: cfg.state_dir.clone(),
+                }),
+            )
+        }
+        (None, Some(client)) => {
+            let topology_label = policy.borrow().policy.peer.topology_label.clone();
+            let identity = peer::lease::identity(node, &address.to_string());
+            let lease = peer::lease::elect(
+                client.clone(),
+                cfg.namespace.clone(),
+                identity,
+                ctx.shutdown.clone(),
+            );
+            (
+                Arc::new(members::KubeMembers {
+                    client: client.clone(),
+                    namespace: cfg.namespace.clone(),
+                    selector: cfg.peer_selector.clone(),
+                    port,
+                    topology_label,
+                }),
+                peer::Election::Lease(lease),
+                Arc::new(publish::KubePublisher {
+                    client,
+                    namespace: cfg.namespace.clone(),
+                }),
+            )
+        }
+        (None, None) => {
+            info!("peer checks disabled: neither Kubernetes nor --peer-members says who the peers are");
+            return Ok(None);
+        }
+    };
+    let probe = service::ProbeSetup {
+        bin: probe_bin(cfg.probe_bin.as_deref()),
+        gpu: policy.borrow().policy.peer.gpu,
+    };
+    info!(address = %address, probe = %probe.bin.display(), "peer checks enabled");
+    Ok(Some(peer::PeerSetup {
+        node: node.to_string(),
+        listener,
+        address,
+        key,
+        probe,
+        probe_port_base: cfg.probe_port_base,
+        busy: Arc::new(service::NeverBusy),
+        members,
+        publisher,
+        election,
+        policy,
+        inputs: ctx.tx.clone(),
+        shutdown: ctx.shutdown.clone(),
+    }))
 }
 
 /// Runs the agent until `shutdown` is cancelled, then flushes and returns.
@@ -200,6 +358,7 @@ async fn run_node(
     let (label_tx, label_rx) = watch::channel(None);
     let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
     let mut kube_client = None;
+    let mut peer_tasks = Vec::new();
     if !cfg.standalone && (cfg.kubeconfig.is_some() || in_cluster) {
         match node::client(cfg.kubeconfig.as_deref()).await {
             Ok(client) => {
@@ -232,6 +391,25 @@ async fn run_node(
         let tools = Arc::new(ascend::tools::RealTools::new(policy_rx.clone()));
         let source = ascend::run(tools, policy_rx.clone(), ctx.clone());
         tasks.spawn(source.instrument(tracing::info_span!("source", name = "ascend")));
+    }
+    if let Some(secret) = &cfg.peer_secret_file {
+        let policy = policy_rx.clone();
+        match peer_setup(
+            &cfg,
+            secret,
+            &node,
+            kube_client.clone(),
+            policy,
+            ctx.clone(),
+        )
+        .await
+        {
+            Ok(Some(setup)) => peer_tasks = crate::peer::start(setup),
+            Ok(None) => {}
+            Err(e) => warn!(error = %format!("{e:#}"), "peer checks disabled"),
+        }
+    } else {
+        info!("peer checks disabled (no --peer-secret-file)");
     }
     drop(ctx);
     drop(in_tx);
@@ -348,6 +526,9 @@ async fn run_node(
         let _ = t.await;
     }
     while tasks.join_next().await.is_some() {}
+    for t in peer_tasks {
+        let _ = t.await;
+    }
     let _ = std::fs::remove_file(&addr_file);
     info!("faultline agent stopped; record flushed");
     Ok(())

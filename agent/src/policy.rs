@@ -212,6 +212,56 @@ impl Default for AscendPolicy {
     }
 }
 
+/// Peer-paired checks (docs/peer-checks.md). They run only where the agent has the shared
+/// secret (`--peer-secret-file`); the coordinator reads these settings from its own policy.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeerPolicy {
+    /// Scheduled runs among all members; requested runs (`faultline check`) happen regardless.
+    pub enabled: bool,
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// Each wait is `interval` plus or minus up to this fraction of it, at random.
+    pub jitter: f64,
+    /// Round 1 pairs nodes with equal values of this node label first (empty: by name only).
+    pub topology_label: String,
+    /// Bytes each member contributes to the allgather.
+    pub bytes: u64,
+    pub iterations: u32,
+    /// Deadline of one check (the probe is killed a little after it).
+    #[serde(with = "humantime_serde")]
+    pub check_timeout: Duration,
+    /// Also time a GEMM (reported; not used for verdicts).
+    pub gemm: bool,
+    /// GPU checks: NCCL allgather and cuBLAS GEMM instead of TCP and the CPU (needs a probe
+    /// built with the `gpu` feature); nodes whose GPUs run work are skipped by scheduled runs.
+    pub gpu: bool,
+    pub straggler_ratio: f64,
+    pub straggler_mads: f64,
+    pub max_rounds: usize,
+}
+
+impl Default for PeerPolicy {
+    fn default() -> Self {
+        PeerPolicy {
+            enabled: true,
+            interval: Duration::from_secs(30 * 60),
+            jitter: 0.1,
+            topology_label: String::new(),
+            bytes: 64 << 20,
+            iterations: 5,
+            check_timeout: Duration::from_secs(10),
+            gemm: false,
+            gpu: false,
+            straggler_ratio: 1.5,
+            straggler_mads: 3.0,
+            max_rounds: 6,
+        }
+    }
+}
+
+impl Eq for PeerPolicy {}
+
 /// The Ascend tables in force: not part of the policy text but loaded from the files it names
 /// (or built in).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -290,6 +340,7 @@ pub struct Policy {
     pub expected_gpus: u32,
     pub nvml: NvmlPolicy,
     pub ascend: AscendPolicy,
+    pub peer: PeerPolicy,
     pub taint_budget: TaintBudget,
     /// Loaded from the files `ascend` names; see `Policy::with_ascend_files`.
     #[serde(skip)]
@@ -309,6 +360,7 @@ impl Default for Policy {
             expected_gpus: 0,
             nvml: NvmlPolicy::default(),
             ascend: AscendPolicy::default(),
+            peer: PeerPolicy::default(),
             taint_budget: TaintBudget::default(),
             ascend_tables: AscendTables::builtin(),
         }
@@ -545,6 +597,36 @@ impl Policy {
                 "field ascend.mindcluster.resync".into(),
                 "must be at least 1s",
             );
+        }
+        let p = &self.peer;
+        if p.interval < Duration::from_secs(10) {
+            return err("field peer.interval".into(), "must be at least 10s");
+        }
+        if !(0.0..=0.5).contains(&p.jitter) {
+            return err("field peer.jitter".into(), "must be between 0 and 0.5");
+        }
+        if p.bytes == 0 || p.bytes > 4 << 30 {
+            return err("field peer.bytes".into(), "must be between 1 and 4GiB");
+        }
+        if p.iterations == 0 || p.iterations > 1000 {
+            return err("field peer.iterations".into(), "must be between 1 and 1000");
+        }
+        if p.check_timeout < Duration::from_millis(100)
+            || p.check_timeout > Duration::from_secs(600)
+        {
+            return err(
+                "field peer.check_timeout".into(),
+                "must be between 100ms and 10m",
+            );
+        }
+        if !(p.straggler_ratio.is_finite() && p.straggler_ratio > 1.0) {
+            return err("field peer.straggler_ratio".into(), "must be above 1");
+        }
+        if !(p.straggler_mads.is_finite() && p.straggler_mads >= 0.0) {
+            return err("field peer.straggler_mads".into(), "must be 0 or more");
+        }
+        if !(2..=20).contains(&p.max_rounds) {
+            return err("field peer.max_rounds".into(), "must be between 2 and 20");
         }
         if self.taint_budget.max_percent > 100 {
             return err(

@@ -49,6 +49,7 @@ fn spec(
         iterations: 2,
         timeout: Duration::from_millis(timeout_ms),
         grace: Duration::from_millis(500),
+        gpu: false,
     }
 }
 
@@ -73,12 +74,23 @@ async fn two_ranks_pass_a_missing_one_fails_a_hung_one_is_killed() {
     }
 
     // The partner never comes: the probe gives up at its own deadline and says why.
-    let o = run_probe(&spec(bin, vec![free(), free()], 0, 500)).await;
+    let o = run_probe(&spec(bin.clone(), vec![free(), free()], 0, 500)).await;
     match &o {
         ProbeOutcome::Failed(why) => assert!(why.contains("rank 1"), "{why}"),
         other => panic!("{other:?}"),
     }
     assert_eq!(o.outcome(), Outcome::Fail);
+
+    // With a long deadline, a partner that never shows up fails the check at the connect
+    // timeout (a third of the deadline, at least 3 s), not at the deadline.
+    let t0 = Instant::now();
+    let o = run_probe(&spec(bin.clone(), vec![free(), free()], 0, 12_000)).await;
+    let took = t0.elapsed();
+    assert_eq!(o.outcome(), Outcome::Fail);
+    assert!(
+        took >= Duration::from_millis(3500) && took < Duration::from_secs(8),
+        "{took:?}"
+    );
 
     // A probe that hangs (ignores its deadline) is killed at timeout + grace.
     let dir = tempfile::tempdir().unwrap();

@@ -28,6 +28,10 @@ pub struct AllgatherConfig {
     pub iterations: u32,
     /// The whole run, connection included, ends with an error at this deadline.
     pub timeout: Duration,
+    /// The ring must be connected within this (default: `timeout`). The agent starts both
+    /// probes of a check at once, so a partner that has not connected after a few seconds is
+    /// not coming (a hung probe, a stuck accelerator): the check fails then, not at `timeout`.
+    pub connect_timeout: Option<Duration>,
 }
 
 /// What a run measured.
@@ -84,11 +88,12 @@ pub enum AllgatherError {
 }
 
 /// The byte at `offset` of `rank`'s block: deterministic, different per rank and position.
-fn pattern(rank: usize, offset: usize) -> u8 {
+/// The NCCL backend fills and checks its blocks with it too.
+pub(crate) fn pattern(rank: usize, offset: usize) -> u8 {
     ((rank.wrapping_mul(131) ^ offset.wrapping_mul(7) ^ (offset >> 12)) % 251) as u8
 }
 
-fn fill(rank: usize, buf: &mut [u8]) {
+pub(crate) fn fill(rank: usize, buf: &mut [u8]) {
     for (i, b) in buf.iter_mut().enumerate() {
         *b = pattern(rank, i);
     }
@@ -305,6 +310,49 @@ fn connect(
     Ok((out, incoming))
 }
 
+/// Lines the ranks up before a timed iteration, so one rank's check of the last iteration (or a
+/// late start) is never timed as transfer by another: a token goes once around the ring
+/// (rank 0 sends first and waits for it to come back; the others pass it on).
+fn barrier(
+    me: usize,
+    to_next: &mut TcpStream,
+    from_prev: &mut TcpStream,
+    next: usize,
+    prev: usize,
+) -> Result<(), AllgatherError> {
+    let mut token = [0u8; 1];
+    let send = |s: &mut TcpStream| {
+        s.write_all(&[0xB7]).map_err(|source| AllgatherError::Io {
+            what: "send the barrier token",
+            rank: next,
+            source,
+        })
+    };
+    let mut recv = |s: &mut TcpStream| -> Result<(), AllgatherError> {
+        s.read_exact(&mut token)
+            .map_err(|source| AllgatherError::Io {
+                what: "receive the barrier token",
+                rank: prev,
+                source,
+            })?;
+        if token[0] == 0xB7 {
+            Ok(())
+        } else {
+            Err(AllgatherError::Corrupt {
+                owner: prev,
+                offset: 0,
+            })
+        }
+    };
+    if me == 0 {
+        send(to_next)?;
+        recv(from_prev)
+    } else {
+        recv(from_prev)?;
+        send(to_next)
+    }
+}
+
 /// Runs the allgather. `data` gets every rank's block, in rank order.
 pub fn run(cfg: &AllgatherConfig) -> Result<AllgatherResult, AllgatherError> {
     let world = cfg.peers.len();
@@ -324,15 +372,43 @@ pub fn run(cfg: &AllgatherConfig) -> Result<AllgatherResult, AllgatherError> {
             "bytes and iterations must be at least 1".into(),
         ));
     }
-    let deadline = Instant::now() + cfg.timeout;
-    let (mut to_next, mut from_prev) = connect(cfg, deadline)?;
+    let start = Instant::now();
+    let deadline = start + cfg.timeout;
+    let connect_by = start + cfg.connect_timeout.unwrap_or(cfg.timeout).min(cfg.timeout);
+    let (mut to_next, mut from_prev) = connect(cfg, connect_by)?;
+    // Connected: from here on the run's own deadline bounds every read and write.
+    for (s, rank) in [
+        (&to_next, (cfg.rank + 1) % world),
+        (&from_prev, (cfg.rank + world - 1) % world),
+    ] {
+        set_timeouts(s, deadline).map_err(|source| AllgatherError::Io {
+            what: "set up the connection",
+            rank,
+            source,
+        })?;
+    }
     let me = cfg.rank;
     let next = (me + 1) % world;
     let prev = (me + world - 1) % world;
     let mut blocks: Vec<Vec<u8>> = (0..world).map(|_| vec![0u8; cfg.bytes]).collect();
     fill(me, &mut blocks[me]);
+    // What every block must hold, computed once: the check after each iteration is then a
+    // memory compare, not a pattern computation per byte.
+    let expected: Vec<Vec<u8>> = (0..world)
+        .map(|owner| {
+            if owner == me {
+                Vec::new()
+            } else {
+                let mut b = vec![0u8; cfg.bytes];
+                fill(owner, &mut b);
+                b
+            }
+        })
+        .collect();
     let mut seconds = Vec::new();
-    for _ in 0..cfg.iterations {
+    // One untimed warm-up iteration (buffers faulted in, TCP windows open), then the timed ones.
+    for iteration in 0..=cfg.iterations {
+        barrier(me, &mut to_next, &mut from_prev, next, prev)?;
         let t0 = Instant::now();
         for step in 0..world - 1 {
             // Send the block received `step` steps ago (own block first); receive the block
@@ -372,38 +448,51 @@ pub fn run(cfg: &AllgatherConfig) -> Result<AllgatherResult, AllgatherError> {
                 return Err(AllgatherError::Deadline(cfg.timeout));
             }
         }
-        seconds.push(t0.elapsed().as_secs_f64());
+        if iteration > 0 {
+            seconds.push(t0.elapsed().as_secs_f64());
+        }
         for (owner, block) in blocks.iter().enumerate() {
-            if let Some(offset) = block
-                .iter()
-                .enumerate()
-                .position(|(i, b)| *b != pattern(owner, i))
-            {
+            if owner != me && block[..] != expected[owner][..] {
+                let offset = block
+                    .iter()
+                    .zip(&expected[owner])
+                    .position(|(a, b)| a != b)
+                    .unwrap_or(0);
                 return Err(AllgatherError::Corrupt { owner, offset });
             }
         }
-        // Refresh the received blocks so a stale copy can never pass the next check.
+        // Clear the received blocks so a stale copy can never pass the next check.
         for (owner, block) in blocks.iter_mut().enumerate() {
             if owner != me {
-                block.iter_mut().for_each(|b| *b = !*b);
+                block.fill(0);
             }
         }
     }
     let _ = to_next.flush();
+    Ok(summarize(world, me, cfg.bytes, seconds))
+}
+
+/// The report for per-iteration `seconds` (at least one), shared with the NCCL backend.
+pub(crate) fn summarize(
+    world: usize,
+    rank: usize,
+    bytes: usize,
+    seconds: Vec<f64>,
+) -> AllgatherResult {
     let mut sorted = seconds.clone();
     sorted.sort_by(f64::total_cmp);
-    let median = sorted[sorted.len() / 2];
-    let algbw = (cfg.bytes * world) as f64 / median.max(1e-9) / 1e9;
-    Ok(AllgatherResult {
+    let median = sorted.get(sorted.len() / 2).copied().unwrap_or(0.0);
+    let algbw = bytes as f64 * world as f64 / median.max(1e-9) / 1e9;
+    AllgatherResult {
         world,
-        rank: me,
-        bytes_per_rank: cfg.bytes,
-        iterations: cfg.iterations,
+        rank,
+        bytes_per_rank: bytes,
+        iterations: seconds.len() as u32,
         median_seconds: median,
         seconds,
         algbw_gbps: algbw,
         busbw_gbps: algbw * (world - 1) as f64 / world as f64,
-    })
+    }
 }
 
 #[cfg(test)]
@@ -432,6 +521,7 @@ mod tests {
                     bytes,
                     iterations: 3,
                     timeout: Duration::from_secs(10),
+                    connect_timeout: None,
                 };
                 edit(rank, &mut cfg);
                 std::thread::spawn(move || run(&cfg))
@@ -464,6 +554,7 @@ mod tests {
             bytes: 1024,
             iterations: 1,
             timeout: Duration::from_millis(600),
+            connect_timeout: None,
         };
         let e = run(&cfg).unwrap_err();
         assert!(started.elapsed() < Duration::from_secs(5));
@@ -514,6 +605,7 @@ mod tests {
                     bytes: 1000,
                     iterations: 1,
                     timeout: Duration::from_secs(5),
+                    connect_timeout: None,
                 };
                 std::thread::spawn(move || run(&cfg))
             })
@@ -548,7 +640,7 @@ mod tests {
                     if n == 0 {
                         break;
                     }
-                    let flip = 36 + 1000; // after the handshake
+                    let flip = 36 + 1 + 1000; // after the handshake and the first barrier token
                     if (seen..seen + n).contains(&flip) {
                         buf[flip - seen] ^= 0x40;
                     }
@@ -566,6 +658,7 @@ mod tests {
             bytes: 64 * 1024,
             iterations: 1,
             timeout: Duration::from_secs(5),
+            connect_timeout: None,
         };
         let r0 = std::thread::spawn({
             let c = cfg(0, vec![a0, proxy]);
@@ -582,6 +675,25 @@ mod tests {
     }
 
     #[test]
+    fn a_partner_that_never_comes_fails_at_the_connect_timeout() {
+        let started = Instant::now();
+        let r = run(&AllgatherConfig {
+            peers: addrs(2),
+            rank: 0,
+            bytes: 1024,
+            iterations: 1,
+            timeout: Duration::from_secs(30),
+            connect_timeout: Some(Duration::from_millis(300)),
+        });
+        assert!(r.is_err(), "{r:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            started.elapsed()
+        );
+    }
+
+    #[test]
     fn bad_configurations() {
         let cfg = |peers: Vec<SocketAddr>, rank, bytes| AllgatherConfig {
             peers,
@@ -589,6 +701,7 @@ mod tests {
             bytes,
             iterations: 1,
             timeout: Duration::from_secs(1),
+            connect_timeout: None,
         };
         assert!(matches!(
             run(&cfg(addrs(1), 0, 10)),

@@ -1,12 +1,21 @@
 //! faultline-probe: the peer-check workload (allgather + GEMM), run by the agent as a child
 //! process with a hard deadline.
 //!
-//! Backends: the CPU GEMM (here) and the TCP allgather (`allgather`). The cuBLAS/NCCL backends
-//! and the rendezvous through the agents come with the rest of the peer-check work (issue 6).
+//! Backends: the CPU GEMM (here) and the TCP allgather (`allgather`) in every build; the cuBLAS
+//! GEMM and the NCCL allgather (`accel`, implemented in `gpu` on cudarc) with the `gpu` cargo
+//! feature, which loads the CUDA libraries at run time. NCCL's unique id travels from rank 0 to
+//! the other ranks over TCP (`ncclid`). The rendezvous through the agents comes with the rest
+//! of the peer-check work (issue 6).
 
-#![forbid(unsafe_code)]
+// Only the cudarc calls in `gpu` need `unsafe`; everything else stays safe code.
+#![deny(unsafe_code)]
 
+pub mod accel;
 pub mod allgather;
+#[cfg(feature = "gpu")]
+#[allow(unsafe_code)]
+mod gpu;
+pub mod ncclid;
 
 use std::time::{Duration, Instant};
 
@@ -33,6 +42,8 @@ pub fn gemm(n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
 /// Result of one GEMM measurement.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub struct GemmResult {
+    /// `"cpu"` or `"cublas"`.
+    pub backend: &'static str,
     pub n: usize,
     pub iterations: u32,
     pub elapsed: Duration,
@@ -50,13 +61,19 @@ pub fn cpu_gemm(n: usize, iterations: u32) -> GemmResult {
         std::hint::black_box(&c);
     }
     let elapsed = start.elapsed();
-    let flops = 2.0 * (n as f64).powi(3) * f64::from(iterations);
     GemmResult {
+        backend: "cpu",
         n,
         iterations,
         elapsed,
-        gflops: flops / elapsed.as_secs_f64().max(1e-9) / 1e9,
+        gflops: gflops(n, iterations, elapsed),
     }
+}
+
+/// The rate of `iterations` n x n GEMMs (2n^3 flops each) in `elapsed`, in GFLOP/s.
+pub fn gflops(n: usize, iterations: u32, elapsed: Duration) -> f64 {
+    let flops = 2.0 * (n as f64).powi(3) * f64::from(iterations);
+    flops / elapsed.as_secs_f64().max(1e-9) / 1e9
 }
 
 #[cfg(test)]

@@ -1,9 +1,13 @@
-//! `faultline-probe`: run the check workload by hand: `faultline-probe gemm`, and
-//! `faultline-probe allgather` between two or more hosts (start one per host, same `--peers`,
-//! each with its own `--rank`). Results are JSON on stdout; errors name what went wrong and
-//! exit 1.
+//! `faultline-probe`: run the check workload by hand: `faultline-probe gemm` (CPU, or cuBLAS
+//! with `--backend cublas`), `faultline-probe allgather` (TCP) and `faultline-probe
+//! nccl-allgather` between two or more hosts (start one per host, same `--peers`, each with its
+//! own `--rank`). The GPU backends need a build with the `gpu` feature and the CUDA libraries at
+//! run time. Results are JSON on stdout; errors are one line on stderr and exit 1.
 
-use clap::{Parser, Subcommand};
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand, ValueEnum};
+use faultline_probe::accel::{CublasGemmConfig, Dtype, NcclAllgatherConfig};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -16,14 +20,30 @@ struct Cli {
     command: Command,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum GemmBackend {
+    Cpu,
+    Cublas,
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Time a CPU GEMM and print the result as JSON.
+    /// Time a GEMM (CPU, or cuBLAS on a GPU) and print the result as JSON.
     Gemm {
-        #[arg(long, default_value_t = 256)]
-        n: usize,
-        #[arg(long, default_value_t = 4)]
-        iterations: u32,
+        #[arg(long, value_enum, default_value_t = GemmBackend::Cpu)]
+        backend: GemmBackend,
+        /// Matrix side [default: 256 on cpu, 8192 on cublas].
+        #[arg(long)]
+        n: Option<usize>,
+        /// Timed GEMMs [default: 4 on cpu, 20 on cublas (after one warm-up)].
+        #[arg(long)]
+        iterations: Option<u32>,
+        /// Element type on cublas: f32, bf16 or f16 (half precision accumulates in FP32).
+        #[arg(long, default_value = "f32", value_parser = parse_dtype)]
+        dtype: Dtype,
+        /// The GPU (CUDA device ordinal) for cublas.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
     },
     /// A TCP ring allgather among the ranks in --peers; prints this rank's timings as JSON.
     Allgather {
@@ -40,7 +60,38 @@ enum Command {
         /// The whole run, connecting included, fails after this long.
         #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
         timeout: std::time::Duration,
+        /// The ring must be connected within this (default: --timeout): the agent starts both
+        /// probes of a check at once, so a partner that is not there after a few seconds is
+        /// not coming.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        connect_timeout: Option<std::time::Duration>,
     },
+    /// An NCCL allgather among the ranks in --peers (one GPU per rank); prints this rank's
+    /// timings as JSON.
+    NcclAllgather {
+        /// Every rank's address (host:port), in rank order; rank 0 hands NCCL's unique id out
+        /// on its own address (one entry: a world of one, no network).
+        #[arg(long, value_delimiter = ',', required = true)]
+        peers: Vec<std::net::SocketAddr>,
+        #[arg(long)]
+        rank: usize,
+        /// Bytes each rank contributes (64MiB, 1GiB, 4096 ...).
+        #[arg(long, default_value = "64MiB", value_parser = parse_size)]
+        size: usize,
+        /// Timed allgathers (after one warm-up).
+        #[arg(long, default_value_t = 5)]
+        iterations: u32,
+        /// The whole run (id exchange, NCCL init, iterations) fails after this long.
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        timeout: std::time::Duration,
+        /// The GPU (CUDA device ordinal).
+        #[arg(long, default_value_t = 0)]
+        device: usize,
+    },
+}
+
+fn parse_dtype(s: &str) -> Result<Dtype, String> {
+    s.parse()
 }
 
 /// `64MiB`, `1GiB`, `512KiB`, `4096` (bytes); at most 4 GiB.
@@ -66,11 +117,49 @@ fn parse_size(s: &str) -> Result<usize, String> {
     Ok(bytes)
 }
 
-fn main() -> anyhow::Result<()> {
-    match Cli::parse().command {
-        Command::Gemm { n, iterations } => {
+fn main() -> ExitCode {
+    match run(Cli::parse().command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // One line: the agent keeps the first line of stderr as the failure reason.
+            eprintln!("Error: {}", format!("{e:#}").replace('\n', " "));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command) -> anyhow::Result<()> {
+    match command {
+        Command::Gemm {
+            backend: GemmBackend::Cpu,
+            n,
+            iterations,
+            dtype,
+            device: _,
+        } => {
+            anyhow::ensure!(
+                dtype == Dtype::F32,
+                "the cpu backend computes in f32 only (--dtype {dtype} needs --backend cublas)"
+            );
+            let n = n.unwrap_or(256);
             anyhow::ensure!(n > 0 && n <= 16_384, "--n must be in 1..=16384");
-            let r = faultline_probe::cpu_gemm(n, iterations.max(1));
+            let r = faultline_probe::cpu_gemm(n, iterations.unwrap_or(4).max(1));
+            println!("{}", serde_json::to_string(&r)?);
+        }
+        Command::Gemm {
+            backend: GemmBackend::Cublas,
+            n,
+            iterations,
+            dtype,
+            device,
+        } => {
+            let cfg = CublasGemmConfig {
+                device,
+                n: n.unwrap_or(8192),
+                iterations: iterations.unwrap_or(20).max(1),
+                dtype,
+            };
+            let r = faultline_probe::accel::cublas_gemm(&cfg)?;
             println!("{}", serde_json::to_string(&r)?);
         }
         Command::Allgather {
@@ -79,6 +168,7 @@ fn main() -> anyhow::Result<()> {
             size,
             iterations,
             timeout,
+            connect_timeout,
         } => {
             let cfg = faultline_probe::allgather::AllgatherConfig {
                 peers,
@@ -86,8 +176,28 @@ fn main() -> anyhow::Result<()> {
                 bytes: size,
                 iterations: iterations.max(1),
                 timeout,
+                connect_timeout,
             };
             let r = faultline_probe::allgather::run(&cfg)?;
+            println!("{}", serde_json::to_string(&r)?);
+        }
+        Command::NcclAllgather {
+            peers,
+            rank,
+            size,
+            iterations,
+            timeout,
+            device,
+        } => {
+            let cfg = NcclAllgatherConfig {
+                peers,
+                rank,
+                bytes: size,
+                iterations: iterations.max(1),
+                timeout,
+                device,
+            };
+            let r = faultline_probe::accel::nccl_allgather(&cfg)?;
             println!("{}", serde_json::to_string(&r)?);
         }
     }

@@ -14,7 +14,7 @@ use hmac::{Hmac, Mac};
 use prost::Message;
 use sha2::Sha256;
 
-use crate::v1::{Auth, CheckAssignment, CheckReport, RunRequest};
+use crate::v1::{Auth, CheckAssignment, CheckReport, PingRequest, RunConclusion, RunRequest};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -62,7 +62,13 @@ macro_rules! signed {
         }
     )*};
 }
-signed!(CheckAssignment, CheckReport, RunRequest);
+signed!(
+    CheckAssignment,
+    CheckReport,
+    RunRequest,
+    PingRequest,
+    RunConclusion
+);
 
 /// The shared secret.
 #[derive(Clone)]

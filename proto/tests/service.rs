@@ -10,7 +10,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use faultline_proto::auth::{sign, Key, Verifier, NONCE_BYTES};
 use faultline_proto::v1::peer_check_client::PeerCheckClient;
 use faultline_proto::v1::peer_check_server::{PeerCheck, PeerCheckServer};
-use faultline_proto::v1::{CheckAccepted, CheckAssignment};
+use faultline_proto::v1::{
+    CheckAccepted, CheckAssignment, PingReply, PingRequest, ReportAck, RunConclusion,
+};
 use faultline_proto::{MAX_MESSAGE_BYTES, PROTOCOL};
 use tonic::{Code, Request, Response, Status};
 
@@ -29,6 +31,15 @@ struct Agent {
 
 #[tonic::async_trait]
 impl PeerCheck for Agent {
+    async fn ping(&self, _: Request<PingRequest>) -> Result<Response<PingReply>, Status> {
+        Err(Status::unimplemented("not used by this test"))
+    }
+    async fn cancel(&self, _: Request<CheckAssignment>) -> Result<Response<CheckAccepted>, Status> {
+        Err(Status::unimplemented("not used by this test"))
+    }
+    async fn conclude(&self, _: Request<RunConclusion>) -> Result<Response<ReportAck>, Status> {
+        Err(Status::unimplemented("not used by this test"))
+    }
     async fn assign(
         &self,
         request: Request<CheckAssignment>,

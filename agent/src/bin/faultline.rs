@@ -111,6 +111,35 @@ enum Command {
         namespace: String,
     },
     /// Ask the agent to clear active faults (all, or by code and/or device).
+    /// Run a peer check among these nodes now and print faulty nodes, broken links and
+    /// stragglers. Exit 0: none; 1: some; 3: some nodes could not be judged; 2: no run.
+    Check {
+        /// Node names, comma separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        nodes: Vec<String>,
+        /// Give up after this long (the run, and retries while the coordinator changes).
+        #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+        timeout: Duration,
+        /// Deadline of each check (default: the coordinator's policy, `peer.check_timeout`).
+        #[arg(long, value_parser = humantime::parse_duration)]
+        check_timeout: Option<Duration>,
+        /// The coordinator's peer-check address (ip:port). Default: the Lease holder's.
+        #[arg(long, env = "FAULTLINE_COORDINATOR")]
+        coordinator: Option<String>,
+        /// The shared peer-check secret.
+        #[arg(
+            long,
+            env = "FAULTLINE_PEER_SECRET_FILE",
+            default_value = "/etc/faultline/peer/secret"
+        )]
+        secret_file: PathBuf,
+        #[arg(long, env = "FAULTLINE_KUBECONFIG")]
+        kubeconfig: Option<PathBuf>,
+        #[arg(long, env = "POD_NAMESPACE", default_value = "faultline-system")]
+        namespace: String,
+        #[arg(short, long, value_enum, default_value = "table")]
+        output: Output,
+    },
     Clear {
         #[arg(long)]
         code: Option<String>,
@@ -194,6 +223,41 @@ fn main() -> std::process::ExitCode {
             interval,
             allow_degraded,
         ),
+        Command::Check {
+            nodes,
+            timeout,
+            check_timeout,
+            coordinator,
+            secret_file,
+            kubeconfig,
+            namespace,
+            output,
+        } => {
+            let args = cli::CheckArgs {
+                nodes,
+                timeout,
+                check_timeout,
+                coordinator,
+                secret_file,
+                kubeconfig,
+                namespace,
+                json: matches!(output, Output::Json),
+            };
+            let outcome = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt.block_on(cli::check(args)),
+                Err(e) => cli::Outcome::failed(format!("error: {e}")),
+            };
+            // Verdicts go to stdout whatever the exit status; errors to stderr.
+            if outcome.code == 2 {
+                eprintln!("{}", outcome.message);
+            } else {
+                println!("{}", outcome.message);
+            }
+            return std::process::ExitCode::from(outcome.code);
+        }
         Command::Clear { code, device, wait } => cli::clear(&cli.state_dir, code, device, wait),
     };
     if outcome.code == 0 {

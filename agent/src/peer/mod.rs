@@ -1,9 +1,234 @@
 //! Peer-paired collective checks: agents check each other in pairs and the coordinator locates
-//! faulty nodes, broken links and stragglers from the results. `pairing` is the pure core (the
-//! planner and its verdicts, plus a simulator for tests and benchmarks); `runner` runs the probe
-//! as a child process with a hard deadline; `verdicts` turns a run's verdicts into this node's
-//! fault record (`PEER_UNREACHABLE`, `PEER_LINK_FAILED`, `STRAGGLER`).
+//! faulty nodes, broken links and stragglers from the results.
+//!
+//! - `pairing`: the pure core (the planner and its verdicts, plus a simulator);
+//! - `coordinator`: runs a run over a transport and publishes it; `lease`: who coordinates;
+//! - `service`: the gRPC service every agent serves, and the coordinator's client;
+//! - `members`: who takes part (agent pods, or a members file); `publish`: where runs go;
+//! - `runner`: the probe as a child process with a hard deadline; `verdicts`: a run's verdicts
+//!   as this node's fault record (`PEER_UNREACHABLE`, `PEER_LINK_FAILED`, `STRAGGLER`);
+//! - `wire`: signing, the secret file, verdicts on the wire.
+//!
+//! [`start`] wires them into the agent: the service on its own port, the election, and the
+//! schedule of runs while this agent coordinates.
 
+pub mod coordinator;
+pub mod lease;
+pub mod members;
 pub mod pairing;
+pub mod publish;
 pub mod runner;
+pub mod service;
 pub mod verdicts;
+pub mod wire;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use faultline_proto::auth::Verifier;
+use faultline_proto::v1::coordinator_server::CoordinatorServer;
+use faultline_proto::v1::peer_check_server::PeerCheckServer;
+use faultline_proto::MAX_MESSAGE_BYTES;
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn, Instrument};
+
+use coordinator::{Coordinator, Publisher, Trigger};
+use members::Members;
+use service::{Busy, GrpcTransport, Leadership, PeerHandle, PeerService, ProbeSetup};
+use wire::Signer;
+
+use crate::policy::PeerPolicy;
+use crate::source::policy_watch::LoadedPolicy;
+use crate::source::Input;
+
+/// Requests signed longer ago (or later) than this are refused.
+pub const MAX_SKEW: Duration = Duration::from_secs(30);
+
+/// Who coordinates.
+#[derive(Debug)]
+pub enum Election {
+    /// This agent, always (bare metal: the first node of the members file).
+    Always,
+    /// Never (bare metal: every other node).
+    Never,
+    /// As the receiver says (the Kubernetes Lease).
+    Lease(watch::Receiver<bool>),
+}
+
+/// Everything the peer-check part of the agent needs.
+#[derive(Debug)]
+pub struct PeerSetup {
+    pub node: String,
+    pub listener: tokio::net::TcpListener,
+    /// Where other agents reach this one (reports go here).
+    pub address: SocketAddr,
+    pub key: faultline_proto::auth::Key,
+    pub probe: ProbeSetup,
+    pub probe_port_base: u16,
+    pub busy: Arc<dyn Busy>,
+    pub members: Arc<dyn Members>,
+    pub publisher: Arc<dyn Publisher>,
+    pub election: Election,
+    pub policy: watch::Receiver<LoadedPolicy>,
+    pub inputs: mpsc::Sender<Input>,
+    pub shutdown: CancellationToken,
+}
+
+/// The peer-check policy, followed from the loaded policy.
+fn follow_policy(
+    mut loaded: watch::Receiver<LoadedPolicy>,
+    shutdown: CancellationToken,
+) -> watch::Receiver<PeerPolicy> {
+    let (tx, rx) = watch::channel(loaded.borrow().policy.peer.clone());
+    tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                r = loaded.changed() => {
+                    if r.is_err() { return; }
+                    let p = loaded.borrow_and_update().policy.peer.clone();
+                    tx.send_if_modified(|old| if *old != p { *old = p; true } else { false });
+                }
+            }
+        }
+    });
+    rx
+}
+
+/// Starts the service, and the schedule while this agent coordinates; returns the tasks.
+pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
+    let signer = Signer {
+        key: s.key.clone(),
+        sender: s.node.clone(),
+    };
+    let policy = follow_policy(s.policy, s.shutdown.clone());
+    let transport = Arc::new(GrpcTransport::new(signer.clone()));
+    let coordinator = Arc::new(Coordinator::new(
+        s.node.clone(),
+        s.address.to_string(),
+        s.probe_port_base,
+        transport,
+        s.publisher,
+    ));
+    let leader = match s.election {
+        Election::Always => watch::channel(true).1,
+        Election::Never => watch::channel(false).1,
+        Election::Lease(rx) => rx,
+    };
+    let leadership = Leadership {
+        coordinator: coordinator.clone(),
+        leader: leader.clone(),
+        members: s.members.clone(),
+        policy: policy.clone(),
+    };
+    let svc = PeerHandle(Arc::new(PeerService::new(
+        s.node.clone(),
+        Verifier::new(s.key, MAX_SKEW),
+        signer,
+        s.probe,
+        s.busy,
+        s.inputs,
+        Some(leadership.clone()),
+    )));
+    let mut tasks = Vec::new();
+    let shutdown = s.shutdown.clone();
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(s.listener);
+    let server = tonic::transport::Server::builder()
+        .add_service(
+            PeerCheckServer::new(svc.clone())
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .add_service(
+            CoordinatorServer::new(svc)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
+    info!(address = %s.address, "peer-check service listening");
+    tasks.push(tokio::spawn(
+        async move {
+            if let Err(e) = server.await {
+                warn!(error = %e, "peer-check service stopped");
+            }
+        }
+        .instrument(tracing::info_span!("source", name = "peer")),
+    ));
+    tasks.push(tokio::spawn(
+        schedule(leadership, s.shutdown).instrument(tracing::info_span!("peer_schedule")),
+    ));
+    tasks
+}
+
+/// Waits `interval` plus or minus `jitter` of it.
+pub fn jittered(interval: Duration, jitter: f64) -> Duration {
+    let unit = (wire::random_u64() >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
+    let f = 1.0 + jitter.clamp(0.0, 0.5) * (2.0 * unit - 1.0);
+    interval.mul_f64(f.max(0.0))
+}
+
+/// While this agent holds the Lease: finish (restart) a run the previous coordinator left
+/// unfinished, then run among all members every `peer.interval` (jittered).
+async fn schedule(l: Leadership, shutdown: CancellationToken) {
+    let mut leader = l.leader.clone();
+    let mut runs = 0usize;
+    loop {
+        // Wait to lead.
+        while !*leader.borrow_and_update() {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                r = leader.changed() => if r.is_err() { return },
+            }
+        }
+        info!("coordinating peer checks");
+        if let Some(last) = l.coordinator.publisher().last().await {
+            if !last.is_finished() {
+                info!(run_id = %last.run_id, coordinator = %last.coordinator, "restarting the run a previous coordinator left unfinished");
+                run_once(&l, Some(&last.members), Trigger::Resume, runs).await;
+                runs += 1;
+            }
+        }
+        loop {
+            let p = l.policy.borrow().clone();
+            let wait = jittered(p.interval, p.jitter);
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                r = leader.changed() => {
+                    if r.is_err() { return }
+                    if !*leader.borrow_and_update() { info!("no longer coordinating"); break }
+                    continue;
+                }
+                _ = tokio::time::sleep(wait) => {}
+            }
+            if !l.policy.borrow().enabled {
+                continue;
+            }
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = run_once(&l, None, Trigger::Schedule, runs) => {}
+            }
+            runs += 1;
+        }
+    }
+}
+
+async fn run_once(l: &Leadership, only: Option<&[String]>, trigger: Trigger, runs: usize) {
+    let all = match l.members.list().await {
+        Ok(m) => m,
+        Err(e) => return warn!(error = %e, "cannot list the peer-check members; skipping this run"),
+    };
+    let (members, missing) = match only {
+        Some(names) => coordinator::select(all, names),
+        None => (all, Default::default()),
+    };
+    if members.len() < 2 {
+        return info!(
+            members = members.len(),
+            "fewer than two members; nothing to check"
+        );
+    }
+    let spec = service::run_spec(&l.policy.borrow(), runs);
+    l.coordinator.run(members, missing, &spec, trigger).await;
+}

@@ -25,6 +25,8 @@ pub struct ProbeSpec {
     pub timeout: Duration,
     /// How much longer the agent waits before it kills the child.
     pub grace: Duration,
+    /// NCCL instead of TCP (a probe built with the `gpu` feature).
+    pub gpu: bool,
 }
 
 /// What the probe printed (the fields the agent uses).
@@ -60,18 +62,33 @@ fn excerpt(s: &[u8]) -> String {
     crate::child::first_line(&String::from_utf8_lossy(s), 200)
 }
 
+/// How long the two probes of a check may take to find each other: both are started at once
+/// (on the coordinator's word), so a partner missing after this is not coming; a third of the
+/// deadline, at least 3 s, at most the deadline.
+pub fn connect_timeout(timeout: Duration) -> Duration {
+    (timeout / 3).max(Duration::from_secs(3)).min(timeout)
+}
+
 /// Runs the probe and waits at most `timeout + grace`.
 pub async fn run_probe(spec: &ProbeSpec) -> ProbeOutcome {
     let peers: Vec<String> = spec.peers.iter().map(|p| p.to_string()).collect();
     let mut cmd = tokio::process::Command::new(&spec.probe);
-    cmd.arg("allgather")
-        .args(["--peers", &peers.join(",")])
-        .args(["--rank", &spec.rank.to_string()])
-        .args(["--size", &spec.bytes.to_string()])
-        .args(["--iterations", &spec.iterations.max(1).to_string()])
-        .args(["--timeout", &format!("{}ms", spec.timeout.as_millis())])
-        // One-line errors: the agent keeps the first line of stderr as the reason.
-        .env("RUST_BACKTRACE", "0");
+    cmd.arg(if spec.gpu {
+        "nccl-allgather"
+    } else {
+        "allgather"
+    })
+    .args(["--peers", &peers.join(",")])
+    .args(["--rank", &spec.rank.to_string()])
+    .args(["--size", &spec.bytes.to_string()])
+    .args(["--iterations", &spec.iterations.max(1).to_string()])
+    .args(["--timeout", &format!("{}ms", spec.timeout.as_millis())])
+    // One-line errors: the agent keeps the first line of stderr as the reason.
+    .env("RUST_BACKTRACE", "0");
+    if !spec.gpu {
+        let c = connect_timeout(spec.timeout);
+        cmd.args(["--connect-timeout", &format!("{}ms", c.as_millis())]);
+    }
     let limit = spec.timeout + spec.grace;
     match crate::child::run(&mut cmd, limit).await {
         Err(ChildError::Spawn(e)) => {
@@ -95,5 +112,29 @@ pub async fn run_probe(spec: &ProbeSpec) -> ProbeOutcome {
                 excerpt(&out.stdout)
             )),
         },
+    }
+}
+
+#[derive(Debug, Deserialize)]
+struct GemmReport {
+    gflops: f64,
+}
+
+/// Times a GEMM (`faultline-probe gemm`, on the CPU or with cuBLAS); its GFLOP/s.
+pub async fn run_gemm(
+    probe: &std::path::Path,
+    gpu: bool,
+    timeout: Duration,
+) -> Result<f64, String> {
+    let mut cmd = tokio::process::Command::new(probe);
+    cmd.arg("gemm")
+        .args(["--backend", if gpu { "cublas" } else { "cpu" }])
+        .env("RUST_BACKTRACE", "0");
+    match crate::child::run(&mut cmd, timeout).await {
+        Ok(out) if out.status.success() => serde_json::from_slice::<GemmReport>(&out.stdout)
+            .map(|g| g.gflops)
+            .map_err(|e| format!("unreadable GEMM output ({e}): {}", excerpt(&out.stdout))),
+        Ok(out) => Err(format!("gemm {}: {}", out.status, excerpt(&out.stderr))),
+        Err(e) => Err(format!("gemm: {e:?}")),
     }
 }

@@ -81,7 +81,7 @@ pub(crate) fn base64_encode(data: &[u8]) -> String {
 /// Standard base64 decoding (padding required, as Go's `encoding/json` does for `[]byte`).
 pub(crate) fn base64_decode(s: &str) -> Result<Vec<u8>, String> {
     let bytes = s.as_bytes();
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return Err(format!(
             "illegal base64 data at input byte {}",
             bytes.len() / 4 * 4

@@ -281,9 +281,18 @@ fn resources_probes_and_privileges() {
         "the default listen address"
     );
     let ports = c.ports.clone().unwrap_or_default();
-    assert_eq!(ports.len(), 1);
+    assert_eq!(ports.len(), 2);
     assert_eq!(ports[0].container_port, port);
     assert_eq!(ports[0].name.as_deref(), Some("http"));
+    let peer_port: i32 = daemon
+        .split("DEFAULT_PEER_LISTEN: &str = \"")
+        .nth(1)
+        .and_then(|s| s.split('"').next())
+        .and_then(|addr| addr.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .expect("DEFAULT_PEER_LISTEN in daemon.rs");
+    assert_eq!(ports[1].container_port, peer_port);
+    assert_eq!(ports[1].name.as_deref(), Some("peer"));
     for (probe, path) in [
         (c.liveness_probe.clone(), "/healthz"),
         (c.readiness_probe.clone(), "/readyz"),

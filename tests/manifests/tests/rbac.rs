@@ -277,10 +277,14 @@ fn the_rbac_check_catches_drift() {
     more.push(ApiCall {
         group: "coordination.k8s.io",
         resource: "leases",
-        verb: "get",
+        verb: "delete",
         scope: Scope::AgentNamespace,
         used_by: "test",
     });
     let e = problems(&docs, &more);
-    assert!(e.iter().any(|x| x.contains("leases")), "{e:?}");
+    assert!(
+        e.iter()
+            .any(|x| x.contains("leases") && x.contains("delete")),
+        "{e:?}"
+    );
 }

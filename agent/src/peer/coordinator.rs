@@ -1,0 +1,650 @@
+//! The coordinator: runs a peer-check run among members, round by round as the planner
+//! (`pairing`) says, over a [`Transport`] to the agents, and publishes each round's plan and the
+//! verdicts through a [`Publisher`]. Only the agent holding the Lease runs it (`lease`).
+//!
+//! One check: the coordinator assigns it to both members at once (each runs its probe and sends
+//! its `CheckReport` back here); the check passes when both report a pass, and fails as soon as
+//! either reports a failure, refuses, cannot be reached, or the deadline passes (the other side
+//! is then told to cancel its probe). Members that did not answer the pre-run ping take part in
+//! the plan, but their checks fail at once without running a probe: a node whose agent is gone
+//! fails with every partner, which is what a faulty node looks like.
+//!
+//! Deadlines: round 1 waits the configured check timeout. Later rounds know how long a good
+//! check takes, so they wait at most `HANG_FACTOR` times the slowest passed check (never less
+//! than `MIN_LATER_DEADLINE`, never more than the timeout): a hung node costs one full timeout,
+//! not one per round.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use faultline_proto::v1::{
+    CheckAccepted, CheckAssignment, CheckReport, Member as WireMember, PingReply, RunConclusion,
+};
+use faultline_proto::PROTOCOL;
+use serde::{Deserialize, Serialize};
+use tokio::sync::oneshot;
+use tracing::{debug, info, warn, Instrument};
+
+use super::members::Member;
+use super::pairing::{neighbour_order, NodeId, Outcome, Pair, PairingConfig, Planner, Verdicts};
+use super::wire;
+
+/// Later rounds wait at most this many times the slowest passed check.
+pub const HANG_FACTOR: f64 = 4.0;
+/// ... but never less than this.
+pub const MIN_LATER_DEADLINE: Duration = Duration::from_millis(1500);
+/// How long past a check's deadline the coordinator waits for the reports (the probe is killed
+/// one grace period after its deadline; the report then needs a moment to arrive).
+pub const REPORT_SLACK: Duration = Duration::from_secs(2);
+/// Probe ports used per round, from the base port: a node takes part in at most two checks per
+/// round, and successive rounds use different ports so a probe still winding down cannot block
+/// the next one.
+const PORTS_PER_ROUND: u16 = 4;
+const PORT_GROUPS: u16 = 8;
+
+/// What a run measures and how it judges.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunSpec {
+    pub bytes: u64,
+    pub iterations: u32,
+    pub check_timeout: Duration,
+    pub gemm: bool,
+    pub pairing: PairingConfig,
+    /// Round-1 rotation (changes between runs so different links are exercised).
+    pub rotation: usize,
+    /// Leave out members whose accelerators are busy (scheduled GPU runs).
+    pub skip_busy: bool,
+}
+
+/// Why a run happened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Trigger {
+    Schedule,
+    Request,
+    /// A new coordinator restarting a run its predecessor did not finish.
+    Resume,
+}
+
+/// One check as published.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CheckState {
+    pub a: String,
+    pub b: String,
+    pub passed: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub busbw_gbps: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub gemm_gflops: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub error: Option<String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RoundState {
+    pub round: u32,
+    pub deadline_ms: u64,
+    pub checks: Vec<CheckState>,
+}
+
+/// A verdict as published (`kind`: faulty_node, broken_link, straggler, unknown).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct VerdictState {
+    pub kind: String,
+    pub nodes: Vec<String>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub slowdown: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub reason: Option<String>,
+}
+
+/// A run as published in the ConfigMap `faultline-peercheck` (or `peercheck.json`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RunState {
+    pub run_id: String,
+    pub trigger: Trigger,
+    pub coordinator: String,
+    pub started: DateTime<Utc>,
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub finished: Option<DateTime<Utc>>,
+    /// Members in the planner's terms (verdicts name them).
+    pub members: Vec<String>,
+    /// Requested or listed nodes left out, and why.
+    #[serde(default)]
+    pub skipped: BTreeMap<String, String>,
+    pub rounds: Vec<RoundState>,
+    pub verdicts: Vec<VerdictState>,
+}
+
+impl RunState {
+    pub fn is_finished(&self) -> bool {
+        self.finished.is_some()
+    }
+}
+
+/// The coordinator's way to the agents.
+#[async_trait::async_trait]
+pub trait Transport: Send + Sync + std::fmt::Debug {
+    async fn ping(&self, to: &Member) -> Result<PingReply, String>;
+    async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String>;
+    async fn cancel(&self, to: &Member, a: CheckAssignment);
+    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String>;
+}
+
+/// Where runs are published. Failures are the publisher's to log: a run never waits on them.
+#[async_trait::async_trait]
+pub trait Publisher: Send + Sync + std::fmt::Debug {
+    async fn publish(&self, state: &RunState);
+    /// The last published run (a new coordinator resumes it when it is unfinished).
+    async fn last(&self) -> Option<RunState>;
+}
+
+/// A publisher that keeps the last run in memory (tests, and runs without any output).
+#[derive(Debug, Default)]
+pub struct MemoryPublisher(pub Mutex<Vec<RunState>>);
+
+#[async_trait::async_trait]
+impl Publisher for MemoryPublisher {
+    async fn publish(&self, state: &RunState) {
+        if let Ok(mut v) = self.0.lock() {
+            v.push(state.clone());
+        }
+    }
+    async fn last(&self) -> Option<RunState> {
+        self.0.lock().ok().and_then(|v| v.last().cloned())
+    }
+}
+
+type ReportKey = (String, u32, String, String);
+
+/// Runs peer checks. Cheap to share (`Arc`); one run at a time.
+#[derive(Debug)]
+pub struct Coordinator {
+    /// This agent's node name (signs as it).
+    pub node: String,
+    /// Where this agent's peer service listens for reports.
+    pub address: String,
+    pub probe_port_base: u16,
+    transport: Arc<dyn Transport>,
+    publisher: Arc<dyn Publisher>,
+    reports: Mutex<HashMap<ReportKey, oneshot::Sender<CheckReport>>>,
+    lock: tokio::sync::Mutex<()>,
+}
+
+/// What happened to one check.
+#[derive(Debug, Clone)]
+struct CheckResult {
+    outcome: Outcome,
+    state: CheckState,
+}
+
+/// The published name of a verdict kind.
+pub fn kind_name(k: faultline_proto::v1::verdict::Kind) -> &'static str {
+    use faultline_proto::v1::verdict::Kind;
+    match k {
+        Kind::FaultyNode => "faulty_node",
+        Kind::BrokenLink => "broken_link",
+        Kind::Straggler => "straggler",
+        Kind::Unknown => "unknown",
+        Kind::Unspecified => "unspecified",
+    }
+}
+
+/// Published verdicts from planner verdicts.
+pub fn verdict_states(members: &[String], v: &Verdicts) -> Vec<VerdictState> {
+    wire::to_proto(members, v)
+        .into_iter()
+        .map(|w| VerdictState {
+            kind: kind_name(w.kind()).to_string(),
+            nodes: w.nodes,
+            slowdown: (w.slowdown > 0.0).then_some(w.slowdown),
+            reason: (!w.reason.is_empty()).then_some(w.reason),
+        })
+        .collect()
+}
+
+/// A new run id: time and a random suffix.
+pub fn new_run_id(now: DateTime<Utc>) -> String {
+    format!(
+        "{}-{:04x}",
+        now.format("%Y%m%dT%H%M%SZ"),
+        wire::random_u64() & 0xffff
+    )
+}
+
+impl Coordinator {
+    pub fn new(
+        node: String,
+        address: String,
+        probe_port_base: u16,
+        transport: Arc<dyn Transport>,
+        publisher: Arc<dyn Publisher>,
+    ) -> Coordinator {
+        Coordinator {
+            node,
+            address,
+            probe_port_base,
+            transport,
+            publisher,
+            reports: Mutex::new(HashMap::new()),
+            lock: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    pub fn publisher(&self) -> &Arc<dyn Publisher> {
+        &self.publisher
+    }
+
+    /// A report from an agent (the `Report` RPC, already authenticated). False when no check
+    /// waits for it (late, duplicate, or not ours).
+    pub fn deliver(&self, r: CheckReport) -> bool {
+        let key = (r.run_id.clone(), r.round, r.node.clone(), r.partner.clone());
+        let tx = self.reports.lock().ok().and_then(|mut m| m.remove(&key));
+        match tx {
+            Some(tx) => tx.send(r).is_ok(),
+            None => false,
+        }
+    }
+
+    fn expect(&self, key: ReportKey) -> oneshot::Receiver<CheckReport> {
+        let (tx, rx) = oneshot::channel();
+        if let Ok(mut m) = self.reports.lock() {
+            m.insert(key, tx);
+        }
+        rx
+    }
+
+    fn forget(&self, key: &ReportKey) {
+        if let Ok(mut m) = self.reports.lock() {
+            m.remove(key);
+        }
+    }
+
+    /// Runs one run among `members` (plus `missing`: requested nodes without an agent, reported
+    /// as unknown). Waits for a run already in progress to finish first.
+    pub async fn run(
+        &self,
+        members: Vec<Member>,
+        missing: BTreeMap<String, String>,
+        spec: &RunSpec,
+        trigger: Trigger,
+    ) -> RunState {
+        let _one_at_a_time = self.lock.lock().await;
+        let started = Utc::now();
+        let run_id = new_run_id(started);
+        let span = tracing::info_span!("peer_run", run_id = %run_id, trigger = ?trigger);
+        self.run_inner(members, missing, spec, trigger, run_id, started)
+            .instrument(span)
+            .await
+    }
+
+    async fn run_inner(
+        &self,
+        members: Vec<Member>,
+        mut skipped: BTreeMap<String, String>,
+        spec: &RunSpec,
+        trigger: Trigger,
+        run_id: String,
+        started: DateTime<Utc>,
+    ) -> RunState {
+        // Ping first: who is there, who is busy.
+        let pings = futures::future::join_all(members.iter().map(|m| self.transport.ping(m))).await;
+        let mut unreachable: BTreeMap<String, String> = BTreeMap::new();
+        let mut pool: Vec<Member> = Vec::new();
+        for (m, p) in members.into_iter().zip(pings) {
+            match p {
+                Ok(reply) if reply.busy && spec.skip_busy => {
+                    skipped.insert(
+                        m.node.clone(),
+                        format!("accelerators busy: {}", reply.reason),
+                    );
+                }
+                Ok(reply) if reply.protocol != PROTOCOL => {
+                    skipped.insert(
+                        m.node.clone(),
+                        format!("agent speaks protocol {}, not {PROTOCOL}", reply.protocol),
+                    );
+                }
+                Ok(_) => pool.push(m),
+                Err(e) => {
+                    unreachable.insert(m.node.clone(), e);
+                    pool.push(m);
+                }
+            }
+        }
+        let names: Vec<String> = pool.iter().map(|m| m.node.clone()).collect();
+        let mut state = RunState {
+            run_id: run_id.clone(),
+            trigger,
+            coordinator: self.node.clone(),
+            started,
+            finished: None,
+            members: names.clone(),
+            skipped,
+            rounds: Vec::new(),
+            verdicts: Vec::new(),
+        };
+        info!(
+            members = names.len(),
+            unreachable = unreachable.len(),
+            skipped = state.skipped.len(),
+            "peer-check run starting"
+        );
+        let topo: Vec<(String, Option<String>)> = pool
+            .iter()
+            .map(|m| (m.node.clone(), m.topology.clone()))
+            .collect();
+        let mut planner = Planner::new(neighbour_order(&topo, spec.rotation), spec.pairing.clone());
+        let mut slowest_pass: Option<f64> = None;
+        while let Some(checks) = planner.next_round() {
+            let round = planner.rounds() as u32;
+            let deadline = match slowest_pass {
+                Some(s) if round > 1 => {
+                    let expected = s * f64::from(spec.iterations.max(1));
+                    Duration::from_secs_f64(
+                        (HANG_FACTOR * expected).min(spec.check_timeout.as_secs_f64()),
+                    )
+                    .max(MIN_LATER_DEADLINE)
+                    .min(spec.check_timeout)
+                }
+                _ => spec.check_timeout,
+            };
+            // Probe ports: per node, one per check it takes part in this round.
+            let mut slots: HashMap<NodeId, u16> = HashMap::new();
+            let group = (round.saturating_sub(1) as u16 % PORT_GROUPS) * PORTS_PER_ROUND;
+            let mut port = |n: NodeId| {
+                let s = slots.entry(n).or_insert(0);
+                let p = self
+                    .probe_port_base
+                    .saturating_add(group + (*s % PORTS_PER_ROUND));
+                *s += 1;
+                p
+            };
+            let planned: Vec<(Pair, u16, u16)> = checks
+                .iter()
+                .map(|c| (c.pair, port(c.pair.a()), port(c.pair.b())))
+                .collect();
+            state.rounds.push(RoundState {
+                round,
+                deadline_ms: deadline.as_millis() as u64,
+                checks: planned
+                    .iter()
+                    .map(|(p, _, _)| CheckState {
+                        a: names[p.a()].clone(),
+                        b: names[p.b()].clone(),
+                        passed: None,
+                        seconds: None,
+                        busbw_gbps: None,
+                        gemm_gflops: None,
+                        error: None,
+                    })
+                    .collect(),
+            });
+            self.publisher.publish(&state).await;
+            let results = futures::future::join_all(planned.iter().map(|(pair, pa, pb)| {
+                self.check(
+                    &run_id,
+                    round,
+                    &pool[pair.a()],
+                    &pool[pair.b()],
+                    (*pa, *pb),
+                    &unreachable,
+                    spec,
+                    deadline,
+                )
+            }))
+            .await;
+            let mut outcomes = Vec::new();
+            for ((pair, _, _), r) in planned.iter().zip(results) {
+                debug!(round, a = %r.state.a, b = %r.state.b, passed = ?r.state.passed, seconds = ?r.state.seconds, error = ?r.state.error, "check done");
+                if let Outcome::Pass { seconds } = r.outcome {
+                    slowest_pass = Some(slowest_pass.map_or(seconds, |s: f64| s.max(seconds)));
+                }
+                outcomes.push((*pair, r.outcome));
+                if let Some(last) = state.rounds.last_mut() {
+                    if let Some(c) = last
+                        .checks
+                        .iter_mut()
+                        .find(|c| c.a == names[pair.a()] && c.b == names[pair.b()])
+                    {
+                        *c = r.state;
+                    }
+                }
+            }
+            planner.record(&outcomes);
+            let failed = outcomes.iter().filter(|(_, o)| *o == Outcome::Fail).count();
+            info!(
+                round,
+                checks = outcomes.len(),
+                failed,
+                "peer-check round done"
+            );
+        }
+        let verdicts = planner.verdicts();
+        state.verdicts = verdict_states(&names, &verdicts);
+        for (n, why) in &state.skipped {
+            if !names.contains(n) {
+                state.verdicts.push(VerdictState {
+                    kind: "unknown".into(),
+                    nodes: vec![n.clone()],
+                    slowdown: None,
+                    reason: Some(why.clone()),
+                });
+            }
+        }
+        state.finished = Some(Utc::now());
+        self.publisher.publish(&state).await;
+        info!(
+            rounds = state.rounds.len(),
+            verdicts = state.verdicts.len(),
+            "peer-check run finished"
+        );
+        // Every reachable member records its own verdict.
+        let conclusion = RunConclusion {
+            auth: None,
+            protocol: PROTOCOL,
+            run_id: run_id.clone(),
+            members: names.clone(),
+            verdicts: wire::to_proto(&names, &verdicts),
+        };
+        let told = futures::future::join_all(
+            pool.iter()
+                .filter(|m| !unreachable.contains_key(&m.node))
+                .map(|m| {
+                    let c = conclusion.clone();
+                    async move { (m, self.transport.conclude(m, c).await) }
+                }),
+        )
+        .await;
+        for (m, r) in told {
+            if let Err(e) = r {
+                warn!(node = %m.node, error = %e, "cannot tell a member its verdict");
+            }
+        }
+        state
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn check(
+        &self,
+        run_id: &str,
+        round: u32,
+        a: &Member,
+        b: &Member,
+        ports: (u16, u16),
+        unreachable: &BTreeMap<String, String>,
+        spec: &RunSpec,
+        deadline: Duration,
+    ) -> CheckResult {
+        let mut state = CheckState {
+            a: a.node.clone(),
+            b: b.node.clone(),
+            passed: Some(false),
+            seconds: None,
+            busbw_gbps: None,
+            gemm_gflops: None,
+            error: None,
+        };
+        let fail = |mut state: CheckState, why: String| CheckResult {
+            outcome: Outcome::Fail,
+            state: {
+                state.error = Some(why);
+                state
+            },
+        };
+        for m in [a, b] {
+            if let Some(e) = unreachable.get(&m.node) {
+                return fail(state, format!("agent on {} unreachable: {e}", m.node));
+            }
+        }
+        let wire_member = |m: &Member| WireMember {
+            node: m.node.clone(),
+            address: m.address.clone(),
+            topology: m.topology.clone().unwrap_or_default(),
+        };
+        let assignment = CheckAssignment {
+            auth: None,
+            protocol: PROTOCOL,
+            run_id: run_id.to_string(),
+            round,
+            a: Some(wire_member(a)),
+            b: Some(wire_member(b)),
+            probe_a: SocketAddr::new(a.ip, ports.0).to_string(),
+            probe_b: SocketAddr::new(b.ip, ports.1).to_string(),
+            bytes: spec.bytes,
+            iterations: spec.iterations,
+            timeout_ms: deadline.as_millis() as u32,
+            gemm: spec.gemm,
+            coordinator: self.address.clone(),
+        };
+        let key_a: ReportKey = (run_id.into(), round, a.node.clone(), b.node.clone());
+        let key_b: ReportKey = (run_id.into(), round, b.node.clone(), a.node.clone());
+        let mut rx_a = self.expect(key_a.clone());
+        let mut rx_b = self.expect(key_b.clone());
+        let (ra, rb) = tokio::join!(
+            self.transport.assign(a, assignment.clone()),
+            self.transport.assign(b, assignment.clone())
+        );
+        let refused = |m: &Member, r: &Result<CheckAccepted, String>| match r {
+            Ok(acc) if acc.accepted => None,
+            Ok(acc) => Some(format!("{} refused the check: {}", m.node, acc.reason)),
+            Err(e) => Some(format!("cannot assign the check to {}: {e}", m.node)),
+        };
+        let mut result = None;
+        if let Some(why) = refused(a, &ra).or_else(|| refused(b, &rb)) {
+            result = Some(fail(state.clone(), why));
+        }
+        let mut got_a: Option<CheckReport> = None;
+        let mut got_b: Option<CheckReport> = None;
+        if result.is_none() {
+            let limit = tokio::time::sleep(deadline + super::service::PROBE_GRACE + REPORT_SLACK);
+            tokio::pin!(limit);
+            loop {
+                if got_a.is_some() && got_b.is_some() {
+                    break;
+                }
+                tokio::select! {
+                    r = &mut rx_a, if got_a.is_none() => {
+                        got_a = Some(r.unwrap_or_else(|_| lost(a, b)));
+                    }
+                    r = &mut rx_b, if got_b.is_none() => {
+                        got_b = Some(r.unwrap_or_else(|_| lost(b, a)));
+                    }
+                    _ = &mut limit => break,
+                }
+                // A failure on either side decides the check.
+                if [&got_a, &got_b]
+                    .iter()
+                    .any(|r| r.as_ref().is_some_and(|r| !r.passed))
+                {
+                    break;
+                }
+            }
+        }
+        self.forget(&key_a);
+        self.forget(&key_b);
+        if result.is_none() {
+            let failure = [(&got_a, a), (&got_b, b)].into_iter().find_map(|(r, m)| {
+                r.as_ref()
+                    .filter(|r| !r.passed)
+                    .map(|r| format!("{}: {}", m.node, r.error))
+            });
+            result = Some(match (&got_a, &got_b, failure) {
+                (_, _, Some(why)) => fail(state.clone(), why),
+                (Some(x), Some(y), None) => {
+                    let seconds = x.seconds.max(y.seconds);
+                    state.passed = Some(true);
+                    state.seconds = Some(seconds);
+                    state.busbw_gbps = Some(x.busbw_gbps.min(y.busbw_gbps));
+                    state.gemm_gflops = [x.gemm_gflops, y.gemm_gflops]
+                        .into_iter()
+                        .filter(|g| *g > 0.0)
+                        .reduce(f64::min);
+                    CheckResult {
+                        outcome: Outcome::Pass { seconds },
+                        state: state.clone(),
+                    }
+                }
+                _ => {
+                    let silent: Vec<&str> = [(&got_a, a), (&got_b, b)]
+                        .into_iter()
+                        .filter(|(r, _)| r.is_none())
+                        .map(|(_, m)| m.node.as_str())
+                        .collect();
+                    fail(
+                        state.clone(),
+                        format!(
+                            "no report from {} within {}",
+                            silent.join(" and "),
+                            humantime::format_duration(deadline)
+                        ),
+                    )
+                }
+            });
+        }
+        // Whoever has not reported is still running a probe for nothing: stop it.
+        let accepted = |r: &Result<CheckAccepted, String>| matches!(r, Ok(acc) if acc.accepted);
+        let cancels = [(&got_a, a, &ra), (&got_b, b, &rb)]
+            .into_iter()
+            .filter(|(got, _, assigned)| got.is_none() && accepted(assigned))
+            .map(|(_, m, _)| self.transport.cancel(m, assignment.clone()));
+        futures::future::join_all(cancels).await;
+        result.unwrap_or_else(|| fail(state, "internal: no result".into()))
+    }
+}
+
+fn lost(node: &Member, partner: &Member) -> CheckReport {
+    CheckReport {
+        node: node.node.clone(),
+        partner: partner.node.clone(),
+        passed: false,
+        error: "report channel closed".into(),
+        ..Default::default()
+    }
+}
+
+/// Members of a requested run: the named nodes that have an agent, and the rest with a reason.
+pub fn select(all: Vec<Member>, wanted: &[String]) -> (Vec<Member>, BTreeMap<String, String>) {
+    let want: BTreeSet<&String> = wanted.iter().collect();
+    let found: Vec<Member> = all.into_iter().filter(|m| want.contains(&m.node)).collect();
+    let missing = want
+        .into_iter()
+        .filter(|n| !found.iter().any(|m| &&m.node == n))
+        .map(|n| {
+            (
+                n.clone(),
+                "no running faultline agent with peer checks on this node".to_string(),
+            )
+        })
+        .collect();
+    (found, missing)
+}
+
+#[cfg(test)]
+#[path = "coordinator_tests.rs"]
+mod tests;

@@ -1,0 +1,347 @@
+//! The coordinator over a fake transport whose agents behave as a scenario says (dead, hung,
+//! slow, a broken link), on tokio's paused clock: verdicts, rounds, deadlines, cancels and
+//! conclusions.
+
+#![allow(clippy::unwrap_used)]
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+use std::time::Duration;
+
+use faultline_proto::v1::{CheckAccepted, CheckAssignment, CheckReport, PingReply, RunConclusion};
+use faultline_proto::PROTOCOL;
+
+use super::*;
+use crate::peer::members::Member;
+
+#[derive(Debug, Default, Clone)]
+struct Scenario {
+    dead: BTreeSet<String>,
+    hung: BTreeSet<String>,
+    refuses: BTreeSet<String>,
+    busy: BTreeSet<String>,
+    /// node -> slowdown
+    slow: Vec<(String, f64)>,
+    cut: Vec<(String, String)>,
+}
+
+#[derive(Debug, Default)]
+struct Fake {
+    scenario: Scenario,
+    coordinator: OnceLock<Weak<Coordinator>>,
+    cancels: Mutex<Vec<String>>,
+    concluded: Mutex<Vec<(String, RunConclusion)>>,
+    assigned: Mutex<Vec<(String, u32, u32)>>,
+}
+
+const BASE: f64 = 0.05;
+
+impl Fake {
+    fn seconds(&self, node: &str) -> f64 {
+        self.scenario
+            .slow
+            .iter()
+            .find(|(n, _)| n == node)
+            .map_or(BASE, |(_, f)| BASE * f)
+    }
+    fn cut(&self, a: &str, b: &str) -> bool {
+        self.scenario
+            .cut
+            .iter()
+            .any(|(x, y)| (x == a && y == b) || (x == b && y == a))
+    }
+}
+
+#[async_trait::async_trait]
+impl Transport for Fake {
+    async fn ping(&self, to: &Member) -> Result<PingReply, String> {
+        if self.scenario.dead.contains(&to.node) {
+            return Err("connection refused".into());
+        }
+        Ok(PingReply {
+            node: to.node.clone(),
+            protocol: PROTOCOL,
+            busy: self.scenario.busy.contains(&to.node),
+            reason: "a job runs".into(),
+        })
+    }
+
+    async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
+        self.assigned
+            .lock()
+            .unwrap()
+            .push((to.node.clone(), a.round, a.timeout_ms));
+        if self.scenario.dead.contains(&to.node) {
+            return Err("connection refused".into());
+        }
+        if self.scenario.refuses.contains(&to.node) {
+            return Ok(CheckAccepted {
+                accepted: false,
+                reason: "4 checks already running".into(),
+            });
+        }
+        if self.scenario.hung.contains(&to.node) {
+            return Ok(CheckAccepted {
+                accepted: true,
+                reason: String::new(),
+            });
+        }
+        let (ma, mb) = (a.a.clone().unwrap(), a.b.clone().unwrap());
+        let partner = if ma.node == to.node { mb.node } else { ma.node };
+        let s = &self.scenario;
+        let timeout = Duration::from_millis(u64::from(a.timeout_ms));
+        // What this member's probe sees: the partner dead or hung (never connects), the link
+        // cut: it fails at its deadline; else the slower of the two sets the pace.
+        let fails =
+            s.dead.contains(&partner) || s.hung.contains(&partner) || self.cut(&to.node, &partner);
+        let secs = self.seconds(&to.node).max(self.seconds(&partner));
+        let took = if fails {
+            timeout
+        } else {
+            Duration::from_secs_f64(secs * f64::from(a.iterations)).min(timeout)
+        };
+        let weak = self.coordinator.get().unwrap().clone();
+        let report = CheckReport {
+            auth: None,
+            protocol: PROTOCOL,
+            run_id: a.run_id.clone(),
+            round: a.round,
+            node: to.node.clone(),
+            partner,
+            passed: !fails,
+            seconds: if fails { 0.0 } else { secs },
+            busbw_gbps: 1.0,
+            gemm_gflops: 0.0,
+            error: if fails {
+                "rank 1 never connected".into()
+            } else {
+                String::new()
+            },
+        };
+        tokio::spawn(async move {
+            tokio::time::sleep(took).await;
+            if let Some(c) = weak.upgrade() {
+                c.deliver(report);
+            }
+        });
+        Ok(CheckAccepted {
+            accepted: true,
+            reason: String::new(),
+        })
+    }
+
+    async fn cancel(&self, to: &Member, _a: CheckAssignment) {
+        self.cancels.lock().unwrap().push(to.node.clone());
+    }
+
+    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String> {
+        self.concluded.lock().unwrap().push((to.node.clone(), c));
+        Ok(())
+    }
+}
+
+fn members(n: usize) -> Vec<Member> {
+    (0..n)
+        .map(|i| Member {
+            node: format!("n{i}"),
+            address: format!("10.0.0.{}:20261", i + 1),
+            ip: format!("10.0.0.{}", i + 1).parse().unwrap(),
+            topology: None,
+        })
+        .collect()
+}
+
+fn spec() -> RunSpec {
+    RunSpec {
+        bytes: 64 << 20,
+        iterations: 5,
+        check_timeout: Duration::from_secs(10),
+        gemm: false,
+        pairing: PairingConfig::default(),
+        rotation: 0,
+        skip_busy: true,
+    }
+}
+
+async fn run(n: usize, scenario: Scenario) -> (RunState, Arc<Fake>, Duration) {
+    let fake = Arc::new(Fake {
+        scenario,
+        ..Default::default()
+    });
+    let publisher = Arc::new(MemoryPublisher::default());
+    let c = Arc::new(Coordinator::new(
+        "n0".into(),
+        "10.0.0.1:20261".into(),
+        20270,
+        fake.clone(),
+        publisher.clone(),
+    ));
+    fake.coordinator.set(Arc::downgrade(&c)).unwrap();
+    let start = tokio::time::Instant::now();
+    let state = c
+        .run(members(n), BTreeMap::new(), &spec(), Trigger::Request)
+        .await;
+    let took = start.elapsed();
+    // Published once per round and once at the end; the last is the finished run.
+    let published = publisher.0.lock().unwrap().clone();
+    assert_eq!(published.len(), state.rounds.len() + 1);
+    assert_eq!(published.last(), Some(&state));
+    assert!(published[..published.len() - 1]
+        .iter()
+        .all(|s| !s.is_finished()));
+    (state, fake, took)
+}
+
+fn verdicts(s: &RunState) -> Vec<(String, Vec<String>)> {
+    s.verdicts
+        .iter()
+        .map(|v| (v.kind.clone(), v.nodes.clone()))
+        .collect()
+}
+
+fn names(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| s.to_string()).collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn healthy_cluster_one_round_no_verdicts() {
+    let (s, fake, took) = run(8, Scenario::default()).await;
+    assert_eq!(s.rounds.len(), 1);
+    assert!(s.verdicts.is_empty(), "{:?}", s.verdicts);
+    assert!(s.rounds[0].checks.iter().all(|c| c.passed == Some(true)));
+    assert!(took < Duration::from_secs(1), "{took:?}");
+    // Every member is told (nothing against it).
+    assert_eq!(fake.concluded.lock().unwrap().len(), 8);
+}
+
+#[tokio::test(start_paused = true)]
+async fn dead_agent_is_faulty_without_waiting() {
+    let sc = Scenario {
+        dead: ["n5".to_string()].into(),
+        ..Default::default()
+    };
+    let (s, fake, took) = run(8, sc).await;
+    assert_eq!(
+        verdicts(&s),
+        vec![("faulty_node".to_string(), names(&["n5"]))]
+    );
+    assert!(s.rounds.len() <= 2);
+    // Its checks fail at once: nobody waits for a probe deadline.
+    assert!(took < Duration::from_secs(2), "{took:?}");
+    let told: Vec<String> = fake
+        .concluded
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(n, _)| n.clone())
+        .collect();
+    assert!(!told.contains(&"n5".to_string()) && told.len() == 7);
+    assert!(s.rounds[0].checks.iter().any(|c| c
+        .error
+        .as_deref()
+        .is_some_and(|e| e.contains("n5 unreachable"))));
+}
+
+#[tokio::test(start_paused = true)]
+async fn hung_node_verdict_within_deadline_plus_two_seconds() {
+    let sc = Scenario {
+        hung: ["n3".to_string()].into(),
+        ..Default::default()
+    };
+    let (s, fake, took) = run(8, sc).await;
+    assert_eq!(
+        verdicts(&s),
+        vec![("faulty_node".to_string(), names(&["n3"]))]
+    );
+    assert_eq!(s.rounds.len(), 2);
+    // Round 1 waits the full deadline; round 2 only a few times a good check.
+    assert!(took < Duration::from_secs(12), "{took:?}");
+    assert!(s.rounds[1].deadline_ms < 10_000, "{:?}", s.rounds[1]);
+    // The hung node's probes were told to stop.
+    assert!(fake.cancels.lock().unwrap().iter().all(|n| n == "n3"));
+    assert!(!fake.cancels.lock().unwrap().is_empty());
+}
+
+#[tokio::test(start_paused = true)]
+async fn cut_link_is_a_link_not_a_node() {
+    // Round 1 pairs n0-n1, n2-n3, ...: cut n2-n3.
+    let sc = Scenario {
+        cut: vec![("n2".into(), "n3".into())],
+        ..Default::default()
+    };
+    let (s, _, _) = run(8, sc).await;
+    assert_eq!(
+        verdicts(&s),
+        vec![("broken_link".to_string(), names(&["n2", "n3"]))]
+    );
+    assert_eq!(s.rounds.len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn straggler_with_its_slowdown() {
+    let sc = Scenario {
+        slow: vec![("n6".into(), 4.0)],
+        ..Default::default()
+    };
+    let (s, _, _) = run(8, sc).await;
+    assert_eq!(s.verdicts.len(), 1, "{:?}", s.verdicts);
+    let v = &s.verdicts[0];
+    assert_eq!(
+        (v.kind.as_str(), v.nodes.clone()),
+        ("straggler", names(&["n6"]))
+    );
+    let ratio = v.slowdown.unwrap();
+    assert!((3.5..=4.5).contains(&ratio), "{ratio}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn all_three_at_once_and_busy_nodes_skipped() {
+    let sc = Scenario {
+        dead: ["n1".to_string()].into(),
+        cut: vec![("n4".into(), "n5".into())],
+        slow: vec![("n8".into(), 5.0)],
+        busy: ["n9".to_string()].into(),
+        ..Default::default()
+    };
+    let (s, _, _) = run(10, sc).await;
+    let mut v = verdicts(&s);
+    v.sort();
+    assert_eq!(
+        v,
+        vec![
+            ("broken_link".to_string(), names(&["n4", "n5"])),
+            ("faulty_node".to_string(), names(&["n1"])),
+            ("straggler".to_string(), names(&["n8"])),
+            ("unknown".to_string(), names(&["n9"])),
+        ]
+    );
+    assert!(s.skipped["n9"].contains("busy"));
+    assert!(!s.members.contains(&"n9".to_string()));
+    assert!(s.rounds.len() <= 3);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_refused_check_fails_and_the_other_side_is_cancelled() {
+    let sc = Scenario {
+        refuses: ["n2".to_string()].into(),
+        ..Default::default()
+    };
+    let (s, fake, _) = run(4, sc).await;
+    // n2 refuses everything: it never passes, with two good partners: faulty.
+    assert_eq!(
+        verdicts(&s),
+        vec![("faulty_node".to_string(), names(&["n2"]))]
+    );
+    assert!(s.rounds[0]
+        .checks
+        .iter()
+        .any(|c| c.error.as_deref().is_some_and(|e| e.contains("refused"))));
+    assert!(!fake.cancels.lock().unwrap().is_empty());
+}
+
+#[test]
+fn requested_nodes_without_an_agent_are_unknown() {
+    let (found, missing) = select(members(3), &names(&["n1", "zz"]));
+    assert_eq!(found.len(), 1);
+    assert!(missing["zz"].contains("no running faultline agent"));
+}

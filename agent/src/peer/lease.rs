@@ -1,0 +1,98 @@
+//! Who coordinates: in Kubernetes, the holder of the Lease `faultline-peercheck` in the agent's
+//! namespace (kube-lease-manager: acquire, renew, release on shutdown); its holder identity is
+//! `<node>@<peer address>`, which is how `faultline check` finds the coordinator. Without
+//! Kubernetes, the first node of the members file, fixed.
+
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::Lease;
+use kube::{Api, Client};
+use kube_lease_manager::{LeaseCreateMode, LeaseManagerBuilder};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use super::publish::NAME;
+
+/// How long a Lease lasts without renewal: a dead coordinator is replaced after about this.
+pub const LEASE_SECONDS: u64 = 15;
+
+/// The holder identity for a node and its peer-service address.
+pub fn identity(node: &str, address: &str) -> String {
+    format!("{node}@{address}")
+}
+
+/// The coordinator's peer-service address from a holder identity.
+pub fn address_of(identity: &str) -> Option<&str> {
+    identity
+        .rsplit_once('@')
+        .map(|(_, a)| a)
+        .filter(|a| !a.is_empty())
+}
+
+/// Runs the Lease election until shutdown; the receiver says whether this agent holds it.
+pub fn elect(
+    client: Client,
+    namespace: String,
+    identity: String,
+    shutdown: CancellationToken,
+) -> watch::Receiver<bool> {
+    let (tx, rx) = watch::channel(false);
+    tokio::spawn(async move {
+        loop {
+            let built = LeaseManagerBuilder::new(client.clone(), NAME)
+                .with_namespace(&namespace)
+                .with_identity(&identity)
+                .with_duration(LEASE_SECONDS)
+                .with_grace(5)
+                .with_create_mode(LeaseCreateMode::AutoCreate)
+                // One field manager per candidate: server-side apply then refuses a second
+                // agent's claim on a held Lease as a conflict (the same manager would overwrite).
+                .with_field_manager(format!("{}-{identity}", crate::sink::kube::FIELD_MANAGER))
+                .build()
+                .await;
+            let manager = match built {
+                Ok(m) => m,
+                Err(e) => {
+                    warn!(error = %e, "cannot start the coordinator election; retrying");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(Duration::from_secs(5)) => continue,
+                    }
+                }
+            };
+            let (mut held, task) = manager.watch().await;
+            loop {
+                let now = *held.borrow_and_update();
+                if *tx.borrow() != now {
+                    info!(holder = now, "peer-check coordinator Lease");
+                    tx.send_replace(now);
+                }
+                tokio::select! {
+                    _ = shutdown.cancelled() => {
+                        tx.send_replace(false);
+                        drop(held); // the manager releases the Lease when its receiver is gone
+                        let _ = task.await;
+                        return;
+                    }
+                    r = held.changed() => if r.is_err() { break },
+                }
+            }
+            tx.send_replace(false);
+            if let Ok(Err(e)) = task.await {
+                warn!(error = %e, "coordinator election stopped; restarting it");
+            }
+        }
+    });
+    rx
+}
+
+/// The current holder's identity (for `faultline check`).
+pub async fn holder(client: Client, namespace: &str) -> Result<Option<String>, kube::Error> {
+    let api: Api<Lease> = Api::namespaced(client, namespace);
+    Ok(api
+        .get_opt(NAME)
+        .await?
+        .and_then(|l| l.spec?.holder_identity)
+        .filter(|h| !h.is_empty()))
+}

@@ -1,0 +1,564 @@
+//! The agent's peer-check gRPC service: `PeerCheck` (ping, assign, cancel, conclude) on every
+//! agent, `Coordinator` (report, run) answered by the Lease holder; and [`GrpcTransport`], the
+//! coordinator's client side. Every request is verified against the shared secret first; an
+//! unsigned, forged, stale or replayed one is refused with `UNAUTHENTICATED` and changes nothing.
+//!
+//! An assignment runs the probe as a child process (`runner`) and sends the `CheckReport` to
+//! the coordinator address it names. A conclusion becomes this node's `Level` observations
+//! (`verdicts`), sent to the engine like any source's.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use faultline_proto::auth::{Signed, Verifier};
+use faultline_proto::v1::coordinator_client::CoordinatorClient;
+use faultline_proto::v1::coordinator_server::Coordinator as CoordinatorRpc;
+use faultline_proto::v1::peer_check_client::PeerCheckClient;
+use faultline_proto::v1::peer_check_server::PeerCheck;
+use faultline_proto::v1::{
+    CheckAccepted, CheckAssignment, CheckReport, PingReply, PingRequest, ReportAck, RunConclusion,
+    RunRequest, RunResult,
+};
+use faultline_proto::{MAX_MESSAGE_BYTES, PROTOCOL};
+use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+use tonic::{Request, Response, Status};
+use tracing::{debug, info, warn, Instrument};
+
+use super::coordinator::{self, Coordinator, RunSpec, Trigger};
+use super::members::{Member, Members};
+use super::pairing::PairingConfig;
+use super::runner::{self, ProbeOutcome, ProbeSpec};
+use super::verdicts::VerdictTracker;
+use super::wire::{self, Signer};
+use crate::policy::PeerPolicy;
+use crate::source::Input;
+
+/// How long after its own deadline a probe is killed.
+pub const PROBE_GRACE: Duration = Duration::from_secs(1);
+/// Checks one agent runs at once (a node is in at most two per round).
+pub const MAX_CONCURRENT_CHECKS: usize = 4;
+/// Connect and call timeouts of the coordinator's small calls (ping, assign, cancel).
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Whether this node's accelerators run someone's work.
+pub trait Busy: Send + Sync + std::fmt::Debug {
+    /// `Some(reason)` when busy.
+    fn busy(&self) -> Option<String>;
+}
+
+/// Never busy (CPU/TCP checks disturb nothing that matters).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NeverBusy;
+
+impl Busy for NeverBusy {
+    fn busy(&self) -> Option<String> {
+        None
+    }
+}
+
+/// How this agent runs its probe.
+#[derive(Debug, Clone)]
+pub struct ProbeSetup {
+    pub bin: PathBuf,
+    /// NCCL allgather and cuBLAS GEMM instead of TCP and the CPU.
+    pub gpu: bool,
+}
+
+/// The coordinator role: present on every agent, active while `leader` is true.
+#[derive(Debug, Clone)]
+pub struct Leadership {
+    pub coordinator: Arc<Coordinator>,
+    pub leader: watch::Receiver<bool>,
+    pub members: Arc<dyn Members>,
+    pub policy: watch::Receiver<PeerPolicy>,
+}
+
+type CheckKey = (String, u32, String);
+
+/// The served handle (tonic services are implemented on it).
+#[derive(Debug, Clone)]
+pub struct PeerHandle(pub Arc<PeerService>);
+
+impl std::ops::Deref for PeerHandle {
+    type Target = PeerService;
+    fn deref(&self) -> &PeerService {
+        &self.0
+    }
+}
+
+/// The service every agent serves.
+#[derive(Debug)]
+pub struct PeerService {
+    pub node: String,
+    verifier: Mutex<Verifier>,
+    signer: Signer,
+    probe: ProbeSetup,
+    busy: Arc<dyn Busy>,
+    inputs: mpsc::Sender<Input>,
+    tracker: Mutex<VerdictTracker>,
+    running: Mutex<HashMap<CheckKey, CancellationToken>>,
+    leadership: Option<Leadership>,
+    runs: std::sync::atomic::AtomicUsize,
+}
+
+impl PeerService {
+    pub fn new(
+        node: String,
+        verifier: Verifier,
+        signer: Signer,
+        probe: ProbeSetup,
+        busy: Arc<dyn Busy>,
+        inputs: mpsc::Sender<Input>,
+        leadership: Option<Leadership>,
+    ) -> PeerService {
+        PeerService {
+            node,
+            verifier: Mutex::new(verifier),
+            signer,
+            probe,
+            busy,
+            inputs,
+            tracker: Mutex::new(VerdictTracker::default()),
+            running: Mutex::new(HashMap::new()),
+            leadership,
+            runs: std::sync::atomic::AtomicUsize::new(0),
+        }
+    }
+
+    fn verify<M: Signed>(&self, msg: &M) -> Result<String, Status> {
+        let mut v = self
+            .verifier
+            .lock()
+            .map_err(|_| Status::internal("verifier poisoned"))?;
+        v.verify(msg, wire::now_ms()).map_err(|e| {
+            warn!(error = %e, "peer request refused");
+            Status::unauthenticated(e.to_string())
+        })
+    }
+
+    fn check_protocol(p: u32) -> Result<(), Status> {
+        if p == PROTOCOL {
+            Ok(())
+        } else {
+            Err(Status::failed_precondition(format!(
+                "protocol {p}; this agent speaks {PROTOCOL}"
+            )))
+        }
+    }
+
+    fn leader(&self) -> Result<&Leadership, Status> {
+        match &self.leadership {
+            Some(l) if *l.leader.borrow() => Ok(l),
+            _ => Err(Status::failed_precondition(format!(
+                "{} is not the peer-check coordinator (it does not hold the Lease)",
+                self.node
+            ))),
+        }
+    }
+}
+
+fn check_key(a: &CheckAssignment, me: &str) -> Option<(CheckKey, usize, String)> {
+    let (ma, mb) = (a.a.as_ref()?, a.b.as_ref()?);
+    let (rank, partner) = if ma.node == me {
+        (0, mb.node.clone())
+    } else if mb.node == me {
+        (1, ma.node.clone())
+    } else {
+        return None;
+    };
+    Some(((a.run_id.clone(), a.round, partner.clone()), rank, partner))
+}
+
+#[tonic::async_trait]
+impl PeerCheck for PeerHandle {
+    async fn ping(&self, request: Request<PingRequest>) -> Result<Response<PingReply>, Status> {
+        let p = request.into_inner();
+        self.verify(&p)?;
+        let busy = if self.probe.gpu {
+            self.busy.busy()
+        } else {
+            None
+        };
+        Ok(Response::new(PingReply {
+            node: self.node.clone(),
+            protocol: PROTOCOL,
+            busy: busy.is_some(),
+            reason: busy.unwrap_or_default(),
+        }))
+    }
+
+    async fn assign(
+        &self,
+        request: Request<CheckAssignment>,
+    ) -> Result<Response<CheckAccepted>, Status> {
+        let a = request.into_inner();
+        let sender = self.verify(&a)?;
+        PeerService::check_protocol(a.protocol)?;
+        let refuse = |reason: String| {
+            Ok(Response::new(CheckAccepted {
+                accepted: false,
+                reason,
+            }))
+        };
+        let Some((key, rank, partner)) = check_key(&a, &self.node) else {
+            return refuse(format!("{} is not a member of this check", self.node));
+        };
+        let peers: Result<Vec<std::net::SocketAddr>, _> =
+            [&a.probe_a, &a.probe_b].iter().map(|p| p.parse()).collect();
+        let Ok(peers) = peers else {
+            return refuse("probe addresses are not ip:port".into());
+        };
+        if a.coordinator.parse::<std::net::SocketAddr>().is_err() {
+            return refuse("coordinator address is not ip:port".into());
+        }
+        if a.timeout_ms == 0 || a.iterations == 0 || a.bytes == 0 || a.bytes > 4 << 30 {
+            return refuse("bytes, iterations and timeout must be set (bytes at most 4GiB)".into());
+        }
+        let cancel = CancellationToken::new();
+        {
+            let mut running = self
+                .running
+                .lock()
+                .map_err(|_| Status::internal("poisoned"))?;
+            if running.len() >= MAX_CONCURRENT_CHECKS {
+                return refuse(format!("{} checks already running", running.len()));
+            }
+            if running.contains_key(&key) {
+                return refuse("this check is already running".into());
+            }
+            running.insert(key.clone(), cancel.clone());
+        }
+        debug!(run_id = %a.run_id, round = a.round, partner = %partner, rank, from = %sender, "check assigned");
+        let me = Arc::clone(&self.0);
+        let span = tracing::info_span!("peer_check", run_id = %a.run_id, round = a.round, partner = %partner);
+        tokio::spawn(
+            async move {
+                let report = me.run_check(&a, rank, &partner, peers, cancel).await;
+                if let Ok(mut r) = me.running.lock() {
+                    r.remove(&key);
+                }
+                if let Some(report) = report {
+                    me.send_report(&a.coordinator, report).await;
+                }
+            }
+            .instrument(span),
+        );
+        Ok(Response::new(CheckAccepted {
+            accepted: true,
+            reason: String::new(),
+        }))
+    }
+
+    async fn cancel(
+        &self,
+        request: Request<CheckAssignment>,
+    ) -> Result<Response<CheckAccepted>, Status> {
+        let a = request.into_inner();
+        self.verify(&a)?;
+        let found = check_key(&a, &self.node)
+            .and_then(|(key, _, _)| self.running.lock().ok()?.get(&key).cloned());
+        if let Some(c) = &found {
+            c.cancel();
+        }
+        Ok(Response::new(CheckAccepted {
+            accepted: found.is_some(),
+            reason: if found.is_some() {
+                String::new()
+            } else {
+                "no such check running".into()
+            },
+        }))
+    }
+
+    async fn conclude(
+        &self,
+        request: Request<RunConclusion>,
+    ) -> Result<Response<ReportAck>, Status> {
+        let c = request.into_inner();
+        self.verify(&c)?;
+        PeerService::check_protocol(c.protocol)?;
+        let verdicts =
+            wire::from_proto(&c.members, &c.verdicts).map_err(Status::invalid_argument)?;
+        let Some(me) = c.members.iter().position(|m| m == &self.node) else {
+            return Err(Status::invalid_argument(format!(
+                "{} is not a member of run {}",
+                self.node, c.run_id
+            )));
+        };
+        let obs = self
+            .tracker
+            .lock()
+            .map_err(|_| Status::internal("poisoned"))?
+            .observe(&c.members, me, &verdicts, &c.run_id);
+        info!(run_id = %c.run_id, observations = obs.len(), "peer-check verdicts received");
+        for o in obs {
+            if self.inputs.send(Input::Obs(o)).await.is_err() {
+                return Err(Status::unavailable("the agent is shutting down"));
+            }
+        }
+        Ok(Response::new(ReportAck {}))
+    }
+}
+
+impl PeerService {
+    async fn run_check(
+        &self,
+        a: &CheckAssignment,
+        rank: usize,
+        partner: &str,
+        peers: Vec<std::net::SocketAddr>,
+        cancel: CancellationToken,
+    ) -> Option<CheckReport> {
+        let spec = ProbeSpec {
+            probe: self.probe.bin.clone(),
+            peers,
+            rank,
+            bytes: a.bytes,
+            iterations: a.iterations,
+            timeout: Duration::from_millis(u64::from(a.timeout_ms)),
+            grace: PROBE_GRACE,
+            gpu: self.probe.gpu,
+        };
+        let outcome = tokio::select! {
+            o = runner::run_probe(&spec) => o,
+            _ = cancel.cancelled() => {
+                debug!("check cancelled by the coordinator");
+                return None; // the probe child is killed as its future is dropped
+            }
+        };
+        let mut report = CheckReport {
+            auth: None,
+            protocol: PROTOCOL,
+            run_id: a.run_id.clone(),
+            round: a.round,
+            node: self.node.clone(),
+            partner: partner.to_string(),
+            ..Default::default()
+        };
+        match outcome {
+            ProbeOutcome::Passed(r) => {
+                report.passed = true;
+                report.seconds = r.median_seconds;
+                report.busbw_gbps = r.busbw_gbps;
+                if a.gemm {
+                    match runner::run_gemm(&self.probe.bin, self.probe.gpu, spec.timeout).await {
+                        Ok(g) => report.gemm_gflops = g,
+                        Err(e) => warn!(error = %e, "GEMM failed (not a verdict)"),
+                    }
+                }
+            }
+            ProbeOutcome::Failed(e) => {
+                report.passed = false;
+                report.error = e;
+            }
+        }
+        Some(report)
+    }
+
+    async fn send_report(&self, coordinator: &str, report: CheckReport) {
+        let report = self.signer.sign(report);
+        let result = async {
+            let ch = endpoint(coordinator)?
+                .connect()
+                .await
+                .map_err(|e| e.to_string())?;
+            CoordinatorClient::new(ch)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .report(report)
+                .await
+                .map_err(|s| s.message().to_string())
+        }
+        .await;
+        if let Err(e) = result {
+            warn!(coordinator, error = %e, "cannot send the check report");
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl CoordinatorRpc for PeerHandle {
+    async fn report(&self, request: Request<CheckReport>) -> Result<Response<ReportAck>, Status> {
+        let r = request.into_inner();
+        let sender = self.verify(&r)?;
+        PeerService::check_protocol(r.protocol)?;
+        if sender != r.node {
+            return Err(Status::permission_denied(format!(
+                "{sender} cannot report for {}",
+                r.node
+            )));
+        }
+        let l = self.leader()?;
+        if !l.coordinator.deliver(r) {
+            debug!(from = %sender, "report for no waiting check (late or duplicate)");
+        }
+        Ok(Response::new(ReportAck {}))
+    }
+
+    async fn run(&self, request: Request<RunRequest>) -> Result<Response<RunResult>, Status> {
+        let req = request.into_inner();
+        let sender = self.verify(&req)?;
+        PeerService::check_protocol(req.protocol)?;
+        let l = self.leader()?.clone();
+        if req.nodes.is_empty() {
+            return Err(Status::invalid_argument("no nodes to check"));
+        }
+        if req.nodes.len() > 10_000 {
+            return Err(Status::invalid_argument("more than 10000 nodes"));
+        }
+        let all = l
+            .members
+            .list()
+            .await
+            .map_err(|e| Status::unavailable(format!("cannot list the members: {e}")))?;
+        let (members, missing) = coordinator::select(all, &req.nodes);
+        let policy = l.policy.borrow().clone();
+        let mut spec = run_spec(
+            &policy,
+            self.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        );
+        if req.timeout_ms > 0 {
+            spec.check_timeout = spec
+                .check_timeout
+                .min(Duration::from_millis(u64::from(req.timeout_ms)));
+        }
+        info!(from = %sender, nodes = req.nodes.len(), "peer-check run requested");
+        let state = l
+            .coordinator
+            .run(members, missing, &spec, Trigger::Request)
+            .await;
+        Ok(Response::new(result_of(&state)))
+    }
+}
+
+/// The wire result of a finished run.
+pub fn result_of(state: &coordinator::RunState) -> RunResult {
+    use faultline_proto::v1::{verdict::Kind, Verdict};
+    let kind = |k: &str| match k {
+        "faulty_node" => Kind::FaultyNode,
+        "broken_link" => Kind::BrokenLink,
+        "straggler" => Kind::Straggler,
+        "unknown" => Kind::Unknown,
+        _ => Kind::Unspecified,
+    };
+    RunResult {
+        run_id: state.run_id.clone(),
+        rounds: state.rounds.len() as u32,
+        verdicts: state
+            .verdicts
+            .iter()
+            .map(|v| Verdict {
+                kind: kind(&v.kind) as i32,
+                nodes: v.nodes.clone(),
+                slowdown: v.slowdown.unwrap_or(0.0),
+                reason: v.reason.clone().unwrap_or_default(),
+            })
+            .collect(),
+    }
+}
+
+/// A run's settings from the policy; `run_number` rotates round 1.
+pub fn run_spec(p: &PeerPolicy, run_number: usize) -> RunSpec {
+    RunSpec {
+        bytes: p.bytes,
+        iterations: p.iterations,
+        check_timeout: p.check_timeout,
+        gemm: p.gemm,
+        pairing: PairingConfig {
+            straggler_ratio: p.straggler_ratio,
+            straggler_mads: p.straggler_mads,
+            max_rounds: p.max_rounds,
+        },
+        rotation: run_number,
+        skip_busy: p.gpu,
+    }
+}
+
+fn endpoint(address: &str) -> Result<Endpoint, String> {
+    Endpoint::from_shared(format!("http://{address}"))
+        .map(|e| e.connect_timeout(CALL_TIMEOUT).tcp_nodelay(true))
+        .map_err(|e| format!("bad address {address:?}: {e}"))
+}
+
+/// The coordinator's client: one lazily connected channel per agent address.
+#[derive(Debug)]
+pub struct GrpcTransport {
+    signer: Signer,
+    channels: Mutex<BTreeMap<String, Channel>>,
+}
+
+impl GrpcTransport {
+    pub fn new(signer: Signer) -> GrpcTransport {
+        GrpcTransport {
+            signer,
+            channels: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn client(&self, to: &Member) -> Result<PeerCheckClient<Channel>, String> {
+        let mut map = self.channels.lock().map_err(|_| "poisoned".to_string())?;
+        let ch = match map.get(&to.address) {
+            Some(c) => c.clone(),
+            None => {
+                let c = endpoint(&to.address)?.connect_lazy();
+                map.insert(to.address.clone(), c.clone());
+                c
+            }
+        };
+        Ok(PeerCheckClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES))
+    }
+}
+
+fn timed<T>(msg: T, timeout: Duration) -> Request<T> {
+    let mut r = Request::new(msg);
+    r.set_timeout(timeout);
+    r
+}
+
+#[async_trait::async_trait]
+impl coordinator::Transport for GrpcTransport {
+    async fn ping(&self, to: &Member) -> Result<PingReply, String> {
+        let msg = self.signer.sign(PingRequest {
+            auth: None,
+            protocol: PROTOCOL,
+        });
+        let mut c = self.client(to)?;
+        let call = c.ping(timed(msg, CALL_TIMEOUT));
+        match tokio::time::timeout(CALL_TIMEOUT, call).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(s.message().to_string()),
+            Err(_) => Err(format!("no answer within {CALL_TIMEOUT:?}")),
+        }
+    }
+
+    async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
+        let msg = self.signer.sign(a);
+        let mut c = self.client(to)?;
+        match tokio::time::timeout(CALL_TIMEOUT, c.assign(timed(msg, CALL_TIMEOUT))).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(s.message().to_string()),
+            Err(_) => Err(format!("no answer within {CALL_TIMEOUT:?}")),
+        }
+    }
+
+    async fn cancel(&self, to: &Member, a: CheckAssignment) {
+        let msg = self.signer.sign(a);
+        if let Ok(mut c) = self.client(to) {
+            let _ = tokio::time::timeout(CALL_TIMEOUT, c.cancel(timed(msg, CALL_TIMEOUT))).await;
+        }
+    }
+
+    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String> {
+        let msg = self.signer.sign(c);
+        let mut client = self.client(to)?;
+        let t = Duration::from_secs(5);
+        match tokio::time::timeout(t, client.conclude(timed(msg, t))).await {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(s)) => Err(s.message().to_string()),
+            Err(_) => Err(format!("no answer within {t:?}")),
+        }
+    }
+}

@@ -1,0 +1,209 @@
+//! The agent's side of the wire protocol: signing requests with the shared secret, reading the
+//! secret file, and turning verdicts into `faultline.v1.Verdict`s and back.
+
+use std::path::Path;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use faultline_proto::auth::{sign, Key, Signed, NONCE_BYTES};
+use faultline_proto::v1::{verdict::Kind, Verdict};
+
+use super::pairing::{NodeId, Pair, Verdicts};
+
+/// Milliseconds since the Unix epoch by the system clock (what `Auth.unix_ms` carries).
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// A fresh random value (nonces, run ids, jitter).
+pub fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    // The OS random source does not fail on Linux once booted; a zero is still a valid value.
+    let _ = getrandom::fill(&mut b);
+    u64::from_le_bytes(b)
+}
+
+/// Why the shared secret cannot be used.
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    #[error("cannot read the peer-check secret {path}: {source}")]
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("peer-check secret {path}: {source}")]
+    Weak {
+        path: String,
+        source: faultline_proto::auth::AuthError,
+    },
+}
+
+/// Reads the shared secret (a Kubernetes Secret mounted as a file; trailing newlines dropped).
+pub fn load_key(path: &Path) -> Result<Key, SecretError> {
+    let bytes = std::fs::read(path).map_err(|source| SecretError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let trimmed = bytes
+        .iter()
+        .rposition(|b| !b.is_ascii_whitespace())
+        .map_or(&bytes[..0], |end| &bytes[..=end]);
+    Key::new(trimmed).map_err(|source| SecretError::Weak {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Signs requests as one sender.
+#[derive(Debug, Clone)]
+pub struct Signer {
+    pub key: Key,
+    pub sender: String,
+}
+
+impl Signer {
+    pub fn sign<M: Signed>(&self, mut msg: M) -> M {
+        let mut nonce = [0u8; NONCE_BYTES];
+        let _ = getrandom::fill(&mut nonce);
+        sign(&mut msg, &self.key, &self.sender, now_ms(), nonce);
+        msg
+    }
+}
+
+/// The verdicts of a run over `members` (names by `NodeId`), as sent on the wire.
+pub fn to_proto(members: &[String], v: &Verdicts) -> Vec<Verdict> {
+    let name = |n: NodeId| members.get(n).cloned().unwrap_or_else(|| format!("#{n}"));
+    let mut out = Vec::new();
+    for &n in &v.faulty {
+        out.push(Verdict {
+            kind: Kind::FaultyNode as i32,
+            nodes: vec![name(n)],
+            ..Default::default()
+        });
+    }
+    for l in &v.broken_links {
+        out.push(Verdict {
+            kind: Kind::BrokenLink as i32,
+            nodes: vec![name(l.a()), name(l.b())],
+            ..Default::default()
+        });
+    }
+    for (&n, &ratio) in &v.stragglers {
+        out.push(Verdict {
+            kind: Kind::Straggler as i32,
+            nodes: vec![name(n)],
+            slowdown: ratio,
+            ..Default::default()
+        });
+    }
+    for (&n, why) in &v.unknown {
+        out.push(Verdict {
+            kind: Kind::Unknown as i32,
+            nodes: vec![name(n)],
+            reason: why.clone(),
+            ..Default::default()
+        });
+    }
+    out
+}
+
+/// Wire verdicts back into `Verdicts` over `members`; a verdict naming a node that is not a
+/// member, or of an unknown kind, is an error (a peer that sends one is not trusted at all).
+pub fn from_proto(members: &[String], verdicts: &[Verdict]) -> Result<Verdicts, String> {
+    let id = |name: &str| -> Result<NodeId, String> {
+        members
+            .iter()
+            .position(|m| m == name)
+            .ok_or_else(|| format!("verdict names {name:?}, not a member of the run"))
+    };
+    let one = |v: &Verdict| -> Result<NodeId, String> {
+        match v.nodes.as_slice() {
+            [n] => id(n),
+            other => Err(format!("verdict needs one node, has {}", other.len())),
+        }
+    };
+    let mut out = Verdicts::default();
+    for v in verdicts {
+        match Kind::try_from(v.kind) {
+            Ok(Kind::FaultyNode) => {
+                out.faulty.insert(one(v)?);
+            }
+            Ok(Kind::BrokenLink) => match v.nodes.as_slice() {
+                [a, b] if a != b => {
+                    out.broken_links.insert(Pair::new(id(a)?, id(b)?));
+                }
+                _ => return Err("a broken link needs two distinct nodes".into()),
+            },
+            Ok(Kind::Straggler) => {
+                if !(v.slowdown.is_finite() && v.slowdown >= 1.0) {
+                    return Err(format!(
+                        "straggler slowdown {} is not a ratio >= 1",
+                        v.slowdown
+                    ));
+                }
+                out.stragglers.insert(one(v)?, v.slowdown);
+            }
+            Ok(Kind::Unknown) => {
+                out.unknown.insert(one(v)?, v.reason.clone());
+            }
+            _ => return Err(format!("verdict kind {} is not known", v.kind)),
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn verdicts_survive_the_wire() {
+        let members: Vec<String> = ["a", "b", "c", "d"].map(String::from).to_vec();
+        let mut v = Verdicts::default();
+        v.faulty.insert(0);
+        v.broken_links.insert(Pair::new(2, 1));
+        v.stragglers.insert(3, 2.5);
+        v.unknown.insert(1, "round limit reached".into());
+        let wire = to_proto(&members, &v);
+        assert_eq!(wire.len(), 4);
+        assert_eq!(from_proto(&members, &wire).unwrap(), v);
+    }
+
+    #[test]
+    fn bad_wire_verdicts_are_refused() {
+        let members: Vec<String> = ["a", "b"].map(String::from).to_vec();
+        let v = |kind: Kind, nodes: &[&str], slowdown: f64| Verdict {
+            kind: kind as i32,
+            nodes: nodes.iter().map(|s| s.to_string()).collect(),
+            slowdown,
+            reason: String::new(),
+        };
+        for (bad, why) in [
+            (v(Kind::FaultyNode, &["z"], 0.0), "not a member"),
+            (v(Kind::FaultyNode, &["a", "b"], 0.0), "one node"),
+            (v(Kind::BrokenLink, &["a", "a"], 0.0), "two distinct"),
+            (v(Kind::Straggler, &["a"], f64::NAN), "ratio"),
+            (v(Kind::Unspecified, &["a"], 0.0), "not known"),
+        ] {
+            let e = from_proto(&members, &[bad]).unwrap_err();
+            assert!(e.contains(why), "{e}");
+        }
+    }
+
+    #[test]
+    fn secret_file_is_trimmed_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("secret");
+        std::fs::write(&p, b"0123456789abcdef0123\n").unwrap();
+        assert!(load_key(&p).is_ok());
+        std::fs::write(&p, b"short\n").unwrap();
+        assert!(load_key(&p).unwrap_err().to_string().contains("shorter"));
+        assert!(load_key(&dir.path().join("none"))
+            .unwrap_err()
+            .to_string()
+            .contains("cannot read"));
+    }
+}

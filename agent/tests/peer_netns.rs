@@ -1,0 +1,201 @@
+//! End to end: eight real agents, each in its own network namespace on a bridge (tests/netlab),
+//! against the API emulator, with the real probe and the real gRPC service. Faults are made in
+//! the network itself: one node cut off entirely (iptables), the link between two healthy nodes
+//! dropped (iptables), one node's path slowed (tc netem delay + rate). `faultline check` must
+//! name exactly those, within the round bounds, and every agent must record its own verdict.
+//! Then the coordinator is killed in the middle of a run: another agent takes the Lease and
+//! restarts the run.
+//!
+//! Needs root (network namespaces); CI runs it with `--ignored` (.ci/run): it is slow.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const N: usize = 8;
+
+use common::cluster::{
+    check, has_fault, published, published_key, rounds_of, verdict_lines, wait_until, Cluster, NS,
+};
+
+#[test]
+#[ignore = "slow, needs root and network namespaces: .ci/run runs it with --ignored"]
+fn eight_agents_in_namespaces_find_exactly_the_injected_faults() {
+    let policy = "peer:\n  enabled: false\n  bytes: 4194304\n  iterations: 3\n  check_timeout: 5s\n  straggler_ratio: 3\n";
+    // Scheduled runs off: the test asks for runs itself. Small checks keep it quick on two
+    // cores; a straggler threshold of 3x keeps CPU contention between eight agents on two
+    // cores from looking like a slow node (the slowed node is far slower).
+    let mut c = Cluster::start("peer", N, policy, |_| None);
+    let (emu, lab) = (&c.emu, &c.lab);
+    let names = c.names.clone();
+    let (cli_kubeconfig, secret) = (c.cli_kubeconfig.clone(), c.secret.clone());
+    let tmp = c.tmp.path().to_path_buf();
+    let coord = c.coordinator();
+    eprintln!("coordinator: {}", names[coord]);
+
+    // 1. Healthy: nothing found. One round, or two when CPU contention (eight agents and their
+    //    probes on two cores) made one check look slow once: its second measurement clears it.
+    let (code, out, err) = check(&cli_kubeconfig, &secret, &names);
+    assert_eq!(
+        code,
+        0,
+        "stdout: {out}\nstderr: {err}\nrun: {}",
+        serde_json::to_string_pretty(&published(emu)).unwrap()
+    );
+    assert!(rounds_of(&out) <= 2, "{out}");
+
+    // 2. Faults. Round 1 pairs neighbours by name (n0-n1, n2-n3, ...; the first requested run
+    //    is not rotated, but the second is rotated by one: n1-n2, n3-n4, ..., n7-n0). Pick, among
+    //    the pairs the second run makes that do not hold the coordinator: one to cut, one with
+    //    a node cut off, one with a slowed node.
+    let pairs: Vec<(usize, usize)> = (0..N / 2).map(|k| (2 * k + 1, (2 * k + 2) % N)).collect();
+    let usable: Vec<(usize, usize)> = pairs
+        .into_iter()
+        .filter(|(a, b)| *a != coord && *b != coord)
+        .collect();
+    assert!(usable.len() >= 3);
+    let (cut_a, cut_b) = usable[0];
+    let isolated = usable[1].0;
+    let slow = usable[2].1;
+    lab.cut_link(cut_a, cut_b).unwrap();
+    lab.isolate(isolated).unwrap();
+    // A rate limit alone: this kernel has no netem for a delay (tests/netlab uses tbf).
+    lab.shape(slow, Duration::ZERO, 50).unwrap();
+    let started = Instant::now();
+    let (code, out, err) = check(&cli_kubeconfig, &secret, &names);
+    let took = started.elapsed();
+    eprintln!("faulty run took {took:?}:\n{out}");
+    assert_eq!(code, 1, "stdout: {out}\nstderr: {err}");
+    let mut lines = verdict_lines(&out);
+    let (x, y) = (
+        names[cut_a.min(cut_b)].clone(),
+        names[cut_a.max(cut_b)].clone(),
+    );
+    let straggler = lines
+        .iter()
+        .position(|l| l.starts_with("straggler"))
+        .map(|i| lines.remove(i))
+        .unwrap_or_else(|| panic!("no straggler in {out}"));
+    let dump = || serde_json::to_string_pretty(&published(emu)).unwrap();
+    assert!(
+        straggler.starts_with(&format!("straggler {} (", names[slow])),
+        "{straggler}: {}",
+        dump()
+    );
+    assert_eq!(
+        lines,
+        vec![
+            format!("broken link {x} <-> {y}"),
+            format!("faulty node {}", names[isolated]),
+        ],
+        "{out}"
+    );
+    // One faulty node, one link, one straggler: at most 3 rounds.
+    assert!(rounds_of(&out) <= 3, "{out}");
+
+    // The ConfigMap says the same, and every reachable agent recorded its own part.
+    let run = published(emu).unwrap();
+    assert!(run.is_finished());
+    assert_eq!(run.coordinator, names[coord]);
+    let kinds: Vec<(String, Vec<String>)> = run
+        .verdicts
+        .iter()
+        .map(|v| (v.kind.clone(), v.nodes.clone()))
+        .collect();
+    assert!(kinds.contains(&("faulty_node".into(), vec![names[isolated].clone()])));
+    assert!(kinds.contains(&("broken_link".into(), vec![x.clone(), y.clone()])));
+    assert!(kinds.contains(&("straggler".into(), vec![names[slow].clone()])));
+    wait_until(
+        "the verdicts in the records",
+        Duration::from_secs(20),
+        || {
+            let a = c.nodes[cut_a].record()?;
+            let b = c.nodes[cut_b].record()?;
+            let s = c.nodes[slow].record()?;
+            (has_fault(&a, "PEER_LINK_FAILED", &format!("link:{}", names[cut_b]))
+                && has_fault(&b, "PEER_LINK_FAILED", &format!("link:{}", names[cut_a]))
+                && has_fault(&s, "STRAGGLER", "node"))
+            .then_some(())
+        },
+    );
+    for (i, n) in c.nodes.iter().enumerate() {
+        if [cut_a, cut_b, slow, isolated].contains(&i) {
+            continue;
+        }
+        let r = n.record().unwrap();
+        assert!(
+            !r.faults
+                .iter()
+                .any(|f| f.active && f.source == faultline_agent::record::Source::Peer),
+            "{} has a peer fault: {:?}",
+            n.name,
+            r.faults
+        );
+    }
+
+    // 3. A client without the secret is refused, and changes nothing.
+    let wrong = tmp.join("wrong");
+    std::fs::write(&wrong, "another secret of 32 bytes......").unwrap();
+    let (code, out, err) = check(&cli_kubeconfig, &wrong, &names);
+    assert_eq!(code, 2, "stdout: {out}\nstderr: {err}");
+    assert!(err.contains("signature does not verify"), "{err}");
+
+    // 4. The coordinator dies mid-run: another agent takes the Lease and restarts the run.
+    lab.heal(isolated).unwrap();
+    let survivors: Vec<String> = names
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != isolated)
+        .map(|(_, n)| n.clone())
+        .collect();
+    let first_id = run.run_id.clone();
+    let bg = Command::new(env!("CARGO_BIN_EXE_faultline"))
+        .args([
+            "check",
+            "--nodes",
+            &survivors.join(","),
+            "--timeout",
+            "120s",
+        ])
+        .arg("--secret-file")
+        .arg(&secret)
+        .arg("--kubeconfig")
+        .arg(&cli_kubeconfig)
+        .args(["--namespace", NS])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_until("the next run to start", Duration::from_secs(30), || {
+        published(emu).filter(|r| r.run_id != first_id && !r.is_finished())
+    });
+    c.nodes[coord].kill();
+    let resumed = wait_until(
+        "a new coordinator to finish the run",
+        Duration::from_secs(90),
+        || {
+            published_key(emu, "finished.json").filter(|r| {
+                r.coordinator != names[coord]
+                    && r.is_finished()
+                    && r.trigger == faultline_agent::peer::coordinator::Trigger::Resume
+            })
+        },
+    );
+    eprintln!("resumed by {}", resumed.coordinator);
+    // The client retried against the new coordinator; the dead agent's node is now faulty.
+    let out = bg.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        verdict_lines(&stdout).contains(&format!("faulty node {}", names[coord])),
+        "{stdout}"
+    );
+}
