@@ -262,7 +262,11 @@ async fn peer_setup(
         key,
         probe,
         probe_port_base: cfg.probe_port_base,
-        busy: Arc::new(service::NeverBusy),
+        busy: if cfg.no_nvml {
+            Arc::new(service::NeverBusy)
+        } else {
+            Arc::new(crate::peer::busy::NvmlBusy::new(cfg.nvml_lib.clone()))
+        },
         members,
         publisher,
         election,

@@ -7,11 +7,12 @@
 //! - `members`: who takes part (agent pods, or a members file); `publish`: where runs go;
 //! - `runner`: the probe as a child process with a hard deadline; `verdicts`: a run's verdicts
 //!   as this node's fault record (`PEER_UNREACHABLE`, `PEER_LINK_FAILED`, `STRAGGLER`);
-//! - `wire`: signing, the secret file, verdicts on the wire.
+//! - `wire`: signing, the secret file, verdicts on the wire; `busy`: whether the GPUs run work.
 //!
 //! [`start`] wires them into the agent: the service on its own port, the election, and the
 //! schedule of runs while this agent coordinates.
 
+pub mod busy;
 pub mod coordinator;
 pub mod lease;
 pub mod members;

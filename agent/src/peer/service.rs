@@ -41,11 +41,13 @@ use crate::source::Input;
 pub const PROBE_GRACE: Duration = Duration::from_secs(1);
 /// Checks one agent runs at once (a node is in at most two per round).
 pub const MAX_CONCURRENT_CHECKS: usize = 4;
+/// How long a ping waits for the busy check.
+pub const BUSY_TIMEOUT: Duration = Duration::from_secs(1);
 /// Connect and call timeouts of the coordinator's small calls (ping, assign, cancel).
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Whether this node's accelerators run someone's work.
-pub trait Busy: Send + Sync + std::fmt::Debug {
+pub trait Busy: Send + Sync + std::fmt::Debug + 'static {
     /// `Some(reason)` when busy.
     fn busy(&self) -> Option<String>;
 }
@@ -178,8 +180,18 @@ impl PeerCheck for PeerHandle {
     async fn ping(&self, request: Request<PingRequest>) -> Result<Response<PingReply>, Status> {
         let p = request.into_inner();
         self.verify(&p)?;
+        // NVML calls can hang: ask on a blocking thread, and a node that cannot answer in
+        // time counts as busy (a scheduled check is not worth disturbing a job).
         let busy = if self.probe.gpu {
-            self.busy.busy()
+            let b = Arc::clone(&self.busy);
+            let asked = tokio::task::spawn_blocking(move || b.busy());
+            match tokio::time::timeout(BUSY_TIMEOUT, asked).await {
+                Ok(Ok(b)) => b,
+                Ok(Err(_)) => Some("cannot tell (the check failed)".into()),
+                Err(_) => Some(format!(
+                    "cannot tell (no answer from NVML within {BUSY_TIMEOUT:?})"
+                )),
+            }
         } else {
             None
         };

@@ -436,6 +436,45 @@ pub unsafe extern "C" fn nvmlDeviceGetRetiredPagesPendingStatus(
     })
 }
 
+/// `compute_processes` processes (pids 1000, 1001, ..., 1 GiB each). With too little room (or a
+/// null array) it answers `INSUFFICIENT_SIZE` with the count, as NVML does; nvml-wrapper asks
+/// for the count that way.
+#[no_mangle]
+pub unsafe extern "C" fn nvmlDeviceGetComputeRunningProcesses_v3(
+    device: nvmlDevice_t,
+    infoCount: *mut c_uint,
+    infos: *mut nvmlProcessInfo_t,
+) -> nvmlReturn_t {
+    guarded(|| {
+        let (s, i) = enter_device("nvmlDeviceGetComputeRunningProcesses_v3", device)?;
+        let n = self::device(&s, i)?.compute_processes;
+        if infoCount.is_null() {
+            return Err(INVALID_ARGUMENT);
+        }
+        // SAFETY: non-null (checked) and valid (NVML contract).
+        let room = unsafe { *infoCount };
+        // SAFETY: as above.
+        unsafe { put(infoCount, n)? };
+        if n == 0 {
+            return Ok(());
+        }
+        if room < n || infos.is_null() {
+            return Err(INSUFFICIENT_SIZE);
+        }
+        // SAFETY: non-null and valid for `room` >= `n` entries (NVML contract).
+        let out = unsafe { std::slice::from_raw_parts_mut(infos, n as usize) };
+        for (k, p) in out.iter_mut().enumerate() {
+            *p = nvmlProcessInfo_t {
+                pid: 1000 + k as c_uint,
+                usedGpuMemory: 1 << 30,
+                gpuInstanceId: u32::MAX,
+                computeInstanceId: u32::MAX,
+            };
+        }
+        Ok(())
+    })
+}
+
 /// Each entry gets its own `nvmlReturn`; known fields come back as
 /// `NVML_VALUE_TYPE_UNSIGNED_INT` with the value also readable as `ullVal`.
 #[no_mangle]

@@ -66,6 +66,7 @@ pub const DEVICE_FUNCTIONS: &[&str] = &[
     "nvmlDeviceGetPciInfo_v3",
     "nvmlDeviceGetTotalEccErrors",
     "nvmlDeviceGetRetiredPagesPendingStatus",
+    "nvmlDeviceGetComputeRunningProcesses_v3",
     "nvmlDeviceGetFieldValues",
     "nvmlDeviceGetNvLinkState",
     "nvmlDeviceGetNvLinkErrorCounter",
@@ -318,6 +319,8 @@ pub struct Device {
     pub pcie: Pcie,
     pub errors: BTreeMap<String, Code>,
     pub hang: Vec<String>,
+    /// Processes with a compute context on the GPU (someone's job is running on it).
+    pub compute_processes: u32,
 }
 
 impl Default for Device {
@@ -338,6 +341,7 @@ impl Default for Device {
             pcie: Pcie::default(),
             errors: BTreeMap::new(),
             hang: Vec::new(),
+            compute_processes: 0,
         }
     }
 }

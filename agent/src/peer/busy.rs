@@ -1,0 +1,78 @@
+//! Whether this node's GPUs run someone's work, for scheduled GPU peer checks (which would
+//! disturb it): NVML's count of processes with a compute context on each GPU. NVML is opened
+//! on first use and kept; when it cannot tell (not loadable, a call fails), the node counts as
+//! busy: a scheduled check is not worth disturbing a job that might be there.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use nvml_wrapper::Nvml;
+
+use super::service::Busy;
+
+/// Busy when any GPU has a compute process.
+pub struct NvmlBusy {
+    library: Option<PathBuf>,
+    nvml: Mutex<Option<Nvml>>,
+}
+
+impl std::fmt::Debug for NvmlBusy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvmlBusy")
+            .field("library", &self.library)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NvmlBusy {
+    /// `library`: the NVML library to load (default: the system's).
+    pub fn new(library: Option<PathBuf>) -> NvmlBusy {
+        NvmlBusy {
+            library,
+            nvml: Mutex::new(None),
+        }
+    }
+
+    fn check(nvml: &Nvml) -> Result<Option<String>, String> {
+        let count = nvml.device_count().map_err(|e| e.to_string())?;
+        let mut busy = Vec::new();
+        for i in 0..count {
+            let d = nvml
+                .device_by_index(i)
+                .map_err(|e| format!("GPU {i}: {e}"))?;
+            let n = d
+                .running_compute_processes_count()
+                .map_err(|e| format!("GPU {i}: {e}"))?;
+            if n > 0 {
+                busy.push(format!(
+                    "GPU {i}: {n} compute process{}",
+                    if n == 1 { "" } else { "es" }
+                ));
+            }
+        }
+        Ok((!busy.is_empty()).then(|| busy.join(", ")))
+    }
+}
+
+impl Busy for NvmlBusy {
+    fn busy(&self) -> Option<String> {
+        let Ok(mut guard) = self.nvml.lock() else {
+            return Some("cannot tell (lock poisoned)".into());
+        };
+        if guard.is_none() {
+            let mut b = Nvml::builder();
+            if let Some(p) = &self.library {
+                b.lib_path(p.as_os_str());
+            }
+            match b.init() {
+                Ok(n) => *guard = Some(n),
+                Err(e) => return Some(format!("cannot tell (NVML: {e})")),
+            }
+        }
+        let nvml = guard.as_ref()?;
+        match Self::check(nvml) {
+            Ok(b) => b,
+            Err(e) => Some(format!("cannot tell (NVML: {e})")),
+        }
+    }
+}
