@@ -12,7 +12,13 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use crate::hello::{left, Hello, HELLO_LEN};
+
 const MAGIC: &[u8; 8] = b"FLPROBE1";
+
+fn bad_magic() -> String {
+    "not a faultline probe (bad magic)".into()
+}
 const VERSION: u32 = 1;
 /// Data moves in pieces of this size (the buffers are never copied whole).
 const PIECE: usize = 1 << 20;
@@ -99,49 +105,6 @@ pub(crate) fn fill(rank: usize, buf: &mut [u8]) {
     }
 }
 
-struct Hello {
-    version: u32,
-    world: u64,
-    rank: u64,
-    bytes: u64,
-}
-
-impl Hello {
-    fn encode(&self) -> [u8; 36] {
-        let mut b = [0u8; 36];
-        b[..8].copy_from_slice(MAGIC);
-        b[8..12].copy_from_slice(&self.version.to_be_bytes());
-        b[12..20].copy_from_slice(&self.world.to_be_bytes());
-        b[20..28].copy_from_slice(&self.rank.to_be_bytes());
-        b[28..36].copy_from_slice(&self.bytes.to_be_bytes());
-        b
-    }
-    fn decode(b: &[u8; 36]) -> Result<Hello, String> {
-        if &b[..8] != MAGIC {
-            return Err("not a faultline probe (bad magic)".into());
-        }
-        let u64_at = |i: usize| {
-            let mut x = [0u8; 8];
-            x.copy_from_slice(&b[i..i + 8]);
-            u64::from_be_bytes(x)
-        };
-        let mut v = [0u8; 4];
-        v.copy_from_slice(&b[8..12]);
-        Ok(Hello {
-            version: u32::from_be_bytes(v),
-            world: u64_at(12),
-            rank: u64_at(20),
-            bytes: u64_at(28),
-        })
-    }
-}
-
-fn left(deadline: Instant) -> Option<Duration> {
-    deadline
-        .checked_duration_since(Instant::now())
-        .filter(|d| !d.is_zero())
-}
-
 fn set_timeouts(s: &TcpStream, deadline: Instant) -> std::io::Result<()> {
     let t = left(deadline).unwrap_or(Duration::from_millis(1));
     s.set_read_timeout(Some(t))?;
@@ -209,7 +172,7 @@ fn connect(
         rank: me as u64,
         bytes: cfg.bytes as u64,
     }
-    .encode();
+    .encode(MAGIC);
     // Connect out (retrying while the successor starts) and accept in, on two threads.
     let out_cfg = cfg.clone();
     let outgoing = std::thread::spawn(move || -> Result<TcpStream, AllgatherError> {
@@ -228,17 +191,19 @@ fn connect(
                         rank: next,
                         source,
                     })?;
-                    let mut back = [0u8; 36];
+                    let mut back = [0u8; HELLO_LEN];
                     s.read_exact(&mut back)
                         .map_err(|source| AllgatherError::Io {
                             what: "read the handshake",
                             rank: next,
                             source,
                         })?;
-                    let h = Hello::decode(&back).map_err(|what| AllgatherError::Handshake {
-                        peer: target.to_string(),
-                        what,
-                    })?;
+                    let h = Hello::decode(MAGIC, &back)
+                        .ok_or_else(bad_magic)
+                        .map_err(|what| AllgatherError::Handshake {
+                            peer: target.to_string(),
+                            what,
+                        })?;
                     check_hello(&h, &out_cfg, next, &target.to_string())?;
                     return Ok(s);
                 }
@@ -264,12 +229,13 @@ fn connect(
                 if set_timeouts(&s, deadline).is_err() {
                     continue;
                 }
-                let mut theirs = [0u8; 36];
+                let mut theirs = [0u8; HELLO_LEN];
                 if let Err(e) = s.read_exact(&mut theirs) {
                     rejected = Some(format!("{from}: no handshake ({e})"));
                     continue;
                 }
-                let checked = Hello::decode(&theirs)
+                let checked = Hello::decode(MAGIC, &theirs)
+                    .ok_or_else(bad_magic)
                     .map_err(|what| AllgatherError::Handshake {
                         peer: from.to_string(),
                         what,

@@ -15,6 +15,7 @@ pub mod allgather;
 #[cfg(feature = "gpu")]
 #[allow(unsafe_code)]
 mod gpu;
+mod hello;
 pub mod ncclid;
 
 use std::time::{Duration, Instant};

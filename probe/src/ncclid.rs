@@ -14,6 +14,8 @@ use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use crate::hello::{left, Hello, HELLO_LEN};
+
 /// Length of an NCCL unique id (`ncclUniqueId`, `NCCL_UNIQUE_ID_BYTES`).
 pub const ID_LEN: usize = 128;
 /// The id itself.
@@ -21,7 +23,6 @@ pub type NcclId = [u8; ID_LEN];
 
 const MAGIC: &[u8; 8] = b"FLNCCLID";
 const VERSION: u32 = 1;
-const HELLO_LEN: usize = 36;
 /// Magic, version, status.
 const REPLY_HEAD: usize = 13;
 const STATUS_OK: u8 = 0;
@@ -69,51 +70,6 @@ pub enum ExchangeError {
         peer: String,
         source: std::io::Error,
     },
-}
-
-struct Hello {
-    version: u32,
-    world: u64,
-    rank: u64,
-    bytes: u64,
-}
-
-impl Hello {
-    fn encode(&self) -> [u8; HELLO_LEN] {
-        let mut b = [0u8; HELLO_LEN];
-        b[..8].copy_from_slice(MAGIC);
-        b[8..12].copy_from_slice(&self.version.to_be_bytes());
-        b[12..20].copy_from_slice(&self.world.to_be_bytes());
-        b[20..28].copy_from_slice(&self.rank.to_be_bytes());
-        b[28..36].copy_from_slice(&self.bytes.to_be_bytes());
-        b
-    }
-
-    /// `None` without the magic: not one of ours.
-    fn decode(b: &[u8; HELLO_LEN]) -> Option<Hello> {
-        if &b[..8] != MAGIC {
-            return None;
-        }
-        let u64_at = |i: usize| {
-            let mut x = [0u8; 8];
-            x.copy_from_slice(&b[i..i + 8]);
-            u64::from_be_bytes(x)
-        };
-        let mut v = [0u8; 4];
-        v.copy_from_slice(&b[8..12]);
-        Some(Hello {
-            version: u32::from_be_bytes(v),
-            world: u64_at(12),
-            rank: u64_at(20),
-            bytes: u64_at(28),
-        })
-    }
-}
-
-fn left(deadline: Instant) -> Option<Duration> {
-    deadline
-        .checked_duration_since(Instant::now())
-        .filter(|d| !d.is_zero())
 }
 
 fn set_timeouts(s: &TcpStream, limit: Duration) -> std::io::Result<()> {
@@ -240,7 +196,7 @@ fn answer(
     let mut b = [0u8; HELLO_LEN];
     s.read_exact(&mut b)
         .map_err(|e| format!("{from}: no hello ({e})"))?;
-    let Some(h) = Hello::decode(&b) else {
+    let Some(h) = Hello::decode(MAGIC, &b) else {
         // Not one of ours: no answer, just close.
         return Err(format!("{from}: not a faultline probe (bad magic)"));
     };
@@ -265,7 +221,7 @@ pub fn fetch(ex: &Exchange, rank: usize, deadline: Instant) -> Result<NcclId, Ex
         rank: rank as u64,
         bytes: ex.bytes,
     }
-    .encode();
+    .encode(MAGIC);
     let mut last = String::from("never tried");
     while let Some(t) = left(deadline) {
         match TcpStream::connect_timeout(&addr, t.min(Duration::from_secs(1))) {
