@@ -12,6 +12,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod common;
 #[path = "../tests/common/mod.rs"]
 mod tcommon;
 
@@ -19,14 +20,10 @@ use std::time::{Duration, Instant};
 
 use tcommon::cluster::{check, verdict_lines, Cluster};
 
+/// The median (the upper middle one for an even count), as the other benches quote it.
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
-    let m = v.len() / 2;
-    if v.len() % 2 == 1 {
-        v[m]
-    } else {
-        (v[m - 1] + v[m]) / 2.0
-    }
+    common::quantile(&v, 0.5)
 }
 
 fn timed_check(c: &Cluster) -> (f64, i32, String) {

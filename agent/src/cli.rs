@@ -622,35 +622,36 @@ pub async fn check(args: CheckArgs) -> Outcome {
             });
             let mut request = tonic::Request::new(req);
             request.set_timeout(deadline.saturating_duration_since(tokio::time::Instant::now()));
-            CoordinatorClient::new(channel)
+            let answer = CoordinatorClient::new(channel)
                 .max_decoding_message_size(faultline_proto::MAX_MESSAGE_BYTES)
                 .run(request)
-                .await
-                .map(|r| r.into_inner())
-                .map_err(|s| match s.code() {
-                    Code::Unauthenticated | Code::InvalidArgument | Code::PermissionDenied => {
-                        format!(
-                            "fatal: the coordinator refused the request: {}",
-                            s.message()
-                        )
-                    }
-                    _ => format!("the coordinator at {address}: {}", s.message()),
-                })
-        };
-        match attempt.await {
-            Ok(result) => return check_report(&result, args.json),
-            Err(e) if e.starts_with("fatal: ") => {
-                return Outcome::error(format!("error: {}", &e["fatal: ".len()..]))
-            }
-            Err(e) => {
-                last_error = e;
-                tokio::time::sleep(
-                    Duration::from_secs(2)
-                        .min(deadline.saturating_duration_since(tokio::time::Instant::now())),
-                )
                 .await;
+            Ok::<_, String>((address, answer))
+        };
+        // Could not ask (no coordinator yet, unreachable): retry. Asked and refused for the
+        // request itself (secret, arguments): stop. Any other answer (not the coordinator any
+        // more, shutting down): retry.
+        last_error = match attempt.await {
+            Ok((_, Ok(result))) => return check_report(&result.into_inner(), args.json),
+            Ok((_, Err(s)))
+                if matches!(
+                    s.code(),
+                    Code::Unauthenticated | Code::InvalidArgument | Code::PermissionDenied
+                ) =>
+            {
+                return Outcome::error(format!(
+                    "error: the coordinator refused the request: {}",
+                    s.message()
+                ))
             }
-        }
+            Ok((address, Err(s))) => format!("the coordinator at {address}: {}", s.message()),
+            Err(e) => e,
+        };
+        tokio::time::sleep(
+            Duration::from_secs(2)
+                .min(deadline.saturating_duration_since(tokio::time::Instant::now())),
+        )
+        .await;
     }
 }
 

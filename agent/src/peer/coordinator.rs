@@ -195,6 +195,20 @@ pub fn kind_name(k: faultline_proto::v1::verdict::Kind) -> &'static str {
     }
 }
 
+/// The verdict kind a published name stands for (`kind_name` reversed).
+pub fn kind_from_name(name: &str) -> faultline_proto::v1::verdict::Kind {
+    use faultline_proto::v1::verdict::Kind;
+    [
+        Kind::FaultyNode,
+        Kind::BrokenLink,
+        Kind::Straggler,
+        Kind::Unknown,
+    ]
+    .into_iter()
+    .find(|k| kind_name(*k) == name)
+    .unwrap_or(Kind::Unspecified)
+}
+
 /// Published verdicts from planner verdicts.
 pub fn verdict_states(members: &[String], v: &Verdicts) -> Vec<VerdictState> {
     wire::to_proto(members, v)

@@ -345,3 +345,17 @@ fn requested_nodes_without_an_agent_are_unknown() {
     assert_eq!(found.len(), 1);
     assert!(missing["zz"].contains("no running faultline agent"));
 }
+
+#[test]
+fn verdict_kind_names_round_trip() {
+    use faultline_proto::v1::verdict::Kind;
+    for k in [
+        Kind::FaultyNode,
+        Kind::BrokenLink,
+        Kind::Straggler,
+        Kind::Unknown,
+    ] {
+        assert_eq!(kind_from_name(kind_name(k)), k);
+    }
+    assert_eq!(kind_from_name("bogus"), Kind::Unspecified);
+}

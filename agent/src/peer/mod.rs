@@ -131,7 +131,7 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
         s.probe,
         s.busy,
         s.inputs,
-        Some(leadership.clone()),
+        leadership.clone(),
     )));
     let mut tasks = Vec::new();
     let shutdown = s.shutdown.clone();

@@ -99,17 +99,16 @@ pub struct FilePublisher {
 #[async_trait::async_trait]
 impl Publisher for FilePublisher {
     async fn publish(&self, state: &RunState) {
+        let bytes = match serde_json::to_vec_pretty(state) {
+            Ok(b) => b,
+            Err(e) => return warn!(error = %e, "cannot encode the run"),
+        };
         let mut paths = vec![self.dir.join(FILE)];
         if state.is_finished() {
             paths.push(self.dir.join(FINISHED_FILE));
         }
         for path in paths {
-            let result = serde_json::to_vec_pretty(state)
-                .map_err(|e| e.to_string())
-                .and_then(|b| {
-                    crate::sink::file::write_atomic(&path, &b).map_err(|e| e.to_string())
-                });
-            if let Err(e) = result {
+            if let Err(e) = crate::sink::file::write_atomic(&path, &bytes) {
                 warn!(path = %path.display(), error = %e, "cannot write the peer-check run");
             }
         }

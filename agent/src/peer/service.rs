@@ -103,7 +103,7 @@ pub struct PeerService {
     inputs: mpsc::Sender<Input>,
     tracker: Mutex<VerdictTracker>,
     running: Mutex<HashMap<CheckKey, CancellationToken>>,
-    leadership: Option<Leadership>,
+    leadership: Leadership,
     runs: std::sync::atomic::AtomicUsize,
 }
 
@@ -115,7 +115,7 @@ impl PeerService {
         probe: ProbeSetup,
         busy: Arc<dyn Busy>,
         inputs: mpsc::Sender<Input>,
-        leadership: Option<Leadership>,
+        leadership: Leadership,
     ) -> PeerService {
         PeerService {
             node,
@@ -153,12 +153,13 @@ impl PeerService {
     }
 
     fn leader(&self) -> Result<&Leadership, Status> {
-        match &self.leadership {
-            Some(l) if *l.leader.borrow() => Ok(l),
-            _ => Err(Status::failed_precondition(format!(
+        if *self.leadership.leader.borrow() {
+            Ok(&self.leadership)
+        } else {
+            Err(Status::failed_precondition(format!(
                 "{} is not the peer-check coordinator (it does not hold the Lease)",
                 self.node
-            ))),
+            )))
         }
     }
 }
@@ -448,14 +449,7 @@ impl CoordinatorRpc for PeerHandle {
 
 /// The wire result of a finished run.
 pub fn result_of(state: &coordinator::RunState) -> RunResult {
-    use faultline_proto::v1::{verdict::Kind, Verdict};
-    let kind = |k: &str| match k {
-        "faulty_node" => Kind::FaultyNode,
-        "broken_link" => Kind::BrokenLink,
-        "straggler" => Kind::Straggler,
-        "unknown" => Kind::Unknown,
-        _ => Kind::Unspecified,
-    };
+    use faultline_proto::v1::Verdict;
     RunResult {
         run_id: state.run_id.clone(),
         rounds: state.rounds.len() as u32,
@@ -463,7 +457,7 @@ pub fn result_of(state: &coordinator::RunState) -> RunResult {
             .verdicts
             .iter()
             .map(|v| Verdict {
-                kind: kind(&v.kind) as i32,
+                kind: coordinator::kind_from_name(&v.kind) as i32,
                 nodes: v.nodes.clone(),
                 slowdown: v.slowdown.unwrap_or(0.0),
                 reason: v.reason.clone().unwrap_or_default(),
@@ -530,6 +524,22 @@ fn timed<T>(msg: T, timeout: Duration) -> Request<T> {
     r
 }
 
+/// One call with a deadline (`call` gets it to send to the server; it is also enforced here in
+/// case the server never answers): the answer, or why there is none.
+async fn within<T, F>(timeout: Duration, call: impl FnOnce(Duration) -> F) -> Result<T, String>
+where
+    F: std::future::Future<Output = Result<Response<T>, Status>>,
+{
+    match tokio::time::timeout(timeout, call(timeout)).await {
+        Ok(Ok(r)) => Ok(r.into_inner()),
+        Ok(Err(s)) => Err(s.message().to_string()),
+        Err(_) => Err(format!("no answer within {timeout:?}")),
+    }
+}
+
+/// How long a conclusion may take to deliver.
+const CONCLUDE_TIMEOUT: Duration = Duration::from_secs(5);
+
 #[async_trait::async_trait]
 impl coordinator::Transport for GrpcTransport {
     async fn ping(&self, to: &Member) -> Result<PingReply, String> {
@@ -538,39 +548,27 @@ impl coordinator::Transport for GrpcTransport {
             protocol: PROTOCOL,
         });
         let mut c = self.client(to)?;
-        let call = c.ping(timed(msg, CALL_TIMEOUT));
-        match tokio::time::timeout(CALL_TIMEOUT, call).await {
-            Ok(Ok(r)) => Ok(r.into_inner()),
-            Ok(Err(s)) => Err(s.message().to_string()),
-            Err(_) => Err(format!("no answer within {CALL_TIMEOUT:?}")),
-        }
+        within(CALL_TIMEOUT, |t| c.ping(timed(msg, t))).await
     }
 
     async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
         let msg = self.signer.sign(a);
         let mut c = self.client(to)?;
-        match tokio::time::timeout(CALL_TIMEOUT, c.assign(timed(msg, CALL_TIMEOUT))).await {
-            Ok(Ok(r)) => Ok(r.into_inner()),
-            Ok(Err(s)) => Err(s.message().to_string()),
-            Err(_) => Err(format!("no answer within {CALL_TIMEOUT:?}")),
-        }
+        within(CALL_TIMEOUT, |t| c.assign(timed(msg, t))).await
     }
 
     async fn cancel(&self, to: &Member, a: CheckAssignment) {
         let msg = self.signer.sign(a);
         if let Ok(mut c) = self.client(to) {
-            let _ = tokio::time::timeout(CALL_TIMEOUT, c.cancel(timed(msg, CALL_TIMEOUT))).await;
+            let _ = within(CALL_TIMEOUT, |t| c.cancel(timed(msg, t))).await;
         }
     }
 
     async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String> {
         let msg = self.signer.sign(c);
         let mut client = self.client(to)?;
-        let t = Duration::from_secs(5);
-        match tokio::time::timeout(t, client.conclude(timed(msg, t))).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(s)) => Err(s.message().to_string()),
-            Err(_) => Err(format!("no answer within {t:?}")),
-        }
+        within(CONCLUDE_TIMEOUT, |t| client.conclude(timed(msg, t)))
+            .await
+            .map(|_| ())
     }
 }
