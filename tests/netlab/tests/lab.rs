@@ -1,7 +1,8 @@
 //! The lab on this host: nodes reach each other and the host; `isolate`, `cut_link` and
 //! `shape` break exactly what they say and `heal` mends it; dropping a lab (or the crash of a
-//! process that held one) leaves nothing behind. Needs root: CI runs as root, so a host that
-//! cannot run a lab fails these tests with the reason instead of passing them silently.
+//! process that held one) leaves nothing behind. Needs root, so the README's test command
+//! leaves these tests out (`#[ignore]`); `.ci/run` runs them as root with `--ignored`, and a
+//! host that cannot run a lab fails them with the reason instead of passing them silently.
 //!
 //! Traffic is made with small python3 programs run inside the namespaces: a listener that
 //! drains connections, and a client that reports its connect time (one round trip) and how
@@ -144,6 +145,7 @@ fn netns_list() -> String {
 }
 
 #[test]
+#[ignore = "needs root and network namespaces: .ci/run runs it with --ignored"]
 fn nodes_reach_each_other_and_the_host() {
     let lab = lab("reach", 3);
     let o = lab.host_ip().octets();
@@ -166,6 +168,7 @@ fn nodes_reach_each_other_and_the_host() {
 }
 
 #[tokio::test]
+#[ignore = "needs root and network namespaces: .ci/run runs it with --ignored"]
 async fn tokio_commands_run_in_the_node() {
     let lab = lab("tokio", 2);
     let out = lab
@@ -194,6 +197,7 @@ async fn tokio_commands_run_in_the_node() {
 }
 
 #[test]
+#[ignore = "needs root and network namespaces: .ci/run runs it with --ignored"]
 fn isolate_makes_one_node_unreachable() {
     let lab = lab("iso", 3);
     let (ip1, ip2) = (lab.nodes()[1].ip, lab.nodes()[2].ip);
@@ -221,6 +225,7 @@ fn isolate_makes_one_node_unreachable() {
 }
 
 #[test]
+#[ignore = "needs root and network namespaces: .ci/run runs it with --ignored"]
 fn cut_link_breaks_only_that_link() {
     let lab = lab("cut", 3);
     let ips: Vec<Ipv4Addr> = lab.nodes().iter().map(|n| n.ip).collect();
@@ -242,6 +247,7 @@ fn cut_link_breaks_only_that_link() {
 /// says loudly that the delay was not checked); FAULTLINE_NETLAB_REQUIRE_NETEM=1 makes that a
 /// failure.
 #[test]
+#[ignore = "needs root and network namespaces: .ci/run runs it with --ignored"]
 fn shape_adds_the_delay_to_round_trips() {
     let lab = lab("delay", 2);
     let ip1 = lab.nodes()[1].ip;
@@ -271,6 +277,7 @@ fn shape_adds_the_delay_to_round_trips() {
 }
 
 #[test]
+#[ignore = "needs root and network namespaces: .ci/run runs it with --ignored"]
 fn shape_limits_the_rate_both_ways() {
     let lab = lab("rate", 2);
     let (ip0, ip1) = (lab.nodes()[0].ip, lab.nodes()[1].ip);
@@ -292,6 +299,7 @@ fn shape_limits_the_rate_both_ways() {
 }
 
 #[test]
+#[ignore = "needs root and network namespaces: .ci/run runs it with --ignored"]
 fn drop_leaves_nothing_behind_and_labs_do_not_collide() {
     let a = lab("drop", 2);
     let b = lab("drop", 2);
@@ -336,6 +344,7 @@ fn crash_helper() {
 }
 
 #[test]
+#[ignore = "needs root and network namespaces: .ci/run runs it with --ignored"]
 fn a_crashed_labs_leftovers_are_deleted() {
     Lab::check_available().unwrap_or_else(|why| panic!("the network lab cannot run: {why}"));
     let out = Command::new(std::env::current_exe().unwrap())
