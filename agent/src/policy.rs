@@ -802,6 +802,35 @@ expected_gpus: 8
     }
 
     #[test]
+    fn peer_settings_are_checked() {
+        let p =
+            Policy::parse("peer:\n  interval: 5m\n  bytes: 4096\n  check_timeout: 3s\n").unwrap();
+        assert_eq!(p.peer.interval, Duration::from_secs(300));
+        assert_eq!(
+            (p.peer.bytes, p.peer.iterations),
+            (4096, 5),
+            "unset fields keep defaults"
+        );
+        for (text, field) in [
+            ("peer: { interval: 1s }", "peer.interval"),
+            ("peer: { jitter: 0.9 }", "peer.jitter"),
+            ("peer: { bytes: 0 }", "peer.bytes"),
+            ("peer: { bytes: 8589934592 }", "peer.bytes"),
+            ("peer: { iterations: 0 }", "peer.iterations"),
+            ("peer: { check_timeout: 10ms }", "peer.check_timeout"),
+            ("peer: { check_timeout: 1h }", "peer.check_timeout"),
+            ("peer: { straggler_ratio: 1.0 }", "peer.straggler_ratio"),
+            ("peer: { straggler_mads: -1 }", "peer.straggler_mads"),
+            ("peer: { max_rounds: 1 }", "peer.max_rounds"),
+        ] {
+            let e = Policy::parse(text).unwrap_err();
+            assert!(e.location.contains(field), "{text}: {e}");
+        }
+        let e = Policy::parse("peer: { rounds: 3 }").unwrap_err();
+        assert!(e.to_string().contains("rounds"), "{e}");
+    }
+
+    #[test]
     fn taint_budget_limit() {
         let b = |max_percent, min_nodes| TaintBudget {
             max_percent,

@@ -572,3 +572,170 @@ impl coordinator::Transport for GrpcTransport {
             .map(|_| ())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::peer::coordinator::MemoryPublisher;
+    use crate::peer::members::StaticMembers;
+    use faultline_proto::auth::Key;
+    use faultline_proto::v1::Member as WireMember;
+
+    const SECRET: &[u8] = b"service test secret, 32 bytes...";
+
+    fn service() -> (PeerHandle, Signer) {
+        let key = Key::new(SECRET).unwrap();
+        let signer = Signer {
+            key: key.clone(),
+            sender: "n0".into(),
+        };
+        let coordinator = Arc::new(Coordinator::new(
+            "n1".into(),
+            "10.0.0.2:20261".into(),
+            20270,
+            Arc::new(GrpcTransport::new(signer.clone())),
+            Arc::new(MemoryPublisher::default()),
+        ));
+        let leadership = Leadership {
+            coordinator,
+            leader: watch::channel(false).1,
+            members: Arc::new(StaticMembers {
+                path: "/nonexistent".into(),
+            }),
+            policy: watch::channel(PeerPolicy::default()).1,
+        };
+        let (tx, _rx) = mpsc::channel(8);
+        let svc = PeerService::new(
+            "n1".into(),
+            Verifier::new(key, Duration::from_secs(30)),
+            Signer {
+                key: Key::new(SECRET).unwrap(),
+                sender: "n1".into(),
+            },
+            ProbeSetup {
+                bin: "/nonexistent/faultline-probe".into(),
+                gpu: false,
+            },
+            Arc::new(NeverBusy),
+            tx,
+            leadership,
+        );
+        (PeerHandle(Arc::new(svc)), signer)
+    }
+
+    type Edit = Box<dyn Fn(&mut CheckAssignment)>;
+
+    fn assignment() -> CheckAssignment {
+        let m = |n: &str, a: &str| WireMember {
+            node: n.into(),
+            address: a.into(),
+            topology: String::new(),
+        };
+        CheckAssignment {
+            auth: None,
+            protocol: PROTOCOL,
+            run_id: "r1".into(),
+            round: 1,
+            a: Some(m("n0", "10.0.0.1:20261")),
+            b: Some(m("n1", "10.0.0.2:20261")),
+            probe_a: "10.0.0.1:20270".into(),
+            probe_b: "10.0.0.2:20270".into(),
+            bytes: 1 << 20,
+            iterations: 1,
+            timeout_ms: 1000,
+            gemm: false,
+            coordinator: "10.0.0.1:20261".into(),
+        }
+    }
+
+    /// Bad assignments are refused with the reason and start nothing; bad signatures are
+    /// refused before anything is read; a non-holder refuses coordinator calls.
+    #[tokio::test]
+    async fn bad_requests_get_clear_refusals() {
+        let (svc, signer) = service();
+        let refused = |a: CheckAssignment| {
+            let svc = svc.clone();
+            let a = signer.sign(a);
+            async move { svc.assign(Request::new(a)).await.unwrap().into_inner() }
+        };
+        let cases: Vec<(Edit, &str)> = vec![
+            (
+                Box::new(|a| a.b.as_mut().unwrap().node = "n9".into()),
+                "not a member",
+            ),
+            (
+                Box::new(|a| a.probe_b = "nowhere".into()),
+                "probe addresses",
+            ),
+            (
+                Box::new(|a| a.coordinator = "x".into()),
+                "coordinator address",
+            ),
+            (Box::new(|a| a.bytes = 0), "bytes, iterations and timeout"),
+            (Box::new(|a| a.bytes = 8 << 30), "at most 4GiB"),
+            (
+                Box::new(|a| a.timeout_ms = 0),
+                "bytes, iterations and timeout",
+            ),
+        ];
+        for (edit, why) in cases {
+            let mut a = assignment();
+            edit(&mut a);
+            let r = refused(a).await;
+            assert!(!r.accepted && r.reason.contains(why), "{why}: {r:?}");
+        }
+        assert!(svc.running.lock().unwrap().is_empty(), "nothing started");
+        // Unsigned, and signed with another secret.
+        let s = svc.assign(Request::new(assignment())).await.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::Unauthenticated);
+        let other = Signer {
+            key: Key::new(b"another secret of 32 bytes......").unwrap(),
+            sender: "n0".into(),
+        };
+        let s = svc
+            .assign(Request::new(other.sign(assignment())))
+            .await
+            .unwrap_err();
+        assert_eq!(s.code(), tonic::Code::Unauthenticated);
+        assert!(s.message().contains("does not verify"), "{}", s.message());
+        // Another protocol version.
+        let mut a = assignment();
+        a.protocol = PROTOCOL + 1;
+        let s = svc.assign(Request::new(signer.sign(a))).await.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::FailedPrecondition);
+        // Not the Lease holder: no runs, no reports.
+        let run = signer.sign(RunRequest {
+            auth: None,
+            protocol: PROTOCOL,
+            nodes: vec!["n0".into()],
+            timeout_ms: 0,
+        });
+        let s = svc.run(Request::new(run)).await.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::FailedPrecondition);
+        assert!(s.message().contains("not the peer-check coordinator"));
+        // A report for someone else is refused even with the secret.
+        let report = signer.sign(CheckReport {
+            protocol: PROTOCOL,
+            node: "n5".into(),
+            ..Default::default()
+        });
+        let s = svc.report(Request::new(report)).await.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::PermissionDenied);
+        // A conclusion naming a non-member is refused as a whole, and records nothing.
+        let c = signer.sign(RunConclusion {
+            auth: None,
+            protocol: PROTOCOL,
+            run_id: "r1".into(),
+            members: vec!["n0".into(), "n1".into()],
+            verdicts: vec![faultline_proto::v1::Verdict {
+                kind: faultline_proto::v1::verdict::Kind::FaultyNode as i32,
+                nodes: vec!["zz".into()],
+                slowdown: 0.0,
+                reason: String::new(),
+            }],
+        });
+        let s = svc.conclude(Request::new(c)).await.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::InvalidArgument);
+    }
+}
