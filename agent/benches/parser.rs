@@ -12,12 +12,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use faultline_agent::catalog::Catalog;
-use faultline_agent::engine::{Ctx, Engine};
 use faultline_agent::metrics::Metrics;
-use faultline_agent::policy::Policy;
 use faultline_agent::source::kmsg::KmsgReader;
 use faultline_agent::source::Input;
+use faultline_core::catalog::Catalog;
+use faultline_core::engine::{Ctx, Engine};
+use faultline_core::policy::Policy;
 
 const NOISE: &[&str] = &[
     "IPv6: ADDRCONF(NETDEV_CHANGE): eth0: link becomes ready",

@@ -10,7 +10,7 @@
 use std::collections::BTreeSet;
 use std::time::Instant;
 
-use faultline_agent::peer::pairing::{simulate, NodeId, Pair, PairingConfig, Truth};
+use faultline_core::peer::pairing::{simulate, NodeId, Pair, PairingConfig, Truth};
 
 struct Rng(u64);
 

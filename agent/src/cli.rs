@@ -8,9 +8,9 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::record::{Health, NodeRecord};
 use crate::sink::file::{write_atomic, FAULTS_FILE};
 use crate::source::control::{ClearRequest, CLEAR_DIR};
+use faultline_core::record::{Health, NodeRecord};
 
 /// Sets up `tracing` for a binary: `text` or `json` to stderr, level from `RUST_LOG`. Colours
 /// only when stderr is a terminal, so logs collected from files or containers stay plain text.

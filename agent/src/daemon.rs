@@ -12,14 +12,14 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
-use crate::catalog::Catalog;
-use crate::engine::Observation;
 use crate::http::{self, HttpState};
 use crate::metrics::Metrics;
 use crate::runtime::{Clock, EngineLoop, Heartbeat, SinkReport, SystemClock};
 use crate::sink::kube as kube_sink;
 use crate::sink::{file, mindcluster};
 use crate::source::{ascend, control, kmsg, node, nvml, policy_watch, Input, SourceContext};
+use faultline_core::catalog::Catalog;
+use faultline_core::engine::Observation;
 
 /// Written into the state directory while the agent runs: the address its endpoints are bound
 /// to (useful with `--listen …:0`).

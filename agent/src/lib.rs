@@ -1,22 +1,17 @@
 //! faultline-agent: detects accelerator faults on one node and publishes them.
 //!
-//! Data flows one way: sources turn the world into [`engine::Observation`]s; the pure
-//! [`engine::Engine`] dedupes, escalates and recovers faults and derives the node's desired
+//! Data flows one way: sources turn the world into `faultline_core::engine::Observation`s; the
+//! pure `faultline_core::engine::Engine` dedupes, escalates and recovers faults and derives the node's desired
 //! state; sinks make the world match it. See docs/ARCHITECTURE.md.
 
 #![forbid(unsafe_code)]
 
-pub mod catalog;
 pub mod child;
 pub mod cli;
 pub mod daemon;
-pub mod engine;
 pub mod http;
 pub mod metrics;
-pub mod parse;
 pub mod peer;
-pub mod policy;
-pub mod record;
 pub mod runtime;
 pub mod sink;
 pub mod source;

@@ -13,15 +13,17 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
-use crate::catalog::Catalog;
-use crate::engine::{Ctx, DesiredCondition, DesiredTaint, Engine, EngineEvent, Observation};
 use crate::metrics::{HandlingLabel, KindLabel, Metrics};
-use crate::record::{
+use crate::source::policy_watch::LoadedPolicy;
+use crate::source::Input;
+use faultline_core::catalog::Catalog;
+use faultline_core::engine::{
+    Ctx, DesiredCondition, DesiredTaint, Engine, EngineEvent, Observation,
+};
+use faultline_core::record::{
     check_code, AgentStatus, DetectorStatus, Handling, Health, NodeRecord, TaintBudgetStatus,
     API_VERSION,
 };
-use crate::source::policy_watch::LoadedPolicy;
-use crate::source::Input;
 
 /// Wall-clock time, injectable for tests.
 pub trait Clock: Send + Sync + std::fmt::Debug {
@@ -276,7 +278,7 @@ impl EngineLoop {
             Health::Unhealthy => 2,
         });
         for (name, d) in self.engine.detectors() {
-            let up = i64::from(d.state == crate::engine::DetectorState::Running);
+            let up = i64::from(d.state == faultline_core::engine::DetectorState::Running);
             self.metrics
                 .detector_up
                 .get_or_create(&crate::metrics::DetectorLabel {

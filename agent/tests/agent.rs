@@ -8,7 +8,7 @@ mod common;
 use std::time::Duration;
 
 use common::{fault, fixtures, Agent};
-use faultline_agent::record::{FaultType, Handling, Health, Source};
+use faultline_core::record::{FaultType, Handling, Health, Source};
 
 fn mixed_replay() -> Vec<u8> {
     let mut data = std::fs::read(fixtures().join("replay/mixed.kmsg")).unwrap();
@@ -259,7 +259,7 @@ fn sigterm_flushes_the_latest_state() {
     assert!(fault(&before, "Xid79").is_none(), "still coalesced");
     let dir_state = agent.state();
     assert_eq!(agent.stop(), 0);
-    let after: faultline_agent::record::NodeRecord =
+    let after: faultline_core::record::NodeRecord =
         serde_json::from_slice(&std::fs::read(dir_state.join("faults.json")).unwrap()).unwrap();
     assert!(
         fault(&after, "Xid13").is_some() && fault(&after, "Xid79").is_some(),
@@ -341,7 +341,7 @@ fn operator_clear_and_cli() {
     assert_eq!(code, Some(0), "{err}");
 
     let (_, out, _) = common::cli(&["get", "-o", "json", "--all"], &state);
-    let r: faultline_agent::record::NodeRecord = serde_json::from_str(&out).unwrap();
+    let r: faultline_core::record::NodeRecord = serde_json::from_str(&out).unwrap();
     assert!(!fault(&r, "Xid79").unwrap().active);
     agent.stop();
 }
@@ -430,7 +430,7 @@ fn real_dev_kmsg_round_trip() {
     });
     let before = chrono::Utc::now();
     dev.write_all(line.as_bytes()).unwrap();
-    let find = |r: &faultline_agent::record::NodeRecord| {
+    let find = |r: &faultline_core::record::NodeRecord| {
         r.faults
             .iter()
             .find(|f| f.pci_bus_id.as_deref() == Some(pci.as_str()))

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use chrono::Utc;
 use common::{fault, fixtures, Agent};
-use faultline_agent::record::{FaultType, Handling, Health, NodeRecord, Source};
+use faultline_core::record::{FaultType, Handling, Health, NodeRecord, Source};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -124,7 +124,7 @@ fn on<'a>(
     r: &'a NodeRecord,
     code: &str,
     device: &str,
-) -> Option<&'a faultline_agent::record::Fault> {
+) -> Option<&'a faultline_core::record::Fault> {
     r.faults
         .iter()
         .find(|f| f.fault_code == code && f.device == device)

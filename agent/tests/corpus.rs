@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-use faultline_agent::parse::parse_message;
+use faultline_core::parse::parse_message;
 use serde::Deserialize;
 use serde_json::Value;
 

@@ -13,8 +13,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::{fault, Agent};
-use faultline_agent::record::{Health, NodeRecord};
 use faultline_agent::sink::kube::calls::API_CALLS;
+use faultline_core::record::{Health, NodeRecord};
 use faultline_kube_emulator::{Call, Emulator, FaultAction, FaultRule, ResourceRef, UserInfo};
 use k8s_openapi::api::core::v1::Node;
 use serde_json::{json, Value};

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{fault, Agent};
-use faultline_agent::record::{FaultType, Handling, Health, NodeRecord, Source};
+use faultline_core::record::{FaultType, Handling, Health, NodeRecord, Source};
 use serde_json::{json, Value};
 
 /// The fake library, built (or found up to date) once per test process, so a stale copy is never

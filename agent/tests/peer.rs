@@ -7,8 +7,8 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use faultline_agent::peer::pairing::Outcome;
 use faultline_agent::peer::runner::{run_probe, ProbeOutcome, ProbeSpec};
+use faultline_core::peer::pairing::Outcome;
 
 /// The probe binary, built (or found up to date) once per test process.
 fn probe() -> PathBuf {

@@ -129,7 +129,7 @@ fn eight_agents_in_namespaces_find_exactly_the_injected_faults() {
         assert!(
             !r.faults
                 .iter()
-                .any(|f| f.active && f.source == faultline_agent::record::Source::Peer),
+                .any(|f| f.active && f.source == faultline_core::record::Source::Peer),
             "{} has a peer fault: {:?}",
             n.name,
             r.faults

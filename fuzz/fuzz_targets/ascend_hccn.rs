@@ -1,7 +1,7 @@
 //! Ascend `hccn_tool` parsers (`-link`, `-speed`, `-link_stat`, `-net_health`): never panic, and
 //! error messages stay short whatever the input.
 #![no_main]
-use faultline_agent::parse::ascend;
+use faultline_core::parse::ascend;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

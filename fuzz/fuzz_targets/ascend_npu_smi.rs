@@ -2,7 +2,7 @@
 //! same input: never panic, a parsed table has at least one chip, and error messages stay short
 //! whatever the input.
 #![no_main]
-use faultline_agent::parse::ascend;
+use faultline_core::parse::ascend;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

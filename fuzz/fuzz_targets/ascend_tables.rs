@@ -2,7 +2,7 @@
 //! panic; a parsed table only holds normalized codes, and parsed rules are valid escalation
 //! rules (at least one code, a count with a window or a duration).
 #![no_main]
-use faultline_agent::catalog::ascend::{normalize_code, parse_customization, AscendTable};
+use faultline_core::catalog::ascend::{normalize_code, parse_customization, AscendTable};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -5,7 +5,7 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
-    if let Some(ev) = faultline_agent::parse::parse_message(&text) {
+    if let Some(ev) = faultline_core::parse::parse_message(&text) {
         serde_json::to_string(&ev).expect("events serialize");
     }
 });

@@ -4,7 +4,7 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    if let Ok(r) = faultline_agent::parse::parse_record(data) {
+    if let Ok(r) = faultline_core::parse::parse_record(data) {
         assert!(!r.message.contains('\n'));
         assert!(r.level < 8);
     }

@@ -1,6 +1,6 @@
 //! PCI address parser: a parsed address prints in the normal form, which parses back to itself.
 #![no_main]
-use faultline_agent::parse::PciAddr;
+use faultline_core::parse::PciAddr;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

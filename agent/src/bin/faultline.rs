@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use faultline_agent::cli;
-use faultline_agent::record::Health;
+use faultline_core::record::Health;
 
 #[derive(Debug, Parser)]
 #[command(

@@ -29,8 +29,10 @@ use tokio::sync::oneshot;
 use tracing::{debug, info, warn, Instrument};
 
 use super::members::Member;
-use super::pairing::{neighbour_order, NodeId, Outcome, Pair, PairingConfig, Planner, Verdicts};
 use super::wire;
+use faultline_core::peer::pairing::{
+    neighbour_order, NodeId, Outcome, Pair, PairingConfig, Planner, Verdicts,
+};
 
 /// Later rounds wait at most this many times the slowest passed check.
 pub const HANG_FACTOR: f64 = 4.0;

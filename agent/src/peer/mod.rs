@@ -16,11 +16,9 @@ pub mod busy;
 pub mod coordinator;
 pub mod lease;
 pub mod members;
-pub mod pairing;
 pub mod publish;
 pub mod runner;
 pub mod service;
-pub mod verdicts;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -40,9 +38,9 @@ use members::Members;
 use service::{Busy, GrpcTransport, Leadership, PeerHandle, PeerService, ProbeSetup};
 use wire::Signer;
 
-use crate::policy::PeerPolicy;
 use crate::source::policy_watch::LoadedPolicy;
 use crate::source::Input;
+use faultline_core::policy::PeerPolicy;
 
 /// Requests signed longer ago (or later) than this are refused.
 pub const MAX_SKEW: Duration = Duration::from_secs(30);

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::pairing::Outcome;
 use crate::child::ChildError;
+use faultline_core::peer::pairing::Outcome;
 
 /// One probe run.
 #[derive(Debug, Clone)]

@@ -30,12 +30,12 @@ use tracing::{debug, info, warn, Instrument};
 
 use super::coordinator::{self, Coordinator, RunSpec, Trigger};
 use super::members::{Member, Members};
-use super::pairing::PairingConfig;
 use super::runner::{self, ProbeOutcome, ProbeSpec};
-use super::verdicts::VerdictTracker;
 use super::wire::{self, Signer};
-use crate::policy::PeerPolicy;
 use crate::source::Input;
+use faultline_core::peer::pairing::PairingConfig;
+use faultline_core::peer::verdicts::VerdictTracker;
+use faultline_core::policy::PeerPolicy;
 
 /// How long after its own deadline a probe is killed.
 pub const PROBE_GRACE: Duration = Duration::from_secs(1);

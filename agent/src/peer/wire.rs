@@ -7,7 +7,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use faultline_proto::auth::{sign, Key, Signed, NONCE_BYTES};
 use faultline_proto::v1::{verdict::Kind, Verdict};
 
-use super::pairing::{NodeId, Pair, Verdicts};
+use faultline_core::peer::pairing::{NodeId, Pair, Verdicts};
 
 /// Milliseconds since the Unix epoch by the system clock (what `Auth.unix_ms` carries).
 pub fn now_ms() -> i64 {

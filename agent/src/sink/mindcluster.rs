@@ -30,13 +30,13 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::engine::{Engine, FaultCodeRepr};
 use crate::metrics::{Metrics, SinkLabel};
-use crate::record::{FaultType, Handling, Source};
 use crate::runtime::{Clock, Snapshot};
 use crate::sink::file::write_atomic;
 use crate::source::ascend::analyze::KIND;
 use crate::source::policy_watch::LoadedPolicy;
+use faultline_core::engine::{Engine, FaultCodeRepr};
+use faultline_core::record::{FaultType, Handling, Source};
 
 pub const CONFIGMAP_PREFIX: &str = "mindx-dl-deviceinfo-";
 pub const NAMESPACE: &str = "kube-system";
@@ -345,9 +345,9 @@ impl<P: Publisher> MindClusterSink<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::catalog::{Catalog, FaultCode};
-    use crate::engine::{Ctx, DeviceRef, Observation, Signal};
-    use crate::policy::Policy;
+    use faultline_core::catalog::{Catalog, FaultCode};
+    use faultline_core::engine::{Ctx, DeviceRef, Observation, Signal};
+    use faultline_core::policy::Policy;
 
     fn t(s: i64) -> DateTime<Utc> {
         DateTime::from_timestamp(1_790_000_000 + s, 0).unwrap()

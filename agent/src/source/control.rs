@@ -12,7 +12,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use super::{Input, SourceContext};
-use crate::engine::Observation;
+use faultline_core::engine::Observation;
 
 pub const CLEAR_DIR: &str = "clear.d";
 

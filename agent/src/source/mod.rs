@@ -17,17 +17,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
-use crate::engine::Observation;
 use crate::metrics::Metrics;
 
-/// What sources send to the engine loop.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Input {
-    Obs(Observation),
-    /// Every kernel log record up to and including this sequence number has been sent. The
-    /// engine loop persists it with the engine state so a restart neither skips nor recounts.
-    KmsgCursor(u64),
-}
+pub use faultline_core::engine::Input;
 
 /// What every source gets.
 #[derive(Debug, Clone)]

@@ -15,8 +15,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::metrics::{Metrics, ReloadLabel, ReloadResult};
-use crate::policy::{checksum, Policy};
-use crate::record::PolicyStatus;
+use faultline_core::policy::{checksum, Policy};
+use faultline_core::record::PolicyStatus;
 
 /// The policy in force and its status.
 #[derive(Debug, Clone, PartialEq)]
@@ -192,7 +192,7 @@ pub async fn watch_policy(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::Handling;
+    use faultline_core::record::Handling;
 
     #[test]
     fn bad_reload_keeps_the_last_good_policy_and_reports_the_error() {

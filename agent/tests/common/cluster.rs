@@ -9,8 +9,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use faultline_agent::peer::coordinator::RunState;
-use faultline_agent::record::NodeRecord;
 use faultline_agent::sink::kube::calls::API_CALLS;
+use faultline_core::record::NodeRecord;
 use faultline_kube_emulator::{Emulator, ResourceRef, UserInfo};
 use faultline_netlab::Lab;
 use serde_json::json;

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use faultline_agent::record::NodeRecord;
+use faultline_core::record::NodeRecord;
 
 pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
@@ -222,7 +222,7 @@ pub fn terminate(child: &Child) {
     rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("SIGTERM");
 }
 
-pub fn fault<'a>(r: &'a NodeRecord, code: &str) -> Option<&'a faultline_agent::record::Fault> {
+pub fn fault<'a>(r: &'a NodeRecord, code: &str) -> Option<&'a faultline_core::record::Fault> {
     r.faults.iter().find(|f| f.fault_code == code)
 }
 

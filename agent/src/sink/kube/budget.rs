@@ -18,7 +18,7 @@ use tracing::{debug, info, warn};
 
 use super::plan::{Admission, Ledger};
 use super::{api, is_conflict, KubeSinkError, FIELD_MANAGER};
-use crate::policy::TaintBudget;
+use faultline_core::policy::TaintBudget;
 
 /// Name of the ledger ConfigMap.
 pub const LEDGER_NAME: &str = "faultline-taint-budget";

@@ -21,8 +21,8 @@ use tracing::{debug, info, warn};
 use super::plan::{self, CONFIGMAP_LIMIT, RECORD_KEY};
 use super::{api, KubeSinkConfig, KubeSinkError, Retry, FIELD_MANAGER};
 use crate::metrics::{Metrics, SinkLabel};
-use crate::record::NodeRecord;
 use crate::runtime::Snapshot;
+use faultline_core::record::NodeRecord;
 
 /// The fault ConfigMap's name for a node.
 pub fn name(node: &str) -> String {

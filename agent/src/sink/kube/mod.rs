@@ -28,10 +28,10 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use crate::engine::EngineEvent;
 use crate::metrics::Metrics;
 use crate::runtime::{Clock, SinkReport, Snapshot};
 use crate::source::policy_watch::LoadedPolicy;
+use faultline_core::engine::EngineEvent;
 
 /// The field manager of every write (server-side apply ownership, `managedFields`).
 pub const FIELD_MANAGER: &str = "faultline";

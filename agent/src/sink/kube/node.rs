@@ -27,12 +27,12 @@ use tracing::{debug, info, warn};
 use super::budget::{Answer, Budget};
 use super::plan::{self, Notice};
 use super::{api, is_conflict, KubeSinkConfig, KubeSinkError, Retry, FIELD_MANAGER};
-use crate::engine::{DesiredCondition, DesiredTaint};
 use crate::metrics::{Metrics, SinkLabel};
-use crate::policy::TaintBudget;
-use crate::record::TaintBudgetStatus;
 use crate::runtime::{Clock, SinkReport, Snapshot};
 use crate::source::policy_watch::LoadedPolicy;
+use faultline_core::engine::{DesiredCondition, DesiredTaint};
+use faultline_core::policy::TaintBudget;
+use faultline_core::record::TaintBudgetStatus;
 
 /// What the Node should carry.
 #[derive(Debug, Clone, PartialEq, Eq)]

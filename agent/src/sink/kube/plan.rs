@@ -12,9 +12,9 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::engine::{DesiredCondition, DesiredTaint, EngineEvent, HEALTH_LABEL};
-use crate::policy::TaintEffect;
-use crate::record::{check_code, Health, NodeRecord};
+use faultline_core::engine::{DesiredCondition, DesiredTaint, EngineEvent, HEALTH_LABEL};
+use faultline_core::policy::TaintEffect;
+use faultline_core::record::{check_code, Health, NodeRecord};
 
 /// Taints, labels and ConfigMaps the agent owns all live under this prefix.
 pub const OWNED_PREFIX: &str = "faultline.io/";
@@ -262,7 +262,7 @@ pub fn content_key(record: &NodeRecord) -> String {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LedgerEntry {
     pub node: String,
-    #[serde(with = "crate::record::rfc3339")]
+    #[serde(with = "faultline_core::record::rfc3339")]
     pub at: DateTime<Utc>,
 }
 
@@ -410,8 +410,8 @@ pub fn event_for(n: &Notice) -> Option<EventSpec> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::record::{AgentStatus, Fault, FaultType, Handling, PolicyStatus, Source};
     use chrono::TimeZone;
+    use faultline_core::record::{AgentStatus, Fault, FaultType, Handling, PolicyStatus, Source};
 
     fn t(s: i64) -> DateTime<Utc> {
         Utc.timestamp_opt(1_800_000_000 + s, 0).single().unwrap()
@@ -719,7 +719,7 @@ mod tests {
             .chain((0..recovered).map(|i| fault(1000 + i, false)))
             .collect();
         NodeRecord {
-            api_version: crate::record::API_VERSION.into(),
+            api_version: faultline_core::record::API_VERSION.into(),
             node: "n1".into(),
             health: Health::Degraded,
             handling: Some(Handling::RestartBusiness),
@@ -789,7 +789,7 @@ mod tests {
         b.health = Health::Unhealthy;
         assert_ne!(content_key(&a), content_key(&b));
         let mut c = a.clone();
-        c.agent.taint_budget = Some(crate::record::TaintBudgetStatus {
+        c.agent.taint_budget = Some(faultline_core::record::TaintBudgetStatus {
             withheld: vec!["x".into()],
             used: 1,
             limit: 1,

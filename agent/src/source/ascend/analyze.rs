@@ -10,11 +10,11 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
-use crate::catalog::FaultCode;
-use crate::engine::{DetectorState, DeviceRef, Observation, Signal};
-use crate::parse::ascend::{ChipHealth, LinkStatus, NetHealth, NpuChip, NpuHealth};
-use crate::policy::AscendPolicy;
-use crate::record::Source;
+use faultline_core::catalog::FaultCode;
+use faultline_core::engine::{DetectorState, DeviceRef, Observation, Signal};
+use faultline_core::parse::ascend::{ChipHealth, LinkStatus, NetHealth, NpuChip, NpuHealth};
+use faultline_core::policy::AscendPolicy;
+use faultline_core::record::Source;
 
 /// The code MindCluster uses for a network port that is down.
 pub const LINK_DOWN_CODE: &str = "81078603";

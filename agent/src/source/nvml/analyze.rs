@@ -8,10 +8,10 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Instant;
 
-use crate::catalog::FaultCode;
-use crate::engine::{DeviceRef, Observation, Signal};
-use crate::policy::NvmlPolicy;
-use crate::record::Source;
+use faultline_core::catalog::FaultCode;
+use faultline_core::engine::{DeviceRef, Observation, Signal};
+use faultline_core::policy::NvmlPolicy;
+use faultline_core::record::Source;
 
 use super::readings::{CallError, DeviceReadings, EventKind, Identity, NvmlEvent};
 

@@ -25,7 +25,7 @@ use self::analyze::Analyzer;
 use self::readings::{CallTracker, DeviceReadings, Identity, NvmlBackend, NvmlEvent, Reading};
 use super::policy_watch::LoadedPolicy;
 use super::{Input, SourceContext};
-use crate::engine::{DetectorState, Observation};
+use faultline_core::engine::{DetectorState, Observation};
 
 pub const DETECTOR: &str = "nvml";
 

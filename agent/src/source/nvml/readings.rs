@@ -7,7 +7,7 @@
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::parse::PciAddr;
+use faultline_core::parse::PciAddr;
 
 /// Why one NVML call gave no value.
 #[derive(Debug, Clone, PartialEq, Eq)]

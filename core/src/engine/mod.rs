@@ -22,6 +22,15 @@ use crate::record::{Fault, Handling, Health, Source};
 #[cfg(test)]
 mod tests;
 
+/// What sources send to the engine loop, in one FIFO order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Input {
+    Obs(Observation),
+    /// Every kernel log record up to and including this sequence number has been sent. The
+    /// engine loop persists it with the engine state so a restart neither skips nor recounts.
+    KmsgCursor(u64),
+}
+
 /// Which device a signal is about. Every field is optional; the engine fills in what it knows.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DeviceRef {

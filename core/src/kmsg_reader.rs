@@ -1,0 +1,428 @@
+//! The kernel log reader's pure core: raw `/dev/kmsg` records (or dmesg-style lines) in,
+//! engine [`Input`]s out, with sequence-gap accounting. The thread that reads the device, and
+//! the metrics these counts feed, live in the agent (`source::kmsg`); this module does no I/O.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use chrono::{DateTime, Utc};
+
+use crate::catalog::FaultCode;
+use crate::engine::{DeviceRef, Input, Observation, Signal};
+use crate::parse::kmsg::{strip_dmesg_time, RecordError};
+use crate::parse::{parse_message, parse_record, KernelEvent};
+use crate::record::Source;
+
+/// Where the reader reports what it read. The agent implements it with its Prometheus
+/// metrics and logs; [`Tally`] keeps plain counts (tests, fuzzing).
+pub trait ReaderCounters: Send + Sync + fmt::Debug {
+    /// One record or line was read.
+    fn record(&self);
+    /// A record at or below the resume cursor was skipped (already counted before a restart).
+    fn skipped(&self);
+    /// A record whose header could not be parsed; `line` is its start, for the log.
+    fn malformed(&self, error: &RecordError, line: &str);
+    /// `lost` records were missing before the record with sequence number `next_seq`.
+    fn lost(&self, lost: u64, next_seq: u64);
+    /// A message matched a parser; `kind` is [`KernelEvent::kind`].
+    fn matched(&self, kind: &'static str);
+}
+
+/// Plain counters.
+#[derive(Debug, Default)]
+pub struct Tally {
+    pub records: AtomicU64,
+    pub skipped: AtomicU64,
+    pub malformed: AtomicU64,
+    pub lost: AtomicU64,
+    pub matched: AtomicU64,
+}
+
+impl Tally {
+    pub fn get(c: &AtomicU64) -> u64 {
+        c.load(Ordering::Relaxed)
+    }
+}
+
+impl ReaderCounters for Tally {
+    fn record(&self) {
+        self.records.fetch_add(1, Ordering::Relaxed);
+    }
+    fn skipped(&self) {
+        self.skipped.fetch_add(1, Ordering::Relaxed);
+    }
+    fn malformed(&self, _: &RecordError, _: &str) {
+        self.malformed.fetch_add(1, Ordering::Relaxed);
+    }
+    fn lost(&self, lost: u64, _: u64) {
+        self.lost.fetch_add(lost, Ordering::Relaxed);
+    }
+    fn matched(&self, _: &'static str) {
+        self.matched.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// The pure core: bytes in, engine inputs out.
+#[derive(Debug)]
+pub struct KmsgReader {
+    last_seq: Option<u64>,
+    boot_time: Option<DateTime<Utc>>,
+    use_record_time: bool,
+    counters: Arc<dyn ReaderCounters>,
+    unsent_cursor: bool,
+}
+
+impl KmsgReader {
+    pub fn new(
+        resume_after: Option<u64>,
+        boot_time: Option<DateTime<Utc>>,
+        use_record_time: bool,
+        counters: Arc<dyn ReaderCounters>,
+    ) -> Self {
+        KmsgReader {
+            last_seq: resume_after,
+            boot_time,
+            use_record_time,
+            counters,
+            unsent_cursor: false,
+        }
+    }
+
+    /// The highest sequence number read so far.
+    pub fn last_seq(&self) -> Option<u64> {
+        self.last_seq
+    }
+
+    /// Handles one record (device mode) or one line (file mode).
+    pub fn feed(&mut self, raw: &[u8], out: &mut Vec<Input>) {
+        if raw.first() == Some(&b' ') {
+            return; // continuation line of the previous record (file mode)
+        }
+        self.counters.record();
+        match parse_record(raw) {
+            Ok(rec) => {
+                if let Some(last) = self.last_seq {
+                    if rec.seq <= last {
+                        self.counters.skipped();
+                        return;
+                    }
+                    let lost = rec.seq - last - 1;
+                    if lost > 0 {
+                        self.report_loss(lost, rec.seq, out);
+                    }
+                }
+                self.last_seq = Some(rec.seq);
+                let at = if self.use_record_time {
+                    self.boot_time.and_then(|b| {
+                        b.checked_add_signed(chrono::Duration::microseconds(
+                            rec.usec.min(i64::MAX as u64) as i64,
+                        ))
+                    })
+                } else {
+                    None
+                };
+                if self.scan(&rec.message, at, out) {
+                    out.push(Input::KmsgCursor(rec.seq));
+                    self.unsent_cursor = false;
+                } else {
+                    self.unsent_cursor = true;
+                }
+            }
+            Err(e) => {
+                let text = String::from_utf8_lossy(raw);
+                if looks_like_header(raw) {
+                    // A truncated or corrupt record: say so, and still scan what is there. Its
+                    // sequence number, when readable, was read, not lost.
+                    self.counters.malformed(&e, truncate(&text, 120));
+                    if let Some(seq) = header_seq(raw) {
+                        if self.last_seq.is_none_or(|last| seq > last) {
+                            self.last_seq = Some(seq);
+                            self.unsent_cursor = true;
+                        }
+                    }
+                }
+                self.scan(strip_dmesg_time(text.trim_end_matches('\n')), None, out);
+            }
+        }
+    }
+
+    /// A cursor marker for records read since the last marker, if any.
+    pub fn flush_cursor(&mut self, out: &mut Vec<Input>) {
+        if self.unsent_cursor {
+            if let Some(seq) = self.last_seq {
+                out.push(Input::KmsgCursor(seq));
+            }
+            self.unsent_cursor = false;
+        }
+    }
+
+    fn report_loss(&mut self, lost: u64, seq: u64, out: &mut Vec<Input>) {
+        self.counters.lost(lost, seq);
+        let mut s = Signal::new(
+            Source::Agent,
+            FaultCode::named("KMSG_LOSS"),
+            None,
+            format!("{lost} kernel log records were lost before faultline read them"),
+        );
+        s.count = lost;
+        out.push(Input::Obs(Observation::Signal(s)));
+    }
+
+    /// Parses a message; returns whether it produced an input.
+    fn scan(&mut self, msg: &str, at: Option<DateTime<Utc>>, out: &mut Vec<Input>) -> bool {
+        let Some(ev) = parse_message(msg) else {
+            return false;
+        };
+        self.counters.matched(ev.kind());
+        out.push(Input::Obs(to_observation(ev, at)));
+        true
+    }
+}
+
+fn looks_like_header(raw: &[u8]) -> bool {
+    let digits = raw.iter().take_while(|c| c.is_ascii_digit()).count();
+    digits > 0 && raw.get(digits) == Some(&b',')
+}
+
+/// The sequence number of a record whose header is otherwise broken (`4,41,11000`).
+fn header_seq(raw: &[u8]) -> Option<u64> {
+    let head = raw.split(|c| *c == b';' || *c == b'\n').next()?;
+    let seq = head.split(|c| *c == b',').nth(1)?;
+    std::str::from_utf8(seq).ok()?.parse().ok()
+}
+
+fn truncate(s: &str, n: usize) -> &str {
+    match s.char_indices().nth(n) {
+        Some((i, _)) => &s[..i],
+        None => s,
+    }
+}
+
+/// Maps a kernel event to an engine observation.
+pub fn to_observation(ev: KernelEvent, at: Option<DateTime<Utc>>) -> Observation {
+    let signal = |code: FaultCode, device: Option<DeviceRef>, message: String| {
+        let mut s = Signal::new(Source::Kmsg, code, device, message);
+        s.at = at;
+        Observation::Signal(s)
+    };
+    match ev {
+        KernelEvent::Xid {
+            pci,
+            xid,
+            link,
+            message,
+            ..
+        } => {
+            let message = match link {
+                Some(l) if !message.contains("link") => format!("{message} (link {l})"),
+                _ => message,
+            };
+            signal(FaultCode::Xid(xid), Some(DeviceRef::pci(pci)), message)
+        }
+        KernelEvent::GpuUuid { pci, uuid } => Observation::DeviceSeen {
+            pci,
+            uuid: Some(uuid),
+            index: None,
+        },
+        KernelEvent::FallenOffBus { pci } => signal(
+            FaultCode::Xid(79),
+            pci.map(DeviceRef::pci),
+            "GPU has fallen off the bus".into(),
+        ),
+        KernelEvent::Sxid {
+            pci,
+            sxid,
+            fatal,
+            switch,
+            message,
+            ..
+        } => {
+            let name = match switch {
+                Some(n) => format!("nvswitch{n}"),
+                None => format!("nvswitch-{pci}"),
+            };
+            let device = DeviceRef {
+                pci: Some(pci),
+                name: Some(name),
+                ..Default::default()
+            };
+            // Without a severity word, an SXid the catalog does not know counts as non-fatal.
+            let fatal = fatal.unwrap_or(false);
+            signal(FaultCode::Sxid { code: sxid, fatal }, Some(device), message)
+        }
+        KernelEvent::PcieAer {
+            pci,
+            fatal,
+            message,
+        } => {
+            let code = if fatal {
+                "PCIE_AER_FATAL"
+            } else {
+                "PCIE_AER_NONFATAL"
+            };
+            let device = DeviceRef {
+                pci: Some(pci),
+                name: Some(format!("pci-{pci}")),
+                ..Default::default()
+            };
+            signal(FaultCode::named(code), Some(device), message)
+        }
+        KernelEvent::MachineCheck {
+            corrected, message, ..
+        } => {
+            let code = if corrected {
+                "MCE_CORRECTED"
+            } else {
+                "MCE_UNCORRECTED"
+            };
+            signal(FaultCode::named(code), None, message)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reader(resume: Option<u64>) -> (KmsgReader, Arc<Tally>) {
+        let tally = Arc::new(Tally::default());
+        (KmsgReader::new(resume, None, false, tally.clone()), tally)
+    }
+
+    fn feed_all(r: &mut KmsgReader, lines: &[&[u8]]) -> Vec<Input> {
+        let mut out = Vec::new();
+        for l in lines {
+            r.feed(l, &mut out);
+        }
+        out
+    }
+
+    fn signals(out: &[Input]) -> Vec<String> {
+        out.iter()
+            .filter_map(|i| match i {
+                Input::Obs(Observation::Signal(s)) => Some(format!("{}x{}", s.code, s.count)),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn records_become_signals_with_cursors() {
+        let (mut r, tally) = reader(None);
+        let out = feed_all(
+            &mut r,
+            &[
+                b"6,10,100,-;NVRM: loading NVIDIA UNIX x86_64 Kernel Module",
+                b"4,11,200,-;NVRM: Xid (PCI:0000:3b:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+                b" SUBSYSTEM=pci",
+            ],
+        );
+        assert_eq!(signals(&out), vec!["Xid79x1"]);
+        assert_eq!(out.last(), Some(&Input::KmsgCursor(11)));
+    }
+
+    #[test]
+    fn sequence_gap_is_reported_as_loss() {
+        let (mut r, tally) = reader(None);
+        let out = feed_all(&mut r, &[b"6,1,0,-;a", b"6,2,0,-;b", b"6,50,0,-;c"]);
+        assert_eq!(signals(&out), vec!["KMSG_LOSSx47"]);
+        assert_eq!(Tally::get(&tally.lost), 47);
+    }
+
+    #[test]
+    fn first_record_after_a_wrapped_ring_is_not_loss() {
+        let (mut r, tally) = reader(None);
+        let out = feed_all(&mut r, &[b"6,9000,0,-;a", b"6,9001,0,-;b"]);
+        assert!(signals(&out).is_empty());
+    }
+
+    #[test]
+    fn resume_skips_counted_records_and_reports_loss_between_runs() {
+        let (mut r, tally) = reader(Some(11));
+        let out = feed_all(
+            &mut r,
+            &[
+                b"4,11,200,-;NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.",
+                b"4,15,300,-;NVRM: Xid (PCI:0000:3b:00): 13, Graphics Exception",
+            ],
+        );
+        assert_eq!(signals(&out), vec!["KMSG_LOSSx3", "Xid13x1"]);
+        assert_eq!(Tally::get(&tally.skipped), 1);
+    }
+
+    #[test]
+    fn malformed_records_are_counted_and_still_scanned() {
+        let (mut r, tally) = reader(None);
+        let out = feed_all(
+            &mut r,
+            &[
+                b"4,1x,200;NVRM: Xid (PCI:0000:3b:00): 48, DBE",
+                b"4,12",
+                b"[  12.000000] NVRM: Xid (PCI:0000:86:00): 95, Uncontained",
+                b"\xff\xfe\xfd garbage",
+            ],
+        );
+        assert_eq!(signals(&out), vec!["Xid48x1", "Xid95x1"]);
+        assert_eq!(Tally::get(&tally.malformed), 2);
+    }
+
+    #[test]
+    fn every_kernel_event_maps_to_an_observation() {
+        let p = "0000:3b:00.0".parse().unwrap();
+        let cases = [
+            (KernelEvent::FallenOffBus { pci: Some(p) }, "Xid79"),
+            (
+                KernelEvent::PcieAer {
+                    pci: p,
+                    fatal: true,
+                    message: String::new(),
+                },
+                "PCIE_AER_FATAL",
+            ),
+            (
+                KernelEvent::PcieAer {
+                    pci: p,
+                    fatal: false,
+                    message: String::new(),
+                },
+                "PCIE_AER_NONFATAL",
+            ),
+            (
+                KernelEvent::MachineCheck {
+                    corrected: true,
+                    cpu: None,
+                    bank: None,
+                    message: String::new(),
+                },
+                "MCE_CORRECTED",
+            ),
+            (
+                KernelEvent::MachineCheck {
+                    corrected: false,
+                    cpu: None,
+                    bank: None,
+                    message: String::new(),
+                },
+                "MCE_UNCORRECTED",
+            ),
+            (
+                KernelEvent::Sxid {
+                    pci: p,
+                    sxid: 12028,
+                    fatal: Some(false),
+                    switch: Some(3),
+                    link: None,
+                    message: String::new(),
+                },
+                "SXid12028",
+            ),
+        ];
+        for (ev, code) in cases {
+            match to_observation(ev, None) {
+                Observation::Signal(s) => assert_eq!(s.code.to_string(), code),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+}
