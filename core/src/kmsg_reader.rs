@@ -309,7 +309,7 @@ mod tests {
 
     #[test]
     fn records_become_signals_with_cursors() {
-        let (mut r, tally) = reader(None);
+        let (mut r, _) = reader(None);
         let out = feed_all(
             &mut r,
             &[
@@ -332,7 +332,7 @@ mod tests {
 
     #[test]
     fn first_record_after_a_wrapped_ring_is_not_loss() {
-        let (mut r, tally) = reader(None);
+        let (mut r, _) = reader(None);
         let out = feed_all(&mut r, &[b"6,9000,0,-;a", b"6,9001,0,-;b"]);
         assert!(signals(&out).is_empty());
     }
