@@ -96,8 +96,7 @@ fn event(lib: &Path, events: usize) {
     let dir = tempfile::tempdir().unwrap();
     let sp = dir.path().join("state.json");
     let write_state = |ev: Vec<Value>| {
-        faultline_agent::sink::file::write_atomic(&sp, &serde_json::to_vec(&state(ev)).unwrap())
-            .unwrap();
+        faultline_agent::atomic_file::write(&sp, &serde_json::to_vec(&state(ev)).unwrap()).unwrap();
     };
     write_state(vec![]);
     std::fs::write(

@@ -8,7 +8,8 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use crate::sink::file::{write_atomic, FAULTS_FILE};
+use crate::atomic_file::write as write_atomic;
+use crate::sink::file::FAULTS_FILE;
 use crate::source::control::{ClearRequest, CLEAR_DIR};
 use faultline_core::record::{Health, NodeRecord};
 
@@ -574,7 +575,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
             Some(a) => Ok(a.clone()),
             None => {
                 if client_kube.is_none() {
-                    match crate::source::node::client_infer(args.kubeconfig.as_deref()).await {
+                    match crate::kube_client::client_infer(args.kubeconfig.as_deref()).await {
                         Ok(c) => client_kube = Some(c),
                         Err(e) => {
                             return Outcome::error(format!(

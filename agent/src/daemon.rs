@@ -159,7 +159,7 @@ async fn peer_setup(
     secret: &Path,
     node: &str,
     kube_client: Option<kube::Client>,
-    policy: watch::Receiver<crate::source::policy_watch::LoadedPolicy>,
+    policy: watch::Receiver<faultline_core::policy::LoadedPolicy>,
     ctx: SourceContext,
 ) -> anyhow::Result<Option<crate::peer::PeerSetup>> {
     use crate::peer::{self, members, publish, service};
@@ -364,7 +364,7 @@ async fn run_node(
     let mut kube_client = None;
     let mut peer_tasks = Vec::new();
     if !cfg.standalone && (cfg.kubeconfig.is_some() || in_cluster) {
-        match node::client(cfg.kubeconfig.as_deref()).await {
+        match crate::kube_client::client(cfg.kubeconfig.as_deref()).await {
             Ok(client) => {
                 info!(node = %node, namespace = %cfg.namespace, "Kubernetes mode");
                 let w = node::watch_gpu_count(
@@ -507,7 +507,7 @@ async fn run_node(
     let bound = listener.local_addr()?;
     info!(addr = %bound, state_dir = %cfg.state_dir.display(), "faultline agent running");
     let addr_file = cfg.state_dir.join(LISTEN_ADDR_FILE);
-    let _ = file::write_atomic(&addr_file, bound.to_string().as_bytes());
+    let _ = crate::atomic_file::write(&addr_file, bound.to_string().as_bytes());
     let http_state = HttpState {
         metrics,
         heartbeat,

@@ -6,10 +6,12 @@
 
 #![forbid(unsafe_code)]
 
+pub mod atomic_file;
 pub mod child;
 pub mod cli;
 pub mod daemon;
 pub mod http;
+pub mod kube_client;
 pub mod metrics;
 pub mod peer;
 pub mod runtime;

@@ -3,6 +3,7 @@
 //!
 //! This is the only place that owns the engine; sources and sinks talk to it through channels.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,12 +15,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::metrics::{HandlingLabel, KindLabel, Metrics};
-use crate::source::policy_watch::LoadedPolicy;
 use crate::source::Input;
 use faultline_core::catalog::Catalog;
 use faultline_core::engine::{
     Ctx, DesiredCondition, DesiredTaint, Engine, EngineEvent, Observation,
 };
+use faultline_core::policy::LoadedPolicy;
 use faultline_core::record::{
     check_code, AgentStatus, DetectorStatus, Handling, Health, NodeRecord, TaintBudgetStatus,
     API_VERSION,
@@ -57,9 +58,13 @@ pub struct Snapshot {
     /// Increases with every published snapshot (engine changes and policy status changes).
     pub revision: u64,
     pub record: Arc<NodeRecord>,
-    pub labels: std::collections::BTreeMap<String, String>,
+    pub labels: BTreeMap<String, String>,
     pub taints: Vec<DesiredTaint>,
     pub condition: DesiredCondition,
+    /// The devices each polled source last reported, by kind (the engine's view).
+    pub inventory: Arc<BTreeMap<String, BTreeSet<String>>>,
+    /// Active faults waiting out a recovery hold, as `(device, fault_code)` (the engine's view).
+    pub recovering: Arc<BTreeSet<(String, String)>>,
     pub state: Arc<PersistedState>,
     /// When the newest input in this snapshot was applied (for latency metrics).
     pub applied_at: std::time::Instant,
@@ -309,6 +314,8 @@ impl EngineLoop {
             labels: view.labels,
             taints: view.taints,
             condition: view.condition,
+            inventory: Arc::new(view.inventory),
+            recovering: Arc::new(view.recovering),
             state: Arc::new(PersistedState {
                 version: STATE_VERSION,
                 kmsg_cursor: self.kmsg_cursor,

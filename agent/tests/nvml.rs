@@ -81,7 +81,7 @@ impl Rig {
     }
 
     fn set(&self, state: &Value) {
-        faultline_agent::sink::file::write_atomic(
+        faultline_agent::atomic_file::write(
             &self.state,
             &serde_json::to_vec_pretty(state).unwrap(),
         )

@@ -19,3 +19,4 @@ pub mod parse;
 pub mod peer;
 pub mod policy;
 pub mod record;
+pub mod rules;

@@ -3,7 +3,8 @@
 //! YAML (or JSON, which is YAML) with unknown fields rejected. `Policy::parse` returns either a
 //! validated policy or an error that names the field path and, for syntax errors, the line and
 //! column. The built-in default is the empty document: every field has a default.
-//! Reloading on change lives in `crate::source::policy_watch`; this module is pure.
+//! Reading and reloading the file live in the agent (`source::policy_watch`); this module is
+//! pure.
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -15,7 +16,8 @@ use sha2::{Digest, Sha256};
 
 use crate::catalog::ascend::{self, AscendTable};
 use crate::catalog::{Catalog, Classification, FaultCode};
-use crate::record::{FaultType, Handling, Health, Source};
+use crate::record::{FaultType, Handling, Health, PolicyStatus, Source};
+pub use crate::rules::{EscalationRule, RecoveryRule};
 
 /// Override of one code's classification.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -25,47 +27,6 @@ pub struct Override {
     pub fault_type: Option<FaultType>,
     #[serde(default)]
     pub handling: Option<Handling>,
-}
-
-/// Raise a fault's handling when it repeats (`count` occurrences within `window`) or lasts
-/// (`duration` of being continuously active).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct EscalationRule {
-    #[serde(default)]
-    pub name: Option<String>,
-    /// Fault codes the rule applies to (`Xid13`, `80E01801`, `NVLINK_DOWN`).
-    pub codes: Vec<String>,
-    #[serde(default)]
-    pub count: Option<u32>,
-    #[serde(default, with = "humantime_serde")]
-    pub window: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    pub duration: Option<Duration>,
-    /// The level to raise to (never lowers a fault).
-    pub handling: Handling,
-    /// Once the condition is gone, the fault counts as recovered only after staying gone this
-    /// long (MindCluster's `RecoverTimeout`); a return within it continues the same fault.
-    #[serde(default, with = "humantime_serde")]
-    pub recover_after: Option<Duration>,
-}
-
-/// Clear a fault after it has been quiet (no new signal) for `clear_after`. A rule applies when
-/// every filter it sets matches.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct RecoveryRule {
-    #[serde(default)]
-    pub name: Option<String>,
-    #[serde(default)]
-    pub codes: Vec<String>,
-    #[serde(default)]
-    pub sources: Vec<Source>,
-    /// Applies only to faults whose current handling is at most this level.
-    #[serde(default)]
-    pub max_handling: Option<Handling>,
-    #[serde(with = "humantime_serde")]
-    pub clear_after: Duration,
 }
 
 /// A taint the node gets for a handling level; its value is the fault code.
@@ -696,6 +657,28 @@ fn valid_code(c: &str) -> bool {
 /// Hex sha256 of a policy text.
 pub fn checksum(text: &str) -> String {
     hex::encode(Sha256::digest(text.as_bytes()))
+}
+
+/// The policy in force and its status, as the policy watcher publishes it to the engine loop,
+/// the sources and the sinks.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadedPolicy {
+    pub policy: Arc<Policy>,
+    pub status: PolicyStatus,
+}
+
+impl LoadedPolicy {
+    /// The built-in policy, in force until a file is loaded (or when none is given).
+    pub fn builtin() -> Self {
+        LoadedPolicy {
+            policy: Arc::new(Policy::default()),
+            status: PolicyStatus {
+                source: "builtin".into(),
+                checksum: checksum(""),
+                error: None,
+            },
+        }
+    }
 }
 
 #[cfg(test)]

@@ -159,7 +159,7 @@ where
     Fut: std::future::Future<Output = cli::Outcome>,
 {
     let run = async {
-        match faultline_agent::source::node::client_infer(kubeconfig.as_deref()).await {
+        match faultline_agent::kube_client::client_infer(kubeconfig.as_deref()).await {
             Ok(client) => f(client).await,
             Err(e) => cli::Outcome::failed(format!("error: {e}")),
         }

@@ -558,7 +558,7 @@ impl Coordinator {
         let mut got_a: Option<CheckReport> = None;
         let mut got_b: Option<CheckReport> = None;
         if result.is_none() {
-            let limit = tokio::time::sleep(deadline + super::service::PROBE_GRACE + REPORT_SLACK);
+            let limit = tokio::time::sleep(deadline + super::runner::PROBE_GRACE + REPORT_SLACK);
             tokio::pin!(limit);
             loop {
                 if got_a.is_some() && got_b.is_some() {

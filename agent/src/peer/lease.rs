@@ -48,7 +48,7 @@ pub fn elect(
                 .with_create_mode(LeaseCreateMode::AutoCreate)
                 // One field manager per candidate: server-side apply then refuses a second
                 // agent's claim on a held Lease as a conflict (the same manager would overwrite).
-                .with_field_manager(format!("{}-{identity}", crate::sink::kube::FIELD_MANAGER))
+                .with_field_manager(format!("{}-{identity}", crate::kube_client::FIELD_MANAGER))
                 .build()
                 .await;
             let manager = match built {

@@ -38,8 +38,8 @@ use members::Members;
 use service::{Busy, GrpcTransport, Leadership, PeerHandle, PeerService, ProbeSetup};
 use wire::Signer;
 
-use crate::source::policy_watch::LoadedPolicy;
 use crate::source::Input;
+use faultline_core::policy::LoadedPolicy;
 use faultline_core::policy::PeerPolicy;
 
 /// Requests signed longer ago (or later) than this are refused.

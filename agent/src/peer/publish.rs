@@ -56,7 +56,7 @@ impl Publisher for KubePublisher {
                 "data": data,
             })
         };
-        let pp = PatchParams::apply(crate::sink::kube::FIELD_MANAGER).force();
+        let pp = PatchParams::apply(crate::kube_client::FIELD_MANAGER).force();
         if let Err(e) = api.patch(NAME, &pp, &Patch::Apply(&apply(data))).await {
             warn!(error = %e, configmap = NAME, "cannot publish the peer-check run");
         }
@@ -108,7 +108,7 @@ impl Publisher for FilePublisher {
             paths.push(self.dir.join(FINISHED_FILE));
         }
         for path in paths {
-            if let Err(e) = crate::sink::file::write_atomic(&path, &bytes) {
+            if let Err(e) = crate::atomic_file::write(&path, &bytes) {
                 warn!(path = %path.display(), error = %e, "cannot write the peer-check run");
             }
         }

@@ -69,6 +69,10 @@ pub fn connect_timeout(timeout: Duration) -> Duration {
     (timeout / 3).max(Duration::from_secs(3)).min(timeout)
 }
 
+/// How long after its own deadline a probe is killed. The coordinator waits for reports this
+/// much longer too.
+pub const PROBE_GRACE: Duration = Duration::from_secs(1);
+
 /// Runs the probe and waits at most `timeout + grace`.
 pub async fn run_probe(spec: &ProbeSpec) -> ProbeOutcome {
     let peers: Vec<String> = spec.peers.iter().map(|p| p.to_string()).collect();

@@ -37,8 +37,6 @@ use faultline_core::peer::pairing::PairingConfig;
 use faultline_core::peer::verdicts::VerdictTracker;
 use faultline_core::policy::PeerPolicy;
 
-/// How long after its own deadline a probe is killed.
-pub const PROBE_GRACE: Duration = Duration::from_secs(1);
 /// Checks one agent runs at once (a node is in at most two per round).
 pub const MAX_CONCURRENT_CHECKS: usize = 4;
 /// How long a ping waits for the busy check.
@@ -333,7 +331,7 @@ impl PeerService {
             bytes: a.bytes,
             iterations: a.iterations,
             timeout: Duration::from_millis(u64::from(a.timeout_ms)),
-            grace: PROBE_GRACE,
+            grace: runner::PROBE_GRACE,
             gpu: self.probe.gpu,
         };
         let outcome = tokio::select! {

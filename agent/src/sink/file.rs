@@ -7,7 +7,6 @@
 //! every change in between is coalesced into the next write. A failed write is retried with
 //! backoff; the engine keeps running meanwhile.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,6 +15,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::atomic_file::write as write_atomic;
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::{PersistedState, Snapshot};
 
@@ -31,6 +31,8 @@ pub enum FileSinkError {
         #[source]
         source: std::io::Error,
     },
+    #[error(transparent)]
+    Write(#[from] crate::atomic_file::WriteError),
     #[error("cannot encode {what}: {source}")]
     Encode {
         what: &'static str,
@@ -69,27 +71,6 @@ impl WriteBudget {
     }
 }
 
-/// Replaces `path` with `bytes` atomically; the file is readable by everyone (job scripts).
-pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), FileSinkError> {
-    let io = |source| FileSinkError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let dir = path.parent().unwrap_or_else(|| Path::new("."));
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".faultline-")
-        .tempfile_in(dir)
-        .map_err(io)?;
-    tmp.write_all(bytes).map_err(io)?;
-    tmp.as_file().sync_data().map_err(io)?;
-    {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o644)).map_err(io)?;
-    }
-    tmp.persist(path).map_err(|e| io(e.error))?;
-    Ok(())
-}
-
 /// Writes one snapshot: the state first (so the record is never ahead of what a restart
 /// restores), then the record.
 pub fn write_snapshot(dir: &Path, snap: &Snapshot) -> Result<(), FileSinkError> {
@@ -104,7 +85,7 @@ pub fn write_snapshot(dir: &Path, snap: &Snapshot) -> Result<(), FileSinkError> 
             source,
         })?;
     record.push(b'\n');
-    write_atomic(&dir.join(FAULTS_FILE), &record)
+    Ok(write_atomic(&dir.join(FAULTS_FILE), &record)?)
 }
 
 /// Reads `state.json`; a missing file is `Ok(None)`, an unreadable one an error to log.
@@ -230,28 +211,6 @@ mod tests {
             writes += 1;
         }
         assert_eq!(writes, 12);
-    }
-
-    #[test]
-    fn atomic_write_replaces_whole_files_only() {
-        let dir = tempfile::tempdir().unwrap();
-        let p = dir.path().join("faults.json");
-        write_atomic(&p, b"{\"a\":1}").unwrap();
-        write_atomic(&p, b"{\"a\":2}").unwrap();
-        assert_eq!(std::fs::read(&p).unwrap(), b"{\"a\":2}");
-        let leftovers: Vec<_> = std::fs::read_dir(dir.path())
-            .unwrap()
-            .map(|e| e.unwrap().file_name())
-            .collect();
-        assert_eq!(leftovers.len(), 1, "{leftovers:?}");
-    }
-
-    #[test]
-    fn unwritable_directory_is_a_clear_error() {
-        let err = write_atomic(Path::new("/nonexistent-dir/faults.json"), b"x")
-            .unwrap_err()
-            .to_string();
-        assert!(err.contains("/nonexistent-dir/faults.json"), "{err}");
     }
 
     #[test]

@@ -30,13 +30,13 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::atomic_file::write as write_atomic;
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::{Clock, Snapshot};
-use crate::sink::file::write_atomic;
-use crate::source::ascend::analyze::KIND;
-use crate::source::policy_watch::LoadedPolicy;
-use faultline_core::engine::{Engine, FaultCodeRepr};
-use faultline_core::record::{FaultType, Handling, Source};
+use faultline_core::catalog::ascend::{is_fault_code, KIND};
+use faultline_core::engine::NodeView;
+use faultline_core::policy::LoadedPolicy;
+use faultline_core::record::{Fault, FaultType, Handling, Source};
 
 pub const CONFIGMAP_PREFIX: &str = "mindx-dl-deviceinfo-";
 pub const NAMESPACE: &str = "kube-system";
@@ -107,24 +107,55 @@ fn join(names: &BTreeSet<String>) -> String {
     v.iter().map(|s| s.as_str()).collect::<Vec<_>>().join(",")
 }
 
-/// The `DeviceList` map from the engine's state: chips from the Ascend inventory, faults from
-/// the Ascend source.
-pub fn device_list(engine: &Engine) -> BTreeMap<String, String> {
+/// What the `DeviceList` is built from: the engine's published view (faults, the Ascend chips
+/// the source last saw, and the faults waiting out a recovery hold).
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceListInput<'a> {
+    pub faults: &'a [Fault],
+    pub inventory: &'a BTreeMap<String, BTreeSet<String>>,
+    pub recovering: &'a BTreeSet<(String, String)>,
+}
+
+impl<'a> From<&'a Snapshot> for DeviceListInput<'a> {
+    fn from(s: &'a Snapshot) -> Self {
+        DeviceListInput {
+            faults: &s.record.faults,
+            inventory: &s.inventory,
+            recovering: &s.recovering,
+        }
+    }
+}
+
+impl<'a> From<&'a NodeView> for DeviceListInput<'a> {
+    fn from(v: &'a NodeView) -> Self {
+        DeviceListInput {
+            faults: &v.faults,
+            inventory: &v.inventory,
+            recovering: &v.recovering,
+        }
+    }
+}
+
+/// The `DeviceList` map from the engine's published view: chips from the Ascend inventory,
+/// faults from the Ascend source.
+pub fn device_list(input: DeviceListInput<'_>) -> BTreeMap<String, String> {
     let prefix = format!("{KIND}-");
-    let mut all: BTreeSet<String> = engine.inventory(KIND).cloned().unwrap_or_default();
+    let mut all: BTreeSet<String> = input.inventory.get(KIND).cloned().unwrap_or_default();
     let mut unhealthy = BTreeSet::new();
     let mut network = BTreeSet::new();
     let mut recovering = BTreeSet::new();
     // chip -> (type, worst level, code -> (time, level))
     type Entry = (FaultType, Handling, BTreeMap<String, TimeAndLevel>);
     let mut faults: BTreeMap<String, Entry> = BTreeMap::new();
-    for f in engine.faults() {
-        let r = &f.fault;
+    for r in input.faults {
         if !r.active || r.source != Source::Ascend || !r.device.starts_with(&prefix) {
             continue;
         }
         all.insert(r.device.clone());
-        if f.resolving_since.is_some() {
+        if input
+            .recovering
+            .contains(&(r.device.clone(), r.fault_code.clone()))
+        {
             recovering.insert(r.device.clone());
             continue;
         }
@@ -140,7 +171,8 @@ pub fn device_list(engine: &Engine) -> BTreeMap<String, String> {
             }
             _ => {}
         }
-        if let FaultCodeRepr::Ascend { code, .. } = &f.code {
+        if is_fault_code(&r.fault_code) {
+            let code = &r.fault_code;
             let e = faults
                 .entry(r.device.clone())
                 .or_insert((r.fault_type, h, BTreeMap::new()));
@@ -269,7 +301,7 @@ impl<P: Publisher> MindClusterSink<P> {
             let snap = self.snapshots.borrow_and_update().clone();
             let mut wake = None;
             if let (true, Some(snap)) = (enabled, snap) {
-                let list = device_list(&snap.state.engine);
+                let list = device_list((&snap).into());
                 let now = Instant::now();
                 let due = |w: &Option<(BTreeMap<String, String>, Instant)>| {
                     w.as_ref()
@@ -346,7 +378,7 @@ impl<P: Publisher> MindClusterSink<P> {
 mod tests {
     use super::*;
     use faultline_core::catalog::{Catalog, FaultCode};
-    use faultline_core::engine::{Ctx, DeviceRef, Observation, Signal};
+    use faultline_core::engine::{Ctx, DeviceRef, Engine, Observation, Signal};
     use faultline_core::policy::Policy;
 
     fn t(s: i64) -> DateTime<Utc> {
@@ -396,7 +428,7 @@ mod tests {
         e.step(ctx, ascend("80E3A201", false, 2), t(1));
         e.step(ctx, ascend("80E01801", false, 2), t(2));
         e.step(ctx, ascend("81078603", true, 3), t(3));
-        let list = device_list(&e);
+        let list = device_list((&e.view(&policy)).into());
         let doc = render(&list, t(10));
         let golden = include_str!("../../../tests/fixtures/ascend/deviceinfocfg-golden.json");
         assert_eq!(doc, golden.trim_end());
@@ -438,7 +470,7 @@ mod tests {
             },
         };
         e.step(ctx, level(true), t(1));
-        let l = device_list(&e);
+        let l = device_list((&e.view(&policy)).into());
         // Down for less than the duration rule: still healthy, but listed with its code.
         assert!(
             l[&key("")].ends_with("Ascend910-9,Ascend910-10"),
@@ -448,16 +480,16 @@ mod tests {
         assert_eq!(l[&key("NetworkUnhealthy")], "");
         assert!(l[&key("Fault")].contains("\"fault_code\":\"81078603\""));
         e.step(ctx, Observation::Tick, t(22));
-        let l = device_list(&e);
+        let l = device_list((&e.view(&policy)).into());
         assert_eq!(l[&key("NetworkUnhealthy")], "Ascend910-10");
         assert!(!l[&key("")].contains("Ascend910-10"));
         // Up again: recovering for the hold, then healthy.
         e.step(ctx, level(false), t(30));
-        let l = device_list(&e);
+        let l = device_list((&e.view(&policy)).into());
         assert_eq!(l[&key("Recovering")], "Ascend910-10");
         assert_eq!(l[&key("NetworkUnhealthy")], "");
         e.step(ctx, Observation::Tick, t(91));
-        let l = device_list(&e);
+        let l = device_list((&e.view(&policy)).into());
         assert_eq!(l[&key("Recovering")], "");
         assert_eq!(l[&key("Fault")], "[]");
         assert!(l[&key("")].ends_with("Ascend910-10"));

@@ -15,28 +15,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::metrics::{Metrics, ReloadLabel, ReloadResult};
-use faultline_core::policy::{checksum, Policy};
+use faultline_core::policy::{checksum, LoadedPolicy, Policy};
 use faultline_core::record::PolicyStatus;
-
-/// The policy in force and its status.
-#[derive(Debug, Clone, PartialEq)]
-pub struct LoadedPolicy {
-    pub policy: Arc<Policy>,
-    pub status: PolicyStatus,
-}
-
-impl LoadedPolicy {
-    pub fn builtin() -> Self {
-        LoadedPolicy {
-            policy: Arc::new(Policy::default()),
-            status: PolicyStatus {
-                source: "builtin".into(),
-                checksum: checksum(""),
-                error: None,
-            },
-        }
-    }
-}
 
 /// Reads and validates the file and the Ascend tables it names; on error returns the message
 /// for the status. The checksum covers all of them, so an edited table is reloaded too.

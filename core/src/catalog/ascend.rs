@@ -20,8 +20,19 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::policy::EscalationRule;
 use crate::record::Handling;
+use crate::rules::EscalationRule;
+
+/// The device kind of Ascend chips in records and in MindCluster's `DeviceInfoCfg`.
+pub const KIND: &str = "Ascend910";
+/// The code MindCluster uses for a network port that is down.
+pub const LINK_DOWN_CODE: &str = "81078603";
+
+/// Whether `code` has the form of a MindCluster fault code (eight hex digits), as opposed to
+/// one of faultline's named conditions.
+pub fn is_fault_code(code: &str) -> bool {
+    code.len() == 8 && code.bytes().all(|b| b.is_ascii_hexdigit())
+}
 
 /// The built-in `faultCode.json` (docs/catalog.md lists its sources).
 pub const BUILTIN_FAULT_CODES: &str = include_str!("../../catalog/ascend-faultCode.json");

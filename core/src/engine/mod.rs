@@ -348,6 +348,11 @@ pub struct NodeView {
     /// Active faults first (most severe first), then recovered ones (newest first).
     pub faults: Vec<Fault>,
     pub dropped_faults: u64,
+    /// The devices each polled source last reported, by kind (`Ascend910` -> chip names).
+    pub inventory: BTreeMap<String, BTreeSet<String>>,
+    /// Active faults whose condition is gone and that are waiting out their recovery hold, as
+    /// `(device, fault_code)`.
+    pub recovering: BTreeSet<(String, String)>,
 }
 
 /// The label every node gets.
@@ -885,6 +890,12 @@ impl Engine {
                 .map(|f| f.fault.clone())
                 .collect(),
             dropped_faults: self.dropped,
+            inventory: self.inventory.clone(),
+            recovering: active
+                .iter()
+                .filter(|f| f.resolving_since.is_some())
+                .map(|f| (f.fault.device.clone(), f.fault.fault_code.clone()))
+                .collect(),
         }
     }
 }

@@ -30,11 +30,11 @@ use tracing::Instrument;
 
 use crate::metrics::Metrics;
 use crate::runtime::{Clock, SinkReport, Snapshot};
-use crate::source::policy_watch::LoadedPolicy;
 use faultline_core::engine::EngineEvent;
+use faultline_core::policy::LoadedPolicy;
 
 /// The field manager of every write (server-side apply ownership, `managedFields`).
-pub const FIELD_MANAGER: &str = "faultline";
+pub use crate::kube_client::FIELD_MANAGER;
 /// The agent's namespace unless configured otherwise.
 pub const DEFAULT_NAMESPACE: &str = "faultline-system";
 

@@ -29,8 +29,8 @@ use super::plan::{self, Notice};
 use super::{api, is_conflict, KubeSinkConfig, KubeSinkError, Retry, FIELD_MANAGER};
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::{Clock, SinkReport, Snapshot};
-use crate::source::policy_watch::LoadedPolicy;
 use faultline_core::engine::{DesiredCondition, DesiredTaint};
+use faultline_core::policy::LoadedPolicy;
 use faultline_core::policy::TaintBudget;
 use faultline_core::record::TaintBudgetStatus;
 

@@ -16,10 +16,7 @@ use faultline_core::parse::ascend::{ChipHealth, LinkStatus, NetHealth, NpuChip, 
 use faultline_core::policy::AscendPolicy;
 use faultline_core::record::Source;
 
-/// The code MindCluster uses for a network port that is down.
-pub const LINK_DOWN_CODE: &str = "81078603";
-/// The device kind in records and in `DeviceInfoCfg`.
-pub const KIND: &str = "Ascend910";
+pub use faultline_core::catalog::ascend::{KIND, LINK_DOWN_CODE};
 pub const DOMAIN_CHIP: &str = "npu-chip";
 pub const DOMAIN_LINK: &str = "npu-link";
 pub const DOMAIN_NET: &str = "npu-net";

@@ -19,12 +19,12 @@ use tracing::{debug, info, warn};
 
 use self::analyze::{Analyzer, LinkPoll, Poll, DETECTOR_HCCN, DETECTOR_NPU_SMI};
 use self::tools::{Tool, ToolError, Tools};
-use super::policy_watch::LoadedPolicy;
 use super::{Input, SourceContext};
 use crate::metrics::{Metrics, ToolLabel};
 use faultline_core::engine::{DetectorState, Observation};
 use faultline_core::parse::ascend::{self as parse, AscendParseError};
 use faultline_core::policy::AscendPolicy;
+use faultline_core::policy::LoadedPolicy;
 
 /// One call: runs the tool, counts the outcome, parses. The error is the reason for the
 /// detector status.

@@ -9,7 +9,7 @@ use tokio::sync::watch;
 
 use crate::child::{self, ChildError};
 
-use crate::source::policy_watch::LoadedPolicy;
+use faultline_core::policy::LoadedPolicy;
 
 /// The two tools the source calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]

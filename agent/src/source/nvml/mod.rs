@@ -23,9 +23,9 @@ use tracing::{info, warn};
 
 use self::analyze::Analyzer;
 use self::readings::{CallTracker, DeviceReadings, Identity, NvmlBackend, NvmlEvent, Reading};
-use super::policy_watch::LoadedPolicy;
 use super::{Input, SourceContext};
 use faultline_core::engine::{DetectorState, Observation};
+use faultline_core::policy::LoadedPolicy;
 
 pub const DETECTOR: &str = "nvml";
 

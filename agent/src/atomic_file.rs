@@ -1,0 +1,67 @@
+//! Atomic file replacement: a temporary file in the same directory, written, synced and
+//! renamed over the target, so a reader sees the old bytes or the new ones, never a mix. Used
+//! by every writer of files that other programs read: the record, the state, MindCluster's
+//! document, the peer-check result, the CLI's clear requests.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Temporary files start with this; a kill between create and rename leaves one behind.
+pub const TEMP_PREFIX: &str = ".faultline-";
+
+/// A file that could not be replaced.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot write {path}: {source}")]
+pub struct WriteError {
+    pub path: PathBuf,
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// Replaces `path` with `bytes` atomically; the file is readable by everyone (job scripts).
+pub fn write(path: &Path, bytes: &[u8]) -> Result<(), WriteError> {
+    let io = |source| WriteError {
+        path: path.to_path_buf(),
+        source,
+    };
+    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    let mut tmp = tempfile::Builder::new()
+        .prefix(TEMP_PREFIX)
+        .tempfile_in(dir)
+        .map_err(io)?;
+    tmp.write_all(bytes).map_err(io)?;
+    tmp.as_file().sync_data().map_err(io)?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o644)).map_err(io)?;
+    }
+    tmp.persist(path).map_err(|e| io(e.error))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn atomic_write_replaces_whole_files_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("faults.json");
+        write(&p, b"{\"a\":1}").unwrap();
+        write(&p, b"{\"a\":2}").unwrap();
+        assert_eq!(std::fs::read(&p).unwrap(), b"{\"a\":2}");
+        let leftovers: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(leftovers.len(), 1, "{leftovers:?}");
+    }
+
+    #[test]
+    fn unwritable_directory_is_a_clear_error() {
+        let err = write(Path::new("/nonexistent-dir/faults.json"), b"x")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("/nonexistent-dir/faults.json"), "{err}");
+    }
+}
