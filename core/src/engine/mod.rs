@@ -8,6 +8,10 @@
 //! duration (sticky while the fault is active); clears faults on recovery rules, on a reboot
 //! (kernel-log faults), on an operator's clear or when a source says the condition is gone;
 //! keeps recovered faults as bounded history.
+//!
+//! This module holds the types and the observation handlers (`step`); `identity` resolves
+//! devices to fault keys, `escalation` raises levels by rule, `recovery` ends faults and prunes
+//! history, `view` derives the verdict and the desired node state.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -18,6 +22,13 @@ use crate::catalog::{Catalog, FaultCode};
 use crate::parse::PciAddr;
 use crate::policy::{Policy, TaintEffect};
 use crate::record::{Fault, Handling, Health, Source};
+use escalation::{escalate, sticky};
+use recovery::{recover, resolve};
+
+mod escalation;
+mod identity;
+mod recovery;
+mod view;
 
 #[cfg(test)]
 mod tests;
@@ -504,68 +515,6 @@ impl Engine {
         events
     }
 
-    fn device_seen(&mut self, pci: PciAddr, uuid: Option<String>, index: Option<u32>) {
-        let info = self.devices.entry(pci).or_default();
-        let mut changed = false;
-        if uuid.is_some() && info.uuid != uuid {
-            info.uuid = uuid;
-            changed = true;
-        }
-        if index.is_some() && info.index != index {
-            info.index = index;
-            changed = true;
-        }
-        if !changed {
-            return;
-        }
-        let info = info.clone();
-        let pci_s = pci.to_string();
-        for f in self.faults.values_mut() {
-            if f.fault.pci_bus_id.as_deref() == Some(pci_s.as_str()) {
-                f.fault.device_uuid = info.uuid.clone();
-                if let Some(i) = info.index {
-                    f.fault.device = format!("GPU-{i}");
-                }
-            }
-        }
-        self.revision += 1;
-    }
-
-    /// Key and display fields for a device reference, using what the engine knows.
-    fn resolve_device(
-        &self,
-        d: Option<&DeviceRef>,
-    ) -> (String, String, Option<String>, Option<String>) {
-        let Some(d) = d else {
-            return ("node".into(), "node".into(), None, None);
-        };
-        let known = d.pci.and_then(|p| self.devices.get(&p));
-        let uuid = d
-            .uuid
-            .clone()
-            .or_else(|| known.and_then(|k| k.uuid.clone()));
-        let index = d.index.or_else(|| known.and_then(|k| k.index));
-        let pci = d.pci.map(|p| p.to_string());
-        let key = pci
-            .clone()
-            .or_else(|| uuid.clone())
-            .or_else(|| d.name.clone())
-            .or_else(|| index.map(|i| format!("GPU-{i}")))
-            .unwrap_or_else(|| "node".into());
-        let name = d
-            .name
-            .clone()
-            .or_else(|| index.map(|i| format!("GPU-{i}")))
-            .or_else(|| pci.as_ref().map(|p| format!("GPU-{p}")))
-            .or_else(|| uuid.clone())
-            .unwrap_or_else(|| "node".into());
-        (key, name, uuid, pci)
-    }
-
-    fn fault_key(&self, code: &FaultCode, device: Option<&DeviceRef>) -> String {
-        format!("{}/{}", code, self.resolve_device(device).0)
-    }
-
     fn signal(
         &mut self,
         ctx: Ctx<'_>,
@@ -754,168 +703,6 @@ impl Engine {
             }
         }
     }
-
-    fn tick(&mut self, policy: &Policy, now: DateTime<Utc>, events: &mut Vec<EngineEvent>) {
-        for f in self.faults.values_mut() {
-            if !f.fault.active {
-                continue;
-            }
-            escalate(policy, f, now, events);
-            if let Some(since) = f.resolving_since {
-                let hold = policy.recover_hold(&f.fault.fault_code);
-                if chrono::Duration::from_std(hold).is_ok_and(|h| now - since >= h) {
-                    let why = format!(
-                        "gone for {} (recovery hold)",
-                        humantime::format_duration(hold)
-                    );
-                    recover(f, now, why, events);
-                }
-                continue;
-            }
-            if sticky(f) {
-                continue;
-            }
-            let quiet = now - f.fault.last_seen;
-            let rule = policy.recovery.iter().find(|r| {
-                (r.codes.is_empty() || r.codes.contains(&f.fault.fault_code))
-                    && (r.sources.is_empty() || r.sources.contains(&f.fault.source))
-                    && r.max_handling.is_none_or(|m| f.fault.fault_handling <= m)
-                    && chrono::Duration::from_std(r.clear_after).is_ok_and(|d| quiet >= d)
-            });
-            if let Some(r) = rule {
-                let why = format!(
-                    "quiet for {} (recovery rule {})",
-                    humantime::format_duration(r.clear_after),
-                    r.name.as_deref().unwrap_or("unnamed")
-                );
-                recover(f, now, why, events);
-            }
-        }
-    }
-
-    /// Drops recovered faults past retention, then the oldest beyond the cap.
-    fn prune(&mut self, policy: &Policy, now: DateTime<Utc>) {
-        let retention =
-            chrono::Duration::from_std(policy.recovered_retention).unwrap_or(chrono::Duration::MAX);
-        let before = self.faults.len();
-        self.faults.retain(|_, f| {
-            f.fault.active || f.fault.recovered_at.is_none_or(|r| now - r < retention)
-        });
-        let mut recovered: Vec<(DateTime<Utc>, String)> = self
-            .faults
-            .iter()
-            .filter(|(_, f)| !f.fault.active)
-            .map(|(k, f)| (f.fault.recovered_at.unwrap_or(f.fault.last_seen), k.clone()))
-            .collect();
-        if recovered.len() > policy.max_recovered {
-            recovered.sort();
-            let excess = recovered.len() - policy.max_recovered;
-            for (_, k) in recovered.into_iter().take(excess) {
-                self.faults.remove(&k);
-                self.dropped += 1;
-            }
-        }
-        if self.faults.len() != before {
-            self.revision += 1;
-        }
-    }
-
-    /// The node verdict: the most severe health any active fault's level maps to.
-    pub fn health(&self, policy: &Policy) -> Health {
-        self.faults
-            .values()
-            .filter(|f| f.fault.active)
-            .map(|f| policy.node_action(f.fault.fault_handling).health)
-            .max()
-            .unwrap_or(Health::Healthy)
-    }
-
-    /// The desired node state and the record's fault list.
-    pub fn view(&self, policy: &Policy) -> NodeView {
-        let mut active: Vec<&FaultState> =
-            self.faults.values().filter(|f| f.fault.active).collect();
-        active.sort_by(|a, b| {
-            b.fault
-                .fault_handling
-                .cmp(&a.fault.fault_handling)
-                .then_with(|| a.fault.fault_code.cmp(&b.fault.fault_code))
-                .then_with(|| a.fault.device.cmp(&b.fault.device))
-        });
-        let health = self.health(policy);
-        let handling = active.first().map(|f| f.fault.fault_handling);
-        // One taint per key, valued by the most severe fault mapped to it.
-        let mut taints: BTreeMap<String, DesiredTaint> = BTreeMap::new();
-        let mut condition = true;
-        for f in &active {
-            let action = policy.node_action(f.fault.fault_handling);
-            condition &= action.condition;
-            if let Some(t) = action.taint {
-                taints.entry(t.key.clone()).or_insert(DesiredTaint {
-                    key: t.key,
-                    value: f.fault.fault_code.clone(),
-                    effect: t.effect,
-                });
-            }
-        }
-        let condition = match active.first() {
-            None => DesiredCondition {
-                status: true,
-                reason: "NoFaults".into(),
-                message: "no active accelerator faults".into(),
-            },
-            Some(worst) => DesiredCondition {
-                status: condition,
-                reason: worst.fault.fault_handling.to_string(),
-                message: summarize(&active),
-            },
-        };
-        let mut recovered: Vec<&FaultState> =
-            self.faults.values().filter(|f| !f.fault.active).collect();
-        recovered.sort_by(|a, b| {
-            b.fault
-                .recovered_at
-                .cmp(&a.fault.recovered_at)
-                .then_with(|| a.fault.fault_code.cmp(&b.fault.fault_code))
-                .then_with(|| a.fault.device.cmp(&b.fault.device))
-        });
-        NodeView {
-            health,
-            handling,
-            labels: BTreeMap::from([(HEALTH_LABEL.to_string(), health.to_string())]),
-            taints: taints.into_values().collect(),
-            condition,
-            faults: active
-                .iter()
-                .chain(recovered.iter())
-                .map(|f| f.fault.clone())
-                .collect(),
-            dropped_faults: self.dropped,
-            inventory: self.inventory.clone(),
-            recovering: active
-                .iter()
-                .filter(|f| f.resolving_since.is_some())
-                .map(|f| (f.fault.device.clone(), f.fault.fault_code.clone()))
-                .collect(),
-        }
-    }
-}
-
-/// A one-line summary of active faults for the condition message.
-fn summarize(active: &[&FaultState]) -> String {
-    let mut parts: Vec<String> = active
-        .iter()
-        .take(5)
-        .map(|f| {
-            format!(
-                "{} on {} ({})",
-                f.fault.fault_code, f.fault.device, f.fault.fault_handling
-            )
-        })
-        .collect();
-    if active.len() > 5 {
-        parts.push(format!("and {} more", active.len() - 5));
-    }
-    parts.join("; ")
 }
 
 fn push_occurrence(q: &mut VecDeque<DateTime<Utc>>, at: DateTime<Utc>) {
@@ -929,83 +716,4 @@ fn set_handling(f: &mut Fault, h: Handling) {
     f.fault_handling = h;
     f.fault_level = h;
     f.large_model_fault_level = h;
-}
-
-/// `ManuallySeparateNPU` means a person must look: only an operator's clear ends such a fault,
-/// not the condition going away, a reboot or a quiet period.
-fn sticky(f: &FaultState) -> bool {
-    f.fault.fault_handling == Handling::ManuallySeparateNPU
-}
-
-/// A source says the condition is gone: recover now, or start the code's recovery hold.
-fn resolve(
-    policy: &Policy,
-    f: &mut FaultState,
-    now: DateTime<Utc>,
-    reason: String,
-    events: &mut Vec<EngineEvent>,
-) {
-    if !f.fault.active || sticky(f) {
-        return;
-    }
-    let hold = policy.recover_hold(&f.fault.fault_code);
-    if hold.is_zero() {
-        recover(f, now, reason, events);
-    } else if f.resolving_since.is_none() {
-        f.resolving_since = Some(now);
-    }
-}
-
-fn recover(f: &mut FaultState, now: DateTime<Utc>, reason: String, events: &mut Vec<EngineEvent>) {
-    f.resolving_since = None;
-    f.fault.active = false;
-    f.fault.recovered_at = Some(now);
-    events.push(EngineEvent::Recovered {
-        code: f.fault.fault_code.clone(),
-        device: f.fault.device.clone(),
-        reason,
-    });
-}
-
-/// Applies the escalation rules that match; never lowers a fault.
-fn escalate(
-    policy: &Policy,
-    f: &mut FaultState,
-    now: DateTime<Utc>,
-    events: &mut Vec<EngineEvent>,
-) {
-    if !f.fault.active {
-        return;
-    }
-    for (i, r) in policy.escalation_rules().enumerate() {
-        if r.handling <= f.fault.fault_handling || !r.codes.contains(&f.fault.fault_code) {
-            continue;
-        }
-        let hit = match (r.count, r.window, r.duration) {
-            (Some(n), Some(w), _) => {
-                let w = chrono::Duration::from_std(w).unwrap_or(chrono::Duration::MAX);
-                let recent = f.occurrences.iter().filter(|t| now - **t <= w).count();
-                recent >= n as usize
-            }
-            (_, _, Some(d)) => {
-                // A condition already gone (recovery hold running) stops the clock.
-                let until = f.resolving_since.unwrap_or(now);
-                chrono::Duration::from_std(d).is_ok_and(|d| until - f.active_since >= d)
-            }
-            _ => false,
-        };
-        if hit {
-            let from = f.fault.fault_handling;
-            f.escalated = Some(r.handling);
-            f.fault.escalated_from = Some(f.base);
-            set_handling(&mut f.fault, r.handling);
-            events.push(EngineEvent::Escalated {
-                code: f.fault.fault_code.clone(),
-                device: f.fault.device.clone(),
-                from,
-                to: r.handling,
-                rule: r.name.clone().unwrap_or_else(|| format!("escalation[{i}]")),
-            });
-        }
-    }
 }

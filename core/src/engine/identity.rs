@@ -1,0 +1,69 @@
+//! Device identity: how a signal's device reference (PCI address, UUID, index, name) becomes
+//! one fault key and one display name, and how faults follow a device when the engine learns
+//! its UUID or index later.
+
+use super::{DeviceRef, Engine};
+use crate::catalog::FaultCode;
+use crate::parse::PciAddr;
+
+impl Engine {
+    pub(super) fn device_seen(&mut self, pci: PciAddr, uuid: Option<String>, index: Option<u32>) {
+        let info = self.devices.entry(pci).or_default();
+        let mut changed = false;
+        if uuid.is_some() && info.uuid != uuid {
+            info.uuid = uuid;
+            changed = true;
+        }
+        if index.is_some() && info.index != index {
+            info.index = index;
+            changed = true;
+        }
+        if !changed {
+            return;
+        }
+        let info = info.clone();
+        let pci_s = pci.to_string();
+        for f in self.faults.values_mut() {
+            if f.fault.pci_bus_id.as_deref() == Some(pci_s.as_str()) {
+                f.fault.device_uuid = info.uuid.clone();
+                if let Some(i) = info.index {
+                    f.fault.device = format!("GPU-{i}");
+                }
+            }
+        }
+        self.revision += 1;
+    }
+    /// Key and display fields for a device reference, using what the engine knows.
+    pub(super) fn resolve_device(
+        &self,
+        d: Option<&DeviceRef>,
+    ) -> (String, String, Option<String>, Option<String>) {
+        let Some(d) = d else {
+            return ("node".into(), "node".into(), None, None);
+        };
+        let known = d.pci.and_then(|p| self.devices.get(&p));
+        let uuid = d
+            .uuid
+            .clone()
+            .or_else(|| known.and_then(|k| k.uuid.clone()));
+        let index = d.index.or_else(|| known.and_then(|k| k.index));
+        let pci = d.pci.map(|p| p.to_string());
+        let key = pci
+            .clone()
+            .or_else(|| uuid.clone())
+            .or_else(|| d.name.clone())
+            .or_else(|| index.map(|i| format!("GPU-{i}")))
+            .unwrap_or_else(|| "node".into());
+        let name = d
+            .name
+            .clone()
+            .or_else(|| index.map(|i| format!("GPU-{i}")))
+            .or_else(|| pci.as_ref().map(|p| format!("GPU-{p}")))
+            .or_else(|| uuid.clone())
+            .unwrap_or_else(|| "node".into());
+        (key, name, uuid, pci)
+    }
+    pub(super) fn fault_key(&self, code: &FaultCode, device: Option<&DeviceRef>) -> String {
+        format!("{}/{}", code, self.resolve_device(device).0)
+    }
+}
