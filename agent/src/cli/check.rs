@@ -1,0 +1,253 @@
+//! `faultline check`: asks the peer-check coordinator for a run among named nodes and prints
+//! its verdicts.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use super::Outcome;
+
+/// `faultline check`: where to send the request and how long to try.
+#[derive(Debug, Clone)]
+pub struct CheckArgs {
+    pub nodes: Vec<String>,
+    /// The whole command gives up after this (retries included).
+    pub timeout: Duration,
+    /// Per-check deadline to ask for (0: the coordinator's policy).
+    pub check_timeout: Option<Duration>,
+    /// The coordinator's peer-service address; else the Lease holder's.
+    pub coordinator: Option<String>,
+    pub secret_file: PathBuf,
+    pub kubeconfig: Option<PathBuf>,
+    pub namespace: String,
+    pub json: bool,
+}
+
+/// The printed report of a run and its exit status: 0 nothing found, 1 a faulty node, broken
+/// link or straggler, 3 only nodes that could not be judged.
+pub fn check_report(r: &faultline_proto::v1::RunResult, json: bool) -> Outcome {
+    use faultline_proto::v1::verdict::Kind;
+    let kinds: Vec<Kind> = r.verdicts.iter().map(|v| v.kind()).collect();
+    let code = if kinds.iter().any(|k| *k != Kind::Unknown) {
+        1
+    } else if kinds.is_empty() {
+        0
+    } else {
+        3
+    };
+    let message = if json {
+        let verdicts: Vec<serde_json::Value> = r
+            .verdicts
+            .iter()
+            .map(|v| {
+                let mut o = serde_json::json!({
+                    "kind": crate::peer::coordinator::kind_name(v.kind()),
+                    "nodes": v.nodes,
+                });
+                if v.slowdown > 0.0 {
+                    o["slowdown"] = serde_json::json!(v.slowdown);
+                }
+                if !v.reason.is_empty() {
+                    o["reason"] = serde_json::json!(v.reason);
+                }
+                o
+            })
+            .collect();
+        serde_json::json!({"run_id": r.run_id, "rounds": r.rounds, "verdicts": verdicts})
+            .to_string()
+    } else {
+        let mut out = format!(
+            "run {}: {} round{}",
+            r.run_id,
+            r.rounds,
+            if r.rounds == 1 { "" } else { "s" }
+        );
+        if r.verdicts.is_empty() {
+            out.push_str(", no faulty node, broken link or straggler");
+        }
+        for v in &r.verdicts {
+            let line = match v.kind() {
+                Kind::FaultyNode => format!("faulty node   {}", v.nodes.join(",")),
+                Kind::BrokenLink => format!("broken link   {}", v.nodes.join(" <-> ")),
+                Kind::Straggler => {
+                    format!(
+                        "straggler     {} ({:.2}x the median)",
+                        v.nodes.join(","),
+                        v.slowdown
+                    )
+                }
+                Kind::Unknown => format!("unknown       {}: {}", v.nodes.join(","), v.reason),
+                Kind::Unspecified => format!("?             {}", v.nodes.join(",")),
+            };
+            out.push('\n');
+            out.push_str(&line);
+        }
+        out
+    };
+    Outcome { code, message }
+}
+
+/// `faultline check --nodes a,b,c`: asks the coordinator to run a check among these nodes now
+/// and prints the verdicts. Retries (re-reading the Lease) while the coordinator is unreachable
+/// or changing, until `timeout`.
+pub async fn check(args: CheckArgs) -> Outcome {
+    use faultline_proto::v1::coordinator_client::CoordinatorClient;
+    use faultline_proto::v1::RunRequest;
+    use tonic::Code;
+    let key = match crate::peer::wire::load_key(&args.secret_file) {
+        Ok(k) => k,
+        Err(e) => return Outcome::error(format!("error: {e}")),
+    };
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let signer = crate::peer::wire::Signer {
+        key,
+        sender: format!("cli@{}", host.trim()),
+    };
+    let deadline = tokio::time::Instant::now() + args.timeout;
+    let mut last_error = String::from("no attempt made");
+    let mut client_kube = None;
+    loop {
+        let now = tokio::time::Instant::now();
+        if now >= deadline {
+            return Outcome::error(format!(
+                "error: no result within {}: {last_error}",
+                humantime::format_duration(args.timeout)
+            ));
+        }
+        let address = match &args.coordinator {
+            Some(a) => Ok(a.clone()),
+            None => {
+                if client_kube.is_none() {
+                    match crate::kube_client::client_infer(args.kubeconfig.as_deref()).await {
+                        Ok(c) => client_kube = Some(c),
+                        Err(e) => {
+                            return Outcome::error(format!(
+                                "error: no --coordinator and no Kubernetes to find it in: {e}"
+                            ))
+                        }
+                    }
+                }
+                match &client_kube {
+                    Some(c) => match crate::peer::lease::holder(c.clone(), &args.namespace).await {
+                        Ok(Some(id)) => crate::peer::lease::address_of(&id)
+                            .map(str::to_string)
+                            .ok_or_else(|| format!("Lease holder {id:?} names no address")),
+                        Ok(None) => Err("no agent holds the coordinator Lease yet".to_string()),
+                        Err(kube::Error::Api(s)) if s.code == 401 || s.code == 403 => {
+                            return Outcome::error(format!(
+                                "error: cannot read the coordinator Lease {}/{}: {} (this client needs get on leases)",
+                                args.namespace,
+                                crate::peer::publish::NAME,
+                                s.message
+                            ))
+                        }
+                        Err(e) => Err(format!("cannot read the coordinator Lease: {e}")),
+                    },
+                    None => Err("no Kubernetes client".to_string()),
+                }
+            }
+        };
+        let attempt = async {
+            let address = address?;
+            let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
+                .map_err(|e| format!("bad coordinator address {address:?}: {e}"))?
+                .connect_timeout(Duration::from_secs(3))
+                .connect()
+                .await
+                .map_err(|e| format!("cannot reach the coordinator at {address}: {e}"))?;
+            let req = signer.sign(RunRequest {
+                auth: None,
+                protocol: faultline_proto::PROTOCOL,
+                nodes: args.nodes.clone(),
+                timeout_ms: args
+                    .check_timeout
+                    .map(|t| t.as_millis().min(u128::from(u32::MAX)) as u32)
+                    .unwrap_or(0),
+            });
+            let mut request = tonic::Request::new(req);
+            request.set_timeout(deadline.saturating_duration_since(tokio::time::Instant::now()));
+            let answer = CoordinatorClient::new(channel)
+                .max_decoding_message_size(faultline_proto::MAX_MESSAGE_BYTES)
+                .run(request)
+                .await;
+            Ok::<_, String>((address, answer))
+        };
+        // Could not ask (no coordinator yet, unreachable): retry. Asked and refused for the
+        // request itself (secret, arguments): stop. Any other answer (not the coordinator any
+        // more, shutting down): retry.
+        last_error = match attempt.await {
+            Ok((_, Ok(result))) => return check_report(&result.into_inner(), args.json),
+            Ok((_, Err(s)))
+                if matches!(
+                    s.code(),
+                    Code::Unauthenticated | Code::InvalidArgument | Code::PermissionDenied
+                ) =>
+            {
+                return Outcome::error(format!(
+                    "error: the coordinator refused the request: {}",
+                    s.message()
+                ))
+            }
+            Ok((address, Err(s))) => format!("the coordinator at {address}: {}", s.message()),
+            Err(e) => e,
+        };
+        tokio::time::sleep(
+            Duration::from_secs(2)
+                .min(deadline.saturating_duration_since(tokio::time::Instant::now())),
+        )
+        .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn check_report_exit_codes_and_lines() {
+        use faultline_proto::v1::{verdict::Kind, RunResult, Verdict};
+        let v = |kind: Kind, nodes: &[&str], slowdown: f64, reason: &str| Verdict {
+            kind: kind as i32,
+            nodes: nodes.iter().map(|s| s.to_string()).collect(),
+            slowdown,
+            reason: reason.into(),
+        };
+        let clean = RunResult {
+            run_id: "r1".into(),
+            rounds: 1,
+            verdicts: vec![],
+        };
+        let o = check_report(&clean, false);
+        assert_eq!(o.code, 0);
+        assert_eq!(
+            o.message,
+            "run r1: 1 round, no faulty node, broken link or straggler"
+        );
+        let found = RunResult {
+            run_id: "r2".into(),
+            rounds: 2,
+            verdicts: vec![
+                v(Kind::FaultyNode, &["n5"], 0.0, ""),
+                v(Kind::BrokenLink, &["n2", "n3"], 0.0, ""),
+                v(Kind::Straggler, &["n6"], 4.0, ""),
+                v(Kind::Unknown, &["n9"], 0.0, "accelerators busy"),
+            ],
+        };
+        let o = check_report(&found, false);
+        assert_eq!(o.code, 1);
+        assert_eq!(
+            o.message,
+            "run r2: 2 rounds\nfaulty node   n5\nbroken link   n2 <-> n3\nstraggler     n6 (4.00x the median)\nunknown       n9: accelerators busy"
+        );
+        let j: serde_json::Value =
+            serde_json::from_str(&check_report(&found, true).message).unwrap();
+        assert_eq!(j["verdicts"][2]["kind"], "straggler");
+        assert_eq!(j["verdicts"][2]["slowdown"], 4.0);
+        assert_eq!(j["verdicts"][1]["nodes"][1], "n3");
+        let unknown_only = RunResult {
+            run_id: "r3".into(),
+            rounds: 1,
+            verdicts: vec![v(Kind::Unknown, &["n1"], 0.0, "no node passed")],
+        };
+        assert_eq!(check_report(&unknown_only, false).code, 3);
+    }
+}

@@ -1,0 +1,337 @@
+//! This node's record: `faultline get`, `wait-healthy` and `clear`, reading the local file and
+//! writing clear requests for the agent.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use faultline_core::record::{Health, NodeRecord};
+
+use super::{columns, Outcome};
+use crate::atomic_file::write as write_atomic;
+use crate::sink::file::FAULTS_FILE;
+use crate::source::control::{ClearRequest, CLEAR_DIR};
+
+/// Where the local record is.
+pub fn record_path(file: Option<&Path>, state_dir: &Path) -> PathBuf {
+    file.map(Path::to_path_buf)
+        .unwrap_or_else(|| state_dir.join(FAULTS_FILE))
+}
+
+/// Why a record could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReadError {
+    #[error("no record at {0} (is the agent running?)")]
+    Missing(String),
+    #[error("cannot read {0}: {1}")]
+    Io(String, String),
+    #[error("{0} is not a faultline record: {1}")]
+    Invalid(String, String),
+}
+
+pub fn read_record(path: &Path) -> Result<NodeRecord, ReadError> {
+    let p = path.display().to_string();
+    let bytes = std::fs::read(path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => ReadError::Missing(p.clone()),
+        _ => ReadError::Io(p.clone(), e.to_string()),
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| ReadError::Invalid(p, e.to_string()))
+}
+
+/// A one-line account of a record's verdict.
+pub fn summary(r: &NodeRecord) -> String {
+    let active: Vec<String> = r
+        .faults
+        .iter()
+        .filter(|f| f.active)
+        .take(3)
+        .map(|f| format!("{} on {} ({})", f.fault_code, f.device, f.fault_handling))
+        .collect();
+    let n = r.faults.iter().filter(|f| f.active).count();
+    let mut s = format!("node {} is {}", r.node, r.health);
+    if !active.is_empty() {
+        let _ = write!(s, ": {}", active.join("; "));
+        if n > active.len() {
+            let _ = write!(s, "; and {} more", n - active.len());
+        }
+    }
+    s
+}
+
+/// Renders a record as a table.
+pub fn table(r: &NodeRecord, all: bool) -> String {
+    let mut out = String::new();
+    let handling = r
+        .handling
+        .map(|h| h.to_string())
+        .unwrap_or_else(|| "-".into());
+    let rows = vec![
+        vec![
+            "NODE".to_string(),
+            "HEALTH".into(),
+            "HANDLING".into(),
+            "UPDATED".into(),
+        ],
+        vec![
+            r.node.clone(),
+            r.health.to_string(),
+            handling,
+            r.update_time.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+        ],
+    ];
+    out.push_str(&columns(&rows));
+    let faults: Vec<_> = r.faults.iter().filter(|f| all || f.active).collect();
+    if faults.is_empty() {
+        out.push_str("\nno active faults\n");
+    } else {
+        out.push('\n');
+        let mut rows = vec![[
+            "CODE",
+            "TYPE",
+            "HANDLING",
+            "DEVICE",
+            "COUNT",
+            "LAST SEEN",
+            "STATE",
+            "MESSAGE",
+        ]
+        .map(String::from)
+        .to_vec()];
+        for f in faults {
+            let mut msg: String = f.message.chars().take(60).collect();
+            if f.message.chars().count() > 60 {
+                msg.push('…');
+            }
+            rows.push(vec![
+                f.fault_code.clone(),
+                f.fault_type.to_string(),
+                f.fault_handling.to_string(),
+                f.device.clone(),
+                f.count.to_string(),
+                f.last_seen.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+                if f.active {
+                    "active".into()
+                } else {
+                    "recovered".into()
+                },
+                msg,
+            ]);
+        }
+        out.push_str(&columns(&rows));
+    }
+    if let Some(e) = &r.agent.policy.error {
+        let _ = writeln!(
+            out,
+            "\nwarning: the newest policy was rejected (the previous one is in force): {e}"
+        );
+    }
+    for d in r.agent.detectors.iter().filter(|d| d.state == "Down") {
+        let _ = writeln!(
+            out,
+            "warning: detector {} is down: {}",
+            d.name,
+            d.reason.as_deref().unwrap_or("unknown reason")
+        );
+    }
+    out
+}
+
+/// `faultline get`.
+pub fn get(path: &Path, json: bool, all: bool) -> Outcome {
+    match read_record(path) {
+        Ok(r) if json => Outcome::ok(serde_json::to_string_pretty(&r).unwrap_or_default()),
+        Ok(r) => Outcome::ok(table(&r, all).trim_end().to_string()),
+        Err(e) => Outcome::error(format!("error: {e}")),
+    }
+}
+
+/// `faultline wait-healthy`: polls the record until it is healthy (0), the timeout passes
+/// while it is not (1), or it cannot be read at all (2).
+pub fn wait_healthy(
+    path: &Path,
+    timeout: Duration,
+    interval: Duration,
+    allow_degraded: bool,
+) -> Outcome {
+    let deadline = Instant::now() + timeout;
+    let acceptable = |h: Health| h == Health::Healthy || (allow_degraded && h == Health::Degraded);
+    loop {
+        let last = read_record(path);
+        match &last {
+            Ok(r) if acceptable(r.health) => {
+                return Outcome::ok(format!("healthy: {}", summary(r)))
+            }
+            Err(e @ ReadError::Invalid(..)) => return Outcome::error(format!("error: {e}")),
+            _ => {}
+        }
+        if Instant::now() >= deadline {
+            return match last {
+                Ok(r) => Outcome::unhealthy(format!(
+                    "unhealthy after {}: {}",
+                    humantime::format_duration(timeout),
+                    summary(&r)
+                )),
+                Err(e) => Outcome::error(format!("error: {e}")),
+            };
+        }
+        std::thread::sleep(
+            interval
+                .min(deadline.saturating_duration_since(Instant::now()))
+                .max(Duration::from_millis(1)),
+        );
+    }
+}
+
+/// `faultline clear`: asks the agent to clear faults, and waits until it has taken the request.
+pub fn clear(
+    state_dir: &Path,
+    code: Option<String>,
+    device: Option<String>,
+    wait: Duration,
+) -> Outcome {
+    let dir = state_dir.join(CLEAR_DIR);
+    if let Err(e) = std::fs::create_dir_all(&dir) {
+        return Outcome::error(format!("error: cannot create {}: {e}", dir.display()));
+    }
+    let req = ClearRequest { code, device };
+    let name = format!(
+        "{}-{}.json",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+        std::process::id()
+    );
+    let path = dir.join(name);
+    let body = serde_json::to_vec(&req).unwrap_or_default();
+    if let Err(e) = write_atomic(&path, &body) {
+        return Outcome::error(format!("error: {e}"));
+    }
+    let deadline = Instant::now() + wait;
+    while Instant::now() < deadline {
+        if !path.exists() {
+            return Outcome::ok(format!(
+                "cleared {} on {}",
+                req.code.as_deref().unwrap_or("all faults"),
+                req.device.as_deref().unwrap_or("every device")
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Outcome::error(format!(
+        "error: the agent did not take {} within {} (is it running?)",
+        path.display(),
+        humantime::format_duration(wait)
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_records::{HEALTHY, UNHEALTHY};
+    use super::*;
+
+    fn file(body: &str) -> (tempfile::TempDir, PathBuf) {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("faults.json");
+        std::fs::write(&p, body).unwrap();
+        (d, p)
+    }
+
+    #[test]
+    fn wait_healthy_exit_codes() {
+        let (_d, p) = file(HEALTHY);
+        assert_eq!(
+            wait_healthy(
+                &p,
+                Duration::from_millis(50),
+                Duration::from_millis(10),
+                false
+            )
+            .code,
+            0
+        );
+        let (_d, p) = file(UNHEALTHY);
+        let o = wait_healthy(
+            &p,
+            Duration::from_millis(50),
+            Duration::from_millis(10),
+            false,
+        );
+        assert_eq!(o.code, 1);
+        assert!(o.message.contains("Xid79 on GPU-3"), "{}", o.message);
+        assert!(!o.message.contains('\n'), "one line");
+        let o = wait_healthy(
+            Path::new("/nonexistent/faults.json"),
+            Duration::from_millis(30),
+            Duration::from_millis(10),
+            false,
+        );
+        assert_eq!(o.code, 2);
+        assert!(o.message.contains("is the agent running"), "{}", o.message);
+        let (_d, p) = file("{\"not\": \"a record\"}");
+        let o = wait_healthy(
+            &p,
+            Duration::from_secs(60),
+            Duration::from_millis(10),
+            false,
+        );
+        assert_eq!(o.code, 2, "a foreign file fails at once: {}", o.message);
+    }
+
+    #[test]
+    fn wait_healthy_sees_recovery_before_the_timeout() {
+        let (_d, p) = file(UNHEALTHY);
+        let p2 = p.clone();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            write_atomic(&p2, HEALTHY.as_bytes()).unwrap();
+        });
+        let o = wait_healthy(
+            &p,
+            Duration::from_secs(30),
+            Duration::from_millis(20),
+            false,
+        );
+        writer.join().unwrap();
+        assert_eq!(o.code, 0, "{}", o.message);
+    }
+
+    #[test]
+    fn table_shows_faults_and_warnings() {
+        let (_d, p) = file(UNHEALTHY);
+        let o = get(&p, false, false);
+        assert_eq!(o.code, 0);
+        assert!(
+            o.message.contains("Xid79")
+                && o.message.contains("GPU-3")
+                && o.message.contains("SeparateNPU"),
+            "{}",
+            o.message
+        );
+        assert!(o.message.contains("policy was rejected"), "{}", o.message);
+        assert!(o.message.contains("detector kmsg is down"), "{}", o.message);
+        let j = get(&p, true, false);
+        let back: NodeRecord = serde_json::from_str(&j.message).unwrap();
+        assert_eq!(back.faults.len(), 1);
+    }
+
+    #[test]
+    fn clear_times_out_without_an_agent() {
+        let d = tempfile::tempdir().unwrap();
+        let o = clear(
+            d.path(),
+            Some("Xid79".into()),
+            None,
+            Duration::from_millis(50),
+        );
+        assert_eq!(o.code, 2);
+        let left: Vec<_> = std::fs::read_dir(d.path().join(CLEAR_DIR))
+            .unwrap()
+            .collect();
+        assert_eq!(
+            left.len(),
+            1,
+            "the request stays for the agent to take later"
+        );
+    }
+}
