@@ -1,6 +1,7 @@
 //! The agent process: configuration, start-up (restore state, load policy), wiring sources,
 //! the engine loop and sinks together, and an orderly shutdown that flushes the record.
 
+use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
@@ -9,17 +10,19 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use tokio::sync::{mpsc, watch};
+use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
 use crate::http::{self, HttpState};
 use crate::metrics::Metrics;
-use crate::runtime::{Clock, EngineLoop, Heartbeat, SinkReport, SystemClock};
+use crate::runtime::{Clock, EngineLoop, Heartbeat, SinkReport, Snapshot, SystemClock};
 use crate::sink::kube as kube_sink;
 use crate::sink::{file, mindcluster};
 use crate::source::{ascend, control, kmsg, node, nvml, policy_watch, Input, SourceContext};
 use faultline_core::catalog::Catalog;
 use faultline_core::engine::Observation;
+use faultline_core::policy::LoadedPolicy;
 
 /// Written into the state directory while the agent runs: the address its endpoints are bound
 /// to (useful with `--listen …:0`).
@@ -159,7 +162,7 @@ async fn peer_setup(
     secret: &Path,
     node: &str,
     kube_client: Option<kube::Client>,
-    policy: watch::Receiver<faultline_core::policy::LoadedPolicy>,
+    policy: watch::Receiver<LoadedPolicy>,
     ctx: SourceContext,
 ) -> anyhow::Result<Option<crate::peer::PeerSetup>> {
     use crate::peer::{self, members, publish, service};
@@ -283,19 +286,16 @@ pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Resul
     run_node(cfg, node, shutdown).instrument(span).await
 }
 
-async fn run_node(
-    cfg: AgentConfig,
-    node: String,
-    shutdown: CancellationToken,
-) -> anyhow::Result<()> {
-    let metrics = Arc::new(Metrics::new());
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
-    let catalog = Arc::new(Catalog::builtin().context("built-in catalog")?);
-    std::fs::create_dir_all(&cfg.state_dir)
-        .with_context(|| format!("cannot create state directory {}", cfg.state_dir.display()))?;
-    std::fs::create_dir_all(cfg.state_dir.join(control::CLEAR_DIR)).ok();
+/// What the last run left for this one: the engine and, within the same boot, the kernel-log
+/// cursor.
+struct Restored {
+    boot_id: Option<String>,
+    engine: faultline_core::engine::Engine,
+    /// The saved cursor, when the boot is the same (a new boot's log starts over).
+    kmsg_cursor: Option<u64>,
+}
 
-    // Restore what the last run knew. Its kernel log cursor is only valid within the same boot.
+fn restore(cfg: &AgentConfig) -> Restored {
     let boot_id = read_boot_id(&cfg.boot_id_path);
     let persisted = match file::read_state(&cfg.state_dir) {
         Ok(p) => p.unwrap_or_default(),
@@ -305,235 +305,381 @@ async fn run_node(
         }
     };
     let same_boot = boot_id.is_some() && persisted.engine.boot_id() == boot_id.as_deref();
-    let resume_after = if same_boot {
-        persisted.kmsg_cursor
-    } else {
-        None
-    };
-    info!(same_boot, resume_after = ?resume_after, faults = persisted.engine.faults().count(), "state restored");
-
-    let loaded = policy_watch::initial(cfg.policy.as_deref(), &metrics);
-    let (policy_tx, policy_rx) = watch::channel(loaded);
-    let (in_tx, in_rx) = mpsc::channel::<Input>(8192);
-    let (snap_tx, snap_rx) = watch::channel(None);
-    let heartbeat = Arc::new(Heartbeat::default());
-    heartbeat.beat(clock.now());
-    let ready = Arc::new(AtomicBool::new(false));
-    let source_shutdown = shutdown.child_token();
-    let ctx = SourceContext {
-        tx: in_tx.clone(),
-        metrics: metrics.clone(),
-        shutdown: source_shutdown.clone(),
-    };
-    if let Some(b) = &boot_id {
-        in_tx
-            .send(Input::Obs(Observation::Boot { boot_id: b.clone() }))
-            .await
-            .ok();
+    let kmsg_cursor = persisted.kmsg_cursor.filter(|_| same_boot);
+    info!(same_boot, resume_after = ?kmsg_cursor, faults = persisted.engine.faults().count(), "state restored");
+    Restored {
+        boot_id,
+        engine: persisted.engine,
+        kmsg_cursor,
     }
+}
 
-    let mut tasks = tokio::task::JoinSet::new();
-    if let Some(path) = cfg.policy.clone() {
-        let watcher = policy_watch::watch_policy(
-            path,
-            policy_tx,
-            metrics.clone(),
-            source_shutdown.clone(),
-            Duration::from_secs(30),
-        );
-        tasks.spawn(watcher.instrument(tracing::info_span!("source", name = "policy")));
-    }
-    let clears = control::run(cfg.state_dir.clone(), ctx.clone(), Duration::from_secs(1));
-    tasks.spawn(clears.instrument(tracing::info_span!("source", name = "control")));
-    if cfg.no_kmsg {
-        info!("kernel log source disabled");
-    } else {
-        let kcfg = kmsg::KmsgConfig {
-            path: cfg.kmsg_path.clone(),
-            resume_after,
-            boot_time: kmsg::boot_time(&cfg.proc_stat_path),
-            follow_interval: cfg.follow_interval,
+/// The agent's parts, started one by one. Each component is started with the shutdown signal it
+/// stops on: sources stop on `source_shutdown`, which is cancelled only after the engine loop
+/// has drained its queue; the engine loop, the sinks and the HTTP server stop on `shutdown`.
+/// [`Components::stop`] waits for them in that order.
+struct Components {
+    cfg: AgentConfig,
+    node: String,
+    metrics: Arc<Metrics>,
+    clock: Arc<dyn Clock>,
+    heartbeat: Arc<Heartbeat>,
+    /// Set by the file sink once the record is written (`/readyz`).
+    ready: Arc<AtomicBool>,
+    shutdown: CancellationToken,
+    source_shutdown: CancellationToken,
+    policy: watch::Receiver<LoadedPolicy>,
+    /// Kept for the whole run, so the policy channel never closes under the sources (the
+    /// watcher, when there is a file, holds a clone).
+    policy_tx: watch::Sender<LoadedPolicy>,
+    /// Cloned by every source; dropped once the sources are started, so the engine loop sees the
+    /// channel close when the last source has stopped.
+    source_ctx: Option<SourceContext>,
+    snapshots: watch::Receiver<Option<Snapshot>>,
+    kube: Option<kube::Client>,
+    /// Tasks that stop on `source_shutdown`.
+    sources: JoinSet<()>,
+    /// Sinks and the HTTP server: they stop on `shutdown`.
+    sinks: Vec<JoinHandle<()>>,
+    peer: Vec<JoinHandle<()>>,
+    engine: Option<JoinHandle<()>>,
+    addr_file: Option<PathBuf>,
+}
+
+/// The channel ends the engine loop takes.
+struct EngineEnds {
+    inputs: mpsc::Receiver<Input>,
+    snapshots: watch::Sender<Option<Snapshot>>,
+}
+
+impl Components {
+    fn new(cfg: AgentConfig, node: String, shutdown: CancellationToken) -> (Self, EngineEnds) {
+        let metrics = Arc::new(Metrics::new());
+        let loaded = policy_watch::initial(cfg.policy.as_deref(), &metrics);
+        let (policy_tx, policy) = watch::channel(loaded);
+        let (in_tx, inputs) = mpsc::channel::<Input>(8192);
+        let (snap_tx, snapshots) = watch::channel(None);
+        let source_shutdown = shutdown.child_token();
+        let source_ctx = SourceContext {
+            tx: in_tx,
+            metrics: metrics.clone(),
+            shutdown: source_shutdown.clone(),
         };
-        // A blocking thread: a read of /dev/kmsg cannot be cancelled, so it is not joined.
-        kmsg::spawn(kcfg, ctx.clone());
+        let c = Components {
+            cfg,
+            node,
+            metrics,
+            clock: Arc::new(SystemClock),
+            heartbeat: Arc::new(Heartbeat::default()),
+            ready: Arc::new(AtomicBool::new(false)),
+            shutdown,
+            source_shutdown,
+            policy,
+            policy_tx,
+            source_ctx: Some(source_ctx),
+            snapshots,
+            kube: None,
+            sources: JoinSet::new(),
+            sinks: Vec::new(),
+            peer: Vec::new(),
+            engine: None,
+            addr_file: None,
+        };
+        let ends = EngineEnds {
+            inputs,
+            snapshots: snap_tx,
+        };
+        (c, ends)
     }
-    // Kubernetes mode: a kubeconfig was given, or the agent runs in a pod. Anything failing here
-    // leaves the agent standalone; detection never waits for the API.
-    let (label_tx, label_rx) = watch::channel(None);
-    let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
-    let mut kube_client = None;
-    let mut peer_tasks = Vec::new();
-    if !cfg.standalone && (cfg.kubeconfig.is_some() || in_cluster) {
-        match crate::kube_client::client(cfg.kubeconfig.as_deref()).await {
+
+    fn ctx(&self) -> SourceContext {
+        self.source_ctx
+            .clone()
+            .expect("sources are started before the engine loop")
+    }
+
+    fn spawn_source(
+        &mut self,
+        name: &'static str,
+        task: impl Future<Output = ()> + Send + 'static,
+    ) {
+        self.sources
+            .spawn(task.instrument(tracing::info_span!("source", name)));
+    }
+
+    fn spawn_sink(&mut self, name: &'static str, task: impl Future<Output = ()> + Send + 'static) {
+        self.sinks.push(tokio::spawn(
+            task.instrument(tracing::info_span!("sink", name)),
+        ));
+    }
+
+    /// The policy watcher (when a file is given) and the operator's clear requests.
+    fn start_policy_and_control(&mut self) {
+        if let Some(path) = self.cfg.policy.clone() {
+            let watcher = policy_watch::watch_policy(
+                path,
+                self.policy_tx.clone(),
+                self.metrics.clone(),
+                self.source_shutdown.clone(),
+                Duration::from_secs(30),
+            );
+            self.spawn_source("policy", watcher);
+        }
+        let clears = control::run(
+            self.cfg.state_dir.clone(),
+            self.ctx(),
+            Duration::from_secs(1),
+        );
+        self.spawn_source("control", clears);
+    }
+
+    /// The kernel log, on its own thread: a read of /dev/kmsg cannot be cancelled, so the thread
+    /// is not joined; it stops at its next record after `source_shutdown`.
+    fn start_kmsg(&mut self, resume_after: Option<u64>) {
+        if self.cfg.no_kmsg {
+            info!("kernel log source disabled");
+            return;
+        }
+        let kcfg = kmsg::KmsgConfig {
+            path: self.cfg.kmsg_path.clone(),
+            resume_after,
+            boot_time: kmsg::boot_time(&self.cfg.proc_stat_path),
+            follow_interval: self.cfg.follow_interval,
+        };
+        kmsg::spawn(kcfg, self.ctx());
+    }
+
+    /// Kubernetes mode: a kubeconfig was given, or the agent runs in a pod. Anything failing here
+    /// leaves the agent standalone; detection never waits for the API. Returns the expected GPU
+    /// count from the Node's label, as a channel the NVML source reads.
+    async fn connect_kubernetes(&mut self) -> watch::Receiver<Option<u32>> {
+        let (label_tx, label_rx) = watch::channel(None);
+        let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
+        if self.cfg.standalone || (self.cfg.kubeconfig.is_none() && !in_cluster) {
+            return label_rx;
+        }
+        match crate::kube_client::client(self.cfg.kubeconfig.as_deref()).await {
             Ok(client) => {
-                info!(node = %node, namespace = %cfg.namespace, "Kubernetes mode");
+                info!(node = %self.node, namespace = %self.cfg.namespace, "Kubernetes mode");
                 let w = node::watch_gpu_count(
                     client.clone(),
-                    node.clone(),
+                    self.node.clone(),
                     label_tx,
                     Duration::from_secs(60),
-                    source_shutdown.clone(),
+                    self.source_shutdown.clone(),
                 );
-                tasks.spawn(w.instrument(tracing::info_span!("source", name = "node")));
-                kube_client = Some(client);
+                self.spawn_source("node", w);
+                self.kube = Some(client);
             }
             Err(e) => warn!(error = %e, "cannot reach Kubernetes; running standalone"),
         }
+        label_rx
     }
-    if cfg.no_nvml {
-        info!("NVML source disabled");
-    } else {
-        let ncfg = nvml::NvmlConfig {
-            library: cfg.nvml_lib.clone(),
+
+    /// NVML and the Ascend tools, unless disabled.
+    fn start_accelerators(&mut self, gpu_count_label: watch::Receiver<Option<u32>>) {
+        if self.cfg.no_nvml {
+            info!("NVML source disabled");
+        } else {
+            let ncfg = nvml::NvmlConfig {
+                library: self.cfg.nvml_lib.clone(),
+            };
+            let source = nvml::run(ncfg, self.policy.clone(), gpu_count_label, self.ctx());
+            self.spawn_source("nvml", source);
+        }
+        if self.cfg.no_ascend {
+            info!("Ascend source disabled");
+        } else {
+            let tools = Arc::new(ascend::tools::RealTools::new(self.policy.clone()));
+            let source = ascend::run(tools, self.policy.clone(), self.ctx());
+            self.spawn_source("ascend", source);
+        }
+    }
+
+    /// Peer checks, when a secret is given and the peers are known.
+    async fn start_peer(&mut self) {
+        let Some(secret) = self.cfg.peer_secret_file.clone() else {
+            info!("peer checks disabled (no --peer-secret-file)");
+            return;
         };
-        let source = nvml::run(ncfg, policy_rx.clone(), label_rx, ctx.clone());
-        tasks.spawn(source.instrument(tracing::info_span!("source", name = "nvml")));
-    }
-    if cfg.no_ascend {
-        info!("Ascend source disabled");
-    } else {
-        let tools = Arc::new(ascend::tools::RealTools::new(policy_rx.clone()));
-        let source = ascend::run(tools, policy_rx.clone(), ctx.clone());
-        tasks.spawn(source.instrument(tracing::info_span!("source", name = "ascend")));
-    }
-    if let Some(secret) = &cfg.peer_secret_file {
-        let policy = policy_rx.clone();
-        match peer_setup(
-            &cfg,
-            secret,
-            &node,
-            kube_client.clone(),
-            policy,
-            ctx.clone(),
+        let setup = peer_setup(
+            &self.cfg,
+            &secret,
+            &self.node,
+            self.kube.clone(),
+            self.policy.clone(),
+            self.ctx(),
         )
-        .await
-        {
-            Ok(Some(setup)) => peer_tasks = crate::peer::start(setup),
+        .await;
+        match setup {
+            Ok(Some(setup)) => self.peer = crate::peer::start(setup),
             Ok(None) => {}
             Err(e) => warn!(error = %format!("{e:#}"), "peer checks disabled"),
         }
-    } else {
-        info!("peer checks disabled (no --peer-secret-file)");
     }
-    drop(ctx);
-    drop(in_tx);
 
-    let (report_tx, report_rx) = watch::channel(SinkReport::default());
-    let (events_tx, events_rx) = mpsc::channel(kube_sink::events::QUEUE);
-    let engine_loop = EngineLoop {
-        node: node.clone(),
-        engine: persisted.engine,
-        kmsg_cursor: persisted.kmsg_cursor.filter(|_| same_boot),
-        catalog,
-        policy: policy_rx,
-        inputs: in_rx,
-        snapshots: snap_tx,
-        metrics: metrics.clone(),
-        clock: clock.clone(),
-        heartbeat: heartbeat.clone(),
-        tick: Duration::from_secs(1),
-        events: kube_client.is_some().then_some(events_tx),
-        sink_report: report_rx,
-        shutdown: shutdown.clone(),
-    };
-    {
-        let sink = mindcluster::MindClusterSink {
-            dir: cfg.state_dir.clone(),
-            publisher: mindcluster::FileOnly,
-            snapshots: snap_rx.clone(),
-            policy: engine_loop.policy.clone(),
-            clock: clock.clone(),
-            metrics: metrics.clone(),
-            shutdown: shutdown.clone(),
+    /// The engine loop and every sink. The sources' sender is dropped here: from now on the
+    /// input channel closes when the last source stops.
+    fn start_engine_and_sinks(
+        &mut self,
+        restored: Restored,
+        catalog: Arc<Catalog>,
+        ends: EngineEnds,
+    ) {
+        self.source_ctx = None;
+        let (report_tx, report_rx) = watch::channel(SinkReport::default());
+        let (events_tx, events_rx) = mpsc::channel(kube_sink::events::QUEUE);
+        let engine_loop = EngineLoop {
+            node: self.node.clone(),
+            engine: restored.engine,
+            kmsg_cursor: restored.kmsg_cursor,
+            catalog,
+            policy: self.policy.clone(),
+            inputs: ends.inputs,
+            snapshots: ends.snapshots,
+            metrics: self.metrics.clone(),
+            clock: self.clock.clone(),
+            heartbeat: self.heartbeat.clone(),
+            tick: Duration::from_secs(1),
+            events: self.kube.is_some().then_some(events_tx),
+            sink_report: report_rx,
+            shutdown: self.shutdown.clone(),
         };
-        let span = tracing::info_span!("sink", name = "mindcluster");
-        match &kube_client {
+        self.engine = Some(tokio::spawn(engine_loop.run()));
+
+        let mind = mindcluster::MindClusterSink {
+            dir: self.cfg.state_dir.clone(),
+            publisher: mindcluster::FileOnly,
+            snapshots: self.snapshots.clone(),
+            policy: self.policy.clone(),
+            clock: self.clock.clone(),
+            metrics: self.metrics.clone(),
+            shutdown: self.shutdown.clone(),
+        };
+        match self.kube.clone() {
             Some(c) => {
-                let p = kube_sink::deviceinfo::DeviceInfoPublisher::new(c.clone(), &node);
-                tasks.spawn(sink.with_publisher(p).run().instrument(span));
+                let p = kube_sink::deviceinfo::DeviceInfoPublisher::new(c, &self.node);
+                self.spawn_sink("mindcluster", mind.with_publisher(p).run());
             }
-            None => {
-                tasks.spawn(sink.run().instrument(span));
-            }
+            None => self.spawn_sink("mindcluster", mind.run()),
         }
-    }
-    let kube_sinks = match kube_client {
-        Some(client) => {
+        if let Some(client) = self.kube.clone() {
             let kcfg = kube_sink::KubeSinkConfig {
-                namespace: cfg.namespace.clone(),
-                instance: cfg.pod_name.clone(),
-                settle: cfg.settle,
-                budget_recheck: cfg.budget_recheck,
-                resync: cfg.resync,
-                ..kube_sink::KubeSinkConfig::new(node.clone())
+                namespace: self.cfg.namespace.clone(),
+                instance: self.cfg.pod_name.clone(),
+                settle: self.cfg.settle,
+                budget_recheck: self.cfg.budget_recheck,
+                resync: self.cfg.resync,
+                ..kube_sink::KubeSinkConfig::new(self.node.clone())
             };
             let inputs = kube_sink::KubeSinkInputs {
-                snapshots: snap_rx.clone(),
-                policy: engine_loop.policy.clone(),
+                snapshots: self.snapshots.clone(),
+                policy: self.policy.clone(),
                 events: events_rx,
                 report: report_tx,
             };
-            kube_sink::spawn(
+            self.sinks.extend(kube_sink::spawn(
                 client,
                 kcfg,
                 inputs,
-                metrics.clone(),
-                clock.clone(),
-                shutdown.clone(),
-            )
+                self.metrics.clone(),
+                self.clock.clone(),
+                self.shutdown.clone(),
+            ));
         }
-        None => Vec::new(),
-    };
-    let engine_task = tokio::spawn(engine_loop.run());
-    let sink_task = tokio::spawn(
-        file::run(
-            cfg.state_dir.clone(),
-            snap_rx.clone(),
-            metrics.clone(),
-            file::WriteBudget::new(
-                cfg.write_interval,
-                cfg.write_burst,
-                std::time::Instant::now(),
-            ),
-            ready.clone(),
-            shutdown.clone(),
-        )
-        .instrument(tracing::info_span!("sink", name = "file")),
-    );
+        let budget = file::WriteBudget::new(
+            self.cfg.write_interval,
+            self.cfg.write_burst,
+            std::time::Instant::now(),
+        );
+        let file_sink = file::run(
+            self.cfg.state_dir.clone(),
+            self.snapshots.clone(),
+            self.metrics.clone(),
+            budget,
+            self.ready.clone(),
+            self.shutdown.clone(),
+        );
+        self.spawn_sink("file", file_sink);
+    }
 
-    let listener = http::bind(cfg.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", cfg.listen))?;
-    let bound = listener.local_addr()?;
-    info!(addr = %bound, state_dir = %cfg.state_dir.display(), "faultline agent running");
-    let addr_file = cfg.state_dir.join(LISTEN_ADDR_FILE);
-    let _ = crate::atomic_file::write(&addr_file, bound.to_string().as_bytes());
-    let http_state = HttpState {
-        metrics,
-        heartbeat,
-        clock,
-        ready,
-        snapshots: snap_rx,
-    };
-    tasks.spawn(async move {
-        if let Err(e) = http::serve(listener, http_state, shutdown.clone()).await {
-            warn!(error = %e, "HTTP server stopped");
+    /// `/metrics`, `/healthz`, `/readyz`, `/v1/record`; the bound address goes into the state
+    /// directory.
+    async fn start_http(&mut self) -> anyhow::Result<()> {
+        let listener = http::bind(self.cfg.listen)
+            .await
+            .with_context(|| format!("cannot listen on {}", self.cfg.listen))?;
+        let bound = listener.local_addr()?;
+        info!(addr = %bound, state_dir = %self.cfg.state_dir.display(), "faultline agent running");
+        let addr_file = self.cfg.state_dir.join(LISTEN_ADDR_FILE);
+        let _ = crate::atomic_file::write(&addr_file, bound.to_string().as_bytes());
+        self.addr_file = Some(addr_file);
+        let state = HttpState {
+            metrics: self.metrics.clone(),
+            heartbeat: self.heartbeat.clone(),
+            clock: self.clock.clone(),
+            ready: self.ready.clone(),
+            snapshots: self.snapshots.clone(),
+        };
+        let shutdown = self.shutdown.clone();
+        self.spawn_sink("http", async move {
+            if let Err(e) = http::serve(listener, state, shutdown).await {
+                warn!(error = %e, "HTTP server stopped");
+            }
+        });
+        Ok(())
+    }
+
+    /// Waits for `shutdown`, then stops in order: the engine drains its queue and publishes a
+    /// final snapshot; the sources stop; the sinks write the final snapshot; the peer tasks end.
+    async fn stop(mut self) {
+        if let Some(engine) = self.engine.take() {
+            let _ = engine.await;
         }
-    });
+        self.source_shutdown.cancel();
+        for t in self.sinks.drain(..) {
+            let _ = t.await;
+        }
+        while self.sources.join_next().await.is_some() {}
+        for t in self.peer.drain(..) {
+            let _ = t.await;
+        }
+        if let Some(f) = &self.addr_file {
+            let _ = std::fs::remove_file(f);
+        }
+    }
+}
 
-    // Shutdown order: the engine drains its queue and publishes a final snapshot; the file sink
-    // writes it; sources and the server stop.
-    let _ = engine_task.await;
-    source_shutdown.cancel();
-    let _ = sink_task.await;
-    for t in kube_sinks {
-        let _ = t.await;
+async fn run_node(
+    cfg: AgentConfig,
+    node: String,
+    shutdown: CancellationToken,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(&cfg.state_dir)
+        .with_context(|| format!("cannot create state directory {}", cfg.state_dir.display()))?;
+    std::fs::create_dir_all(cfg.state_dir.join(control::CLEAR_DIR)).ok();
+    let catalog = Arc::new(Catalog::builtin().context("built-in catalog")?);
+    let restored = restore(&cfg);
+
+    let (mut c, ends) = Components::new(cfg, node, shutdown);
+    c.heartbeat.beat(c.clock.now());
+    if let Some(b) = &restored.boot_id {
+        let boot = Input::Obs(Observation::Boot { boot_id: b.clone() });
+        c.ctx().tx.send(boot).await.ok();
     }
-    while tasks.join_next().await.is_some() {}
-    for t in peer_tasks {
-        let _ = t.await;
+    c.start_policy_and_control();
+    c.start_kmsg(restored.kmsg_cursor);
+    let gpu_count_label = c.connect_kubernetes().await;
+    c.start_accelerators(gpu_count_label);
+    c.start_peer().await;
+    c.start_engine_and_sinks(restored, catalog, ends);
+    if let Err(e) = c.start_http().await {
+        // Nothing is flushed by a half-started agent that exits here: stop what runs.
+        c.shutdown.cancel();
+        c.stop().await;
+        return Err(e);
     }
-    let _ = std::fs::remove_file(&addr_file);
+    c.stop().await;
     info!("faultline agent stopped; record flushed");
     Ok(())
 }

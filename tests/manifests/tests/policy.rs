@@ -8,9 +8,9 @@ use serde_json::Value;
 
 use crate::common;
 
-/// The top-level fields of `Policy` (agent/src/policy.rs), read from the source.
+/// The top-level fields of `Policy` (core/src/policy.rs), read from the source.
 fn policy_fields() -> Vec<String> {
-    common::clap_flags("agent/src/policy.rs", "pub struct Policy")
+    common::clap_flags("core/src/policy.rs", "pub struct Policy")
         .into_iter()
         .map(|f| f.trim_start_matches("--").replace('-', "_"))
         .collect()
@@ -37,7 +37,7 @@ fn the_policy_configmap_holds_a_yaml_policy_with_known_fields() {
     assert_eq!(tb["max_percent"], Value::from(10));
     assert_eq!(tb["min_nodes"], Value::from(1));
     assert_eq!(tb["window"], "10m");
-    let budget_fields = common::clap_flags("agent/src/policy.rs", "pub struct TaintBudget");
+    let budget_fields = common::clap_flags("core/src/policy.rs", "pub struct TaintBudget");
     for k in tb.as_object().expect("a mapping").keys() {
         assert!(
             budget_fields.contains(&format!("--{}", k.replace('_', "-"))),
