@@ -3,18 +3,17 @@
 #![no_main]
 use std::sync::Arc;
 
-use faultline_agent::metrics::Metrics;
-use faultline_agent::source::kmsg::KmsgReader;
+use faultline_core::kmsg_reader::{KmsgReader, Tally};
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    let metrics = Arc::new(Metrics::new());
+    let tally = Arc::new(Tally::default());
     let resume = data.first().map(|b| u64::from(*b)).filter(|b| b % 2 == 0);
-    let mut r = KmsgReader::new(resume, None, data.len() % 3 == 0, metrics.clone());
+    let mut r = KmsgReader::new(resume, None, data.len() % 3 == 0, tally.clone());
     let mut out = Vec::new();
     for line in data.split(|c| *c == b'\n') {
         r.feed(line, &mut out);
     }
     r.flush_cursor(&mut out);
-    assert!(metrics.kmsg_records.get() <= data.len() as u64 + 1);
+    assert!(Tally::get(&tally.records) <= data.len() as u64 + 1);
 });

@@ -3,7 +3,7 @@
 import hashlib, os, re, sys
 
 root = os.path.dirname(os.path.abspath(__file__))
-fixtures = os.path.join(root, "..", "tests", "fixtures")
+fixtures = os.path.join(root, "..", "..", "tests", "fixtures")
 
 def put(target, data):
     d = os.path.join(root, "corpus", target)
@@ -35,7 +35,7 @@ for name in sorted(os.listdir(ascend)):
         data = open(os.path.join(ascend, name), "rb").read()
         put("ascend_npu_smi" if name.startswith("npu-smi") else "ascend_hccn", data)
 # The built-in MindCluster tables seed ascend_tables.
-catalog = os.path.join(root, "..", "agent", "catalog")
+catalog = os.path.join(root, "..", "catalog")
 for name in ("ascend-faultCode.json", "ascend-faultCustomization.json"):
     put("ascend_tables", open(os.path.join(catalog, name), "rb").read())
 print(f"seeded from {len(lines)} corpus lines", file=sys.stderr)
