@@ -2,8 +2,7 @@
 //! writes `/run/faultline/faults.json`, serves metrics on :20260.
 
 use clap::Parser;
-use futures::StreamExt;
-use signal_hook::consts::{SIGINT, SIGTERM};
+use tokio::signal::unix::{signal, SignalKind};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Parser)]
@@ -38,22 +37,26 @@ fn main() -> std::process::ExitCode {
     };
     let result = rt.block_on(async move {
         let shutdown = CancellationToken::new();
-        let signals = signal_hook_tokio::Signals::new([SIGTERM, SIGINT])?;
-        let handle = signals.handle();
+        // tokio's own signal handling (its `signal` feature): registered before anything starts,
+        // so a SIGTERM during start-up still flushes.
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
         let stop = shutdown.clone();
         let signal_task = tokio::spawn(async move {
-            let mut signals = signals;
-            if let Some(sig) = signals.next().await {
-                tracing::info!(signal = sig, "shutting down");
-                stop.cancel();
-            }
+            let name = tokio::select! {
+                _ = term.recv() => "SIGTERM",
+                _ = int.recv() => "SIGINT",
+            };
+            tracing::info!(signal = name, "shutting down");
+            stop.cancel();
             // A second signal while flushing: leave now.
-            if signals.next().await.is_some() {
-                std::process::exit(130);
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
             }
+            std::process::exit(130);
         });
         let r = faultline_agent::daemon::run(cli.agent, shutdown).await;
-        handle.close();
         signal_task.abort();
         r
     });
