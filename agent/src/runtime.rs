@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use faultline_core::time::Timestamp;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -28,7 +28,7 @@ use faultline_core::record::{
 
 /// Wall-clock time, injectable for tests.
 pub trait Clock: Send + Sync + std::fmt::Debug {
-    fn now(&self) -> DateTime<Utc>;
+    fn now(&self) -> Timestamp;
 }
 
 /// The system clock.
@@ -36,8 +36,8 @@ pub trait Clock: Send + Sync + std::fmt::Debug {
 pub struct SystemClock;
 
 impl Clock for SystemClock {
-    fn now(&self) -> DateTime<Utc> {
-        Utc::now()
+    fn now(&self) -> Timestamp {
+        Timestamp::now()
     }
 }
 
@@ -75,12 +75,12 @@ pub struct Snapshot {
 pub struct Heartbeat(AtomicI64);
 
 impl Heartbeat {
-    pub fn beat(&self, now: DateTime<Utc>) {
-        self.0.store(now.timestamp_millis(), Ordering::Relaxed);
+    pub fn beat(&self, now: Timestamp) {
+        self.0.store(now.as_millisecond(), Ordering::Relaxed);
     }
     /// Milliseconds since the last beat.
-    pub fn age_ms(&self, now: DateTime<Utc>) -> i64 {
-        now.timestamp_millis() - self.0.load(Ordering::Relaxed)
+    pub fn age_ms(&self, now: Timestamp) -> i64 {
+        now.as_millisecond() - self.0.load(Ordering::Relaxed)
     }
 }
 

@@ -428,7 +428,7 @@ fn real_dev_kmsg_round_trip() {
             .iter()
             .any(|d| d.name == "kmsg" && d.state == "Running")
     });
-    let before = chrono::Utc::now();
+    let before = faultline_core::time::Timestamp::now();
     dev.write_all(line.as_bytes()).unwrap();
     let find = |r: &faultline_core::record::NodeRecord| {
         r.faults
@@ -439,7 +439,7 @@ fn real_dev_kmsg_round_trip() {
     let r = agent.wait_for("the injected Xid", |r| find(r).is_some());
     let f = find(&r).unwrap();
     assert_eq!((f.fault_code.as_str(), f.count), ("Xid13", 1));
-    let skew = (f.first_seen - before).num_seconds().abs();
+    let skew = f.first_seen.duration_since(before).as_secs().abs();
     assert!(
         skew < 120,
         "dated by the kernel timestamp, close to now: {} vs {before}",

@@ -95,7 +95,7 @@ fn main() {
             policy: &policy,
             catalog: &catalog,
         };
-        let now = chrono::DateTime::from_timestamp(1_790_000_000, 0).unwrap();
+        let now = jiff::Timestamp::from_second(1_790_000_000).unwrap();
         let start = Instant::now();
         for l in &lines {
             reader.feed(l, &mut out);

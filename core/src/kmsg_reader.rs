@@ -6,7 +6,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
+use jiff::{SignedDuration, Timestamp};
 
 use crate::catalog::FaultCode;
 use crate::engine::{DeviceRef, Input, Observation, Signal};
@@ -67,7 +67,7 @@ impl ReaderCounters for Tally {
 #[derive(Debug)]
 pub struct KmsgReader {
     last_seq: Option<u64>,
-    boot_time: Option<DateTime<Utc>>,
+    boot_time: Option<Timestamp>,
     use_record_time: bool,
     counters: Arc<dyn ReaderCounters>,
     unsent_cursor: bool,
@@ -76,7 +76,7 @@ pub struct KmsgReader {
 impl KmsgReader {
     pub fn new(
         resume_after: Option<u64>,
-        boot_time: Option<DateTime<Utc>>,
+        boot_time: Option<Timestamp>,
         use_record_time: bool,
         counters: Arc<dyn ReaderCounters>,
     ) -> Self {
@@ -115,9 +115,10 @@ impl KmsgReader {
                 self.last_seq = Some(rec.seq);
                 let at = if self.use_record_time {
                     self.boot_time.and_then(|b| {
-                        b.checked_add_signed(chrono::Duration::microseconds(
-                            rec.usec.min(i64::MAX as u64) as i64,
+                        b.checked_add(SignedDuration::from_micros(
+                            rec.usec.min(i64::MAX as u64) as i64
                         ))
+                        .ok()
                     })
                 } else {
                     None
@@ -170,7 +171,7 @@ impl KmsgReader {
     }
 
     /// Parses a message; returns whether it produced an input.
-    fn scan(&mut self, msg: &str, at: Option<DateTime<Utc>>, out: &mut Vec<Input>) -> bool {
+    fn scan(&mut self, msg: &str, at: Option<Timestamp>, out: &mut Vec<Input>) -> bool {
         let Some(ev) = parse_message(msg) else {
             return false;
         };
@@ -200,7 +201,7 @@ fn truncate(s: &str, n: usize) -> &str {
 }
 
 /// Maps a kernel event to an engine observation.
-pub fn to_observation(ev: KernelEvent, at: Option<DateTime<Utc>>) -> Observation {
+pub fn to_observation(ev: KernelEvent, at: Option<Timestamp>) -> Observation {
     let signal = |code: FaultCode, device: Option<DeviceRef>, message: String| {
         let mut s = Signal::new(Source::Kmsg, code, device, message);
         s.at = at;

@@ -7,7 +7,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use chrono::{DateTime, SecondsFormat, Utc};
+use jiff::Timestamp;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -179,43 +179,32 @@ impl fmt::Display for Source {
     }
 }
 
-/// Timestamps in records: RFC 3339, UTC, second precision with a `Z`.
+/// Timestamps in records: RFC 3339, UTC, millisecond precision with a `Z`.
 pub mod rfc3339 {
     use super::*;
     use serde::{Deserializer, Serializer};
 
-    pub fn serialize<S: Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&t.to_rfc3339_opts(SecondsFormat::Millis, true))
+    pub fn serialize<S: Serializer>(t: &Timestamp, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{t:.3}"))
     }
 
-    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<DateTime<Utc>, D::Error> {
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Timestamp, D::Error> {
         let s = String::deserialize(d)?;
-        DateTime::parse_from_rfc3339(&s)
-            .map(|t| t.with_timezone(&Utc))
-            .map_err(serde::de::Error::custom)
+        s.parse::<Timestamp>().map_err(serde::de::Error::custom)
     }
 
     pub mod option {
         use super::*;
-        pub fn serialize<S: Serializer>(
-            t: &Option<DateTime<Utc>>,
-            s: S,
-        ) -> Result<S::Ok, S::Error> {
+        pub fn serialize<S: Serializer>(t: &Option<Timestamp>, s: S) -> Result<S::Ok, S::Error> {
             match t {
                 Some(t) => super::serialize(t, s),
                 None => s.serialize_none(),
             }
         }
-        pub fn deserialize<'de, D: Deserializer<'de>>(
-            d: D,
-        ) -> Result<Option<DateTime<Utc>>, D::Error> {
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Timestamp>, D::Error> {
             let s: Option<String> = Option::deserialize(d)?;
-            s.map(|s| {
-                DateTime::parse_from_rfc3339(&s)
-                    .map(|t| t.with_timezone(&Utc))
-                    .map_err(serde::de::Error::custom)
-            })
-            .transpose()
+            s.map(|s| s.parse::<Timestamp>().map_err(serde::de::Error::custom))
+                .transpose()
         }
     }
 }
@@ -242,9 +231,9 @@ pub struct Fault {
     pub also_seen_by: Vec<Source>,
     pub message: String,
     #[serde(with = "rfc3339")]
-    pub first_seen: DateTime<Utc>,
+    pub first_seen: Timestamp,
     #[serde(with = "rfc3339")]
-    pub last_seen: DateTime<Utc>,
+    pub last_seen: Timestamp,
     pub count: u64,
     /// False once the fault recovered; recovered faults stay for a while as history.
     pub active: bool,
@@ -253,7 +242,7 @@ pub struct Fault {
         with = "rfc3339::option",
         skip_serializing_if = "Option::is_none"
     )]
-    pub recovered_at: Option<DateTime<Utc>>,
+    pub recovered_at: Option<Timestamp>,
     /// The level before escalation, when an escalation rule raised it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub escalated_from: Option<Handling>,
@@ -296,7 +285,7 @@ pub struct TaintBudgetStatus {
     /// Nodes counted (one fault ConfigMap per agent).
     pub nodes: u32,
     #[serde(with = "rfc3339")]
-    pub since: DateTime<Utc>,
+    pub since: Timestamp,
 }
 
 /// What the agent says about itself.
@@ -322,7 +311,7 @@ pub struct NodeRecord {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub handling: Option<Handling>,
     #[serde(with = "rfc3339")]
-    pub update_time: DateTime<Utc>,
+    pub update_time: Timestamp,
     /// Hex sha256 of the JSON of `faults`.
     pub check_code: String,
     pub faults: Vec<Fault>,

@@ -79,7 +79,7 @@ pub fn cluster_table(records: &[NodeRecord]) -> String {
             } else {
                 codes.join(",")
             },
-            r.update_time.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+            r.update_time.strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
         ]);
     }
     columns(&rows)

@@ -76,7 +76,7 @@ pub fn table(r: &NodeRecord, all: bool) -> String {
             r.node.clone(),
             r.health.to_string(),
             handling,
-            r.update_time.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+            r.update_time.strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
         ],
     ];
     out.push_str(&columns(&rows));
@@ -108,7 +108,7 @@ pub fn table(r: &NodeRecord, all: bool) -> String {
                 f.fault_handling.to_string(),
                 f.device.clone(),
                 f.count.to_string(),
-                f.last_seen.format("%Y-%m-%dT%H:%M:%SZ").to_string(),
+                f.last_seen.strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
                 if f.active {
                     "active".into()
                 } else {

@@ -19,7 +19,7 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use faultline_core::time::Timestamp;
 use faultline_proto::v1::{
     CheckAccepted, CheckAssignment, CheckReport, Member as WireMember, PingReply, RunConclusion,
 };
@@ -111,9 +111,9 @@ pub struct RunState {
     pub run_id: String,
     pub trigger: Trigger,
     pub coordinator: String,
-    pub started: DateTime<Utc>,
+    pub started: Timestamp,
     #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub finished: Option<DateTime<Utc>>,
+    pub finished: Option<Timestamp>,
     /// Members in the planner's terms (verdicts name them).
     pub members: Vec<String>,
     /// Requested or listed nodes left out, and why.
@@ -225,10 +225,10 @@ pub fn verdict_states(members: &[String], v: &Verdicts) -> Vec<VerdictState> {
 }
 
 /// A new run id: time and a random suffix.
-pub fn new_run_id(now: DateTime<Utc>) -> String {
+pub fn new_run_id(now: Timestamp) -> String {
     format!(
         "{}-{:04x}",
-        now.format("%Y%m%dT%H%M%SZ"),
+        now.strftime("%Y%m%dT%H%M%SZ"),
         wire::random_u64() & 0xffff
     )
 }
@@ -291,7 +291,7 @@ impl Coordinator {
         trigger: Trigger,
     ) -> RunState {
         let _one_at_a_time = self.lock.lock().await;
-        let started = Utc::now();
+        let started = Timestamp::now();
         let run_id = new_run_id(started);
         let span = tracing::info_span!("peer_run", run_id = %run_id, trigger = ?trigger);
         self.run_inner(members, missing, spec, trigger, run_id, started)
@@ -306,7 +306,7 @@ impl Coordinator {
         spec: &RunSpec,
         trigger: Trigger,
         run_id: String,
-        started: DateTime<Utc>,
+        started: Timestamp,
     ) -> RunState {
         // Ping first: who is there, who is busy.
         let pings = futures::future::join_all(members.iter().map(|m| self.transport.ping(m))).await;
@@ -453,7 +453,7 @@ impl Coordinator {
                 });
             }
         }
-        state.finished = Some(Utc::now());
+        state.finished = Some(Timestamp::now());
         self.publisher.publish(&state).await;
         info!(
             rounds = state.rounds.len(),

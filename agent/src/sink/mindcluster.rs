@@ -22,7 +22,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
+use faultline_core::time::Timestamp;
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 use tokio::sync::watch;
@@ -184,7 +184,7 @@ pub fn device_list(input: DeviceListInput<'_>) -> BTreeMap<String, String> {
             e.2.insert(
                 code.clone(),
                 TimeAndLevel {
-                    fault_time: r.first_seen.timestamp_millis(),
+                    fault_time: r.first_seen.as_millisecond(),
                     fault_level: h,
                 },
             );
@@ -225,10 +225,10 @@ pub fn device_list(input: DeviceListInput<'_>) -> BTreeMap<String, String> {
 
 /// The `DeviceInfoCfg` document: `CheckCode` is the hex sha256 of the JSON of `DeviceInfo`,
 /// fields in MindCluster's order, `SuperPodID` and `ServerIndex` -2 (not part of a super pod).
-pub fn render(list: &BTreeMap<String, String>, update_time: DateTime<Utc>) -> String {
+pub fn render(list: &BTreeMap<String, String>, update_time: Timestamp) -> String {
     let info = DeviceInfo {
         device_list: list,
-        update_time: update_time.timestamp(),
+        update_time: update_time.as_second(),
     };
     let info_json = serde_json::to_string(&info).unwrap_or_default();
     let doc = DeviceInfoCfg {
@@ -381,8 +381,8 @@ mod tests {
     use faultline_core::engine::{Ctx, DeviceRef, Engine, Observation, Signal};
     use faultline_core::policy::Policy;
 
-    fn t(s: i64) -> DateTime<Utc> {
-        DateTime::from_timestamp(1_790_000_000 + s, 0).unwrap()
+    fn t(s: i64) -> Timestamp {
+        Timestamp::from_second(1_790_000_000 + s).unwrap()
     }
 
     /// An engine whose Ascend inventory has chips 0..n.

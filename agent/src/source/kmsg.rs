@@ -13,7 +13,7 @@ use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use faultline_core::time::Timestamp;
 use tracing::{debug, info, warn};
 
 use faultline_core::engine::{DetectorState, Observation};
@@ -56,13 +56,13 @@ pub struct KmsgConfig {
     /// Skip records with a sequence number up to this one (same boot, already counted).
     pub resume_after: Option<u64>,
     /// Wall-clock time of boot, to date records from their monotonic timestamps.
-    pub boot_time: Option<DateTime<Utc>>,
+    pub boot_time: Option<Timestamp>,
     /// How often a file at its end is checked for growth.
     pub follow_interval: Duration,
 }
 
 /// Reads `/proc/stat`'s `btime`: the wall-clock time of boot.
-pub fn boot_time(proc_stat: &Path) -> Option<DateTime<Utc>> {
+pub fn boot_time(proc_stat: &Path) -> Option<Timestamp> {
     let text = std::fs::read_to_string(proc_stat).ok()?;
     let secs: i64 = text
         .lines()
@@ -70,7 +70,7 @@ pub fn boot_time(proc_stat: &Path) -> Option<DateTime<Utc>> {
         .trim()
         .parse()
         .ok()?;
-    DateTime::from_timestamp(secs, 0)
+    Timestamp::from_second(secs).ok()
 }
 
 /// Runs the source on a dedicated thread until shutdown. Never returns an error: failures are
@@ -319,7 +319,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("stat");
         std::fs::write(&p, "cpu 1 2 3\nbtime 1700000000\nprocesses 5\n").unwrap();
-        assert_eq!(boot_time(&p).map(|t| t.timestamp()), Some(1_700_000_000));
+        assert_eq!(boot_time(&p).map(|t| t.as_second()), Some(1_700_000_000));
         std::fs::write(&p, "cpu 1 2 3\n").unwrap();
         assert_eq!(boot_time(&p), None);
     }

@@ -1,11 +1,12 @@
 //! Escalation: a fault's handling raised by the policy's frequency and duration rules, never
 //! lowered while the fault is active; and which faults are sticky (only an operator clears them).
 
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 
 use super::{set_handling, EngineEvent, FaultState};
 use crate::policy::Policy;
 use crate::record::Handling;
+use crate::time::{signed, since};
 
 /// `ManuallySeparateNPU` means a person must look: only an operator's clear ends such a fault,
 /// not the condition going away, a reboot or a quiet period.
@@ -17,7 +18,7 @@ pub(super) fn sticky(f: &FaultState) -> bool {
 pub(super) fn escalate(
     policy: &Policy,
     f: &mut FaultState,
-    now: DateTime<Utc>,
+    now: Timestamp,
     events: &mut Vec<EngineEvent>,
 ) {
     if !f.fault.active {
@@ -29,14 +30,18 @@ pub(super) fn escalate(
         }
         let hit = match (r.count, r.window, r.duration) {
             (Some(n), Some(w), _) => {
-                let w = chrono::Duration::from_std(w).unwrap_or(chrono::Duration::MAX);
-                let recent = f.occurrences.iter().filter(|t| now - **t <= w).count();
+                let w = signed(w);
+                let recent = f
+                    .occurrences
+                    .iter()
+                    .filter(|t| since(now, **t) <= w)
+                    .count();
                 recent >= n as usize
             }
             (_, _, Some(d)) => {
                 // A condition already gone (recovery hold running) stops the clock.
                 let until = f.resolving_since.unwrap_or(now);
-                chrono::Duration::from_std(d).is_ok_and(|d| until - f.active_since >= d)
+                since(until, f.active_since) >= signed(d)
             }
             _ => false,
         };

@@ -15,7 +15,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
+
+use crate::time::{signed, since};
 use serde::{Deserialize, Serialize};
 
 use crate::catalog::{Catalog, FaultCode};
@@ -76,7 +78,7 @@ pub struct Signal {
     pub device: Option<DeviceRef>,
     pub message: String,
     /// When it happened, if the source knows (kernel timestamp); else `now`.
-    pub at: Option<DateTime<Utc>>,
+    pub at: Option<Timestamp>,
     /// How many occurrences this signal stands for (lost records for `KMSG_LOSS`); at least 1.
     pub count: u64,
 }
@@ -222,15 +224,15 @@ pub struct FaultState {
     /// The level escalation raised it to (sticky while active).
     pub escalated: Option<Handling>,
     /// Start times of recent occurrences, newest last (bounded).
-    pub occurrences: VecDeque<DateTime<Utc>>,
+    pub occurrences: VecDeque<Timestamp>,
     /// When the current active period started.
-    pub active_since: DateTime<Utc>,
+    pub active_since: Timestamp,
     /// The `Level` domain that reports this fault, if a level-triggered source raised it.
     #[serde(default)]
     pub domain: Option<String>,
     /// Since when the condition has been gone while the recovery hold runs.
     #[serde(default)]
-    pub resolving_since: Option<DateTime<Utc>>,
+    pub resolving_since: Option<Timestamp>,
 }
 
 /// `FaultCode` in a serializable form (for the persisted state).
@@ -398,7 +400,7 @@ impl Engine {
     }
 
     /// Applies one observation. Returns the events it caused.
-    pub fn step(&mut self, ctx: Ctx<'_>, obs: Observation, now: DateTime<Utc>) -> Vec<EngineEvent> {
+    pub fn step(&mut self, ctx: Ctx<'_>, obs: Observation, now: Timestamp) -> Vec<EngineEvent> {
         let before = self.health(ctx.policy);
         let mut events = Vec::new();
         let tick = obs == Observation::Tick;
@@ -515,19 +517,12 @@ impl Engine {
         events
     }
 
-    fn signal(
-        &mut self,
-        ctx: Ctx<'_>,
-        s: Signal,
-        now: DateTime<Utc>,
-        events: &mut Vec<EngineEvent>,
-    ) {
+    fn signal(&mut self, ctx: Ctx<'_>, s: Signal, now: Timestamp, events: &mut Vec<EngineEvent>) {
         let at = s.at.unwrap_or(now);
         let count = s.count.max(1);
         let (dkey, dname, uuid, pci) = self.resolve_device(s.device.as_ref());
         let key = format!("{}/{}", s.code, dkey);
-        let burst =
-            chrono::Duration::from_std(ctx.policy.burst_window).unwrap_or(chrono::Duration::zero());
+        let burst = signed(ctx.policy.burst_window);
         match self.faults.get_mut(&key) {
             Some(f) => {
                 let was_active = f.fault.active;
@@ -541,7 +536,7 @@ impl Engine {
                 if f.fault.device_uuid.is_none() {
                     f.fault.device_uuid = uuid;
                 }
-                let new_occurrence = !was_active || at - f.fault.last_seen > burst;
+                let new_occurrence = !was_active || since(at, f.fault.last_seen) > burst;
                 if at > f.fault.last_seen {
                     f.fault.last_seen = at;
                 }
@@ -622,7 +617,7 @@ impl Engine {
         name: String,
         state: DetectorState,
         reason: Option<String>,
-        now: DateTime<Utc>,
+        now: Timestamp,
         events: &mut Vec<EngineEvent>,
     ) {
         let info = DetectorInfo {
@@ -664,7 +659,7 @@ impl Engine {
         device: DeviceRef,
         domain: String,
         present: Vec<Signal>,
-        now: DateTime<Utc>,
+        now: Timestamp,
         events: &mut Vec<EngineEvent>,
     ) {
         let dkey = self.resolve_device(Some(&device)).0;
@@ -705,7 +700,7 @@ impl Engine {
     }
 }
 
-fn push_occurrence(q: &mut VecDeque<DateTime<Utc>>, at: DateTime<Utc>) {
+fn push_occurrence(q: &mut VecDeque<Timestamp>, at: Timestamp) {
     q.push_back(at);
     while q.len() > MAX_OCCURRENCES {
         q.pop_front();

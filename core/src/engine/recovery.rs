@@ -2,27 +2,23 @@
 //! hold), when a recovery rule's quiet time passes, or when an operator clears them; recovered
 //! faults are kept as bounded history.
 
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 
 use super::escalation::{escalate, sticky};
 use super::{Engine, EngineEvent, FaultState};
 use crate::policy::Policy;
+use crate::time::{signed, since};
 
 impl Engine {
-    pub(super) fn tick(
-        &mut self,
-        policy: &Policy,
-        now: DateTime<Utc>,
-        events: &mut Vec<EngineEvent>,
-    ) {
+    pub(super) fn tick(&mut self, policy: &Policy, now: Timestamp, events: &mut Vec<EngineEvent>) {
         for f in self.faults.values_mut() {
             if !f.fault.active {
                 continue;
             }
             escalate(policy, f, now, events);
-            if let Some(since) = f.resolving_since {
+            if let Some(resolving) = f.resolving_since {
                 let hold = policy.recover_hold(&f.fault.fault_code);
-                if chrono::Duration::from_std(hold).is_ok_and(|h| now - since >= h) {
+                if since(now, resolving) >= signed(hold) {
                     let why = format!(
                         "gone for {} (recovery hold)",
                         humantime::format_duration(hold)
@@ -34,12 +30,12 @@ impl Engine {
             if sticky(f) {
                 continue;
             }
-            let quiet = now - f.fault.last_seen;
+            let quiet = since(now, f.fault.last_seen);
             let rule = policy.recovery.iter().find(|r| {
                 (r.codes.is_empty() || r.codes.contains(&f.fault.fault_code))
                     && (r.sources.is_empty() || r.sources.contains(&f.fault.source))
                     && r.max_handling.is_none_or(|m| f.fault.fault_handling <= m)
-                    && chrono::Duration::from_std(r.clear_after).is_ok_and(|d| quiet >= d)
+                    && quiet >= signed(r.clear_after)
             });
             if let Some(r) = rule {
                 let why = format!(
@@ -52,14 +48,16 @@ impl Engine {
         }
     }
     /// Drops recovered faults past retention, then the oldest beyond the cap.
-    pub(super) fn prune(&mut self, policy: &Policy, now: DateTime<Utc>) {
-        let retention =
-            chrono::Duration::from_std(policy.recovered_retention).unwrap_or(chrono::Duration::MAX);
+    pub(super) fn prune(&mut self, policy: &Policy, now: Timestamp) {
+        let retention = signed(policy.recovered_retention);
         let before = self.faults.len();
         self.faults.retain(|_, f| {
-            f.fault.active || f.fault.recovered_at.is_none_or(|r| now - r < retention)
+            f.fault.active
+                || f.fault
+                    .recovered_at
+                    .is_none_or(|r| since(now, r) < retention)
         });
-        let mut recovered: Vec<(DateTime<Utc>, String)> = self
+        let mut recovered: Vec<(Timestamp, String)> = self
             .faults
             .iter()
             .filter(|(_, f)| !f.fault.active)
@@ -83,7 +81,7 @@ impl Engine {
 pub(super) fn resolve(
     policy: &Policy,
     f: &mut FaultState,
-    now: DateTime<Utc>,
+    now: Timestamp,
     reason: String,
     events: &mut Vec<EngineEvent>,
 ) {
@@ -100,7 +98,7 @@ pub(super) fn resolve(
 
 pub(super) fn recover(
     f: &mut FaultState,
-    now: DateTime<Utc>,
+    now: Timestamp,
     reason: String,
     events: &mut Vec<EngineEvent>,
 ) {

@@ -2,17 +2,14 @@
 
 use std::time::Duration;
 
-use chrono::TimeZone;
 use proptest::prelude::*;
 
 use super::*;
 use crate::policy::Policy;
 use crate::record::FaultType;
 
-fn t(s: i64) -> DateTime<Utc> {
-    Utc.timestamp_opt(1_700_000_000 + s, 0)
-        .single()
-        .expect("valid time")
+fn t(s: i64) -> Timestamp {
+    Timestamp::from_second(1_700_000_000 + s).expect("valid time")
 }
 
 fn pci(s: &str) -> PciAddr {

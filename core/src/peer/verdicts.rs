@@ -139,7 +139,7 @@ mod tests {
             policy: &policy,
             catalog: &catalog,
         };
-        let t = |s: i64| chrono::DateTime::from_timestamp(1_790_000_000 + s, 0).unwrap();
+        let t = |s: i64| jiff::Timestamp::from_second(1_790_000_000 + s).unwrap();
         let m = members(8);
         // Run 1 (simulated): node 3 faulty, link 4-5 broken, node 6 a 3x straggler.
         let truth = Truth {

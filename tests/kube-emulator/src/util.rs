@@ -5,7 +5,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 /// RFC 3339 time with second precision, as `metav1.Time` serializes.
 pub(crate) fn now_rfc3339() -> String {
-    chrono::Utc::now().format("%Y-%m-%dT%H:%M:%SZ").to_string()
+    jiff::Timestamp::now()
+        .strftime("%Y-%m-%dT%H:%M:%SZ")
+        .to_string()
 }
 
 static SEED: AtomicU64 = AtomicU64::new(0);

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
+use faultline_core::time::Timestamp;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{ListParams, ObjectMeta, PostParams};
 use kube::{Api, Client};
@@ -55,7 +55,7 @@ impl Budget {
     pub async fn admit(
         &self,
         budget: &TaintBudget,
-        now: DateTime<Utc>,
+        now: Timestamp,
     ) -> Result<Answer, KubeSinkError> {
         for attempt in 0..MAX_CONFLICTS {
             let nodes = self

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 
-use chrono::{DateTime, Utc};
+use faultline_core::time::{signed, since, Timestamp};
 use k8s_openapi::api::core::v1::{NodeCondition, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 use serde::{Deserialize, Serialize};
@@ -21,8 +21,9 @@ pub const OWNED_PREFIX: &str = "faultline.io/";
 /// The condition type the agent owns.
 pub const CONDITION_TYPE: &str = "AcceleratorHealthy";
 
-fn time(t: DateTime<Utc>) -> Time {
-    Time(k8s_openapi::jiff::Timestamp::from_millisecond(t.timestamp_millis()).unwrap_or_default())
+/// The record's and the API's time types are the same (jiff's `Timestamp`): no conversion.
+fn time(t: Timestamp) -> Time {
+    Time(t)
 }
 
 /// Taints that keep pods off a node (the budget counts these); `PreferNoSchedule` is a hint.
@@ -55,7 +56,7 @@ pub fn plan_taints(
     actual: &[Taint],
     desired: &[DesiredTaint],
     withhold_hard: bool,
-    now: DateTime<Utc>,
+    now: Timestamp,
 ) -> Option<Vec<Taint>> {
     let mut out: Vec<Taint> = actual.iter().filter(|t| !owned(&t.key)).cloned().collect();
     for d in desired {
@@ -105,7 +106,7 @@ pub fn withheld(actual: &[Taint], desired: &[DesiredTaint]) -> Vec<DesiredTaint>
 pub fn plan_condition(
     actual: &[NodeCondition],
     desired: &DesiredCondition,
-    now: DateTime<Utc>,
+    now: Timestamp,
 ) -> Option<NodeCondition> {
     let status = if desired.status { "True" } else { "False" };
     let cur = actual.iter().find(|c| c.type_ == CONDITION_TYPE);
@@ -253,7 +254,7 @@ pub fn fit_record(
 /// `updateTime` (which changes with every snapshot).
 pub fn content_key(record: &NodeRecord) -> String {
     let mut r = record.clone();
-    r.update_time = DateTime::<Utc>::UNIX_EPOCH;
+    r.update_time = Timestamp::UNIX_EPOCH;
     let bytes = serde_json::to_vec(&r).unwrap_or_default();
     hex::encode(Sha256::digest(&bytes))
 }
@@ -263,7 +264,7 @@ pub fn content_key(record: &NodeRecord) -> String {
 pub struct LedgerEntry {
     pub node: String,
     #[serde(with = "faultline_core::record::rfc3339")]
-    pub at: DateTime<Utc>,
+    pub at: Timestamp,
 }
 
 /// The shared taint ledger (`faultline-taint-budget`, key `ledger.json`): which nodes faultline
@@ -289,13 +290,14 @@ impl Ledger {
     pub fn decide(
         &mut self,
         node: &str,
-        now: DateTime<Utc>,
+        now: Timestamp,
         window: std::time::Duration,
         limit: u32,
     ) -> Admission {
-        let window = chrono::Duration::from_std(window).unwrap_or(chrono::Duration::MAX);
+        let window = signed(window);
+        // An entry dated ahead of `now` by more than the window (a clock stepped back) goes too.
         self.entries
-            .retain(|e| now.signed_duration_since(e.at) < window && e.at <= now + window);
+            .retain(|e| since(now, e.at) < window && since(e.at, now) <= window);
         let used = self.entries.len() as u32;
         if self.entries.iter().any(|e| e.node == node) {
             return Admission::AlreadyIn { used };
@@ -410,11 +412,10 @@ pub fn event_for(n: &Notice) -> Option<EventSpec> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use chrono::TimeZone;
     use faultline_core::record::{AgentStatus, Fault, FaultType, Handling, PolicyStatus, Source};
 
-    fn t(s: i64) -> DateTime<Utc> {
-        Utc.timestamp_opt(1_800_000_000 + s, 0).single().unwrap()
+    fn t(s: i64) -> Timestamp {
+        Timestamp::from_second(1_800_000_000 + s).unwrap()
     }
 
     fn taint(key: &str, value: &str, effect: &str) -> Taint {
