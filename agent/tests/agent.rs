@@ -147,7 +147,7 @@ fn whole_corpus_through_the_agent() {
         expect: Option<serde_json::Map<String, serde_json::Value>>,
     }
     let text = std::fs::read_to_string(fixtures().join("kernel-lines.yaml")).unwrap();
-    let cases: Vec<Case> = serde_norway::from_str(&text).unwrap();
+    let cases: Vec<Case> = serde_saphyr::from_str(&text).unwrap();
     let mut kmsg = String::new();
     let mut want = std::collections::BTreeSet::new();
     for (i, c) in cases.iter().enumerate() {

@@ -39,7 +39,7 @@ fn corpus() -> Vec<Vec<u8>> {
         "/../tests/fixtures/kernel-lines.yaml"
     );
     let text = std::fs::read_to_string(path).expect("corpus");
-    let cases: Vec<serde_json::Value> = serde_norway::from_str(&text).expect("corpus parses");
+    let cases: Vec<serde_json::Value> = serde_saphyr::from_str(&text).expect("corpus parses");
     let fixture: Vec<String> = cases
         .iter()
         .filter_map(|c| c["line"].as_str().map(|l| l.replace('\n', " ")))

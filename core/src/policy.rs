@@ -396,10 +396,19 @@ impl Policy {
         if text.trim().is_empty() {
             return Ok(Policy::default());
         }
-        let de = serde_norway::Deserializer::from_str(text);
-        let policy: Policy = serde_path_to_error::deserialize(de).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.into_inner();
+        // serde-saphyr (the YAML parser kube-client uses too) parses within a budget: nesting
+        // depth, events, aliases. Its default budget keeps a hostile file from costing much.
+        let mut options = serde_saphyr::Options::default();
+        options.with_snippet = false;
+        let mut path = String::new();
+        let parsed = serde_saphyr::with_deserializer_from_str_with_options(text, options, |de| {
+            serde_path_to_error::deserialize(de).map_err(|e| {
+                path = e.path().to_string();
+                e.into_inner()
+            })
+        });
+        let policy: Policy = parsed.map_err(|inner| {
+            let path = if path == "?" { String::new() } else { path };
             let line = inner
                 .location()
                 .map(|l| format!("line {} column {}", l.line(), l.column()));
@@ -409,8 +418,11 @@ impl Policy {
                 (p, Some(l)) => format!("field {p} ({l})"),
                 (p, None) => format!("field {p}"),
             };
-            // serde_norway appends " at line N column M"; the location says it already.
-            let msg = inner.to_string();
+            // The message ends with " at line N, column M"; the location says it already.
+            let msg = inner.to_string().replace(
+                ", set DuplicateKeyPolicy in Options if acceptable",
+                " (each key may appear once)",
+            );
             let msg = match msg.find(" at line ") {
                 Some(i) => msg[..i].to_string(),
                 None => msg,
@@ -759,11 +771,32 @@ expected_gpus: 8
         }
     }
 
+    /// Deep nesting and repeated keys are refused with a location. The parser streams into the
+    /// typed policy, so nesting stops at the first value of the wrong shape (and its budget caps
+    /// depth, aliases and events for anything that gets further).
+    #[test]
+    fn hostile_yaml_is_refused_with_a_clear_error() {
+        let deep = format!(
+            "overrides: {}{}\n",
+            "[".repeat(100_000),
+            "]".repeat(100_000)
+        );
+        let err = Policy::parse(&deep).expect_err("deep nesting").to_string();
+        assert!(err.contains("overrides") && err.contains("line 1"), "{err}");
+        let err = Policy::parse("burst_window: 1s\nburst_window: 2s\n")
+            .expect_err("duplicate key")
+            .to_string();
+        assert!(
+            err.contains("duplicate") && err.contains("line 2") && !err.contains("Options"),
+            "{err}"
+        );
+    }
+
     /// The policy shipped in the manifests parses, and so does every example in its comments.
     #[test]
     fn shipped_policy_and_its_commented_examples_parse() {
         let cm: serde_json::Value =
-            serde_norway::from_str(include_str!("../../manifests/base/policy.yaml")).unwrap();
+            serde_saphyr::from_str(include_str!("../../manifests/base/policy.yaml")).unwrap();
         let text = cm["data"]["policy.yaml"].as_str().unwrap();
         let p = Policy::parse(text).unwrap();
         assert_eq!(p.taint_budget, TaintBudget::default());

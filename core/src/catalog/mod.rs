@@ -130,7 +130,7 @@ pub enum CatalogError {
     Parse {
         file: &'static str,
         #[source]
-        source: serde_norway::Error,
+        source: serde_saphyr::Error,
     },
     #[error("catalog {file}: {what}")]
     Invalid { file: &'static str, what: String },
@@ -165,12 +165,12 @@ impl Catalog {
 
     fn from_yaml(nvidia: &str, own: &str) -> Result<Catalog, CatalogError> {
         let nv: NvidiaFile =
-            serde_norway::from_str(nvidia).map_err(|source| CatalogError::Parse {
+            serde_saphyr::from_str(nvidia).map_err(|source| CatalogError::Parse {
                 file: "nvidia.yaml",
                 source,
             })?;
         let own: FaultlineFile =
-            serde_norway::from_str(own).map_err(|source| CatalogError::Parse {
+            serde_saphyr::from_str(own).map_err(|source| CatalogError::Parse {
                 file: "faultline.yaml",
                 source,
             })?;

@@ -247,7 +247,7 @@ fn parse_body(r: &RequestCtx<'_>) -> Result<Value, ApiError> {
             ))
         })?,
         "application/yaml" | "application/x-yaml" | "text/yaml" => {
-            serde_norway::from_slice(&r.body)
+            serde_saphyr::from_slice(&r.body)
                 .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?
         }
         other => return Err(ApiError::unsupported_media_type(other)),

@@ -979,7 +979,7 @@ impl Store {
         let rt = resources::get(rid);
         let mut applied: Value = match serde_json::from_slice(body) {
             Ok(v) => v,
-            Err(_) => serde_norway::from_slice(body)
+            Err(_) => serde_saphyr::from_slice(body)
                 .map_err(|e| ApiError::bad_request(format!("error decoding YAML: {e}")))?,
         };
         if !applied.is_object() {

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use serde_json::Value;
 
 /// The agent's namespace and service account, as the manifests name them.
@@ -66,14 +66,8 @@ impl Doc {
 
 /// Every document of a YAML text (empty documents are skipped).
 pub fn parse_yaml(text: &str) -> Result<Vec<Value>, String> {
-    let mut out = Vec::new();
-    for (i, de) in serde_norway::Deserializer::from_str(text).enumerate() {
-        let v = Value::deserialize(de).map_err(|e| format!("document {i}: {e}"))?;
-        if !v.is_null() {
-            out.push(v);
-        }
-    }
-    Ok(out)
+    let docs: Vec<Value> = serde_saphyr::from_multiple(text).map_err(|e| e.to_string())?;
+    Ok(docs.into_iter().filter(|v| !v.is_null()).collect())
 }
 
 /// Every `.yaml`/`.yml` file under `dir` (recursively), sorted.
