@@ -130,7 +130,7 @@ pub enum CatalogError {
     Parse {
         file: &'static str,
         #[source]
-        source: serde_saphyr::Error,
+        source: Box<serde_saphyr::Error>,
     },
     #[error("catalog {file}: {what}")]
     Invalid { file: &'static str, what: String },
@@ -167,12 +167,12 @@ impl Catalog {
         let nv: NvidiaFile =
             serde_saphyr::from_str(nvidia).map_err(|source| CatalogError::Parse {
                 file: "nvidia.yaml",
-                source,
+                source: Box::new(source),
             })?;
         let own: FaultlineFile =
             serde_saphyr::from_str(own).map_err(|source| CatalogError::Parse {
                 file: "faultline.yaml",
-                source,
+                source: Box::new(source),
             })?;
         let invalid = |what: String| CatalogError::Invalid {
             file: "nvidia.yaml",
