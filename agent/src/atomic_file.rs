@@ -39,6 +39,25 @@ pub fn write(path: &Path, bytes: &[u8]) -> Result<(), WriteError> {
     Ok(())
 }
 
+/// Removes the temporary files (`.faultline-*`, regular files only) that writes interrupted by
+/// a kill left in `dir`. Only for directories no other program writes into at the same time.
+pub fn remove_stale_temps(dir: &Path) -> std::io::Result<usize> {
+    let mut n = 0;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let is_temp = entry
+            .file_name()
+            .to_str()
+            .is_some_and(|name| name.starts_with(TEMP_PREFIX));
+        // file_type() does not follow symlinks: only plain files are removed.
+        if is_temp && entry.file_type()?.is_file() {
+            std::fs::remove_file(entry.path())?;
+            n += 1;
+        }
+    }
+    Ok(n)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -63,5 +82,23 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("/nonexistent-dir/faults.json"), "{err}");
+    }
+
+    #[test]
+    fn stale_temporary_files_are_removed_and_nothing_else() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        std::fs::write(d.join(".faultline-a1b2"), b"half a record").unwrap();
+        std::fs::write(d.join(".faultline-c3d4"), b"").unwrap();
+        std::fs::write(d.join("faults.json"), b"{}").unwrap();
+        std::fs::create_dir(d.join(".faultline-dir")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", d.join(".faultline-link")).unwrap();
+        assert_eq!(remove_stale_temps(d).unwrap(), 2);
+        let mut left: Vec<String> = std::fs::read_dir(d)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(left, [".faultline-dir", ".faultline-link", "faults.json"]);
     }
 }

@@ -281,9 +281,18 @@ async fn peer_setup(
 
 /// Runs the agent until `shutdown` is cancelled, then flushes and returns.
 pub async fn run(cfg: AgentConfig, shutdown: CancellationToken) -> anyhow::Result<()> {
+    run_with_reload(cfg, shutdown, Arc::default()).await
+}
+
+/// [`run`], with a trigger that makes the agent re-read its policy file now (SIGHUP).
+pub async fn run_with_reload(
+    cfg: AgentConfig,
+    shutdown: CancellationToken,
+    reload: Arc<tokio::sync::Notify>,
+) -> anyhow::Result<()> {
     let node = cfg.node_name.clone().unwrap_or_else(hostname);
     let span = tracing::info_span!("agent", node = %node);
-    run_node(cfg, node, shutdown).instrument(span).await
+    run_node(cfg, node, shutdown, reload).instrument(span).await
 }
 
 /// What the last run left for this one: the engine and, within the same boot, the kernel-log
@@ -324,8 +333,12 @@ struct Components {
     metrics: Arc<Metrics>,
     clock: Arc<dyn Clock>,
     heartbeat: Arc<Heartbeat>,
-    /// Set by the file sink once the record is written (`/readyz`).
+    /// Set by the file sink while the newest record is on disk (`/readyz`).
     ready: Arc<AtomicBool>,
+    /// The highest engine-loop marker the file sink has written (clear requests wait for it).
+    persisted: watch::Sender<u64>,
+    /// Re-read the policy now (SIGHUP).
+    reload: Arc<tokio::sync::Notify>,
     shutdown: CancellationToken,
     source_shutdown: CancellationToken,
     policy: watch::Receiver<LoadedPolicy>,
@@ -353,7 +366,12 @@ struct EngineEnds {
 }
 
 impl Components {
-    fn new(cfg: AgentConfig, node: String, shutdown: CancellationToken) -> (Self, EngineEnds) {
+    fn new(
+        cfg: AgentConfig,
+        node: String,
+        shutdown: CancellationToken,
+        reload: Arc<tokio::sync::Notify>,
+    ) -> (Self, EngineEnds) {
         let metrics = Arc::new(Metrics::new());
         let loaded = policy_watch::initial(cfg.policy.as_deref(), &metrics);
         let (policy_tx, policy) = watch::channel(loaded);
@@ -372,6 +390,8 @@ impl Components {
             clock: Arc::new(SystemClock),
             heartbeat: Arc::new(Heartbeat::default()),
             ready: Arc::new(AtomicBool::new(false)),
+            persisted: watch::channel(0).0,
+            reload,
             shutdown,
             source_shutdown,
             policy,
@@ -422,12 +442,14 @@ impl Components {
                 self.metrics.clone(),
                 self.source_shutdown.clone(),
                 Duration::from_secs(30),
+                self.reload.clone(),
             );
             self.spawn_source("policy", watcher);
         }
         let clears = control::run(
             self.cfg.state_dir.clone(),
             self.ctx(),
+            self.persisted.subscribe(),
             Duration::from_secs(1),
         );
         self.spawn_source("control", clears);
@@ -533,6 +555,7 @@ impl Components {
             node: self.node.clone(),
             engine: restored.engine,
             kmsg_cursor: restored.kmsg_cursor,
+            marker: 0,
             catalog,
             policy: self.policy.clone(),
             inputs: ends.inputs,
@@ -597,7 +620,10 @@ impl Components {
             self.snapshots.clone(),
             self.metrics.clone(),
             budget,
-            self.ready.clone(),
+            file::FileSinkSignals {
+                ready: self.ready.clone(),
+                persisted: self.persisted.clone(),
+            },
             self.shutdown.clone(),
         );
         self.spawn_sink("file", file_sink);
@@ -654,14 +680,24 @@ async fn run_node(
     cfg: AgentConfig,
     node: String,
     shutdown: CancellationToken,
+    reload: Arc<tokio::sync::Notify>,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("cannot create state directory {}", cfg.state_dir.display()))?;
+    // Temporary files of writes a kill interrupted (only the agent writes here).
+    match crate::atomic_file::remove_stale_temps(&cfg.state_dir) {
+        Ok(0) => {}
+        Ok(n) => info!(
+            removed = n,
+            "removed temporary files left by an interrupted write"
+        ),
+        Err(e) => warn!(error = %e, "cannot clean temporary files in the state directory"),
+    }
     std::fs::create_dir_all(cfg.state_dir.join(control::CLEAR_DIR)).ok();
     let catalog = Arc::new(Catalog::builtin().context("built-in catalog")?);
     let restored = restore(&cfg);
 
-    let (mut c, ends) = Components::new(cfg, node, shutdown);
+    let (mut c, ends) = Components::new(cfg, node, shutdown, reload);
     c.heartbeat.beat(c.clock.now());
     if let Some(b) = &restored.boot_id {
         let boot = Input::Obs(Observation::Boot { boot_id: b.clone() });

@@ -1,5 +1,5 @@
 //! The agent's HTTP endpoints on one port: `/metrics` (Prometheus text), `/healthz` (the engine
-//! loop is alive), `/readyz` (the local record has been written), `/v1/record` (the latest
+//! loop is alive), `/readyz` (the newest record is on disk), `/v1/record` (the latest
 //! record as JSON).
 
 use std::net::SocketAddr;
@@ -69,7 +69,7 @@ async fn readyz(State(s): State<HttpState>) -> Response {
     } else {
         (
             StatusCode::SERVICE_UNAVAILABLE,
-            "the local record has not been written yet\n",
+            "the newest record is not on disk (not written yet, or the last write failed)\n",
         )
             .into_response()
     }

@@ -13,6 +13,7 @@ pub mod daemon;
 pub mod http;
 pub mod kube_client;
 pub mod metrics;
+pub mod operator_file;
 pub mod peer;
 pub mod runtime;
 pub mod sink;

@@ -61,6 +61,8 @@ pub struct Snapshot {
     pub labels: BTreeMap<String, String>,
     pub taints: Vec<DesiredTaint>,
     pub condition: DesiredCondition,
+    /// The highest [`Input::Marker`] applied before this snapshot.
+    pub marker: u64,
     /// The devices each polled source last reported, by kind (the engine's view).
     pub inventory: Arc<BTreeMap<String, BTreeSet<String>>>,
     /// Active faults waiting out a recovery hold, as `(device, fault_code)` (the engine's view).
@@ -97,6 +99,8 @@ pub struct EngineLoop {
     pub node: String,
     pub engine: Engine,
     pub kmsg_cursor: Option<u64>,
+    /// The highest [`Input::Marker`] applied.
+    pub marker: u64,
     pub catalog: Arc<Catalog>,
     pub policy: watch::Receiver<LoadedPolicy>,
     pub inputs: mpsc::Receiver<Input>,
@@ -125,6 +129,7 @@ impl EngineLoop {
 
     async fn run_inner(mut self) {
         let mut published = u64::MAX;
+        let mut published_marker = self.marker;
         let mut seq = 0u64;
         let mut tick = tokio::time::interval(self.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -166,8 +171,10 @@ impl EngineLoop {
                 _ = tick.tick() => self.apply(&loaded, Input::Obs(Observation::Tick)),
             }
             self.heartbeat.beat(self.clock.now());
-            if self.engine.revision() != published {
+            // A marker is published even when nothing else changed: its sender waits for it.
+            if self.engine.revision() != published || self.marker != published_marker {
                 published = self.engine.revision();
+                published_marker = self.marker;
                 seq += 1;
                 self.publish(&loaded, &report, seq);
             }
@@ -184,6 +191,7 @@ impl EngineLoop {
         self.metrics.engine_inputs.inc();
         match input {
             Input::KmsgCursor(seq) => self.kmsg_cursor = Some(seq),
+            Input::Marker(m) => self.marker = self.marker.max(m),
             Input::Obs(obs) => {
                 let ctx = Ctx {
                     policy: &loaded.policy,
@@ -314,6 +322,7 @@ impl EngineLoop {
             labels: view.labels,
             taints: view.taints,
             condition: view.condition,
+            marker: self.marker,
             inventory: Arc::new(view.inventory),
             recovering: Arc::new(view.recovering),
             state: Arc::new(PersistedState {

@@ -268,6 +268,47 @@ fn sigterm_flushes_the_latest_state() {
     assert_eq!(after.health, Health::Unhealthy);
 }
 
+/// SIGHUP, SIGUSR1, SIGUSR2 and SIGQUIT would end an agent without a flush by their default
+/// action: they are handled (SIGHUP re-reads the policy, the others are logged), and the agent
+/// keeps running and still flushes on SIGTERM.
+#[test]
+fn other_signals_neither_kill_the_agent_nor_lose_its_state() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &["--write-interval", "1h", "--write-burst", "1"],
+    );
+    agent.wait_for("start-up write", |_| true);
+    agent.append(b"4,1,100,-;NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=a, Graphics Exception\n");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while agent.metric("faultline_engine_events_total{kind=\"new_fault\"}") < 1.0 {
+        assert!(std::time::Instant::now() < deadline, "fault not applied");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let pid = rustix::process::Pid::from_raw(agent.child.id() as i32).unwrap();
+    use rustix::process::Signal;
+    for sig in [Signal::HUP, Signal::USR1, Signal::USR2, Signal::QUIT] {
+        rustix::process::kill_process(pid, sig).unwrap();
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while agent.log().matches("signal ignored").count() < 3 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "signals not handled; log:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut agent = agent;
+    assert!(agent.child.try_wait().unwrap().is_none(), "still running");
+    assert!(agent.log().contains("SIGHUP"), "{}", agent.log());
+    let state = agent.state();
+    assert_eq!(agent.stop(), 0);
+    let after: faultline_core::record::NodeRecord =
+        serde_json::from_slice(&std::fs::read(state.join("faults.json")).unwrap()).unwrap();
+    assert!(fault(&after, "Xid13").is_some(), "flushed on SIGTERM");
+}
+
 #[test]
 fn bad_policy_is_rejected_visibly_and_detection_goes_on() {
     let dir = tempfile::tempdir().unwrap();

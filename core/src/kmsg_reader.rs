@@ -27,7 +27,14 @@ pub trait ReaderCounters: Send + Sync + fmt::Debug {
     fn lost(&self, lost: u64, next_seq: u64);
     /// A message matched a parser; `kind` is [`KernelEvent::kind`].
     fn matched(&self, kind: &'static str);
+    /// A record whose sequence number is not where it can be (`seq`, after `last`): backwards
+    /// after the reader caught up, or implausibly far ahead. Its message was still scanned.
+    fn out_of_order(&self, seq: u64, last: u64);
 }
+
+/// A forward jump in sequence numbers larger than this is not a loss but a corrupt number
+/// (2^48 records is a million a second for nine years).
+pub const MAX_PLAUSIBLE_GAP: u64 = 1 << 48;
 
 /// Plain counters.
 #[derive(Debug, Default)]
@@ -37,6 +44,7 @@ pub struct Tally {
     pub malformed: AtomicU64,
     pub lost: AtomicU64,
     pub matched: AtomicU64,
+    pub out_of_order: AtomicU64,
 }
 
 impl Tally {
@@ -61,12 +69,18 @@ impl ReaderCounters for Tally {
     fn matched(&self, _: &'static str) {
         self.matched.fetch_add(1, Ordering::Relaxed);
     }
+    fn out_of_order(&self, _: u64, _: u64) {
+        self.out_of_order.fetch_add(1, Ordering::Relaxed);
+    }
 }
 
 /// The pure core: bytes in, engine inputs out.
 #[derive(Debug)]
 pub struct KmsgReader {
     last_seq: Option<u64>,
+    /// The cursor of the previous run: records up to it are expected again (the device is read
+    /// from the oldest record) and skipped without complaint.
+    resume_after: Option<u64>,
     boot_time: Option<Timestamp>,
     use_record_time: bool,
     counters: Arc<dyn ReaderCounters>,
@@ -82,6 +96,7 @@ impl KmsgReader {
     ) -> Self {
         KmsgReader {
             last_seq: resume_after,
+            resume_after,
             boot_time,
             use_record_time,
             counters,
@@ -102,9 +117,18 @@ impl KmsgReader {
         self.counters.record();
         match parse_record(raw) {
             Ok(rec) => {
+                let at = self.record_time(rec.usec);
                 if let Some(last) = self.last_seq {
-                    if rec.seq <= last {
+                    let replayed = self.resume_after.is_some_and(|r| rec.seq <= r);
+                    if rec.seq <= last && replayed {
                         self.counters.skipped();
+                        return;
+                    }
+                    if rec.seq <= last || rec.seq - last - 1 > MAX_PLAUSIBLE_GAP {
+                        // Not where a sequence number can be: report it, keep the fault, and
+                        // leave the cursor where it is.
+                        self.counters.out_of_order(rec.seq, last);
+                        self.scan(&rec.message, at, out);
                         return;
                     }
                     let lost = rec.seq - last - 1;
@@ -113,16 +137,6 @@ impl KmsgReader {
                     }
                 }
                 self.last_seq = Some(rec.seq);
-                let at = if self.use_record_time {
-                    self.boot_time.and_then(|b| {
-                        b.checked_add(SignedDuration::from_micros(
-                            rec.usec.min(i64::MAX as u64) as i64
-                        ))
-                        .ok()
-                    })
-                } else {
-                    None
-                };
                 if self.scan(&rec.message, at, out) {
                     out.push(Input::KmsgCursor(rec.seq));
                     self.unsent_cursor = false;
@@ -134,10 +148,11 @@ impl KmsgReader {
                 let text = String::from_utf8_lossy(raw);
                 if looks_like_header(raw) {
                     // A truncated or corrupt record: say so, and still scan what is there. Its
-                    // sequence number, when readable, was read, not lost.
+                    // sequence number is believed only when it is the next one expected (a
+                    // truncated number could be anything).
                     self.counters.malformed(&e, truncate(&text, 120));
-                    if let Some(seq) = header_seq(raw) {
-                        if self.last_seq.is_none_or(|last| seq > last) {
+                    if let (Some(seq), Some(last)) = (header_seq(raw), self.last_seq) {
+                        if last.checked_add(1) == Some(seq) {
                             self.last_seq = Some(seq);
                             self.unsent_cursor = true;
                         }
@@ -146,6 +161,16 @@ impl KmsgReader {
                 self.scan(strip_dmesg_time(text.trim_end_matches('\n')), None, out);
             }
         }
+    }
+
+    /// Wall-clock time of a record from its kernel timestamp, when the reader dates records.
+    fn record_time(&self, usec: u64) -> Option<Timestamp> {
+        if !self.use_record_time {
+            return None;
+        }
+        let b = self.boot_time?;
+        b.checked_add(SignedDuration::from_micros(usec.min(i64::MAX as u64) as i64))
+            .ok()
     }
 
     /// A cursor marker for records read since the last marker, if any.
@@ -425,5 +450,97 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
+    }
+
+    const XID: &str = "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=a, GPU has fallen off the bus.";
+
+    fn cursors(out: &[Input]) -> Vec<u64> {
+        out.iter()
+            .filter_map(|i| match i {
+                Input::KmsgCursor(c) => Some(*c),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// A truncated header with an enormous number does not move the cursor: later records are
+    /// read, not skipped, and the damage is counted.
+    #[test]
+    fn a_truncated_header_cannot_push_the_cursor_ahead() {
+        let (mut r, tally) = reader(None);
+        let out = feed_all(
+            &mut r,
+            &[
+                b"6,10,100,-;hello",
+                b"6,9000000000000000000",
+                format!("4,11,200,-;{XID}").as_bytes(),
+            ],
+        );
+        assert_eq!(r.last_seq(), Some(11));
+        assert_eq!(signals(&out), ["Xid79x1"], "the later fault is not skipped");
+        assert_eq!(Tally::get(&tally.malformed), 1);
+        // A damaged record that is the next one expected still counts as read, not lost.
+        let (mut r, tally) = reader(None);
+        let out = feed_all(&mut r, &[b"6,10,100,-;a", b"6,11,1", b"6,12,300,-;b"]);
+        assert_eq!(r.last_seq(), Some(12));
+        assert_eq!(Tally::get(&tally.lost), 0);
+        assert!(signals(&out).is_empty());
+    }
+
+    /// After the reader caught up, a record numbered backwards is reported and its fault kept;
+    /// the cursor stays. Before it caught up (a restart replaying the ring), records up to the
+    /// saved cursor are skipped as already counted.
+    #[test]
+    fn a_sequence_number_going_backwards_is_reported_and_its_fault_kept() {
+        let (mut r, tally) = reader(None);
+        let out = feed_all(
+            &mut r,
+            &[
+                b"6,20,100,-;a",
+                b"6,21,100,-;b",
+                format!("4,15,200,-;{XID}").as_bytes(),
+                b"6,22,300,-;c",
+            ],
+        );
+        assert_eq!(signals(&out), ["Xid79x1"]);
+        assert_eq!(Tally::get(&tally.out_of_order), 1);
+        assert_eq!(Tally::get(&tally.skipped), 0);
+        assert_eq!(Tally::get(&tally.lost), 0);
+        assert_eq!(r.last_seq(), Some(22));
+        assert!(!cursors(&out).contains(&15));
+
+        let (mut r, tally) = reader(Some(30));
+        let out = feed_all(
+            &mut r,
+            &[
+                format!("4,29,200,-;{XID}").as_bytes(),
+                b"6,30,100,-;a",
+                b"6,31,100,-;b",
+            ],
+        );
+        assert!(
+            signals(&out).is_empty(),
+            "replayed records are not recounted"
+        );
+        assert_eq!(Tally::get(&tally.skipped), 2);
+        assert_eq!(Tally::get(&tally.out_of_order), 0);
+    }
+
+    /// A well-formed record that jumps implausibly far is not a loss of trillions of records:
+    /// it is scanned and counted, and the cursor does not follow it.
+    #[test]
+    fn an_absurd_jump_does_not_move_the_cursor() {
+        let (mut r, tally) = reader(None);
+        let far = format!("4,{},200,-;{XID}", 10 + MAX_PLAUSIBLE_GAP + 2);
+        let out = feed_all(&mut r, &[b"6,10,100,-;a", far.as_bytes(), b"6,11,100,-;b"]);
+        assert_eq!(signals(&out), ["Xid79x1"]);
+        assert_eq!(Tally::get(&tally.out_of_order), 1);
+        assert_eq!(Tally::get(&tally.lost), 0);
+        assert_eq!(r.last_seq(), Some(11));
+        // A large but possible gap (a restart after a long storm) is loss.
+        let (mut r, tally) = reader(None);
+        let near = format!("6,{},100,-;b", 10 + 1_000_000_001);
+        feed_all(&mut r, &[b"6,10,100,-;a", near.as_bytes()]);
+        assert_eq!(Tally::get(&tally.lost), 1_000_000_000);
     }
 }

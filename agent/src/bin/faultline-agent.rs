@@ -37,26 +37,46 @@ fn main() -> std::process::ExitCode {
     };
     let result = rt.block_on(async move {
         let shutdown = CancellationToken::new();
-        // tokio's own signal handling (its `signal` feature): registered before anything starts,
-        // so a SIGTERM during start-up still flushes.
+        // tokio's own signal handling (its `signal` feature), registered before anything starts,
+        // so a SIGTERM during start-up still flushes. A signal whose default action would kill
+        // the agent without a flush is handled: SIGHUP re-reads the policy; SIGUSR1, SIGUSR2
+        // and SIGQUIT are logged and otherwise ignored.
         let mut term = signal(SignalKind::terminate())?;
         let mut int = signal(SignalKind::interrupt())?;
+        let mut hup = signal(SignalKind::hangup())?;
+        let mut usr1 = signal(SignalKind::user_defined1())?;
+        let mut usr2 = signal(SignalKind::user_defined2())?;
+        let mut quit = signal(SignalKind::quit())?;
+        let reload = std::sync::Arc::new(tokio::sync::Notify::new());
         let stop = shutdown.clone();
+        let reload_tx = reload.clone();
         let signal_task = tokio::spawn(async move {
-            let name = tokio::select! {
-                _ = term.recv() => "SIGTERM",
-                _ = int.recv() => "SIGINT",
-            };
-            tracing::info!(signal = name, "shutting down");
-            stop.cancel();
-            // A second signal while flushing: leave now.
-            tokio::select! {
-                _ = term.recv() => {}
-                _ = int.recv() => {}
+            let mut stopping = false;
+            loop {
+                let name = tokio::select! {
+                    _ = term.recv() => "SIGTERM",
+                    _ = int.recv() => "SIGINT",
+                    _ = hup.recv() => {
+                        tracing::info!(signal = "SIGHUP", "re-reading the policy");
+                        reload_tx.notify_one();
+                        continue;
+                    }
+                    _ = usr1.recv() => "SIGUSR1",
+                    _ = usr2.recv() => "SIGUSR2",
+                    _ = quit.recv() => "SIGQUIT",
+                };
+                match name {
+                    "SIGTERM" | "SIGINT" if stopping => std::process::exit(130), // a second one: leave now
+                    "SIGTERM" | "SIGINT" => {
+                        tracing::info!(signal = name, "shutting down");
+                        stopping = true;
+                        stop.cancel();
+                    }
+                    _ => tracing::info!(signal = name, "signal ignored (SIGTERM or SIGINT stop the agent, SIGHUP re-reads the policy)"),
+                }
             }
-            std::process::exit(130);
         });
-        let r = faultline_agent::daemon::run(cli.agent, shutdown).await;
+        let r = faultline_agent::daemon::run_with_reload(cli.agent, shutdown, reload).await;
         signal_task.abort();
         r
     });

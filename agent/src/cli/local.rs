@@ -10,7 +10,7 @@ use faultline_core::record::{Health, NodeRecord};
 use super::{columns, Outcome};
 use crate::atomic_file::write as write_atomic;
 use crate::sink::file::FAULTS_FILE;
-use crate::source::control::{ClearRequest, CLEAR_DIR};
+use crate::source::control::{is_pending, ClearRequest, CLEAR_DIR};
 
 /// Where the local record is.
 pub fn record_path(file: Option<&Path>, state_dir: &Path) -> PathBuf {
@@ -202,14 +202,15 @@ pub fn clear(
             .unwrap_or(0),
         std::process::id()
     );
-    let path = dir.join(name);
+    let path = dir.join(&name);
     let body = serde_json::to_vec(&req).unwrap_or_default();
     if let Err(e) = write_atomic(&path, &body) {
         return Outcome::error(format!("error: {e}"));
     }
     let deadline = Instant::now() + wait;
     while Instant::now() < deadline {
-        if !path.exists() {
+        // Taken (renamed `*.applying`) and then removed once the clear is on the agent's disk.
+        if !is_pending(&dir, &name) {
             return Outcome::ok(format!(
                 "cleared {} on {}",
                 req.code.as_deref().unwrap_or("all faults"),

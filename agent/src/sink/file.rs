@@ -100,19 +100,35 @@ pub fn read_state(dir: &Path) -> Result<Option<PersistedState>, String> {
     }
 }
 
-/// Runs the sink until the snapshot channel closes (the engine stopped) or shutdown; always
-/// writes the last snapshot it saw before returning.
+/// After shutdown, how long the sink keeps trying to write the final snapshot. A disk that is
+/// full or read-only must not hold the agent: past this the process exits with the last state
+/// it managed to write (a restart continues from there).
+pub const FLUSH_DEADLINE: Duration = Duration::from_secs(5);
+
+/// The file sink's outputs besides the files.
+#[derive(Debug, Clone)]
+pub struct FileSinkSignals {
+    /// `/readyz`: true while the newest record is on disk, false while writes fail.
+    pub ready: Arc<std::sync::atomic::AtomicBool>,
+    /// The highest engine-loop marker written to `state.json` (a clear request waits for it).
+    pub persisted: watch::Sender<u64>,
+}
+
+/// Runs the sink until the snapshot channel closes (the engine stopped) or shutdown; at shutdown
+/// it writes the last snapshot it saw, trying for at most [`FLUSH_DEADLINE`].
 pub async fn run(
     dir: PathBuf,
     mut rx: watch::Receiver<Option<Snapshot>>,
     metrics: Arc<Metrics>,
     mut budget: WriteBudget,
-    ready: Arc<std::sync::atomic::AtomicBool>,
+    signals: FileSinkSignals,
     shutdown: CancellationToken,
 ) {
     let label = SinkLabel { sink: "file" };
+    let ready = signals.ready;
     let mut written: Option<u64> = None;
     let mut backoff = Duration::from_millis(100);
+    let mut flush_until: Option<Instant> = None;
     loop {
         let closed = rx.changed().await.is_err();
         let wait = budget.wait(Instant::now());
@@ -154,16 +170,35 @@ pub async fn run(
                     written = Some(snap.revision);
                     budget.spend(Instant::now());
                     ready.store(true, std::sync::atomic::Ordering::Relaxed);
+                    signals.persisted.send_if_modified(|m| {
+                        let newer = snap.marker > *m;
+                        *m = (*m).max(snap.marker);
+                        newer
+                    });
                     backoff = Duration::from_millis(100);
                     break;
                 }
                 Err(e) => {
                     metrics.sink_errors.get_or_create(&label).inc();
+                    // The record on disk is now older than the agent's state: not ready.
+                    ready.store(false, std::sync::atomic::Ordering::Relaxed);
                     warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "writing the local record failed");
-                    if closed && shutdown.is_cancelled() && backoff > Duration::from_secs(2) {
-                        return; // give up at shutdown after a few tries
+                    let mut pause = backoff;
+                    if shutdown.is_cancelled() {
+                        let until =
+                            *flush_until.get_or_insert_with(|| Instant::now() + FLUSH_DEADLINE);
+                        let left = until.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            warn!(deadline_s = FLUSH_DEADLINE.as_secs(), "giving up on writing the final record; the last one written stays on disk");
+                            return;
+                        }
+                        pause = pause.min(left);
                     }
-                    tokio::time::sleep(backoff).await;
+                    tokio::select! {
+                        _ = tokio::time::sleep(pause) => {}
+                        // Shutdown during the pause: try again now, under the flush deadline.
+                        _ = shutdown.cancelled(), if !shutdown.is_cancelled() => {}
+                    }
                     backoff = (backoff * 2).min(Duration::from_secs(30));
                 }
             }
@@ -223,5 +258,115 @@ mod tests {
             err.contains("cannot parse") && err.contains("state.json"),
             "{err}"
         );
+    }
+
+    fn snapshot(revision: u64, marker: u64) -> Snapshot {
+        let record = r#"{"apiVersion":"faultline.io/v1","node":"n1","health":"Healthy","updateTime":"2026-11-22T01:02:03.000Z","checkCode":"x","faults":[],"agent":{"version":"0","policy":{"source":"builtin","checksum":"y"},"detectors":[]}}"#;
+        Snapshot {
+            revision,
+            record: Arc::new(serde_json::from_str(record).unwrap()),
+            labels: Default::default(),
+            taints: Vec::new(),
+            condition: faultline_core::engine::DesiredCondition {
+                status: true,
+                reason: "NoFaults".into(),
+                message: String::new(),
+            },
+            marker,
+            inventory: Default::default(),
+            recovering: Default::default(),
+            state: Arc::new(PersistedState::default()),
+            applied_at: Instant::now(),
+        }
+    }
+
+    fn start(
+        dir: PathBuf,
+    ) -> (
+        watch::Sender<Option<Snapshot>>,
+        FileSinkSignals,
+        CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ) {
+        let (tx, rx) = watch::channel(None);
+        let signals = FileSinkSignals {
+            ready: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            persisted: watch::channel(0).0,
+        };
+        let shutdown = CancellationToken::new();
+        let budget = WriteBudget::new(Duration::from_millis(10), 3, Instant::now());
+        let task = tokio::spawn(run(
+            dir,
+            rx,
+            Arc::new(Metrics::new()),
+            budget,
+            signals.clone(),
+            shutdown.clone(),
+        ));
+        (tx, signals, shutdown, task)
+    }
+
+    fn ready(s: &FileSinkSignals) -> bool {
+        s.ready.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Written records make the agent ready and report their marker; a record that cannot be
+    /// written makes it not ready (root ignores permissions, so the "disk" here is a path under
+    /// a regular file: every write fails with ENOTDIR).
+    #[tokio::test]
+    async fn readiness_follows_whether_the_newest_record_is_on_disk() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (tx, signals, shutdown, task) = start(tmp.path().to_path_buf());
+        tx.send_replace(Some(snapshot(1, 7)));
+        let mut persisted = signals.persisted.subscribe();
+        tokio::time::timeout(Duration::from_secs(5), persisted.wait_for(|m| *m == 7))
+            .await
+            .expect("marker reported")
+            .unwrap();
+        assert!(ready(&signals));
+        assert!(tmp.path().join(FAULTS_FILE).exists());
+        shutdown.cancel();
+        drop(tx);
+        task.await.unwrap();
+
+        let not_a_dir = tmp.path().join("plain-file");
+        std::fs::write(&not_a_dir, b"x").unwrap();
+        let (tx, signals, shutdown, task) = start(not_a_dir);
+        signals
+            .ready
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        tx.send_replace(Some(snapshot(1, 3)));
+        for _ in 0..100 {
+            if !ready(&signals) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!ready(&signals), "a failed write is not ready");
+        assert_eq!(*signals.persisted.borrow(), 0, "nothing reported persisted");
+        shutdown.cancel();
+        drop(tx);
+        task.await.unwrap();
+    }
+
+    /// SIGTERM while the record cannot be written: the sink stops within the flush deadline
+    /// instead of retrying forever (the engine loop still holds its sender, as in the agent
+    /// while it drains).
+    #[tokio::test]
+    async fn shutdown_finishes_while_the_record_cannot_be_written() {
+        let tmp = tempfile::tempdir().unwrap();
+        let not_a_dir = tmp.path().join("plain-file");
+        std::fs::write(&not_a_dir, b"x").unwrap();
+        let (tx, _signals, shutdown, task) = start(not_a_dir);
+        tx.send_replace(Some(snapshot(1, 0)));
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        shutdown.cancel();
+        let started = Instant::now();
+        tokio::time::timeout(FLUSH_DEADLINE + Duration::from_secs(5), task)
+            .await
+            .expect("the sink stopped after its flush deadline")
+            .unwrap();
+        assert!(started.elapsed() >= FLUSH_DEADLINE - Duration::from_millis(500));
+        drop(tx);
     }
 }

@@ -1,22 +1,53 @@
 //! Operator requests: `faultline clear` drops a JSON request into `<state-dir>/clear.d/`; this
-//! source applies it and removes the file. A request that does not parse is renamed to
-//! `*.rejected` with the reason logged, so it is neither lost nor retried forever.
+//! source applies it and removes the file once the clear is on disk.
 //!
 //! Files rather than an HTTP endpoint: whoever may clear faults must already be able to write
 //! into the node's state directory (root on the node, or `kubectl exec` into the agent).
+//!
+//! The directory is untrusted input, so it is read through file descriptors, never by path:
+//! - `clear.d` itself is opened with `O_NOFOLLOW | O_DIRECTORY`: a symlink put in its place is
+//!   refused, and every later open, rename and unlink is relative to that descriptor, so a
+//!   directory swapped in meanwhile is never touched;
+//! - a request is opened with `O_NOFOLLOW | O_NONBLOCK` and must be a regular file (no symlink to
+//!   `/dev/zero`, no FIFO that blocks the read) of at most [`MAX_REQUEST_BYTES`];
+//! - its JSON must be an object with only `code` and `device`, each a non-empty short string
+//!   (`[]` or `["Xid79"]` is not read as "clear all"); `{}` clears every fault on purpose.
+//!
+//! A request that fails any of this is renamed to `*.rejected` and the reason logged.
+//!
+//! Durability: a request is first renamed to `*.json.applying` (taken: it is not read again in
+//! this run, even if its removal fails), then applied, then followed through the engine by a
+//! marker; it is removed only when the file sink reports that marker written to `state.json`.
+//! The CLI reports "cleared" when both names are gone. A kill in between leaves `*.applying`,
+//! which the next start applies again (clearing twice is harmless).
 
+use std::collections::HashSet;
+use std::ffi::CString;
+use std::io::Read;
+use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
 use tracing::{info, warn};
 
 use super::{Input, SourceContext};
 use faultline_core::engine::Observation;
 
 pub const CLEAR_DIR: &str = "clear.d";
+/// A request that is taken and being applied.
+pub const APPLYING_SUFFIX: &str = ".applying";
+/// The largest request read; a clear request is a few dozen bytes.
+pub const MAX_REQUEST_BYTES: u64 = 4096;
+/// The longest `code` or `device` accepted.
+pub const MAX_FIELD_CHARS: usize = 256;
+/// How long one clear waits for the file sink to persist it before the source moves on (the
+/// request then stays as `*.applying` and is applied again at the next start).
+pub const PERSIST_WAIT: Duration = Duration::from_secs(30);
 
-/// One clear request; both fields empty clears every active fault.
+/// One clear request; both fields absent clears every active fault.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClearRequest {
@@ -27,85 +58,443 @@ pub struct ClearRequest {
     pub device: Option<String>,
 }
 
-/// Reads every pending request in `dir`, oldest name first. Returns parsed requests with their
-/// paths, and rejects (renames) the ones that do not parse.
-pub fn collect(dir: &Path) -> Vec<(PathBuf, ClearRequest)> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut paths: Vec<PathBuf> = entries
-        .filter_map(|e| e.ok().map(|e| e.path()))
-        .filter(|p| p.extension().is_some_and(|e| e == "json"))
-        .collect();
-    paths.sort();
-    let mut out = Vec::new();
-    for p in paths {
-        let parsed = std::fs::read(&p)
-            .map_err(|e| e.to_string())
-            .and_then(|b| serde_json::from_slice::<ClearRequest>(&b).map_err(|e| e.to_string()));
-        match parsed {
-            Ok(r) => out.push((p, r)),
-            Err(e) => {
-                warn!(path = %p.display(), error = %e, "rejected a clear request");
-                let _ = std::fs::rename(&p, p.with_extension("rejected"));
+/// Why a request was not applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RequestError {
+    #[error("not a regular file (symlinks, FIFOs and devices are refused)")]
+    NotRegular,
+    #[error("larger than {MAX_REQUEST_BYTES} bytes")]
+    TooLarge,
+    #[error("cannot read: {0}")]
+    Io(String),
+    #[error("not a JSON object with `code` and/or `device`: {0}")]
+    Schema(String),
+    #[error("field `{0}` must be a non-empty string of at most {MAX_FIELD_CHARS} characters")]
+    Field(&'static str),
+}
+
+/// Parses a request: a JSON object with at most `code` and `device`.
+pub fn parse_request(bytes: &[u8]) -> Result<ClearRequest, RequestError> {
+    let v: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| RequestError::Schema(e.to_string()))?;
+    if !v.is_object() {
+        return Err(RequestError::Schema(format!("found {}", kind(&v))));
+    }
+    let r: ClearRequest =
+        serde_json::from_value(v).map_err(|e| RequestError::Schema(e.to_string()))?;
+    for (name, f) in [("code", &r.code), ("device", &r.device)] {
+        if let Some(s) = f {
+            if s.trim().is_empty() || s.chars().count() > MAX_FIELD_CHARS {
+                return Err(RequestError::Field(name));
             }
         }
     }
-    out
+    Ok(r)
 }
 
-/// Polls the request directory until shutdown.
-pub async fn run(state_dir: PathBuf, ctx: SourceContext, every: Duration) {
+fn kind(v: &serde_json::Value) -> &'static str {
+    match v {
+        serde_json::Value::Null => "null",
+        serde_json::Value::Bool(_) => "a boolean",
+        serde_json::Value::Number(_) => "a number",
+        serde_json::Value::String(_) => "a string",
+        serde_json::Value::Array(_) => "an array",
+        serde_json::Value::Object(_) => "an object",
+    }
+}
+
+/// The request directory, opened without following a symlink.
+#[derive(Debug)]
+pub struct RequestDir {
+    fd: OwnedFd,
+    path: PathBuf,
+}
+
+/// One request found in the directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pending {
+    /// Its name now (`*.json.applying` once taken).
+    pub name: String,
+    pub request: ClearRequest,
+}
+
+impl RequestDir {
+    /// Opens `dir`; a symlink or anything but a directory is an error.
+    pub fn open(dir: &Path) -> std::io::Result<RequestDir> {
+        let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let fd = rustix::fs::open(dir, flags, Mode::empty())?;
+        Ok(RequestDir {
+            fd,
+            path: dir.to_path_buf(),
+        })
+    }
+
+    fn names(&self) -> std::io::Result<Vec<String>> {
+        let mut out = Vec::new();
+        for entry in rustix::fs::Dir::read_from(&self.fd)? {
+            let entry = entry?;
+            if let Ok(name) = entry.file_name().to_str() {
+                out.push(name.to_string());
+            }
+        }
+        out.sort();
+        Ok(out)
+    }
+
+    /// Reads one entry: a regular file of at most [`MAX_REQUEST_BYTES`], opened without
+    /// following links and without blocking.
+    fn read(&self, name: &str) -> Result<ClearRequest, RequestError> {
+        let c = cname(name).map_err(|e| RequestError::Io(e.to_string()))?;
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
+        let fd = match rustix::fs::openat(&self.fd, &c, flags, Mode::empty()) {
+            Ok(fd) => fd,
+            // ELOOP: the entry is a symlink.
+            Err(e) if e == rustix::io::Errno::LOOP => return Err(RequestError::NotRegular),
+            Err(e) => return Err(RequestError::Io(e.to_string())),
+        };
+        let st = rustix::fs::fstat(&fd).map_err(|e| RequestError::Io(e.to_string()))?;
+        if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
+            return Err(RequestError::NotRegular);
+        }
+        let mut bytes = Vec::new();
+        std::fs::File::from(fd)
+            .take(MAX_REQUEST_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| RequestError::Io(e.to_string()))?;
+        if bytes.len() as u64 > MAX_REQUEST_BYTES {
+            return Err(RequestError::TooLarge);
+        }
+        parse_request(&bytes)
+    }
+
+    fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
+        rustix::fs::renameat(&self.fd, &cname(from)?, &self.fd, &cname(to)?)?;
+        Ok(())
+    }
+
+    fn remove(&self, name: &str) -> std::io::Result<()> {
+        rustix::fs::unlinkat(&self.fd, &cname(name)?, AtFlags::empty())?;
+        Ok(())
+    }
+
+    /// Takes every new request: `*.json` becomes `*.json.applying`; bad ones become
+    /// `*.rejected`. Requests already `*.applying` (left by a run that was killed) are returned
+    /// too unless `seen` holds them (taken earlier in this run). Oldest name first.
+    pub fn take(&self, seen: &HashSet<String>) -> Vec<Pending> {
+        let names = match self.names() {
+            Ok(n) => n,
+            Err(e) => {
+                warn!(dir = %self.path.display(), error = %e, "cannot list clear requests");
+                return Vec::new();
+            }
+        };
+        let mut out = Vec::new();
+        for name in names {
+            let taken = if let Some(base) = name.strip_suffix(APPLYING_SUFFIX) {
+                if seen.contains(&name) || !base.ends_with(".json") {
+                    continue;
+                }
+                name.clone()
+            } else if name.ends_with(".json") {
+                name.clone() + APPLYING_SUFFIX
+            } else {
+                continue; // temporary files of a writer, rejected requests, anything else
+            };
+            match self.read(&name) {
+                Ok(request) => {
+                    if taken != name {
+                        if let Err(e) = self.rename(&name, &taken) {
+                            warn!(name, error = %e, "cannot take a clear request");
+                            continue;
+                        }
+                    }
+                    out.push(Pending {
+                        name: taken,
+                        request,
+                    });
+                }
+                Err(e) => {
+                    warn!(dir = %self.path.display(), name, error = %e, "rejected a clear request");
+                    let base = name.strip_suffix(APPLYING_SUFFIX).unwrap_or(&name);
+                    let rejected = format!("{}.rejected", base.trim_end_matches(".json"));
+                    if self.rename(&name, &rejected).is_err() {
+                        let _ = self.remove(&name);
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+fn cname(name: &str) -> std::io::Result<CString> {
+    CString::new(name).map_err(|_| std::io::Error::other("a file name with a NUL byte"))
+}
+
+/// Whether a request named `name` (`*.json`) is still pending in `dir`: for the CLI.
+pub fn is_pending(dir: &Path, name: &str) -> bool {
+    dir.join(name).exists() || dir.join(format!("{name}{APPLYING_SUFFIX}")).exists()
+}
+
+/// Polls the request directory until shutdown. `persisted` is the highest marker the file sink
+/// has written to disk.
+pub async fn run(
+    state_dir: PathBuf,
+    ctx: SourceContext,
+    persisted: watch::Receiver<u64>,
+    every: Duration,
+) {
     let dir = state_dir.join(CLEAR_DIR);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut marker = 0u64;
     loop {
         tokio::select! {
             _ = ctx.shutdown.cancelled() => return,
             _ = tick.tick() => {}
         }
         let d = dir.clone();
-        let Ok(requests) = tokio::task::spawn_blocking(move || collect(&d)).await else {
-            continue;
+        let s = seen.clone();
+        let taken = tokio::task::spawn_blocking(move || match RequestDir::open(&d) {
+            Ok(rd) => Ok((rd.take(&s), rd)),
+            Err(e) => Err(e),
+        })
+        .await;
+        let (requests, rd) = match taken {
+            Ok(Ok(t)) => t,
+            Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Ok(Err(e)) => {
+                warn!(dir = %dir.display(), error = %e, "cannot open the clear request directory (a symlink or not a directory is refused)");
+                continue;
+            }
+            Err(_) => continue,
         };
-        for (path, r) in requests {
-            info!(code = ?r.code, device = ?r.device, "operator clear");
+        for p in requests {
+            seen.insert(p.name.clone());
+            info!(code = ?p.request.code, device = ?p.request.device, "operator clear");
             let obs = Observation::OperatorClear {
-                code: r.code,
-                device: r.device,
+                code: p.request.code.clone(),
+                device: p.request.device.clone(),
             };
-            if ctx.tx.send(Input::Obs(obs)).await.is_err() {
+            marker += 1;
+            let sent = ctx.tx.send(Input::Obs(obs)).await.is_ok()
+                && ctx.tx.send(Input::Marker(marker)).await.is_ok();
+            if !sent {
                 return;
             }
-            let _ = std::fs::remove_file(&path);
+            if !wait_persisted(persisted.clone(), marker, &ctx).await {
+                warn!(request = p.name, "the clear is applied but not yet on disk; it stays pending and is applied again at the next start");
+                continue;
+            }
+            if let Err(e) = rd.remove(&p.name) {
+                warn!(request = p.name, error = %e, "cannot remove an applied clear request (it is not applied again in this run)");
+            }
         }
+    }
+}
+
+/// Waits until the file sink has written `marker`, shutdown, or [`PERSIST_WAIT`].
+async fn wait_persisted(
+    mut persisted: watch::Receiver<u64>,
+    marker: u64,
+    ctx: &SourceContext,
+) -> bool {
+    let wait = persisted.wait_for(|m| *m >= marker);
+    tokio::select! {
+        r = tokio::time::timeout(PERSIST_WAIT, wait) => matches!(r, Ok(Ok(_))),
+        _ = ctx.shutdown.cancelled() => false,
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::symlink;
+
+    fn write(dir: &Path, name: &str, body: &[u8]) {
+        std::fs::write(dir.join(name), body).unwrap();
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
 
     #[test]
-    fn good_requests_are_read_bad_ones_set_aside() {
+    fn good_requests_are_taken_bad_ones_set_aside() {
         let dir = tempfile::tempdir().unwrap();
-        std::fs::write(dir.path().join("1.json"), br#"{"code":"Xid79"}"#).unwrap();
-        std::fs::write(dir.path().join("2.json"), br#"{"cod":"Xid79"}"#).unwrap();
-        std::fs::write(dir.path().join("3.json"), br#"{}"#).unwrap();
-        let got = collect(dir.path());
+        let d = dir.path();
+        write(d, "1.json", br#"{"code":"Xid79"}"#);
+        write(d, "2.json", br#"{"cod":"Xid79"}"#);
+        write(d, "3.json", br#"{}"#);
+        write(d, "4.json", br#"[]"#);
+        write(d, "5.json", br#"["Xid79"]"#);
+        write(d, "6.json", br#"{"code":""}"#);
+        write(d, ".faultline-tmp", br#"{}"#);
+        let rd = RequestDir::open(d).unwrap();
+        let got = rd.take(&HashSet::new());
         assert_eq!(
-            got.iter().map(|(_, r)| r.clone()).collect::<Vec<_>>(),
+            got,
             vec![
-                ClearRequest {
-                    code: Some("Xid79".into()),
-                    device: None
+                Pending {
+                    name: "1.json.applying".into(),
+                    request: ClearRequest {
+                        code: Some("Xid79".into()),
+                        device: None
+                    }
                 },
-                ClearRequest::default()
+                Pending {
+                    name: "3.json.applying".into(),
+                    request: ClearRequest::default()
+                },
             ]
         );
-        assert!(
-            dir.path().join("2.rejected").exists(),
-            "kept for the operator to see"
+        assert_eq!(
+            names(d),
+            [
+                ".faultline-tmp",
+                "1.json.applying",
+                "2.rejected",
+                "3.json.applying",
+                "4.rejected",
+                "5.rejected",
+                "6.rejected"
+            ],
+            "rejects kept for the operator to see; a writer's temporary file left alone"
         );
+        // Taken requests are not taken again in the same run, but are after a restart.
+        let seen: HashSet<String> = got.iter().map(|p| p.name.clone()).collect();
+        assert!(rd.take(&seen).is_empty());
+        assert_eq!(rd.take(&HashSet::new()).len(), 2);
+    }
+
+    #[test]
+    fn requests_that_are_not_plain_small_files_are_refused_without_reading() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        symlink("/dev/zero", d.join("zero.json")).unwrap();
+        let target = dir.path().join("elsewhere");
+        std::fs::write(&target, br#"{}"#).unwrap();
+        symlink(&target, d.join("link.json")).unwrap();
+        rustix::fs::mkfifoat(
+            rustix::fs::CWD,
+            d.join("fifo.json"),
+            Mode::from_raw_mode(0o600),
+        )
+        .unwrap();
+        let big = format!(r#"{{"code":"Xid79","device":"{}"}}"#, "x".repeat(5000));
+        write(d, "big.json", big.as_bytes());
+        let rd = RequestDir::open(d).unwrap();
+        assert_eq!(rd.read("zero.json"), Err(RequestError::NotRegular));
+        assert_eq!(rd.read("link.json"), Err(RequestError::NotRegular));
+        assert_eq!(rd.read("fifo.json"), Err(RequestError::NotRegular));
+        assert_eq!(rd.read("big.json"), Err(RequestError::TooLarge));
+        assert!(rd.take(&HashSet::new()).is_empty());
+        assert!(target.exists(), "the link's target is never touched");
+    }
+
+    #[test]
+    fn a_symlinked_request_directory_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        write(&elsewhere, "1.json", br#"{}"#);
+        let link = dir.path().join(CLEAR_DIR);
+        symlink(&elsewhere, &link).unwrap();
+        assert!(RequestDir::open(&link).is_err());
+        assert_eq!(
+            names(&elsewhere),
+            ["1.json"],
+            "nothing renamed or removed there"
+        );
+    }
+
+    #[test]
+    fn request_errors_say_why() {
+        let e = parse_request(b"[]").unwrap_err().to_string();
+        assert!(e.contains("found an array"), "{e}");
+        let e = parse_request(br#"{"code": 79}"#).unwrap_err().to_string();
+        assert!(e.contains("invalid type"), "{e}");
+        let e = parse_request(br#"{"device": "  "}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`device`"), "{e}");
+        assert_eq!(parse_request(b"{}"), Ok(ClearRequest::default()));
+    }
+
+    fn ctx() -> (SourceContext, tokio::sync::mpsc::Receiver<Input>) {
+        let (tx, rx) = tokio::sync::mpsc::channel(16);
+        let ctx = SourceContext {
+            tx,
+            metrics: std::sync::Arc::new(crate::metrics::Metrics::new()),
+            shutdown: tokio_util::sync::CancellationToken::new(),
+        };
+        (ctx, rx)
+    }
+
+    /// The request file stays until the clear is written to disk, and only then goes.
+    #[tokio::test]
+    async fn a_clear_is_acknowledged_only_once_persisted() {
+        let state = tempfile::tempdir().unwrap();
+        let d = state.path().join(CLEAR_DIR);
+        std::fs::create_dir(&d).unwrap();
+        write(&d, "1.json", br#"{"code":"Xid79"}"#);
+        let (ctx, mut rx) = ctx();
+        let (persist_tx, persist_rx) = watch::channel(0u64);
+        let task = tokio::spawn(run(
+            state.path().to_path_buf(),
+            ctx.clone(),
+            persist_rx,
+            Duration::from_millis(10),
+        ));
+        assert!(matches!(
+            rx.recv().await,
+            Some(Input::Obs(Observation::OperatorClear { .. }))
+        ));
+        assert_eq!(rx.recv().await, Some(Input::Marker(1)));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(is_pending(&d, "1.json"), "not on disk yet: still pending");
+        assert_eq!(names(&d), ["1.json.applying"]);
+        persist_tx.send_replace(1);
+        for _ in 0..100 {
+            if !is_pending(&d, "1.json") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!is_pending(&d, "1.json"), "removed once persisted");
+        ctx.shutdown.cancel();
+        task.await.unwrap();
+    }
+
+    /// A request taken by a run that was killed before the clear reached the disk is applied
+    /// again by the next run.
+    #[tokio::test]
+    async fn a_request_left_applying_is_applied_at_the_next_start() {
+        let state = tempfile::tempdir().unwrap();
+        let d = state.path().join(CLEAR_DIR);
+        std::fs::create_dir(&d).unwrap();
+        write(&d, "1.json.applying", br#"{"device":"GPU-3"}"#);
+        let (ctx, mut rx) = ctx();
+        let (_persist_tx, persist_rx) = watch::channel(0u64);
+        let task = tokio::spawn(run(
+            state.path().to_path_buf(),
+            ctx.clone(),
+            persist_rx,
+            Duration::from_millis(10),
+        ));
+        match rx.recv().await {
+            Some(Input::Obs(Observation::OperatorClear { code, device })) => {
+                assert_eq!((code, device), (None, Some("GPU-3".into())));
+            }
+            other => panic!("{other:?}"),
+        }
+        ctx.shutdown.cancel();
+        task.await.unwrap();
     }
 }

@@ -44,6 +44,14 @@ impl ReaderCounters for Metrics {
     fn matched(&self, kind: &'static str) {
         self.kmsg_matched.get_or_create(&KindLabel { kind }).inc();
     }
+    fn out_of_order(&self, seq: u64, last: u64) {
+        // Counted with the malformed records: a sequence number that cannot be right.
+        self.kmsg_malformed.inc();
+        debug!(
+            seq,
+            last, "kernel log record out of sequence; scanned, cursor kept"
+        );
+    }
 }
 
 /// Longest line kept from a file; the rest of a longer line is dropped and counted.

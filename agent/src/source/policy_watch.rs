@@ -15,16 +15,18 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use crate::metrics::{Metrics, ReloadLabel, ReloadResult};
+use crate::operator_file::{read_text, MAX_POLICY_BYTES, MAX_TABLE_BYTES};
 use faultline_core::policy::{checksum, LoadedPolicy, Policy};
 use faultline_core::record::PolicyStatus;
 
 /// Reads and validates the file and the Ascend tables it names; on error returns the message
 /// for the status. The checksum covers all of them, so an edited table is reloaded too.
 pub fn read_policy(path: &Path) -> Result<(Policy, String), String> {
-    let read = |p: &Path| {
-        std::fs::read_to_string(p).map_err(|e| format!("cannot read {}: {e}", p.display()))
+    let read_capped = |p: &Path, max: u64| {
+        read_text(p, max).map_err(|e| format!("cannot read {}: {e}", p.display()))
     };
-    let text = read(path)?;
+    let read = |p: &Path| read_capped(p, MAX_TABLE_BYTES);
+    let text = read_capped(path, MAX_POLICY_BYTES)?;
     let policy = Policy::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
     // Relative table paths are relative to the policy file.
     let base = path.parent().unwrap_or(Path::new("."));
@@ -120,13 +122,15 @@ pub fn initial(path: Option<&Path>, metrics: &Metrics) -> LoadedPolicy {
     }
 }
 
-/// Watches `path` and publishes every change on `tx` until shutdown.
+/// Watches `path` and publishes every change on `tx` until shutdown. `reload` (SIGHUP) makes it
+/// re-read the file at once.
 pub async fn watch_policy(
     path: PathBuf,
     tx: watch::Sender<LoadedPolicy>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
     recheck: Duration,
+    reload: Arc<tokio::sync::Notify>,
 ) {
     let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<()>();
     let dir = path
@@ -157,6 +161,7 @@ pub async fn watch_policy(
                 while ev_rx.try_recv().is_ok() {}
             }
             _ = tick.tick() => {}
+            _ = reload.notified() => info!(path = %path.display(), "reloading the policy (SIGHUP)"),
         }
         let p = path.clone();
         let result = tokio::task::spawn_blocking(move || read_policy(&p))
@@ -232,6 +237,7 @@ mod tests {
             m,
             stop.clone(),
             Duration::from_secs(3600),
+            Arc::default(),
         ));
         tokio::time::sleep(Duration::from_millis(200)).await;
         std::fs::write(&path, "expected_gpus: 4\n").unwrap();
@@ -247,5 +253,72 @@ mod tests {
         .expect("reload seen");
         stop.cancel();
         task.await.unwrap();
+    }
+
+    /// SIGHUP re-reads the file at once, also where the file watcher sees nothing: here the
+    /// policy path is a symlink into another directory, whose changes it does not watch.
+    #[tokio::test]
+    async fn a_reload_request_rereads_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let real_dir = dir.path().join("real");
+        std::fs::create_dir(&real_dir).unwrap();
+        let real = real_dir.join("policy.yaml");
+        std::fs::write(&real, "expected_gpus: 1\n").unwrap();
+        let watched_dir = dir.path().join("watched");
+        std::fs::create_dir(&watched_dir).unwrap();
+        let path = watched_dir.join("policy.yaml");
+        std::os::unix::fs::symlink(&real, &path).unwrap();
+        let m = Arc::new(Metrics::new());
+        let (tx, mut rx) = watch::channel(initial(Some(&path), &m));
+        let stop = CancellationToken::new();
+        let reload = Arc::new(tokio::sync::Notify::new());
+        let task = tokio::spawn(watch_policy(
+            path.clone(),
+            tx,
+            m,
+            stop.clone(),
+            Duration::from_secs(3600),
+            reload.clone(),
+        ));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        std::fs::write(&real, "expected_gpus: 4\n").unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(
+            rx.borrow_and_update().policy.expected_gpus,
+            1,
+            "not seen without a reload"
+        );
+        reload.notify_one();
+        tokio::time::timeout(
+            Duration::from_secs(10),
+            rx.wait_for(|p| p.policy.expected_gpus == 4),
+        )
+        .await
+        .expect("reload seen")
+        .unwrap();
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    /// A FIFO or a device as the policy is refused at once with a clear error; the last good
+    /// policy stays.
+    #[test]
+    fn a_policy_that_is_not_a_regular_file_is_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("policy.yaml");
+        rustix::fs::mkfifoat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+        )
+        .unwrap();
+        let err = read_policy(&fifo).unwrap_err();
+        assert!(err.contains("not a regular file"), "{err}");
+        let err = read_policy(Path::new("/dev/zero")).unwrap_err();
+        assert!(err.contains("not a regular file"), "{err}");
+        let big = dir.path().join("big.yaml");
+        std::fs::write(&big, vec![b'#'; (MAX_POLICY_BYTES + 1) as usize]).unwrap();
+        let err = read_policy(&big).unwrap_err();
+        assert!(err.contains("larger than 1048576 bytes"), "{err}");
     }
 }

@@ -42,6 +42,10 @@ pub enum Input {
     /// Every kernel log record up to and including this sequence number has been sent. The
     /// engine loop persists it with the engine state so a restart neither skips nor recounts.
     KmsgCursor(u64),
+    /// Everything sent before this has been applied. The engine loop carries the highest marker
+    /// in each snapshot, so a source can learn when its inputs are on disk (the file sink reports
+    /// the markers it wrote).
+    Marker(u64),
 }
 
 /// Which device a signal is about. Every field is optional; the engine fills in what it knows.

@@ -1,0 +1,96 @@
+//! Reading files an operator controls (the policy and the Ascend tables it names): regular
+//! files only, opened without blocking (a FIFO put in their place is refused at once instead of
+//! hanging the reader and the agent's shutdown), and never more than a cap (a path pointing at
+//! `/dev/zero` or a huge file is refused, not read into memory). Symlinks are followed: a
+//! Kubernetes ConfigMap volume is a chain of them.
+
+use std::io::Read;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
+
+/// The largest policy file read.
+pub const MAX_POLICY_BYTES: u64 = 1024 * 1024;
+/// The largest Ascend table (`faultCode.json`, `faultCustomization.json`) read.
+pub const MAX_TABLE_BYTES: u64 = 4 * 1024 * 1024;
+
+/// Why an operator file was not read.
+#[derive(Debug, thiserror::Error)]
+pub enum OperatorFileError {
+    #[error("{0}")]
+    Io(#[from] std::io::Error),
+    #[error("not a regular file")]
+    NotRegular,
+    #[error("larger than {0} bytes")]
+    TooLarge(u64),
+    #[error("not UTF-8 text")]
+    NotText,
+}
+
+/// Reads `path` as text: a regular file of at most `max` bytes.
+pub fn read_text(path: &Path, max: u64) -> Result<String, OperatorFileError> {
+    let nonblock = rustix::fs::OFlags::NONBLOCK.bits() as i32;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(nonblock)
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.file_type().is_file() {
+        return Err(OperatorFileError::NotRegular);
+    }
+    if meta.len() > max {
+        return Err(OperatorFileError::TooLarge(max));
+    }
+    let mut bytes = Vec::new();
+    file.take(max + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(OperatorFileError::TooLarge(max));
+    }
+    String::from_utf8(bytes).map_err(|_| OperatorFileError::NotText)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::symlink;
+
+    #[test]
+    fn only_small_regular_files_are_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let ok = dir.path().join("policy.yaml");
+        std::fs::write(&ok, "burst_window: 1s\n").unwrap();
+        assert_eq!(read_text(&ok, 100).unwrap(), "burst_window: 1s\n");
+        // A ConfigMap mount: the path is a symlink to the real file.
+        let link = dir.path().join("linked.yaml");
+        symlink(&ok, &link).unwrap();
+        assert!(read_text(&link, 100).is_ok());
+
+        let fifo = dir.path().join("fifo.yaml");
+        rustix::fs::mkfifoat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+        )
+        .unwrap();
+        // Returns at once (a blocking open would wait for a writer forever).
+        assert!(matches!(
+            read_text(&fifo, 100),
+            Err(OperatorFileError::NotRegular)
+        ));
+        assert!(matches!(
+            read_text(Path::new("/dev/zero"), 100),
+            Err(OperatorFileError::NotRegular)
+        ));
+        assert!(matches!(
+            read_text(dir.path(), 100),
+            Err(OperatorFileError::NotRegular)
+        ));
+        std::fs::write(&ok, vec![b'#'; 101]).unwrap();
+        let e = read_text(&ok, 100).unwrap_err().to_string();
+        assert_eq!(e, "larger than 100 bytes");
+        std::fs::write(&ok, [0xff, 0xfe]).unwrap();
+        assert!(matches!(
+            read_text(&ok, 100),
+            Err(OperatorFileError::NotText)
+        ));
+    }
+}
