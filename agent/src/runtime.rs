@@ -192,15 +192,22 @@ impl EngineLoop {
         match input {
             Input::KmsgCursor(seq) => self.kmsg_cursor = Some(seq),
             Input::Marker(m) => self.marker = self.marker.max(m),
-            Input::Obs(obs) => {
-                let ctx = Ctx {
-                    policy: &loaded.policy,
-                    catalog: &self.catalog,
-                };
-                let events = self.engine.step(ctx, obs, self.clock.now());
-                self.note(&events);
+            Input::Kmsg { obs, seq } => {
+                // One step: no snapshot can hold this fault without the cursor covering it.
+                self.step(loaded, obs);
+                self.kmsg_cursor = Some(seq);
             }
+            Input::Obs(obs) => self.step(loaded, obs),
         }
+    }
+
+    fn step(&mut self, loaded: &LoadedPolicy, obs: Observation) {
+        let ctx = Ctx {
+            policy: &loaded.policy,
+            catalog: &self.catalog,
+        };
+        let events = self.engine.step(ctx, obs, self.clock.now());
+        self.note(&events);
     }
 
     fn note(&self, events: &[EngineEvent]) {

@@ -100,7 +100,7 @@ fn main() {
         for l in &lines {
             reader.feed(l, &mut out);
             for i in out.drain(..) {
-                if let Input::Obs(o) = i {
+                if let Input::Obs(o) | Input::Kmsg { obs: o, .. } = i {
                     engine.step(ctx, o, now);
                 }
             }

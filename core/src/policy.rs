@@ -478,6 +478,179 @@ impl Policy {
             .unwrap_or(Duration::ZERO)
     }
 
+    /// Every duration in the policy with its allowed range (docs/policy.md, "Ranges"). A value
+    /// outside is refused: a poll interval of years would silently stop a detector.
+    fn durations(&self) -> Vec<(String, Duration, Duration, Duration)> {
+        let ms = Duration::from_millis;
+        let s = Duration::from_secs;
+        let (min, hour, day) = (s(60), s(3600), s(86_400));
+        let mut v = vec![
+            (
+                "burst_window".into(),
+                self.burst_window,
+                Duration::ZERO,
+                hour,
+            ),
+            // Long retention is harmless: `max_recovered` bounds the history anyway.
+            (
+                "recovered_retention".into(),
+                self.recovered_retention,
+                min,
+                20 * 365 * day,
+            ),
+            (
+                "nvml.poll_interval".into(),
+                self.nvml.poll_interval,
+                ms(100),
+                hour,
+            ),
+            (
+                "nvml.call_timeout".into(),
+                self.nvml.call_timeout,
+                ms(100),
+                10 * min,
+            ),
+            (
+                "nvml.nvlink_error_window".into(),
+                self.nvml.nvlink_error_window,
+                s(1),
+                7 * day,
+            ),
+            (
+                "nvml.pcie_replay_window".into(),
+                self.nvml.pcie_replay_window,
+                s(1),
+                7 * day,
+            ),
+            (
+                "ascend.poll_interval".into(),
+                self.ascend.poll_interval,
+                ms(100),
+                hour,
+            ),
+            (
+                "ascend.call_timeout".into(),
+                self.ascend.call_timeout,
+                ms(100),
+                10 * min,
+            ),
+            (
+                "ascend.link_flap_window".into(),
+                self.ascend.link_flap_window,
+                s(1),
+                7 * day,
+            ),
+            (
+                "ascend.mindcluster.resync".into(),
+                self.ascend.mindcluster.resync,
+                s(1),
+                day,
+            ),
+            ("peer.interval".into(), self.peer.interval, s(10), 7 * day),
+            (
+                "peer.check_timeout".into(),
+                self.peer.check_timeout,
+                ms(100),
+                10 * min,
+            ),
+            (
+                "taint_budget.window".into(),
+                self.taint_budget.window,
+                s(1),
+                7 * day,
+            ),
+        ];
+        for (i, r) in self.escalation.iter().enumerate() {
+            let f = |name: &str| format!("escalation[{i}].{name}");
+            if let Some(w) = r.window {
+                v.push((f("window"), w, s(1), 366 * day));
+            }
+            if let Some(d) = r.duration {
+                v.push((f("duration"), d, s(1), 366 * day));
+            }
+            if let Some(d) = r.recover_after {
+                v.push((f("recover_after"), d, s(1), 7 * day));
+            }
+        }
+        for (i, r) in self.recovery.iter().enumerate() {
+            v.push((
+                format!("recovery[{i}].clear_after"),
+                r.clear_after,
+                s(1),
+                366 * day,
+            ));
+        }
+        v
+    }
+
+    /// Every count in the policy with its allowed range (docs/policy.md, "Ranges").
+    fn counts(&self) -> Vec<(String, u64, u64, u64)> {
+        let mut v = vec![
+            (
+                "max_recovered".into(),
+                self.max_recovered as u64,
+                0,
+                100_000,
+            ),
+            (
+                "expected_gpus".into(),
+                u64::from(self.expected_gpus),
+                0,
+                1024,
+            ),
+            (
+                "nvml.nvlink_error_threshold".into(),
+                self.nvml.nvlink_error_threshold,
+                1,
+                1 << 40,
+            ),
+            (
+                "nvml.pcie_replay_threshold".into(),
+                self.nvml.pcie_replay_threshold,
+                1,
+                1 << 40,
+            ),
+            (
+                "ascend.link_flap_count".into(),
+                self.ascend.link_flap_count,
+                1,
+                10_000,
+            ),
+            (
+                "ascend.expected_speed_mbps".into(),
+                self.ascend.expected_speed_mbps,
+                0,
+                10_000_000,
+            ),
+            ("peer.bytes".into(), self.peer.bytes, 1, 4 << 30),
+            (
+                "peer.iterations".into(),
+                u64::from(self.peer.iterations),
+                1,
+                1000,
+            ),
+            ("peer.max_rounds".into(), self.peer.max_rounds as u64, 2, 20),
+            (
+                "taint_budget.max_percent".into(),
+                u64::from(self.taint_budget.max_percent),
+                0,
+                100,
+            ),
+            (
+                "taint_budget.min_nodes".into(),
+                u64::from(self.taint_budget.min_nodes),
+                0,
+                100_000,
+            ),
+        ];
+        for (i, r) in self.escalation.iter().enumerate() {
+            if let Some(c) = r.count {
+                v.push((format!("escalation[{i}].count"), u64::from(c), 1, 100_000));
+            }
+        }
+        v
+    }
+
     fn validate(&self) -> Result<(), PolicyError> {
         let err = |location: String, message: &str| {
             Err(PolicyError {
@@ -485,6 +658,25 @@ impl Policy {
                 message: message.to_string(),
             })
         };
+        let human = |d: Duration| humantime::format_duration(d).to_string();
+        for (field, v, lo, hi) in self.durations() {
+            if v < lo || v > hi {
+                let range = if lo.is_zero() {
+                    format!("must be at most {}", human(hi))
+                } else {
+                    format!("must be between {} and {}", human(lo), human(hi))
+                };
+                return err(format!("field {field}"), &range);
+            }
+        }
+        for (field, v, lo, hi) in self.counts() {
+            if v < lo || v > hi {
+                return err(
+                    format!("field {field}"),
+                    &format!("must be between {lo} and {hi}"),
+                );
+            }
+        }
         for code in self.overrides.keys() {
             if !valid_code(code) {
                 return err(
@@ -501,18 +693,9 @@ impl Policy {
             if let Some(c) = r.codes.iter().find(|c| !valid_code(c)) {
                 return err(at(".codes"), &format!("{c:?} is not a fault code"));
             }
-            if r.recover_after.is_some_and(|d| d.is_zero()) {
-                return err(at(".recover_after"), "must be longer than 0s");
-            }
+            // Zero counts and durations are refused by the range table above.
             match (r.count, r.window, r.duration) {
-                (Some(0), _, _) => return err(at(".count"), "must be at least 1"),
-                (Some(_), Some(w), None) if w.is_zero() => {
-                    return err(at(".window"), "must be longer than 0s")
-                }
                 (Some(_), Some(_), None) => {}
-                (None, None, Some(d)) if d.is_zero() => {
-                    return err(at(".duration"), "must be longer than 0s")
-                }
                 (None, None, Some(_)) => {}
                 _ => {
                     return err(
@@ -523,12 +706,6 @@ impl Policy {
             }
         }
         for (i, r) in self.recovery.iter().enumerate() {
-            if r.clear_after.is_zero() {
-                return err(
-                    format!("field recovery[{i}].clear_after"),
-                    "must be longer than 0s",
-                );
-            }
             if let Some(c) = r.codes.iter().find(|c| !valid_code(c)) {
                 return err(
                     format!("field recovery[{i}].codes"),
@@ -536,79 +713,19 @@ impl Policy {
                 );
             }
         }
-        let n = &self.nvml;
-        if n.poll_interval < Duration::from_millis(100) {
-            return err("field nvml.poll_interval".into(), "must be at least 100ms");
-        }
-        if n.call_timeout.is_zero() {
-            return err("field nvml.call_timeout".into(), "must be longer than 0s");
-        }
-        if n.nvlink_error_window.is_zero() || n.pcie_replay_window.is_zero() {
-            return err("field nvml".into(), "error windows must be longer than 0s");
-        }
         let a = &self.ascend;
-        if a.poll_interval < Duration::from_millis(100) {
-            return err(
-                "field ascend.poll_interval".into(),
-                "must be at least 100ms",
-            );
-        }
-        if a.call_timeout.is_zero() {
-            return err("field ascend.call_timeout".into(), "must be longer than 0s");
-        }
         if a.npu_smi.trim().is_empty() || a.hccn_tool.trim().is_empty() {
             return err("field ascend".into(), "tool names must not be empty");
         }
-        if a.link_flap_window.is_zero() {
-            return err(
-                "field ascend.link_flap_window".into(),
-                "must be longer than 0s",
-            );
-        }
-        if a.mindcluster.resync < Duration::from_secs(1) {
-            return err(
-                "field ascend.mindcluster.resync".into(),
-                "must be at least 1s",
-            );
-        }
         let p = &self.peer;
-        if p.interval < Duration::from_secs(10) {
-            return err("field peer.interval".into(), "must be at least 10s");
-        }
         if !(0.0..=0.5).contains(&p.jitter) {
             return err("field peer.jitter".into(), "must be between 0 and 0.5");
-        }
-        if p.bytes == 0 || p.bytes > 4 << 30 {
-            return err("field peer.bytes".into(), "must be between 1 and 4GiB");
-        }
-        if p.iterations == 0 || p.iterations > 1000 {
-            return err("field peer.iterations".into(), "must be between 1 and 1000");
-        }
-        if p.check_timeout < Duration::from_millis(100)
-            || p.check_timeout > Duration::from_secs(600)
-        {
-            return err(
-                "field peer.check_timeout".into(),
-                "must be between 100ms and 10m",
-            );
         }
         if !(p.straggler_ratio.is_finite() && p.straggler_ratio > 1.0) {
             return err("field peer.straggler_ratio".into(), "must be above 1");
         }
         if !(p.straggler_mads.is_finite() && p.straggler_mads >= 0.0) {
             return err("field peer.straggler_mads".into(), "must be 0 or more");
-        }
-        if !(2..=20).contains(&p.max_rounds) {
-            return err("field peer.max_rounds".into(), "must be between 2 and 20");
-        }
-        if self.taint_budget.max_percent > 100 {
-            return err(
-                "field taint_budget.max_percent".into(),
-                "must be between 0 and 100",
-            );
-        }
-        if self.taint_budget.window.is_zero() {
-            return err("field taint_budget.window".into(), "must be longer than 0s");
         }
         for (h, a) in &self.node_actions {
             if let Some(t) = &a.taint {
@@ -762,6 +879,19 @@ expected_gpus: 8
             ("overrides:\n  \"bad code!\": {}\n", &["overrides.bad code!"]),
             ("taint_budget: { max_percent: 150 }\n", &["taint_budget.max_percent"]),
             ("taint_budget: { window: 0s }\n", &["taint_budget.window"]),
+            // Too large is refused too: a poll interval of years would silently stop polling.
+            ("nvml: { poll_interval: 500000000000y }\n", &["nvml.poll_interval", "between 100ms and 1h"]),
+            ("nvml: { call_timeout: 1d }\n", &["nvml.call_timeout", "10m"]),
+            ("ascend: { poll_interval: 2h }\n", &["ascend.poll_interval"]),
+            ("peer: { interval: 30d }\n", &["peer.interval"]),
+            ("burst_window: 2h\n", &["burst_window", "at most 1h"]),
+            ("recovered_retention: 1s\n", &["recovered_retention"]),
+            ("expected_gpus: 100000\n", &["expected_gpus", "between 0 and 1024"]),
+            ("max_recovered: 10000000\n", &["max_recovered"]),
+            ("escalation:\n  - codes: [Xid13]\n    count: 2\n    window: 1000y\n    handling: SeparateNPU\n", &["escalation[0].window"]),
+            ("escalation:\n  - codes: [Xid13]\n    count: 100000000\n    window: 1h\n    handling: SeparateNPU\n", &["escalation[0].count"]),
+            ("recovery:\n  - clear_after: 1000y\n", &["recovery[0].clear_after"]),
+            ("ascend: { link_flap_count: 0 }\n", &["ascend.link_flap_count"]),
         ];
         for (text, needles) in cases {
             let err = Policy::parse(text).expect_err(text).to_string();

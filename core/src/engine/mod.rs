@@ -42,6 +42,14 @@ pub enum Input {
     /// Every kernel log record up to and including this sequence number has been sent. The
     /// engine loop persists it with the engine state so a restart neither skips nor recounts.
     KmsgCursor(u64),
+    /// An observation from the kernel log record `seq` (or, for a loss report, the records up
+    /// to `seq`): the engine loop applies it and moves the cursor in one step, so no saved state
+    /// holds the fault without the cursor that covers it (a kill between the two would count
+    /// the record again after the restart).
+    Kmsg {
+        obs: Observation,
+        seq: u64,
+    },
     /// Everything sent before this has been applied. The engine loop carries the highest marker
     /// in each snapshot, so a source can learn when its inputs are on disk (the file sink reports
     /// the markers it wrote).

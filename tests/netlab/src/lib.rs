@@ -134,16 +134,25 @@ fn forward_rule<'a>(op: &'a str, bridge: &'a str) -> [&'a str; 9] {
 /// run's leftovers).
 fn teardown(r: &Record) {
     for ns in &r.namespaces {
-        // Processes still inside would keep the namespace (and its veth end) alive.
-        if let Ok(pids) = sys::run("ip", &["netns", "pids", ns]) {
-            for pid in pids
+        // Processes still inside would keep the namespace (and its veth end) alive. A process
+        // that was joining while we listed shows up on the next listing: repeat until none.
+        for _ in 0..20 {
+            let Ok(pids) = sys::run("ip", &["netns", "pids", ns]) else {
+                break;
+            };
+            let pids: Vec<i32> = pids
                 .split_whitespace()
-                .filter_map(|p| p.parse::<i32>().ok())
-            {
+                .filter_map(|p| p.parse().ok())
+                .collect();
+            if pids.is_empty() {
+                break;
+            }
+            for pid in pids {
                 if let Some(pid) = rustix::process::Pid::from_raw(pid) {
                     let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
                 }
             }
+            std::thread::sleep(std::time::Duration::from_millis(10));
         }
         sys::quiet("ip", &["netns", "del", ns]);
     }

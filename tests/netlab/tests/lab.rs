@@ -309,6 +309,27 @@ fn drop_leaves_nothing_behind_and_labs_do_not_collide() {
     let bridge = a.bridge().to_string();
     // A process still running in a node does not keep its namespace alive.
     let mut sleeper = a.command(0, "sleep").arg("600").spawn().unwrap();
+    // `ip netns exec` joins the namespace after it starts: wait until the process is inside
+    // (on a loaded machine the drop could otherwise come first, and the sleep outlive it).
+    let pid = sleeper.id().to_string();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let pids = Command::new("ip")
+            .args(["netns", "pids", &names[0]])
+            .output()
+            .unwrap();
+        if String::from_utf8_lossy(&pids.stdout)
+            .split_whitespace()
+            .any(|p| p == pid)
+        {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the sleep never entered its node"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
     drop(a);
     let list = netns_list();
     for ns in &names {
