@@ -275,6 +275,7 @@ async fn peer_setup(
         election,
         policy,
         inputs: ctx.tx.clone(),
+        metrics: ctx.metrics.clone(),
         shutdown: ctx.shutdown.clone(),
     }))
 }
@@ -695,6 +696,10 @@ async fn run_node(
     }
     std::fs::create_dir_all(cfg.state_dir.join(control::CLEAR_DIR)).ok();
     let catalog = Arc::new(Catalog::builtin().context("built-in catalog")?);
+    // Connection floods are capped per server (listen.rs); the rest of the descriptors are the
+    // agent's own, and there should be as many as the system allows.
+    let files = crate::listen::raise_file_limit();
+    info!(open_files = ?files, "open-file limit");
     let restored = restore(&cfg);
 
     let (mut c, ends) = Components::new(cfg, node, shutdown, reload);

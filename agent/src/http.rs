@@ -88,14 +88,49 @@ async fn record(State(s): State<HttpState>) -> Response {
 }
 
 /// Serves until shutdown.
+/// Serves until shutdown. Connections come through [`crate::listen::incoming`] (a cap and an
+/// idle timeout); each is HTTP/1.1 with a 10 s limit on reading a request's headers.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: HttpState,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(state))
-        .with_graceful_shutdown(async move { shutdown.cancelled().await })
-        .await
+    use futures::StreamExt;
+    let metrics = state.metrics.clone();
+    let app = router(state);
+    let mut incoming = std::pin::pin!(crate::listen::incoming(
+        listener,
+        crate::listen::HTTP_LIMITS,
+        metrics,
+        "http",
+    ));
+    loop {
+        let io = tokio::select! {
+            _ = shutdown.cancelled() => return Ok(()),
+            next = incoming.next() => match next {
+                Some(Ok(io)) => io,
+                Some(Err(_)) => continue,
+                None => return Ok(()),
+            },
+        };
+        let svc = hyper_util::service::TowerToHyperService::new(app.clone());
+        let shutdown = shutdown.clone();
+        tokio::spawn(async move {
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(std::time::Duration::from_secs(10))
+                .serve_connection(hyper_util::rt::TokioIo::new(io), svc);
+            let mut conn = std::pin::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                _ = shutdown.cancelled() => {
+                    // Let a request in flight finish, then close.
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(2), conn).await;
+                }
+            }
+        });
+    }
 }
 
 /// Binds the listener (separately, so the caller learns the port before serving).

@@ -12,6 +12,7 @@ pub mod cli;
 pub mod daemon;
 pub mod http;
 pub mod kube_client;
+pub mod listen;
 pub mod metrics;
 pub mod operator_file;
 pub mod peer;

@@ -31,6 +31,12 @@ pub struct SinkLabel {
     pub sink: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServerLabel {
+    /// `http` or `peer`.
+    pub server: &'static str,
+}
+
 /// An external tool call (Ascend `npu-smi`, `hccn_tool`) and how it ended: `ok`, `failed`
 /// (non-zero exit or cannot start), `timeout` (killed), `garbage` (output did not parse).
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -67,6 +73,7 @@ pub struct Metrics {
     pub node_health: Gauge,
     pub sink_writes: Family<SinkLabel, Counter>,
     pub sink_errors: Family<SinkLabel, Counter>,
+    pub connections_refused: Family<ServerLabel, Counter>,
     pub sink_write_seconds: Family<SinkLabel, Histogram>,
     pub policy_reloads: Family<ReloadLabel, Counter>,
     pub policy_valid: Gauge,
@@ -104,6 +111,7 @@ impl Metrics {
             node_health: Gauge::default(),
             sink_writes: Family::default(),
             sink_errors: Family::default(),
+            connections_refused: Family::default(),
             sink_write_seconds: Family::new_with_constructor(|| {
                 Histogram::new([
                     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
@@ -185,6 +193,11 @@ impl Metrics {
             "faultline_sink_errors",
             "Failed sink writes (retried)",
             m.sink_errors.clone(),
+        );
+        r.register(
+            "faultline_connections_refused",
+            "Connections closed at once because the server's connection limit was reached",
+            m.connections_refused.clone(),
         );
         r.register(
             "faultline_sink_write_seconds",

@@ -309,6 +309,72 @@ fn other_signals_neither_kill_the_agent_nor_lose_its_state() {
     assert!(fault(&after, "Xid13").is_some(), "flushed on SIGTERM");
 }
 
+/// 1,100 idle connections at the HTTP port of an agent limited to 256 open files (the usual
+/// limit is 1,024; the flood is larger than either): faults that arrive meanwhile are detected
+/// and written, because the server caps its connections and the descriptors the agent needs
+/// stay free. Before the cap, the server took every descriptor and the record writes failed
+/// with "Too many open files" until the connections closed.
+#[test]
+fn a_connection_flood_does_not_stop_detection_or_record_writes() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start_with_file_limit(dir.path(), &[], 256);
+    agent.wait_for("start-up write", |_| true);
+    // This test process needs room for its own end of the flood.
+    let lim = getrlimit(Resource::Nofile);
+    if let Some(hard) = lim.maximum {
+        let _ = setrlimit(
+            Resource::Nofile,
+            Rlimit {
+                current: Some(hard),
+                maximum: Some(hard),
+            },
+        );
+    }
+    let addr = agent.addr();
+    let mut flood = Vec::new();
+    for _ in 0..1100 {
+        if let Ok(c) = std::net::TcpStream::connect(&addr) {
+            flood.push(c);
+        }
+    }
+    assert!(flood.len() >= 1000, "the flood connected: {}", flood.len());
+    for (i, bus) in ["3b", "5e", "86", "af"].iter().enumerate() {
+        agent.append(
+            format!(
+                "4,{},{},-;NVRM: Xid (PCI:0000:{bus}:00): 79, pid=1, name=a, GPU has fallen off the bus.\n",
+                i + 1,
+                (i + 1) * 100
+            )
+            .as_bytes(),
+        );
+    }
+    let r = agent.wait_for("four faults written during the flood", |r| {
+        r.faults.iter().filter(|f| f.fault_code == "Xid79").count() == 4
+    });
+    assert_eq!(r.health, Health::Unhealthy);
+    assert!(
+        !agent.log().contains("Too many open files"),
+        "{}",
+        agent.log()
+    );
+    drop(flood);
+    // Once the flood is gone the endpoints answer again, and say what they refused.
+    let deadline = std::time::Instant::now() + Duration::from_secs(40);
+    loop {
+        let refused = agent.metric("faultline_connections_refused_total{server=\"http\"}");
+        if refused > 0.0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "metrics never answered"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(agent.stop(), 0);
+}
+
 #[test]
 fn bad_policy_is_rejected_visibly_and_detection_goes_on() {
     let dir = tempfile::tempdir().unwrap();

@@ -72,6 +72,7 @@ pub struct PeerSetup {
     pub election: Election,
     pub policy: watch::Receiver<LoadedPolicy>,
     pub inputs: mpsc::Sender<Input>,
+    pub metrics: Arc<crate::metrics::Metrics>,
     pub shutdown: CancellationToken,
 }
 
@@ -133,8 +134,20 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
     )));
     let mut tasks = Vec::new();
     let shutdown = s.shutdown.clone();
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(s.listener);
+    let incoming = crate::listen::incoming(
+        s.listener,
+        crate::listen::PEER_LIMITS,
+        s.metrics.clone(),
+        "peer",
+    );
+    // Every RPC is short (a check's own deadline is enforced by the agent, not the call): a
+    // per-request limit, a few concurrent requests per connection, and HTTP/2 keep-alive so a
+    // peer that vanished is noticed.
     let server = tonic::transport::Server::builder()
+        .timeout(std::time::Duration::from_secs(30))
+        .concurrency_limit_per_connection(16)
+        .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
+        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
         .add_service(
             PeerCheckServer::new(svc.clone())
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)

@@ -35,6 +35,15 @@ impl Agent {
 
     /// Like `start`, with extra environment variables for the agent process.
     pub fn start_env(dir: &Path, extra: &[&str], env: &[(&str, &Path)]) -> Agent {
+        Agent::spawn(dir, extra, env, None)
+    }
+
+    /// Like `start`, under an open-file limit (soft and hard, so the agent cannot raise it).
+    pub fn start_with_file_limit(dir: &Path, extra: &[&str], nofile: u64) -> Agent {
+        Agent::spawn(dir, extra, &[], Some(nofile))
+    }
+
+    fn spawn(dir: &Path, extra: &[&str], env: &[(&str, &Path)], nofile: Option<u64>) -> Agent {
         let kmsg = dir.join("kmsg");
         let boot_id = dir.join("boot_id");
         if !kmsg.exists() {
@@ -45,7 +54,16 @@ impl Agent {
         }
         // The previous agent in this directory removed it on exit; make sure of it.
         let _ = std::fs::remove_file(dir.join("state").join("listen.addr"));
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_faultline-agent"));
+        let agent = env!("CARGO_BIN_EXE_faultline-agent");
+        let mut cmd = match nofile {
+            None => Command::new(agent),
+            Some(n) => {
+                // The shell execs the agent: same pid, so signals reach it.
+                let mut c = Command::new("sh");
+                c.args(["-c", &format!("ulimit -n {n} && exec \"$0\" \"$@\""), agent]);
+                c
+            }
+        };
         cmd.arg("--kmsg-path")
             .arg(&kmsg)
             .arg("--state-dir")

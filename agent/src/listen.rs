@@ -1,0 +1,291 @@
+//! Listening sockets that anyone who can reach the node can connect to: the HTTP endpoints and
+//! the peer-check port. A flood of idle connections must not take the file descriptors the
+//! agent needs to write its record, or starve a legitimate check, so every accepted connection
+//! goes through [`incoming`]:
+//!
+//! - at most [`Limits::max_connections`] are open at once; a connection over the cap is
+//!   accepted and closed at once (counted in `faultline_connections_refused_total`), so the
+//!   kernel's backlog never fills with clients that wait forever;
+//! - a connection that moves no bytes for [`Limits::idle`] is closed;
+//! - an accept error (`EMFILE` when the process is out of descriptors) backs off instead of
+//!   spinning, and never ends the listener.
+//!
+//! With both caps (64 + 128) far below the open-file limit, which [`raise_file_limit`] raises to
+//! its hard limit at start, descriptors for the record, the kernel log, the policy and child
+//! processes always remain (docs/operations.md has the arithmetic).
+
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::Stream;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
+use tracing::warn;
+
+use crate::metrics::{Metrics, ServerLabel};
+
+/// What one listener allows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Connections open at once.
+    pub max_connections: usize,
+    /// A connection with no bytes moving for this long is closed.
+    pub idle: Duration,
+}
+
+/// The metrics and health endpoints: scrapers and probes, a handful at a time.
+pub const HTTP_LIMITS: Limits = Limits {
+    max_connections: 64,
+    idle: Duration::from_secs(30),
+};
+
+/// The peer-check service: the coordinator and the CLI (a node is in at most a few checks).
+pub const PEER_LIMITS: Limits = Limits {
+    max_connections: 128,
+    idle: Duration::from_secs(120),
+};
+
+/// Raises this process's open-file soft limit to its hard limit; returns the limit in force.
+pub fn raise_file_limit() -> Option<u64> {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let cur = getrlimit(Resource::Nofile);
+    // `None` is unlimited (Option's order puts it below every number: compare explicitly).
+    if let (Some(soft), Some(hard)) = (cur.current, cur.maximum) {
+        if soft < hard {
+            let raised = Rlimit {
+                current: Some(hard),
+                maximum: Some(hard),
+            };
+            if setrlimit(Resource::Nofile, raised).is_ok() {
+                return Some(hard);
+            }
+        }
+    }
+    cur.current
+}
+
+/// An accepted connection holding its slot; it fails with `TimedOut` once idle too long.
+#[derive(Debug)]
+pub struct Guarded {
+    inner: TcpStream,
+    _slot: OwnedSemaphorePermit,
+    idle: Duration,
+    deadline: Pin<Box<Sleep>>,
+}
+
+impl Guarded {
+    fn new(inner: TcpStream, slot: OwnedSemaphorePermit, idle: Duration) -> Guarded {
+        Guarded {
+            inner,
+            _slot: slot,
+            idle,
+            deadline: Box::pin(tokio::time::sleep(idle)),
+        }
+    }
+
+    fn touch(&mut self) {
+        self.deadline.as_mut().reset(Instant::now() + self.idle);
+    }
+
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        self.deadline.as_mut().poll(cx).is_ready()
+    }
+}
+
+fn idle_error() -> io::Error {
+    io::Error::new(io::ErrorKind::TimedOut, "connection idle")
+}
+
+use std::future::Future as _;
+
+impl AsyncRead for Guarded {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        match Pin::new(&mut self.inner).poll_read(cx, buf) {
+            Poll::Ready(r) => {
+                if buf.filled().len() > before {
+                    self.touch();
+                }
+                Poll::Ready(r)
+            }
+            Poll::Pending if self.expired(cx) => Poll::Ready(Err(idle_error())),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+}
+
+impl AsyncWrite for Guarded {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        data: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match Pin::new(&mut self.inner).poll_write(cx, data) {
+            Poll::Ready(r) => {
+                if matches!(r, Ok(n) if n > 0) {
+                    self.touch();
+                }
+                Poll::Ready(r)
+            }
+            // A client that stops reading holds the connection as surely as one that is silent.
+            Poll::Pending if self.expired(cx) => Poll::Ready(Err(idle_error())),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.inner).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for Guarded {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+/// The accepted connections of `listener`, within `limits`. Never ends and never yields an
+/// error (the `Result` is the shape tonic's `serve_with_incoming` takes).
+pub fn incoming(
+    listener: TcpListener,
+    limits: Limits,
+    metrics: Arc<Metrics>,
+    server: &'static str,
+) -> impl Stream<Item = Result<Guarded, io::Error>> + Send + 'static {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let state = (listener, slots, metrics, Option::<Instant>::None);
+    futures::stream::unfold(state, move |(l, slots, metrics, mut warned)| async move {
+        loop {
+            match l.accept().await {
+                Ok((stream, _)) => match slots.clone().try_acquire_owned() {
+                    Ok(slot) => {
+                        let g = Guarded::new(stream, slot, limits.idle);
+                        return Some((Ok(g), (l, slots, metrics, warned)));
+                    }
+                    Err(_) => {
+                        drop(stream);
+                        metrics
+                            .connections_refused
+                            .get_or_create(&ServerLabel { server })
+                            .inc();
+                        // One line a minute at most, with the running total in the metric.
+                        if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                            warned = Some(Instant::now());
+                            warn!(
+                                server,
+                                max = limits.max_connections,
+                                "connection limit reached; closing new connections"
+                            );
+                        }
+                    }
+                },
+                Err(e) => {
+                    if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                        warned = Some(Instant::now());
+                        warn!(server, error = %e, "accept failed; backing off");
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        }
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::StreamExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn listener() -> (TcpListener, std::net::SocketAddr) {
+        let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let a = l.local_addr().unwrap();
+        (l, a)
+    }
+
+    /// Over the cap, a new connection is closed at once; a slot freed is usable again.
+    #[tokio::test]
+    async fn connections_over_the_cap_are_closed_at_once() {
+        let (l, addr) = listener().await;
+        let limits = Limits {
+            max_connections: 2,
+            idle: Duration::from_secs(60),
+        };
+        let metrics = Arc::new(Metrics::new());
+        let mut inc = Box::pin(incoming(l, limits, metrics.clone(), "test"));
+        let _c1 = TcpStream::connect(addr).await.unwrap();
+        let g1 = inc.next().await.unwrap().unwrap();
+        let _c2 = TcpStream::connect(addr).await.unwrap();
+        let _g2 = inc.next().await.unwrap().unwrap();
+        let mut c3 = TcpStream::connect(addr).await.unwrap();
+        // The third is accepted and closed by the stream while it waits for a fourth.
+        let next = tokio::spawn(async move { inc.next().await.map(|r| r.is_ok()) });
+        let mut buf = [0u8; 1];
+        let n = tokio::time::timeout(Duration::from_secs(5), c3.read(&mut buf))
+            .await
+            .expect("closed, not left hanging")
+            .unwrap_or(0);
+        assert_eq!(n, 0, "closed");
+        let refused = metrics
+            .connections_refused
+            .get_or_create(&ServerLabel { server: "test" })
+            .get();
+        assert_eq!(refused, 1);
+        drop(g1);
+        let _c4 = TcpStream::connect(addr).await.unwrap();
+        assert_eq!(
+            next.await.unwrap(),
+            Some(true),
+            "a freed slot takes the next"
+        );
+    }
+
+    /// A connection that sends nothing is closed after the idle time; one that talks stays.
+    #[tokio::test]
+    async fn idle_connections_are_closed() {
+        let (l, addr) = listener().await;
+        let limits = Limits {
+            max_connections: 4,
+            idle: Duration::from_millis(300),
+        };
+        let mut inc = Box::pin(incoming(l, limits, Arc::new(Metrics::new()), "test"));
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        let mut server = inc.next().await.unwrap().unwrap();
+        // Activity within the idle time keeps it open.
+        for _ in 0..3 {
+            tokio::time::sleep(Duration::from_millis(150)).await;
+            client.write_all(b"x").await.unwrap();
+            let mut b = [0u8; 1];
+            server.read_exact(&mut b).await.unwrap();
+        }
+        let mut b = [0u8; 1];
+        let err = tokio::time::timeout(Duration::from_secs(5), server.read(&mut b))
+            .await
+            .expect("the idle deadline fires")
+            .unwrap_err();
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+    }
+
+    #[test]
+    fn the_file_limit_is_raised_to_the_hard_limit() {
+        let got = raise_file_limit().expect("a limit");
+        let now = rustix::process::getrlimit(rustix::process::Resource::Nofile);
+        assert_eq!(now.current, now.maximum);
+        assert_eq!(Some(got), now.current);
+    }
+}
