@@ -3,7 +3,9 @@
 //! agent needs to write its record, or starve a legitimate check, so every accepted connection
 //! goes through [`incoming`]:
 //!
-//! - at most [`Limits::max_connections`] are open at once; a connection over the cap is
+//! - at most [`Limits::max_connections`] are open at once, and at most
+//!   [`Limits::max_per_address`] from one remote address, so one flooding host cannot take the
+//!   slots a coordinator or a scraper on another host needs; a connection over either cap is
 //!   accepted and closed at once (counted in `faultline_connections_refused_total`), so the
 //!   kernel's backlog never fills with clients that wait forever;
 //! - a connection that moves no bytes for [`Limits::idle`] is closed;
@@ -14,9 +16,11 @@
 //! its hard limit at start, descriptors for the record, the kernel log, the policy and child
 //! processes always remain (docs/operations.md has the arithmetic).
 
+use std::collections::HashMap;
 use std::io;
+use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -34,6 +38,8 @@ use crate::metrics::{Metrics, ServerLabel};
 pub struct Limits {
     /// Connections open at once.
     pub max_connections: usize,
+    /// Connections open at once from one remote address.
+    pub max_per_address: usize,
     /// A connection with no bytes moving for this long is closed.
     pub idle: Duration,
 }
@@ -41,12 +47,14 @@ pub struct Limits {
 /// The metrics and health endpoints: scrapers and probes, a handful at a time.
 pub const HTTP_LIMITS: Limits = Limits {
     max_connections: 64,
+    max_per_address: 16,
     idle: Duration::from_secs(30),
 };
 
 /// The peer-check service: the coordinator and the CLI (a node is in at most a few checks).
 pub const PEER_LIMITS: Limits = Limits {
     max_connections: 128,
+    max_per_address: 16,
     idle: Duration::from_secs(120),
 };
 
@@ -74,15 +82,22 @@ pub fn raise_file_limit() -> Option<u64> {
 pub struct Guarded {
     inner: TcpStream,
     _slot: OwnedSemaphorePermit,
+    _address: AddressSlot,
     idle: Duration,
     deadline: Pin<Box<Sleep>>,
 }
 
 impl Guarded {
-    fn new(inner: TcpStream, slot: OwnedSemaphorePermit, idle: Duration) -> Guarded {
+    fn new(
+        inner: TcpStream,
+        slot: OwnedSemaphorePermit,
+        address: AddressSlot,
+        idle: Duration,
+    ) -> Guarded {
         Guarded {
             inner,
             _slot: slot,
+            _address: address,
             idle,
             deadline: Box::pin(tokio::time::sleep(idle)),
         }
@@ -94,6 +109,48 @@ impl Guarded {
 
     fn expired(&mut self, cx: &mut Context<'_>) -> bool {
         self.deadline.as_mut().poll(cx).is_ready()
+    }
+}
+
+/// Open connections per remote address.
+type PerAddress = Arc<Mutex<HashMap<IpAddr, usize>>>;
+
+/// One connection's place in its address's count; released on drop.
+#[derive(Debug)]
+struct AddressSlot {
+    counts: PerAddress,
+    ip: Option<IpAddr>,
+}
+
+impl AddressSlot {
+    /// Takes a place for `ip`, or `None` when it already has `max` connections.
+    fn take(counts: &PerAddress, ip: Option<IpAddr>, max: usize) -> Option<AddressSlot> {
+        if let Some(ip) = ip {
+            let mut m = counts.lock().unwrap_or_else(|p| p.into_inner());
+            let n = m.entry(ip).or_insert(0);
+            if *n >= max {
+                return None;
+            }
+            *n += 1;
+        }
+        Some(AddressSlot {
+            counts: counts.clone(),
+            ip,
+        })
+    }
+}
+
+impl Drop for AddressSlot {
+    fn drop(&mut self) {
+        if let Some(ip) = self.ip {
+            let mut m = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = m.get_mut(&ip) {
+                *n = n.saturating_sub(1);
+                if *n == 0 {
+                    m.remove(&ip);
+                }
+            }
+        }
     }
 }
 
@@ -168,42 +225,55 @@ pub fn incoming(
     server: &'static str,
 ) -> impl Stream<Item = Result<Guarded, io::Error>> + Send + 'static {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let state = (listener, slots, metrics, Option::<Instant>::None);
-    futures::stream::unfold(state, move |(l, slots, metrics, mut warned)| async move {
-        loop {
-            match l.accept().await {
-                Ok((stream, _)) => match slots.clone().try_acquire_owned() {
-                    Ok(slot) => {
-                        let g = Guarded::new(stream, slot, limits.idle);
-                        return Some((Ok(g), (l, slots, metrics, warned)));
-                    }
-                    Err(_) => {
-                        drop(stream);
-                        metrics
-                            .connections_refused
-                            .get_or_create(&ServerLabel { server })
-                            .inc();
-                        // One line a minute at most, with the running total in the metric.
+    let per_address: PerAddress = Arc::default();
+    let state = (
+        listener,
+        slots,
+        per_address,
+        metrics,
+        Option::<Instant>::None,
+    );
+    futures::stream::unfold(
+        state,
+        move |(l, slots, per_address, metrics, mut warned)| async move {
+            loop {
+                match l.accept().await {
+                    Ok((stream, from)) => match (
+                        AddressSlot::take(&per_address, Some(from.ip()), limits.max_per_address),
+                        slots.clone().try_acquire_owned(),
+                    ) {
+                        (Some(address), Ok(slot)) => {
+                            let g = Guarded::new(stream, slot, address, limits.idle);
+                            return Some((Ok(g), (l, slots, per_address, metrics, warned)));
+                        }
+                        _ => {
+                            drop(stream);
+                            metrics
+                                .connections_refused
+                                .get_or_create(&ServerLabel { server })
+                                .inc();
+                            // One line a minute at most, with the running total in the metric.
+                            if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
+                                warned = Some(Instant::now());
+                                warn!(
+                                    server,
+                                    max = limits.max_connections,
+                                    "connection limit reached; closing new connections"
+                                );
+                            }
+                        }
+                    },
+                    Err(e) => {
                         if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
                             warned = Some(Instant::now());
-                            warn!(
-                                server,
-                                max = limits.max_connections,
-                                "connection limit reached; closing new connections"
-                            );
+                            warn!(server, error = %e, "accept failed; backing off");
                         }
+                        tokio::time::sleep(Duration::from_millis(100)).await;
                     }
-                },
-                Err(e) => {
-                    if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
-                        warned = Some(Instant::now());
-                        warn!(server, error = %e, "accept failed; backing off");
-                    }
-                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
-        }
-    })
+        },
+    )
 }
 
 #[cfg(test)]
@@ -224,6 +294,7 @@ mod tests {
         let (l, addr) = listener().await;
         let limits = Limits {
             max_connections: 2,
+            max_per_address: 10,
             idle: Duration::from_secs(60),
         };
         let metrics = Arc::new(Metrics::new());
@@ -261,6 +332,7 @@ mod tests {
         let (l, addr) = listener().await;
         let limits = Limits {
             max_connections: 4,
+            max_per_address: 4,
             idle: Duration::from_millis(300),
         };
         let mut inc = Box::pin(incoming(l, limits, Arc::new(Metrics::new()), "test"));
@@ -279,6 +351,62 @@ mod tests {
             .expect("the idle deadline fires")
             .unwrap_err();
         assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+    }
+
+    async fn connect_from(local: &str, to: std::net::SocketAddr) -> TcpStream {
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        s.bind(format!("{local}:0").parse().unwrap()).unwrap();
+        s.connect(to).await.unwrap()
+    }
+
+    /// One address flooding the port gets its share and no more: a client from another address
+    /// (127.0.0.2, also loopback) is still served.
+    #[tokio::test]
+    async fn one_address_cannot_take_every_slot() {
+        let (l, addr) = listener().await;
+        let limits = Limits {
+            max_connections: 8,
+            max_per_address: 3,
+            idle: Duration::from_secs(60),
+        };
+        let metrics = Arc::new(Metrics::new());
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let inc = incoming(l, limits, metrics.clone(), "test");
+        tokio::spawn(async move {
+            let mut inc = Box::pin(inc);
+            while let Some(Ok(g)) = inc.next().await {
+                let _ = tx.send(g);
+            }
+        });
+        let mut flood = Vec::new();
+        for _ in 0..6 {
+            flood.push(connect_from("127.0.0.1", addr).await);
+        }
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            held.push(rx.recv().await.unwrap());
+        }
+        let other = connect_from("127.0.0.2", addr).await;
+        let g = tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("the other address is served")
+            .unwrap();
+        assert_eq!(
+            g.inner.peer_addr().unwrap().ip(),
+            other.local_addr().unwrap().ip()
+        );
+        let refused = metrics
+            .connections_refused
+            .get_or_create(&ServerLabel { server: "test" })
+            .get();
+        assert_eq!(refused, 3, "the flood's connections beyond its share");
+        // A slot given back is usable by the same address again.
+        drop(held.pop());
+        let _again = connect_from("127.0.0.1", addr).await;
+        tokio::time::timeout(Duration::from_secs(5), rx.recv())
+            .await
+            .expect("served again")
+            .unwrap();
     }
 
     #[test]

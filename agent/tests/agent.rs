@@ -358,6 +358,22 @@ fn a_connection_flood_does_not_stop_detection_or_record_writes() {
         "{}",
         agent.log()
     );
+    // The flood comes from one address; a probe from another (127.0.0.2 is loopback too) is
+    // still answered.
+    let health = tokio::runtime::Runtime::new().unwrap().block_on(async {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let s = tokio::net::TcpSocket::new_v4().unwrap();
+        s.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+        let mut c = s.connect(addr.parse().unwrap()).await.unwrap();
+        c.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").await.unwrap();
+        let mut out = String::new();
+        tokio::time::timeout(Duration::from_secs(10), c.read_to_string(&mut out))
+            .await
+            .expect("answered")
+            .unwrap();
+        out
+    });
+    assert!(health.starts_with("HTTP/1.0 200"), "{health}");
     drop(flood);
     // Once the flood is gone the endpoints answer again, and say what they refused.
     let deadline = std::time::Instant::now() + Duration::from_secs(40);
