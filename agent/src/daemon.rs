@@ -340,6 +340,8 @@ struct Components {
     persisted: watch::Sender<u64>,
     /// Re-read the policy now (SIGHUP).
     reload: Arc<tokio::sync::Notify>,
+    /// The file sink's write error, for the engine loop (`record-file` detector).
+    write_error: watch::Sender<Option<String>>,
     shutdown: CancellationToken,
     source_shutdown: CancellationToken,
     policy: watch::Receiver<LoadedPolicy>,
@@ -393,6 +395,7 @@ impl Components {
             ready: Arc::new(AtomicBool::new(false)),
             persisted: watch::channel(0).0,
             reload,
+            write_error: watch::channel(None).0,
             shutdown,
             source_shutdown,
             policy,
@@ -567,6 +570,7 @@ impl Components {
             tick: Duration::from_secs(1),
             events: self.kube.is_some().then_some(events_tx),
             sink_report: report_rx,
+            record_writer: self.write_error.subscribe(),
             shutdown: self.shutdown.clone(),
         };
         self.engine = Some(tokio::spawn(engine_loop.run()));
@@ -624,6 +628,7 @@ impl Components {
             file::FileSinkSignals {
                 ready: self.ready.clone(),
                 persisted: self.persisted.clone(),
+                write_error: self.write_error.clone(),
             },
             self.shutdown.clone(),
         );

@@ -18,7 +18,7 @@ use crate::metrics::{HandlingLabel, KindLabel, Metrics};
 use crate::source::Input;
 use faultline_core::catalog::Catalog;
 use faultline_core::engine::{
-    Ctx, DesiredCondition, DesiredTaint, Engine, EngineEvent, Observation,
+    Ctx, DesiredCondition, DesiredTaint, DetectorState, Engine, EngineEvent, Observation,
 };
 use faultline_core::policy::LoadedPolicy;
 use faultline_core::record::{
@@ -114,6 +114,9 @@ pub struct EngineLoop {
     pub events: Option<mpsc::Sender<EngineEvent>>,
     /// Sink reports to show in the record (a sender that is never used is fine).
     pub sink_report: watch::Receiver<SinkReport>,
+    /// The file sink's write error, while the record cannot be written: shown as the
+    /// `record-file` detector (down while it fails, running once a write succeeds again).
+    pub record_writer: watch::Receiver<Option<String>>,
     pub shutdown: CancellationToken,
 }
 
@@ -145,6 +148,15 @@ impl EngineLoop {
                         report = next;
                         published = u64::MAX;
                     }
+                }
+                Ok(()) = self.record_writer.changed() => {
+                    let error = self.record_writer.borrow_and_update().clone();
+                    let obs = Observation::Detector {
+                        name: crate::sink::file::RECORD_DETECTOR.into(),
+                        state: if error.is_some() { DetectorState::Down } else { DetectorState::Running },
+                        reason: error,
+                    };
+                    self.apply(&loaded, Input::Obs(obs));
                 }
                 Ok(()) = self.policy.changed() => {
                     let next = self.policy.borrow_and_update().clone();

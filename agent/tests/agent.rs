@@ -391,6 +391,67 @@ fn a_connection_flood_does_not_stop_detection_or_record_writes() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// A record that cannot be written does not lie: /readyz fails, the agent's own record says
+/// why (DETECTOR_DOWN on `record-file`) and the metric shows the detector down; once writes
+/// succeed again, all of it clears and the file holds the fault that arrived meanwhile. (Root
+/// ignores permissions, so the failure here is `faults.json` replaced by a directory: the
+/// rename over it fails.)
+#[test]
+fn a_record_that_cannot_be_written_is_visible_and_recovers() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    agent.wait_for("start-up write", |_| true);
+    assert_eq!(agent.get("/readyz").0, 200);
+    let faults = agent.record_path();
+    std::fs::remove_file(&faults).unwrap();
+    std::fs::create_dir(&faults).unwrap();
+    agent.append(b"4,1,100,-;NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=a, Graphics Exception\n");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let served = loop {
+        let (status, body) = agent.get("/v1/record");
+        let r: Option<faultline_core::record::NodeRecord> = (status == 200)
+            .then(|| serde_json::from_str(&body).ok())
+            .flatten();
+        if let Some(r) = r.filter(|r| {
+            r.faults
+                .iter()
+                .any(|f| f.fault_code == "DETECTOR_DOWN" && f.device == "record-file" && f.active)
+        }) {
+            break r;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no DETECTOR_DOWN; log:\n{}",
+            agent.log()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert!(fault(&served, "Xid13").is_some(), "detection went on");
+    assert_eq!(agent.get("/readyz").0, 503);
+    assert_eq!(
+        agent.metric("faultline_detector_up{detector=\"record-file\"}"),
+        0.0
+    );
+    std::fs::remove_dir(&faults).unwrap();
+    let r = agent.wait_for("the record written again, the detector recovered", |r| {
+        fault(r, "Xid13").is_some()
+            && r.faults
+                .iter()
+                .any(|f| f.fault_code == "DETECTOR_DOWN" && !f.active)
+    });
+    assert!(r
+        .agent
+        .detectors
+        .iter()
+        .any(|d| d.name == "record-file" && d.state == "Running"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while agent.get("/readyz").0 != 200 {
+        assert!(std::time::Instant::now() < deadline, "never ready again");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(agent.stop(), 0);
+}
+
 #[test]
 fn bad_policy_is_rejected_visibly_and_detection_goes_on() {
     let dir = tempfile::tempdir().unwrap();

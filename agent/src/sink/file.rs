@@ -112,7 +112,13 @@ pub struct FileSinkSignals {
     pub ready: Arc<std::sync::atomic::AtomicBool>,
     /// The highest engine-loop marker written to `state.json` (a clear request waits for it).
     pub persisted: watch::Sender<u64>,
+    /// Why the record cannot be written, while it cannot (the engine loop shows it as the
+    /// `record-file` detector being down).
+    pub write_error: watch::Sender<Option<String>>,
 }
+
+/// The detector name under which a failing record write shows in the record and metrics.
+pub const RECORD_DETECTOR: &str = "record-file";
 
 /// Runs the sink until the snapshot channel closes (the engine stopped) or shutdown; at shutdown
 /// it writes the last snapshot it saw, trying for at most [`FLUSH_DEADLINE`].
@@ -170,6 +176,7 @@ pub async fn run(
                     written = Some(snap.revision);
                     budget.spend(Instant::now());
                     ready.store(true, std::sync::atomic::Ordering::Relaxed);
+                    signals.write_error.send_if_modified(|e| e.take().is_some());
                     signals.persisted.send_if_modified(|m| {
                         let newer = snap.marker > *m;
                         *m = (*m).max(snap.marker);
@@ -180,8 +187,16 @@ pub async fn run(
                 }
                 Err(e) => {
                     metrics.sink_errors.get_or_create(&label).inc();
-                    // The record on disk is now older than the agent's state: not ready.
+                    // The record on disk is now older than the agent's state: not ready, and
+                    // say so in the record the agent serves.
                     ready.store(false, std::sync::atomic::Ordering::Relaxed);
+                    signals.write_error.send_if_modified(|cur| {
+                        let first = cur.is_none();
+                        if first {
+                            *cur = Some(e.to_string());
+                        }
+                        first
+                    });
                     warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "writing the local record failed");
                     let mut pause = backoff;
                     if shutdown.is_cancelled() {
@@ -292,6 +307,7 @@ mod tests {
         let signals = FileSinkSignals {
             ready: Arc::new(std::sync::atomic::AtomicBool::new(false)),
             persisted: watch::channel(0).0,
+            write_error: watch::channel(None).0,
         };
         let shutdown = CancellationToken::new();
         let budget = WriteBudget::new(Duration::from_millis(10), 3, Instant::now());
@@ -344,6 +360,12 @@ mod tests {
         }
         assert!(!ready(&signals), "a failed write is not ready");
         assert_eq!(*signals.persisted.borrow(), 0, "nothing reported persisted");
+        let why = signals
+            .write_error
+            .borrow()
+            .clone()
+            .expect("the failure is reported");
+        assert!(why.contains("plain-file"), "{why}");
         shutdown.cancel();
         drop(tx);
         task.await.unwrap();
