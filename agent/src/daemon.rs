@@ -305,13 +305,17 @@ struct Restored {
     kmsg_cursor: Option<u64>,
 }
 
-fn restore(cfg: &AgentConfig) -> Restored {
+fn restore(cfg: &AgentConfig, catalog: &Catalog) -> Restored {
     let boot_id = read_boot_id(&cfg.boot_id_path);
     let persisted = match file::read_state(&cfg.state_dir) {
         Ok(p) => p.unwrap_or_default(),
         Err(e) => {
-            warn!(error = %e, "ignoring unreadable saved state; starting fresh");
-            Default::default()
+            let engine = rebuild_from_record(cfg, catalog);
+            warn!(error = %e, faults = engine.faults().count(), "saved state unreadable; faults rebuilt from the record");
+            crate::runtime::PersistedState {
+                engine,
+                ..Default::default()
+            }
         }
     };
     let same_boot = boot_id.is_some() && persisted.engine.boot_id() == boot_id.as_deref();
@@ -322,6 +326,37 @@ fn restore(cfg: &AgentConfig) -> Restored {
         engine: persisted.engine,
         kmsg_cursor,
     }
+}
+
+/// The engine from `faults.json`, when `state.json` cannot be read: its active faults, minus
+/// what the next polls will report anyway, and minus kernel-log faults of an earlier boot (the
+/// record was written before this boot began). Empty when the record cannot be read either.
+fn rebuild_from_record(cfg: &AgentConfig, catalog: &Catalog) -> faultline_core::engine::Engine {
+    let path = cfg.state_dir.join(file::FAULTS_FILE);
+    let record: faultline_core::record::NodeRecord = match std::fs::read(&path)
+        .map(|b| serde_json::from_slice(&b))
+    {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => {
+            warn!(path = %path.display(), error = %e, "the record is unreadable too; starting empty");
+            return Default::default();
+        }
+        Err(_) => return Default::default(),
+    };
+    // Unknown boot time: keep kernel-log faults (a stale fault an operator can clear beats a
+    // lost one).
+    let booted = kmsg::boot_time(&cfg.proc_stat_path);
+    let same_boot = booted.is_none_or(|b| record.update_time >= b);
+    let policy = faultline_core::policy::Policy::default();
+    let ctx = faultline_core::engine::Ctx {
+        policy: &policy,
+        catalog,
+    };
+    faultline_core::engine::Engine::from_record(
+        &record,
+        faultline_core::engine::RestoreScope { same_boot },
+        ctx,
+    )
 }
 
 /// The agent's parts, started one by one. Each component is started with the shutdown signal it
@@ -701,11 +736,11 @@ async fn run_node(
     }
     std::fs::create_dir_all(cfg.state_dir.join(control::CLEAR_DIR)).ok();
     let catalog = Arc::new(Catalog::builtin().context("built-in catalog")?);
+    let restored = restore(&cfg, &catalog);
     // Connection floods are capped per server (listen.rs); the rest of the descriptors are the
     // agent's own, and there should be as many as the system allows.
     let files = crate::listen::raise_file_limit();
     info!(open_files = ?files, "open-file limit");
-    let restored = restore(&cfg);
 
     let (mut c, ends) = Components::new(cfg, node, shutdown, reload);
     c.heartbeat.beat(c.clock.now());

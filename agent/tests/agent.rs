@@ -452,6 +452,56 @@ fn a_record_that_cannot_be_written_is_visible_and_recovers() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// A corrupt, truncated or empty state.json no longer means starting Healthy: the faults of
+/// the intact faults.json are rebuilt (this boot's kernel-log faults included), and the node
+/// stays Unhealthy. Before, four active SeparateNPU faults vanished this way.
+#[test]
+fn a_lost_state_file_is_rebuilt_from_the_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    for (i, bus) in ["3b", "5e"].iter().enumerate() {
+        agent.append(
+            format!(
+                "4,{},{},-;NVRM: Xid (PCI:0000:{bus}:00): 79, pid=1, name=a, GPU has fallen off the bus.\n",
+                i + 1,
+                (i + 1) * 100
+            )
+            .as_bytes(),
+        );
+    }
+    agent.wait_for("two faults", |r| {
+        r.faults.iter().filter(|f| f.fault_code == "Xid79").count() == 2
+    });
+    let state = agent.state();
+    assert_eq!(agent.stop(), 0);
+    for damage in ["truncated", "empty"] {
+        let p = state.join("state.json");
+        let bytes = std::fs::read(&p).unwrap();
+        let kept = if damage == "empty" {
+            0
+        } else {
+            bytes.len() / 2
+        };
+        std::fs::write(&p, &bytes[..kept]).unwrap();
+        // The kernel log is gone too (a new file): nothing re-reads the faults from it.
+        std::fs::write(dir.path().join("kmsg"), b"").unwrap();
+        let agent = Agent::start(dir.path(), &[]);
+        let r = agent.wait_for("the record rewritten after the restart", |r| {
+            agent.log().contains("faults rebuilt from the record")
+                && r.agent.detectors.iter().any(|d| d.name == "kmsg")
+        });
+        let active: Vec<&str> = r
+            .faults
+            .iter()
+            .filter(|f| f.active)
+            .map(|f| f.fault_code.as_str())
+            .collect();
+        assert_eq!(active, ["Xid79", "Xid79"], "{damage}: {:?}", r.faults);
+        assert_eq!(r.health, Health::Unhealthy, "{damage}");
+        assert_eq!(agent.stop(), 0);
+    }
+}
+
 #[test]
 fn bad_policy_is_rejected_visibly_and_detection_goes_on() {
     let dir = tempfile::tempdir().unwrap();

@@ -30,7 +30,10 @@ use recovery::{recover, resolve};
 mod escalation;
 mod identity;
 mod recovery;
+mod restore;
 mod view;
+
+pub use restore::RestoreScope;
 
 #[cfg(test)]
 mod tests;
