@@ -36,6 +36,11 @@ pub fn write(path: &Path, bytes: &[u8]) -> Result<(), WriteError> {
         std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o644)).map_err(io)?;
     }
     tmp.persist(path).map_err(|e| io(e.error))?;
+    // The rename is durable only once the directory is: whoever acts on "written" (a clear
+    // request removed once persisted) must not be ahead of the disk after a power loss.
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io)?;
     Ok(())
 }
 

@@ -303,14 +303,19 @@ struct Restored {
     engine: faultline_core::engine::Engine,
     /// The saved cursor, when the boot is the same (a new boot's log starts over).
     kmsg_cursor: Option<u64>,
+    /// When the engine was rebuilt from the record: the record's time (kernel-log records up to
+    /// it are in it already).
+    kmsg_skip_through: Option<faultline_core::time::Timestamp>,
 }
 
 fn restore(cfg: &AgentConfig, catalog: &Catalog) -> Restored {
     let boot_id = read_boot_id(&cfg.boot_id_path);
+    let mut kmsg_skip_through = None;
     let persisted = match file::read_state(&cfg.state_dir) {
         Ok(p) => p.unwrap_or_default(),
         Err(e) => {
-            let engine = rebuild_from_record(cfg, catalog);
+            let (engine, written) = rebuild_from_record(cfg, catalog);
+            kmsg_skip_through = written;
             warn!(error = %e, faults = engine.faults().count(), "saved state unreadable; faults rebuilt from the record");
             crate::runtime::PersistedState {
                 engine,
@@ -325,13 +330,20 @@ fn restore(cfg: &AgentConfig, catalog: &Catalog) -> Restored {
         boot_id,
         engine: persisted.engine,
         kmsg_cursor,
+        kmsg_skip_through,
     }
 }
 
 /// The engine from `faults.json`, when `state.json` cannot be read: its active faults, minus
 /// what the next polls will report anyway, and minus kernel-log faults of an earlier boot (the
 /// record was written before this boot began). Empty when the record cannot be read either.
-fn rebuild_from_record(cfg: &AgentConfig, catalog: &Catalog) -> faultline_core::engine::Engine {
+fn rebuild_from_record(
+    cfg: &AgentConfig,
+    catalog: &Catalog,
+) -> (
+    faultline_core::engine::Engine,
+    Option<faultline_core::time::Timestamp>,
+) {
     let path = cfg.state_dir.join(file::FAULTS_FILE);
     let record: faultline_core::record::NodeRecord = match std::fs::read(&path)
         .map(|b| serde_json::from_slice(&b))
@@ -339,9 +351,9 @@ fn rebuild_from_record(cfg: &AgentConfig, catalog: &Catalog) -> faultline_core::
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             warn!(path = %path.display(), error = %e, "the record is unreadable too; starting empty");
-            return Default::default();
+            return (Default::default(), None);
         }
-        Err(_) => return Default::default(),
+        Err(_) => return (Default::default(), None),
     };
     // Unknown boot time: keep kernel-log faults (a stale fault an operator can clear beats a
     // lost one).
@@ -352,11 +364,12 @@ fn rebuild_from_record(cfg: &AgentConfig, catalog: &Catalog) -> faultline_core::
         policy: &policy,
         catalog,
     };
-    faultline_core::engine::Engine::from_record(
+    let engine = faultline_core::engine::Engine::from_record(
         &record,
         faultline_core::engine::RestoreScope { same_boot },
         ctx,
-    )
+    );
+    (engine, same_boot.then_some(record.update_time))
 }
 
 /// The agent's parts, started one by one. Each component is started with the shutdown signal it
@@ -496,7 +509,11 @@ impl Components {
 
     /// The kernel log, on its own thread: a read of /dev/kmsg cannot be cancelled, so the thread
     /// is not joined; it stops at its next record after `source_shutdown`.
-    fn start_kmsg(&mut self, resume_after: Option<u64>) {
+    fn start_kmsg(
+        &mut self,
+        resume_after: Option<u64>,
+        skip_through: Option<faultline_core::time::Timestamp>,
+    ) {
         if self.cfg.no_kmsg {
             info!("kernel log source disabled");
             return;
@@ -504,6 +521,7 @@ impl Components {
         let kcfg = kmsg::KmsgConfig {
             path: self.cfg.kmsg_path.clone(),
             resume_after,
+            skip_through,
             boot_time: kmsg::boot_time(&self.cfg.proc_stat_path),
             follow_interval: self.cfg.follow_interval,
         };
@@ -749,7 +767,7 @@ async fn run_node(
         c.ctx().tx.send(boot).await.ok();
     }
     c.start_policy_and_control();
-    c.start_kmsg(restored.kmsg_cursor);
+    c.start_kmsg(restored.kmsg_cursor, restored.kmsg_skip_through);
     let gpu_count_label = c.connect_kubernetes().await;
     c.start_accelerators(gpu_count_label);
     c.start_peer().await;

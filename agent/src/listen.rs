@@ -8,7 +8,9 @@
 //!   slots a coordinator or a scraper on another host needs; a connection over either cap is
 //!   accepted and closed at once (counted in `faultline_connections_refused_total`), so the
 //!   kernel's backlog never fills with clients that wait forever;
-//! - a connection that moves no bytes for [`Limits::idle`] is closed;
+//! - a connection that sends nothing for [`Limits::idle`] is closed (what the server writes,
+//!   HTTP/2 keep-alive pings included, does not count), and any connection is closed at
+//!   [`Limits::max_age`], so a client that answers pings cannot hold a slot for ever;
 //! - an accept error (`EMFILE` when the process is out of descriptors) backs off instead of
 //!   spinning, and never ends the listener.
 //!
@@ -40,8 +42,10 @@ pub struct Limits {
     pub max_connections: usize,
     /// Connections open at once from one remote address.
     pub max_per_address: usize,
-    /// A connection with no bytes moving for this long is closed.
+    /// A connection that sends nothing for this long is closed.
     pub idle: Duration,
+    /// Any connection is closed this long after it was accepted (clients reconnect).
+    pub max_age: Duration,
 }
 
 /// The metrics and health endpoints: scrapers and probes, a handful at a time.
@@ -49,6 +53,7 @@ pub const HTTP_LIMITS: Limits = Limits {
     max_connections: 64,
     max_per_address: 16,
     idle: Duration::from_secs(30),
+    max_age: Duration::from_secs(300),
 };
 
 /// The peer-check service: the coordinator and the CLI (a node is in at most a few checks).
@@ -56,21 +61,30 @@ pub const PEER_LIMITS: Limits = Limits {
     max_connections: 128,
     max_per_address: 16,
     idle: Duration::from_secs(120),
+    max_age: Duration::from_secs(600),
 };
 
-/// Raises this process's open-file soft limit to its hard limit; returns the limit in force.
+/// The most the soft limit is raised to: far above what the capped servers and the agent use,
+/// and not so high that a child process which closes every descriptor up to the limit (the
+/// Ascend tools, the probe inherit it) crawls.
+pub const FILE_LIMIT_CEILING: u64 = 65_536;
+
+/// Raises this process's open-file soft limit towards its hard limit (at most
+/// [`FILE_LIMIT_CEILING`]); returns the limit in force.
 pub fn raise_file_limit() -> Option<u64> {
     use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
     let cur = getrlimit(Resource::Nofile);
     // `None` is unlimited (Option's order puts it below every number: compare explicitly).
-    if let (Some(soft), Some(hard)) = (cur.current, cur.maximum) {
-        if soft < hard {
+    let hard = cur.maximum.unwrap_or(FILE_LIMIT_CEILING);
+    let target = hard.min(FILE_LIMIT_CEILING);
+    if let Some(soft) = cur.current {
+        if soft < target {
             let raised = Rlimit {
-                current: Some(hard),
-                maximum: Some(hard),
+                current: Some(target),
+                maximum: cur.maximum,
             };
             if setrlimit(Resource::Nofile, raised).is_ok() {
-                return Some(hard);
+                return Some(target);
             }
         }
     }
@@ -85,6 +99,7 @@ pub struct Guarded {
     _address: AddressSlot,
     idle: Duration,
     deadline: Pin<Box<Sleep>>,
+    retire: Pin<Box<Sleep>>,
 }
 
 impl Guarded {
@@ -92,14 +107,15 @@ impl Guarded {
         inner: TcpStream,
         slot: OwnedSemaphorePermit,
         address: AddressSlot,
-        idle: Duration,
+        limits: &Limits,
     ) -> Guarded {
         Guarded {
             inner,
             _slot: slot,
             _address: address,
-            idle,
-            deadline: Box::pin(tokio::time::sleep(idle)),
+            idle: limits.idle,
+            deadline: Box::pin(tokio::time::sleep(limits.idle)),
+            retire: Box::pin(tokio::time::sleep(limits.max_age)),
         }
     }
 
@@ -107,8 +123,18 @@ impl Guarded {
         self.deadline.as_mut().reset(Instant::now() + self.idle);
     }
 
+    /// Whether the idle deadline or the maximum age has passed (both timers are polled, so the
+    /// task is woken by whichever comes first).
     fn expired(&mut self, cx: &mut Context<'_>) -> bool {
-        self.deadline.as_mut().poll(cx).is_ready()
+        let idle = self.deadline.as_mut().poll(cx).is_ready();
+        let old = self.retired(cx);
+        idle || old
+    }
+
+    /// Whether the maximum age has passed; checked before every read and write too, so a
+    /// connection that never goes quiet is retired all the same.
+    fn retired(&mut self, cx: &mut Context<'_>) -> bool {
+        self.retire.as_mut().poll(cx).is_ready()
     }
 }
 
@@ -166,6 +192,9 @@ impl AsyncRead for Guarded {
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
+        if self.retired(cx) {
+            return Poll::Ready(Err(idle_error()));
+        }
         let before = buf.filled().len();
         match Pin::new(&mut self.inner).poll_read(cx, buf) {
             Poll::Ready(r) => {
@@ -186,13 +215,11 @@ impl AsyncWrite for Guarded {
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
+        if self.retired(cx) {
+            return Poll::Ready(Err(idle_error()));
+        }
         match Pin::new(&mut self.inner).poll_write(cx, data) {
-            Poll::Ready(r) => {
-                if matches!(r, Ok(n) if n > 0) {
-                    self.touch();
-                }
-                Poll::Ready(r)
-            }
+            Poll::Ready(r) => Poll::Ready(r),
             // A client that stops reading holds the connection as surely as one that is silent.
             Poll::Pending if self.expired(cx) => Poll::Ready(Err(idle_error())),
             Poll::Pending => Poll::Pending,
@@ -243,7 +270,7 @@ pub fn incoming(
                         slots.clone().try_acquire_owned(),
                     ) {
                         (Some(address), Ok(slot)) => {
-                            let g = Guarded::new(stream, slot, address, limits.idle);
+                            let g = Guarded::new(stream, slot, address, &limits);
                             return Some((Ok(g), (l, slots, per_address, metrics, warned)));
                         }
                         _ => {
@@ -296,6 +323,7 @@ mod tests {
             max_connections: 2,
             max_per_address: 10,
             idle: Duration::from_secs(60),
+            max_age: Duration::from_secs(600),
         };
         let metrics = Arc::new(Metrics::new());
         let mut inc = Box::pin(incoming(l, limits, metrics.clone(), "test"));
@@ -334,6 +362,7 @@ mod tests {
             max_connections: 4,
             max_per_address: 4,
             idle: Duration::from_millis(300),
+            max_age: Duration::from_secs(600),
         };
         let mut inc = Box::pin(incoming(l, limits, Arc::new(Metrics::new()), "test"));
         let mut client = TcpStream::connect(addr).await.unwrap();
@@ -368,6 +397,7 @@ mod tests {
             max_connections: 8,
             max_per_address: 3,
             idle: Duration::from_secs(60),
+            max_age: Duration::from_secs(600),
         };
         let metrics = Arc::new(Metrics::new());
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -409,11 +439,39 @@ mod tests {
             .unwrap();
     }
 
+    /// A connection that keeps talking is still closed at its maximum age.
+    #[tokio::test]
+    async fn connections_are_retired_at_their_maximum_age() {
+        let (l, addr) = listener().await;
+        let limits = Limits {
+            max_connections: 4,
+            max_per_address: 4,
+            idle: Duration::from_secs(60),
+            max_age: Duration::from_millis(400),
+        };
+        let mut inc = Box::pin(incoming(l, limits, Arc::new(Metrics::new()), "test"));
+        let mut client = TcpStream::connect(addr).await.unwrap();
+        let mut server = inc.next().await.unwrap().unwrap();
+        let started = std::time::Instant::now();
+        let err = loop {
+            client.write_all(b"x").await.unwrap();
+            let mut b = [0u8; 1];
+            match tokio::time::timeout(Duration::from_secs(5), server.read(&mut b)).await {
+                Ok(Ok(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
+                Ok(Err(e)) => break e,
+                Err(_) => panic!("never retired"),
+            }
+            assert!(started.elapsed() < Duration::from_secs(5), "never retired");
+        };
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+    }
+
     #[test]
-    fn the_file_limit_is_raised_to_the_hard_limit() {
+    fn the_file_limit_is_raised_within_the_ceiling() {
         let got = raise_file_limit().expect("a limit");
         let now = rustix::process::getrlimit(rustix::process::Resource::Nofile);
-        assert_eq!(now.current, now.maximum);
         assert_eq!(Some(got), now.current);
+        let hard = now.maximum.unwrap_or(FILE_LIMIT_CEILING);
+        assert_eq!(got, hard.min(FILE_LIMIT_CEILING));
     }
 }

@@ -569,6 +569,12 @@ fn operator_clear_and_cli() {
     assert_eq!(code, Some(1));
     assert!(err.contains("Xid79") && err.lines().count() == 1, "{err}");
 
+    // A request the agent rejects (an empty code) is reported as rejected, not as cleared.
+    let (code, out, err) = common::cli(&["clear", "--code", ""], &state);
+    assert_eq!(code, Some(2), "{out}{err}");
+    assert!(format!("{out}{err}").contains("rejected"), "{out}{err}");
+    assert_eq!(agent.record().unwrap().health, Health::Unhealthy);
+
     let (code, _, err) = common::cli(&["clear", "--code", "Xid79"], &state);
     assert_eq!(code, Some(0), "{err}");
     let (code, _, err) = common::cli(&["wait-healthy", "--timeout", "20s"], &state);

@@ -33,8 +33,8 @@ pub trait ReaderCounters: Send + Sync + fmt::Debug {
 }
 
 /// A forward jump in sequence numbers larger than this is not a loss but a corrupt number
-/// (2^48 records is a million a second for nine years).
-pub const MAX_PLAUSIBLE_GAP: u64 = 1 << 48;
+/// (2^40 records is a hundred thousand a second, the most a kernel log sustains, for 127 days).
+pub const MAX_PLAUSIBLE_GAP: u64 = 1 << 40;
 
 /// Plain counters.
 #[derive(Debug, Default)]
@@ -81,6 +81,9 @@ pub struct KmsgReader {
     /// The cursor of the previous run: records up to it are expected again (the device is read
     /// from the oldest record) and skipped without complaint.
     resume_after: Option<u64>,
+    /// Records dated at or before this were already seen (the engine was rebuilt from a record
+    /// written then, and the cursor was lost); skipped like replayed ones.
+    skip_through: Option<Timestamp>,
     boot_time: Option<Timestamp>,
     use_record_time: bool,
     counters: Arc<dyn ReaderCounters>,
@@ -97,11 +100,25 @@ impl KmsgReader {
         KmsgReader {
             last_seq: resume_after,
             resume_after,
+            skip_through: None,
             boot_time,
             use_record_time,
             counters,
             unsent_cursor: false,
         }
+    }
+
+    /// Skips records dated at or before `t` (they are in the record the engine was rebuilt
+    /// from). Only records the reader can date (device mode, boot time known) are skipped.
+    pub fn skip_through(mut self, t: Option<Timestamp>) -> Self {
+        self.skip_through = t;
+        self
+    }
+
+    /// The log is being read again from its oldest record (the source reopened it): what was
+    /// read already is expected again and skipped, not counted twice.
+    pub fn reopened(&mut self) {
+        self.resume_after = self.resume_after.max(self.last_seq);
     }
 
     /// The highest sequence number read so far.
@@ -118,6 +135,16 @@ impl KmsgReader {
         match parse_record(raw) {
             Ok(rec) => {
                 let at = self.record_time(rec.usec);
+                if self.resume_after.is_none()
+                    && at.is_some_and(|t| self.skip_through.is_some_and(|s| t <= s))
+                {
+                    // Already in the record the engine was rebuilt from; the cursor follows so
+                    // the next restart resumes after it.
+                    self.counters.skipped();
+                    self.last_seq = Some(self.last_seq.map_or(rec.seq, |l| l.max(rec.seq)));
+                    self.unsent_cursor = true;
+                    return;
+                }
                 if let Some(last) = self.last_seq {
                     let replayed = self.resume_after.is_some_and(|r| rec.seq <= r);
                     if rec.seq <= last && replayed {
@@ -149,20 +176,30 @@ impl KmsgReader {
             }
             Err(e) => {
                 let text = String::from_utf8_lossy(raw);
+                let mut trusted = None;
                 if looks_like_header(raw) {
                     // A truncated or corrupt record: say so, and still scan what is there. Its
                     // sequence number is believed only when it is the next one expected (a
                     // truncated number could be anything).
                     self.counters.malformed(&e, truncate(&text, 120));
-                    if let (Some(seq), Some(last)) = (header_seq(raw), self.last_seq) {
-                        if last.checked_add(1) == Some(seq) {
-                            self.last_seq = Some(seq);
-                            self.unsent_cursor = true;
-                        }
+                    trusted = match (header_seq(raw), self.last_seq) {
+                        (Some(seq), Some(last)) if last.checked_add(1) == Some(seq) => Some(seq),
+                        _ => None,
+                    };
+                    if let Some(seq) = trusted {
+                        self.last_seq = Some(seq);
+                        self.unsent_cursor = true;
                     }
                 }
                 if let Some(obs) = self.scan(strip_dmesg_time(text.trim_end_matches('\n')), None) {
-                    out.push(Input::Obs(obs));
+                    match trusted {
+                        // A fault and the cursor covering it, in one input.
+                        Some(seq) => {
+                            out.push(Input::Kmsg { obs, seq });
+                            self.unsent_cursor = false;
+                        }
+                        None => out.push(Input::Obs(obs)),
+                    }
                 }
             }
         }
@@ -648,5 +685,42 @@ mod tests {
                 inputs.len()
             );
         }
+    }
+
+    /// A reopened log is read from its oldest record again: what was read is skipped, not
+    /// counted twice and not called out of order.
+    #[test]
+    fn a_reopened_log_is_not_counted_twice() {
+        let (mut r, tally) = reader(None);
+        let xid = format!("4,11,200,-;{XID}");
+        let first = feed_all(&mut r, &[b"6,10,100,-;a", xid.as_bytes()]);
+        assert_eq!(signals(&first), ["Xid79x1"]);
+        r.reopened();
+        let again = feed_all(&mut r, &[b"6,10,100,-;a", xid.as_bytes(), b"6,12,300,-;b"]);
+        assert!(signals(&again).is_empty());
+        assert_eq!(Tally::get(&tally.skipped), 2);
+        assert_eq!(Tally::get(&tally.out_of_order), 0);
+        assert_eq!(r.last_seq(), Some(12));
+    }
+
+    /// After the engine was rebuilt from a record (the cursor lost), records dated up to the
+    /// record's time are in it already: skipped, with the cursor following them.
+    #[test]
+    fn records_already_in_the_rebuilt_record_are_skipped() {
+        let boot = Timestamp::from_second(1_790_000_000).unwrap();
+        let tally = Arc::new(Tally::default());
+        let mut r = KmsgReader::new(None, Some(boot), true, tally.clone()).skip_through(Some(
+            boot.checked_add(SignedDuration::from_secs(10)).unwrap(),
+        ));
+        let old = format!("4,1,5000000,-;{XID}"); // 5 s after boot
+        let new = format!("4,2,20000000,-;{XID}"); // 20 s after boot
+        let out = feed_all(&mut r, &[old.as_bytes(), new.as_bytes()]);
+        assert_eq!(
+            signals(&out),
+            ["Xid79x1"],
+            "only the record after the rebuilt one"
+        );
+        assert_eq!(Tally::get(&tally.skipped), 1);
+        assert_eq!(r.last_seq(), Some(2));
     }
 }

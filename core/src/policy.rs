@@ -495,7 +495,7 @@ impl Policy {
             (
                 "recovered_retention".into(),
                 self.recovered_retention,
-                min,
+                Duration::ZERO,
                 20 * 365 * day,
             ),
             (
@@ -613,7 +613,7 @@ impl Policy {
             (
                 "ascend.link_flap_count".into(),
                 self.ascend.link_flap_count,
-                1,
+                0,
                 10_000,
             ),
             (
@@ -885,13 +885,13 @@ expected_gpus: 8
             ("ascend: { poll_interval: 2h }\n", &["ascend.poll_interval"]),
             ("peer: { interval: 30d }\n", &["peer.interval"]),
             ("burst_window: 2h\n", &["burst_window", "at most 1h"]),
-            ("recovered_retention: 1s\n", &["recovered_retention"]),
+            ("recovered_retention: 21y\n", &["recovered_retention"]),
             ("expected_gpus: 100000\n", &["expected_gpus", "between 0 and 1024"]),
             ("max_recovered: 10000000\n", &["max_recovered"]),
             ("escalation:\n  - codes: [Xid13]\n    count: 2\n    window: 1000y\n    handling: SeparateNPU\n", &["escalation[0].window"]),
             ("escalation:\n  - codes: [Xid13]\n    count: 100000000\n    window: 1h\n    handling: SeparateNPU\n", &["escalation[0].count"]),
             ("recovery:\n  - clear_after: 1000y\n", &["recovery[0].clear_after"]),
-            ("ascend: { link_flap_count: 0 }\n", &["ascend.link_flap_count"]),
+            ("ascend: { link_flap_count: 100000 }\n", &["ascend.link_flap_count"]),
         ];
         for (text, needles) in cases {
             let err = Policy::parse(text).expect_err(text).to_string();

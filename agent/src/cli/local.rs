@@ -10,7 +10,7 @@ use faultline_core::record::{Health, NodeRecord};
 use super::{columns, Outcome};
 use crate::atomic_file::write as write_atomic;
 use crate::sink::file::FAULTS_FILE;
-use crate::source::control::{is_pending, ClearRequest, CLEAR_DIR};
+use crate::source::control::{is_pending, is_rejected, ClearRequest, CLEAR_DIR};
 
 /// Where the local record is.
 pub fn record_path(file: Option<&Path>, state_dir: &Path) -> PathBuf {
@@ -210,6 +210,12 @@ pub fn clear(
     let deadline = Instant::now() + wait;
     while Instant::now() < deadline {
         // Taken (renamed `*.applying`) and then removed once the clear is on the agent's disk.
+        if is_rejected(&dir, &name) {
+            return Outcome::error(format!(
+                "error: the agent rejected the request (its log says why): {}",
+                path.display()
+            ));
+        }
         if !is_pending(&dir, &name) {
             return Outcome::ok(format!(
                 "cleared {} on {}",

@@ -140,11 +140,11 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
         s.metrics.clone(),
         "peer",
     );
-    // Every RPC is short (a check's own deadline is enforced by the agent, not the call): a
-    // per-request limit, a few concurrent requests per connection, and HTTP/2 keep-alive so a
-    // peer that vanished is noticed.
+    // No server-wide request timeout: `Run` lasts a whole check (several rounds, each up to its
+    // check deadline), and every other RPC bounds its own work. A few concurrent requests per
+    // connection, and HTTP/2 keep-alive so a peer that vanished is noticed; the listener caps
+    // connections and their age.
     let server = tonic::transport::Server::builder()
-        .timeout(std::time::Duration::from_secs(30))
         .concurrency_limit_per_connection(16)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))

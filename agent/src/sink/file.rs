@@ -173,10 +173,15 @@ pub async fn run(
                         latency_us = snap.applied_at.elapsed().as_micros() as u64,
                         "record written"
                     );
+                    let first = written.is_none();
                     written = Some(snap.revision);
                     budget.spend(Instant::now());
                     ready.store(true, std::sync::atomic::Ordering::Relaxed);
-                    signals.write_error.send_if_modified(|e| e.take().is_some());
+                    // The first success is always reported (a record-file fault may have come
+                    // back from a run that ended while writes failed).
+                    signals
+                        .write_error
+                        .send_if_modified(|e| e.take().is_some() || first);
                     signals.persisted.send_if_modified(|m| {
                         let newer = snap.marker > *m;
                         *m = (*m).max(snap.marker);
@@ -333,6 +338,7 @@ mod tests {
     async fn readiness_follows_whether_the_newest_record_is_on_disk() {
         let tmp = tempfile::tempdir().unwrap();
         let (tx, signals, shutdown, task) = start(tmp.path().to_path_buf());
+        let mut write_error = signals.write_error.subscribe();
         tx.send_replace(Some(snapshot(1, 7)));
         let mut persisted = signals.persisted.subscribe();
         tokio::time::timeout(Duration::from_secs(5), persisted.wait_for(|m| *m == 7))
@@ -341,6 +347,10 @@ mod tests {
             .unwrap();
         assert!(ready(&signals));
         assert!(tmp.path().join(FAULTS_FILE).exists());
+        // The first success is reported even with no failure before it (it clears a
+        // record-file fault an earlier run left behind).
+        assert!(write_error.has_changed().unwrap());
+        assert_eq!(*write_error.borrow_and_update(), None);
         shutdown.cancel();
         drop(tx);
         task.await.unwrap();

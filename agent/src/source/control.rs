@@ -13,13 +13,16 @@
 //! - its JSON must be an object with only `code` and `device`, each a non-empty short string
 //!   (`[]` or `["Xid79"]` is not read as "clear all"); `{}` clears every fault on purpose.
 //!
-//! A request that fails any of this is renamed to `*.rejected` and the reason logged.
+//! A request that fails any of this is renamed to `*.rejected` and the reason logged (the CLI
+//! reports the rejection). A request that cannot be read for a passing reason (out of memory or
+//! descriptors) stays and is read again at the next tick.
 //!
 //! Durability: a request is first renamed to `*.json.applying` (taken: it is not read again in
 //! this run, even if its removal fails), then applied, then followed through the engine by a
-//! marker; it is removed only when the file sink reports that marker written to `state.json`.
-//! The CLI reports "cleared" when both names are gone. A kill in between leaves `*.applying`,
-//! which the next start applies again (clearing twice is harmless).
+//! marker; it is removed as soon as the file sink reports that marker written to `state.json`,
+//! without holding up later requests. The CLI reports "cleared" when both names are gone. Only
+//! a kill in the second or so between applying and writing leaves `*.applying`, which the next
+//! start applies again.
 
 use std::collections::HashSet;
 use std::ffi::CString;
@@ -43,9 +46,6 @@ pub const APPLYING_SUFFIX: &str = ".applying";
 pub const MAX_REQUEST_BYTES: u64 = 4096;
 /// The longest `code` or `device` accepted.
 pub const MAX_FIELD_CHARS: usize = 256;
-/// How long one clear waits for the file sink to persist it before the source moves on (the
-/// request then stays as `*.applying` and is applied again at the next start).
-pub const PERSIST_WAIT: Duration = Duration::from_secs(30);
 
 /// One clear request; both fields absent clears every active fault.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -61,6 +61,7 @@ pub struct ClearRequest {
 /// Why a request was not applied.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RequestError {
+    /// A passing failure: the request is read again at the next tick.
     #[error("not a regular file (symlinks, FIFOs and devices are refused)")]
     NotRegular,
     #[error("larger than {MAX_REQUEST_BYTES} bytes")]
@@ -172,6 +173,11 @@ impl RequestDir {
         Ok(())
     }
 
+    fn exists(&self, name: &str) -> bool {
+        cname(name)
+            .is_ok_and(|c| rustix::fs::statat(&self.fd, &c, AtFlags::SYMLINK_NOFOLLOW).is_ok())
+    }
+
     fn remove(&self, name: &str) -> std::io::Result<()> {
         rustix::fs::unlinkat(&self.fd, &cname(name)?, AtFlags::empty())?;
         Ok(())
@@ -196,7 +202,11 @@ impl RequestDir {
                 }
                 name.clone()
             } else if name.ends_with(".json") {
-                name.clone() + APPLYING_SUFFIX
+                let taken = name.clone() + APPLYING_SUFFIX;
+                if seen.contains(&taken) || self.exists(&taken) {
+                    continue; // a request of the same name is still being applied: later
+                }
+                taken
             } else {
                 continue; // temporary files of a writer, rejected requests, anything else
             };
@@ -212,6 +222,9 @@ impl RequestDir {
                         name: taken,
                         request,
                     });
+                }
+                Err(e @ RequestError::Io(_)) => {
+                    warn!(dir = %self.path.display(), name, error = %e, "cannot read a clear request now; trying again");
                 }
                 Err(e) => {
                     warn!(dir = %self.path.display(), name, error = %e, "rejected a clear request");
@@ -236,23 +249,45 @@ pub fn is_pending(dir: &Path, name: &str) -> bool {
     dir.join(name).exists() || dir.join(format!("{name}{APPLYING_SUFFIX}")).exists()
 }
 
+/// Whether the agent rejected the request named `name` (`*.json`): for the CLI.
+pub fn is_rejected(dir: &Path, name: &str) -> bool {
+    dir.join(format!("{}.rejected", name.trim_end_matches(".json")))
+        .exists()
+}
+
 /// Polls the request directory until shutdown. `persisted` is the highest marker the file sink
 /// has written to disk.
 pub async fn run(
     state_dir: PathBuf,
     ctx: SourceContext,
-    persisted: watch::Receiver<u64>,
+    mut persisted: watch::Receiver<u64>,
     every: Duration,
 ) {
     let dir = state_dir.join(CLEAR_DIR);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut seen: HashSet<String> = HashSet::new();
+    // Applied, waiting for their marker to reach the disk: (request, marker).
+    let mut awaiting: Vec<(String, u64)> = Vec::new();
     let mut marker = 0u64;
+    let mut rd: Option<RequestDir> = None;
     loop {
         tokio::select! {
             _ = ctx.shutdown.cancelled() => return,
             _ = tick.tick() => {}
+            Ok(()) = persisted.changed(), if !awaiting.is_empty() => {}
+        }
+        let on_disk = *persisted.borrow_and_update();
+        if let Some(rd) = &rd {
+            awaiting.retain(|(name, m)| {
+                if *m > on_disk {
+                    return true;
+                }
+                if let Err(e) = rd.remove(name) {
+                    warn!(request = name, error = %e, "cannot remove an applied clear request (it is not applied again in this run)");
+                }
+                false
+            });
         }
         let d = dir.clone();
         let s = seen.clone();
@@ -261,8 +296,11 @@ pub async fn run(
             Err(e) => Err(e),
         })
         .await;
-        let (requests, rd) = match taken {
-            Ok(Ok(t)) => t,
+        let requests = match taken {
+            Ok(Ok((requests, opened))) => {
+                rd = Some(opened);
+                requests
+            }
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Ok(Err(e)) => {
                 warn!(dir = %dir.display(), error = %e, "cannot open the clear request directory (a symlink or not a directory is refused)");
@@ -283,27 +321,8 @@ pub async fn run(
             if !sent {
                 return;
             }
-            if !wait_persisted(persisted.clone(), marker, &ctx).await {
-                warn!(request = p.name, "the clear is applied but not yet on disk; it stays pending and is applied again at the next start");
-                continue;
-            }
-            if let Err(e) = rd.remove(&p.name) {
-                warn!(request = p.name, error = %e, "cannot remove an applied clear request (it is not applied again in this run)");
-            }
+            awaiting.push((p.name, marker));
         }
-    }
-}
-
-/// Waits until the file sink has written `marker`, shutdown, or [`PERSIST_WAIT`].
-async fn wait_persisted(
-    mut persisted: watch::Receiver<u64>,
-    marker: u64,
-    ctx: &SourceContext,
-) -> bool {
-    let wait = persisted.wait_for(|m| *m >= marker);
-    tokio::select! {
-        r = tokio::time::timeout(PERSIST_WAIT, wait) => matches!(r, Ok(Ok(_))),
-        _ = ctx.shutdown.cancelled() => false,
     }
 }
 
@@ -457,9 +476,16 @@ mod tests {
             Some(Input::Obs(Observation::OperatorClear { .. }))
         ));
         assert_eq!(rx.recv().await, Some(Input::Marker(1)));
+        // A second request is applied while the first waits for the disk.
+        write(&d, "2.json", br#"{"device":"GPU-1"}"#);
+        assert!(matches!(
+            rx.recv().await,
+            Some(Input::Obs(Observation::OperatorClear { .. }))
+        ));
+        assert_eq!(rx.recv().await, Some(Input::Marker(2)));
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(is_pending(&d, "1.json"), "not on disk yet: still pending");
-        assert_eq!(names(&d), ["1.json.applying"]);
+        assert_eq!(names(&d), ["1.json.applying", "2.json.applying"]);
         persist_tx.send_replace(1);
         for _ in 0..100 {
             if !is_pending(&d, "1.json") {
@@ -468,6 +494,15 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert!(!is_pending(&d, "1.json"), "removed once persisted");
+        assert!(is_pending(&d, "2.json"), "its marker is not on disk yet");
+        persist_tx.send_replace(2);
+        for _ in 0..100 {
+            if !is_pending(&d, "2.json") {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(!is_pending(&d, "2.json"));
         ctx.shutdown.cancel();
         task.await.unwrap();
     }

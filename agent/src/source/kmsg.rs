@@ -65,6 +65,9 @@ pub struct KmsgConfig {
     pub resume_after: Option<u64>,
     /// Wall-clock time of boot, to date records from their monotonic timestamps.
     pub boot_time: Option<Timestamp>,
+    /// Records dated at or before this are skipped: the engine was rebuilt from a record written
+    /// then, without a cursor (state.json was lost).
+    pub skip_through: Option<Timestamp>,
     /// How often a file at its end is checked for growth.
     pub follow_interval: Duration,
 }
@@ -133,6 +136,7 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
             .metadata()
             .map(|m| m.file_type().is_char_device())
             .unwrap_or(false);
+        let reopened = reader.is_some();
         let r = reader.get_or_insert_with(|| {
             KmsgReader::new(
                 cfg.resume_after,
@@ -140,7 +144,11 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
                 is_device,
                 ctx.metrics.clone(),
             )
+            .skip_through(cfg.skip_through)
         });
+        if reopened {
+            r.reopened();
+        }
         if !detector(&ctx, DetectorState::Running, None) {
             return;
         }

@@ -34,6 +34,11 @@ impl RestoreScope {
         if f.fault_handling == Handling::ManuallySeparateNPU {
             return true;
         }
+        // Detectors report their own state at start; an old one could never be cleared by a
+        // detector that is not started again.
+        if f.fault_code == "DETECTOR_DOWN" {
+            return false;
+        }
         match f.source {
             Source::Ascend | Source::Peer => false,
             Source::Kmsg => self.same_boot,
