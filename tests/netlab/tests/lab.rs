@@ -388,14 +388,23 @@ fn a_crashed_labs_leftovers_are_deleted() {
     let bridge = words.next().unwrap().to_string();
     let namespaces: Vec<String> = words.map(str::to_string).collect();
     assert_eq!(namespaces.len(), 2, "{line}");
-    // The next lab anyone builds deletes them (another test's lab may have been first).
+    // The next lab anyone builds deletes them. Another test's lab may have been first: then
+    // that lab's sweep holds the crashed lab's lock and is still deleting when ours skips it,
+    // so wait for the deletion to finish rather than look at one instant.
     let _next = lab("next", 1);
-    assert!(!std::path::Path::new("/sys/class/net")
-        .join(&bridge)
-        .exists());
-    let list = netns_list();
-    assert!(
-        namespaces.iter().all(|ns| !list.contains(ns.as_str())),
-        "{list}"
-    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    loop {
+        let bridge_gone = !std::path::Path::new("/sys/class/net")
+            .join(&bridge)
+            .exists();
+        let list = netns_list();
+        if bridge_gone && namespaces.iter().all(|ns| !list.contains(ns.as_str())) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "left behind: bridge {bridge} gone={bridge_gone}, namespaces {list}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
 }
