@@ -33,6 +33,12 @@ pub fn read_text(path: &Path, max: u64) -> Result<String, OperatorFileError> {
         .read(true)
         .custom_flags(nonblock)
         .open(path)?;
+    String::from_utf8(read_opened(file, max)?).map_err(|_| OperatorFileError::NotText)
+}
+
+/// Reads an opened file: a regular file of at most `max` bytes (however it was opened: the
+/// clear requests are opened relative to their directory, without following links).
+pub fn read_opened(file: std::fs::File, max: u64) -> Result<Vec<u8>, OperatorFileError> {
     let meta = file.metadata()?;
     if !meta.file_type().is_file() {
         return Err(OperatorFileError::NotRegular);
@@ -45,7 +51,7 @@ pub fn read_text(path: &Path, max: u64) -> Result<String, OperatorFileError> {
     if bytes.len() as u64 > max {
         return Err(OperatorFileError::TooLarge(max));
     }
-    String::from_utf8(bytes).map_err(|_| OperatorFileError::NotText)
+    Ok(bytes)
 }
 
 #[cfg(test)]

@@ -26,17 +26,17 @@
 
 use std::collections::HashSet;
 use std::ffi::CString;
-use std::io::Read;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use rustix::fs::{AtFlags, FileType, Mode, OFlags};
+use rustix::fs::{AtFlags, Mode, OFlags};
 use serde::{Deserialize, Serialize};
 use tokio::sync::watch;
 use tracing::{info, warn};
 
 use super::{Input, SourceContext};
+use crate::operator_file::{read_opened, OperatorFileError};
 use faultline_core::engine::Observation;
 
 pub const CLEAR_DIR: &str = "clear.d";
@@ -153,18 +153,12 @@ impl RequestDir {
             Err(e) if e == rustix::io::Errno::LOOP => return Err(RequestError::NotRegular),
             Err(e) => return Err(RequestError::Io(e.to_string())),
         };
-        let st = rustix::fs::fstat(&fd).map_err(|e| RequestError::Io(e.to_string()))?;
-        if FileType::from_raw_mode(st.st_mode) != FileType::RegularFile {
-            return Err(RequestError::NotRegular);
-        }
-        let mut bytes = Vec::new();
-        std::fs::File::from(fd)
-            .take(MAX_REQUEST_BYTES + 1)
-            .read_to_end(&mut bytes)
-            .map_err(|e| RequestError::Io(e.to_string()))?;
-        if bytes.len() as u64 > MAX_REQUEST_BYTES {
-            return Err(RequestError::TooLarge);
-        }
+        let bytes =
+            read_opened(std::fs::File::from(fd), MAX_REQUEST_BYTES).map_err(|e| match e {
+                OperatorFileError::NotRegular => RequestError::NotRegular,
+                OperatorFileError::TooLarge(_) => RequestError::TooLarge,
+                other => RequestError::Io(other.to_string()),
+            })?;
         parse_request(&bytes)
     }
 
@@ -202,7 +196,7 @@ impl RequestDir {
                 }
                 name.clone()
             } else if name.ends_with(".json") {
-                let taken = name.clone() + APPLYING_SUFFIX;
+                let taken = applying_name(&name);
                 if seen.contains(&taken) || self.exists(&taken) {
                     continue; // a request of the same name is still being applied: later
                 }
@@ -229,8 +223,7 @@ impl RequestDir {
                 Err(e) => {
                     warn!(dir = %self.path.display(), name, error = %e, "rejected a clear request");
                     let base = name.strip_suffix(APPLYING_SUFFIX).unwrap_or(&name);
-                    let rejected = format!("{}.rejected", base.trim_end_matches(".json"));
-                    if self.rename(&name, &rejected).is_err() {
+                    if self.rename(&name, &rejected_name(base)).is_err() {
                         let _ = self.remove(&name);
                     }
                 }
@@ -244,15 +237,24 @@ fn cname(name: &str) -> std::io::Result<CString> {
     CString::new(name).map_err(|_| std::io::Error::other("a file name with a NUL byte"))
 }
 
+/// The name of request `name` (`*.json`) once taken.
+fn applying_name(name: &str) -> String {
+    format!("{name}{APPLYING_SUFFIX}")
+}
+
+/// The name of request `name` (`*.json`) once rejected.
+fn rejected_name(name: &str) -> String {
+    format!("{}.rejected", name.trim_end_matches(".json"))
+}
+
 /// Whether a request named `name` (`*.json`) is still pending in `dir`: for the CLI.
 pub fn is_pending(dir: &Path, name: &str) -> bool {
-    dir.join(name).exists() || dir.join(format!("{name}{APPLYING_SUFFIX}")).exists()
+    dir.join(name).exists() || dir.join(applying_name(name)).exists()
 }
 
 /// Whether the agent rejected the request named `name` (`*.json`): for the CLI.
 pub fn is_rejected(dir: &Path, name: &str) -> bool {
-    dir.join(format!("{}.rejected", name.trim_end_matches(".json")))
-        .exists()
+    dir.join(rejected_name(name)).exists()
 }
 
 /// Polls the request directory until shutdown. `persisted` is the highest marker the file sink
