@@ -19,6 +19,7 @@
 //! processes always remain (docs/operations.md has the arithmetic).
 
 use std::collections::HashMap;
+use std::future::Future as _;
 use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
@@ -145,20 +146,18 @@ type PerAddress = Arc<Mutex<HashMap<IpAddr, usize>>>;
 #[derive(Debug)]
 struct AddressSlot {
     counts: PerAddress,
-    ip: Option<IpAddr>,
+    ip: IpAddr,
 }
 
 impl AddressSlot {
     /// Takes a place for `ip`, or `None` when it already has `max` connections.
-    fn take(counts: &PerAddress, ip: Option<IpAddr>, max: usize) -> Option<AddressSlot> {
-        if let Some(ip) = ip {
-            let mut m = counts.lock().unwrap_or_else(|p| p.into_inner());
-            let n = m.entry(ip).or_insert(0);
-            if *n >= max {
-                return None;
-            }
-            *n += 1;
+    fn take(counts: &PerAddress, ip: IpAddr, max: usize) -> Option<AddressSlot> {
+        let mut m = counts.lock().unwrap_or_else(|p| p.into_inner());
+        let n = m.entry(ip).or_insert(0);
+        if *n >= max {
+            return None;
         }
+        *n += 1;
         Some(AddressSlot {
             counts: counts.clone(),
             ip,
@@ -168,23 +167,29 @@ impl AddressSlot {
 
 impl Drop for AddressSlot {
     fn drop(&mut self) {
-        if let Some(ip) = self.ip {
-            let mut m = self.counts.lock().unwrap_or_else(|p| p.into_inner());
-            if let Some(n) = m.get_mut(&ip) {
-                *n = n.saturating_sub(1);
-                if *n == 0 {
-                    m.remove(&ip);
-                }
+        let mut m = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.ip) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&self.ip);
             }
         }
     }
 }
 
+/// Whether a warning may be logged now: at most one a minute (the running totals are in the
+/// metrics).
+fn may_warn(last: &mut Option<Instant>) -> bool {
+    let due = last.is_none_or(|t| t.elapsed() >= Duration::from_secs(60));
+    if due {
+        *last = Some(Instant::now());
+    }
+    due
+}
+
 fn idle_error() -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, "connection idle")
 }
-
-use std::future::Future as _;
 
 impl AsyncRead for Guarded {
     fn poll_read(
@@ -266,7 +271,7 @@ pub fn incoming(
             loop {
                 match l.accept().await {
                     Ok((stream, from)) => match (
-                        AddressSlot::take(&per_address, Some(from.ip()), limits.max_per_address),
+                        AddressSlot::take(&per_address, from.ip(), limits.max_per_address),
                         slots.clone().try_acquire_owned(),
                     ) {
                         (Some(address), Ok(slot)) => {
@@ -279,9 +284,7 @@ pub fn incoming(
                                 .connections_refused
                                 .get_or_create(&ServerLabel { server })
                                 .inc();
-                            // One line a minute at most, with the running total in the metric.
-                            if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
-                                warned = Some(Instant::now());
+                            if may_warn(&mut warned) {
                                 warn!(
                                     server,
                                     max = limits.max_connections,
@@ -291,8 +294,7 @@ pub fn incoming(
                         }
                     },
                     Err(e) => {
-                        if warned.is_none_or(|t| t.elapsed() >= Duration::from_secs(60)) {
-                            warned = Some(Instant::now());
+                        if may_warn(&mut warned) {
                             warn!(server, error = %e, "accept failed; backing off");
                         }
                         tokio::time::sleep(Duration::from_millis(100)).await;
