@@ -345,15 +345,13 @@ fn rebuild_from_record(
     Option<faultline_core::time::Timestamp>,
 ) {
     let path = cfg.state_dir.join(file::FAULTS_FILE);
-    let record: faultline_core::record::NodeRecord = match std::fs::read(&path)
-        .map(|b| serde_json::from_slice(&b))
-    {
-        Ok(Ok(r)) => r,
-        Ok(Err(e)) => {
-            warn!(path = %path.display(), error = %e, "the record is unreadable too; starting empty");
+    let record = match crate::cli::read_record(&path) {
+        Ok(r) => r,
+        Err(crate::cli::ReadError::Missing(_)) => return (Default::default(), None),
+        Err(e) => {
+            warn!(error = %e, "the record is unreadable too; starting empty");
             return (Default::default(), None);
         }
-        Err(_) => return (Default::default(), None),
     };
     // Unknown boot time: keep kernel-log faults (a stale fault an operator can clear beats a
     // lost one).
