@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{fault, fixtures, Agent};
+use common::{fault, fixtures, wait_until, xid79, Agent};
 use faultline_core::record::{FaultType, Handling, Health, Source};
 
 fn mixed_replay() -> Vec<u8> {
@@ -280,25 +280,17 @@ fn other_signals_neither_kill_the_agent_nor_lose_its_state() {
     );
     agent.wait_for("start-up write", |_| true);
     agent.append(b"4,1,100,-;NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=a, Graphics Exception\n");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while agent.metric("faultline_engine_events_total{kind=\"new_fault\"}") < 1.0 {
-        assert!(std::time::Instant::now() < deadline, "fault not applied");
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_until("the fault applied", Duration::from_secs(30), || {
+        (agent.metric("faultline_engine_events_total{kind=\"new_fault\"}") >= 1.0).then_some(())
+    });
     let pid = rustix::process::Pid::from_raw(agent.child.id() as i32).unwrap();
     use rustix::process::Signal;
     for sig in [Signal::HUP, Signal::USR1, Signal::USR2, Signal::QUIT] {
         rustix::process::kill_process(pid, sig).unwrap();
     }
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    while agent.log().matches("signal ignored").count() < 3 {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "signals not handled; log:\n{}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_until("the signals handled", Duration::from_secs(10), || {
+        (agent.log().matches("signal ignored").count() >= 3).then_some(())
+    });
     let mut agent = agent;
     assert!(agent.child.try_wait().unwrap().is_none(), "still running");
     assert!(agent.log().contains("SIGHUP"), "{}", agent.log());
@@ -339,15 +331,8 @@ fn a_connection_flood_does_not_stop_detection_or_record_writes() {
         }
     }
     assert!(flood.len() >= 1000, "the flood connected: {}", flood.len());
-    for (i, bus) in ["3b", "5e", "86", "af"].iter().enumerate() {
-        agent.append(
-            format!(
-                "4,{},{},-;NVRM: Xid (PCI:0000:{bus}:00): 79, pid=1, name=a, GPU has fallen off the bus.\n",
-                i + 1,
-                (i + 1) * 100
-            )
-            .as_bytes(),
-        );
+    for (seq, bus) in (1..).zip(["3b", "5e", "86", "af"]) {
+        agent.append(&xid79(seq, bus));
     }
     let r = agent.wait_for("four faults written during the flood", |r| {
         r.faults.iter().filter(|f| f.fault_code == "Xid79").count() == 4
@@ -376,18 +361,9 @@ fn a_connection_flood_does_not_stop_detection_or_record_writes() {
     assert!(health.starts_with("HTTP/1.0 200"), "{health}");
     drop(flood);
     // Once the flood is gone the endpoints answer again, and say what they refused.
-    let deadline = std::time::Instant::now() + Duration::from_secs(40);
-    loop {
-        let refused = agent.metric("faultline_connections_refused_total{server=\"http\"}");
-        if refused > 0.0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "metrics never answered"
-        );
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_until("the metrics to answer", Duration::from_secs(40), || {
+        (agent.metric("faultline_connections_refused_total{server=\"http\"}") > 0.0).then_some(())
+    });
     assert_eq!(agent.stop(), 0);
 }
 
@@ -406,26 +382,21 @@ fn a_record_that_cannot_be_written_is_visible_and_recovers() {
     std::fs::remove_file(&faults).unwrap();
     std::fs::create_dir(&faults).unwrap();
     agent.append(b"4,1,100,-;NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=a, Graphics Exception\n");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let served = loop {
-        let (status, body) = agent.get("/v1/record");
-        let r: Option<faultline_core::record::NodeRecord> = (status == 200)
-            .then(|| serde_json::from_str(&body).ok())
-            .flatten();
-        if let Some(r) = r.filter(|r| {
-            r.faults
-                .iter()
-                .any(|f| f.fault_code == "DETECTOR_DOWN" && f.device == "record-file" && f.active)
-        }) {
-            break r;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no DETECTOR_DOWN; log:\n{}",
-            agent.log()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let served = wait_until(
+        "DETECTOR_DOWN on record-file",
+        Duration::from_secs(30),
+        || {
+            let (status, body) = agent.get("/v1/record");
+            let r: Option<faultline_core::record::NodeRecord> = (status == 200)
+                .then(|| serde_json::from_str(&body).ok())
+                .flatten();
+            r.filter(|r| {
+                r.faults.iter().any(|f| {
+                    f.fault_code == "DETECTOR_DOWN" && f.device == "record-file" && f.active
+                })
+            })
+        },
+    );
     assert!(fault(&served, "Xid13").is_some(), "detection went on");
     assert_eq!(agent.get("/readyz").0, 503);
     assert_eq!(
@@ -444,11 +415,9 @@ fn a_record_that_cannot_be_written_is_visible_and_recovers() {
         .detectors
         .iter()
         .any(|d| d.name == "record-file" && d.state == "Running"));
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while agent.get("/readyz").0 != 200 {
-        assert!(std::time::Instant::now() < deadline, "never ready again");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    wait_until("ready again", Duration::from_secs(30), || {
+        (agent.get("/readyz").0 == 200).then_some(())
+    });
     assert_eq!(agent.stop(), 0);
 }
 
@@ -459,15 +428,8 @@ fn a_record_that_cannot_be_written_is_visible_and_recovers() {
 fn a_lost_state_file_is_rebuilt_from_the_record() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
-    for (i, bus) in ["3b", "5e"].iter().enumerate() {
-        agent.append(
-            format!(
-                "4,{},{},-;NVRM: Xid (PCI:0000:{bus}:00): 79, pid=1, name=a, GPU has fallen off the bus.\n",
-                i + 1,
-                (i + 1) * 100
-            )
-            .as_bytes(),
-        );
+    for (seq, bus) in (1..).zip(["3b", "5e"]) {
+        agent.append(&xid79(seq, bus));
     }
     agent.wait_for("two faults", |r| {
         r.faults.iter().filter(|f| f.fault_code == "Xid79").count() == 2

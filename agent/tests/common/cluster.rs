@@ -6,7 +6,7 @@
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use faultline_agent::peer::coordinator::RunState;
 use faultline_agent::sink::kube::calls::API_CALLS;
@@ -82,16 +82,7 @@ impl Drop for KeepOnPanic {
     }
 }
 
-pub fn wait_until<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
-    let start = Instant::now();
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(start.elapsed() < limit, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-}
+pub use super::wait_until;
 
 pub fn lease_holder(emu: &Emulator) -> Option<String> {
     let l = emu.get(&ResourceRef::lease(NS, "faultline-peercheck"))?;

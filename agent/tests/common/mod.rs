@@ -11,6 +11,27 @@ use std::time::{Duration, Instant};
 
 use faultline_core::record::NodeRecord;
 
+/// Calls `f` until it returns a value; panics naming `what` after `limit`.
+pub fn wait_until<T>(what: &str, limit: Duration, mut f: impl FnMut() -> Option<T>) -> T {
+    let start = Instant::now();
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(start.elapsed() < limit, "timed out waiting for {what}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// A kernel log record (sequence `seq`): Xid 79, "fallen off the bus", on PCI bus `bus`.
+pub fn xid79(seq: u64, bus: &str) -> Vec<u8> {
+    format!(
+        "4,{seq},{},-;NVRM: Xid (PCI:0000:{bus}:00): 79, pid=1, name=a, GPU has fallen off the bus.\n",
+        seq * 100
+    )
+    .into_bytes()
+}
+
 pub fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
 }
