@@ -4,7 +4,6 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -380,14 +379,12 @@ struct Components {
     metrics: Arc<Metrics>,
     clock: Arc<dyn Clock>,
     heartbeat: Arc<Heartbeat>,
-    /// Set by the file sink while the newest record is on disk (`/readyz`).
-    ready: Arc<AtomicBool>,
+    /// What the file sink last managed with the record (`/readyz`, the `record-file` detector).
+    record_status: watch::Sender<file::RecordStatus>,
     /// The highest engine-loop marker the file sink has written (clear requests wait for it).
     persisted: watch::Sender<u64>,
     /// Re-read the policy now (SIGHUP).
     reload: Arc<tokio::sync::Notify>,
-    /// The file sink's write error, for the engine loop (`record-file` detector).
-    write_error: watch::Sender<Option<String>>,
     shutdown: CancellationToken,
     source_shutdown: CancellationToken,
     policy: watch::Receiver<LoadedPolicy>,
@@ -438,10 +435,9 @@ impl Components {
             metrics,
             clock: Arc::new(SystemClock),
             heartbeat: Arc::new(Heartbeat::default()),
-            ready: Arc::new(AtomicBool::new(false)),
+            record_status: watch::channel(file::RecordStatus::NotYetWritten).0,
             persisted: watch::channel(0).0,
             reload,
-            write_error: watch::channel(None).0,
             shutdown,
             source_shutdown,
             policy,
@@ -621,7 +617,7 @@ impl Components {
             tick: Duration::from_secs(1),
             events: self.kube.is_some().then_some(events_tx),
             sink_report: report_rx,
-            record_writer: self.write_error.subscribe(),
+            record_writer: self.record_status.subscribe(),
             shutdown: self.shutdown.clone(),
         };
         self.engine = Some(tokio::spawn(engine_loop.run()));
@@ -677,9 +673,8 @@ impl Components {
             self.metrics.clone(),
             budget,
             file::FileSinkSignals {
-                ready: self.ready.clone(),
+                status: self.record_status.clone(),
                 persisted: self.persisted.clone(),
-                write_error: self.write_error.clone(),
             },
             self.shutdown.clone(),
         );
@@ -701,7 +696,7 @@ impl Components {
             metrics: self.metrics.clone(),
             heartbeat: self.heartbeat.clone(),
             clock: self.clock.clone(),
-            ready: self.ready.clone(),
+            record: self.record_status.subscribe(),
             snapshots: self.snapshots.clone(),
         };
         let shutdown = self.shutdown.clone();

@@ -3,7 +3,6 @@
 //! record as JSON).
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use axum::extract::State;
@@ -26,7 +25,8 @@ pub struct HttpState {
     pub metrics: Arc<Metrics>,
     pub heartbeat: Arc<Heartbeat>,
     pub clock: Arc<dyn Clock>,
-    pub ready: Arc<AtomicBool>,
+    /// `/readyz` is 200 while the newest record is on disk.
+    pub record: watch::Receiver<crate::sink::file::RecordStatus>,
     pub snapshots: watch::Receiver<Option<Snapshot>>,
 }
 
@@ -64,7 +64,7 @@ async fn healthz(State(s): State<HttpState>) -> Response {
 }
 
 async fn readyz(State(s): State<HttpState>) -> Response {
-    if s.ready.load(Ordering::Relaxed) {
+    if s.record.borrow().is_written() {
         (StatusCode::OK, "ready\n").into_response()
     } else {
         (

@@ -114,9 +114,9 @@ pub struct EngineLoop {
     pub events: Option<mpsc::Sender<EngineEvent>>,
     /// Sink reports to show in the record (a sender that is never used is fine).
     pub sink_report: watch::Receiver<SinkReport>,
-    /// The file sink's write error, while the record cannot be written: shown as the
-    /// `record-file` detector (down while it fails, running once a write succeeds again).
-    pub record_writer: watch::Receiver<Option<String>>,
+    /// What the file sink last managed: shown as the `record-file` detector (down while
+    /// writes fail, running once one succeeds).
+    pub record_writer: watch::Receiver<crate::sink::file::RecordStatus>,
     pub shutdown: CancellationToken,
 }
 
@@ -150,13 +150,17 @@ impl EngineLoop {
                     }
                 }
                 Ok(()) = self.record_writer.changed() => {
-                    let error = self.record_writer.borrow_and_update().clone();
-                    let obs = Observation::Detector {
-                        name: crate::sink::file::RECORD_DETECTOR.into(),
-                        state: if error.is_some() { DetectorState::Down } else { DetectorState::Running },
-                        reason: error,
+                    use crate::sink::file::RecordStatus;
+                    let detector = match self.record_writer.borrow_and_update().clone() {
+                        RecordStatus::NotYetWritten => None,
+                        RecordStatus::Written => Some((DetectorState::Running, None)),
+                        RecordStatus::Failing(why) => Some((DetectorState::Down, Some(why))),
                     };
-                    self.apply(&loaded, Input::Obs(obs));
+                    if let Some((state, reason)) = detector {
+                        let name = crate::sink::file::RECORD_DETECTOR.into();
+                        let obs = Observation::Detector { name, state, reason };
+                        self.apply(&loaded, Input::Obs(obs));
+                    }
                 }
                 Ok(()) = self.policy.changed() => {
                     let next = self.policy.borrow_and_update().clone();

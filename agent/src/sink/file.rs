@@ -105,16 +105,31 @@ pub fn read_state(dir: &Path) -> Result<Option<PersistedState>, String> {
 /// it managed to write (a restart continues from there).
 pub const FLUSH_DEADLINE: Duration = Duration::from_secs(5);
 
+/// What the file sink last managed with the record: `/readyz` is 200 while it is `Written`,
+/// and the engine loop shows `Failing` as the `record-file` detector being down.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum RecordStatus {
+    /// Nothing written yet in this run.
+    #[default]
+    NotYetWritten,
+    /// The newest record is on disk.
+    Written,
+    /// The last write failed: why (the first failure's reason, until a write succeeds).
+    Failing(String),
+}
+
+impl RecordStatus {
+    pub fn is_written(&self) -> bool {
+        *self == RecordStatus::Written
+    }
+}
+
 /// The file sink's outputs besides the files.
 #[derive(Debug, Clone)]
 pub struct FileSinkSignals {
-    /// `/readyz`: true while the newest record is on disk, false while writes fail.
-    pub ready: Arc<std::sync::atomic::AtomicBool>,
+    pub status: watch::Sender<RecordStatus>,
     /// The highest engine-loop marker written to `state.json` (a clear request waits for it).
     pub persisted: watch::Sender<u64>,
-    /// Why the record cannot be written, while it cannot (the engine loop shows it as the
-    /// `record-file` detector being down).
-    pub write_error: watch::Sender<Option<String>>,
 }
 
 /// The detector name under which a failing record write shows in the record and metrics.
@@ -131,7 +146,6 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let label = SinkLabel { sink: "file" };
-    let ready = signals.ready;
     let mut written: Option<u64> = None;
     let mut backoff = Duration::from_millis(100);
     let mut flush_until: Option<Instant> = None;
@@ -173,15 +187,15 @@ pub async fn run(
                         latency_us = snap.applied_at.elapsed().as_micros() as u64,
                         "record written"
                     );
-                    let first = written.is_none();
                     written = Some(snap.revision);
                     budget.spend(Instant::now());
-                    ready.store(true, std::sync::atomic::Ordering::Relaxed);
-                    // The first success is always reported (a record-file fault may have come
-                    // back from a run that ended while writes failed).
-                    signals
-                        .write_error
-                        .send_if_modified(|e| e.take().is_some() || first);
+                    // Reported on the first success of a run too, which clears a record-file
+                    // fault an earlier run left behind.
+                    signals.status.send_if_modified(|s| {
+                        let changed = !s.is_written();
+                        *s = RecordStatus::Written;
+                        changed
+                    });
                     signals.persisted.send_if_modified(|m| {
                         let newer = snap.marker > *m;
                         *m = (*m).max(snap.marker);
@@ -194,11 +208,10 @@ pub async fn run(
                     metrics.sink_errors.get_or_create(&label).inc();
                     // The record on disk is now older than the agent's state: not ready, and
                     // say so in the record the agent serves.
-                    ready.store(false, std::sync::atomic::Ordering::Relaxed);
-                    signals.write_error.send_if_modified(|cur| {
-                        let first = cur.is_none();
+                    signals.status.send_if_modified(|s| {
+                        let first = !matches!(s, RecordStatus::Failing(_));
                         if first {
-                            *cur = Some(e.to_string());
+                            *s = RecordStatus::Failing(e.to_string());
                         }
                         first
                     });
@@ -310,9 +323,8 @@ mod tests {
     ) {
         let (tx, rx) = watch::channel(None);
         let signals = FileSinkSignals {
-            ready: Arc::new(std::sync::atomic::AtomicBool::new(false)),
+            status: watch::channel(RecordStatus::NotYetWritten).0,
             persisted: watch::channel(0).0,
-            write_error: watch::channel(None).0,
         };
         let shutdown = CancellationToken::new();
         let budget = WriteBudget::new(Duration::from_millis(10), 3, Instant::now());
@@ -328,7 +340,7 @@ mod tests {
     }
 
     fn ready(s: &FileSinkSignals) -> bool {
-        s.ready.load(std::sync::atomic::Ordering::Relaxed)
+        s.status.borrow().is_written()
     }
 
     /// Written records make the agent ready and report their marker; a record that cannot be
@@ -338,7 +350,7 @@ mod tests {
     async fn readiness_follows_whether_the_newest_record_is_on_disk() {
         let tmp = tempfile::tempdir().unwrap();
         let (tx, signals, shutdown, task) = start(tmp.path().to_path_buf());
-        let mut write_error = signals.write_error.subscribe();
+        let mut status = signals.status.subscribe();
         tx.send_replace(Some(snapshot(1, 7)));
         let mut persisted = signals.persisted.subscribe();
         tokio::time::timeout(Duration::from_secs(5), persisted.wait_for(|m| *m == 7))
@@ -349,8 +361,8 @@ mod tests {
         assert!(tmp.path().join(FAULTS_FILE).exists());
         // The first success is reported even with no failure before it (it clears a
         // record-file fault an earlier run left behind).
-        assert!(write_error.has_changed().unwrap());
-        assert_eq!(*write_error.borrow_and_update(), None);
+        assert!(status.has_changed().unwrap());
+        assert_eq!(*status.borrow_and_update(), RecordStatus::Written);
         shutdown.cancel();
         drop(tx);
         task.await.unwrap();
@@ -358,9 +370,7 @@ mod tests {
         let not_a_dir = tmp.path().join("plain-file");
         std::fs::write(&not_a_dir, b"x").unwrap();
         let (tx, signals, shutdown, task) = start(not_a_dir);
-        signals
-            .ready
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        signals.status.send_replace(RecordStatus::Written);
         tx.send_replace(Some(snapshot(1, 3)));
         for _ in 0..100 {
             if !ready(&signals) {
@@ -370,11 +380,10 @@ mod tests {
         }
         assert!(!ready(&signals), "a failed write is not ready");
         assert_eq!(*signals.persisted.borrow(), 0, "nothing reported persisted");
-        let why = signals
-            .write_error
-            .borrow()
-            .clone()
-            .expect("the failure is reported");
+        let why = match signals.status.borrow().clone() {
+            RecordStatus::Failing(why) => why,
+            other => panic!("the failure is reported: {other:?}"),
+        };
         assert!(why.contains("plain-file"), "{why}");
         shutdown.cancel();
         drop(tx);
