@@ -415,11 +415,11 @@ impl Components {
     fn new(
         cfg: AgentConfig,
         node: String,
+        metrics: Arc<Metrics>,
+        loaded: LoadedPolicy,
         shutdown: CancellationToken,
         reload: Arc<tokio::sync::Notify>,
     ) -> (Self, EngineEnds) {
-        let metrics = Arc::new(Metrics::new());
-        let loaded = policy_watch::initial(cfg.policy.as_deref(), &metrics);
         let (policy_tx, policy) = watch::channel(loaded);
         let (in_tx, inputs) = mpsc::channel::<Input>(8192);
         let (snap_tx, snapshots) = watch::channel(None);
@@ -479,8 +479,9 @@ impl Components {
         ));
     }
 
-    /// The policy watcher (when a file is given) and the operator's clear requests.
-    fn start_policy_and_control(&mut self) {
+    /// The policy watcher (when a file is given; it finishes a slow start-up load) and the
+    /// operator's clear requests.
+    fn start_policy_and_control(&mut self, pending: Option<policy_watch::PendingLoad>) {
         if let Some(path) = self.cfg.policy.clone() {
             let watcher = policy_watch::watch_policy(
                 path,
@@ -489,6 +490,8 @@ impl Components {
                 self.source_shutdown.clone(),
                 Duration::from_secs(30),
                 self.reload.clone(),
+                policy_watch::file_reader(),
+                pending,
             );
             self.spawn_source("policy", watcher);
         }
@@ -753,13 +756,23 @@ async fn run_node(
     let files = crate::listen::raise_file_limit();
     info!(open_files = ?files, "open-file limit");
 
-    let (mut c, ends) = Components::new(cfg, node, shutdown, reload);
+    // Detection does not wait for a slow policy file: past START_WAIT it starts on the
+    // built-in policy, and the file's policy replaces it when read.
+    let metrics = Arc::new(Metrics::new());
+    let (loaded, pending) = policy_watch::initial_bounded(
+        cfg.policy.as_deref(),
+        &metrics,
+        policy_watch::file_reader(),
+        policy_watch::START_WAIT,
+    )
+    .await;
+    let (mut c, ends) = Components::new(cfg, node, metrics, loaded, shutdown, reload);
     c.heartbeat.beat(c.clock.now());
     if let Some(b) = &restored.boot_id {
         let boot = Input::Obs(Observation::Boot { boot_id: b.clone() });
         c.ctx().tx.send(boot).await.ok();
     }
-    c.start_policy_and_control();
+    c.start_policy_and_control(pending);
     c.start_kmsg(restored.kmsg_cursor, restored.kmsg_skip_through);
     let gpu_count_label = c.connect_kubernetes().await;
     c.start_accelerators(gpu_count_label);

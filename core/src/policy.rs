@@ -805,6 +805,7 @@ impl LoadedPolicy {
                 source: "builtin".into(),
                 checksum: checksum(""),
                 error: None,
+                loading: None,
             },
         }
     }

@@ -270,6 +270,10 @@ pub struct PolicyStatus {
     /// Why the newest policy file was rejected (the previous one stays in force).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// The policy file still being read when detection started: until it is read, the policy
+    /// named by `source` (the built-in one) is in force.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loading: Option<String>,
 }
 
 /// Taints the Kubernetes node sink holds back because the cluster's taint budget is spent.

@@ -125,6 +125,12 @@ pub fn table(r: &NodeRecord, all: bool) -> String {
             "\nwarning: the newest policy was rejected (the previous one is in force): {e}"
         );
     }
+    if let Some(path) = &r.agent.policy.loading {
+        let _ = writeln!(
+            out,
+            "\nwarning: the policy file {path} is still being read; the built-in policy is in force"
+        );
+    }
     for d in r.agent.detectors.iter().filter(|d| d.state == "Down") {
         let _ = writeln!(
             out,

@@ -84,11 +84,14 @@ pub fn apply_load(
                     source: path.display().to_string(),
                     checksum: sum,
                     error: None,
+                    loading: None,
                 },
             })
         }
         Err(msg) => {
-            if current.status.error.as_deref() == Some(msg.as_str()) {
+            if current.status.error.as_deref() == Some(msg.as_str())
+                && current.status.loading.is_none()
+            {
                 return None;
             }
             metrics
@@ -103,6 +106,7 @@ pub fn apply_load(
                 policy: current.policy.clone(),
                 status: PolicyStatus {
                     error: Some(msg),
+                    loading: None,
                     ..current.status.clone()
                 },
             })
@@ -122,8 +126,63 @@ pub fn initial(path: Option<&Path>, metrics: &Metrics) -> LoadedPolicy {
     }
 }
 
+/// How long start-up waits for the policy file before detection begins on the built-in policy.
+pub const START_WAIT: Duration = Duration::from_secs(2);
+
+/// Reads and validates a policy file ([`read_policy`]; tests substitute a slow one).
+pub type Reader = Arc<dyn Fn(&Path) -> Result<(Policy, String), String> + Send + Sync>;
+
+/// The reader the agent uses.
+pub fn file_reader() -> Reader {
+    Arc::new(read_policy)
+}
+
+/// A policy load that was still running when detection started; [`watch_policy`] finishes it.
+#[derive(Debug)]
+pub struct PendingLoad(tokio::task::JoinHandle<Result<(Policy, String), String>>);
+
+impl PendingLoad {
+    async fn finish(self) -> Result<(Policy, String), String> {
+        self.0
+            .await
+            .unwrap_or_else(|e| Err(format!("policy reader failed: {e}")))
+    }
+}
+
+/// Loads the policy at start, waiting at most `wait`. A file on a hung or slow filesystem must
+/// not delay detection: past `wait`, the built-in policy is in force (the status says which file
+/// is still loading) and the load goes on in the background, handed to [`watch_policy`].
+pub async fn initial_bounded(
+    path: Option<&Path>,
+    metrics: &Metrics,
+    reader: Reader,
+    wait: Duration,
+) -> (LoadedPolicy, Option<PendingLoad>) {
+    let builtin = LoadedPolicy::builtin();
+    let Some(path) = path else {
+        metrics.policy_valid.set(1);
+        return (builtin, None);
+    };
+    let owned = path.to_path_buf();
+    let mut load = tokio::task::spawn_blocking(move || reader(&owned));
+    match tokio::time::timeout(wait, &mut load).await {
+        Ok(done) => {
+            let result = done.unwrap_or_else(|e| Err(format!("policy reader failed: {e}")));
+            let loaded = apply_load(&builtin, path, result, metrics).unwrap_or(builtin);
+            (loaded, None)
+        }
+        Err(_) => {
+            warn!(path = %path.display(), waited_ms = wait.as_millis() as u64, "the policy file is slow to read; detection starts on the built-in policy");
+            let mut loaded = builtin;
+            loaded.status.loading = Some(path.display().to_string());
+            (loaded, Some(PendingLoad(load)))
+        }
+    }
+}
+
 /// Watches `path` and publishes every change on `tx` until shutdown. `reload` (SIGHUP) makes it
-/// re-read the file at once.
+/// re-read the file at once. A `pending` start-up load is finished (and published) first.
+#[allow(clippy::too_many_arguments)] // one per input; a struct would only rename them
 pub async fn watch_policy(
     path: PathBuf,
     tx: watch::Sender<LoadedPolicy>,
@@ -131,7 +190,20 @@ pub async fn watch_policy(
     shutdown: CancellationToken,
     recheck: Duration,
     reload: Arc<tokio::sync::Notify>,
+    reader: Reader,
+    pending: Option<PendingLoad>,
 ) {
+    if let Some(load) = pending {
+        let result = tokio::select! {
+            _ = shutdown.cancelled() => return,
+            r = load.finish() => r,
+        };
+        let current = tx.borrow().clone();
+        if let Some(next) = apply_load(&current, &path, result, &metrics) {
+            info!(path = %path.display(), "the slow policy load finished");
+            let _ = tx.send(next);
+        }
+    }
     let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<()>();
     let dir = path
         .parent()
@@ -164,7 +236,8 @@ pub async fn watch_policy(
             _ = reload.notified() => info!(path = %path.display(), "reloading the policy (SIGHUP)"),
         }
         let p = path.clone();
-        let result = tokio::task::spawn_blocking(move || read_policy(&p))
+        let read = reader.clone();
+        let result = tokio::task::spawn_blocking(move || read(&p))
             .await
             .unwrap_or_else(|e| Err(format!("policy reader failed: {e}")));
         let current = tx.borrow().clone();
@@ -238,6 +311,8 @@ mod tests {
             stop.clone(),
             Duration::from_secs(3600),
             Arc::default(),
+            file_reader(),
+            None,
         ));
         tokio::time::sleep(Duration::from_millis(200)).await;
         std::fs::write(&path, "expected_gpus: 4\n").unwrap();
@@ -279,6 +354,8 @@ mod tests {
             stop.clone(),
             Duration::from_secs(3600),
             reload.clone(),
+            file_reader(),
+            None,
         ));
         tokio::time::sleep(Duration::from_millis(200)).await;
         std::fs::write(&real, "expected_gpus: 4\n").unwrap();
@@ -296,6 +373,104 @@ mod tests {
         .await
         .expect("reload seen")
         .unwrap();
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    /// A policy file that takes longer than the start-up wait does not hold detection back: the
+    /// built-in policy is in force at once (the status names the file still loading), and the
+    /// file's policy replaces it when the read finishes.
+    #[tokio::test]
+    async fn a_slow_policy_load_starts_on_the_builtin_policy_and_finishes_later() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policy.yaml");
+        std::fs::write(&path, "expected_gpus: 4\n").unwrap();
+        let gate = Arc::new(std::sync::Barrier::new(2));
+        let held = gate.clone();
+        let slow: Reader = Arc::new(move |p: &Path| {
+            held.wait(); // released by the test, after start-up went on
+            read_policy(p)
+        });
+        let m = Arc::new(Metrics::new());
+        let (first, pending) =
+            initial_bounded(Some(&path), &m, slow.clone(), Duration::from_millis(50)).await;
+        assert_eq!(*first.policy, Policy::default(), "built-in policy in force");
+        assert_eq!(first.status.source, "builtin");
+        assert_eq!(first.status.loading.as_deref(), path.to_str());
+        let pending = pending.expect("the load is still running");
+
+        let (tx, mut rx) = watch::channel(first);
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(watch_policy(
+            path.clone(),
+            tx,
+            m,
+            stop.clone(),
+            Duration::from_secs(3600),
+            Arc::default(),
+            file_reader(),
+            Some(pending),
+        ));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(rx.borrow_and_update().status.loading.is_some());
+        gate.wait();
+        let loaded = tokio::time::timeout(
+            Duration::from_secs(10),
+            rx.wait_for(|p| p.status.loading.is_none()),
+        )
+        .await
+        .expect("the pending load is published")
+        .unwrap()
+        .clone();
+        assert_eq!(loaded.policy.expected_gpus, 4);
+        assert_eq!(loaded.status.source, path.display().to_string());
+        assert_eq!(loaded.status.error, None);
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    /// A slow load that ends in an error leaves the built-in policy with the error, and no
+    /// longer says it is loading; a fast load needs no background work.
+    #[tokio::test]
+    async fn a_slow_load_that_fails_reports_its_error_and_a_fast_one_is_not_pending() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("policy.yaml");
+        std::fs::write(&path, "overrides: [\n").unwrap();
+        let m = Arc::new(Metrics::new());
+        let (fast, pending) =
+            initial_bounded(Some(&path), &m, file_reader(), Duration::from_secs(10)).await;
+        assert!(pending.is_none());
+        assert!(fast.status.error.is_some() && fast.status.loading.is_none());
+
+        let slow: Reader = Arc::new(|p: &Path| {
+            std::thread::sleep(Duration::from_millis(300));
+            read_policy(p)
+        });
+        let (first, pending) =
+            initial_bounded(Some(&path), &m, slow, Duration::from_millis(20)).await;
+        assert!(first.status.loading.is_some() && first.status.error.is_none());
+        let (tx, mut rx) = watch::channel(first);
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(watch_policy(
+            path.clone(),
+            tx,
+            m,
+            stop.clone(),
+            Duration::from_secs(3600),
+            Arc::default(),
+            file_reader(),
+            pending,
+        ));
+        let failed = tokio::time::timeout(
+            Duration::from_secs(10),
+            rx.wait_for(|p| p.status.loading.is_none()),
+        )
+        .await
+        .expect("the failed load is published")
+        .unwrap()
+        .clone();
+        assert_eq!(*failed.policy, Policy::default());
+        assert!(failed.status.error.unwrap().contains("policy.yaml"));
         stop.cancel();
         task.await.unwrap();
     }

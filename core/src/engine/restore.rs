@@ -187,6 +187,7 @@ mod tests {
                     source: "builtin".into(),
                     checksum: String::new(),
                     error: None,
+                    loading: None,
                 },
                 detectors: Vec::new(),
                 taint_budget: None,
