@@ -73,6 +73,8 @@ pub struct Metrics {
     pub node_health: Gauge,
     pub sink_writes: Family<SinkLabel, Counter>,
     pub sink_errors: Family<SinkLabel, Counter>,
+    /// Own objects someone else changed or deleted, found by the watch and written again.
+    pub drift_repairs: Family<SinkLabel, Counter>,
     pub connections_refused: Family<ServerLabel, Counter>,
     pub sink_write_seconds: Family<SinkLabel, Histogram>,
     pub policy_reloads: Family<ReloadLabel, Counter>,
@@ -111,6 +113,7 @@ impl Metrics {
             node_health: Gauge::default(),
             sink_writes: Family::default(),
             sink_errors: Family::default(),
+            drift_repairs: Family::default(),
             connections_refused: Family::default(),
             sink_write_seconds: Family::new_with_constructor(|| {
                 Histogram::new([
@@ -193,6 +196,11 @@ impl Metrics {
             "faultline_sink_errors",
             "Failed sink writes (retried)",
             m.sink_errors.clone(),
+        );
+        r.register(
+            "faultline_drift_repairs",
+            "Own objects (the Node's faultline labels, taints and condition; the fault ConfigMap) found changed or deleted by someone else and repaired",
+            m.drift_repairs.clone(),
         );
         r.register(
             "faultline_connections_refused",

@@ -334,6 +334,80 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
     c.assert_calls_listed();
 }
 
+/// Someone deletes the fault ConfigMap, replaces the Node without faultline's taint, label and
+/// condition (a PUT), and the API server comes back empty (the Node re-registered bare, the
+/// ConfigMap gone). The periodic resync is set to an hour here, so only the watches of the own
+/// objects can repair these: each is repaired within seconds, and the foreign taint stays.
+#[test]
+fn deleted_or_replaced_own_objects_are_repaired_in_seconds_not_at_the_resync() {
+    let c = Cluster::new(&["node-a"]);
+    let dir = tempfile::tempdir().unwrap();
+    let agent = c.start_agent(dir.path(), "node-a", &["--resync", "1h"]);
+    agent.append(XID79);
+    c.wait("the Xid 79 everywhere", Some(&agent), |c| {
+        unhealthy_everywhere(c, "node-a")
+    });
+    let repaired_within = |what: &str, f: &dyn Fn(&Cluster) -> bool| {
+        let start = Instant::now();
+        c.wait(what, Some(&agent), |c| f(c));
+        let took = start.elapsed();
+        // The resync is an hour away: anything within the wait's bound came from the watch.
+        assert!(took < Duration::from_secs(60), "{what}: {took:?}");
+        took
+    };
+    let cm_back = |c: &Cluster| {
+        c.record("node-a")
+            .is_some_and(|r| r.health == Health::Unhealthy && fault(&r, "Xid79").is_some())
+    };
+
+    // 1. The fault ConfigMap is deleted.
+    assert!(c
+        .emu
+        .delete(&ResourceRef::config_map(NS, "faultline-node-a")));
+    let took = repaired_within("the deleted ConfigMap to be written again", &cm_back);
+    eprintln!("ConfigMap recreated after {took:?}");
+
+    // 2. The Node is replaced by one without faultline's taint, label and condition.
+    let mut bare = faultline_kube_emulator::node("node-a", &[("kubernetes.io/hostname", "node-a")]);
+    bare["spec"]["taints"] = json!([operator_taint()]);
+    c.emu.put(bare.clone());
+    assert!(!c
+        .taints("node-a")
+        .iter()
+        .any(|t| t.starts_with("faultline.io/")));
+    let took = repaired_within("the replaced node to be repaired", &|c| {
+        unhealthy_everywhere(c, "node-a")
+    });
+    eprintln!("node repaired after {took:?}");
+    assert!(c
+        .taints("node-a")
+        .contains(&"example.com/maintenance=planned:NoSchedule".to_string()));
+
+    // 3. The API server restarts with nothing of ours: the kubelet re-registers a bare Node.
+    c.rt.block_on(c.emu.down());
+    assert!(c
+        .emu
+        .delete(&ResourceRef::config_map(NS, "faultline-node-a")));
+    assert!(c.emu.delete(&ResourceRef::node("node-a")));
+    c.emu.put(bare);
+    c.rt.block_on(c.emu.up()).unwrap();
+    let took = repaired_within("everything back after an empty API server", &|c| {
+        unhealthy_everywhere(c, "node-a") && cm_back(c)
+    });
+    eprintln!("restored after the empty API server in {took:?}");
+    c.assert_calls_listed();
+    let (_, metrics) = agent.get("/metrics");
+    let repairs: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("faultline_drift_repairs_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(
+        repairs >= 3.0,
+        "drift repairs counted: {repairs}\n{metrics}"
+    );
+}
+
 /// A second writer changes the node between the agent's read and write (409 on the taint
 /// patch); other calls fail with 500, 429 and timeouts; the API goes away entirely. Detection
 /// and the local file never wait, and the cluster converges to the latest state afterwards.

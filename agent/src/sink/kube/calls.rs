@@ -59,7 +59,14 @@ pub const API_CALLS: &[ApiCall] = &[
         "nodes",
         "list",
         Scope::Cluster,
-        "peer::members (the topology label of every member; only with peer.topology_label set)",
+        "sink::kube::own (the watch of this Node starts with a list pinned to its name), peer::members (the topology label of every member; only with peer.topology_label set)",
+    ),
+    call(
+        "",
+        "nodes",
+        "watch",
+        Scope::Cluster,
+        "sink::kube::own (this Node, by fieldSelector metadata.name: drift is repaired at once)",
     ),
     call(
         "",
@@ -115,7 +122,14 @@ pub const API_CALLS: &[ApiCall] = &[
         "configmaps",
         "list",
         Scope::AgentNamespace,
-        "sink::kube::budget (count the nodes: one fault ConfigMap per agent)",
+        "sink::kube::budget (count the nodes: one fault ConfigMap per agent), sink::kube::own (the watch of faultline-<node> starts with a list pinned to its name)",
+    ),
+    call(
+        "",
+        "configmaps",
+        "watch",
+        Scope::AgentNamespace,
+        "sink::kube::own (faultline-<node>, by fieldSelector metadata.name: a deleted or overwritten record is written again at once)",
     ),
     call(
         "",

@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use super::own::{self, Seen};
 use super::plan::{self, CONFIGMAP_LIMIT, RECORD_KEY};
 use super::{api, KubeSinkConfig, KubeSinkError, Retry, FIELD_MANAGER};
 use crate::metrics::{Metrics, SinkLabel};
@@ -29,11 +30,14 @@ pub fn name(node: &str) -> String {
     format!("faultline-{node}")
 }
 
-/// Runs until the snapshot channel closes, then makes one last bounded attempt.
+/// Runs until the snapshot channel closes, then makes one last bounded attempt. `own` is the
+/// watch of this ConfigMap ([`own::watch_one`]): when it is deleted or rewritten by someone else,
+/// the sink writes it again at once.
 pub async fn run(
     client: Client,
     cfg: KubeSinkConfig,
     mut snapshots: watch::Receiver<Option<Snapshot>>,
+    mut own: Option<watch::Receiver<Seen<ConfigMap>>>,
     metrics: Arc<Metrics>,
     _shutdown: CancellationToken,
 ) {
@@ -44,6 +48,19 @@ pub async fn run(
     let mut retry = Retry::new();
     let mut wake: Option<Instant> = None;
     loop {
+        if let Some(rx) = own.as_mut() {
+            let seen = on_server(&rx.borrow_and_update());
+            if let Some(now) = seen {
+                if now != written && written.is_some() {
+                    info!(
+                        deleted = now.is_none(),
+                        "the fault ConfigMap was changed or deleted by someone else; writing it again"
+                    );
+                    metrics.drift_repairs.get_or_create(&label).inc();
+                }
+                written = now;
+            }
+        }
         let snap = snapshots.borrow_and_update().clone();
         if let Some(snap) = snap {
             match write(&cms, &cfg, &name, &snap.record, &written).await {
@@ -62,8 +79,9 @@ pub async fn run(
                 }
             }
         }
-        if !super::changed_or_woken(&mut snapshots, wake).await {
-            break;
+        tokio::select! {
+            going = super::changed_or_woken(&mut snapshots, wake) => if !going { break },
+            () = own::changed(&mut own) => {}
         }
     }
     let last = snapshots.borrow().clone();
@@ -73,6 +91,22 @@ pub async fn run(
             write(&cms, &cfg, &name, &snap.record, &written),
         )
         .await;
+    }
+}
+
+/// What the watch says the server holds: `Some(None)` when the ConfigMap is gone or holds no
+/// readable record, `Some(key)` for a record, `None` when the watch has not answered yet.
+fn on_server(seen: &Seen<ConfigMap>) -> Option<Option<String>> {
+    match seen {
+        Seen::Unknown => None,
+        Seen::Absent => Some(None),
+        Seen::Present(cm) => Some(
+            cm.data
+                .as_ref()
+                .and_then(|d| d.get(RECORD_KEY))
+                .and_then(|t| serde_json::from_str::<NodeRecord>(t).ok())
+                .map(|r| plan::content_key(&r)),
+        ),
     }
 }
 

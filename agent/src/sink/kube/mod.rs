@@ -8,6 +8,9 @@
 //! - [`configmap`]: `faultline-<node>` holding `faults.json` (server-side apply);
 //! - [`events`]: Events on the Node through kube-runtime's `Recorder`.
 //!
+//! The Node and the ConfigMap are also watched by name ([`own`]), so that a deletion or an
+//! overwrite by someone else is repaired within seconds; the periodic resync is the backstop.
+//!
 //! What to write is decided by the pure functions in [`plan`]. Every API call they make is
 //! listed in [`calls`]. An API error never reaches the engine or the local file: the sink logs,
 //! counts, backs off and tries again with whatever is newest then.
@@ -18,6 +21,7 @@ pub mod configmap;
 pub mod deviceinfo;
 pub mod events;
 pub mod node;
+pub mod own;
 pub mod plan;
 
 use std::sync::Arc;
@@ -187,16 +191,37 @@ pub fn spawn(
         metrics.clone(),
         clock.clone(),
     );
-    let node_task = node_sink.run(inputs.snapshots.clone(), inputs.policy, shutdown.clone());
+    let (own_node, node_watch) = own::watch_one(
+        kube::Api::<k8s_openapi::api::core::v1::Node>::all(client.clone()),
+        &cfg.node,
+        shutdown.clone(),
+    );
+    let (own_cm, cm_watch) = own::watch_one(
+        kube::Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(
+            client.clone(),
+            &cfg.namespace,
+        ),
+        &configmap::name(&cfg.node),
+        shutdown.clone(),
+    );
+    let node_task = node_sink.run(
+        inputs.snapshots.clone(),
+        inputs.policy,
+        Some(own_node),
+        shutdown.clone(),
+    );
     let cm_task = configmap::run(
         client.clone(),
         cfg.clone(),
         inputs.snapshots,
+        Some(own_cm),
         metrics.clone(),
         shutdown.clone(),
     );
     let ev_task = events::run(client, cfg, notice_rx, metrics, shutdown);
     vec![
+        node_watch,
+        cm_watch,
         tokio::spawn(forward),
         tokio::spawn(node_task.instrument(tracing::info_span!("sink", name = "node"))),
         tokio::spawn(cm_task.instrument(tracing::info_span!("sink", name = "configmap"))),

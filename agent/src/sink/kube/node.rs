@@ -25,6 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::budget::{Answer, Budget};
+use super::own::{self, Seen};
 use super::plan::{self, Notice};
 use super::{api, is_conflict, KubeSinkConfig, KubeSinkError, Retry, FIELD_MANAGER};
 use crate::metrics::{Metrics, SinkLabel};
@@ -33,6 +34,7 @@ use faultline_core::engine::{DesiredCondition, DesiredTaint};
 use faultline_core::policy::LoadedPolicy;
 use faultline_core::policy::TaintBudget;
 use faultline_core::record::TaintBudgetStatus;
+use faultline_core::time::Timestamp;
 
 /// What the Node should carry.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -49,6 +51,25 @@ impl Desired {
             taints: s.taints.clone(),
             condition: s.condition.clone(),
         }
+    }
+
+    /// Whether `node` carries this: the labels, the condition, and the faultline taints (hard
+    /// taints not yet on the node are fine when `withholding`: the budget holds them back).
+    /// Foreign labels, taints and conditions do not matter.
+    pub fn carried_by(&self, node: &Node, withholding: bool, now: Timestamp) -> bool {
+        let taints = node
+            .spec
+            .as_ref()
+            .and_then(|s| s.taints.as_deref())
+            .unwrap_or_default();
+        let conditions = node
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_deref())
+            .unwrap_or_default();
+        plan::plan_taints(taints, &self.taints, withholding, now).is_none()
+            && plan::plan_condition(conditions, &self.condition, now).is_none()
+            && !plan::labels_differ(node.metadata.labels.as_ref(), &self.labels)
     }
 }
 
@@ -101,11 +122,14 @@ impl NodeSink {
         }
     }
 
-    /// Runs until the snapshot channel closes, then makes one last bounded attempt.
+    /// Runs until the snapshot channel closes, then makes one last bounded attempt. `own` is the
+    /// watch of this Node ([`own::watch_one`]): a change that takes away what the sink wrote is
+    /// repaired at once, not at the next resync.
     pub async fn run(
         mut self,
         mut snapshots: watch::Receiver<Option<Snapshot>>,
         policy: watch::Receiver<LoadedPolicy>,
+        mut own: Option<watch::Receiver<Seen<Node>>>,
         _shutdown: CancellationToken,
     ) {
         let mut done: Option<Desired> = None;
@@ -116,7 +140,15 @@ impl NodeSink {
             if let Some(snap) = snap {
                 let desired = Desired::of(&snap);
                 let due = wake.is_some_and(|w| Instant::now() >= w);
-                if done.as_ref() != Some(&desired) || due {
+                let drifted = done.as_ref() == Some(&desired) && self.drifted(&mut own, &desired);
+                if drifted {
+                    info!("the node no longer carries what faultline wrote; repairing it now");
+                    self.metrics
+                        .drift_repairs
+                        .get_or_create(&SinkLabel { sink: "node" })
+                        .inc();
+                }
+                if done.as_ref() != Some(&desired) || due || drifted {
                     let budget = policy.borrow().policy.taint_budget.clone();
                     match self.reconcile(&desired, &budget).await {
                         Ok(Outcome::Done { withheld, wrote }) => {
@@ -152,8 +184,9 @@ impl NodeSink {
                     }
                 }
             }
-            if !super::changed_or_woken(&mut snapshots, wake).await {
-                break;
+            tokio::select! {
+                going = super::changed_or_woken(&mut snapshots, wake) => if !going { break },
+                () = own::changed(&mut own) => {}
             }
         }
         // The engine stopped: push its final state if it differs, briefly.
@@ -166,6 +199,21 @@ impl NodeSink {
                     tokio::time::timeout(Duration::from_secs(3), self.reconcile(&desired, &budget))
                         .await;
             }
+        }
+    }
+
+    /// Whether the watched Node has lost what the sink last made it carry.
+    fn drifted(&self, own: &mut Option<watch::Receiver<Seen<Node>>>, desired: &Desired) -> bool {
+        let Some(rx) = own.as_mut() else {
+            return false;
+        };
+        match &*rx.borrow_and_update() {
+            Seen::Present(node) => {
+                !desired.carried_by(node, !self.withheld.is_empty(), self.clock.now())
+            }
+            // A deleted Node cannot be repaired by this agent; the kubelet re-registers it, and
+            // that is a change the watch reports.
+            Seen::Absent | Seen::Unknown => false,
         }
     }
 
@@ -323,5 +371,163 @@ impl NodeSink {
                 self.report.send_replace(SinkReport::default());
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use faultline_core::policy::TaintEffect;
+    use k8s_openapi::api::core::v1::{NodeCondition, NodeSpec, NodeStatus, Taint};
+
+    fn desired() -> Desired {
+        Desired {
+            labels: BTreeMap::from([("faultline.io/health".into(), "Unhealthy".into())]),
+            taints: vec![DesiredTaint {
+                key: "faultline.io/unhealthy".into(),
+                value: "Xid79".into(),
+                effect: TaintEffect::NoSchedule,
+            }],
+            condition: DesiredCondition {
+                status: false,
+                reason: "SeparateNPU".into(),
+                message: "Xid79".into(),
+            },
+        }
+    }
+
+    fn taint(key: &str, value: &str) -> Taint {
+        Taint {
+            key: key.into(),
+            value: Some(value.into()),
+            effect: "NoSchedule".into(),
+            time_added: None,
+        }
+    }
+
+    /// A Node as the sink leaves it for `desired()`, plus foreign labels, taints and conditions.
+    fn carrying() -> Node {
+        let mut n = Node::default();
+        n.metadata.labels = Some(BTreeMap::from([
+            ("faultline.io/health".into(), "Unhealthy".into()),
+            ("kubernetes.io/hostname".into(), "n1".into()),
+        ]));
+        n.spec = Some(NodeSpec {
+            taints: Some(vec![
+                taint("example.com/maintenance", "planned"),
+                taint("faultline.io/unhealthy", "Xid79"),
+            ]),
+            ..Default::default()
+        });
+        n.status = Some(NodeStatus {
+            conditions: Some(vec![
+                NodeCondition {
+                    type_: "Ready".into(),
+                    status: "True".into(),
+                    ..Default::default()
+                },
+                NodeCondition {
+                    type_: "AcceleratorHealthy".into(),
+                    status: "False".into(),
+                    reason: Some("SeparateNPU".into()),
+                    message: Some("Xid79".into()),
+                    ..Default::default()
+                },
+            ]),
+            ..Default::default()
+        });
+        n
+    }
+
+    /// What counts as drift: only faultline's own label, taints and condition; a hard taint the
+    /// budget withholds is not drift.
+    #[test]
+    fn drift_is_a_change_to_what_faultline_owns() {
+        let now = Timestamp::UNIX_EPOCH;
+        let d = desired();
+        assert!(d.carried_by(&carrying(), false, now));
+
+        let mut foreign = carrying();
+        foreign
+            .spec
+            .as_mut()
+            .unwrap()
+            .taints
+            .as_mut()
+            .unwrap()
+            .remove(0);
+        foreign
+            .metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .remove("kubernetes.io/hostname");
+        foreign
+            .status
+            .as_mut()
+            .unwrap()
+            .conditions
+            .as_mut()
+            .unwrap()
+            .remove(0);
+        assert!(
+            d.carried_by(&foreign, false, now),
+            "foreign changes are not drift"
+        );
+
+        let mut no_taint = carrying();
+        no_taint
+            .spec
+            .as_mut()
+            .unwrap()
+            .taints
+            .as_mut()
+            .unwrap()
+            .pop();
+        assert!(!d.carried_by(&no_taint, false, now), "own taint removed");
+        assert!(d.carried_by(&no_taint, true, now), "withheld by the budget");
+
+        let mut wrong_value = carrying();
+        wrong_value.spec.as_mut().unwrap().taints.as_mut().unwrap()[1] =
+            taint("faultline.io/unhealthy", "Xid48");
+        assert!(!d.carried_by(&wrong_value, true, now), "own taint changed");
+
+        let mut extra = carrying();
+        extra
+            .spec
+            .as_mut()
+            .unwrap()
+            .taints
+            .as_mut()
+            .unwrap()
+            .push(taint("faultline.io/degraded", "x"));
+        assert!(
+            !d.carried_by(&extra, false, now),
+            "an own taint added by someone else"
+        );
+
+        let mut label = carrying();
+        label
+            .metadata
+            .labels
+            .as_mut()
+            .unwrap()
+            .insert("faultline.io/health".into(), "Healthy".into());
+        assert!(!d.carried_by(&label, false, now), "own label changed");
+
+        let mut cond = carrying();
+        cond.status
+            .as_mut()
+            .unwrap()
+            .conditions
+            .as_mut()
+            .unwrap()
+            .pop();
+        assert!(!d.carried_by(&cond, false, now), "own condition removed");
+
+        assert!(
+            !d.carried_by(&Node::default(), false, now),
+            "a bare re-registered node"
+        );
     }
 }
