@@ -22,6 +22,7 @@ use crate::source::{ascend, control, kmsg, node, nvml, policy_watch, Input, Sour
 use faultline_core::catalog::Catalog;
 use faultline_core::engine::Observation;
 use faultline_core::policy::LoadedPolicy;
+use faultline_core::record::NodeRecord;
 
 /// Written into the state directory while the agent runs: the address its endpoints are bound
 /// to (useful with `--listen …:0`).
@@ -295,10 +296,22 @@ pub async fn run_with_reload(
     run_node(cfg, node, shutdown, reload).instrument(span).await
 }
 
+/// Where the restored engine came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    /// `state.json`.
+    State,
+    /// `faults.json` (`state.json` was unreadable) or the fault ConfigMap (both were lost).
+    Record,
+    /// Nothing survived locally.
+    Empty,
+}
+
 /// What the last run left for this one: the engine and, within the same boot, the kernel-log
 /// cursor.
 struct Restored {
     boot_id: Option<String>,
+    origin: Origin,
     engine: faultline_core::engine::Engine,
     /// The saved cursor, when the boot is the same (a new boot's log starts over).
     kmsg_cursor: Option<u64>,
@@ -310,48 +323,98 @@ struct Restored {
 fn restore(cfg: &AgentConfig, catalog: &Catalog) -> Restored {
     let boot_id = read_boot_id(&cfg.boot_id_path);
     let mut kmsg_skip_through = None;
-    let persisted = match file::read_state(&cfg.state_dir) {
-        Ok(p) => p.unwrap_or_default(),
-        Err(e) => {
-            let (engine, written) = rebuild_from_record(cfg, catalog);
-            kmsg_skip_through = written;
-            warn!(error = %e, faults = engine.faults().count(), "saved state unreadable; faults rebuilt from the record");
-            crate::runtime::PersistedState {
-                engine,
-                ..Default::default()
+    let (origin, persisted) = match file::read_state(&cfg.state_dir) {
+        Ok(Some(p)) => (Origin::State, p),
+        Ok(None) => (Origin::Empty, Default::default()),
+        Err(e) => match rebuild_from_record(cfg, catalog) {
+            Some((engine, written)) => {
+                kmsg_skip_through = written;
+                warn!(error = %e, faults = engine.faults().count(), "saved state unreadable; faults rebuilt from the record");
+                let state = crate::runtime::PersistedState {
+                    engine,
+                    ..Default::default()
+                };
+                (Origin::Record, state)
             }
-        }
+            None => {
+                warn!(error = %e, "saved state unreadable and no record; starting empty");
+                (Origin::Empty, Default::default())
+            }
+        },
     };
     let same_boot = boot_id.is_some() && persisted.engine.boot_id() == boot_id.as_deref();
     let kmsg_cursor = persisted.kmsg_cursor.filter(|_| same_boot);
     info!(same_boot, resume_after = ?kmsg_cursor, faults = persisted.engine.faults().count(), "state restored");
     Restored {
         boot_id,
+        origin,
         engine: persisted.engine,
         kmsg_cursor,
         kmsg_skip_through,
     }
 }
 
-/// The engine from `faults.json`, when `state.json` cannot be read: its active faults, minus
-/// what the next polls will report anyway, and minus kernel-log faults of an earlier boot (the
-/// record was written before this boot began). Empty when the record cannot be read either.
-fn rebuild_from_record(
-    cfg: &AgentConfig,
-    catalog: &Catalog,
-) -> (
+/// An engine rebuilt from a record, and the time up to which the record counted kernel-log
+/// lines (set when the record is of this boot).
+type Rebuilt = (
     faultline_core::engine::Engine,
     Option<faultline_core::time::Timestamp>,
-) {
+);
+
+/// The engine from `faults.json`, when `state.json` cannot be read. `None` when the record is
+/// missing or unreadable too.
+fn rebuild_from_record(cfg: &AgentConfig, catalog: &Catalog) -> Option<Rebuilt> {
     let path = cfg.state_dir.join(file::FAULTS_FILE);
     let record = match crate::cli::read_record(&path) {
         Ok(r) => r,
-        Err(crate::cli::ReadError::Missing(_)) => return (Default::default(), None),
+        Err(crate::cli::ReadError::Missing(_)) => return None,
         Err(e) => {
-            warn!(error = %e, "the record is unreadable too; starting empty");
-            return (Default::default(), None);
+            warn!(error = %e, "the record is unreadable too");
+            return None;
         }
     };
+    Some(engine_from_record(&record, cfg, catalog))
+}
+
+/// How long start-up waits for the cluster's copy of the record when nothing survived locally.
+const CLUSTER_RESTORE_WAIT: Duration = Duration::from_secs(3);
+
+/// When nothing survived locally (the state directory was lost, or a reboot emptied a tmpfs),
+/// the fault ConfigMap may still hold this node's last record: rebuild from it, so operator-held
+/// faults are not published as Healthy. Waits at most [`CLUSTER_RESTORE_WAIT`]; any failure
+/// means starting empty, as before.
+async fn rebuild_from_cluster(
+    client: kube::Client,
+    cfg: &AgentConfig,
+    node: &str,
+    catalog: &Catalog,
+) -> Option<Rebuilt> {
+    let cms: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
+        kube::Api::namespaced(client, &cfg.namespace);
+    let read = kube_sink::configmap::read_back(&cms, node);
+    let record = match tokio::time::timeout(CLUSTER_RESTORE_WAIT, read).await {
+        Ok(Ok(Some(r))) => r,
+        Ok(Ok(None)) => return None,
+        Ok(Err(e)) => {
+            warn!(error = %e, "no local state, and the cluster's record cannot be used; starting empty");
+            return None;
+        }
+        Err(_) => {
+            warn!(
+                waited_ms = CLUSTER_RESTORE_WAIT.as_millis() as u64,
+                "no local state, and the API did not answer in time; starting empty"
+            );
+            return None;
+        }
+    };
+    let rebuilt = engine_from_record(&record, cfg, catalog);
+    warn!(faults = rebuilt.0.faults().count(), record_time = %record.update_time, "no local state; faults rebuilt from the cluster's record");
+    Some(rebuilt)
+}
+
+/// A record's active faults, minus what the next polls will report anyway, and minus
+/// kernel-log faults of an earlier boot (the record was written before this boot began).
+fn engine_from_record(record: &NodeRecord, cfg: &AgentConfig, catalog: &Catalog) -> Rebuilt {
     // Unknown boot time: keep kernel-log faults (a stale fault an operator can clear beats a
     // lost one).
     let booted = kmsg::boot_time(&cfg.proc_stat_path);
@@ -362,7 +425,7 @@ fn rebuild_from_record(
         catalog,
     };
     let engine = faultline_core::engine::Engine::from_record(
-        &record,
+        record,
         faultline_core::engine::RestoreScope { same_boot },
         ctx,
     );
@@ -773,8 +836,17 @@ async fn run_node(
         c.ctx().tx.send(boot).await.ok();
     }
     c.start_policy_and_control(pending);
-    c.start_kmsg(restored.kmsg_cursor, restored.kmsg_skip_through);
     let gpu_count_label = c.connect_kubernetes().await;
+    let mut restored = restored;
+    if let (Origin::Empty, Some(client)) = (restored.origin, c.kube.clone()) {
+        if let Some((engine, skip)) = rebuild_from_cluster(client, &c.cfg, &c.node, &catalog).await
+        {
+            restored.origin = Origin::Record;
+            restored.engine = engine;
+            restored.kmsg_skip_through = skip;
+        }
+    }
+    c.start_kmsg(restored.kmsg_cursor, restored.kmsg_skip_through);
     c.start_accelerators(gpu_count_label);
     c.start_peer().await;
     c.start_engine_and_sinks(restored, catalog, ends);

@@ -408,6 +408,132 @@ fn deleted_or_replaced_own_objects_are_repaired_in_seconds_not_at_the_resync() {
     );
 }
 
+/// The state directory is lost (state.json and faults.json both gone): the agent rebuilds from
+/// the fault ConfigMap instead of starting empty and untainting the node after `--settle`.
+/// Within the same boot the kernel-log faults are kept; after a reboot (new
+/// boot id, a later boot time, an empty kernel log) only the operator-held fault survives, and
+/// the node stays tainted.
+#[test]
+fn a_lost_state_directory_is_rebuilt_from_the_cluster_and_survives_a_reboot() {
+    let c = Cluster::new(&["node-a"]);
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "overrides:\n  Xid79: { handling: ManuallySeparateNPU }\n",
+    )
+    .unwrap();
+    let proc_stat = dir.path().join("stat");
+    let real = std::fs::read_to_string("/proc/stat").unwrap();
+    std::fs::write(&proc_stat, &real).unwrap();
+    let extra = [
+        "--policy",
+        policy.to_str().unwrap(),
+        "--proc-stat-path",
+        proc_stat.to_str().unwrap(),
+    ];
+    let agent = c.start_agent(dir.path(), "node-a", &extra);
+    agent.append(XID79);
+    agent.append(b"4,101,5000100,-;NVRM: Xid (PCI:0000:5e:00): 48, pid=0, name=x, DBE.\n");
+    c.wait("both faults in the ConfigMap", Some(&agent), |c| {
+        c.record("node-a")
+            .is_some_and(|r| fault(&r, "Xid79").is_some() && fault(&r, "Xid48").is_some())
+            && c.taints("node-a")
+                .iter()
+                .any(|t| t.starts_with("faultline.io/"))
+    });
+    let tainted = c.taints("node-a");
+    assert!(
+        tainted.iter().any(|t| t.starts_with("faultline.io/")),
+        "{tainted:?}"
+    );
+    assert_eq!(agent.stop(), 0);
+
+    let still_held = |c: &Cluster| {
+        c.taints("node-a") == tainted
+            && c.record("node-a").is_some_and(|r| {
+                r.health == Health::Unhealthy
+                    && fault(&r, "Xid79").is_some_and(|f| f.active && f.count == 1)
+            })
+    };
+    // 1. Same boot, the state directory lost. The replay file is emptied: a file's records are
+    // dated when read, so only /dev/kmsg's can be skipped by date (the core's reader tests
+    // cover that skip).
+    std::fs::remove_dir_all(dir.path().join("state")).unwrap();
+    std::fs::write(dir.path().join("kmsg"), b"").unwrap();
+    let agent = c.start_agent(dir.path(), "node-a", &extra);
+    let r = agent.wait_for("the rebuilt record", |r| {
+        fault(r, "Xid79").is_some() && r.agent.detectors.iter().any(|d| d.name == "kmsg")
+    });
+    assert!(agent
+        .log()
+        .contains("faults rebuilt from the cluster's record"));
+    // Past the settle time (2 s): an empty start would have untainted the node by now.
+    std::thread::sleep(Duration::from_secs(4));
+    let r2 = agent.record().unwrap();
+    for code in ["Xid79", "Xid48"] {
+        let f = fault(&r2, code).unwrap_or_else(|| panic!("{code} kept: {r:?}"));
+        assert_eq!((f.active, f.count), (true, 1), "{code}");
+    }
+    assert!(
+        still_held(&c),
+        "{:?} {:?}",
+        c.taints("node-a"),
+        c.record("node-a")
+    );
+    assert_eq!(agent.stop(), 0);
+
+    // 2. A reboot: new boot id and boot time, the kernel log starts over, /run is empty.
+    std::fs::remove_dir_all(dir.path().join("state")).unwrap();
+    std::fs::write(dir.path().join("boot_id"), b"boot-2\n").unwrap();
+    std::fs::write(dir.path().join("kmsg"), b"").unwrap();
+    let later = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+        + 1;
+    let stat: String = real
+        .lines()
+        .map(|l| {
+            if l.starts_with("btime ") {
+                format!("btime {later}\n")
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    std::fs::write(&proc_stat, stat).unwrap();
+    let agent = c.start_agent(dir.path(), "node-a", &extra);
+    agent.wait_for("the rebuilt record after the reboot", |r| {
+        fault(r, "Xid79").is_some() && r.agent.detectors.iter().any(|d| d.name == "kmsg")
+    });
+    std::thread::sleep(Duration::from_secs(4));
+    let r = agent.record().unwrap();
+    assert!(
+        fault(&r, "Xid48").is_none_or(|f| !f.active),
+        "the earlier boot's kernel-log fault ended with the reboot: {r:?}"
+    );
+    let held = fault(&r, "Xid79").unwrap();
+    assert_eq!(
+        held.fault_handling,
+        faultline_core::record::Handling::ManuallySeparateNPU
+    );
+    assert!(held.active);
+    c.wait(
+        "the node still tainted for the operator-held fault",
+        Some(&agent),
+        |c| {
+            c.taints("node-a")
+                .iter()
+                .any(|t| t.starts_with("faultline.io/"))
+                && c.record("node-a").is_some_and(|r| {
+                    r.health == Health::Unhealthy && fault(&r, "Xid79").is_some_and(|f| f.active)
+                })
+        },
+    );
+    c.assert_calls_listed();
+}
+
 /// A second writer changes the node between the agent's read and write (409 on the taint
 /// patch); other calls fail with 500, 429 and timeouts; the API goes away entirely. Detection
 /// and the local file never wait, and the cluster converges to the latest state afterwards.

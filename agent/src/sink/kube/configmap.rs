@@ -44,7 +44,7 @@ pub async fn run(
     let cms: Api<ConfigMap> = Api::namespaced(client, &cfg.namespace);
     let name = name(&cfg.node);
     let label = SinkLabel { sink: "configmap" };
-    let mut written = adopt(&cms, &name).await;
+    let mut written = adopt(&cms, &cfg.node).await;
     let mut retry = Retry::new();
     let mut wake: Option<Instant> = None;
     loop {
@@ -110,25 +110,54 @@ fn on_server(seen: &Seen<ConfigMap>) -> Option<Option<String>> {
     }
 }
 
+/// Why the record could not be read back from the fault ConfigMap.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadBackError {
+    #[error("cannot read the fault ConfigMap: {0}")]
+    Api(#[source] kube::Error),
+    #[error("the fault ConfigMap holds no readable record: {0}")]
+    Unreadable(String),
+}
+
+/// This node's record as its fault ConfigMap holds it; `Ok(None)` when there is no ConfigMap.
+/// The content is untrusted: it must parse as a record and be about `node`.
+pub async fn read_back(
+    cms: &Api<ConfigMap>,
+    node: &str,
+) -> Result<Option<NodeRecord>, ReadBackError> {
+    let Some(cm) = cms.get_opt(&name(node)).await.map_err(ReadBackError::Api)? else {
+        return Ok(None);
+    };
+    let text = cm
+        .data
+        .as_ref()
+        .and_then(|d| d.get(RECORD_KEY))
+        .ok_or_else(|| ReadBackError::Unreadable(format!("no {RECORD_KEY} key")))?;
+    let record = serde_json::from_str::<NodeRecord>(text)
+        .map_err(|e| ReadBackError::Unreadable(e.to_string()))?;
+    if record.node != node {
+        return Err(ReadBackError::Unreadable(format!(
+            "it is about node {:?}, not {node:?}",
+            record.node
+        )));
+    }
+    Ok(Some(record))
+}
+
 /// The content key of the ConfigMap as it is, if it exists and holds a readable record.
-async fn adopt(cms: &Api<ConfigMap>, name: &str) -> Option<String> {
-    match cms.get_opt(name).await {
-        Ok(Some(cm)) => {
-            let text = cm.data.as_ref().and_then(|d| d.get(RECORD_KEY))?;
-            match serde_json::from_str::<NodeRecord>(text) {
-                Ok(r) => {
-                    info!(health = %r.health, faults = r.faults.len(), "fault ConfigMap found; adopting it");
-                    Some(plan::content_key(&r))
-                }
-                Err(e) => {
-                    warn!(error = %e, "the fault ConfigMap holds no readable record; it will be rewritten");
-                    None
-                }
-            }
+async fn adopt(cms: &Api<ConfigMap>, node: &str) -> Option<String> {
+    match read_back(cms, node).await {
+        Ok(Some(r)) => {
+            info!(health = %r.health, faults = r.faults.len(), "fault ConfigMap found; adopting it");
+            Some(plan::content_key(&r))
         }
         Ok(None) => None,
+        Err(e @ ReadBackError::Unreadable(_)) => {
+            warn!(error = %e, "the fault ConfigMap will be rewritten");
+            None
+        }
         Err(e) => {
-            warn!(error = %e, "cannot read the fault ConfigMap at start; it will be written when the API answers");
+            warn!(error = %e, "the fault ConfigMap will be written when the API answers");
             None
         }
     }
@@ -178,4 +207,57 @@ async fn write(
     .map_err(api("apply the fault ConfigMap"))?;
     debug!(health = %fitted.health, faults = fitted.faults.len(), "fault ConfigMap written");
     Ok(Some(key))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use faultline_kube_emulator::{Emulator, ResourceRef};
+    use serde_json::Value;
+
+    fn cm(data: Value) -> Value {
+        json!({
+            "apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "faultline-n1", "namespace": "faultline-system"},
+            "data": data,
+        })
+    }
+
+    /// The cluster's copy of the record is untrusted input: only a record about this node is
+    /// used, and each other case gets its own error.
+    #[tokio::test]
+    async fn reading_the_record_back_accepts_only_this_nodes_record() {
+        let emu = Emulator::start().await.unwrap();
+        emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "faultline-system"}}));
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        emu.write_kubeconfig(&kubeconfig, "t").unwrap();
+        let client = crate::kube_client::client(Some(&kubeconfig)).await.unwrap();
+        let cms: Api<ConfigMap> = Api::namespaced(client, "faultline-system");
+
+        assert!(read_back(&cms, "n1").await.unwrap().is_none(), "none yet");
+
+        let record = |node: &str| {
+            json!({
+                "apiVersion": "faultline.io/v1", "node": node, "health": "Healthy",
+                "updateTime": "2026-11-24T00:00:00Z", "checkCode": "", "faults": [],
+                "agent": {"version": "0", "policy": {"source": "builtin", "checksum": ""}, "detectors": []},
+            })
+            .to_string()
+        };
+        emu.put(cm(json!({ RECORD_KEY: record("n1") })));
+        let r = read_back(&cms, "n1").await.unwrap().unwrap();
+        assert_eq!(r.node, "n1");
+
+        for (data, expect) in [
+            (json!({ RECORD_KEY: record("n2") }), "about node \"n2\""),
+            (json!({ RECORD_KEY: "{\"node\": 1" }), "no readable record"),
+            (json!({ "other": "x" }), "no faults.json key"),
+        ] {
+            emu.put(cm(data));
+            let e = read_back(&cms, "n1").await.unwrap_err().to_string();
+            assert!(e.contains(expect), "{expect}: {e}");
+        }
+        assert!(emu.delete(&ResourceRef::config_map("faultline-system", "faultline-n1")));
+    }
 }
