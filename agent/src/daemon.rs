@@ -80,6 +80,10 @@ pub struct AgentConfig {
     /// Kubernetes: how often the node is re-read to repair drift.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration, hide = true)]
     pub resync: Duration,
+    /// How often the local record is rewritten when nothing changed, so that its
+    /// `heartbeatTime` shows the agent alive (`faultline wait-healthy` checks it).
+    #[arg(long, default_value = "10s", value_parser = parse_heartbeat)]
+    pub heartbeat_interval: Duration,
     /// Policy file (YAML or JSON); reloaded when it changes. Default: built-in policy.
     #[arg(long, env = "FAULTLINE_POLICY")]
     pub policy: Option<PathBuf>,
@@ -123,6 +127,15 @@ pub struct AgentConfig {
     pub boot_id_path: PathBuf,
     #[arg(long, default_value = "/proc/stat", hide = true)]
     pub proc_stat_path: PathBuf,
+}
+
+/// `--heartbeat-interval`: between 1 s and 5 min (a reader's staleness bound is a few of them).
+fn parse_heartbeat(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if !(Duration::from_secs(1)..=Duration::from_secs(300)).contains(&d) {
+        return Err(format!("{s} is outside 1s..=5m"));
+    }
+    Ok(d)
 }
 
 fn hostname() -> String {
@@ -741,6 +754,10 @@ impl Components {
             file::FileSinkSignals {
                 status: self.record_status.clone(),
                 persisted: self.persisted.clone(),
+            },
+            file::HeartbeatConfig {
+                every: self.cfg.heartbeat_interval,
+                clock: self.clock.clone(),
             },
             self.shutdown.clone(),
         );

@@ -336,6 +336,7 @@ impl EngineLoop {
                 policy: loaded.status.clone(),
                 detectors,
                 taint_budget: report.taint_budget.clone(),
+                heartbeat_time: None,
             },
         };
         debug!(revision = self.engine.revision(), health = %record.health, "publishing snapshot");

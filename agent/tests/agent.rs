@@ -545,7 +545,45 @@ fn operator_clear_and_cli() {
     let (_, out, _) = common::cli(&["get", "-o", "json", "--all"], &state);
     let r: faultline_core::record::NodeRecord = serde_json::from_str(&out).unwrap();
     assert!(!fault(&r, "Xid79").unwrap().active);
+    assert!(
+        r.agent.heartbeat_time.is_some(),
+        "the local record has a heartbeat"
+    );
     agent.stop();
+
+    // The agent is gone: its Healthy record no longer passes once the heartbeat is stale.
+    std::thread::sleep(Duration::from_millis(1500));
+    let (code, _, err) = common::cli(&["wait-healthy", "--stale-after", "1s"], &state);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("not alive") && err.lines().count() == 1,
+        "{err}"
+    );
+}
+
+/// A live agent keeps its record's heartbeat fresh with nothing happening: wait-healthy with a
+/// bound of three heartbeats passes long after the last change.
+#[test]
+fn the_heartbeat_keeps_an_idle_agent_alive() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &["--heartbeat-interval", "1s"]);
+    let first = agent
+        .wait_for("a first record", |r| r.agent.heartbeat_time.is_some())
+        .agent
+        .heartbeat_time
+        .unwrap();
+    let later = agent
+        .wait_for("a newer heartbeat", |r| {
+            r.agent.heartbeat_time.is_some_and(|b| b > first)
+        })
+        .agent
+        .heartbeat_time
+        .unwrap();
+    assert!(later > first);
+    std::thread::sleep(Duration::from_millis(3500));
+    let (code, out, err) = common::cli(&["wait-healthy", "--stale-after", "3s"], &agent.state());
+    assert_eq!(code, Some(0), "{out}{err}");
+    assert_eq!(agent.stop(), 0);
 }
 
 #[test]

@@ -302,6 +302,16 @@ pub struct AgentStatus {
     /// Present while a taint is withheld by the taint budget (Kubernetes mode).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub taint_budget: Option<TaintBudgetStatus>,
+    /// When the agent last wrote the local file: it rewrites the record at least every
+    /// heartbeat interval (10 s by default) while it runs and can write, so a reader can tell a
+    /// live agent's record from a stopped one's (docs/record.md, "Alive"). Only in the local
+    /// file, never in the ConfigMap (it would be a write to the API server every interval).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "rfc3339::option"
+    )]
+    pub heartbeat_time: Option<Timestamp>,
 }
 
 /// The whole record for one node.

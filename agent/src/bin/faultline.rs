@@ -82,7 +82,7 @@ enum Command {
         code: Option<String>,
     },
     /// Wait until this node is healthy: exit 0 healthy, 1 still unhealthy at the timeout,
-    /// 2 when the record cannot be read.
+    /// 2 when the record cannot be read or the agent is not alive (its heartbeat is stale).
     WaitHealthy {
         #[arg(long)]
         file: Option<PathBuf>,
@@ -93,6 +93,9 @@ enum Command {
         /// Accept Degraded (faults that need a restart, not isolation) as healthy.
         #[arg(long)]
         allow_degraded: bool,
+        /// The agent counts as dead (exit 2) when the record's heartbeat is older than this.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        stale_after: Duration,
     },
     /// Usable nodes as host:slots lines, from the cluster's fault records (for Horovod
     /// elastic's discover_hosts and other launchers). Prints nothing when none is usable.
@@ -217,11 +220,13 @@ fn main() -> std::process::ExitCode {
             timeout,
             interval,
             allow_degraded,
+            stale_after,
         } => cli::wait_healthy(
             &cli::record_path(file.as_deref(), &cli.state_dir),
             timeout,
             interval,
             allow_degraded,
+            stale_after,
         ),
         Command::Check {
             nodes,

@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use faultline_core::record::{Health, NodeRecord};
+use faultline_core::time::{signed, since, Timestamp};
 
 use super::{columns, Outcome};
 use crate::atomic_file::write as write_atomic;
@@ -151,21 +152,44 @@ pub fn get(path: &Path, json: bool, all: bool) -> Outcome {
     }
 }
 
+/// Why a record does not show a live agent (docs/record.md, "Alive"): its heartbeat is missing
+/// or older than `stale_after` at `now`. A heartbeat in the future (the clock stepped back)
+/// counts as fresh.
+pub fn not_alive(r: &NodeRecord, now: Timestamp, stale_after: Duration) -> Option<String> {
+    let Some(beat) = r.agent.heartbeat_time else {
+        return Some("the record has no heartbeat (not written by a running agent)".into());
+    };
+    let age = since(now, beat);
+    (age > signed(stale_after)).then(|| {
+        format!(
+            "the agent is not alive: its last heartbeat is {}s old (stale after {}); is the agent running?",
+            age.as_secs(),
+            humantime::format_duration(stale_after)
+        )
+    })
+}
+
 /// `faultline wait-healthy`: polls the record until it is healthy (0), the timeout passes
-/// while it is not (1), or it cannot be read at all (2).
+/// while it is not (1), or it cannot be read at all or the agent is not alive (2).
 pub fn wait_healthy(
     path: &Path,
     timeout: Duration,
     interval: Duration,
     allow_degraded: bool,
+    stale_after: Duration,
 ) -> Outcome {
     let deadline = Instant::now() + timeout;
     let acceptable = |h: Health| h == Health::Healthy || (allow_degraded && h == Health::Degraded);
     loop {
         let last = read_record(path);
         match &last {
-            Ok(r) if acceptable(r.health) => {
-                return Outcome::ok(format!("healthy: {}", summary(r)))
+            Ok(r) => {
+                if let Some(why) = not_alive(r, Timestamp::now(), stale_after) {
+                    return Outcome::error(format!("error: {why}"));
+                }
+                if acceptable(r.health) {
+                    return Outcome::ok(format!("healthy: {}", summary(r)));
+                }
             }
             Err(e @ ReadError::Invalid(..)) => return Outcome::error(format!("error: {e}")),
             _ => {}
@@ -242,6 +266,7 @@ pub fn clear(
 mod tests {
     use super::super::test_records::{HEALTHY, UNHEALTHY};
     use super::*;
+    use crate::sink::file::STALE_AFTER;
 
     fn file(body: &str) -> (tempfile::TempDir, PathBuf) {
         let d = tempfile::tempdir().unwrap();
@@ -250,25 +275,77 @@ mod tests {
         (d, p)
     }
 
+    /// A record as a live agent writes it: with a heartbeat of now.
+    fn live(body: &str) -> String {
+        stamped(body, Some(Timestamp::now()))
+    }
+
+    fn stamped(body: &str, beat: Option<Timestamp>) -> String {
+        let mut r: NodeRecord = serde_json::from_str(body).unwrap();
+        r.agent.heartbeat_time = beat;
+        serde_json::to_string(&r).unwrap()
+    }
+
+    /// A Healthy record left by a stopped agent no longer passes: without a heartbeat, or with
+    /// one older than the bound, it is exit 2 at once with one line saying why. A heartbeat
+    /// ahead of the clock (stepped back) counts as fresh.
     #[test]
-    fn wait_healthy_exit_codes() {
-        let (_d, p) = file(HEALTHY);
-        assert_eq!(
-            wait_healthy(
+    fn wait_healthy_fails_when_the_agent_is_not_alive() {
+        let minutes_ago = Timestamp::now() - faultline_core::time::SignedDuration::from_secs(120);
+        let ahead = Timestamp::now() + faultline_core::time::SignedDuration::from_secs(3600);
+        for (beat, code, says) in [
+            (None, 2, "no heartbeat"),
+            (
+                Some(minutes_ago),
+                2,
+                "is not alive: its last heartbeat is 12",
+            ),
+            (Some(ahead), 0, "healthy"),
+        ] {
+            let (_d, p) = file(&stamped(HEALTHY, beat));
+            let o = wait_healthy(
                 &p,
-                Duration::from_millis(50),
+                Duration::from_secs(60),
                 Duration::from_millis(10),
-                false
-            )
-            .code,
-            0
-        );
-        let (_d, p) = file(UNHEALTHY);
+                false,
+                STALE_AFTER,
+            );
+            assert_eq!(o.code, code, "{beat:?}: {}", o.message);
+            assert!(o.message.contains(says), "{}", o.message);
+            assert!(!o.message.contains('\n'), "one line");
+        }
+        let (_d, p) = file(&stamped(HEALTHY, Some(minutes_ago)));
         let o = wait_healthy(
             &p,
             Duration::from_millis(50),
             Duration::from_millis(10),
             false,
+            Duration::from_secs(600),
+        );
+        assert_eq!(o.code, 0, "within a longer bound: {}", o.message);
+    }
+
+    #[test]
+    fn wait_healthy_exit_codes() {
+        let (_d, p) = file(&live(HEALTHY));
+        assert_eq!(
+            wait_healthy(
+                &p,
+                Duration::from_millis(50),
+                Duration::from_millis(10),
+                false,
+                STALE_AFTER
+            )
+            .code,
+            0
+        );
+        let (_d, p) = file(&live(UNHEALTHY));
+        let o = wait_healthy(
+            &p,
+            Duration::from_millis(50),
+            Duration::from_millis(10),
+            false,
+            STALE_AFTER,
         );
         assert_eq!(o.code, 1);
         assert!(o.message.contains("Xid79 on GPU-3"), "{}", o.message);
@@ -278,6 +355,7 @@ mod tests {
             Duration::from_millis(30),
             Duration::from_millis(10),
             false,
+            STALE_AFTER,
         );
         assert_eq!(o.code, 2);
         assert!(o.message.contains("is the agent running"), "{}", o.message);
@@ -287,23 +365,25 @@ mod tests {
             Duration::from_secs(60),
             Duration::from_millis(10),
             false,
+            STALE_AFTER,
         );
         assert_eq!(o.code, 2, "a foreign file fails at once: {}", o.message);
     }
 
     #[test]
     fn wait_healthy_sees_recovery_before_the_timeout() {
-        let (_d, p) = file(UNHEALTHY);
+        let (_d, p) = file(&live(UNHEALTHY));
         let p2 = p.clone();
         let writer = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(100));
-            write_atomic(&p2, HEALTHY.as_bytes()).unwrap();
+            write_atomic(&p2, live(HEALTHY).as_bytes()).unwrap();
         });
         let o = wait_healthy(
             &p,
             Duration::from_secs(30),
             Duration::from_millis(20),
             false,
+            STALE_AFTER,
         );
         writer.join().unwrap();
         assert_eq!(o.code, 0, "{}", o.message);

@@ -17,7 +17,8 @@ use tracing::{debug, warn};
 
 use crate::atomic_file::write as write_atomic;
 use crate::metrics::{Metrics, SinkLabel};
-use crate::runtime::{PersistedState, Snapshot};
+use crate::runtime::{Clock, PersistedState, Snapshot};
+use faultline_core::time::Timestamp;
 
 pub const FAULTS_FILE: &str = "faults.json";
 pub const STATE_FILE: &str = "state.json";
@@ -72,20 +73,44 @@ impl WriteBudget {
 }
 
 /// Writes one snapshot: the state first (so the record is never ahead of what a restart
-/// restores), then the record.
-pub fn write_snapshot(dir: &Path, snap: &Snapshot) -> Result<(), FileSinkError> {
-    let state = serde_json::to_vec(&*snap.state).map_err(|source| FileSinkError::Encode {
-        what: "state",
-        source,
-    })?;
-    write_atomic(&dir.join(STATE_FILE), &state)?;
+/// restores), then the record stamped with `heartbeat`. With `record_only` (a heartbeat, the
+/// state unchanged since the last write) only the record is written.
+pub fn write_snapshot(
+    dir: &Path,
+    snap: &Snapshot,
+    heartbeat: Timestamp,
+    record_only: bool,
+) -> Result<(), FileSinkError> {
+    if !record_only {
+        let state = serde_json::to_vec(&*snap.state).map_err(|source| FileSinkError::Encode {
+            what: "state",
+            source,
+        })?;
+        write_atomic(&dir.join(STATE_FILE), &state)?;
+    }
+    let mut stamped = (*snap.record).clone();
+    stamped.agent.heartbeat_time = Some(heartbeat);
     let mut record =
-        serde_json::to_vec_pretty(&*snap.record).map_err(|source| FileSinkError::Encode {
+        serde_json::to_vec_pretty(&stamped).map_err(|source| FileSinkError::Encode {
             what: "record",
             source,
         })?;
     record.push(b'\n');
     Ok(write_atomic(&dir.join(FAULTS_FILE), &record)?)
+}
+
+/// How often the record is rewritten when nothing changed, so its `heartbeatTime` says the
+/// agent is alive (readers call an agent dead after [`STALE_AFTER`]).
+pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
+/// How old a record's heartbeat may be while the agent still counts as alive: three missed
+/// heartbeats.
+pub const STALE_AFTER: Duration = Duration::from_secs(30);
+
+/// The local heartbeat: how often, and the clock it is stamped with.
+#[derive(Debug, Clone)]
+pub struct HeartbeatConfig {
+    pub every: Duration,
+    pub clock: Arc<dyn Clock>,
 }
 
 /// Reads `state.json`; a missing file is `Ok(None)`, an unreadable one an error to log.
@@ -137,20 +162,31 @@ pub const RECORD_DETECTOR: &str = "record-file";
 
 /// Runs the sink until the snapshot channel closes (the engine stopped) or shutdown; at shutdown
 /// it writes the last snapshot it saw, trying for at most [`FLUSH_DEADLINE`].
+/// Between changes the record is rewritten every `heartbeat.every` (only the record, with a new
+/// `heartbeatTime`); while writes fail the heartbeat stops with them.
 pub async fn run(
     dir: PathBuf,
     mut rx: watch::Receiver<Option<Snapshot>>,
     metrics: Arc<Metrics>,
     mut budget: WriteBudget,
     signals: FileSinkSignals,
+    heartbeat: HeartbeatConfig,
     shutdown: CancellationToken,
 ) {
     let label = SinkLabel { sink: "file" };
     let mut written: Option<u64> = None;
     let mut backoff = Duration::from_millis(100);
     let mut flush_until: Option<Instant> = None;
+    let mut last_write = tokio::time::Instant::now();
     loop {
-        let closed = rx.changed().await.is_err();
+        let mut beat = false;
+        let closed = tokio::select! {
+            c = rx.changed() => c.is_err(),
+            _ = tokio::time::sleep_until(last_write + heartbeat.every), if written.is_some() => {
+                beat = true;
+                false
+            }
+        };
         let wait = budget.wait(Instant::now());
         if !closed && !wait.is_zero() && !shutdown.is_cancelled() {
             tokio::select! {
@@ -161,20 +197,23 @@ pub async fn run(
         loop {
             let snap = rx.borrow_and_update().clone();
             let Some(snap) = snap else { break };
-            if written == Some(snap.revision) {
+            let record_only = written == Some(snap.revision);
+            if record_only && !beat {
                 break;
             }
             let d = dir.clone();
             let started = Instant::now();
             let snap2 = snap.clone();
-            let result = tokio::task::spawn_blocking(move || write_snapshot(&d, &snap2))
-                .await
-                .unwrap_or_else(|e| {
-                    Err(FileSinkError::Io {
-                        path: dir.clone(),
-                        source: std::io::Error::other(e.to_string()),
-                    })
-                });
+            let now = heartbeat.clock.now();
+            let result =
+                tokio::task::spawn_blocking(move || write_snapshot(&d, &snap2, now, record_only))
+                    .await
+                    .unwrap_or_else(|e| {
+                        Err(FileSinkError::Io {
+                            path: dir.clone(),
+                            source: std::io::Error::other(e.to_string()),
+                        })
+                    });
             match result {
                 Ok(()) => {
                     metrics.sink_writes.get_or_create(&label).inc();
@@ -188,7 +227,10 @@ pub async fn run(
                         "record written"
                     );
                     written = Some(snap.revision);
-                    budget.spend(Instant::now());
+                    last_write = tokio::time::Instant::now();
+                    if !beat {
+                        budget.spend(Instant::now());
+                    }
                     // Reported on the first success of a run too, which clears a record-file
                     // fault an earlier run left behind.
                     signals.status.send_if_modified(|s| {
@@ -321,6 +363,18 @@ mod tests {
         CancellationToken,
         tokio::task::JoinHandle<()>,
     ) {
+        start_beating(dir, HEARTBEAT_INTERVAL)
+    }
+
+    fn start_beating(
+        dir: PathBuf,
+        every: Duration,
+    ) -> (
+        watch::Sender<Option<Snapshot>>,
+        FileSinkSignals,
+        CancellationToken,
+        tokio::task::JoinHandle<()>,
+    ) {
         let (tx, rx) = watch::channel(None);
         let signals = FileSinkSignals {
             status: watch::channel(RecordStatus::NotYetWritten).0,
@@ -334,6 +388,10 @@ mod tests {
             Arc::new(Metrics::new()),
             budget,
             signals.clone(),
+            HeartbeatConfig {
+                every,
+                clock: Arc::new(crate::runtime::SystemClock),
+            },
             shutdown.clone(),
         ));
         (tx, signals, shutdown, task)
@@ -385,6 +443,86 @@ mod tests {
             other => panic!("the failure is reported: {other:?}"),
         };
         assert!(why.contains("plain-file"), "{why}");
+        shutdown.cancel();
+        drop(tx);
+        task.await.unwrap();
+    }
+
+    fn heartbeat_of(dir: &Path) -> Option<Timestamp> {
+        let text = std::fs::read_to_string(dir.join(FAULTS_FILE)).ok()?;
+        serde_json::from_str::<faultline_core::record::NodeRecord>(&text)
+            .ok()?
+            .agent
+            .heartbeat_time
+    }
+
+    /// With nothing changing, the record is rewritten every interval with a newer heartbeat
+    /// (the state file is not rewritten). While the record cannot be written the heartbeat
+    /// stops with it, and it resumes when writes work again.
+    #[tokio::test]
+    async fn the_heartbeat_rewrites_the_record_and_stops_while_writes_fail() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let (tx, signals, shutdown, task) = start_beating(dir.clone(), Duration::from_millis(100));
+        tx.send_replace(Some(snapshot(1, 0)));
+        let beats = || async {
+            let mut seen = Vec::new();
+            for _ in 0..200 {
+                if let Some(b) = heartbeat_of(&dir) {
+                    if seen.last() != Some(&b) {
+                        seen.push(b);
+                    }
+                }
+                if seen.len() >= 3 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            seen
+        };
+        let mut first = signals.status.subscribe();
+        tokio::time::timeout(Duration::from_secs(5), first.wait_for(|s| s.is_written()))
+            .await
+            .expect("first write")
+            .unwrap();
+        let state_before = std::fs::metadata(dir.join(STATE_FILE))
+            .unwrap()
+            .modified()
+            .unwrap();
+        assert_eq!(beats().await.len(), 3, "the heartbeat advances");
+        let state_after = std::fs::metadata(dir.join(STATE_FILE))
+            .unwrap()
+            .modified()
+            .unwrap();
+        assert_eq!(
+            state_before, state_after,
+            "heartbeats rewrite only the record"
+        );
+
+        // The record's place becomes a directory: writes fail, the heartbeat stops.
+        std::fs::remove_file(dir.join(FAULTS_FILE)).unwrap();
+        std::fs::create_dir(dir.join(FAULTS_FILE)).unwrap();
+        let mut status = signals.status.subscribe();
+        tokio::time::timeout(
+            Duration::from_secs(5),
+            status.wait_for(|s| matches!(s, RecordStatus::Failing(_))),
+        )
+        .await
+        .expect("the failing write is reported")
+        .unwrap();
+        assert_eq!(heartbeat_of(&dir), None);
+
+        std::fs::remove_dir(dir.join(FAULTS_FILE)).unwrap();
+        let resumed = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if heartbeat_of(&dir).is_some() {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        assert!(resumed.is_ok(), "the heartbeat resumes");
         shutdown.cancel();
         drop(tx);
         task.await.unwrap();

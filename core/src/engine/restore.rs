@@ -191,6 +191,7 @@ mod tests {
                 },
                 detectors: Vec::new(),
                 taint_budget: None,
+                heartbeat_time: None,
             },
         };
         (e, record)

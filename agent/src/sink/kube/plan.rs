@@ -733,6 +733,7 @@ mod tests {
                 policy: PolicyStatus::default(),
                 detectors: vec![],
                 taint_budget: None,
+                heartbeat_time: None,
             },
         }
     }
