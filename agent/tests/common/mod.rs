@@ -91,14 +91,12 @@ impl Agent {
             .arg(dir.join("state"))
             .arg("--boot-id-path")
             .arg(&boot_id)
-            .args([
-                "--listen",
-                "127.0.0.1:0",
-                "--node-name",
-                "node-a",
-                "--follow-interval",
-                "5ms",
-            ])
+            .args(["--listen", "127.0.0.1:0", "--follow-interval", "5ms"])
+            .args(if extra.contains(&"--node-name") {
+                &[][..]
+            } else {
+                &["--node-name", "node-a"][..]
+            })
             .args(extra)
             .envs(env.iter().map(|(k, v)| (*k, *v)))
             .env("RUST_LOG", "info")
