@@ -11,7 +11,7 @@ use anyhow::Context as _;
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn, Instrument};
+use tracing::{debug, info, warn, Instrument};
 
 use crate::http::{self, HttpState};
 use crate::metrics::Metrics;
@@ -129,11 +129,12 @@ pub struct AgentConfig {
     pub proc_stat_path: PathBuf,
 }
 
-/// `--heartbeat-interval`: between 1 s and 5 min (a reader's staleness bound is a few of them).
+/// `--heartbeat-interval`: between 1 s and 10 s, so that three heartbeats fit in the 30 s that
+/// readers (`faultline wait-healthy --stale-after`) allow by default.
 fn parse_heartbeat(s: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
-    if !(Duration::from_secs(1)..=Duration::from_secs(300)).contains(&d) {
-        return Err(format!("{s} is outside 1s..=5m"));
+    if !(Duration::from_secs(1)..=Duration::from_secs(10)).contains(&d) {
+        return Err(format!("{s} is outside 1s..=10s"));
     }
     Ok(d)
 }
@@ -338,7 +339,22 @@ fn restore(cfg: &AgentConfig, catalog: &Catalog) -> Restored {
     let mut kmsg_skip_through = None;
     let (origin, persisted) = match file::read_state(&cfg.state_dir) {
         Ok(Some(p)) => (Origin::State, p),
-        Ok(None) => (Origin::Empty, Default::default()),
+        // No saved state but a record (state.json deleted alone): the record is rebuilt.
+        Ok(None) => match rebuild_from_record(cfg, catalog) {
+            Some((engine, written)) => {
+                kmsg_skip_through = written;
+                warn!(
+                    faults = engine.faults().count(),
+                    "no saved state; faults rebuilt from the record"
+                );
+                let state = crate::runtime::PersistedState {
+                    engine,
+                    ..Default::default()
+                };
+                (Origin::Record, state)
+            }
+            None => (Origin::Empty, Default::default()),
+        },
         Err(e) => match rebuild_from_record(cfg, catalog) {
             Some((engine, written)) => {
                 kmsg_skip_through = written;
@@ -389,8 +405,12 @@ fn rebuild_from_record(cfg: &AgentConfig, catalog: &Catalog) -> Option<Rebuilt> 
     Some(engine_from_record(&record, cfg, catalog))
 }
 
-/// How long start-up waits for the cluster's copy of the record when nothing survived locally.
-const CLUSTER_RESTORE_WAIT: Duration = Duration::from_secs(3);
+/// How long start-up waits for the cluster's copy of the record when nothing survived locally
+/// (trying again every second meanwhile).
+const CLUSTER_RESTORE_WAIT: Duration = Duration::from_secs(10);
+/// A record dated further ahead of this host's clock than this is refused: its time would set
+/// how far the kernel log is skipped.
+const MAX_RECORD_SKEW: Duration = Duration::from_secs(300);
 
 /// When nothing survived locally (the state directory was lost, or a reboot emptied a tmpfs),
 /// the fault ConfigMap may still hold this node's last record: rebuild from it, so operator-held
@@ -404,22 +424,36 @@ async fn rebuild_from_cluster(
 ) -> Option<Rebuilt> {
     let cms: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
         kube::Api::namespaced(client, &cfg.namespace);
-    let read = kube_sink::configmap::read_back(&cms, node);
-    let record = match tokio::time::timeout(CLUSTER_RESTORE_WAIT, read).await {
-        Ok(Ok(Some(r))) => r,
-        Ok(Ok(None)) => return None,
-        Ok(Err(e)) => {
-            warn!(error = %e, "no local state, and the cluster's record cannot be used; starting empty");
-            return None;
-        }
-        Err(_) => {
-            warn!(
-                waited_ms = CLUSTER_RESTORE_WAIT.as_millis() as u64,
-                "no local state, and the API did not answer in time; starting empty"
-            );
-            return None;
+    use kube_sink::configmap::{read_back, ReadBackError};
+    let deadline = tokio::time::Instant::now() + CLUSTER_RESTORE_WAIT;
+    let record = loop {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        match tokio::time::timeout(left, read_back(&cms, node)).await {
+            Ok(Ok(Some(r))) => break r,
+            Ok(Ok(None)) => return None,
+            Ok(Err(e @ ReadBackError::Unreadable(_))) => {
+                warn!(error = %e, "no local state, and the cluster's record cannot be used; starting empty");
+                return None;
+            }
+            Ok(Err(e)) if !left.is_zero() => {
+                debug!(error = %e, "reading the cluster's record failed; trying again");
+                tokio::time::sleep(Duration::from_secs(1).min(left)).await;
+            }
+            _ => {
+                warn!(
+                    waited_ms = CLUSTER_RESTORE_WAIT.as_millis() as u64,
+                    "no local state, and the API did not give this node's record in time; starting empty"
+                );
+                return None;
+            }
         }
     };
+    let ahead =
+        faultline_core::time::since(record.update_time, faultline_core::time::Timestamp::now());
+    if ahead > faultline_core::time::signed(MAX_RECORD_SKEW) {
+        warn!(record_time = %record.update_time, "the cluster's record is dated in the future; not used, starting empty");
+        return None;
+    }
     let rebuilt = engine_from_record(&record, cfg, catalog);
     warn!(faults = rebuilt.0.faults().count(), record_time = %record.update_time, "no local state; faults rebuilt from the cluster's record");
     Some(rebuilt)
@@ -442,7 +476,11 @@ fn engine_from_record(record: &NodeRecord, cfg: &AgentConfig, catalog: &Catalog)
         faultline_core::engine::RestoreScope { same_boot },
         ctx,
     );
-    (engine, same_boot.then_some(record.update_time))
+    // The record's time bounds what the kernel-log reader skips: never beyond now.
+    let written = record
+        .update_time
+        .min(faultline_core::time::Timestamp::now());
+    (engine, same_boot.then_some(written))
 }
 
 /// The agent's parts, started one by one. Each component is started with the shutdown signal it
@@ -758,6 +796,7 @@ impl Components {
             file::HeartbeatConfig {
                 every: self.cfg.heartbeat_interval,
                 clock: self.clock.clone(),
+                engine: self.heartbeat.clone(),
             },
             self.shutdown.clone(),
         );

@@ -17,7 +17,7 @@ use crate::metrics::Metrics;
 use crate::runtime::{Clock, Heartbeat, Snapshot};
 
 /// The engine loop beats every tick; this long without a beat means it is stuck.
-const STALE_MS: i64 = 30_000;
+pub(crate) const STALE_MS: i64 = 30_000;
 
 /// Shared state of the endpoints.
 #[derive(Debug, Clone)]

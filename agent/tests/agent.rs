@@ -553,7 +553,10 @@ fn operator_clear_and_cli() {
 
     // The agent is gone: its Healthy record no longer passes once the heartbeat is stale.
     std::thread::sleep(Duration::from_millis(1500));
-    let (code, _, err) = common::cli(&["wait-healthy", "--stale-after", "1s"], &state);
+    let (code, _, err) = common::cli(
+        &["wait-healthy", "--stale-after", "1s", "--timeout", "1s"],
+        &state,
+    );
     assert_eq!(code, Some(2), "{err}");
     assert!(
         err.contains("not alive") && err.lines().count() == 1,

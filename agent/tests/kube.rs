@@ -350,10 +350,8 @@ fn deleted_or_replaced_own_objects_are_repaired_in_seconds_not_at_the_resync() {
     let repaired_within = |what: &str, f: &dyn Fn(&Cluster) -> bool| {
         let start = Instant::now();
         c.wait(what, Some(&agent), |c| f(c));
-        let took = start.elapsed();
-        // The resync is an hour away: anything within the wait's bound came from the watch.
-        assert!(took < Duration::from_secs(60), "{what}: {took:?}");
-        took
+        // The resync is an hour away: a repair within the wait's 60 s came from the watch.
+        start.elapsed()
     };
     let cm_back = |c: &Cluster| {
         c.record("node-a")

@@ -418,10 +418,13 @@ fn expected_count_from_the_node_label() {
             .any(|c| c.method == "GET" && c.path == "/api/v1/nodes/node-a"),
         "{node_calls:?}"
     );
+    // Its own Node by name, or the watch of it: a list/watch pinned by `metadata.name`.
     assert!(
         node_calls
             .iter()
-            .all(|c| c.path.starts_with("/api/v1/nodes/node-a")),
+            .all(|c| c.path.starts_with("/api/v1/nodes/node-a")
+                || (c.path == "/api/v1/nodes"
+                    && c.query.contains("fieldSelector=metadata.name%3Dnode-a"))),
         "{node_calls:?}"
     );
 }

@@ -80,6 +80,9 @@ fn main() -> std::process::ExitCode {
         signal_task.abort();
         r
     });
+    // A blocking read that never returns (a policy file on a hung filesystem, a kernel-log read)
+    // must not hold the exit: what had to be flushed is flushed by now.
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

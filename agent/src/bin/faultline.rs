@@ -82,7 +82,8 @@ enum Command {
         code: Option<String>,
     },
     /// Wait until this node is healthy: exit 0 healthy, 1 still unhealthy at the timeout,
-    /// 2 when the record cannot be read or the agent is not alive (its heartbeat is stale).
+    /// 2 when the record cannot be read, or the agent is not alive (its heartbeat is stale) at the
+    /// timeout.
     WaitHealthy {
         #[arg(long)]
         file: Option<PathBuf>,

@@ -17,7 +17,7 @@ use tracing::{debug, warn};
 
 use crate::atomic_file::write as write_atomic;
 use crate::metrics::{Metrics, SinkLabel};
-use crate::runtime::{Clock, PersistedState, Snapshot};
+use crate::runtime::{Clock, Heartbeat, PersistedState, Snapshot};
 use faultline_core::time::Timestamp;
 
 pub const FAULTS_FILE: &str = "faults.json";
@@ -106,11 +106,20 @@ pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
 /// heartbeats.
 pub const STALE_AFTER: Duration = Duration::from_secs(30);
 
-/// The local heartbeat: how often, and the clock it is stamped with.
+/// The local heartbeat: how often, the clock it is stamped with, and the engine loop's own
+/// heartbeat (the one `/healthz` reads): the record beats only while the engine does, so a
+/// wedged engine does not look alive through a sink that still runs.
 #[derive(Debug, Clone)]
 pub struct HeartbeatConfig {
     pub every: Duration,
     pub clock: Arc<dyn Clock>,
+    pub engine: Arc<Heartbeat>,
+}
+
+impl HeartbeatConfig {
+    fn engine_alive(&self) -> bool {
+        self.engine.age_ms(self.clock.now()) <= crate::http::STALE_MS
+    }
 }
 
 /// Reads `state.json`; a missing file is `Ok(None)`, an unreadable one an error to log.
@@ -198,7 +207,12 @@ pub async fn run(
             let snap = rx.borrow_and_update().clone();
             let Some(snap) = snap else { break };
             let record_only = written == Some(snap.revision);
-            if record_only && !beat {
+            if record_only && !(beat && heartbeat.engine_alive()) {
+                if beat {
+                    warn!("the engine loop has not run for 30 s; the record's heartbeat stops");
+                    // Checked again at the next interval.
+                    last_write = tokio::time::Instant::now();
+                }
                 break;
             }
             let d = dir.clone();
@@ -228,7 +242,7 @@ pub async fn run(
                     );
                     written = Some(snap.revision);
                     last_write = tokio::time::Instant::now();
-                    if !beat {
+                    if !record_only {
                         budget.spend(Instant::now());
                     }
                     // Reported on the first success of a run too, which clears a record-file
@@ -391,6 +405,7 @@ mod tests {
             HeartbeatConfig {
                 every,
                 clock: Arc::new(crate::runtime::SystemClock),
+                engine: engine_beating(),
             },
             shutdown.clone(),
         ));
@@ -446,6 +461,17 @@ mod tests {
         shutdown.cancel();
         drop(tx);
         task.await.unwrap();
+    }
+
+    /// An engine heartbeat kept fresh by a thread, as the engine loop keeps the agent's.
+    fn engine_beating() -> Arc<Heartbeat> {
+        let h = Arc::new(Heartbeat::default());
+        let beating = h.clone();
+        std::thread::spawn(move || loop {
+            beating.beat(Timestamp::now());
+            std::thread::sleep(Duration::from_millis(50));
+        });
+        h
     }
 
     fn heartbeat_of(dir: &Path) -> Option<Timestamp> {
@@ -510,7 +536,10 @@ mod tests {
         .await
         .expect("the failing write is reported")
         .unwrap();
-        assert_eq!(heartbeat_of(&dir), None);
+        // Three heartbeat intervals later no write has succeeded: a heartbeat write would have
+        // reported the record written again.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(matches!(*status.borrow(), RecordStatus::Failing(_)));
 
         std::fs::remove_dir(dir.join(FAULTS_FILE)).unwrap();
         let resumed = tokio::time::timeout(Duration::from_secs(10), async {
@@ -523,6 +552,58 @@ mod tests {
         })
         .await;
         assert!(resumed.is_ok(), "the heartbeat resumes");
+        shutdown.cancel();
+        drop(tx);
+        task.await.unwrap();
+    }
+
+    /// A wedged engine loop (its heartbeat 30 s old) stops the record's heartbeat: the sink
+    /// alone running does not make the agent look alive.
+    #[tokio::test]
+    async fn the_heartbeat_stops_when_the_engine_loop_does() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let (tx, rx) = watch::channel(None);
+        let signals = FileSinkSignals {
+            status: watch::channel(RecordStatus::NotYetWritten).0,
+            persisted: watch::channel(0).0,
+        };
+        let shutdown = CancellationToken::new();
+        let stuck = Arc::new(Heartbeat::default()); // last beat: the epoch
+        let task = tokio::spawn(run(
+            dir.clone(),
+            rx,
+            Arc::new(Metrics::new()),
+            WriteBudget::new(Duration::from_millis(10), 3, Instant::now()),
+            signals.clone(),
+            HeartbeatConfig {
+                every: Duration::from_millis(50),
+                clock: Arc::new(crate::runtime::SystemClock),
+                engine: stuck.clone(),
+            },
+            shutdown.clone(),
+        ));
+        tx.send_replace(Some(snapshot(1, 0)));
+        let mut first = signals.status.subscribe();
+        tokio::time::timeout(Duration::from_secs(5), first.wait_for(|s| s.is_written()))
+            .await
+            .expect("the snapshot itself is written")
+            .unwrap();
+        let written = heartbeat_of(&dir).unwrap();
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert_eq!(
+            heartbeat_of(&dir),
+            Some(written),
+            "no heartbeat while the engine is stuck"
+        );
+        stuck.beat(Timestamp::now());
+        let resumed = tokio::time::timeout(Duration::from_secs(5), async {
+            while heartbeat_of(&dir) == Some(written) {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        assert!(resumed.is_ok(), "the heartbeat resumes with the engine");
         shutdown.cancel();
         drop(tx);
         task.await.unwrap();

@@ -173,6 +173,8 @@ pub async fn initial_bounded(
         }
         Err(_) => {
             warn!(path = %path.display(), waited_ms = wait.as_millis() as u64, "the policy file is slow to read; detection starts on the built-in policy");
+            // The built-in policy in force is valid; a rejected file sets this to 0 later.
+            metrics.policy_valid.set(1);
             let mut loaded = builtin;
             loaded.status.loading = Some(path.display().to_string());
             (loaded, Some(PendingLoad(load)))

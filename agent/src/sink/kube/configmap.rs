@@ -18,7 +18,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::own::{self, Seen};
+use super::own::{self, DriftPacer, OwnVersions, Seen};
 use super::plan::{self, CONFIGMAP_LIMIT, RECORD_KEY};
 use super::{api, KubeSinkConfig, KubeSinkError, Retry, FIELD_MANAGER};
 use crate::metrics::{Metrics, SinkLabel};
@@ -47,41 +47,74 @@ pub async fn run(
     let mut written = adopt(&cms, &cfg.node).await;
     let mut retry = Retry::new();
     let mut wake: Option<Instant> = None;
+    let mut versions = OwnVersions::default();
+    let mut pacer = DriftPacer::default();
+    let mut woke_by_own = false;
+    // A repair the pacer put off: counted when it is written.
+    let mut repair = false;
     loop {
-        if let Some(rx) = own.as_mut() {
-            let seen = on_server(&rx.borrow_and_update());
-            if let Some(now) = seen {
-                if now != written && written.is_some() {
-                    info!(
-                        deleted = now.is_none(),
-                        "the fault ConfigMap was changed or deleted by someone else; writing it again"
-                    );
-                    metrics.drift_repairs.get_or_create(&label).inc();
+        let now = Instant::now();
+        // Only a new report of the watch counts (`own::changed` marked it seen): an old one
+        // compared again would undo what the sink wrote since.
+        if let Some(rx) = own.as_ref().filter(|_| woke_by_own) {
+            let seen = rx.borrow().clone();
+            let echo = matches!(&seen, Seen::Present(cm)
+                if versions.ours(cm.metadata.resource_version.as_deref()));
+            match on_server(&seen, &cfg.node) {
+                Some(there) if !echo && there != written => {
+                    // What the server holds is what is compared from now on.
+                    repair |= written.is_some();
+                    written = there;
                 }
-                written = now;
+                _ => {}
             }
         }
+        let paced = if repair && woke_by_own {
+            pacer.ask(now).err()
+        } else {
+            None
+        };
+        // A change of the watched ConfigMap alone does not cut a retry backoff short, and a
+        // repair that keeps being undone waits its turn.
+        let backing_off = woke_by_own && wake.is_some_and(|w| now < w);
         let snap = snapshots.borrow_and_update().clone();
-        if let Some(snap) = snap {
-            match write(&cms, &cfg, &name, &snap.record, &written).await {
-                Ok(Some(key)) => {
-                    metrics.sink_writes.get_or_create(&label).inc();
-                    written = Some(key);
-                    retry.reset();
-                    wake = None;
-                }
-                Ok(None) => wake = None,
-                Err(e) => {
-                    metrics.sink_errors.get_or_create(&label).inc();
-                    let delay = retry.next_delay();
-                    warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "writing the fault ConfigMap failed; detection goes on");
-                    wake = Some(Instant::now() + delay);
+        match (snap, paced) {
+            (_, Some(at)) => {
+                debug!("the fault ConfigMap was changed again; pacing the repair");
+                wake = Some(at);
+            }
+            (Some(snap), None) if !backing_off => {
+                match write(&cms, &cfg, &name, &snap.record, &written).await {
+                    Ok(Some((key, rv))) => {
+                        metrics.sink_writes.get_or_create(&label).inc();
+                        if repair {
+                            info!("the fault ConfigMap had been changed or deleted by someone else; written again");
+                            metrics.drift_repairs.get_or_create(&label).inc();
+                            repair = false;
+                        }
+                        versions.note(rv.as_deref());
+                        written = Some(key);
+                        retry.reset();
+                        wake = None;
+                    }
+                    Ok(None) => {
+                        repair = false;
+                        wake = None;
+                    }
+                    Err(e) => {
+                        metrics.sink_errors.get_or_create(&label).inc();
+                        let delay = retry.next_delay();
+                        warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "writing the fault ConfigMap failed; detection goes on");
+                        wake = Some(Instant::now() + delay);
+                    }
                 }
             }
+            _ => {}
         }
+        woke_by_own = false;
         tokio::select! {
             going = super::changed_or_woken(&mut snapshots, wake) => if !going { break },
-            () = own::changed(&mut own) => {}
+            () = own::changed(&mut own) => woke_by_own = true,
         }
     }
     let last = snapshots.borrow().clone();
@@ -94,19 +127,31 @@ pub async fn run(
     }
 }
 
-/// What the watch says the server holds: `Some(None)` when the ConfigMap is gone or holds no
-/// readable record, `Some(key)` for a record, `None` when the watch has not answered yet.
-fn on_server(seen: &Seen<ConfigMap>) -> Option<Option<String>> {
+/// What the watch says the server holds: `Some(None)` when the ConfigMap is gone, holds no
+/// readable record or lacks its labels (the taint budget counts nodes by them), `Some(key)` for
+/// a record, `None` when the watch has not answered yet.
+fn on_server(seen: &Seen<ConfigMap>, node: &str) -> Option<Option<String>> {
     match seen {
         Seen::Unknown => None,
         Seen::Absent => Some(None),
-        Seen::Present(cm) => Some(
-            cm.data
+        Seen::Present(cm) => {
+            let record = cm
+                .data
                 .as_ref()
                 .and_then(|d| d.get(RECORD_KEY))
-                .and_then(|t| serde_json::from_str::<NodeRecord>(t).ok())
-                .map(|r| plan::content_key(&r)),
-        ),
+                .and_then(|t| serde_json::from_str::<NodeRecord>(t).ok());
+            let labelled = |r: &NodeRecord| {
+                let have = cm.metadata.labels.as_ref();
+                plan::configmap_labels(node, r.health)
+                    .iter()
+                    .all(|(k, v)| have.and_then(|l| l.get(k)) == Some(v))
+            };
+            Some(
+                record
+                    .filter(|r| labelled(r))
+                    .map(|r| plan::content_key(&r)),
+            )
+        }
     }
 }
 
@@ -163,14 +208,15 @@ async fn adopt(cms: &Api<ConfigMap>, node: &str) -> Option<String> {
     }
 }
 
-/// Writes the record when it differs from `written`; returns the new content key.
+/// Writes the record when it differs from `written`; returns the new content key and the
+/// written object's resourceVersion.
 async fn write(
     cms: &Api<ConfigMap>,
     cfg: &KubeSinkConfig,
     name: &str,
     record: &NodeRecord,
     written: &Option<String>,
-) -> Result<Option<String>, KubeSinkError> {
+) -> Result<Option<(String, Option<String>)>, KubeSinkError> {
     let (text, fitted) =
         plan::fit_record(record, CONFIGMAP_LIMIT - RECORD_KEY.len()).map_err(|source| {
             KubeSinkError::Encode {
@@ -198,15 +244,16 @@ async fn write(
         },
         "data": { RECORD_KEY: text },
     });
-    cms.patch(
-        name,
-        &PatchParams::apply(FIELD_MANAGER).force(),
-        &Patch::Apply(&body),
-    )
-    .await
-    .map_err(api("apply the fault ConfigMap"))?;
+    let cm = cms
+        .patch(
+            name,
+            &PatchParams::apply(FIELD_MANAGER).force(),
+            &Patch::Apply(&body),
+        )
+        .await
+        .map_err(api("apply the fault ConfigMap"))?;
     debug!(health = %fitted.health, faults = fitted.faults.len(), "fault ConfigMap written");
-    Ok(Some(key))
+    Ok(Some((key, cm.metadata.resource_version)))
 }
 
 #[cfg(test)]
@@ -259,5 +306,34 @@ mod tests {
             assert!(e.contains(expect), "{expect}: {e}");
         }
         assert!(emu.delete(&ResourceRef::config_map("faultline-system", "faultline-n1")));
+    }
+
+    /// What the watch reports is compared by content and labels: a record whose labels were
+    /// stripped (the taint budget counts nodes by them) needs writing as much as a deleted one.
+    #[test]
+    fn the_watched_configmap_counts_as_written_only_with_its_record_and_labels() {
+        let text = json!({
+            "apiVersion": "faultline.io/v1", "node": "n1", "health": "Healthy",
+            "updateTime": "2026-11-24T00:00:00Z", "checkCode": "", "faults": [],
+            "agent": {"version": "0", "policy": {"source": "builtin", "checksum": ""}, "detectors": []},
+        })
+        .to_string();
+        let record: NodeRecord = serde_json::from_str(&text).unwrap();
+        let mut with_labels = cm(json!({ RECORD_KEY: text }));
+        with_labels["metadata"]["labels"] = json!(plan::configmap_labels("n1", record.health));
+        let present =
+            |v: Value| Seen::Present(Arc::new(serde_json::from_value::<ConfigMap>(v).unwrap()));
+        assert_eq!(on_server(&Seen::Unknown, "n1"), None);
+        assert_eq!(on_server(&Seen::Absent, "n1"), Some(None));
+        assert_eq!(
+            on_server(&present(with_labels.clone()), "n1"),
+            Some(Some(plan::content_key(&record)))
+        );
+        let mut stripped = with_labels.clone();
+        stripped["metadata"]["labels"] = json!({"app.kubernetes.io/name": "faultline"});
+        assert_eq!(on_server(&present(stripped), "n1"), Some(None));
+        let mut garbled = with_labels;
+        garbled["data"][RECORD_KEY] = json!("{");
+        assert_eq!(on_server(&present(garbled), "n1"), Some(None));
     }
 }

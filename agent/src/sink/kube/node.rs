@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::budget::{Answer, Budget};
-use super::own::{self, Seen};
+use super::own::{self, DriftPacer, OwnVersions, Seen};
 use super::plan::{self, Notice};
 use super::{api, is_conflict, KubeSinkConfig, KubeSinkError, Retry, FIELD_MANAGER};
 use crate::metrics::{Metrics, SinkLabel};
@@ -95,6 +95,9 @@ pub struct NodeSink {
     started: Instant,
     /// The taints withheld at the last pass (to announce only changes).
     withheld: Vec<String>,
+    /// Versions of the Node this sink wrote or read (their watch echoes are not drift).
+    versions: OwnVersions,
+    pacer: DriftPacer,
 }
 
 const MAX_TAINT_CONFLICTS: u32 = 8;
@@ -119,6 +122,8 @@ impl NodeSink {
             clock,
             started: Instant::now(),
             withheld: Vec::new(),
+            versions: OwnVersions::default(),
+            pacer: DriftPacer::default(),
         }
     }
 
@@ -135,20 +140,30 @@ impl NodeSink {
         let mut done: Option<Desired> = None;
         let mut wake: Option<Instant> = None;
         let mut retry = Retry::new();
+        let mut woke_by_own = false;
+        // A repair the pacer put off: counted when it is written.
+        let mut repair_pending = false;
         loop {
             let snap = snapshots.borrow_and_update().clone();
             if let Some(snap) = snap {
                 let desired = Desired::of(&snap);
-                let due = wake.is_some_and(|w| Instant::now() >= w);
-                let drifted = done.as_ref() == Some(&desired) && self.drifted(&mut own, &desired);
-                if drifted {
-                    info!("the node no longer carries what faultline wrote; repairing it now");
-                    self.metrics
-                        .drift_repairs
-                        .get_or_create(&SinkLabel { sink: "node" })
-                        .inc();
+                let now = Instant::now();
+                let due = wake.is_some_and(|w| now >= w);
+                let mut repair = false;
+                if done.as_ref() == Some(&desired) && self.drifted(&mut own, &desired) {
+                    match self.pacer.ask(now) {
+                        Ok(()) => repair = true,
+                        Err(at) => {
+                            debug!("the node drifted again; pacing the repair");
+                            repair_pending = true;
+                            wake = Some(wake.map_or(at, |w| w.min(at)));
+                        }
+                    }
                 }
-                if done.as_ref() != Some(&desired) || due || drifted {
+                // A change of the watched Node alone cuts neither a retry backoff nor the settle
+                // wait short.
+                let held = woke_by_own && done.is_none() && !due;
+                if !held && (done.as_ref() != Some(&desired) || due || repair) {
                     let budget = policy.borrow().policy.taint_budget.clone();
                     match self.reconcile(&desired, &budget).await {
                         Ok(Outcome::Done { withheld, wrote }) => {
@@ -157,6 +172,14 @@ impl NodeSink {
                                     .kube_publish_seconds
                                     .observe(snap.applied_at.elapsed().as_secs_f64());
                             }
+                            if wrote && (repair || repair_pending) {
+                                info!("the node had lost what faultline wrote; repaired");
+                                self.metrics
+                                    .drift_repairs
+                                    .get_or_create(&SinkLabel { sink: "node" })
+                                    .inc();
+                            }
+                            repair_pending = false;
                             done = Some(desired);
                             retry.reset();
                             let next = if withheld {
@@ -184,9 +207,10 @@ impl NodeSink {
                     }
                 }
             }
+            woke_by_own = false;
             tokio::select! {
                 going = super::changed_or_woken(&mut snapshots, wake) => if !going { break },
-                () = own::changed(&mut own) => {}
+                () = own::changed(&mut own) => woke_by_own = true,
             }
         }
         // The engine stopped: push its final state if it differs, briefly.
@@ -208,6 +232,13 @@ impl NodeSink {
             return false;
         };
         match &*rx.borrow_and_update() {
+            Seen::Present(node)
+                if self
+                    .versions
+                    .ours(node.metadata.resource_version.as_deref()) =>
+            {
+                false
+            }
             Seen::Present(node) => {
                 !desired.carried_by(node, !self.withheld.is_empty(), self.clock.now())
             }
@@ -232,6 +263,8 @@ impl NodeSink {
     ) -> Result<Outcome, KubeSinkError> {
         let name = self.cfg.node.clone();
         let mut node = self.nodes.get(&name).await.map_err(api("read the node"))?;
+        self.versions
+            .note(node.metadata.resource_version.as_deref());
         let labels = node.metadata.labels.clone();
         if self.started.elapsed() < self.cfg.settle
             && plan::is_improvement(labels.as_ref(), &desired.labels)
@@ -280,11 +313,15 @@ impl NodeSink {
                     self.wrote("node_taints");
                     wrote = true;
                     node = n;
+                    self.versions
+                        .note(node.metadata.resource_version.as_deref());
                     break;
                 }
                 Err(e) if is_conflict(&e) && attempt < MAX_TAINT_CONFLICTS => {
                     debug!(attempt, "node changed meanwhile; reading it again");
                     node = self.nodes.get(&name).await.map_err(api("read the node"))?;
+                    self.versions
+                        .note(node.metadata.resource_version.as_deref());
                 }
                 Err(e) => return Err(api("write the node's taints")(e)),
             }
@@ -302,10 +339,12 @@ impl NodeSink {
                 field_manager: Some(FIELD_MANAGER.to_string()),
                 ..Default::default()
             };
-            self.nodes
+            let n = self
+                .nodes
                 .patch_status(&name, &pp, &Patch::Strategic(&body))
                 .await
                 .map_err(api("write the node's condition"))?;
+            self.versions.note(n.metadata.resource_version.as_deref());
             info!(status = %c.status, reason = ?c.reason, "node condition updated");
             self.wrote("node_condition");
             wrote = true;
@@ -317,7 +356,8 @@ impl NodeSink {
                 "kind": "Node",
                 "metadata": { "name": name, "labels": desired.labels },
             });
-            self.nodes
+            let n = self
+                .nodes
                 .patch(
                     &name,
                     &PatchParams::apply(FIELD_MANAGER).force(),
@@ -325,6 +365,7 @@ impl NodeSink {
                 )
                 .await
                 .map_err(api("apply the node's labels"))?;
+            self.versions.note(n.metadata.resource_version.as_deref());
             info!(labels = ?desired.labels, "node labels applied");
             self.wrote("node_labels");
             wrote = true;

@@ -95,3 +95,112 @@ pub async fn changed<K>(rx: &mut Option<watch::Receiver<Seen<K>>>) {
     }
     tokio::time::sleep(SETTLE).await;
 }
+
+/// The resource versions a sink itself wrote or read last: the watch's echo of them is not
+/// drift (the agent's own multi-call pass makes intermediate versions).
+#[derive(Debug, Default)]
+pub struct OwnVersions(std::collections::VecDeque<String>);
+
+impl OwnVersions {
+    const KEEP: usize = 16;
+
+    pub fn note(&mut self, rv: Option<&str>) {
+        let Some(rv) = rv else { return };
+        if self.0.iter().any(|x| x == rv) {
+            return;
+        }
+        if self.0.len() == Self::KEEP {
+            self.0.pop_front();
+        }
+        self.0.push_back(rv.to_string());
+    }
+
+    pub fn ours(&self, rv: Option<&str>) -> bool {
+        rv.is_some_and(|rv| self.0.iter().any(|x| x == rv))
+    }
+}
+
+/// Paces drift repairs when something keeps undoing them (a second agent with the same node
+/// name, a mutating webhook, a GitOps controller): the first repair goes out at once; each one
+/// within [`DriftPacer::CALM`] of the previous waits twice as long as the last wait, from 1 s up
+/// to 30 s. A minute without drift starts over.
+#[derive(Debug)]
+pub struct DriftPacer {
+    last: Option<tokio::time::Instant>,
+    delay: Duration,
+}
+
+impl Default for DriftPacer {
+    fn default() -> Self {
+        DriftPacer {
+            last: None,
+            delay: Self::FIRST,
+        }
+    }
+}
+
+impl DriftPacer {
+    pub const FIRST: Duration = Duration::from_secs(1);
+    pub const MAX: Duration = Duration::from_secs(30);
+    pub const CALM: Duration = Duration::from_secs(60);
+
+    /// `Ok`: repair now. `Err(at)`: not before `at`.
+    pub fn ask(&mut self, now: tokio::time::Instant) -> Result<(), tokio::time::Instant> {
+        if let Some(last) = self.last {
+            if now < last + self.delay {
+                return Err(last + self.delay);
+            }
+            self.delay = if now.duration_since(last) < Self::CALM {
+                (self.delay * 2).min(Self::MAX)
+            } else {
+                Self::FIRST
+            };
+        }
+        self.last = Some(now);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::time::Instant;
+
+    #[test]
+    fn repeated_drift_is_repaired_ever_more_slowly_and_calm_starts_over() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut p = DriftPacer::default();
+        assert_eq!(p.ask(t0), Ok(()), "the first repair at once");
+        assert_eq!(p.ask(t0 + Duration::from_millis(300)), Err(t0 + s(1)));
+        assert_eq!(p.ask(t0 + s(1)), Ok(()));
+        assert_eq!(p.ask(t0 + s(2)), Err(t0 + s(3)), "the wait doubled");
+        assert_eq!(p.ask(t0 + s(3)), Ok(()));
+        let mut t = t0 + s(3);
+        for _ in 0..10 {
+            t = match p.ask(t) {
+                Ok(()) => t,
+                Err(at) => at,
+            };
+        }
+        assert_eq!(p.ask(t + s(29)), Err(t + s(30)), "capped at 30 s");
+        assert_eq!(p.ask(t + s(30) + s(61)), Ok(()));
+        assert_eq!(
+            p.ask(t + s(30) + s(61) + s(1)),
+            Ok(()),
+            "after a calm minute the wait is 1 s again"
+        );
+    }
+
+    #[test]
+    fn own_versions_remember_the_last_few() {
+        let mut v = OwnVersions::default();
+        assert!(!v.ours(Some("1")) && !v.ours(None));
+        for i in 0..20 {
+            v.note(Some(&i.to_string()));
+        }
+        v.note(None);
+        assert!(v.ours(Some("19")) && v.ours(Some("4")));
+        assert!(!v.ours(Some("3")), "only the last 16");
+    }
+}
