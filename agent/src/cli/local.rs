@@ -170,7 +170,9 @@ pub fn not_alive(r: &NodeRecord, now: Timestamp, stale_after: Duration) -> Optio
 }
 
 /// `faultline wait-healthy`: polls the record until it is healthy (0), the timeout passes
-/// while it is not (1), or it cannot be read at all or the agent is not alive (2).
+/// while it is not (1), or it cannot be read at all (2). A record whose agent is not alive
+/// (a stale heartbeat) is polled like a missing one, since an agent being restarted beats again
+/// within seconds; still not alive at the timeout is 2, whatever the record says.
 pub fn wait_healthy(
     path: &Path,
     timeout: Duration,
@@ -182,26 +184,27 @@ pub fn wait_healthy(
     let acceptable = |h: Health| h == Health::Healthy || (allow_degraded && h == Health::Degraded);
     loop {
         let last = read_record(path);
+        let mut dead = None;
         match &last {
-            Ok(r) => {
-                if let Some(why) = not_alive(r, Timestamp::now(), stale_after) {
-                    return Outcome::error(format!("error: {why}"));
+            Ok(r) => match not_alive(r, Timestamp::now(), stale_after) {
+                Some(why) => dead = Some(why),
+                None if acceptable(r.health) => {
+                    return Outcome::ok(format!("healthy: {}", summary(r)))
                 }
-                if acceptable(r.health) {
-                    return Outcome::ok(format!("healthy: {}", summary(r)));
-                }
-            }
+                None => {}
+            },
             Err(e @ ReadError::Invalid(..)) => return Outcome::error(format!("error: {e}")),
             _ => {}
         }
         if Instant::now() >= deadline {
-            return match last {
-                Ok(r) => Outcome::unhealthy(format!(
+            return match (last, dead) {
+                (_, Some(why)) => Outcome::error(format!("error: {why}")),
+                (Ok(r), None) => Outcome::unhealthy(format!(
                     "unhealthy after {}: {}",
                     humantime::format_duration(timeout),
                     summary(&r)
                 )),
-                Err(e) => Outcome::error(format!("error: {e}")),
+                (Err(e), None) => Outcome::error(format!("error: {e}")),
             };
         }
         std::thread::sleep(
@@ -287,8 +290,8 @@ mod tests {
     }
 
     /// A Healthy record left by a stopped agent no longer passes: without a heartbeat, or with
-    /// one older than the bound, it is exit 2 at once with one line saying why. A heartbeat
-    /// ahead of the clock (stepped back) counts as fresh.
+    /// one older than the bound, it is exit 2 at the timeout with one line saying why. A
+    /// heartbeat ahead of the clock (stepped back) counts as fresh.
     #[test]
     fn wait_healthy_fails_when_the_agent_is_not_alive() {
         let minutes_ago = Timestamp::now() - faultline_core::time::SignedDuration::from_secs(120);
@@ -303,70 +306,50 @@ mod tests {
             (Some(ahead), 0, "healthy"),
         ] {
             let (_d, p) = file(&stamped(HEALTHY, beat));
-            let o = wait_healthy(
-                &p,
-                Duration::from_secs(60),
-                Duration::from_millis(10),
-                false,
-                STALE_AFTER,
-            );
+            let o = wait(&p, Duration::from_millis(100), STALE_AFTER);
             assert_eq!(o.code, code, "{beat:?}: {}", o.message);
             assert!(o.message.contains(says), "{}", o.message);
             assert!(!o.message.contains('\n'), "one line");
         }
         let (_d, p) = file(&stamped(HEALTHY, Some(minutes_ago)));
-        let o = wait_healthy(
-            &p,
-            Duration::from_millis(50),
-            Duration::from_millis(10),
-            false,
-            Duration::from_secs(600),
-        );
+        let o = wait(&p, Duration::from_millis(50), Duration::from_secs(600));
         assert_eq!(o.code, 0, "within a longer bound: {}", o.message);
+
+        // An agent restarting: the stale record is polled, and passes once it beats again.
+        let (_d, p) = file(&stamped(HEALTHY, Some(minutes_ago)));
+        let p2 = p.clone();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            write_atomic(&p2, live(HEALTHY).as_bytes()).unwrap();
+        });
+        let o = wait(&p, Duration::from_secs(30), STALE_AFTER);
+        writer.join().unwrap();
+        assert_eq!(o.code, 0, "{}", o.message);
+    }
+
+    /// `wait_healthy` polling every 10 ms, Healthy only.
+    fn wait(p: &Path, timeout: Duration, stale_after: Duration) -> Outcome {
+        wait_healthy(p, timeout, Duration::from_millis(10), false, stale_after)
     }
 
     #[test]
     fn wait_healthy_exit_codes() {
         let (_d, p) = file(&live(HEALTHY));
-        assert_eq!(
-            wait_healthy(
-                &p,
-                Duration::from_millis(50),
-                Duration::from_millis(10),
-                false,
-                STALE_AFTER
-            )
-            .code,
-            0
-        );
+        assert_eq!(wait(&p, Duration::from_millis(50), STALE_AFTER).code, 0);
         let (_d, p) = file(&live(UNHEALTHY));
-        let o = wait_healthy(
-            &p,
-            Duration::from_millis(50),
-            Duration::from_millis(10),
-            false,
-            STALE_AFTER,
-        );
+        let o = wait(&p, Duration::from_millis(50), STALE_AFTER);
         assert_eq!(o.code, 1);
         assert!(o.message.contains("Xid79 on GPU-3"), "{}", o.message);
         assert!(!o.message.contains('\n'), "one line");
-        let o = wait_healthy(
+        let o = wait(
             Path::new("/nonexistent/faults.json"),
             Duration::from_millis(30),
-            Duration::from_millis(10),
-            false,
             STALE_AFTER,
         );
         assert_eq!(o.code, 2);
         assert!(o.message.contains("is the agent running"), "{}", o.message);
         let (_d, p) = file("{\"not\": \"a record\"}");
-        let o = wait_healthy(
-            &p,
-            Duration::from_secs(60),
-            Duration::from_millis(10),
-            false,
-            STALE_AFTER,
-        );
+        let o = wait(&p, Duration::from_secs(60), STALE_AFTER);
         assert_eq!(o.code, 2, "a foreign file fails at once: {}", o.message);
     }
 
