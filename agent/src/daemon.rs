@@ -339,37 +339,28 @@ fn restore(cfg: &AgentConfig, catalog: &Catalog) -> Restored {
     let mut kmsg_skip_through = None;
     let (origin, persisted) = match file::read_state(&cfg.state_dir) {
         Ok(Some(p)) => (Origin::State, p),
-        // No saved state but a record (state.json deleted alone): the record is rebuilt.
-        Ok(None) => match rebuild_from_record(cfg, catalog) {
-            Some((engine, written)) => {
-                kmsg_skip_through = written;
-                warn!(
-                    faults = engine.faults().count(),
-                    "no saved state; faults rebuilt from the record"
-                );
-                let state = crate::runtime::PersistedState {
-                    engine,
-                    ..Default::default()
-                };
-                (Origin::Record, state)
+        // No usable state.json (deleted alone, or unreadable): the record is rebuilt.
+        missing_or_bad => {
+            let unreadable = missing_or_bad.err();
+            match rebuild_from_record(cfg, catalog) {
+                Some((engine, written)) => {
+                    kmsg_skip_through = written;
+                    let why = unreadable.as_deref().unwrap_or("no saved state");
+                    warn!(error = %why, faults = engine.faults().count(), "saved state missing or unreadable; faults rebuilt from the record");
+                    let state = crate::runtime::PersistedState {
+                        engine,
+                        ..Default::default()
+                    };
+                    (Origin::Record, state)
+                }
+                None => {
+                    if let Some(e) = unreadable {
+                        warn!(error = %e, "saved state unreadable and no record; starting empty");
+                    }
+                    (Origin::Empty, Default::default())
+                }
             }
-            None => (Origin::Empty, Default::default()),
-        },
-        Err(e) => match rebuild_from_record(cfg, catalog) {
-            Some((engine, written)) => {
-                kmsg_skip_through = written;
-                warn!(error = %e, faults = engine.faults().count(), "saved state unreadable; faults rebuilt from the record");
-                let state = crate::runtime::PersistedState {
-                    engine,
-                    ..Default::default()
-                };
-                (Origin::Record, state)
-            }
-            None => {
-                warn!(error = %e, "saved state unreadable and no record; starting empty");
-                (Origin::Empty, Default::default())
-            }
-        },
+        }
     };
     let same_boot = boot_id.is_some() && persisted.engine.boot_id() == boot_id.as_deref();
     let kmsg_cursor = persisted.kmsg_cursor.filter(|_| same_boot);

@@ -254,6 +254,28 @@ mod tests {
     use super::*;
     use faultline_core::record::Handling;
 
+    /// The watcher on `path` (hourly re-check, the file reader); stop it with the token.
+    fn spawn_watcher(
+        path: &Path,
+        tx: watch::Sender<LoadedPolicy>,
+        m: Arc<Metrics>,
+        reload: Arc<tokio::sync::Notify>,
+        pending: Option<PendingLoad>,
+    ) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+        let stop = CancellationToken::new();
+        let task = tokio::spawn(watch_policy(
+            path.to_path_buf(),
+            tx,
+            m,
+            stop.clone(),
+            Duration::from_secs(3600),
+            reload,
+            file_reader(),
+            pending,
+        ));
+        (stop, task)
+    }
+
     #[test]
     fn bad_reload_keeps_the_last_good_policy_and_reports_the_error() {
         let dir = tempfile::tempdir().unwrap();
@@ -305,17 +327,7 @@ mod tests {
         std::fs::write(&path, "expected_gpus: 1\n").unwrap();
         let m = Arc::new(Metrics::new());
         let (tx, mut rx) = watch::channel(initial(Some(&path), &m));
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(watch_policy(
-            path.clone(),
-            tx,
-            m,
-            stop.clone(),
-            Duration::from_secs(3600),
-            Arc::default(),
-            file_reader(),
-            None,
-        ));
+        let (stop, task) = spawn_watcher(&path, tx, m, Arc::default(), None);
         tokio::time::sleep(Duration::from_millis(200)).await;
         std::fs::write(&path, "expected_gpus: 4\n").unwrap();
         tokio::time::timeout(Duration::from_secs(10), async {
@@ -347,18 +359,8 @@ mod tests {
         std::os::unix::fs::symlink(&real, &path).unwrap();
         let m = Arc::new(Metrics::new());
         let (tx, mut rx) = watch::channel(initial(Some(&path), &m));
-        let stop = CancellationToken::new();
         let reload = Arc::new(tokio::sync::Notify::new());
-        let task = tokio::spawn(watch_policy(
-            path.clone(),
-            tx,
-            m,
-            stop.clone(),
-            Duration::from_secs(3600),
-            reload.clone(),
-            file_reader(),
-            None,
-        ));
+        let (stop, task) = spawn_watcher(&path, tx, m, reload.clone(), None);
         tokio::time::sleep(Duration::from_millis(200)).await;
         std::fs::write(&real, "expected_gpus: 4\n").unwrap();
         tokio::time::sleep(Duration::from_millis(300)).await;
@@ -402,17 +404,7 @@ mod tests {
         let pending = pending.expect("the load is still running");
 
         let (tx, mut rx) = watch::channel(first);
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(watch_policy(
-            path.clone(),
-            tx,
-            m,
-            stop.clone(),
-            Duration::from_secs(3600),
-            Arc::default(),
-            file_reader(),
-            Some(pending),
-        ));
+        let (stop, task) = spawn_watcher(&path, tx, m, Arc::default(), Some(pending));
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(rx.borrow_and_update().status.loading.is_some());
         gate.wait();
@@ -452,17 +444,7 @@ mod tests {
             initial_bounded(Some(&path), &m, slow, Duration::from_millis(20)).await;
         assert!(first.status.loading.is_some() && first.status.error.is_none());
         let (tx, mut rx) = watch::channel(first);
-        let stop = CancellationToken::new();
-        let task = tokio::spawn(watch_policy(
-            path.clone(),
-            tx,
-            m,
-            stop.clone(),
-            Duration::from_secs(3600),
-            Arc::default(),
-            file_reader(),
-            pending,
-        ));
+        let (stop, task) = spawn_watcher(&path, tx, m, Arc::default(), pending);
         let failed = tokio::time::timeout(
             Duration::from_secs(10),
             rx.wait_for(|p| p.status.loading.is_none()),

@@ -135,11 +135,7 @@ fn on_server(seen: &Seen<ConfigMap>, node: &str) -> Option<Option<String>> {
         Seen::Unknown => None,
         Seen::Absent => Some(None),
         Seen::Present(cm) => {
-            let record = cm
-                .data
-                .as_ref()
-                .and_then(|d| d.get(RECORD_KEY))
-                .and_then(|t| serde_json::from_str::<NodeRecord>(t).ok());
+            let record = record_in(cm).ok();
             let labelled = |r: &NodeRecord| {
                 let have = cm.metadata.labels.as_ref();
                 plan::configmap_labels(node, r.health)
@@ -173,13 +169,7 @@ pub async fn read_back(
     let Some(cm) = cms.get_opt(&name(node)).await.map_err(ReadBackError::Api)? else {
         return Ok(None);
     };
-    let text = cm
-        .data
-        .as_ref()
-        .and_then(|d| d.get(RECORD_KEY))
-        .ok_or_else(|| ReadBackError::Unreadable(format!("no {RECORD_KEY} key")))?;
-    let record = serde_json::from_str::<NodeRecord>(text)
-        .map_err(|e| ReadBackError::Unreadable(e.to_string()))?;
+    let record = record_in(&cm)?;
     if record.node != node {
         return Err(ReadBackError::Unreadable(format!(
             "it is about node {:?}, not {node:?}",
@@ -187,6 +177,16 @@ pub async fn read_back(
         )));
     }
     Ok(Some(record))
+}
+
+/// The record a fault ConfigMap holds under [`RECORD_KEY`].
+fn record_in(cm: &ConfigMap) -> Result<NodeRecord, ReadBackError> {
+    let text = cm
+        .data
+        .as_ref()
+        .and_then(|d| d.get(RECORD_KEY))
+        .ok_or_else(|| ReadBackError::Unreadable(format!("no {RECORD_KEY} key")))?;
+    serde_json::from_str(text).map_err(|e| ReadBackError::Unreadable(e.to_string()))
 }
 
 /// The content key of the ConfigMap as it is, if it exists and holds a readable record.

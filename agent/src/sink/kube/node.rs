@@ -263,8 +263,7 @@ impl NodeSink {
     ) -> Result<Outcome, KubeSinkError> {
         let name = self.cfg.node.clone();
         let mut node = self.nodes.get(&name).await.map_err(api("read the node"))?;
-        self.versions
-            .note(node.metadata.resource_version.as_deref());
+        self.versions.note_of(&node);
         let labels = node.metadata.labels.clone();
         if self.started.elapsed() < self.cfg.settle
             && plan::is_improvement(labels.as_ref(), &desired.labels)
@@ -313,15 +312,13 @@ impl NodeSink {
                     self.wrote("node_taints");
                     wrote = true;
                     node = n;
-                    self.versions
-                        .note(node.metadata.resource_version.as_deref());
+                    self.versions.note_of(&node);
                     break;
                 }
                 Err(e) if is_conflict(&e) && attempt < MAX_TAINT_CONFLICTS => {
                     debug!(attempt, "node changed meanwhile; reading it again");
                     node = self.nodes.get(&name).await.map_err(api("read the node"))?;
-                    self.versions
-                        .note(node.metadata.resource_version.as_deref());
+                    self.versions.note_of(&node);
                 }
                 Err(e) => return Err(api("write the node's taints")(e)),
             }
@@ -344,7 +341,7 @@ impl NodeSink {
                 .patch_status(&name, &pp, &Patch::Strategic(&body))
                 .await
                 .map_err(api("write the node's condition"))?;
-            self.versions.note(n.metadata.resource_version.as_deref());
+            self.versions.note_of(&n);
             info!(status = %c.status, reason = ?c.reason, "node condition updated");
             self.wrote("node_condition");
             wrote = true;
@@ -365,7 +362,7 @@ impl NodeSink {
                 )
                 .await
                 .map_err(api("apply the node's labels"))?;
-            self.versions.note(n.metadata.resource_version.as_deref());
+            self.versions.note_of(&n);
             info!(labels = ?desired.labels, "node labels applied");
             self.wrote("node_labels");
             wrote = true;

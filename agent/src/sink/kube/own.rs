@@ -115,6 +115,11 @@ impl OwnVersions {
         self.0.push_back(rv.to_string());
     }
 
+    /// [`Self::note`] of an object's resourceVersion.
+    pub fn note_of<K: Resource>(&mut self, obj: &K) {
+        self.note(obj.meta().resource_version.as_deref());
+    }
+
     pub fn ours(&self, rv: Option<&str>) -> bool {
         rv.is_some_and(|rv| self.0.iter().any(|x| x == rv))
     }
