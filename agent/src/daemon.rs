@@ -175,7 +175,7 @@ async fn peer_setup(
     cfg: &AgentConfig,
     secret: &Path,
     node: &str,
-    kube_client: Option<kube::Client>,
+    kube_client: Option<crate::kube_client::Clients>,
     policy: watch::Receiver<LoadedPolicy>,
     ctx: SourceContext,
 ) -> anyhow::Result<Option<crate::peer::PeerSetup>> {
@@ -242,14 +242,14 @@ async fn peer_setup(
             let topology_label = policy.borrow().policy.peer.topology_label.clone();
             let identity = peer::lease::identity(node, &address.to_string());
             let lease = peer::lease::elect(
-                client.clone(),
+                client.lease.clone(),
                 cfg.namespace.clone(),
                 identity,
                 ctx.shutdown.clone(),
             );
             (
                 Arc::new(members::KubeMembers {
-                    client: client.clone(),
+                    client: client.calls.clone(),
                     namespace: cfg.namespace.clone(),
                     selector: cfg.peer_selector.clone(),
                     port,
@@ -257,7 +257,7 @@ async fn peer_setup(
                 }),
                 peer::Election::Lease(lease),
                 Arc::new(publish::KubePublisher {
-                    client,
+                    client: client.calls,
                     namespace: cfg.namespace.clone(),
                 }),
             )
@@ -500,7 +500,7 @@ struct Components {
     /// channel close when the last source has stopped.
     source_ctx: Option<SourceContext>,
     snapshots: watch::Receiver<Option<Snapshot>>,
-    kube: Option<kube::Client>,
+    kube: Option<crate::kube_client::Clients>,
     /// Tasks that stop on `source_shutdown`.
     sources: JoinSet<()>,
     /// Sinks and the HTTP server: they stop on `shutdown`.
@@ -639,11 +639,11 @@ impl Components {
         if self.cfg.standalone || (self.cfg.kubeconfig.is_none() && !in_cluster) {
             return label_rx;
         }
-        match crate::kube_client::client(self.cfg.kubeconfig.as_deref()).await {
+        match crate::kube_client::clients(self.cfg.kubeconfig.as_deref(), &self.node).await {
             Ok(client) => {
                 info!(node = %self.node, namespace = %self.cfg.namespace, "Kubernetes mode");
                 let w = node::watch_gpu_count(
-                    client.clone(),
+                    client.calls.clone(),
                     self.node.clone(),
                     label_tx,
                     Duration::from_secs(60),
@@ -741,7 +741,7 @@ impl Components {
         };
         match self.kube.clone() {
             Some(c) => {
-                let p = kube_sink::deviceinfo::DeviceInfoPublisher::new(c, &self.node);
+                let p = kube_sink::deviceinfo::DeviceInfoPublisher::new(c.calls, &self.node);
                 self.spawn_sink("mindcluster", mind.with_publisher(p).run());
             }
             None => self.spawn_sink("mindcluster", mind.run()),
@@ -885,7 +885,9 @@ async fn run_node(
     c.start_policy_and_control(pending);
     let gpu_count_label = c.connect_kubernetes().await;
     let mut restored = restored;
-    if let (Origin::Empty, Some(client)) = (restored.origin, c.kube.clone()) {
+    if let (Origin::Empty, Some(client)) =
+        (restored.origin, c.kube.as_ref().map(|k| k.calls.clone()))
+    {
         if let Some((engine, skip)) = rebuild_from_cluster(client, &c.cfg, &c.node, &catalog).await
         {
             restored.origin = Origin::Record;

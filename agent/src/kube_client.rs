@@ -1,14 +1,115 @@
-//! The Kubernetes client the agent and the CLI use: from a kubeconfig or the in-cluster
-//! service account, with timeouts, and the field manager the agent's writes carry.
+//! The Kubernetes clients the agent and the CLI use: from a kubeconfig or the in-cluster
+//! service account, with timeouts chosen per purpose, a User-Agent that names the sender, and a
+//! field manager on every write.
+//!
+//! Every request carries `User-Agent: faultline-agent/<version> (<node>)` (the CLI:
+//! `faultline/<version> (cli)`), so an audit log shows which node's agent sent it. Every write
+//! (POST, PUT, PATCH) names a field manager: the sinks' own (`faultline`, the Lease's
+//! `faultline-<identity>`) where they set one, else [`FIELD_MANAGER`] added by a layer of the
+//! client: kube-runtime's event `Recorder` sets none, and a write without one would be owned by
+//! `unknown` (or the User-Agent's product) in `managedFields`.
 
 use std::path::Path;
 use std::time::Duration;
 
+use http::{HeaderValue, Method, Request};
+use kube::client::{Body, ClientBuilder};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 
 /// The server-side apply field manager of the agent's writes.
 pub const FIELD_MANAGER: &str = "faultline";
+/// The field manager of the CLI's writes.
+pub const CLI_FIELD_MANAGER: &str = "faultline-cli";
+
+/// Who sends the requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sender<'a> {
+    /// The agent on this node.
+    Agent { node: &'a str },
+    /// The `faultline` command.
+    Cli,
+}
+
+impl Sender<'_> {
+    /// The User-Agent header: `faultline-agent/<version> (<node>)` or `faultline/<version> (cli)`.
+    pub fn user_agent(&self) -> String {
+        let version = env!("CARGO_PKG_VERSION");
+        match self {
+            // A node name is a DNS subdomain, so it is always a valid header value; anything
+            // else is replaced rather than refused (the header is for people reading logs).
+            Sender::Agent { node } => {
+                let node: String = node
+                    .chars()
+                    .map(|c| if c.is_ascii_graphic() { c } else { '?' })
+                    .collect();
+                format!("faultline-agent/{version} ({node})")
+            }
+            Sender::Cli => format!("faultline/{version} (cli)"),
+        }
+    }
+
+    fn field_manager(&self) -> &'static str {
+        match self {
+            Sender::Agent { .. } => FIELD_MANAGER,
+            Sender::Cli => CLI_FIELD_MANAGER,
+        }
+    }
+}
+
+/// What a client is for; its timeouts follow from it.
+///
+/// The numbers come from the coordinator Lease (`peer::lease`: 15 s, renewed 5 s before it runs
+/// out; after a failed renewal kube-lease-manager waits 1-2 s, reads the Lease and patches it
+/// again):
+/// - `Lease`: a renewal must fail fast enough to be tried again before the Lease runs out, or a
+///   healthy coordinator loses it to one slow request. 1 s per request: a failed patch (1 s),
+///   the backoff (at most 2 s), the read and the second patch (1 s each) fit in the 5 s grace.
+///   A Lease write is tiny; an API server that cannot answer it in a second is in trouble.
+/// - `Calls` (every other request: reads, the sinks' writes, the CLI): 10 s, shorter than the
+///   Lease, so a coordinator's own writes cannot outlast its leadership unnoticed; the sinks
+///   retry with backoff, so a hung server costs a sink at most this before the next try. The
+///   earlier 15 s equalled the Lease duration.
+/// - `Watch` (this node's own Node and ConfigMap, `sink::kube::own`): a watch is quiet for
+///   minutes. The API server sends a bookmark only about once a minute (the watch cache's
+///   `defaultBookmarkFrequency`) and ends the watch after the watcher's `timeoutSeconds` (290 s,
+///   kube-runtime's default, which also gives up on a stream idle for 295 s). A read timeout
+///   under that would cut every quiet watch and make it list again: 300 s.
+///
+/// Connecting is bounded by 3 s everywhere (1 s for the Lease): an API server that does not
+/// accept a connection in that time is down, and every caller retries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Purpose {
+    Calls,
+    Lease,
+    Watch,
+}
+
+impl Purpose {
+    /// (connect, read, write) timeouts.
+    pub fn timeouts(self) -> (Duration, Duration, Duration) {
+        let s = Duration::from_secs;
+        match self {
+            Purpose::Calls => (s(3), s(10), s(10)),
+            Purpose::Lease => (s(1), s(1), s(1)),
+            Purpose::Watch => (s(3), s(300), s(10)),
+        }
+    }
+}
+
+/// The agent's clients: one per [`Purpose`], sharing the configuration.
+#[derive(Clone)]
+pub struct Clients {
+    pub calls: Client,
+    pub lease: Client,
+    pub watch: Client,
+}
+
+impl std::fmt::Debug for Clients {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Clients")
+    }
+}
 
 /// Why no client could be made.
 #[derive(Debug, thiserror::Error)]
@@ -25,11 +126,12 @@ pub enum ClientError {
     Client(#[from] kube::Error),
     #[error("no Kubernetes configuration found (give --kubeconfig): {0}")]
     Infer(String),
+    #[error("User-Agent {0:?} is not a valid header value")]
+    UserAgent(String),
 }
 
-/// A client from an explicit kubeconfig, or the in-cluster service account.
-pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, ClientError> {
-    let config = match kubeconfig {
+async fn config_from(kubeconfig: Option<&Path>) -> Result<Config, ClientError> {
+    Ok(match kubeconfig {
         Some(p) => {
             let kc = Kubeconfig::read_from(p).map_err(|source| ClientError::Kubeconfig {
                 path: p.display().to_string(),
@@ -43,27 +145,171 @@ pub async fn client(kubeconfig: Option<&Path>) -> Result<Client, ClientError> {
                 })?
         }
         None => Config::incluster()?,
-    };
-    Ok(Client::try_from(with_timeouts(config))?)
+    })
+}
+
+/// The agent's clients, from an explicit kubeconfig or the in-cluster service account.
+pub async fn clients(kubeconfig: Option<&Path>, node: &str) -> Result<Clients, ClientError> {
+    let config = config_from(kubeconfig).await?;
+    let sender = Sender::Agent { node };
+    Ok(Clients {
+        calls: build(config.clone(), sender, Purpose::Calls)?,
+        lease: build(config.clone(), sender, Purpose::Lease)?,
+        watch: build(config, sender, Purpose::Watch)?,
+    })
+}
+
+/// One client for calls, from an explicit kubeconfig or the in-cluster service account.
+pub async fn client(kubeconfig: Option<&Path>, sender: Sender<'_>) -> Result<Client, ClientError> {
+    build(config_from(kubeconfig).await?, sender, Purpose::Calls)
 }
 
 /// A client from `--kubeconfig`, else the usual places (`KUBECONFIG`, `~/.kube/config`, the
 /// in-cluster service account): for the CLI.
 pub async fn client_infer(kubeconfig: Option<&Path>) -> Result<Client, ClientError> {
     if kubeconfig.is_some() {
-        return client(kubeconfig).await;
+        return client(kubeconfig, Sender::Cli).await;
     }
     let config = Config::infer()
         .await
         .map_err(|e| ClientError::Infer(e.to_string()))?;
-    Ok(Client::try_from(with_timeouts(config))?)
+    build(config, Sender::Cli, Purpose::Calls)
 }
 
-/// The agent never watches, so no call needs to wait long: a hung API server costs a sink at
-/// most this long before it backs off and tries again.
-pub fn with_timeouts(mut config: Config) -> Config {
-    config.connect_timeout = Some(Duration::from_secs(5));
-    config.read_timeout = Some(Duration::from_secs(15));
-    config.write_timeout = Some(Duration::from_secs(15));
+/// A client for `purpose`, whose requests name `sender`.
+pub fn build(
+    mut config: Config,
+    sender: Sender<'_>,
+    purpose: Purpose,
+) -> Result<Client, ClientError> {
+    let (connect, read, write) = purpose.timeouts();
+    config.connect_timeout = Some(connect);
+    config.read_timeout = Some(read);
+    config.write_timeout = Some(write);
+    let ua = sender.user_agent();
+    let value = HeaderValue::from_str(&ua).map_err(|_| ClientError::UserAgent(ua.clone()))?;
     config
+        .headers
+        .retain(|(name, _)| name != http::header::USER_AGENT);
+    config.headers.push((http::header::USER_AGENT, value));
+    let manager = sender.field_manager();
+    let builder = ClientBuilder::try_from(config)?;
+    let layer = tower::util::MapRequestLayer::new(move |req: Request<Body>| {
+        with_field_manager(req, manager)
+    });
+    Ok(builder.with_layer(&layer).build())
+}
+
+/// Adds `fieldManager=<manager>` to a write that names none.
+fn with_field_manager<B>(mut req: Request<B>, manager: &str) -> Request<B> {
+    if !matches!(*req.method(), Method::POST | Method::PUT | Method::PATCH) {
+        return req;
+    }
+    let uri = req.uri();
+    let query = uri.query().unwrap_or("");
+    if query
+        .split('&')
+        .any(|kv| kv.split('=').next() == Some("fieldManager"))
+    {
+        return req;
+    }
+    let path = uri.path();
+    let pq = if query.is_empty() {
+        format!("{path}?fieldManager={manager}")
+    } else {
+        format!("{path}?{query}&fieldManager={manager}")
+    };
+    let mut parts = uri.clone().into_parts();
+    match pq.parse() {
+        Ok(pq) => parts.path_and_query = Some(pq),
+        // The manager is one of two constants made of URL-safe characters: cannot happen.
+        Err(_) => return req,
+    }
+    if let Ok(new) = http::Uri::from_parts(parts) {
+        *req.uri_mut() = new;
+    }
+    req
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn writes_without_a_field_manager_get_one_and_others_are_left_alone() {
+        let req = |method: Method, uri: &str| {
+            Request::builder()
+                .method(method)
+                .uri(uri)
+                .body(())
+                .unwrap_or_default()
+        };
+        let uri = |r: Request<()>| r.uri().to_string();
+        assert_eq!(
+            uri(with_field_manager(
+                req(
+                    Method::POST,
+                    "https://k/apis/events.k8s.io/v1/namespaces/default/events?"
+                ),
+                FIELD_MANAGER
+            )),
+            "https://k/apis/events.k8s.io/v1/namespaces/default/events?fieldManager=faultline"
+        );
+        assert_eq!(
+            uri(with_field_manager(
+                req(
+                    Method::PATCH,
+                    "/api/v1/nodes/n1?fieldManager=faultline&force=true"
+                ),
+                CLI_FIELD_MANAGER
+            )),
+            "/api/v1/nodes/n1?fieldManager=faultline&force=true",
+            "an explicit manager is kept"
+        );
+        assert_eq!(
+            uri(with_field_manager(
+                req(Method::PUT, "/api/v1/namespaces/x/configmaps/y?dryRun=All"),
+                CLI_FIELD_MANAGER
+            )),
+            "/api/v1/namespaces/x/configmaps/y?dryRun=All&fieldManager=faultline-cli"
+        );
+        for m in [Method::GET, Method::DELETE] {
+            assert_eq!(
+                uri(with_field_manager(
+                    req(m, "/api/v1/nodes?limit=1"),
+                    FIELD_MANAGER
+                )),
+                "/api/v1/nodes?limit=1"
+            );
+        }
+    }
+
+    #[test]
+    fn the_user_agent_names_the_program_its_version_and_the_node() {
+        let v = env!("CARGO_PKG_VERSION");
+        assert_eq!(
+            Sender::Agent { node: "gpu-7" }.user_agent(),
+            format!("faultline-agent/{v} (gpu-7)")
+        );
+        assert_eq!(Sender::Cli.user_agent(), format!("faultline/{v} (cli)"));
+        let odd = Sender::Agent { node: "a b\n" }.user_agent();
+        assert!(HeaderValue::from_str(&odd).is_ok(), "{odd}");
+    }
+
+    /// The Lease client's timeouts leave room for a failed renewal, kube-lease-manager's 1 s
+    /// backoff and a second try inside the grace period; no ordinary call outlasts the Lease;
+    /// a quiet watch outlives the server's bookmark period and the watcher's own timeout.
+    #[test]
+    fn timeouts_follow_from_the_lease_and_the_watch() {
+        let lease = crate::peer::lease::LEASE_SECONDS;
+        let grace = crate::peer::lease::GRACE_SECONDS;
+        let (c, r, w) = Purpose::Lease.timeouts();
+        let one_request = c.max(r.max(w));
+        // A failed patch, the longest backoff, then a read and a patch.
+        assert!(3 * one_request + Duration::from_secs(2) <= Duration::from_secs(grace));
+        let (_, r, w) = Purpose::Calls.timeouts();
+        assert!(r < Duration::from_secs(lease) && w < Duration::from_secs(lease));
+        let (_, r, _) = Purpose::Watch.timeouts();
+        assert!(r > Duration::from_secs(290 + 5) && r > Duration::from_secs(60));
+    }
 }

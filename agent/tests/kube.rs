@@ -334,6 +334,74 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
     c.assert_calls_listed();
 }
 
+/// Every request names its sender (`faultline-agent/<version> (<node>)`, what an audit log
+/// shows as the user agent), every write names a field manager (Events too, which kube-runtime's
+/// Recorder sends without one: a real API server would record them as owned by `unknown`), and
+/// the watches of the agent's own objects stay open while nothing happens. The emulator sends
+/// watch bookmarks once a minute, like a real API server; a client read timeout shorter than
+/// that (the agent's was 15 s) cuts every quiet watch and makes the agent watch again.
+#[test]
+fn every_request_names_the_agent_and_quiet_watches_stay_open() {
+    let c = Cluster::new(&["node-a"]);
+    let dir = tempfile::tempdir().unwrap();
+    let agent = c.start_agent(dir.path(), "node-a", &[]);
+    c.wait("a healthy node", Some(&agent), |c| {
+        healthy_everywhere(c, "node-a")
+    });
+    agent.append(XID79);
+    c.wait("the Xid 79 everywhere", Some(&agent), |c| {
+        unhealthy_everywhere(c, "node-a")
+    });
+    let ua = format!("faultline-agent/{} (node-a)", env!("CARGO_PKG_VERSION"));
+    let calls: Vec<Call> = c
+        .emu
+        .calls()
+        .into_iter()
+        .filter(|x| x.token.as_deref() == Some(TOKEN))
+        .collect();
+    assert!(
+        calls
+            .iter()
+            .any(|x| x.method == "POST" && x.path.contains("/events")),
+        "an Event was created: {calls:#?}"
+    );
+    for x in &calls {
+        assert_eq!(x.user_agent.as_deref(), Some(ua.as_str()), "{x:?}");
+        if matches!(x.method.as_str(), "POST" | "PUT" | "PATCH") {
+            assert!(
+                x.field_manager
+                    .as_deref()
+                    .is_some_and(|m| m.starts_with("faultline")),
+                "a write without the agent's field manager: {x:?}"
+            );
+        }
+    }
+    let events = c.emu.list("events.k8s.io", "events", Some("default"));
+    assert!(!events.is_empty());
+    for e in &events {
+        let managers: Vec<&str> = e["metadata"]["managedFields"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|m| m["manager"].as_str())
+            .collect();
+        assert_eq!(managers, ["faultline"], "{e:#}");
+    }
+
+    // Nothing changes for 20 s: no watch is cut and started again, nothing is listed again.
+    c.emu.clear_calls();
+    std::thread::sleep(Duration::from_secs(20));
+    let again: Vec<Call> = c
+        .emu
+        .calls()
+        .into_iter()
+        .filter(|x| x.is_watch() || x.query.contains("fieldSelector"))
+        .collect();
+    assert_eq!(again, Vec::<Call>::new(), "quiet watches were cut");
+    assert!(unhealthy_everywhere(&c, "node-a"));
+    c.assert_calls_listed();
+}
+
 /// Someone deletes the fault ConfigMap, replaces the Node without faultline's taint, label and
 /// condition (a PUT), and the API server comes back empty (the Node re-registered bare, the
 /// ConfigMap gone). The periodic resync is set to an hour here, so only the watches of the own

@@ -16,6 +16,9 @@ use super::publish::NAME;
 
 /// How long a Lease lasts without renewal: a dead coordinator is replaced after about this.
 pub const LEASE_SECONDS: u64 = 15;
+/// The holder renews this long before the Lease runs out (`kube_client::Purpose` derives the
+/// Lease client's timeouts from it).
+pub const GRACE_SECONDS: u64 = 5;
 
 /// The holder identity for a node and its peer-service address.
 pub fn identity(node: &str, address: &str) -> String {
@@ -44,7 +47,7 @@ pub fn elect(
                 .with_namespace(&namespace)
                 .with_identity(&identity)
                 .with_duration(LEASE_SECONDS)
-                .with_grace(5)
+                .with_grace(GRACE_SECONDS)
                 .with_create_mode(LeaseCreateMode::AutoCreate)
                 // One field manager per candidate: server-side apply then refuses a second
                 // agent's claim on a held Lease as a conflict (the same manager would overwrite).

@@ -307,6 +307,34 @@ fn serve_resource(
             return Err(auth::forbidden(&g.user, &attrs));
         }
     }
+    // A write that would create the object is also authorized as `create` on its name, as
+    // kube-apiserver does: k8s.io/apiserver/pkg/endpoints/handlers/patch.go builds
+    // `createAuthorizerAttributes` (Verb "create", the object's Name) for an apply patch, and
+    // update.go the same for a PUT that creates (Leases, Events, Services here). The check runs
+    // only on the creating path, so `patch` alone keeps working on an object that exists.
+    let may_create = |store: &crate::store::Store, creates: bool| -> Result<(), ApiError> {
+        let Some(g) = grant else { return Ok(()) };
+        if !creates
+            || store
+                .get(req.rid, ns.unwrap_or(""), req.name.as_deref().unwrap_or(""))
+                .is_some()
+        {
+            return Ok(());
+        }
+        let attrs = Attributes {
+            verb: "create",
+            group: rt.group,
+            resource: rt.resource,
+            subresource: req.subresource.as_deref(),
+            namespace: ns,
+            name: req.name.as_deref(),
+        };
+        if auth::allowed(g, &attrs) {
+            Ok(())
+        } else {
+            Err(auth::forbidden(&g.user, &attrs))
+        }
+    };
     let ns_str = ns.unwrap_or("");
     let name = req.name.as_deref().unwrap_or("");
     let sub = req.subresource.as_deref();
@@ -366,8 +394,9 @@ fn serve_resource(
         "update" => {
             let body = parse_body(r)?;
             let opts = write_opts(r)?;
-            let (code, obj) =
-                lock(&inner.store).replace(req.rid, ns_str, name, sub, body, &opts)?;
+            let mut store = lock(&inner.store);
+            may_create(&store, sub.is_none() && rt.create_on_update)?;
+            let (code, obj) = store.replace(req.rid, ns_str, name, sub, body, &opts)?;
             Ok(json_response(code, &obj))
         }
         "patch" => {
@@ -375,8 +404,9 @@ fn serve_resource(
             let ptype = PatchType::from_content_type(ct)
                 .ok_or_else(|| ApiError::unsupported_media_type(ct))?;
             let opts = write_opts(r)?;
-            let (code, obj) =
-                lock(&inner.store).patch(req.rid, ns_str, name, sub, ptype, &r.body, &opts)?;
+            let mut store = lock(&inner.store);
+            may_create(&store, ptype == PatchType::Apply && opts.explicit_manager)?;
+            let (code, obj) = store.patch(req.rid, ns_str, name, sub, ptype, &r.body, &opts)?;
             Ok(json_response(code, &obj))
         }
         "delete" => {

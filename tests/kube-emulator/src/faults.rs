@@ -141,6 +141,9 @@ pub struct Call {
     pub token: Option<String>,
     /// `fieldManager` query parameter.
     pub field_manager: Option<String>,
+    /// The `User-Agent` header (what the API server's audit log shows as `userAgent`, and the
+    /// field manager of a non-apply write that names none).
+    pub user_agent: Option<String>,
     /// Response status; 0 when none was sent (hang, reset).
     pub status: u16,
     /// A fault rule applied to this request.

@@ -218,7 +218,7 @@ impl Emulator {
             next_rule: AtomicU64::new(1),
             calls: Mutex::new(Vec::new()),
             grants: Mutex::new(BTreeMap::new()),
-            bookmark_ms: AtomicU64::new(1000),
+            bookmark_ms: AtomicU64::new(60_000),
             serving: Mutex::new(None),
         });
         let serving = server::spawn(inner.clone(), listener);
@@ -374,7 +374,10 @@ impl Emulator {
     }
 
     /// How long a watch with `allowWatchBookmarks=true` stays quiet before a
-    /// BOOKMARK is sent (default 1 s).
+    /// BOOKMARK is sent (default 60 s, as kube-apiserver's watch cache:
+    /// `defaultBookmarkFrequency = time.Minute` in
+    /// k8s.io/apiserver/pkg/storage/cacher; a client whose read timeout is
+    /// shorter sees its quiet watches cut, here as there).
     pub fn set_bookmark_interval(&self, interval: Duration) {
         let ms = u64::try_from(interval.as_millis())
             .unwrap_or(u64::MAX)

@@ -237,6 +237,7 @@ async fn handle(inner: Arc<Inner>, conn: ConnCtx, req: Request<Incoming>) -> Res
         content_type: content_type.clone(),
         token: token.clone(),
         field_manager: query.get("fieldManager").map(str::to_string),
+        user_agent: user_agent.clone(),
         status: 0,
         injected: false,
         at: SystemTime::now(),

@@ -118,3 +118,92 @@ async fn rules_allow_and_deny_like_rbac() {
     .await
     .unwrap();
 }
+
+/// An apply patch that creates the object is authorized as `patch` and as `create` on its
+/// name; on an object that exists, `patch` alone is enough. A PUT that creates (Leases) needs
+/// `create` as well as `update`. (kube-apiserver: handlers/patch.go and update.go check
+/// `createAuthorizerAttributes` only on the creating path.)
+#[tokio::test]
+async fn a_write_that_creates_also_needs_create() {
+    use k8s_openapi::api::coordination::v1::Lease;
+    let emu = Emulator::start().await.unwrap();
+    emu.authorize(
+        "patcher",
+        UserInfo::service_account("faultline-system", "faultline"),
+        vec![
+            Rule::new(&["patch", "update", "get"], &[""], &["configmaps"])
+                .in_namespace("kube-system"),
+            Rule::new(&["update"], &["coordination.k8s.io"], &["leases"])
+                .in_namespace("kube-system"),
+        ],
+    );
+    emu.authorize(
+        "creator",
+        UserInfo::new("creator"),
+        vec![
+            Rule::new(&["patch", "create"], &[""], &["configmaps"])
+                .names(&["mine"])
+                .in_namespace("kube-system"),
+            Rule::new(&["update", "create"], &["coordination.k8s.io"], &["leases"])
+                .in_namespace("kube-system"),
+        ],
+    );
+    let apply = PatchParams::apply("faultline");
+    let doc = |name: &str| {
+        Patch::Apply(json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": name}, "data": {"k": "v"}}))
+    };
+
+    let cms: Api<ConfigMap> = Api::namespaced(client(&emu, "patcher").await, "kube-system");
+    let err = cms.patch("mine", &apply, &doc("mine")).await.unwrap_err();
+    assert_eq!(code_reason(&err), (403, "Forbidden".into()));
+    assert_eq!(
+        status(&err).unwrap().message,
+        "configmaps \"mine\" is forbidden: User \"system:serviceaccount:faultline-system:faultline\" cannot create resource \"configmaps\" in API group \"\" in the namespace \"kube-system\""
+    );
+    assert!(
+        cms.get_opt("mine").await.unwrap().is_none(),
+        "nothing was created"
+    );
+
+    // `create` is checked with the object's name, so resourceNames apply to it.
+    let creator: Api<ConfigMap> = Api::namespaced(client(&emu, "creator").await, "kube-system");
+    let err = creator
+        .patch("other", &apply, &doc("other"))
+        .await
+        .unwrap_err();
+    assert_eq!(code_reason(&err).0, 403);
+    creator.patch("mine", &apply, &doc("mine")).await.unwrap();
+    // Once it exists, `patch` alone applies to it; a merge patch never creates.
+    cms.patch("mine", &apply, &doc("mine")).await.unwrap();
+    let err = cms
+        .patch(
+            "absent",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"data": {"a": "b"}})),
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code_reason(&err).0, 404);
+
+    let lease = |name: &str| -> Lease {
+        serde_json::from_value(json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": name, "namespace": "kube-system"}, "spec": {"holderIdentity": "a"}}))
+        .unwrap()
+    };
+    let leases: Api<Lease> = Api::namespaced(client(&emu, "patcher").await, "kube-system");
+    let err = leases
+        .replace("l1", &PostParams::default(), &lease("l1"))
+        .await
+        .unwrap_err();
+    assert_eq!(code_reason(&err).0, 403);
+    assert!(status(&err)
+        .unwrap()
+        .message
+        .contains("cannot create resource \"leases\""));
+    let by_creator: Api<Lease> = Api::namespaced(client(&emu, "creator").await, "kube-system");
+    by_creator
+        .replace("l1", &PostParams::default(), &lease("l1"))
+        .await
+        .unwrap();
+}

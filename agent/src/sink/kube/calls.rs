@@ -4,6 +4,13 @@
 //! (`tests/manifests/tests/rbac.rs`) checks the Roles against this table, and the end-to-end tests
 //! check that every call the agent sends to the API emulator is listed here. Add a row here in the
 //! same change that adds a call.
+//!
+//! A row is a verb the API server *checks*, which is not always the verb of the request: a
+//! server-side apply is a `patch`, and when it creates the object the server also checks
+//! `create` on its name (k8s.io/apiserver `handlers/patch.go`; a PUT that creates likewise in
+//! `handlers/update.go`). So every object the agent applies into existence has a `create` row
+//! too. Nodes have none on purpose: the agent reads its Node before each write and must never
+//! create one (an apply to a deleted Node is refused, not turned into a bare Node).
 
 /// Where a call's target lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,7 +143,7 @@ pub const API_CALLS: &[ApiCall] = &[
         "configmaps",
         "create",
         Scope::AgentNamespace,
-        "sink::kube::budget (the taint ledger's first entry)",
+        "sink::kube::budget (the taint ledger's first entry, by POST); sink::kube::configmap and peer::publish (the first server-side apply of faultline-<node> and faultline-peercheck creates them, and the API server checks create as well as patch for that)",
     ),
     call(
         "",
@@ -170,13 +177,22 @@ pub const API_CALLS: &[ApiCall] = &[
 
 /// Calls made only with the MindCluster output on (`ascend.mindcluster.enabled`). Their RBAC is
 /// the opt-in component `manifests/components/mindcluster`, checked against this table.
-pub const MINDCLUSTER_CALLS: &[ApiCall] = &[call(
-    "",
-    "configmaps",
-    "patch",
-    Scope::Namespace("kube-system"),
-    "sink::kube::deviceinfo (mindx-dl-deviceinfo-<node> by server-side apply)",
-)];
+pub const MINDCLUSTER_CALLS: &[ApiCall] = &[
+    call(
+        "",
+        "configmaps",
+        "patch",
+        Scope::Namespace("kube-system"),
+        "sink::kube::deviceinfo (mindx-dl-deviceinfo-<node> by server-side apply)",
+    ),
+    call(
+        "",
+        "configmaps",
+        "create",
+        Scope::Namespace("kube-system"),
+        "sink::kube::deviceinfo (the first apply creates mindx-dl-deviceinfo-<node>: checked as create too)",
+    ),
+];
 
 /// Whether `verb` on `group`/`resource` is in either table (for the emulator-based tests).
 pub fn listed(group: &str, resource: &str, verb: &str) -> bool {

@@ -279,7 +279,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let kubeconfig = dir.path().join("kubeconfig");
         emu.write_kubeconfig(&kubeconfig, "t").unwrap();
-        let client = crate::kube_client::client(Some(&kubeconfig)).await.unwrap();
+        let client = crate::kube_client::client(
+            Some(&kubeconfig),
+            crate::kube_client::Sender::Agent { node: "n1" },
+        )
+        .await
+        .unwrap();
         let cms: Api<ConfigMap> = Api::namespaced(client, "faultline-system");
 
         assert!(read_back(&cms, "n1").await.unwrap().is_none(), "none yet");

@@ -161,7 +161,7 @@ pub struct KubeSinkInputs {
 /// Starts the three sinks. They stop when the snapshot channel closes (the engine stopped),
 /// after a last attempt bounded by a few seconds.
 pub fn spawn(
-    client: kube::Client,
+    clients: crate::kube_client::Clients,
     cfg: KubeSinkConfig,
     inputs: KubeSinkInputs,
     metrics: Arc<Metrics>,
@@ -181,6 +181,7 @@ pub fn spawn(
             }
         }
     };
+    let client = clients.calls;
     let budget = budget::Budget::new(client.clone(), &cfg.namespace, &cfg.node);
     let node_sink = node::NodeSink::new(
         client.clone(),
@@ -192,13 +193,13 @@ pub fn spawn(
         clock.clone(),
     );
     let (own_node, node_watch) = own::watch_one(
-        kube::Api::<k8s_openapi::api::core::v1::Node>::all(client.clone()),
+        kube::Api::<k8s_openapi::api::core::v1::Node>::all(clients.watch.clone()),
         &cfg.node,
         shutdown.clone(),
     );
     let (own_cm, cm_watch) = own::watch_one(
         kube::Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(
-            client.clone(),
+            clients.watch,
             &cfg.namespace,
         ),
         &configmap::name(&cfg.node),
