@@ -332,6 +332,9 @@ struct Restored {
     /// When the engine was rebuilt from the record: the record's time (kernel-log records up to
     /// it are in it already).
     kmsg_skip_through: Option<faultline_core::time::Timestamp>,
+    /// The taints the budget withheld when the last record was written (Kubernetes mode): the
+    /// node sink starts from them, so a restart neither announces them again nor moves `since`.
+    taint_budget: Option<faultline_core::record::TaintBudgetStatus>,
 }
 
 fn restore(cfg: &AgentConfig, catalog: &Catalog) -> Restored {
@@ -371,7 +374,19 @@ fn restore(cfg: &AgentConfig, catalog: &Catalog) -> Restored {
         engine: persisted.engine,
         kmsg_cursor,
         kmsg_skip_through,
+        taint_budget: None,
     }
+}
+
+/// The withheld taints in this node's local record (faults.json), if any.
+fn local_taint_budget(
+    cfg: &AgentConfig,
+    node: &str,
+) -> Option<faultline_core::record::TaintBudgetStatus> {
+    let record = crate::cli::read_record(&cfg.state_dir.join(file::FAULTS_FILE)).ok()?;
+    (record.node == node)
+        .then_some(record.agent.taint_budget)
+        .flatten()
 }
 
 /// An engine rebuilt from a record, and the time up to which the record counted kernel-log
@@ -412,7 +427,7 @@ async fn rebuild_from_cluster(
     cfg: &AgentConfig,
     node: &str,
     catalog: &Catalog,
-) -> Option<Rebuilt> {
+) -> Option<(Rebuilt, NodeRecord)> {
     let cms: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
         kube::Api::namespaced(client, &cfg.namespace);
     use kube_sink::configmap::{read_back, ReadBackError};
@@ -447,7 +462,7 @@ async fn rebuild_from_cluster(
     }
     let rebuilt = engine_from_record(&record, cfg, catalog);
     warn!(faults = rebuilt.0.faults().count(), record_time = %record.update_time, "no local state; faults rebuilt from the cluster's record");
-    Some(rebuilt)
+    Some((rebuilt, record))
 }
 
 /// A record's active faults, minus what the next polls will report anyway, and minus
@@ -708,7 +723,9 @@ impl Components {
         ends: EngineEnds,
     ) {
         self.source_ctx = None;
-        let (report_tx, report_rx) = watch::channel(SinkReport::default());
+        let (report_tx, report_rx) = watch::channel(SinkReport {
+            taint_budget: restored.taint_budget.clone(),
+        });
         let (events_tx, events_rx) = mpsc::channel(kube_sink::events::QUEUE);
         let engine_loop = EngineLoop {
             node: self.node.clone(),
@@ -885,14 +902,19 @@ async fn run_node(
     c.start_policy_and_control(pending);
     let gpu_count_label = c.connect_kubernetes().await;
     let mut restored = restored;
+    if c.kube.is_some() {
+        restored.taint_budget = local_taint_budget(&c.cfg, &c.node);
+    }
     if let (Origin::Empty, Some(client)) =
         (restored.origin, c.kube.as_ref().map(|k| k.calls.clone()))
     {
-        if let Some((engine, skip)) = rebuild_from_cluster(client, &c.cfg, &c.node, &catalog).await
+        if let Some(((engine, skip), record)) =
+            rebuild_from_cluster(client, &c.cfg, &c.node, &catalog).await
         {
             restored.origin = Origin::Record;
             restored.engine = engine;
             restored.kmsg_skip_through = skip;
+            restored.taint_budget = record.agent.taint_budget;
         }
     }
     c.start_kmsg(restored.kmsg_cursor, restored.kmsg_skip_through);

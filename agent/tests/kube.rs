@@ -823,3 +823,84 @@ fn taint_budget_holds_with_many_nodes() {
     c.assert_calls_listed();
     drop(agents);
 }
+
+/// A restart while the budget withholds a taint writes nothing: the withheld list comes back
+/// from the last record, so the ConfigMap is not rewritten, no second `TaintBudgetExceeded`
+/// Event is emitted and `agent.taintBudget.since` stays. (The withheld list used to live only
+/// in memory: a restart wrote the ConfigMap twice, emitted the Event again and reset `since`.)
+#[test]
+fn a_restart_while_a_taint_is_withheld_writes_nothing() {
+    let c = Cluster::new(&["node-0", "node-1", "node-2"]);
+    let policy_dir = tempfile::tempdir().unwrap();
+    let policy = policy_dir.path().join("policy.yaml");
+    // 3 nodes: one newly tainted node per hour.
+    std::fs::write(
+        &policy,
+        "taint_budget: { max_percent: 10, min_nodes: 1, window: 1h }\n",
+    )
+    .unwrap();
+    let dirs: Vec<_> = (0..3).map(|_| tempfile::tempdir().unwrap()).collect();
+    let args = [
+        "--policy",
+        policy.to_str().unwrap(),
+        "--budget-recheck",
+        "500ms",
+    ];
+    let mut agents: Vec<Option<Agent>> = (0..3)
+        .map(|i| Some(c.start_agent(dirs[i].path(), &format!("node-{i}"), &args)))
+        .collect();
+    c.wait("every agent's ConfigMap", None, |c| {
+        (0..3).all(|i| c.record(&format!("node-{i}")).is_some())
+    });
+    fn agent(a: &Option<Agent>) -> &Agent {
+        a.as_ref().unwrap()
+    }
+    agent(&agents[0]).append(XID79);
+    c.wait("node-0 tainted", Some(agent(&agents[0])), |c| {
+        unhealthy_everywhere(c, "node-0")
+    });
+    agent(&agents[1]).append(XID79);
+    c.wait("node-1's taint withheld", Some(agent(&agents[1])), |c| {
+        c.record("node-1")
+            .is_some_and(|r| r.health == Health::Unhealthy && r.agent.taint_budget.is_some())
+            && c.events("node-1")
+                .iter()
+                .any(|e| e.0 == "TaintBudgetExceeded")
+    });
+    let before = c.record("node-1").unwrap().agent.taint_budget.unwrap();
+    assert_eq!(before.withheld, ["faultline.io/unhealthy=Xid79:NoSchedule"]);
+    assert!(c
+        .taints("node-1")
+        .iter()
+        .all(|t| !t.starts_with("faultline.io/")));
+    let events_before = c.events("node-1");
+
+    assert_eq!(agents[1].take().unwrap().stop(), 0);
+    std::thread::sleep(Duration::from_millis(300));
+    c.emu.clear_calls();
+    agents[1] = Some(c.start_agent(dirs[1].path(), "node-1", &args));
+    agent(&agents[1]).addr();
+    // The settle time (2 s) and several budget rechecks (500 ms) pass.
+    std::thread::sleep(Duration::from_secs(4));
+    let ua = format!("faultline-agent/{} (node-1)", env!("CARGO_PKG_VERSION"));
+    let writes: Vec<Call> = c
+        .writes()
+        .into_iter()
+        .filter(|x| x.user_agent.as_deref() == Some(ua.as_str()))
+        .collect();
+    assert_eq!(writes, Vec::<Call>::new(), "the restart wrote");
+    assert!(
+        c.emu
+            .calls()
+            .iter()
+            .any(|x| x.user_agent.as_deref() == Some(ua.as_str())
+                && x.path.contains("faultline-taint-budget")),
+        "the restarted agent asked the budget again"
+    );
+    assert_eq!(c.events("node-1"), events_before, "no second Event");
+    let after = c.record("node-1").unwrap().agent.taint_budget.unwrap();
+    assert_eq!(after, before, "since and the counts stay");
+    let local = agent(&agents[1]).record().unwrap();
+    assert_eq!(local.agent.taint_budget, Some(before));
+    c.assert_calls_listed();
+}

@@ -112,6 +112,15 @@ impl NodeSink {
         metrics: Arc<Metrics>,
         clock: Arc<dyn Clock>,
     ) -> Self {
+        // A restart while a taint is withheld: the report starts from the last record's
+        // (`agent.taintBudget`), so the same withheld list is no change (no Event, no write,
+        // the same `since`).
+        let withheld = report
+            .borrow()
+            .taint_budget
+            .as_ref()
+            .map(|t| t.withheld.clone())
+            .unwrap_or_default();
         NodeSink {
             nodes: Api::all(client),
             cfg,
@@ -121,7 +130,7 @@ impl NodeSink {
             metrics,
             clock,
             started: Instant::now(),
-            withheld: Vec::new(),
+            withheld,
             versions: OwnVersions::default(),
             pacer: DriftPacer::default(),
         }
