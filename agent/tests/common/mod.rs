@@ -291,7 +291,7 @@ pub fn rules_for(
             verbs: vec![c.verb.to_string()],
             api_groups: vec![c.group.to_string()],
             resources: vec![c.resource.to_string()],
-            resource_names: vec![],
+            resource_names: c.names.iter().map(|n| n.to_string()).collect(),
             namespace: match c.scope {
                 Scope::Cluster => None,
                 Scope::AgentNamespace => Some(agent_ns.to_string()),

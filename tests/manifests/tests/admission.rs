@@ -54,7 +54,21 @@ fn the_policy_covers_the_agents_writes_and_is_bound_with_deny() {
     let exprs = ns.match_expressions.expect("matchExpressions");
     assert!(exprs.iter().any(|e| e.key == "kubernetes.io/metadata.name"
         && e.operator == "In"
-        && e.values.as_deref() == Some(&[NAMESPACE.to_string()][..])));
+        && e.values.as_deref() == Some(&[NAMESPACE.to_string(), "default".to_string()][..])));
+    let covers_in = |group: &str, resource: &str, op: &str| {
+        rules.iter().any(|r| {
+            r.api_groups.iter().flatten().any(|g| g == group)
+                && r.resources.iter().flatten().any(|x| x == resource)
+                && r.operations.iter().flatten().any(|o| o == op)
+        })
+    };
+    for op in ["CREATE", "UPDATE"] {
+        assert!(covers_in("events.k8s.io", "events", op), "events {op}");
+        assert!(
+            covers_in("coordination.k8s.io", "leases", op),
+            "leases {op}"
+        );
+    }
 
     let conds = spec.match_conditions.clone().expect("matchConditions");
     assert!(
@@ -251,18 +265,19 @@ fn request(
     name: &str,
     namespace: &str,
 ) -> Json {
-    let kind = if resource == "nodes" {
-        "Node"
-    } else {
-        "ConfigMap"
+    let (group, kind) = match resource {
+        "nodes" => ("", "Node"),
+        "events" => ("events.k8s.io", "Event"),
+        "leases" => ("coordination.k8s.io", "Lease"),
+        _ => ("", "ConfigMap"),
     };
     json!({
         "uid": "a0e0f3c4-0000-4000-8000-000000000004",
-        "kind": {"group": "", "version": "v1", "kind": kind},
-        "resource": {"group": "", "version": "v1", "resource": resource},
+        "kind": {"group": group, "version": "v1", "kind": kind},
+        "resource": {"group": group, "version": "v1", "resource": resource},
         "subResource": sub,
-        "requestKind": {"group": "", "version": "v1", "kind": kind},
-        "requestResource": {"group": "", "version": "v1", "resource": resource},
+        "requestKind": {"group": group, "version": "v1", "kind": kind},
+        "requestResource": {"group": group, "version": "v1", "resource": resource},
         "requestSubResource": sub,
         "name": name,
         "namespace": namespace,
@@ -284,14 +299,28 @@ fn node(name: &str) -> Json {
                 "nvidia.com/gpu.count": "8",
                 "faultline.io/health": "Healthy",
             },
+            "annotations": {"node.alpha.kubernetes.io/ttl": "0"},
         },
         "spec": {
             "podCIDR": "10.244.1.0/24",
+            "podCIDRs": ["10.244.1.0/24"],
+            "providerID": "aws:///us-east-1a/i-0123456789abcdef0",
             "taints": [
                 {"key": "nvidia.com/gpu", "value": "present", "effect": "NoSchedule"},
             ],
         },
         "status": {
+            "capacity": {"cpu": "96", "memory": "2113389876Ki", "nvidia.com/gpu": "8", "pods": "110"},
+            "allocatable": {"cpu": "95", "memory": "2100000000Ki", "nvidia.com/gpu": "8", "pods": "110"},
+            "addresses": [
+                {"type": "InternalIP", "address": "10.0.3.17"},
+                {"type": "Hostname", "address": name},
+            ],
+            "daemonEndpoints": {"kubeletEndpoint": {"Port": 10250}},
+            "nodeInfo": {"kubeletVersion": "v1.33.2", "containerRuntimeVersion": "containerd://2.0.5",
+                         "kernelVersion": "6.8.0-1024-aws", "osImage": "Ubuntu 24.04.2 LTS",
+                         "architecture": "amd64", "operatingSystem": "linux"},
+            "images": [{"names": ["nvcr.io/nvidia/pytorch:25.01-py3"], "sizeBytes": 9_876_543_210_u64}],
             "conditions": [
                 {"type": "Ready", "status": "True", "reason": "KubeletReady",
                  "message": "kubelet is posting ready status",
@@ -746,4 +775,234 @@ fn cel_mindcluster_component_confines_the_agent_to_its_deviceinfo() {
         ),
         Verdict::NotApplicable
     );
+}
+
+/// What a stolen agent token tried on its own Node against the earlier policy, and was allowed:
+/// cordoning, annotations, finalizers, capacity and allocatable (`nvidia.com/gpu: "0"`),
+/// addresses, and a faultline.io/ taint with effect NoExecute. Each is refused now; the agent's
+/// own writes (the tests above) still pass with these fields present.
+#[test]
+fn cel_refuses_the_rest_of_the_agents_own_node() {
+    let c = compiled();
+    let me = || agent_on(Some(NODE));
+    let refused = |sub: &str, what: &str, edit: &dyn Fn(&mut Json), says: &str| {
+        let v = run(&c, node_update(me(), NODE, sub, |n| edit(n)));
+        assert!(v.denied().iter().any(|m| m.contains(says)), "{what}: {v:?}");
+    };
+    refused(
+        "",
+        "cordon",
+        &|n| n["spec"]["unschedulable"] = true.into(),
+        "no cordoning",
+    );
+    refused(
+        "",
+        "a new pod CIDR",
+        &|n| n["spec"]["podCIDRs"] = json!(["10.244.9.0/24"]),
+        "pod CIDRs",
+    );
+    refused(
+        "",
+        "the provider ID removed",
+        &|n| {
+            n["spec"]
+                .as_object_mut()
+                .expect("spec")
+                .remove("providerID");
+        },
+        "provider ID",
+    );
+    refused(
+        "",
+        "an annotation",
+        &|n| n["metadata"]["annotations"]["example.com/owner"] = "mallory".into(),
+        "annotations",
+    );
+    refused(
+        "",
+        "annotations removed",
+        &|n| {
+            n["metadata"]
+                .as_object_mut()
+                .expect("metadata")
+                .remove("annotations");
+        },
+        "annotations",
+    );
+    refused(
+        "",
+        "a finalizer",
+        &|n| n["metadata"]["finalizers"] = json!(["example.com/hold"]),
+        "finalizers",
+    );
+    refused(
+        "status",
+        "no GPUs in capacity",
+        &|n| n["status"]["capacity"]["nvidia.com/gpu"] = "0".into(),
+        "capacity",
+    );
+    refused(
+        "status",
+        "no GPUs allocatable",
+        &|n| n["status"]["allocatable"]["nvidia.com/gpu"] = "0".into(),
+        "allocatable",
+    );
+    refused(
+        "status",
+        "another address",
+        &|n| n["status"]["addresses"][0]["address"] = "10.9.9.9".into(),
+        "addresses",
+    );
+    refused(
+        "status",
+        "the kubelet's version",
+        &|n| n["status"]["nodeInfo"]["kubeletVersion"] = "v1.0.0".into(),
+        "node info",
+    );
+    refused(
+        "",
+        "a NoExecute taint of its own",
+        &|n| add_taint(n, "faultline.io/unhealthy", "Xid79", "NoExecute"),
+        "faultline.io/unhealthy:NoExecute",
+    );
+    // The effects the agent writes are allowed, and so is removing a faultline.io/ taint of
+    // any effect (an earlier policy's, or an operator's mistake).
+    let v = run(
+        &c,
+        node_update(me(), NODE, "", |n| {
+            add_taint(n, "faultline.io/degraded", "Xid48", "PreferNoSchedule")
+        }),
+    );
+    assert_eq!(v, Verdict::Allowed);
+    let mut old = node(NODE);
+    add_taint(&mut old, "faultline.io/unhealthy", "Xid79", "NoExecute");
+    let v = admit(
+        &c,
+        &request(me(), "nodes", "", "UPDATE", NODE, ""),
+        &node(NODE),
+        &old,
+    );
+    assert_eq!(v, Verdict::Allowed);
+    // A kubelet-style status write by the agent (conditions and capacity at once) is refused
+    // as a whole.
+    let v = run(
+        &c,
+        node_update(me(), NODE, "status", |n| {
+            set_accelerator_condition(n, "False");
+            n["status"]["capacity"]["pods"] = "0".into();
+        }),
+    );
+    assert_eq!(v.denied().len(), 1, "{v:?}");
+}
+
+fn event(regarding_kind: &str, regarding_name: &str) -> Json {
+    json!({
+        "apiVersion": "events.k8s.io/v1",
+        "kind": "Event",
+        "metadata": {"name": format!("{regarding_name}.18a2b3c4d5e6f708"), "namespace": "default"},
+        "eventTime": "2026-11-24T10:00:00.000000Z",
+        "reportingController": "faultline.io/agent",
+        "reportingInstance": "faultline-agent-x7k2p",
+        "action": "Detect",
+        "reason": "FaultDetected",
+        "type": "Warning",
+        "note": "Xid79 on GPU-3",
+        "regarding": {"apiVersion": "v1", "kind": regarding_kind, "name": regarding_name},
+    })
+}
+
+/// Events only about its own Node: created or updated (a repeat's series), never about another
+/// node or another kind of object, and nothing without a node name in the token.
+#[test]
+fn cel_lets_the_agent_write_events_only_about_its_own_node() {
+    let c = compiled();
+    let me = || agent_on(Some(NODE));
+    let write = |who: Json, op: &str, ev: Json| {
+        let name = ev["metadata"]["name"].as_str().unwrap_or("").to_string();
+        let old = if op == "UPDATE" {
+            ev.clone()
+        } else {
+            Json::Null
+        };
+        admit(
+            &c,
+            &request(who, "events", "", op, &name, "default"),
+            &ev,
+            &old,
+        )
+    };
+    for op in ["CREATE", "UPDATE"] {
+        assert_eq!(
+            write(me(), op, event("Node", NODE)),
+            Verdict::Allowed,
+            "{op}"
+        );
+    }
+    for (who, ev) in [
+        (me(), event("Node", "gpu-node-2")),
+        (me(), event("Pod", NODE)),
+        (agent_on(None), event("Node", NODE)),
+    ] {
+        let v = write(who, "CREATE", ev.clone());
+        assert!(
+            v.denied()
+                .iter()
+                .any(|m| m.contains("Events only about its own Node")),
+            "{ev}: {v:?}"
+        );
+    }
+    let mut unattached = event("Node", NODE);
+    unattached
+        .as_object_mut()
+        .expect("event")
+        .remove("regarding");
+    assert!(!write(me(), "CREATE", unattached).denied().is_empty());
+}
+
+/// The Lease: faultline-peercheck only, whatever the operation (RBAC names it for get and
+/// patch; a create by POST cannot be named in RBAC).
+#[test]
+fn cel_lets_the_agent_write_only_the_coordinator_lease() {
+    let c = compiled();
+    let lease = |name: &str| {
+        json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+               "metadata": {"name": name, "namespace": NAMESPACE},
+               "spec": {"holderIdentity": format!("{NODE}@10.0.3.17:20261"), "leaseDurationSeconds": 15}})
+    };
+    for op in ["CREATE", "UPDATE", "DELETE"] {
+        let (new, old) = match op {
+            "CREATE" => (lease("faultline-peercheck"), Json::Null),
+            "DELETE" => (Json::Null, lease("faultline-peercheck")),
+            _ => (lease("faultline-peercheck"), lease("faultline-peercheck")),
+        };
+        let req = request(
+            agent_on(Some(NODE)),
+            "leases",
+            "",
+            op,
+            "faultline-peercheck",
+            NAMESPACE,
+        );
+        assert_eq!(admit(&c, &req, &new, &old), Verdict::Allowed, "{op}");
+        let req = request(
+            agent_on(Some(NODE)),
+            "leases",
+            "",
+            op,
+            "other-controller",
+            NAMESPACE,
+        );
+        let v = admit(
+            &c,
+            &req,
+            &lease("other-controller"),
+            &lease("other-controller"),
+        );
+        assert!(
+            v.denied()
+                .iter()
+                .any(|m| m.contains("Lease other-controller")),
+            "{op}: {v:?}"
+        );
+    }
 }

@@ -20,8 +20,8 @@ enum Where {
     Namespace(String),
 }
 
-/// One permission: `(group, resource, verb, where)`.
-type Grant = (String, String, String, Where);
+/// One permission: `(group, resource, verb, where, names)`; no names: any object.
+type Grant = (String, String, String, Where, Vec<String>);
 
 fn wanted(call: &ApiCall) -> Grant {
     let at = match call.scope {
@@ -29,11 +29,14 @@ fn wanted(call: &ApiCall) -> Grant {
         Scope::AgentNamespace => Where::Namespace(NAMESPACE.into()),
         Scope::Namespace(ns) => Where::Namespace(ns.into()),
     };
+    let mut names: Vec<String> = call.names.iter().map(|n| n.to_string()).collect();
+    names.sort();
     (
         call.group.into(),
         call.resource.into(),
         call.verb.into(),
         at,
+        names,
     )
 }
 
@@ -45,8 +48,7 @@ fn is_agent(subjects: &Option<Vec<Subject>>) -> bool {
     })
 }
 
-/// Expands rules into grants; problems (wildcards, non-resource URLs, resource names) go into
-/// `errors`.
+/// Expands rules into grants; problems (wildcards, non-resource URLs) go into `errors`.
 fn expand(rules: &[PolicyRule], at: &Where, origin: &str, errors: &mut Vec<String>) -> Vec<Grant> {
     let mut out = Vec::new();
     for r in rules {
@@ -66,7 +68,9 @@ fn expand(rules: &[PolicyRule], at: &Where, origin: &str, errors: &mut Vec<Strin
                     if [g, res, v].iter().any(|s| s.contains('*')) {
                         errors.push(format!("{origin}: wildcard in {g:?} {res:?} {v:?}"));
                     }
-                    out.push((g.clone(), res.clone(), v.clone(), at.clone()));
+                    let mut names = r.resource_names.clone().unwrap_or_default();
+                    names.sort();
+                    out.push((g.clone(), res.clone(), v.clone(), at.clone(), names));
                 }
             }
         }
@@ -229,6 +233,27 @@ fn the_rbac_check_catches_drift() {
     });
     assert!(e.iter().any(|x| x.contains("\"delete\"")), "{e:?}");
 
+    // A name limit dropped: the rule would grant every Lease, not only faultline-peercheck.
+    let e = edit(&|d| {
+        let i = rules_of(d, "Role", NAMESPACE);
+        for rule in d[i].value["rules"].as_array_mut().expect("rules") {
+            if let Some(r) = rule.as_object_mut() {
+                r.remove("resourceNames");
+            }
+        }
+    });
+    assert!(
+        e.iter().any(|x| x.contains("granted but no call uses it")
+            && x.contains("leases")
+            && x.contains("[]")),
+        "{e:?}"
+    );
+    assert!(
+        e.iter()
+            .any(|x| x.contains("call not allowed") && x.contains("faultline-taint-budget")),
+        "{e:?}"
+    );
+
     // A call the RBAC does not allow.
     let e = edit(&|d| {
         let i = rules_of(d, "ClusterRole", "");
@@ -279,6 +304,7 @@ fn the_rbac_check_catches_drift() {
         resource: "leases",
         verb: "delete",
         scope: Scope::AgentNamespace,
+        names: &[],
         used_by: "test",
     });
     let e = problems(&docs, &more);

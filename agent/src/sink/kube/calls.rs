@@ -32,6 +32,10 @@ pub struct ApiCall {
     pub resource: &'static str,
     pub verb: &'static str,
     pub scope: Scope,
+    /// The only object names the call is made on (RBAC `resourceNames`); empty: any name. A
+    /// POST create cannot be limited by name in RBAC (the name is in the body), nor can names
+    /// that depend on the node (`faultline-<node>`): the admission policy narrows those.
+    pub names: &'static [&'static str],
     /// The module that makes the call, and why.
     pub used_by: &'static str,
 }
@@ -48,9 +52,22 @@ const fn call(
         resource,
         verb,
         scope,
+        names: &[],
         used_by,
     }
 }
+
+impl ApiCall {
+    /// The same call, made only on these names.
+    const fn only(self, names: &'static [&'static str]) -> ApiCall {
+        ApiCall { names, ..self }
+    }
+}
+
+/// The coordinator Lease, the only one the agent touches.
+const LEASE: &[&str] = &["faultline-peercheck"];
+/// The taint ledger, the only ConfigMap the agent replaces.
+const LEDGER: &[&str] = &["faultline-taint-budget"];
 
 /// The whole table.
 pub const API_CALLS: &[ApiCall] = &[
@@ -88,7 +105,8 @@ pub const API_CALLS: &[ApiCall] = &[
         "get",
         Scope::AgentNamespace,
         "peer::lease (the faultline-peercheck Lease: who coordinates; faultline check reads it)",
-    ),
+    )
+    .only(LEASE),
     call(
         "coordination.k8s.io",
         "leases",
@@ -102,7 +120,8 @@ pub const API_CALLS: &[ApiCall] = &[
         "patch",
         Scope::AgentNamespace,
         "peer::lease (kube-lease-manager acquires, renews and releases it)",
-    ),
+    )
+    .only(LEASE),
     call(
         "",
         "nodes",
@@ -151,7 +170,8 @@ pub const API_CALLS: &[ApiCall] = &[
         "update",
         Scope::AgentNamespace,
         "sink::kube::budget (ledger entries, with resourceVersion)",
-    ),
+    )
+    .only(LEDGER),
     call(
         "",
         "configmaps",
