@@ -3,9 +3,12 @@
 //! - `latency`: an Xid line to the taint and the ConfigMap visible in the API server;
 //! - `writes`: API writes per fault, and at steady state (nothing changing);
 //! - `fleet`: many agents against one API server, all failing at once, under the taint budget.
+//! - `fleet-tasks`: 1,000-2,000 agents as tasks of one process against an API server with a
+//!   real server's write latency; a share of them failing at once.
 //!
-//! `cargo bench -p faultline-agent --bench kube -- [latency] [writes] [fleet]
-//!  [--events N] [--steady-secs S] [--agents N]`; docs/benchmarks.md has the figures.
+//! `cargo bench -p faultline-agent --bench kube -- [latency] [writes] [fleet] [fleet-tasks]
+//!  [--events N] [--steady-secs S] [--agents N] [--fail-percent P] [--latency-min-ms A]
+//!  [--latency-max-ms B]`; docs/benchmarks.md has the figures.
 
 #![allow(clippy::unwrap_used)]
 
@@ -348,9 +351,199 @@ fn fleet(agents: usize) {
     drop(c);
 }
 
+/// Open file descriptors of this process.
+fn open_files() -> usize {
+    std::fs::read_dir("/proc/self/fd").map_or(0, Iterator::count)
+}
+
+/// The agent's configuration from its command line (clap), as the binary parses it.
+#[derive(clap::Parser)]
+struct AgentArgs {
+    #[command(flatten)]
+    agent: faultline_agent::daemon::AgentConfig,
+}
+
+/// Many agents as tasks of this process (each its own state directory, kernel log, HTTP port
+/// and Kubernetes clients, sharing nothing but the API server), against an emulator whose
+/// writes take `latency_ms` (a real API server's 5-20 ms). When all have written their
+/// ConfigMaps, `fail_percent` of the nodes get an Xid 79 at the same moment: how long until
+/// each is labelled Unhealthy and tainted or withheld by the budget, how many are tainted
+/// against the budget's limit, and the API requests per node.
+fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
+    use clap::Parser;
+    // The agents' errors (RUST_LOG=error by default here) on stderr.
+    if std::env::var_os("RUST_LOG").is_none() {
+        std::env::set_var("RUST_LOG", "error");
+    }
+    faultline_agent::cli::init_tracing("text");
+    let files = faultline_agent::listen::raise_file_limit();
+    let names: Vec<String> = (0..agents).map(|i| format!("node-{i:04}")).collect();
+    let c = Cluster::new(&names);
+    c.emu.set_write_latency(
+        Duration::from_millis(latency_ms.0),
+        Duration::from_millis(latency_ms.1),
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let shutdown = tokio_util::sync::CancellationToken::new();
+    let t_start = Instant::now();
+    let mut dirs = Vec::new();
+    let mut tasks = Vec::new();
+    for n in &names {
+        let dir = c.dir.path().join(n);
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("kmsg"), b"").unwrap();
+        std::fs::write(dir.join("boot_id"), b"boot-1\n").unwrap();
+        let p = |x: &str| dir.join(x).to_str().unwrap().to_string();
+        let argv = [
+            "faultline-agent".to_string(),
+            "--kubeconfig".into(),
+            c.kubeconfig.to_str().unwrap().into(),
+            "--node-name".into(),
+            n.clone(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--no-nvml".into(),
+            "--no-ascend".into(),
+            "--follow-interval".into(),
+            "100ms".into(),
+            "--kmsg-path".into(),
+            p("kmsg"),
+            "--state-dir".into(),
+            p("state"),
+            "--boot-id-path".into(),
+            p("boot_id"),
+            "--settle".into(),
+            "0s".into(),
+            "--budget-recheck".into(),
+            "1s".into(),
+        ];
+        let cfg = AgentArgs::try_parse_from(argv).unwrap().agent;
+        // Each agent its own token: one that fails to start cancels its own, not the fleet's.
+        let stop = shutdown.child_token();
+        tasks.push(rt.spawn(faultline_agent::daemon::run(cfg, stop)));
+        dirs.push(dir);
+    }
+    let up = loop {
+        let written = c
+            .emu
+            .list("", "configmaps", Some(NS))
+            .iter()
+            .filter(|cm| cm["metadata"]["labels"]["faultline.io/node"].is_string())
+            .count();
+        if written == agents {
+            break t_start.elapsed();
+        }
+        assert!(
+            t_start.elapsed() < Duration::from_secs(600),
+            "only {written} of {agents} ConfigMaps after 600 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let start_calls = c.emu.calls().len();
+    println!(
+        "fleet-tasks: {agents} agents (open-file limit {files:?}, {} open) started and wrote their ConfigMaps in {:.1} s; {start_calls} API requests ({:.1} per node)",
+        open_files(),
+        up.as_secs_f64(),
+        start_calls as f64 / agents as f64
+    );
+    std::thread::sleep(Duration::from_secs(2));
+    c.emu.clear_calls();
+    let failing: Vec<usize> = (0..agents)
+        .filter(|i| i * 100 / agents < fail_percent)
+        .collect();
+    let t0 = Instant::now();
+    for (k, i) in failing.iter().enumerate() {
+        append(&dirs[*i], &xid(10 + k as u64, "3b", 79));
+    }
+    let settled = |c: &Cluster, n: &str| -> bool {
+        c.record(n).is_some_and(|r| {
+            r["health"] == "Unhealthy"
+                && c.emu.get(&ResourceRef::node(n)).is_some_and(|node| {
+                    node["metadata"]["labels"]["faultline.io/health"] == "Unhealthy"
+                })
+                && (c
+                    .taints(n)
+                    .iter()
+                    .any(|t| t.starts_with("faultline.io/unhealthy"))
+                    || !r["agent"]["taintBudget"].is_null())
+        })
+    };
+    let t_settle = Instant::now();
+    loop {
+        if failing.iter().all(|i| settled(&c, &names[*i])) {
+            break;
+        }
+        if t_settle.elapsed() > Duration::from_secs(300) {
+            let done = failing.iter().filter(|i| settled(&c, &names[**i])).count();
+            let ended = tasks.iter().filter(|t| t.is_finished()).count();
+            println!("fleet-tasks: {ended} agent tasks have ended");
+            let errors = c.emu.calls().iter().filter(|x| x.status >= 400).count();
+            panic!(
+                "after 300 s only {done} of {} failing nodes are labelled and tainted or withheld; {errors} API errors; open files {}",
+                failing.len(),
+                open_files()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let took = t0.elapsed();
+    let tainted = failing
+        .iter()
+        .filter(|i| {
+            c.taints(&names[**i])
+                .iter()
+                .any(|t| t.starts_with("faultline.io/unhealthy"))
+        })
+        .count();
+    let limit = (agents * 10 / 100).max(1);
+    let calls = c.emu.calls();
+    let writes = calls.iter().filter(|c| c.is_write()).count();
+    let conflicts = calls.iter().filter(|c| c.status == 409).count();
+    let others_wrote = calls
+        .iter()
+        .filter(|x| x.is_write())
+        .filter_map(|x| x.user_agent.as_deref())
+        .filter(|ua| {
+            !failing
+                .iter()
+                .any(|i| ua.ends_with(&format!("({})", names[*i])))
+        })
+        .count();
+    println!(
+        "fleet-tasks: {} of {agents} nodes failing at once (write latency {}-{} ms): every one labelled and tainted-or-withheld in {:.2} s; {tainted} tainted, budget limit {limit}; {} API requests ({writes} writes, {conflicts} conflicts), {:.1} per failing node, {others_wrote} writes by healthy nodes",
+        failing.len(),
+        latency_ms.0,
+        latency_ms.1,
+        took.as_secs_f64(),
+        calls.len(),
+        calls.len() as f64 / failing.len().max(1) as f64
+    );
+    assert!(
+        tainted <= limit,
+        "the budget was overrun: {tainted} > {limit}"
+    );
+    shutdown.cancel();
+    let failed_runs = rt.block_on(async {
+        let mut n = 0;
+        for t in tasks {
+            if !matches!(t.await, Ok(Ok(()))) {
+                n += 1;
+            }
+        }
+        n
+    });
+    println!("fleet-tasks: agents that ended with an error: {failed_runs}");
+    drop(rt);
+    drop(c);
+}
+
 fn main() {
     let args = common::Args::from_env();
-    let parts = ["latency", "writes", "fleet"];
+    let parts = ["latency", "writes", "fleet", "fleet-tasks"];
     if args.wants(&parts, "latency") {
         latency(args.flag("--events", 100) as usize);
     }
@@ -359,5 +552,15 @@ fn main() {
     }
     if args.wants(&parts, "fleet") {
         fleet(args.flag("--agents", 200) as usize);
+    }
+    if args.wants(&parts, "fleet-tasks") {
+        fleet_tasks(
+            args.flag("--agents", 1000) as usize,
+            args.flag("--fail-percent", 10) as usize,
+            (
+                args.flag("--latency-min-ms", 5),
+                args.flag("--latency-max-ms", 20),
+            ),
+        );
     }
 }

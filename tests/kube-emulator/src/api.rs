@@ -27,6 +27,8 @@ pub(crate) struct RequestCtx<'a> {
     pub content_type: Option<&'a str>,
     pub token: Option<&'a str>,
     pub user_agent: Option<&'a str>,
+    /// The `Accept` header: `...;as=PartialObjectMetadataList` asks for metadata only.
+    pub accept: Option<&'a str>,
     pub body: Bytes,
 }
 
@@ -355,6 +357,25 @@ fn serve_resource(
                     store.resource_version(),
                 )
             };
+            // `Accept: application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1` (a
+            // metadata-only list, what kube's `list_metadata` and client-go's metadata client
+            // send): the server answers with the objects' metadata only.
+            if r.accept
+                .is_some_and(|a| a.contains("as=PartialObjectMetadataList"))
+            {
+                let items: Vec<Value> = items
+                    .iter()
+                    .map(|o| {
+                        json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+                               "metadata": o["metadata"].clone()})
+                    })
+                    .collect();
+                return Ok(json_response(
+                    200,
+                    &json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList",
+                            "metadata": {"resourceVersion": rv.to_string()}, "items": items}),
+                ));
+            }
             let items: Vec<Value> = items.iter().map(|o| (**o).clone()).collect();
             Ok(json_response(200, &list_response(req.rid, items, rv)))
         }

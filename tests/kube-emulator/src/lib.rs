@@ -82,6 +82,10 @@ pub(crate) struct Inner {
     calls: Mutex<Vec<Call>>,
     grants: Mutex<BTreeMap<String, Grant>>,
     bookmark_ms: AtomicU64,
+    /// Every write waits a time in [min, max] ms before it is served (0, 0: none).
+    write_latency_ms: Mutex<(u64, u64)>,
+    /// Drives the latency's pseudo-random spread.
+    latency_seq: AtomicU64,
     serving: Mutex<Option<server::Serving>>,
 }
 
@@ -167,6 +171,24 @@ impl Inner {
         }
     }
 
+    /// How long this write waits before it is served: spread evenly over the configured range
+    /// (a fixed sequence, so runs are comparable).
+    pub(crate) fn write_latency(&self) -> Duration {
+        let (lo, hi) = *lock(&self.write_latency_ms);
+        if hi == 0 {
+            return Duration::ZERO;
+        }
+        // splitmix64 of a counter: cheap, deterministic, evenly spread.
+        let mut z = self
+            .latency_seq
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        Duration::from_millis(lo + z % (hi - lo + 1))
+    }
+
     pub(crate) fn bookmark_interval(&self) -> Duration {
         Duration::from_millis(self.bookmark_ms.load(Ordering::Relaxed))
     }
@@ -219,6 +241,8 @@ impl Emulator {
             calls: Mutex::new(Vec::new()),
             grants: Mutex::new(BTreeMap::new()),
             bookmark_ms: AtomicU64::new(60_000),
+            write_latency_ms: Mutex::new((0, 0)),
+            latency_seq: AtomicU64::new(0),
             serving: Mutex::new(None),
         });
         let serving = server::spawn(inner.clone(), listener);
@@ -383,6 +407,15 @@ impl Emulator {
             .unwrap_or(u64::MAX)
             .max(1);
         self.inner.bookmark_ms.store(ms, Ordering::Relaxed);
+    }
+
+    /// Makes every write (POST, PUT, PATCH, DELETE) wait between `min` and `max` before it is
+    /// served, like a real API server's write path (admission, etcd round trip: typically
+    /// 5-20 ms). Reads stay immediate. Default: no latency.
+    pub fn set_write_latency(&self, min: Duration, max: Duration) {
+        let ms = |d: Duration| u64::try_from(d.as_millis()).unwrap_or(u64::MAX);
+        let (lo, hi) = (ms(min), ms(max.max(min)));
+        *lock(&self.inner.write_latency_ms) = (lo, hi);
     }
 
     /// How many changes are kept for watch resumption (default 10,000); a

@@ -230,6 +230,7 @@ async fn handle(inner: Arc<Inner>, conn: ConnCtx, req: Request<Incoming>) -> Res
             .map(|t| t.trim().to_string())
     });
     let user_agent = header(&parts, http::header::USER_AGENT);
+    let accept = header(&parts, http::header::ACCEPT);
     let mut call = Call {
         method: parts.method.as_str().to_string(),
         path: path.clone(),
@@ -268,6 +269,12 @@ async fn handle(inner: Arc<Inner>, conn: ConnCtx, req: Request<Incoming>) -> Res
         }
     }
 
+    if call.is_write() {
+        let wait = inner.write_latency();
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+    }
     let bytes = match Limited::new(body, MAX_BODY).collect().await {
         Ok(c) => c.to_bytes(),
         Err(e) => {
@@ -289,6 +296,7 @@ async fn handle(inner: Arc<Inner>, conn: ConnCtx, req: Request<Incoming>) -> Res
         content_type: content_type.as_deref(),
         token: token.as_deref(),
         user_agent: user_agent.as_deref(),
+        accept: accept.as_deref(),
         body: bytes,
     };
     let resp = crate::api::serve(&inner, &ctx);

@@ -294,3 +294,56 @@ async fn two_hundred_concurrent_clients() {
         }
     }
 }
+
+/// `set_write_latency` holds every write at least the range's minimum (a real API server's
+/// write path). Only the lower bound is checked: an upper bound would be a timing test on a
+/// shared machine.
+#[tokio::test]
+async fn writes_wait_the_configured_latency_and_reads_do_not() {
+    let emu = Emulator::start().await.unwrap();
+    let cms: Api<ConfigMap> = Api::namespaced(client(&emu, "agent-token").await, "default");
+    cms.create(&PostParams::default(), &cm("warm"))
+        .await
+        .unwrap();
+    emu.set_write_latency(Duration::from_millis(300), Duration::from_millis(320));
+    for i in 0..3 {
+        let t = std::time::Instant::now();
+        cms.create(&PostParams::default(), &cm(&format!("c{i}")))
+            .await
+            .unwrap();
+        assert!(
+            t.elapsed() >= Duration::from_millis(300),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+    assert_eq!(
+        emu.calls().iter().filter(|c| c.method == "POST").count(),
+        4,
+        "every write was served after its wait"
+    );
+}
+
+/// A metadata-only list (`Accept: ...;as=PartialObjectMetadataList`, what `list_metadata`
+/// sends) is answered with metadata only, as a real API server does: no `data` travels.
+#[tokio::test]
+async fn metadata_only_lists_carry_no_data() {
+    let emu = Emulator::start().await.unwrap();
+    let c = client(&emu, "agent-token").await;
+    let cms: Api<ConfigMap> = Api::namespaced(c.clone(), "default");
+    cms.create(&PostParams::default(), &cm("m1")).await.unwrap();
+    let req = http::Request::get("/api/v1/namespaces/default/configmaps")
+        .header(
+            "Accept",
+            "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1",
+        )
+        .body(Vec::new())
+        .unwrap();
+    let text = c.request_text(req).await.unwrap();
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["kind"], "PartialObjectMetadataList");
+    assert_eq!(v["items"][0]["metadata"]["name"], "m1");
+    assert!(v["items"][0].get("data").is_none(), "{v}");
+    let listed = cms.list_metadata(&ListParams::default()).await.unwrap();
+    assert_eq!(listed.items.len(), 1);
+}

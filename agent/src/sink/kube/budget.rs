@@ -57,15 +57,18 @@ impl Budget {
         budget: &TaintBudget,
         now: Timestamp,
     ) -> Result<Answer, KubeSinkError> {
+        // The node count once per admission, not once per attempt: it changes slowly, and a
+        // list of every record is the expensive read (1,000 agents racing for the ledger used
+        // to list 1,000 ConfigMaps on every conflict).
+        let nodes = self
+            .cms
+            .list_metadata(&ListParams::default().labels(NODES_SELECTOR))
+            .await
+            .map_err(api("count the nodes"))?
+            .items
+            .len() as u32;
+        let limit = budget.limit(nodes);
         for attempt in 0..MAX_CONFLICTS {
-            let nodes = self
-                .cms
-                .list_metadata(&ListParams::default().labels(NODES_SELECTOR))
-                .await
-                .map_err(api("count the nodes"))?
-                .items
-                .len() as u32;
-            let limit = budget.limit(nodes);
             let current = self
                 .cms
                 .get_opt(LEDGER_NAME)
