@@ -58,6 +58,13 @@ pub struct AgentConfig {
     /// Do not poll the Ascend tools (npu-smi, hccn_tool) at all.
     #[arg(long)]
     pub no_ascend: bool,
+    /// The `npu-smi` to run (as root): a path, or a name looked up on the agent's PATH. Only
+    /// a flag, never the policy: changing it takes a rollout.
+    #[arg(long, env = "FAULTLINE_NPU_SMI", default_value = "npu-smi")]
+    pub npu_smi: PathBuf,
+    /// The `hccn_tool` to run (as root): a path, or a name looked up on the agent's PATH.
+    #[arg(long, env = "FAULTLINE_HCCN_TOOL", default_value = "hccn_tool")]
+    pub hccn_tool: PathBuf,
     /// Kubernetes: use this kubeconfig instead of the in-cluster service account.
     #[arg(long, env = "FAULTLINE_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
@@ -671,7 +678,11 @@ impl Components {
         if self.cfg.no_ascend {
             info!("Ascend source disabled");
         } else {
-            let tools = Arc::new(ascend::tools::RealTools::new(self.policy.clone()));
+            let paths = ascend::tools::ToolPaths {
+                npu_smi: self.cfg.npu_smi.clone(),
+                hccn_tool: self.cfg.hccn_tool.clone(),
+            };
+            let tools = Arc::new(ascend::tools::RealTools::new(paths));
             let source = ascend::run(tools, self.policy.clone(), self.ctx());
             self.spawn_source("ascend", source);
         }
