@@ -1,10 +1,15 @@
 //! Running a child process under a hard deadline, shared by the Ascend tools and the peer-check
 //! probe: both streams are read at the same time (a chatty stderr cannot block the child), only
 //! the first bytes of each are kept, and at the deadline the child is killed, not waited on.
+//!
+//! Each child leads its own process group, and what is killed at the deadline (or when the
+//! caller stops waiting) is the whole group: a tool that forks a helper, or a shell script's
+//! `sleep &`, does not outlive it.
 
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
 
+use rustix::process::{kill_process_group, Pid, Signal};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// At most this much standard output is kept.
@@ -46,7 +51,32 @@ async fn keep_first<R: AsyncRead + Unpin>(
     Ok((kept, dropped > 0))
 }
 
-/// Runs `cmd` (its stdio is set here) and returns its output, or kills it at `deadline`.
+/// The process group of a child that leads its own (`process_group(0)`): SIGKILLed when this is
+/// dropped, unless the child was waited for first.
+///
+/// The kill is sent only while the leader has not been reaped, so the group id cannot have been
+/// reused by an unrelated process (the kernel does not reuse the pid of a zombie).
+#[derive(Debug)]
+struct Group(Option<Pid>);
+
+impl Group {
+    /// The child exited and was reaped: nothing to kill (its group id may be reused now).
+    fn reaped(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Group {
+    fn drop(&mut self) {
+        if let Some(pgid) = self.0.take() {
+            // ESRCH: every member is gone already.
+            let _ = kill_process_group(pgid, Signal::KILL);
+        }
+    }
+}
+
+/// Runs `cmd` (its stdio and process group are set here) and returns its output, or kills it and
+/// everything it started at `deadline`.
 pub async fn run(
     cmd: &mut tokio::process::Command,
     deadline: Duration,
@@ -55,9 +85,18 @@ pub async fn run(
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
+        .process_group(0)
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| ChildError::Spawn(e.to_string()))?;
+    // Declared after `child`, so dropped before it: the group is killed while the leader is
+    // still unreaped.
+    let mut group = Group(
+        child
+            .id()
+            .and_then(|id| i32::try_from(id).ok())
+            .and_then(Pid::from_raw),
+    );
     let (out, err) = (child.stdout.take(), child.stderr.take());
     let work = async {
         let (out, err) =
@@ -65,8 +104,13 @@ pub async fn run(
         let status = child.wait().await?;
         Ok::<_, std::io::Error>((status, out, err))
     };
-    // On the timeout path `child` is dropped with `work`, which kills it (kill_on_drop).
-    match tokio::time::timeout(deadline, work).await {
+    let result = tokio::time::timeout(deadline, work).await;
+    if let Ok(Ok(_)) = result {
+        group.reaped();
+    }
+    // Any other way out (the deadline, a read error, the caller dropping this future) kills the
+    // group when `group` is dropped, then the child itself (kill_on_drop).
+    match result {
         Err(_) => Err(ChildError::Timeout(deadline)),
         Ok(Err(e)) => Err(ChildError::Io(e.to_string())),
         Ok(Ok((_, (_, true), _))) => Err(ChildError::Io(format!(
@@ -141,6 +185,48 @@ mod tests {
             run(&mut missing, d).await,
             Err(ChildError::Spawn(_))
         ));
+    }
+
+    /// Whether `pid` is a live process (a zombie is dead: it only waits to be reaped).
+    fn alive(pid: i32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => false,
+            // `pid (comm) S ...`: the state follows the last parenthesis.
+            Ok(stat) => stat
+                .rsplit_once(')')
+                .and_then(|(_, rest)| rest.trim_start().chars().next())
+                .is_some_and(|state| state != 'Z'),
+        }
+    }
+
+    /// A child that started a grandchild and then ran past the deadline: the grandchild is
+    /// killed with it, not left running (it also holds the output pipe open).
+    #[tokio::test]
+    async fn the_deadline_kills_what_the_child_started() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("grandchild.pid");
+        let script = format!("sleep 300 & echo $! > '{}'; wait", pid_file.display());
+        let e = run(&mut sh(&script), Duration::from_millis(500))
+            .await
+            .unwrap_err();
+        assert_eq!(e, ChildError::Timeout(Duration::from_millis(500)));
+        let pid: i32 = std::fs::read_to_string(&pid_file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        let started = std::time::Instant::now();
+        while alive(pid) && started.elapsed() < Duration::from_secs(5) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let survived = alive(pid);
+        if survived {
+            // Do not leave it behind when the test fails.
+            if let Some(p) = Pid::from_raw(pid) {
+                let _ = rustix::process::kill_process(p, Signal::KILL);
+            }
+        }
+        assert!(!survived, "the grandchild {pid} outlived the deadline");
     }
 
     #[test]

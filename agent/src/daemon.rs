@@ -28,8 +28,26 @@ use faultline_core::record::NodeRecord;
 /// to (useful with `--listen …:0`).
 pub const LISTEN_ADDR_FILE: &str = "listen.addr";
 
-/// Default port of the metrics/health endpoints.
-pub const DEFAULT_LISTEN: &str = "0.0.0.0:20260";
+/// Port of the metrics/health endpoints when `--listen` is not given.
+pub const DEFAULT_HTTP_PORT: u16 = 20260;
+
+/// Where the metrics/health endpoints listen when `--listen` is not given: every interface in a
+/// pod (its own network namespace; the kubelet's probes and scrapers come to the pod IP), only
+/// loopback elsewhere, where every interface is the host's (bare metal, Slurm).
+pub fn default_listen(in_pod: bool) -> SocketAddr {
+    let ip = if in_pod {
+        std::net::Ipv4Addr::UNSPECIFIED
+    } else {
+        std::net::Ipv4Addr::LOCALHOST
+    };
+    SocketAddr::from((ip, DEFAULT_HTTP_PORT))
+}
+
+/// Whether this process runs in a Kubernetes pod (the kubelet sets this variable in every
+/// container).
+pub fn in_pod() -> bool {
+    std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
+}
 
 /// Default address of the peer-check service.
 pub const DEFAULT_PEER_LISTEN: &str = "0.0.0.0:20261";
@@ -58,6 +76,13 @@ pub struct AgentConfig {
     /// Do not poll the Ascend tools (npu-smi, hccn_tool) at all.
     #[arg(long)]
     pub no_ascend: bool,
+    /// The `npu-smi` to run (as root): a path, or a name looked up on the agent's PATH. Only
+    /// a flag, never the policy: changing it takes a rollout.
+    #[arg(long, env = "FAULTLINE_NPU_SMI", default_value = "npu-smi")]
+    pub npu_smi: PathBuf,
+    /// The `hccn_tool` to run (as root): a path, or a name looked up on the agent's PATH.
+    #[arg(long, env = "FAULTLINE_HCCN_TOOL", default_value = "hccn_tool")]
+    pub hccn_tool: PathBuf,
     /// Kubernetes: use this kubeconfig instead of the in-cluster service account.
     #[arg(long, env = "FAULTLINE_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
@@ -87,9 +112,10 @@ pub struct AgentConfig {
     /// Policy file (YAML or JSON); reloaded when it changes. Default: built-in policy.
     #[arg(long, env = "FAULTLINE_POLICY")]
     pub policy: Option<PathBuf>,
-    /// Address of /metrics, /healthz, /readyz and /v1/record.
-    #[arg(long, env = "FAULTLINE_LISTEN", default_value = DEFAULT_LISTEN)]
-    pub listen: SocketAddr,
+    /// Address of /metrics, /healthz, /readyz and /v1/record. Default: 0.0.0.0:20260 in a pod,
+    /// 127.0.0.1:20260 elsewhere.
+    #[arg(long, env = "FAULTLINE_LISTEN")]
+    pub listen: Option<SocketAddr>,
     /// Local record writes: after a burst of `--write-burst` writes, at most one per this
     /// interval; changes in between are coalesced into the next write.
     #[arg(long, default_value = "200ms", value_parser = humantime::parse_duration)]
@@ -650,8 +676,7 @@ impl Components {
     /// count from the Node's label, as a channel the NVML source reads.
     async fn connect_kubernetes(&mut self) -> watch::Receiver<Option<u32>> {
         let (label_tx, label_rx) = watch::channel(None);
-        let in_cluster = std::env::var_os("KUBERNETES_SERVICE_HOST").is_some();
-        if self.cfg.standalone || (self.cfg.kubeconfig.is_none() && !in_cluster) {
+        if self.cfg.standalone || (self.cfg.kubeconfig.is_none() && !in_pod()) {
             return label_rx;
         }
         match crate::kube_client::clients(self.cfg.kubeconfig.as_deref(), &self.node).await {
@@ -686,7 +711,11 @@ impl Components {
         if self.cfg.no_ascend {
             info!("Ascend source disabled");
         } else {
-            let tools = Arc::new(ascend::tools::RealTools::new(self.policy.clone()));
+            let paths = ascend::tools::ToolPaths {
+                npu_smi: self.cfg.npu_smi.clone(),
+                hccn_tool: self.cfg.hccn_tool.clone(),
+            };
+            let tools = Arc::new(ascend::tools::RealTools::new(paths));
             let source = ascend::run(tools, self.policy.clone(), self.ctx());
             self.spawn_source("ascend", source);
         }
@@ -814,9 +843,10 @@ impl Components {
     /// `/metrics`, `/healthz`, `/readyz`, `/v1/record`; the bound address goes into the state
     /// directory.
     async fn start_http(&mut self) -> anyhow::Result<()> {
-        let listener = http::bind(self.cfg.listen)
+        let addr = self.cfg.listen.unwrap_or_else(|| default_listen(in_pod()));
+        let listener = http::bind(addr)
             .await
-            .with_context(|| format!("cannot listen on {}", self.cfg.listen))?;
+            .with_context(|| format!("cannot listen on {addr}"))?;
         let bound = listener.local_addr()?;
         info!(addr = %bound, state_dir = %self.cfg.state_dir.display(), "faultline agent running");
         let addr_file = self.cfg.state_dir.join(LISTEN_ADDR_FILE);
@@ -930,4 +960,37 @@ async fn run_node(
     c.stop().await;
     info!("faultline agent stopped; record flushed");
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Flags {
+        #[command(flatten)]
+        cfg: AgentConfig,
+    }
+
+    /// On bare metal every interface is the host's: the endpoints stay on loopback unless
+    /// `--listen` says otherwise. In a pod (its own network namespace) they listen on all.
+    #[test]
+    fn the_endpoints_listen_on_loopback_outside_a_pod() {
+        assert_eq!(
+            default_listen(false),
+            SocketAddr::from(([127, 0, 0, 1], 20260))
+        );
+        assert_eq!(
+            default_listen(true),
+            SocketAddr::from(([0, 0, 0, 0], 20260))
+        );
+        // No flag: the choice is left to `default_listen`; a flag wins.
+        let none = Flags::try_parse_from(["faultline-agent"]).unwrap();
+        if std::env::var_os("FAULTLINE_LISTEN").is_none() {
+            assert_eq!(none.cfg.listen, None);
+        }
+        let given = Flags::try_parse_from(["faultline-agent", "--listen", "0.0.0.0:9"]).unwrap();
+        assert_eq!(given.cfg.listen, Some(SocketAddr::from(([0, 0, 0, 0], 9))));
+    }
 }

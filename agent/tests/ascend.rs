@@ -1,8 +1,8 @@
 //! The Ascend source end to end: the real agent binary runs the fake `npu-smi` and `hccn_tool`
-//! (`tests/fake-ascend`, shell scripts found on a `PATH` the test sets) that replay recorded
-//! outputs from `tests/fixtures/ascend`; each test rewrites the replayed files while the agent
-//! runs to inject faults. No Ascend hardware is involved anywhere (docs/ascend.md says what that
-//! leaves unverified).
+//! (`tests/fake-ascend`, shell scripts the test names with `--npu-smi` and `--hccn-tool`) that
+//! replay recorded outputs from `tests/fixtures/ascend`; each test rewrites the replayed files
+//! while the agent runs to inject faults. No Ascend hardware is involved anywhere (docs/ascend.md
+//! says what that leaves unverified).
 
 #![allow(clippy::unwrap_used)] // test code: a panic is the failure report
 
@@ -46,18 +46,35 @@ struct Rig {
     _dir: tempfile::TempDir,
 }
 
-fn fake_tools_path() -> String {
+/// The agent's own PATH in these tests: no Ascend tool is found on it, so only what the flags
+/// name can run.
+const PATH_WITHOUT_TOOLS: &str = "/usr/bin:/bin";
+
+/// Writes `dir/<tool>`, a wrapper that runs the fake tool on `replay`. The agent starts tools
+/// with a cleared environment, so the replay directory is written into the wrapper.
+fn wrap_fake(dir: &Path, tool: &str, replay: &Path) -> PathBuf {
+    use std::os::unix::fs::PermissionsExt;
     let fakes = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fake-ascend");
-    format!(
-        "{}:{}",
-        fakes.display(),
-        std::env::var("PATH").unwrap_or_default()
-    )
+    let path = dir.join(tool);
+    let body = format!(
+        "#!/bin/sh\nFAKE_ASCEND_STATE='{}' exec '{}' \"$@\"\n",
+        replay.display(),
+        fakes.join(tool).display()
+    );
+    std::fs::write(&path, body).unwrap();
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    path
 }
 
 impl Rig {
-    /// An 8-chip 910B node, healthy; `policy` goes under the test's `ascend:` settings.
-    fn start(policy: &str, path: &str, args: &[&str]) -> Rig {
+    /// An 8-chip 910B node, healthy, its fake tools given with `--npu-smi` and `--hccn-tool`;
+    /// `policy` goes under the test's `ascend:` settings.
+    fn start(policy: &str, args: &[&str]) -> Rig {
+        Rig::start_with(policy, true, args)
+    }
+
+    /// Like `start`; without `fakes`, no tool flags (and no tool on the agent's PATH).
+    fn start_with(policy: &str, fakes: bool, args: &[&str]) -> Rig {
         let dir = tempfile::tempdir().unwrap();
         let replay = dir.path().join("replay");
         std::fs::create_dir_all(&replay).unwrap();
@@ -80,13 +97,19 @@ impl Rig {
             ),
         )
         .unwrap();
+        let npu_smi = wrap_fake(dir.path(), "npu-smi", &replay);
+        let hccn_tool = wrap_fake(dir.path(), "hccn_tool", &replay);
         let mut all = vec!["--policy", policy_path.to_str().unwrap(), "--no-nvml"];
+        if fakes {
+            all.extend_from_slice(&[
+                "--npu-smi",
+                npu_smi.to_str().unwrap(),
+                "--hccn-tool",
+                hccn_tool.to_str().unwrap(),
+            ]);
+        }
         all.extend_from_slice(args);
-        let agent = Agent::start_env(
-            dir.path(),
-            &all,
-            &[("PATH", Path::new(path)), ("FAKE_ASCEND_STATE", &replay)],
-        );
+        let agent = Agent::start_env(dir.path(), &all, &[("PATH", Path::new(PATH_WITHOUT_TOOLS))]);
         Rig {
             agent,
             replay,
@@ -250,11 +273,7 @@ fn read_device_info(
 /// table; the MindCluster document follows, standalone, in the state directory.
 #[test]
 fn chip_error_code_appears_and_clears() {
-    let rig = Rig::start(
-        "  mindcluster: { enabled: true }\n",
-        &fake_tools_path(),
-        &[],
-    );
+    let rig = Rig::start("  mindcluster: { enabled: true }\n", &[]);
     let r = rig.running();
     assert!(r.faults.is_empty(), "{:?}", r.faults);
     assert_eq!(r.health, Health::Healthy);
@@ -316,7 +335,7 @@ fn chip_error_code_appears_and_clears() {
 /// only after the rule's RecoverTimeout (2 s) of the port being up.
 #[test]
 fn link_down_escalates_by_duration_and_recovers_after_the_hold() {
-    let rig = Rig::start("", &fake_tools_path(), &[]);
+    let rig = Rig::start("", &[]);
     rig.running();
     rig.put("hccn-5-link.txt", &fixture("hccn-link-down.txt"));
     let r = rig.agent.wait_for("81078603 on Ascend910-5", |r| {
@@ -353,7 +372,7 @@ fn link_down_escalates_by_duration_and_recovers_after_the_hold() {
 /// stays after the chip stops reporting it, until `faultline clear`.
 #[test]
 fn frequency_escalation_to_manual_separation() {
-    let rig = Rig::start("", &fake_tools_path(), &[]);
+    let rig = Rig::start("", &[]);
     rig.running();
     let code = health_with("Alarm", "80E01801");
     rig.put("health-1-0.txt", &code);
@@ -392,7 +411,7 @@ fn frequency_escalation_to_manual_separation() {
 /// tool does.
 #[test]
 fn garbage_and_hangs_are_detector_faults() {
-    let rig = Rig::start("", &fake_tools_path(), &[]);
+    let rig = Rig::start("", &[]);
     rig.running();
     rig.put("health-2-0.txt", &health_with("Alarm", "80E18402"));
     rig.agent
@@ -466,13 +485,50 @@ fn garbage_and_hangs_are_detector_faults() {
 /// MindCluster unless it is turned on.
 #[test]
 fn no_ascend_tools_is_idle() {
-    let rig = Rig::start("", "/usr/bin:/bin", &[]);
+    let rig = Rig::start_with("", false, &[]);
     let r = rig.agent.wait_for("Ascend detectors idle", |r| {
         detector(r, "npu-smi") == Some("Idle") && detector(r, "hccn_tool") == Some("Idle")
     });
     assert!(r.faults.is_empty(), "{:?}", r.faults);
     assert_eq!(r.health, Health::Healthy);
     assert!(!rig.agent.state().join("deviceinfo.json").exists());
+    rig.agent.stop();
+}
+
+/// The policy is a ConfigMap, reloaded while the agent runs: it must not choose what runs as
+/// root. Tool paths in it (from an older agent's policy) are ignored with a warning, the rest of
+/// the policy is in force, and nothing it names is ever run.
+#[test]
+fn tool_paths_in_the_policy_run_nothing() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("ran-as-root");
+    let evil = dir.path().join("evil");
+    std::fs::write(&evil, format!("#!/bin/sh\ntouch '{}'\n", marker.display())).unwrap();
+    std::fs::set_permissions(&evil, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let rig = Rig::start_with(
+        &format!(
+            "  npu_smi: {}\n  hccn_tool: {}\n",
+            evil.display(),
+            evil.display()
+        ),
+        false,
+        &[],
+    );
+    let r = rig
+        .agent
+        .wait_for("an Ascend poll", |r| detector(r, "npu-smi").is_some());
+    // Several more polls (every 200 ms).
+    std::thread::sleep(Duration::from_secs(1));
+    assert!(!marker.exists(), "the policy's tool path was run");
+    assert_eq!(r.agent.policy.error, None, "the policy is in force");
+    assert!(r.agent.policy.source.ends_with("policy.yaml"));
+    assert_eq!(detector(&r, "npu-smi"), Some("Idle"));
+    let log = rig.agent.log();
+    assert!(
+        log.contains("policy field ignored") && log.contains("ascend.npu_smi"),
+        "{log}"
+    );
     rig.agent.stop();
 }
 
@@ -506,7 +562,6 @@ fn deviceinfo_configmap_in_kubernetes_mode() {
 
     let rig = Rig::start(
         "  mindcluster: { enabled: true, resync: 2s }\n",
-        &fake_tools_path(),
         &[
             "--kubeconfig",
             kubeconfig.to_str().unwrap(),

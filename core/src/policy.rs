@@ -133,10 +133,15 @@ impl Default for MindClusterPolicy {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AscendPolicy {
-    /// `npu-smi`: a path, or a name looked up on `PATH`. Not found: the source is idle.
-    pub npu_smi: String,
-    /// `hccn_tool`: a path, or a name looked up on `PATH`. Not found: links are not checked.
-    pub hccn_tool: String,
+    /// Obsolete and ignored: which `npu-smi` runs is the agent's `--npu-smi` flag, because the
+    /// tools run as root and whoever may edit the policy must not choose what runs. Still
+    /// accepted, so that a policy written for an older agent loads; [`Policy::warnings`] names
+    /// it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub npu_smi: Option<String>,
+    /// Obsolete and ignored, like `npu_smi`: the agent's `--hccn-tool` flag says which runs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hccn_tool: Option<String>,
     #[serde(with = "humantime_serde")]
     pub poll_interval: Duration,
     /// A tool call running longer than this is killed and the detector marked down.
@@ -159,8 +164,8 @@ pub struct AscendPolicy {
 impl Default for AscendPolicy {
     fn default() -> Self {
         AscendPolicy {
-            npu_smi: "npu-smi".into(),
-            hccn_tool: "hccn_tool".into(),
+            npu_smi: None,
+            hccn_tool: None,
             poll_interval: Duration::from_secs(10),
             call_timeout: Duration::from_secs(10),
             fault_code_file: None,
@@ -462,6 +467,31 @@ impl Policy {
         Ok(self)
     }
 
+    /// What the policy says that is ignored, one message per field: the obsolete tool paths
+    /// (`ascend.npu_smi`, `ascend.hccn_tool`). The agent logs these when it loads the policy.
+    pub fn warnings(&self) -> Vec<String> {
+        let a = &self.ascend;
+        [
+            ("npu_smi", &a.npu_smi, "--npu-smi", "FAULTLINE_NPU_SMI"),
+            (
+                "hccn_tool",
+                &a.hccn_tool,
+                "--hccn-tool",
+                "FAULTLINE_HCCN_TOOL",
+            ),
+        ]
+        .into_iter()
+        .filter_map(|(field, value, flag, env)| {
+            value.as_ref().map(|v| {
+                format!(
+                    "field ascend.{field} ({v:?}) is ignored: the tool that runs is set by the \
+                     agent's {flag} flag ({env}); remove the field from the policy"
+                )
+            })
+        })
+        .collect()
+    }
+
     /// Every escalation rule in force: the policy's own, then the Ascend customization's.
     pub fn escalation_rules(&self) -> impl Iterator<Item = &EscalationRule> {
         self.escalation
@@ -713,10 +743,6 @@ impl Policy {
                 );
             }
         }
-        let a = &self.ascend;
-        if a.npu_smi.trim().is_empty() || a.hccn_tool.trim().is_empty() {
-            return err("field ascend".into(), "tool names must not be empty");
-        }
         let p = &self.peer;
         if !(0.0..=0.5).contains(&p.jitter) {
             return err("field peer.jitter".into(), "must be between 0 and 0.5");
@@ -900,6 +926,37 @@ expected_gpus: 8
                 assert!(err.contains(n), "error {err:?} for {text:?} lacks {n:?}");
             }
         }
+    }
+
+    /// The tool paths moved to agent flags: a policy that still has them loads (an upgrade
+    /// keeps the operator's policy), they choose nothing, and the warnings name each one.
+    #[test]
+    fn obsolete_tool_paths_load_with_a_warning() {
+        let p = Policy::parse(
+            "ascend:\n  npu_smi: /tmp/evil\n  hccn_tool: hccn_tool\n  poll_interval: 5s\n",
+        )
+        .unwrap();
+        assert_eq!(p.ascend.poll_interval, Duration::from_secs(5));
+        let w = p.warnings();
+        assert_eq!(w.len(), 2, "{w:?}");
+        assert!(
+            w[0].contains("ascend.npu_smi")
+                && w[0].contains("/tmp/evil")
+                && w[0].contains("--npu-smi")
+                && w[0].contains("ignored"),
+            "{}",
+            w[0]
+        );
+        assert!(
+            w[1].contains("ascend.hccn_tool") && w[1].contains("--hccn-tool"),
+            "{}",
+            w[1]
+        );
+        assert!(Policy::default().warnings().is_empty());
+        assert!(Policy::parse("ascend: { poll_interval: 5s }\n")
+            .unwrap()
+            .warnings()
+            .is_empty());
     }
 
     /// Deep nesting and repeated keys are refused with a location. The parser streams into the

@@ -17,12 +17,18 @@
 //! reports the rejection). A request that cannot be read for a passing reason (out of memory or
 //! descriptors) stays and is read again at the next tick.
 //!
-//! Durability: a request is first renamed to `*.json.applying` (taken: it is not read again in
-//! this run, even if its removal fails), then applied, then followed through the engine by a
-//! marker; it is removed as soon as the file sink reports that marker written to `state.json`,
-//! without holding up later requests. The CLI reports "cleared" when both names are gone. Only
-//! a kill in the second or so between applying and writing leaves `*.applying`, which the next
-//! start applies again.
+//! Once: every request read is remembered by its file's identity ([`FileId`]: device, inode,
+//! modification time) before it is acted on, and a file with a remembered identity is never
+//! read again in this run, whatever its name. So a request that cannot be renamed or removed
+//! (a read-only directory) is applied once and then left alone, not applied and logged every
+//! second; a new request, even under the same name, is a new file and is read.
+//!
+//! Durability: a request is first renamed to `*.json.applying` (taken), then applied, then
+//! followed through the engine by a marker; it is removed as soon as the file sink reports that
+//! marker written to `state.json`, without holding up later requests. The CLI reports "cleared"
+//! when both names are gone. Only a kill in the second or so between applying and writing
+//! leaves `*.applying`, which the next start applies again (as it does a request it could not
+//! remove).
 
 use std::collections::HashSet;
 use std::ffi::CString;
@@ -42,7 +48,10 @@ use faultline_core::engine::Observation;
 pub const CLEAR_DIR: &str = "clear.d";
 /// A request that is taken and being applied.
 pub const APPLYING_SUFFIX: &str = ".applying";
-/// The largest request read; a clear request is a few dozen bytes.
+/// The largest request read. A clear request is a few dozen bytes; the largest valid one, as
+/// `faultline clear` writes it (two fields of [`MAX_FIELD_CHARS`] characters; JSON takes at
+/// most 6 bytes for a character, a control character's `\u00XX`), is about 3 KiB. Anything
+/// longer is not a request, and is refused without being read into memory.
 pub const MAX_REQUEST_BYTES: u64 = 4096;
 /// The longest `code` or `device` accepted.
 pub const MAX_FIELD_CHARS: usize = 256;
@@ -61,11 +70,13 @@ pub struct ClearRequest {
 /// Why a request was not applied.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RequestError {
-    /// A passing failure: the request is read again at the next tick.
-    #[error("not a regular file (symlinks, FIFOs and devices are refused)")]
+    #[error("a symbolic link (refused: a request must be a regular file in the directory)")]
+    Symlink,
+    #[error("not a regular file (FIFOs, devices and directories are refused)")]
     NotRegular,
     #[error("larger than {MAX_REQUEST_BYTES} bytes")]
     TooLarge,
+    /// A passing failure: the request is read again at the next tick.
     #[error("cannot read: {0}")]
     Io(String),
     #[error("not a JSON object with `code` and/or `device`: {0}")]
@@ -104,11 +115,52 @@ fn kind(v: &serde_json::Value) -> &'static str {
     }
 }
 
+/// A request file's identity: the same file keeps it when renamed; a new file (a new request,
+/// even under an old name) or a file rewritten has another.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct FileId {
+    dev: u64,
+    ino: u64,
+    mtime: (i64, i64),
+}
+
+impl FileId {
+    // The field types of `stat` differ between architectures; these casts widen or keep them.
+    #[allow(clippy::unnecessary_cast)]
+    fn of(st: &rustix::fs::Stat) -> FileId {
+        FileId {
+            dev: st.st_dev as u64,
+            ino: st.st_ino as u64,
+            mtime: (st.st_mtime as i64, st.st_mtime_nsec as i64),
+        }
+    }
+}
+
+/// The requests acted on (applied or rejected) in this run whose files are still in the
+/// directory: they are not read again.
+#[derive(Debug, Default)]
+pub struct Done(HashSet<FileId>);
+
+/// One directory entry, read or recognised.
+#[derive(Debug)]
+enum Entry {
+    /// A file acted on before: not read again.
+    Done(FileId),
+    /// Read (`id` is `None` when the file could not be opened or stat'ed).
+    Read {
+        id: Option<FileId>,
+        request: Result<ClearRequest, RequestError>,
+    },
+}
+
 /// The request directory, opened without following a symlink.
 #[derive(Debug)]
 pub struct RequestDir {
     fd: OwnedFd,
     path: PathBuf,
+    /// Tests: every rename and removal fails, as in a read-only directory (root, which the
+    /// tests may run as, ignores permissions).
+    immutable: bool,
 }
 
 /// One request found in the directory.
@@ -127,7 +179,24 @@ impl RequestDir {
         Ok(RequestDir {
             fd,
             path: dir.to_path_buf(),
+            immutable: false,
         })
+    }
+
+    /// Tests: renames and removals in this directory fail.
+    #[cfg(test)]
+    fn immutable(mut self) -> RequestDir {
+        self.immutable = true;
+        self
+    }
+
+    fn refuse_changes(&self) -> std::io::Result<()> {
+        if self.immutable {
+            return Err(std::io::Error::from_raw_os_error(
+                rustix::io::Errno::ROFS.raw_os_error(),
+            ));
+        }
+        Ok(())
     }
 
     fn names(&self) -> std::io::Result<Vec<String>> {
@@ -144,25 +213,59 @@ impl RequestDir {
 
     /// Reads one entry: a regular file of at most [`MAX_REQUEST_BYTES`], opened without
     /// following links and without blocking.
+    #[cfg(test)]
     fn read(&self, name: &str) -> Result<ClearRequest, RequestError> {
-        let c = cname(name).map_err(|e| RequestError::Io(e.to_string()))?;
+        match self.read_entry(name, &Done::default()) {
+            Entry::Read { request, .. } => request,
+            Entry::Done(_) => unreachable!("nothing is done"),
+        }
+    }
+
+    /// Reads one entry, unless its file is in `done`.
+    fn read_entry(&self, name: &str, done: &Done) -> Entry {
+        let unknown = |e: RequestError| Entry::Read {
+            id: None,
+            request: Err(e),
+        };
+        let c = match cname(name) {
+            Ok(c) => c,
+            Err(e) => return unknown(RequestError::Io(e.to_string())),
+        };
         let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NONBLOCK | OFlags::CLOEXEC;
         let fd = match rustix::fs::openat(&self.fd, &c, flags, Mode::empty()) {
             Ok(fd) => fd,
-            // ELOOP: the entry is a symlink.
-            Err(e) if e == rustix::io::Errno::LOOP => return Err(RequestError::NotRegular),
-            Err(e) => return Err(RequestError::Io(e.to_string())),
+            // ELOOP: the entry is a symlink. It is never followed; its own identity is used.
+            Err(e) if e == rustix::io::Errno::LOOP => {
+                let id = rustix::fs::statat(&self.fd, &c, AtFlags::SYMLINK_NOFOLLOW)
+                    .ok()
+                    .map(|st| FileId::of(&st));
+                return match id {
+                    Some(id) if done.0.contains(&id) => Entry::Done(id),
+                    id => Entry::Read {
+                        id,
+                        request: Err(RequestError::Symlink),
+                    },
+                };
+            }
+            Err(e) => return unknown(RequestError::Io(e.to_string())),
         };
-        let bytes =
-            read_opened(std::fs::File::from(fd), MAX_REQUEST_BYTES).map_err(|e| match e {
-                OperatorFileError::NotRegular => RequestError::NotRegular,
-                OperatorFileError::TooLarge(_) => RequestError::TooLarge,
-                other => RequestError::Io(other.to_string()),
-            })?;
-        parse_request(&bytes)
+        let id = rustix::fs::fstat(&fd).ok().map(|st| FileId::of(&st));
+        if let Some(id) = id.filter(|id| done.0.contains(id)) {
+            return Entry::Done(id);
+        }
+        let bytes = read_opened(std::fs::File::from(fd), MAX_REQUEST_BYTES).map_err(|e| match e {
+            OperatorFileError::NotRegular => RequestError::NotRegular,
+            OperatorFileError::TooLarge(_) => RequestError::TooLarge,
+            other => RequestError::Io(other.to_string()),
+        });
+        Entry::Read {
+            id,
+            request: bytes.and_then(|b| parse_request(&b)),
+        }
     }
 
     fn rename(&self, from: &str, to: &str) -> std::io::Result<()> {
+        self.refuse_changes()?;
         rustix::fs::renameat(&self.fd, &cname(from)?, &self.fd, &cname(to)?)?;
         Ok(())
     }
@@ -173,14 +276,16 @@ impl RequestDir {
     }
 
     fn remove(&self, name: &str) -> std::io::Result<()> {
+        self.refuse_changes()?;
         rustix::fs::unlinkat(&self.fd, &cname(name)?, AtFlags::empty())?;
         Ok(())
     }
 
     /// Takes every new request: `*.json` becomes `*.json.applying`; bad ones become
     /// `*.rejected`. Requests already `*.applying` (left by a run that was killed) are returned
-    /// too unless `seen` holds them (taken earlier in this run). Oldest name first.
-    pub fn take(&self, seen: &HashSet<String>) -> Vec<Pending> {
+    /// too. A file in `done` is skipped; every file acted on is added to it before it is
+    /// returned, and `done` forgets files no longer in the directory. Oldest name first.
+    pub fn take(&self, done: &mut Done) -> Vec<Pending> {
         let names = match self.names() {
             Ok(n) => n,
             Err(e) => {
@@ -188,47 +293,70 @@ impl RequestDir {
                 return Vec::new();
             }
         };
+        let mut present = HashSet::new();
         let mut out = Vec::new();
         for name in names {
             let taken = if let Some(base) = name.strip_suffix(APPLYING_SUFFIX) {
-                if seen.contains(&name) || !base.ends_with(".json") {
+                if !base.ends_with(".json") {
                     continue;
                 }
                 name.clone()
             } else if name.ends_with(".json") {
                 let taken = applying_name(&name);
-                if seen.contains(&taken) || self.exists(&taken) {
+                if self.exists(&taken) {
                     continue; // a request of the same name is still being applied: later
                 }
                 taken
             } else {
                 continue; // temporary files of a writer, rejected requests, anything else
             };
-            match self.read(&name) {
+            let (id, read) = match self.read_entry(&name, done) {
+                Entry::Done(id) => {
+                    present.insert(id);
+                    continue;
+                }
+                Entry::Read { id, request } => (id, request),
+            };
+            if let Some(id) = id {
+                present.insert(id);
+            }
+            match read {
                 Ok(request) => {
-                    if taken != name {
-                        if let Err(e) = self.rename(&name, &taken) {
-                            warn!(name, error = %e, "cannot take a clear request");
-                            continue;
-                        }
+                    // Done before it is acted on: whatever happens next, not read again.
+                    if let Some(id) = id {
+                        done.0.insert(id);
                     }
-                    out.push(Pending {
-                        name: taken,
-                        request,
-                    });
+                    let name = if taken == name {
+                        name
+                    } else {
+                        match self.rename(&name, &taken) {
+                            Ok(()) => taken,
+                            Err(e) => {
+                                warn!(dir = %self.path.display(), name, error = %e, "cannot rename a clear request; applying it once where it is (it is not applied again while the agent runs, but again after a restart if it is still there)");
+                                name
+                            }
+                        }
+                    };
+                    out.push(Pending { name, request });
                 }
                 Err(e @ RequestError::Io(_)) => {
                     warn!(dir = %self.path.display(), name, error = %e, "cannot read a clear request now; trying again");
                 }
                 Err(e) => {
                     warn!(dir = %self.path.display(), name, error = %e, "rejected a clear request");
+                    if let Some(id) = id {
+                        done.0.insert(id);
+                    }
                     let base = name.strip_suffix(APPLYING_SUFFIX).unwrap_or(&name);
                     if self.rename(&name, &rejected_name(base)).is_err() {
-                        let _ = self.remove(&name);
+                        if let Err(e) = self.remove(&name) {
+                            warn!(dir = %self.path.display(), name, error = %e, "cannot set a rejected clear request aside; it is ignored while the agent runs");
+                        }
                     }
                 }
             }
         }
+        done.0.retain(|id| present.contains(id));
         out
     }
 }
@@ -268,7 +396,7 @@ pub async fn run(
     let dir = state_dir.join(CLEAR_DIR);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut seen: HashSet<String> = HashSet::new();
+    let mut done = Done::default();
     // Applied, waiting for their marker to reach the disk: (request, marker).
     let mut awaiting: Vec<(String, u64)> = Vec::new();
     let mut marker = 0u64;
@@ -286,32 +414,36 @@ pub async fn run(
                     return true;
                 }
                 if let Err(e) = rd.remove(name) {
-                    warn!(request = name, error = %e, "cannot remove an applied clear request (it is not applied again in this run)");
+                    warn!(request = name, error = %e, "cannot remove an applied clear request (it is not applied again while the agent runs)");
                 }
                 false
             });
         }
+        // The directory is read on a blocking thread; `done` goes there and comes back.
         let d = dir.clone();
-        let s = seen.clone();
-        let taken = tokio::task::spawn_blocking(move || match RequestDir::open(&d) {
-            Ok(rd) => Ok((rd.take(&s), rd)),
-            Err(e) => Err(e),
+        let mut remembered = std::mem::take(&mut done);
+        let taken = tokio::task::spawn_blocking(move || {
+            let opened = RequestDir::open(&d).map(|rd| (rd.take(&mut remembered), rd));
+            (opened, remembered)
         })
         .await;
-        let requests = match taken {
-            Ok(Ok((requests, opened))) => {
+        // A panicked task (it cannot, short of a bug) loses what it remembered, not the loop.
+        let Ok((opened, remembered)) = taken else {
+            continue;
+        };
+        done = remembered;
+        let requests = match opened {
+            Ok((requests, opened)) => {
                 rd = Some(opened);
                 requests
             }
-            Ok(Err(e)) if e.kind() == std::io::ErrorKind::NotFound => continue,
-            Ok(Err(e)) => {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => {
                 warn!(dir = %dir.display(), error = %e, "cannot open the clear request directory (a symlink or not a directory is refused)");
                 continue;
             }
-            Err(_) => continue,
         };
         for p in requests {
-            seen.insert(p.name.clone());
             info!(code = ?p.request.code, device = ?p.request.device, "operator clear");
             let obs = Observation::OperatorClear {
                 code: p.request.code.clone(),
@@ -358,7 +490,8 @@ mod tests {
         write(d, "6.json", br#"{"code":""}"#);
         write(d, ".faultline-tmp", br#"{}"#);
         let rd = RequestDir::open(d).unwrap();
-        let got = rd.take(&HashSet::new());
+        let mut done = Done::default();
+        let got = rd.take(&mut done);
         assert_eq!(
             got,
             vec![
@@ -389,9 +522,56 @@ mod tests {
             "rejects kept for the operator to see; a writer's temporary file left alone"
         );
         // Taken requests are not taken again in the same run, but are after a restart.
-        let seen: HashSet<String> = got.iter().map(|p| p.name.clone()).collect();
-        assert!(rd.take(&seen).is_empty());
-        assert_eq!(rd.take(&HashSet::new()).len(), 2);
+        assert!(rd.take(&mut done).is_empty());
+        assert_eq!(rd.take(&mut Done::default()).len(), 2);
+        // A new request under a name taken before is a new file: it is read.
+        std::fs::remove_file(d.join("1.json.applying")).unwrap();
+        write(d, "1.json", br#"{"device":"GPU-1"}"#);
+        let again = rd.take(&mut done);
+        assert_eq!(again.len(), 1, "{again:?}");
+        assert_eq!(again[0].request.device.as_deref(), Some("GPU-1"));
+    }
+
+    /// A request that cannot be renamed or removed (a read-only directory) is applied exactly
+    /// once, not at every tick; a rejected one is logged once and then left alone.
+    #[test]
+    fn a_request_that_cannot_be_removed_is_applied_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        write(d, "1.json", br#"{"code":"Xid79"}"#);
+        write(d, "2.json", br#"[]"#);
+        let rd = RequestDir::open(d).unwrap().immutable();
+        let mut done = Done::default();
+        let first = rd.take(&mut done);
+        assert_eq!(
+            first,
+            vec![Pending {
+                name: "1.json".into(),
+                request: ClearRequest {
+                    code: Some("Xid79".into()),
+                    device: None
+                }
+            }],
+            "applied where it is"
+        );
+        for _ in 0..5 {
+            assert_eq!(rd.take(&mut done), vec![], "not applied again");
+        }
+        assert_eq!(names(d), ["1.json", "2.json"], "nothing could be changed");
+        assert_eq!(done.0.len(), 2, "both remembered while they are there");
+    }
+
+    /// The largest request `faultline clear` can write fits under the size cap.
+    #[test]
+    fn the_largest_valid_request_fits_the_cap() {
+        let field = "\u{1}".repeat(MAX_FIELD_CHARS);
+        let req = ClearRequest {
+            code: Some(field.clone()),
+            device: Some(field),
+        };
+        let bytes = serde_json::to_vec(&req).unwrap();
+        assert!(bytes.len() as u64 <= MAX_REQUEST_BYTES, "{}", bytes.len());
+        assert_eq!(parse_request(&bytes), Ok(req));
     }
 
     #[test]
@@ -411,12 +591,29 @@ mod tests {
         let big = format!(r#"{{"code":"Xid79","device":"{}"}}"#, "x".repeat(5000));
         write(d, "big.json", big.as_bytes());
         let rd = RequestDir::open(d).unwrap();
-        assert_eq!(rd.read("zero.json"), Err(RequestError::NotRegular));
-        assert_eq!(rd.read("link.json"), Err(RequestError::NotRegular));
+        assert_eq!(rd.read("zero.json"), Err(RequestError::Symlink));
+        assert_eq!(rd.read("link.json"), Err(RequestError::Symlink));
+        assert!(
+            RequestError::Symlink.to_string().contains("symbolic link"),
+            "the log says what was refused"
+        );
         assert_eq!(rd.read("fifo.json"), Err(RequestError::NotRegular));
         assert_eq!(rd.read("big.json"), Err(RequestError::TooLarge));
-        assert!(rd.take(&HashSet::new()).is_empty());
+        assert!(rd.take(&mut Done::default()).is_empty());
         assert!(target.exists(), "the link's target is never touched");
+        assert_eq!(std::fs::read(&target).unwrap(), br#"{}"#);
+        let mut left = names(d);
+        left.retain(|n| n != "elsewhere");
+        assert_eq!(
+            left,
+            [
+                "big.rejected",
+                "fifo.rejected",
+                "link.rejected",
+                "zero.rejected"
+            ],
+            "each set aside, none applied"
+        );
     }
 
     #[test]

@@ -78,6 +78,9 @@ pub fn apply_load(
                 .inc();
             metrics.policy_valid.set(1);
             info!(path = %path.display(), checksum = %sum, "policy loaded");
+            for warning in policy.warnings() {
+                warn!(path = %path.display(), warning = %warning, "policy field ignored");
+            }
             Some(LoadedPolicy {
                 policy: Arc::new(policy),
                 status: PolicyStatus {

@@ -266,20 +266,18 @@ fn resources_probes_and_privileges() {
         "no CPU limit: throttling delays detection"
     );
 
-    // The listening port: the agent's default, named http, used by both probes.
+    // The listening port: the agent's default port, named http, used by both probes. The
+    // address is given, on every interface of the pod (the agent's own default off a pod is
+    // loopback, where the kubelet's probes would not reach it).
     let daemon = std::fs::read_to_string(common::repo_root().join("agent/src/daemon.rs"))
         .expect("daemon.rs");
     let port: i32 = daemon
-        .split("DEFAULT_LISTEN: &str = \"")
+        .split("DEFAULT_HTTP_PORT: u16 = ")
         .nth(1)
-        .and_then(|s| s.split('"').next())
-        .and_then(|addr| addr.rsplit(':').next())
-        .and_then(|p| p.parse().ok())
-        .expect("DEFAULT_LISTEN in daemon.rs");
-    assert!(
-        !a.flags.contains_key("--listen"),
-        "the default listen address"
-    );
+        .and_then(|s| s.split(';').next())
+        .and_then(|p| p.trim().parse().ok())
+        .expect("DEFAULT_HTTP_PORT in daemon.rs");
+    assert_eq!(flag(&a, "--listen"), format!("0.0.0.0:{port}"));
     let ports = c.ports.clone().unwrap_or_default();
     assert_eq!(ports.len(), 2);
     assert_eq!(ports[0].container_port, port);

@@ -77,12 +77,16 @@ impl CallError {
     }
 }
 
-/// Reads everything once. `None`: npu-smi is not installed.
+/// `npu-smi` is not installed (under the name or path the agent was given).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NotInstalled(pub String);
+
+/// Reads everything once.
 pub async fn poll_once<T: Tools>(
     tools: &T,
     policy: &AscendPolicy,
     metrics: &Metrics,
-) -> Option<Poll> {
+) -> Result<Poll, NotInstalled> {
     let chips = match call(
         tools,
         metrics,
@@ -93,7 +97,7 @@ pub async fn poll_once<T: Tools>(
     )
     .await
     {
-        Err(CallError::Absent(_)) => return None,
+        Err(CallError::Absent(name)) => return Err(NotInstalled(name)),
         Err(e) => Err(e.reason()),
         Ok(c) => Ok(c),
     };
@@ -105,7 +109,7 @@ pub async fn poll_once<T: Tools>(
         hccn_absent: false,
     };
     let Ok(chips) = poll.chips.clone() else {
-        return Some(poll);
+        return Ok(poll);
     };
     let mut npu_smi_hung: Option<String> = None;
     for c in &chips {
@@ -209,7 +213,7 @@ pub async fn poll_once<T: Tools>(
             },
         );
     }
-    Some(poll)
+    Ok(poll)
 }
 
 /// Runs the source until shutdown.
@@ -224,23 +228,23 @@ pub async fn run<T: Tools>(
         let p = policy.borrow_and_update().policy.ascend.clone();
         let started = Instant::now();
         let observations = match poll_once(&*tools, &p, &ctx.metrics).await {
-            None => {
+            Err(NotInstalled(tool)) => {
                 if absent_reported {
                     Vec::new()
                 } else {
                     absent_reported = true;
-                    info!(tool = %p.npu_smi, "npu-smi not found; the Ascend source is idle");
+                    info!(tool = %tool, "npu-smi not found (--npu-smi); the Ascend source is idle");
                     [DETECTOR_NPU_SMI, DETECTOR_HCCN]
                         .into_iter()
                         .map(|name| Observation::Detector {
                             name: name.into(),
                             state: DetectorState::Idle,
-                            reason: Some(format!("{} not found", p.npu_smi)),
+                            reason: Some(format!("{tool} not found")),
                         })
                         .collect()
                 }
             }
-            Some(poll) => {
+            Ok(poll) => {
                 if absent_reported {
                     info!("npu-smi found; the Ascend source is running");
                     absent_reported = false;

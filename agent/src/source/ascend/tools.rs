@@ -1,15 +1,22 @@
 //! Running the Ascend command-line tools: behind a trait so tests can replace them; the real
-//! runner uses `crate::child` (a hard deadline, the child killed when it passes).
+//! runner uses `crate::child` (a hard deadline, the child and its process group killed when it
+//! passes).
+//!
+//! Which executables run is the agent's configuration (`--npu-smi`, `--hccn-tool`), never the
+//! policy: the tools run as root, and the policy is a ConfigMap that is reloaded while the agent
+//! runs, so whoever may edit it must not be able to choose what runs. Each tool starts with an
+//! empty environment plus [`TOOL_PATH`], `LANG=C` and `LC_ALL=C` (and the agent's own
+//! `LD_LIBRARY_PATH`, where the driver's libraries are found), so nothing else the agent
+//! inherited reaches it.
 
 use std::future::Future;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
-
-use tokio::sync::watch;
 
 use crate::child::{self, ChildError};
 
-use faultline_core::policy::LoadedPolicy;
+/// `PATH` of a tool's process (for whatever it runs itself).
+pub const TOOL_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// The two tools the source calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -51,27 +58,46 @@ pub trait Tools: Send + Sync + 'static {
     ) -> impl Future<Output = Result<String, ToolError>> + Send;
 }
 
-/// The real tools, found by the names or paths the policy in force gives (looked up on every
-/// call, so a policy change, or a tool installed or replaced later, is picked up).
+/// The executables to run, from the agent's flags: each a path, or a name looked up on the
+/// agent's own `PATH` (set by its deployment, like the flags).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolPaths {
+    pub npu_smi: PathBuf,
+    pub hccn_tool: PathBuf,
+}
+
+/// The real tools. Looked up on every call, so a driver installed (or a tool replaced) after
+/// the agent started is picked up.
 #[derive(Debug, Clone)]
 pub struct RealTools {
-    policy: watch::Receiver<LoadedPolicy>,
+    paths: ToolPaths,
 }
 
 impl RealTools {
-    pub fn new(policy: watch::Receiver<LoadedPolicy>) -> Self {
-        RealTools { policy }
+    pub fn new(paths: ToolPaths) -> Self {
+        RealTools { paths }
     }
 
     fn resolve(&self, tool: Tool) -> Result<PathBuf, ToolError> {
-        let name = {
-            let p = &self.policy.borrow().policy.ascend;
-            match tool {
-                Tool::NpuSmi => p.npu_smi.clone(),
-                Tool::HccnTool => p.hccn_tool.clone(),
-            }
+        let name = match tool {
+            Tool::NpuSmi => &self.paths.npu_smi,
+            Tool::HccnTool => &self.paths.hccn_tool,
         };
-        which::which(&name).map_err(|_| ToolError::NotFound(name))
+        which::which(name).map_err(|_| ToolError::NotFound(name.display().to_string()))
+    }
+
+    /// The command for `path`, with the environment it gets and nothing more.
+    fn command(path: &Path, args: &[String]) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(path);
+        cmd.args(args)
+            .env_clear()
+            .env("PATH", TOOL_PATH)
+            .env("LANG", "C")
+            .env("LC_ALL", "C");
+        if let Some(lib) = std::env::var_os("LD_LIBRARY_PATH").filter(|v| !v.is_empty()) {
+            cmd.env("LD_LIBRARY_PATH", lib);
+        }
+        cmd
     }
 }
 
@@ -83,8 +109,7 @@ impl Tools for RealTools {
         timeout: Duration,
     ) -> Result<String, ToolError> {
         let path = self.resolve(tool)?;
-        let mut cmd = tokio::process::Command::new(&path);
-        cmd.args(args);
+        let mut cmd = Self::command(&path, args);
         match child::run(&mut cmd, timeout).await {
             Err(ChildError::Timeout(d)) => Err(ToolError::Timeout(d)),
             Err(ChildError::Spawn(e)) => Err(ToolError::Io(format!("{}: {e}", path.display()))),
@@ -134,12 +159,10 @@ mod tests {
         let bad = script(dir.path(), "bad", "echo 'Invalid card id.'; exit 3");
         let hang = script(dir.path(), "hang", "exec sleep 30");
         let t = |npu: &str| {
-            let mut loaded = LoadedPolicy::builtin();
-            let mut policy = (*loaded.policy).clone();
-            policy.ascend.npu_smi = npu.to_string();
-            policy.ascend.hccn_tool = "/nonexistent/hccn_tool".into();
-            loaded.policy = std::sync::Arc::new(policy);
-            RealTools::new(watch::channel(loaded).1)
+            RealTools::new(ToolPaths {
+                npu_smi: npu.into(),
+                hccn_tool: "/nonexistent/hccn_tool".into(),
+            })
         };
         let args = vec!["info".to_string(), "-t".to_string()];
         let d = Duration::from_secs(5);
@@ -160,9 +183,38 @@ mod tests {
             .await;
         assert_eq!(r, Err(ToolError::Timeout(Duration::from_millis(300))));
         assert!(started.elapsed() < Duration::from_secs(10));
-        assert!(matches!(
+        assert_eq!(
             t(&ok).run(Tool::HccnTool, &args, d).await,
-            Err(ToolError::NotFound(_))
-        ));
+            Err(ToolError::NotFound("/nonexistent/hccn_tool".into()))
+        );
+    }
+
+    /// A tool sees a fixed PATH and the C locale, and none of what the agent inherited (this
+    /// test process has HOME and cargo's variables, at least).
+    #[tokio::test]
+    async fn tools_start_with_a_cleared_environment() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = script(dir.path(), "env", "exec /usr/bin/env");
+        let tools = RealTools::new(ToolPaths {
+            npu_smi: env.into(),
+            hccn_tool: "/nonexistent/hccn_tool".into(),
+        });
+        assert!(
+            std::env::vars_os().count() > 3,
+            "the test process has an environment to leak"
+        );
+        let out = tools
+            .run(Tool::NpuSmi, &[], Duration::from_secs(5))
+            .await
+            .unwrap();
+        let vars: std::collections::BTreeMap<&str, &str> =
+            out.lines().filter_map(|l| l.split_once('=')).collect();
+        assert_eq!(vars.get("PATH"), Some(&TOOL_PATH), "{out}");
+        assert_eq!(vars.get("LANG"), Some(&"C"), "{out}");
+        assert_eq!(vars.get("LC_ALL"), Some(&"C"), "{out}");
+        // The shell adds PWD itself; the library path is passed on when the agent has one.
+        let allowed = ["PATH", "LANG", "LC_ALL", "PWD", "LD_LIBRARY_PATH"];
+        let extra: Vec<&&str> = vars.keys().filter(|k| !allowed.contains(k)).collect();
+        assert!(extra.is_empty(), "inherited: {extra:?}");
     }
 }
