@@ -186,6 +186,15 @@ pub fn build(
     config.connect_timeout = Some(connect);
     config.read_timeout = Some(read);
     config.write_timeout = Some(write);
+    // The read timeout counts from when a request is written, not from when its pooled
+    // connection went idle: without this, a connection idle longer than the timeout failed the
+    // next request sent on it (the "context canceled" seen against a real API server).
+    config.reset_reader_on_write = true;
+    // The Lease's renewals are retried by kube-lease-manager within the grace period; the
+    // client's own retries of 429/503 (honouring Retry-After) would outlast it.
+    if purpose == Purpose::Lease {
+        config.default_retry = false;
+    }
     let ua = sender.user_agent();
     let value = HeaderValue::from_str(&ua).map_err(|_| ClientError::UserAgent(ua.clone()))?;
     config

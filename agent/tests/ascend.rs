@@ -495,6 +495,29 @@ fn no_ascend_tools_is_idle() {
     rig.agent.stop();
 }
 
+/// An upgraded node whose policy still names the tool (the field is ignored now) but whose
+/// DaemonSet has no `--npu-smi`: the tool is not found, and that is not "a node without NPUs".
+/// The detectors are Down with a reason naming the flag, not Idle.
+#[test]
+fn a_policy_naming_a_tool_that_the_flags_do_not_give_is_down_not_idle() {
+    let rig = Rig::start_with("  npu_smi: /usr/local/sbin/npu-smi\n", false, &[]);
+    let r = rig.agent.wait_for("Ascend detectors down", |r| {
+        detector(r, "npu-smi") == Some("Down") && detector(r, "hccn_tool") == Some("Down")
+    });
+    let reason = r
+        .agent
+        .detectors
+        .iter()
+        .find(|d| d.name == "npu-smi")
+        .and_then(|d| d.reason.clone())
+        .unwrap_or_default();
+    assert!(
+        reason.contains("--npu-smi") && reason.contains("/usr/local/sbin/npu-smi"),
+        "{reason}"
+    );
+    rig.agent.stop();
+}
+
 /// The policy is a ConfigMap, reloaded while the agent runs: it must not choose what runs as
 /// root. Tool paths in it (from an older agent's policy) are ignored with a warning, the rest of
 /// the policy is in force, and nothing it names is ever run.

@@ -489,6 +489,23 @@ impl Policy {
                 )
             })
         })
+        .chain(
+            self.node_actions
+                .iter()
+                .filter(|(_, a)| {
+                    a.taint
+                        .as_ref()
+                        .is_some_and(|t| t.effect == TaintEffect::NoExecute)
+                })
+                .map(|(level, _)| {
+                    format!(
+                        "node_actions.{level:?} taints with NoExecute: the shipped admission \
+                         policy (manifests/base/admission.yaml) refuses that effect, and every \
+                         taint write of this node with it, until its taintEffects variable \
+                         includes NoExecute"
+                    )
+                }),
+        )
         .collect()
     }
 
@@ -930,6 +947,23 @@ expected_gpus: 8
 
     /// The tool paths moved to agent flags: a policy that still has them loads (an upgrade
     /// keeps the operator's policy), they choose nothing, and the warnings name each one.
+    #[test]
+    fn a_no_execute_taint_is_loaded_with_a_warning_about_the_admission_policy() {
+        let p = Policy::parse(
+            "node_actions:\n  SeparateNPU: { health: Unhealthy, taint: { key: faultline.io/unhealthy, effect: NoExecute }, condition: false }\n",
+        )
+        .unwrap();
+        let w = p.warnings();
+        assert_eq!(w.len(), 1, "{w:?}");
+        assert!(
+            w[0].contains("SeparateNPU")
+                && w[0].contains("NoExecute")
+                && w[0].contains("taintEffects"),
+            "{}",
+            w[0]
+        );
+    }
+
     #[test]
     fn obsolete_tool_paths_load_with_a_warning() {
         let p = Policy::parse(

@@ -860,6 +860,12 @@ fn cel_refuses_the_rest_of_the_agents_own_node() {
         "node info",
     );
     refused(
+        "status",
+        "node features (a field newer than 1.30)",
+        &|n| n["status"]["features"] = json!({"supplementalGroupsPolicy": true}),
+        "features",
+    );
+    refused(
         "",
         "a NoExecute taint of its own",
         &|n| add_taint(n, "faultline.io/unhealthy", "Xid79", "NoExecute"),
