@@ -546,7 +546,9 @@ fn tool_paths_in_the_policy_run_nothing() {
     assert!(!marker.exists(), "the policy's tool path was run");
     assert_eq!(r.agent.policy.error, None, "the policy is in force");
     assert!(r.agent.policy.source.ends_with("policy.yaml"));
-    assert_eq!(detector(&r, "npu-smi"), Some("Idle"));
+    // No tool from the flags, and the policy names one: Down with the flag to set (see
+    // a_policy_naming_a_tool_that_the_flags_do_not_give_is_down_not_idle).
+    assert_eq!(detector(&r, "npu-smi"), Some("Down"));
     let log = rig.agent.log();
     assert!(
         log.contains("policy field ignored") && log.contains("ascend.npu_smi"),
