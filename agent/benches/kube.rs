@@ -104,6 +104,13 @@ impl Cluster {
             .unwrap_or_default()
     }
 
+    /// Whether the node carries faultline's hard taint.
+    fn tainted(&self, node: &str) -> bool {
+        self.taints(node)
+            .iter()
+            .any(|t| t.starts_with("faultline.io/unhealthy"))
+    }
+
     fn record(&self, node: &str) -> Option<Value> {
         let cm = self
             .emu
@@ -292,12 +299,7 @@ fn fleet(agents: usize) {
     }
     let settled = |c: &Cluster, n: &str| -> bool {
         c.record(n).is_some_and(|r| {
-            r["health"] == "Unhealthy"
-                && (c
-                    .taints(n)
-                    .iter()
-                    .any(|t| t.starts_with("faultline.io/unhealthy"))
-                    || !r["agent"]["taintBudget"].is_null())
+            r["health"] == "Unhealthy" && (c.tainted(n) || !r["agent"]["taintBudget"].is_null())
         })
     };
     c.wait(
@@ -306,14 +308,7 @@ fn fleet(agents: usize) {
         |c| names.iter().all(|n| settled(c, n)),
     );
     let took = t0.elapsed();
-    let tainted = names
-        .iter()
-        .filter(|n| {
-            c.taints(n)
-                .iter()
-                .any(|t| t.starts_with("faultline.io/unhealthy"))
-        })
-        .count();
+    let tainted = names.iter().filter(|n| c.tainted(n)).count();
     let calls = c.emu.calls();
     let writes = calls.iter().filter(|c| c.is_write()).count();
     let conflicts = calls.iter().filter(|c| c.status == 409).count();
@@ -465,11 +460,7 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
                 && c.emu.get(&ResourceRef::node(n)).is_some_and(|node| {
                     node["metadata"]["labels"]["faultline.io/health"] == "Unhealthy"
                 })
-                && (c
-                    .taints(n)
-                    .iter()
-                    .any(|t| t.starts_with("faultline.io/unhealthy"))
-                    || !r["agent"]["taintBudget"].is_null())
+                && (c.tainted(n) || !r["agent"]["taintBudget"].is_null())
         })
     };
     let t_settle = Instant::now();
@@ -491,14 +482,7 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         std::thread::sleep(Duration::from_millis(20));
     }
     let took = t0.elapsed();
-    let tainted = failing
-        .iter()
-        .filter(|i| {
-            c.taints(&names[**i])
-                .iter()
-                .any(|t| t.starts_with("faultline.io/unhealthy"))
-        })
-        .count();
+    let tainted = failing.iter().filter(|i| c.tainted(&names[**i])).count();
     let limit = (agents * 10 / 100).max(1);
     let calls = c.emu.calls();
     let writes = calls.iter().filter(|c| c.is_write()).count();

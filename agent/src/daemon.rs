@@ -358,20 +358,24 @@ struct Restored {
     /// When the engine was rebuilt from the record: the record's time (kernel-log records up to
     /// it are in it already).
     kmsg_skip_through: Option<faultline_core::time::Timestamp>,
-    /// The taints the budget withheld when the last record was written (Kubernetes mode): the
-    /// node sink starts from them, so a restart neither announces them again nor moves `since`.
+    /// The taints the budget withheld when this node's last record was written: the node sink
+    /// starts from them (Kubernetes mode), so a restart neither announces them again nor moves
+    /// `since`.
     taint_budget: Option<faultline_core::record::TaintBudgetStatus>,
 }
 
-fn restore(cfg: &AgentConfig, catalog: &Catalog) -> Restored {
+fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
     let boot_id = read_boot_id(&cfg.boot_id_path);
     let mut kmsg_skip_through = None;
+    // faults.json, read once: the engine is rebuilt from it when state.json is unusable, and
+    // the withheld taints come from it in every case.
+    let record = crate::cli::read_record(&cfg.state_dir.join(file::FAULTS_FILE));
     let (origin, persisted) = match file::read_state(&cfg.state_dir) {
         Ok(Some(p)) => (Origin::State, p),
         // No usable state.json (deleted alone, or unreadable): the record is rebuilt.
         missing_or_bad => {
             let unreadable = missing_or_bad.err();
-            match rebuild_from_record(cfg, catalog) {
+            match rebuild_from_record(&record, cfg, catalog) {
                 Some((engine, written)) => {
                     kmsg_skip_through = written;
                     let why = unreadable.as_deref().unwrap_or("no saved state");
@@ -400,19 +404,11 @@ fn restore(cfg: &AgentConfig, catalog: &Catalog) -> Restored {
         engine: persisted.engine,
         kmsg_cursor,
         kmsg_skip_through,
-        taint_budget: None,
+        taint_budget: record
+            .ok()
+            .filter(|r| r.node == node)
+            .and_then(|r| r.agent.taint_budget),
     }
-}
-
-/// The withheld taints in this node's local record (faults.json), if any.
-fn local_taint_budget(
-    cfg: &AgentConfig,
-    node: &str,
-) -> Option<faultline_core::record::TaintBudgetStatus> {
-    let record = crate::cli::read_record(&cfg.state_dir.join(file::FAULTS_FILE)).ok()?;
-    (record.node == node)
-        .then_some(record.agent.taint_budget)
-        .flatten()
 }
 
 /// An engine rebuilt from a record, and the time up to which the record counted kernel-log
@@ -424,17 +420,19 @@ type Rebuilt = (
 
 /// The engine from `faults.json`, when `state.json` cannot be read. `None` when the record is
 /// missing or unreadable too.
-fn rebuild_from_record(cfg: &AgentConfig, catalog: &Catalog) -> Option<Rebuilt> {
-    let path = cfg.state_dir.join(file::FAULTS_FILE);
-    let record = match crate::cli::read_record(&path) {
-        Ok(r) => r,
-        Err(crate::cli::ReadError::Missing(_)) => return None,
+fn rebuild_from_record(
+    record: &Result<NodeRecord, crate::cli::ReadError>,
+    cfg: &AgentConfig,
+    catalog: &Catalog,
+) -> Option<Rebuilt> {
+    match record {
+        Ok(r) => Some(engine_from_record(r, cfg, catalog)),
+        Err(crate::cli::ReadError::Missing(_)) => None,
         Err(e) => {
             warn!(error = %e, "the record is unreadable too");
-            return None;
+            None
         }
-    };
-    Some(engine_from_record(&record, cfg, catalog))
+    }
 }
 
 /// How long start-up waits for the cluster's copy of the record when nothing survived locally
@@ -907,7 +905,7 @@ async fn run_node(
     }
     std::fs::create_dir_all(cfg.state_dir.join(control::CLEAR_DIR)).ok();
     let catalog = Arc::new(Catalog::builtin().context("built-in catalog")?);
-    let restored = restore(&cfg, &catalog);
+    let restored = restore(&cfg, &node, &catalog);
     // Connection floods are capped per server (listen.rs); the rest of the descriptors are the
     // agent's own, and there should be as many as the system allows.
     let files = crate::listen::raise_file_limit();
@@ -932,8 +930,9 @@ async fn run_node(
     c.start_policy_and_control(pending);
     let gpu_count_label = c.connect_kubernetes().await;
     let mut restored = restored;
-    if c.kube.is_some() {
-        restored.taint_budget = local_taint_budget(&c.cfg, &c.node);
+    if c.kube.is_none() {
+        // Standalone: no budget, nothing withheld.
+        restored.taint_budget = None;
     }
     if let (Origin::Empty, Some(client)) =
         (restored.origin, c.kube.as_ref().map(|k| k.calls.clone()))

@@ -305,9 +305,7 @@ fn serve_resource(
             namespace: ns,
             name,
         };
-        if !auth::allowed(g, &attrs) {
-            return Err(auth::forbidden(&g.user, &attrs));
-        }
+        auth::authorize(g, &attrs)?;
     }
     // A write that would create the object is also authorized as `create` on its name, as
     // kube-apiserver does: k8s.io/apiserver/pkg/endpoints/handlers/patch.go builds
@@ -331,11 +329,7 @@ fn serve_resource(
             namespace: ns,
             name: req.name.as_deref(),
         };
-        if auth::allowed(g, &attrs) {
-            Ok(())
-        } else {
-            Err(auth::forbidden(&g.user, &attrs))
-        }
+        auth::authorize(g, &attrs)
     };
     let ns_str = ns.unwrap_or("");
     let name = req.name.as_deref().unwrap_or("");

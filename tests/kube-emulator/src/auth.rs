@@ -148,6 +148,15 @@ pub(crate) fn allowed(grant: &Grant, a: &Attributes<'_>) -> bool {
         || grant.rules.iter().any(|r| rule_allows(r, a))
 }
 
+/// The request allowed, or the 403 RBAC would answer.
+pub(crate) fn authorize(grant: &Grant, a: &Attributes<'_>) -> Result<(), ApiError> {
+    if allowed(grant, a) {
+        Ok(())
+    } else {
+        Err(forbidden(&grant.user, a))
+    }
+}
+
 /// The 403 answer, worded like the RBAC authorizer's.
 pub(crate) fn forbidden(user: &UserInfo, a: &Attributes<'_>) -> ApiError {
     let qualified = if a.group.is_empty() {

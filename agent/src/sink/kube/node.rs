@@ -486,6 +486,20 @@ mod tests {
         n
     }
 
+    fn taints_of(n: &mut Node) -> &mut Vec<Taint> {
+        n.spec
+            .get_or_insert_default()
+            .taints
+            .get_or_insert_default()
+    }
+
+    fn conditions_of(n: &mut Node) -> &mut Vec<NodeCondition> {
+        n.status
+            .get_or_insert_default()
+            .conditions
+            .get_or_insert_default()
+    }
+
     /// What counts as drift: only faultline's own label, taints and condition; a hard taint the
     /// budget withholds is not drift.
     #[test]
@@ -495,59 +509,30 @@ mod tests {
         assert!(d.carried_by(&carrying(), false, now));
 
         let mut foreign = carrying();
-        foreign
-            .spec
-            .as_mut()
-            .unwrap()
-            .taints
-            .as_mut()
-            .unwrap()
-            .remove(0);
+        taints_of(&mut foreign).remove(0);
         foreign
             .metadata
             .labels
             .as_mut()
             .unwrap()
             .remove("kubernetes.io/hostname");
-        foreign
-            .status
-            .as_mut()
-            .unwrap()
-            .conditions
-            .as_mut()
-            .unwrap()
-            .remove(0);
+        conditions_of(&mut foreign).remove(0);
         assert!(
             d.carried_by(&foreign, false, now),
             "foreign changes are not drift"
         );
 
         let mut no_taint = carrying();
-        no_taint
-            .spec
-            .as_mut()
-            .unwrap()
-            .taints
-            .as_mut()
-            .unwrap()
-            .pop();
+        taints_of(&mut no_taint).pop();
         assert!(!d.carried_by(&no_taint, false, now), "own taint removed");
         assert!(d.carried_by(&no_taint, true, now), "withheld by the budget");
 
         let mut wrong_value = carrying();
-        wrong_value.spec.as_mut().unwrap().taints.as_mut().unwrap()[1] =
-            taint("faultline.io/unhealthy", "Xid48");
+        taints_of(&mut wrong_value)[1] = taint("faultline.io/unhealthy", "Xid48");
         assert!(!d.carried_by(&wrong_value, true, now), "own taint changed");
 
         let mut extra = carrying();
-        extra
-            .spec
-            .as_mut()
-            .unwrap()
-            .taints
-            .as_mut()
-            .unwrap()
-            .push(taint("faultline.io/degraded", "x"));
+        taints_of(&mut extra).push(taint("faultline.io/degraded", "x"));
         assert!(
             !d.carried_by(&extra, false, now),
             "an own taint added by someone else"
@@ -563,13 +548,7 @@ mod tests {
         assert!(!d.carried_by(&label, false, now), "own label changed");
 
         let mut cond = carrying();
-        cond.status
-            .as_mut()
-            .unwrap()
-            .conditions
-            .as_mut()
-            .unwrap()
-            .pop();
+        conditions_of(&mut cond).pop();
         assert!(!d.carried_by(&cond, false, now), "own condition removed");
 
         assert!(
