@@ -3,8 +3,9 @@
 //! - `latency`: an Xid line to the taint and the ConfigMap visible in the API server;
 //! - `writes`: API writes per fault, and at steady state (nothing changing);
 //! - `fleet`: many agents against one API server, all failing at once, under the taint budget.
-//! - `fleet-tasks`: 1,000-2,000 agents as tasks of one process against an API server with a
-//!   real server's write latency; a share of them failing at once.
+//! - `fleet-tasks`: 1,000-2,000 agents as tasks of one process against an API server (the
+//!   emulator in a process of its own, as a real one is) with a real server's write latency; a
+//!   share of them failing at once.
 //!
 //! `cargo bench -p faultline-agent --bench kube -- [latency] [writes] [fleet] [fleet-tasks]
 //!  [--events N] [--steady-secs S] [--agents N] [--fail-percent P] [--latency-min-ms A]
@@ -346,6 +347,26 @@ fn fleet(agents: usize) {
     drop(c);
 }
 
+/// CPU seconds (user + system) this process has used: `/proc/self/stat` fields 14 and 15, in
+/// clock ticks (100 per second on Linux).
+fn cpu_seconds() -> f64 {
+    cpu_seconds_of("self")
+}
+
+/// The same for another process of ours.
+fn cpu_seconds_of(pid: &str) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The command name (field 2) may hold spaces: count fields after its closing parenthesis.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<f64> = rest
+        .split_whitespace()
+        .skip(11)
+        .take(2)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    f.iter().sum::<f64>() / 100.0
+}
+
 /// Open file descriptors of this process.
 fn open_files() -> usize {
     std::fs::read_dir("/proc/self/fd").map_or(0, Iterator::count)
@@ -358,12 +379,172 @@ struct AgentArgs {
     agent: faultline_agent::daemon::AgentConfig,
 }
 
+/// The env var that turns this bench binary into the emulator's process for `fleet-tasks`:
+/// its value is where to write the kubeconfig.
+const SERVE_EMULATOR: &str = "FAULTLINE_BENCH_SERVE_EMULATOR";
+
+/// The emulator's side of `fleet-tasks`, in a process of its own: one process cannot hold 2,000
+/// agents' connections and the server's ends of them under a 20,000 open-file limit, and a
+/// real API server is another process anyway. Serves `FLEET_NODES` nodes (`node-0000`...) with
+/// writes taking `FLEET_LATENCY_MS` (`min-max`), writes the kubeconfig, prints `ready`, and
+/// serves until its stdin closes.
+fn serve_emulator(kubeconfig: &Path) {
+    let files = faultline_agent::listen::raise_file_limit();
+    let nodes: usize = std::env::var("FLEET_NODES").unwrap().parse().unwrap();
+    let latency = std::env::var("FLEET_LATENCY_MS").unwrap();
+    let (lo, hi) = latency.split_once('-').unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let emu = rt.block_on(Emulator::start()).unwrap();
+    emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}));
+    for i in 0..nodes {
+        let n = format!("node-{i:04}");
+        emu.put(faultline_kube_emulator::node(
+            &n,
+            &[("kubernetes.io/hostname", &n)],
+        ));
+    }
+    emu.set_write_latency(
+        Duration::from_millis(lo.parse().unwrap()),
+        Duration::from_millis(hi.parse().unwrap()),
+    );
+    emu.write_kubeconfig(kubeconfig, "bench").unwrap();
+    println!("ready (open-file limit {files:?})");
+    let mut sink = Vec::new();
+    // Serve until the bench closes our stdin (or dies).
+    let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+    rt.block_on(emu.down());
+}
+
+/// The bench's view of the emulator process: reads over HTTP with a kube client of its own.
+struct RemoteApi {
+    child: Child,
+    rt: tokio::runtime::Runtime,
+    client: kube::Client,
+}
+
+impl RemoteApi {
+    fn start(nodes: usize, latency_ms: (u64, u64), kubeconfig: &Path) -> RemoteApi {
+        use std::io::BufRead;
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .env(SERVE_EMULATOR, kubeconfig)
+            .env("FLEET_NODES", nodes.to_string())
+            .env(
+                "FLEET_LATENCY_MS",
+                format!("{}-{}", latency_ms.0, latency_ms.1),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        std::io::BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        assert!(line.starts_with("ready"), "emulator process: {line:?}");
+        println!("fleet-tasks: emulator process {}", line.trim());
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let client = rt.block_on(async {
+            let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap();
+            let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+                .await
+                .unwrap();
+            kube::Client::try_from(cfg).unwrap()
+        });
+        RemoteApi { child, rt, client }
+    }
+
+    fn send(&self, method: &str, path: &str) -> Value {
+        let req = http::Request::builder()
+            .method(method)
+            .uri(path)
+            .body(Vec::new())
+            .unwrap();
+        self.rt.block_on(self.client.request::<Value>(req)).unwrap()
+    }
+
+    fn items(&self, path: &str) -> Vec<Value> {
+        match self.send("GET", path)["items"].take() {
+            Value::Array(items) => items,
+            _ => Vec::new(),
+        }
+    }
+
+    fn calls(&self) -> Vec<faultline_kube_emulator::Call> {
+        serde_json::from_value(self.send("GET", "/_emulator/calls")).unwrap()
+    }
+
+    fn clear_calls(&self) {
+        self.send("DELETE", "/_emulator/calls");
+    }
+
+    /// Nodes of `names` labelled Unhealthy on both the Node and the record's ConfigMap, and
+    /// tainted or withheld by the budget (two label-selected lists, not a GET per node).
+    fn settled(&self) -> (BTreeMap<String, bool>, usize) {
+        let sel = "labelSelector=faultline.io%2Fhealth%3DUnhealthy";
+        let nodes: BTreeMap<String, bool> = self
+            .items(&format!("/api/v1/nodes?{sel}"))
+            .into_iter()
+            .map(|n| {
+                let tainted = n["spec"]["taints"].as_array().is_some_and(|ts| {
+                    ts.iter()
+                        .any(|t| t["key"].as_str() == Some("faultline.io/unhealthy"))
+                });
+                (
+                    n["metadata"]["name"].as_str().unwrap_or("").to_string(),
+                    tainted,
+                )
+            })
+            .collect();
+        let mut settled = BTreeMap::new();
+        for cm in self.items(&format!("/api/v1/namespaces/{NS}/configmaps?{sel}")) {
+            let Some(node) = cm["metadata"]["labels"]["faultline.io/node"].as_str() else {
+                continue;
+            };
+            let Some(r) = cm["data"]["faults.json"]
+                .as_str()
+                .and_then(|d| serde_json::from_str::<Value>(d).ok())
+            else {
+                continue;
+            };
+            let Some(&tainted) = nodes.get(node) else {
+                continue;
+            };
+            if r["health"] == "Unhealthy" && (tainted || !r["agent"]["taintBudget"].is_null()) {
+                settled.insert(node.to_string(), tainted);
+            }
+        }
+        let written = nodes.len();
+        (settled, written)
+    }
+
+    fn records_written(&self) -> usize {
+        self.items(&format!(
+            "/api/v1/namespaces/{NS}/configmaps?labelSelector=faultline.io%2Fnode"
+        ))
+        .len()
+    }
+}
+
+impl Drop for RemoteApi {
+    fn drop(&mut self) {
+        drop(self.child.stdin.take());
+        let _ = self.child.wait();
+    }
+}
+
 /// Many agents as tasks of this process (each its own state directory, kernel log, HTTP port
-/// and Kubernetes clients, sharing nothing but the API server), against an emulator whose
-/// writes take `latency_ms` (a real API server's 5-20 ms). When all have written their
-/// ConfigMaps, `fail_percent` of the nodes get an Xid 79 at the same moment: how long until
-/// each is labelled Unhealthy and tainted or withheld by the budget, how many are tainted
-/// against the budget's limit, and the API requests per node.
+/// and Kubernetes clients, sharing nothing but the API server), against the emulator in a
+/// process of its own whose writes take `latency_ms` (a real API server's 5-20 ms). When all
+/// have written their ConfigMaps, `fail_percent` of the nodes get an Xid 79 at the same moment:
+/// how long until each is labelled Unhealthy and tainted or withheld by the budget, how many
+/// are tainted against the budget's limit, and the API requests per node.
 fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     use clap::Parser;
     // The agents' errors (RUST_LOG=error by default here) on stderr.
@@ -373,11 +554,9 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     faultline_agent::cli::init_tracing("text");
     let files = faultline_agent::listen::raise_file_limit();
     let names: Vec<String> = (0..agents).map(|i| format!("node-{i:04}")).collect();
-    let c = Cluster::new(&names);
-    c.emu.set_write_latency(
-        Duration::from_millis(latency_ms.0),
-        Duration::from_millis(latency_ms.1),
-    );
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    let api = RemoteApi::start(agents, latency_ms, &kubeconfig);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -388,7 +567,7 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     let mut dirs = Vec::new();
     let mut tasks = Vec::new();
     for n in &names {
-        let dir = c.dir.path().join(n);
+        let dir = dir.path().join(n);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("kmsg"), b"").unwrap();
         std::fs::write(dir.join("boot_id"), b"boot-1\n").unwrap();
@@ -396,7 +575,7 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         let argv = [
             "faultline-agent".to_string(),
             "--kubeconfig".into(),
-            c.kubeconfig.to_str().unwrap().into(),
+            kubeconfig.to_str().unwrap().into(),
             "--node-name".into(),
             n.clone(),
             "--listen".into(),
@@ -423,12 +602,7 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         dirs.push(dir);
     }
     let up = loop {
-        let written = c
-            .emu
-            .list("", "configmaps", Some(NS))
-            .iter()
-            .filter(|cm| cm["metadata"]["labels"]["faultline.io/node"].is_string())
-            .count();
+        let written = api.records_written();
         if written == agents {
             break t_start.elapsed();
         }
@@ -436,55 +610,78 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
             t_start.elapsed() < Duration::from_secs(600),
             "only {written} of {agents} ConfigMaps after 600 s"
         );
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(200));
     };
-    let start_calls = c.emu.calls().len();
+    let start_calls = api.calls().len();
     println!(
         "fleet-tasks: {agents} agents (open-file limit {files:?}, {} open) started and wrote their ConfigMaps in {:.1} s; {start_calls} API requests ({:.1} per node)",
         open_files(),
         up.as_secs_f64(),
         start_calls as f64 / agents as f64
     );
+    let (cpu0, w0) = (cpu_seconds(), Instant::now());
     std::thread::sleep(Duration::from_secs(2));
-    c.emu.clear_calls();
+    println!(
+        "fleet-tasks: idle, the agents' process uses {:.2} cores",
+        (cpu_seconds() - cpu0) / w0.elapsed().as_secs_f64()
+    );
+    api.clear_calls();
     let failing: Vec<usize> = (0..agents)
         .filter(|i| i * 100 / agents < fail_percent)
         .collect();
     let t0 = Instant::now();
+    let cpu0 = cpu_seconds();
+    let emu_pid = api.child.id().to_string();
+    let emu_cpu0 = cpu_seconds_of(&emu_pid);
     for (k, i) in failing.iter().enumerate() {
         append(&dirs[*i], &xid(10 + k as u64, "3b", 79));
     }
-    let settled = |c: &Cluster, n: &str| -> bool {
-        c.record(n).is_some_and(|r| {
-            r["health"] == "Unhealthy"
-                && c.emu.get(&ResourceRef::node(n)).is_some_and(|node| {
-                    node["metadata"]["labels"]["faultline.io/health"] == "Unhealthy"
-                })
-                && (c.tainted(n) || !r["agent"]["taintBudget"].is_null())
-        })
-    };
-    let t_settle = Instant::now();
-    loop {
-        if failing.iter().all(|i| settled(&c, &names[*i])) {
-            break;
+    let mut first_label = None;
+    // When each failing node was first seen settled (polled every 25 ms).
+    let mut seen: BTreeMap<String, f64> = BTreeMap::new();
+    let (took, settled) = loop {
+        let (settled, unhealthy) = api.settled();
+        let now = t0.elapsed();
+        if unhealthy > 0 && first_label.is_none() {
+            first_label = Some(now);
         }
-        if t_settle.elapsed() > Duration::from_secs(300) {
-            let done = failing.iter().filter(|i| settled(&c, &names[**i])).count();
+        for n in settled.keys() {
+            seen.entry(n.clone()).or_insert(now.as_secs_f64());
+        }
+        let done = failing
+            .iter()
+            .filter(|i| settled.contains_key(&names[**i]))
+            .count();
+        if done == failing.len() {
+            break (now, settled);
+        }
+        if t0.elapsed() > Duration::from_secs(300) {
             let ended = tasks.iter().filter(|t| t.is_finished()).count();
             println!("fleet-tasks: {ended} agent tasks have ended");
-            let errors = c.emu.calls().iter().filter(|x| x.status >= 400).count();
+            let errors = api.calls().iter().filter(|x| x.status >= 400).count();
             panic!(
-                "after 300 s only {done} of {} failing nodes are labelled and tainted or withheld; {errors} API errors; open files {}",
+                "after 300 s only {done} of {} failing nodes are labelled and tainted or withheld ({unhealthy} labelled); {errors} API errors; open files {}",
                 failing.len(),
                 open_files()
             );
         }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let took = t0.elapsed();
-    let tainted = failing.iter().filter(|i| c.tainted(&names[**i])).count();
+        std::thread::sleep(Duration::from_millis(25));
+    };
+    let busy = (cpu_seconds() - cpu0) / took.as_secs_f64();
+    let emu_busy = (cpu_seconds_of(&emu_pid) - emu_cpu0) / took.as_secs_f64();
+    let mut times: Vec<f64> = seen.into_values().collect();
+    times.sort_by(f64::total_cmp);
+    println!(
+        "fleet-tasks: first node labelled after {:.2} s; failing nodes settled after (s): first {:.2}, median {:.2}, p90 {:.2}, last {:.2}; the agents' process used {busy:.2} cores meanwhile, the emulator's {emu_busy:.2}",
+        first_label.unwrap_or_default().as_secs_f64(),
+        times.first().copied().unwrap_or_default(),
+        quantile(&times, 0.5),
+        quantile(&times, 0.9),
+        took.as_secs_f64()
+    );
+    let tainted = settled.values().filter(|t| **t).count();
     let limit = (agents * 10 / 100).max(1);
-    let calls = c.emu.calls();
+    let calls = api.calls();
     let writes = calls.iter().filter(|c| c.is_write()).count();
     let conflicts = calls.iter().filter(|c| c.status == 409).count();
     let others_wrote = calls
@@ -522,10 +719,14 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     });
     println!("fleet-tasks: agents that ended with an error: {failed_runs}");
     drop(rt);
-    drop(c);
+    drop(api);
 }
 
 fn main() {
+    if let Some(kubeconfig) = std::env::var_os(SERVE_EMULATOR) {
+        serve_emulator(Path::new(&kubeconfig));
+        return;
+    }
     let args = common::Args::from_env();
     let parts = ["latency", "writes", "fleet", "fleet-tasks"];
     if args.wants(&parts, "latency") {

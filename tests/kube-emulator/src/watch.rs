@@ -49,6 +49,8 @@ struct WatchState {
     last_rv: u64,
     queue: VecDeque<Bytes>,
     rx: notify::Receiver<u64>,
+    /// For a watcher of one object: the store's epoch channel (see `Store::subscribe_named`).
+    epoch: Option<notify::Receiver<u64>>,
     deadline: Option<Instant>,
     done: bool,
 }
@@ -167,8 +169,16 @@ pub(crate) fn start(inner: &Arc<Inner>, spec: WatchSpec) -> Result<Response<Body
         )
     };
     let mut state = {
-        let store = lock(&inner.store);
-        let rx = store.subscribe();
+        let mut store = lock(&inner.store);
+        let cluster_scoped = !resources::get(spec.rid).namespaced;
+        let (rx, epoch) = match spec.field.pinned_name() {
+            Some(name) if cluster_scoped || spec.namespace.is_some() => {
+                let ns = spec.namespace.clone().unwrap_or_default();
+                let (rx, epoch) = store.subscribe_named(spec.rid, &ns, name);
+                (rx, Some(epoch))
+            }
+            _ => (store.subscribe(), None),
+        };
         let mut queue = VecDeque::new();
         let mut done = false;
         let last_rv = match resume {
@@ -198,6 +208,7 @@ pub(crate) fn start(inner: &Arc<Inner>, spec: WatchSpec) -> Result<Response<Body
             last_rv,
             queue,
             rx,
+            epoch,
             done,
         }
     };
@@ -215,6 +226,9 @@ pub(crate) fn start(inner: &Arc<Inner>, spec: WatchSpec) -> Result<Response<Body
                 return None;
             }
             st.rx.borrow_and_update();
+            if let Some(e) = st.epoch.as_mut() {
+                e.borrow_and_update();
+            }
             st.collect();
             if !st.queue.is_empty() || st.done {
                 continue;
@@ -222,8 +236,15 @@ pub(crate) fn start(inner: &Arc<Inner>, spec: WatchSpec) -> Result<Response<Body
             let interval = st.inner.bookmark_interval();
             let bookmarks = st.spec.bookmarks;
             let deadline = st.deadline;
+            let epoch = async {
+                match st.epoch.as_mut() {
+                    Some(e) => e.changed().await.is_ok(),
+                    None => std::future::pending().await,
+                }
+            };
             let wake = tokio::select! {
                 r = st.rx.changed() => Wake::Changed(r.is_ok()),
+                r = epoch => Wake::Changed(r),
                 _ = tokio::time::sleep(interval), if bookmarks => Wake::Bookmark,
                 _ = until(deadline) => Wake::Timeout,
             };

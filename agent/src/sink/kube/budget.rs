@@ -3,7 +3,8 @@
 //! taints its node.
 //!
 //! The number of nodes is the number of fault ConfigMaps (one per agent, listed by metadata
-//! only). Admission is a compare-and-swap on the ledger's resourceVersion, so 200 agents failing
+//! only), counted by an admitting agent and kept in the ledger for five minutes so the others
+//! use it. Admission is a compare-and-swap on the ledger's resourceVersion, so 200 agents failing
 //! at once cannot all see room and all taint: exactly `limit` of them get in, the rest are
 //! denied until entries leave the window.
 
@@ -16,7 +17,7 @@ use kube::api::{ListParams, ObjectMeta, PostParams};
 use kube::{Api, Client};
 use tracing::{debug, info, warn};
 
-use super::plan::{Admission, Ledger};
+use super::plan::{Admission, Ledger, NodeCount};
 use super::{api, is_conflict, KubeSinkError, FIELD_MANAGER};
 use faultline_core::policy::TaintBudget;
 
@@ -26,8 +27,14 @@ pub const LEDGER_NAME: &str = "faultline-taint-budget";
 pub const LEDGER_KEY: &str = "ledger.json";
 /// Selects the fault ConfigMaps, one per agent (the node count).
 pub const NODES_SELECTOR: &str = "app.kubernetes.io/name=faultline,faultline.io/node";
-/// Conflicting writes tolerated in one admission before giving up until the next retry.
-const MAX_CONFLICTS: u32 = 64;
+/// How long one admission keeps retrying conflicting writes before giving up until the sink's
+/// next retry. A conflict means another agent's write landed (progress for the fleet), so a
+/// count cap is wrong: with 200 nodes failing at once the last one in sees about 199 conflicts,
+/// and a cap of 64 sent most of them into the sink's backoff (2,000 nodes took 12 s).
+const CONTENTION_DEADLINE: Duration = Duration::from_secs(20);
+/// How long a node count in the ledger is used before an admitting agent counts again. The
+/// budget's limit is a share of the fleet; a fleet grows or shrinks by few nodes in minutes.
+const NODE_COUNT_MAX_AGE: Duration = Duration::from_secs(300);
 
 /// The budget's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,24 +58,31 @@ impl Budget {
         }
     }
 
+    /// The number of nodes: fault ConfigMaps, one per agent, listed by metadata only.
+    async fn count_nodes(&self) -> Result<u32, KubeSinkError> {
+        let list = self
+            .cms
+            .list_metadata(&ListParams::default().labels(NODES_SELECTOR))
+            .await
+            .map_err(api("count the nodes"))?;
+        Ok(u32::try_from(list.items.len()).unwrap_or(u32::MAX))
+    }
+
     /// Asks whether this node may be newly tainted now; records it in the ledger when yes.
     pub async fn admit(
         &self,
         budget: &TaintBudget,
         now: Timestamp,
     ) -> Result<Answer, KubeSinkError> {
-        // The node count once per admission, not once per attempt: it changes slowly, and a
-        // list of every record is the expensive read (1,000 agents racing for the ledger used
-        // to list 1,000 ConfigMaps on every conflict).
-        let nodes = self
-            .cms
-            .list_metadata(&ListParams::default().labels(NODES_SELECTOR))
-            .await
-            .map_err(api("count the nodes"))?
-            .items
-            .len() as u32;
-        let limit = budget.limit(nodes);
-        for attempt in 0..MAX_CONFLICTS {
+        // The node count: the ledger's shared one while fresh, else counted here (once per
+        // admission at most, not per conflict) and shared through the write below. 200 agents
+        // failing at once in a 2,000-node cluster each listing every record was 400,000
+        // objects for one incident; now it is one list per NODE_COUNT_MAX_AGE.
+        let mut counted: Option<u32> = None;
+        let started = tokio::time::Instant::now();
+        let mut attempt: u32 = 0;
+        while started.elapsed() < CONTENTION_DEADLINE {
+            attempt = attempt.saturating_add(1);
             let current = self
                 .cms
                 .get_opt(LEDGER_NAME)
@@ -78,6 +92,19 @@ impl Budget {
                 .as_ref()
                 .and_then(|c| c.metadata.resource_version.clone());
             let mut ledger = current.as_ref().map(parse_ledger).unwrap_or_default();
+            let nodes = match (ledger.fresh_nodes(now, NODE_COUNT_MAX_AGE), counted) {
+                (Some(n), _) => n,
+                (None, Some(n)) => n,
+                (None, None) => {
+                    let n = self.count_nodes().await?;
+                    counted = Some(n);
+                    n
+                }
+            };
+            if let (Some(n), None) = (counted, ledger.fresh_nodes(now, NODE_COUNT_MAX_AGE)) {
+                ledger.nodes = Some(NodeCount { count: n, at: now });
+            }
+            let limit = budget.limit(nodes);
             let used = match ledger.decide(&self.node, now, budget.window, limit) {
                 Admission::AlreadyIn { .. } => return Ok(Answer::Allowed),
                 Admission::Denied { used } => {
@@ -130,7 +157,7 @@ impl Budget {
                 Err(e) => return Err(api("write the taint ledger")(e)),
             }
         }
-        Err(KubeSinkError::LedgerContention(MAX_CONFLICTS))
+        Err(KubeSinkError::LedgerContention(attempt))
     }
 }
 

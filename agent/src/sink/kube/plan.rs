@@ -272,6 +272,19 @@ pub struct LedgerEntry {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Ledger {
     pub entries: Vec<LedgerEntry>,
+    /// The fleet's size as last counted by an admitting agent, shared so that 200 nodes
+    /// failing at once do not each list every fault ConfigMap (at 2,000 nodes that was 400,000
+    /// objects listed for one incident). Absent in ledgers written before it existed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nodes: Option<NodeCount>,
+}
+
+/// A node count and when it was taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeCount {
+    pub count: u32,
+    #[serde(with = "faultline_core::record::rfc3339")]
+    pub at: Timestamp,
 }
 
 /// The ledger's answer to one node.
@@ -286,6 +299,16 @@ pub enum Admission {
 }
 
 impl Ledger {
+    /// The shared node count if it was taken within `max_age` of `now`. One dated ahead of
+    /// `now` by more than a minute (a clock stepped back, or a writer's clock ahead) is not
+    /// trusted, so a bad date cannot keep a count alive forever.
+    pub fn fresh_nodes(&self, now: Timestamp, max_age: std::time::Duration) -> Option<u32> {
+        let c = self.nodes?;
+        let age = since(now, c.at);
+        (age <= signed(max_age) && since(c.at, now) <= signed(std::time::Duration::from_secs(60)))
+            .then_some(c.count)
+    }
+
     /// Drops entries that left the window, then admits `node` if the budget allows.
     pub fn decide(
         &mut self,
@@ -825,6 +848,7 @@ mod tests {
                 node: "z".into(),
                 at: t(10_000),
             }],
+            nodes: None,
         };
         assert_eq!(l.decide("a", t(0), w, 1), Admission::Admitted { used: 1 });
         // A limit of 0 denies everything.
@@ -832,6 +856,33 @@ mod tests {
             Ledger::default().decide("a", t(0), w, 0),
             Admission::Denied { used: 0 }
         );
+    }
+
+    /// The shared node count is used while fresh, by either clock direction within bounds, and
+    /// a ledger written before the count existed still reads.
+    #[test]
+    fn ledger_node_count_is_shared_while_fresh() {
+        let max = std::time::Duration::from_secs(300);
+        let mut l: Ledger =
+            serde_json::from_str(r#"{"entries":[{"node":"a","at":"2026-11-22T00:00:00Z"}]}"#)
+                .unwrap();
+        assert_eq!(l.fresh_nodes(t(0), max), None);
+        l.nodes = Some(NodeCount {
+            count: 2000,
+            at: t(100),
+        });
+        assert_eq!(l.fresh_nodes(t(100), max), Some(2000));
+        assert_eq!(l.fresh_nodes(t(400), max), Some(2000));
+        assert_eq!(l.fresh_nodes(t(401), max), None, "stale after max_age");
+        assert_eq!(l.fresh_nodes(t(39), max), None, "dated over a minute ahead");
+        assert_eq!(
+            l.fresh_nodes(t(40), max),
+            Some(2000),
+            "a minute ahead is tolerated"
+        );
+        let text = serde_json::to_string(&l).unwrap();
+        assert!(text.contains(r#""nodes":{"count":2000"#), "{text}");
+        assert_eq!(serde_json::from_str::<Ledger>(&text).unwrap(), l);
     }
 
     #[test]
