@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use faultline_agent::cli;
-use faultline_core::record::Health;
+use faultline_core::record::{Handling, Health};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -91,12 +91,19 @@ enum Command {
         timeout: Duration,
         #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
         interval: Duration,
-        /// Accept Degraded (faults that need a restart, not isolation) as healthy.
+        /// Also accept a Degraded node whose faults need at most a restart of the job
+        /// (handling RestartBusiness or below), never one that needs a chip reset or isolation.
         #[arg(long)]
         allow_degraded: bool,
+        /// Accept a Degraded node whose most severe handling is at most this level (implies
+        /// --allow-degraded with another threshold); an Unhealthy node never passes.
+        #[arg(long, value_parser = parse_handling)]
+        max_handling: Option<Handling>,
         /// The agent counts as dead (exit 2) when the record's heartbeat is older than this.
         #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
         stale_after: Duration,
+        #[arg(short, long, value_enum, default_value = "table")]
+        output: Output,
     },
     /// Usable nodes as host:slots lines, from the cluster's fault records (for Horovod
     /// elastic's discover_hosts and other launchers). Prints nothing when none is usable.
@@ -104,9 +111,15 @@ enum Command {
         /// Slots (processes) per host to print.
         #[arg(long)]
         slots: u32,
-        /// Also list Degraded nodes (faults that only call for a restart).
+        /// Also list Degraded nodes whose faults need at most a restart of the job (handling
+        /// RestartBusiness or below).
         #[arg(long)]
         allow_degraded: bool,
+        /// List Degraded nodes whose most severe handling is at most this level.
+        #[arg(long, value_parser = parse_handling)]
+        max_handling: Option<Handling>,
+        #[arg(short, long, value_enum, default_value = "table")]
+        output: Output,
         /// The kubeconfig to use (default: KUBECONFIG, ~/.kube/config, in-cluster).
         #[arg(long, env = "FAULTLINE_KUBECONFIG")]
         kubeconfig: Option<PathBuf>,
@@ -114,7 +127,6 @@ enum Command {
         #[arg(long, default_value = "faultline-system")]
         namespace: String,
     },
-    /// Ask the agent to clear active faults (all, or by code and/or device).
     /// Run a peer check among these nodes now and print faulty nodes, broken links and
     /// stragglers. Exit 0: none; 1: some; 3: some nodes could not be judged; 2: no run.
     Check {
@@ -144,6 +156,8 @@ enum Command {
         #[arg(short, long, value_enum, default_value = "table")]
         output: Output,
     },
+    /// Ask the agent to clear active faults (all, or by code and/or device) and wait until it
+    /// has taken the request: exit 0 taken, 2 refused or not taken within --wait.
     Clear {
         #[arg(long)]
         code: Option<String>,
@@ -152,7 +166,20 @@ enum Command {
         device: Option<String>,
         #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
         wait: Duration,
+        #[arg(short, long, value_enum, default_value = "table")]
+        output: Output,
     },
+}
+
+/// A handling level by MindCluster's name (case-insensitive).
+fn parse_handling(s: &str) -> Result<Handling, String> {
+    Handling::ALL
+        .into_iter()
+        .find(|h| h.as_str().eq_ignore_ascii_case(s))
+        .ok_or_else(|| {
+            let names: Vec<&str> = Handling::ALL.iter().map(|h| h.as_str()).collect();
+            format!("unknown handling level {s:?}; one of {}", names.join(", "))
+        })
 }
 
 /// Runs a command that reads the cluster, on a small runtime, with a client from `kubeconfig`
@@ -179,10 +206,16 @@ where
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    let json = match &cli.command {
+        Command::Get { output, .. }
+        | Command::WaitHealthy { output, .. }
+        | Command::Hosts { output, .. }
+        | Command::Check { output, .. }
+        | Command::Clear { output, .. } => matches!(output, Output::Json),
+    };
     let outcome = match cli.command {
         Command::Get {
             cluster: true,
-            output,
             all,
             kubeconfig,
             namespace,
@@ -196,7 +229,6 @@ fn main() -> std::process::ExitCode {
                 health: health.into_iter().map(Health::from).collect(),
                 code,
             };
-            let json = matches!(output, Output::Json);
             with_cluster(kubeconfig, |client| async move {
                 cli::get_cluster(client, &namespace, &filter, json, all).await
             })
@@ -204,16 +236,17 @@ fn main() -> std::process::ExitCode {
         Command::Hosts {
             slots,
             allow_degraded,
+            max_handling,
             kubeconfig,
             namespace,
+            ..
         } => with_cluster(kubeconfig, |client| async move {
-            cli::hosts(client, &namespace, slots, allow_degraded).await
+            let accept = cli::Accept::from_flags(allow_degraded, max_handling);
+            cli::hosts(client, &namespace, slots, accept).await
         }),
-        Command::Get {
-            file, output, all, ..
-        } => cli::get(
+        Command::Get { file, all, .. } => cli::get(
             &cli::record_path(file.as_deref(), &cli.state_dir),
-            matches!(output, Output::Json),
+            json,
             all,
         ),
         Command::WaitHealthy {
@@ -221,12 +254,14 @@ fn main() -> std::process::ExitCode {
             timeout,
             interval,
             allow_degraded,
+            max_handling,
             stale_after,
+            ..
         } => cli::wait_healthy(
             &cli::record_path(file.as_deref(), &cli.state_dir),
             timeout,
             interval,
-            allow_degraded,
+            cli::Accept::from_flags(allow_degraded, max_handling),
             stale_after,
         ),
         Command::Check {
@@ -237,7 +272,7 @@ fn main() -> std::process::ExitCode {
             secret_file,
             kubeconfig,
             namespace,
-            output,
+            ..
         } => {
             let args = cli::CheckArgs {
                 nodes,
@@ -247,7 +282,7 @@ fn main() -> std::process::ExitCode {
                 secret_file,
                 kubeconfig,
                 namespace,
-                json: matches!(output, Output::Json),
+                json,
             };
             let outcome = match tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -256,24 +291,24 @@ fn main() -> std::process::ExitCode {
                 Ok(rt) => rt.block_on(cli::check(args)),
                 Err(e) => cli::Outcome::failed(format!("error: {e}")),
             };
-            // Verdicts go to stdout whatever the exit status; errors to stderr.
-            if outcome.code == 2 {
-                eprintln!("{}", outcome.message);
-            } else {
+            // Verdicts go to stdout whatever the exit status (1 and 3 included); errors to
+            // stderr, or as JSON to stdout.
+            if outcome.code != 2 && !json {
                 println!("{}", outcome.message);
+                return std::process::ExitCode::from(outcome.code);
             }
-            return std::process::ExitCode::from(outcome.code);
+            outcome
         }
-        Command::Clear { code, device, wait } => cli::clear(&cli.state_dir, code, device, wait),
+        Command::Clear {
+            code, device, wait, ..
+        } => cli::clear(&cli.state_dir, code, device, wait),
     };
-    if outcome.code == 0 {
-        // Nothing at all for an empty answer (`hosts` with no usable node): a discovery script
-        // must not hand its launcher an empty host line.
-        if !outcome.message.is_empty() {
-            println!("{}", outcome.message);
-        }
-    } else {
-        eprintln!("{}", outcome.message);
+    let (out, err) = cli::render(&outcome, json);
+    if let Some(out) = out {
+        println!("{out}");
+    }
+    if let Some(err) = err {
+        eprintln!("{err}");
     }
     std::process::ExitCode::from(outcome.code)
 }

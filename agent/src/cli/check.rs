@@ -83,7 +83,11 @@ pub fn check_report(r: &faultline_proto::v1::RunResult, json: bool) -> Outcome {
         }
         out
     };
-    Outcome { code, message }
+    Outcome {
+        code,
+        message,
+        data: None,
+    }
 }
 
 /// `faultline check --nodes a,b,c`: asks the coordinator to run a check among these nodes now

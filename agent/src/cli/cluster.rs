@@ -2,7 +2,9 @@
 
 use faultline_core::record::{Health, NodeRecord};
 
-use super::{columns, table, Outcome};
+use serde_json::{json, Value};
+
+use super::{columns, table, Accept, Outcome};
 
 /// Which records `faultline get --cluster` shows.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -123,39 +125,30 @@ pub async fn get_cluster(
 }
 
 /// `faultline hosts`: usable nodes as `host:slots` lines, for Horovod elastic's
-/// `discover_hosts` script (and any launcher that wants a host list). Healthy nodes only, or
-/// also Degraded ones with `allow_degraded`; sorted by name.
-pub fn hosts_lines(records: &[NodeRecord], slots: u32, allow_degraded: bool) -> String {
+/// `discover_hosts` script (and any launcher that wants a host list): the records `accept`
+/// takes, sorted by name.
+pub fn hosts_lines(records: &[NodeRecord], slots: u32, accept: Accept) -> String {
     records
         .iter()
-        .filter(|r| match r.health {
-            Health::Healthy => true,
-            Health::Degraded => allow_degraded,
-            Health::Unhealthy => false,
-        })
+        .filter(|r| accept.accepts(r))
         .map(|r| format!("{}:{slots}\n", r.node))
         .collect()
 }
 
-/// `faultline hosts --slots N`: prints nothing (exit 0) when no node is usable, so a
-/// discovery script never hands a launcher a broken host; exit 2 when the records cannot be
-/// read.
-pub async fn hosts(
-    client: kube::Client,
-    namespace: &str,
-    slots: u32,
-    allow_degraded: bool,
-) -> Outcome {
+/// `faultline hosts` against the cluster's fault records.
+pub async fn hosts(client: kube::Client, namespace: &str, slots: u32, accept: Accept) -> Outcome {
     match cluster_records(client, namespace).await {
         Ok((records, bad)) => {
             for (name, why) in &bad {
                 eprintln!("warning: ConfigMap {namespace}/{name} holds no readable record: {why}");
             }
-            Outcome::ok(
-                hosts_lines(&records, slots, allow_degraded)
-                    .trim_end()
-                    .to_string(),
-            )
+            let usable: Vec<Value> = records
+                .iter()
+                .filter(|r| accept.accepts(r))
+                .map(|r| json!({"host": r.node, "slots": slots}))
+                .collect();
+            Outcome::ok(hosts_lines(&records, slots, accept).trim_end().to_string())
+                .with_data(json!({"hosts": usable}))
         }
         Err(e) => Outcome::error(format!(
             "error: cannot list fault ConfigMaps in {namespace}: {e}"
@@ -182,9 +175,12 @@ mod tests {
             rec("c", Health::Degraded),
             rec("d", Health::Healthy),
         ];
-        assert_eq!(hosts_lines(&records, 8, false), "a:8\nd:8\n");
-        assert_eq!(hosts_lines(&records, 4, true), "a:4\nc:4\nd:4\n");
-        assert_eq!(hosts_lines(&records[1..2], 8, true), "");
+        assert_eq!(hosts_lines(&records, 8, Accept::HEALTHY), "a:8\nd:8\n");
+        assert_eq!(
+            hosts_lines(&records, 4, Accept::DEGRADED),
+            "a:4\nc:4\nd:4\n"
+        );
+        assert_eq!(hosts_lines(&records[1..2], 8, Accept::DEGRADED), "");
     }
 
     #[test]

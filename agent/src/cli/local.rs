@@ -5,10 +5,11 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use faultline_core::record::{Health, NodeRecord};
+use faultline_core::record::NodeRecord;
 use faultline_core::time::{signed, since, Timestamp};
+use serde_json::{json, Value};
 
-use super::{columns, Outcome};
+use super::{columns, Accept, Outcome};
 use crate::atomic_file::write as write_atomic;
 use crate::sink::file::FAULTS_FILE;
 use crate::source::control::{is_pending, is_rejected, ClearRequest, CLEAR_DIR};
@@ -177,19 +178,20 @@ pub fn wait_healthy(
     path: &Path,
     timeout: Duration,
     interval: Duration,
-    allow_degraded: bool,
+    accept: Accept,
     stale_after: Duration,
 ) -> Outcome {
     let deadline = Instant::now() + timeout;
-    let acceptable = |h: Health| h == Health::Healthy || (allow_degraded && h == Health::Degraded);
     loop {
         let last = read_record(path);
         let mut dead = None;
         match &last {
             Ok(r) => match not_alive(r, Timestamp::now(), stale_after) {
                 Some(why) => dead = Some(why),
-                None if acceptable(r.health) => {
-                    return Outcome::ok(format!("healthy: {}", summary(r)))
+                None if accept.accepts(r) => {
+                    let msg = format!("healthy: {}", summary(r));
+                    let data = verdict_json("healthy", 0, &msg, Some(r));
+                    return Outcome::ok(msg).with_data(data);
                 }
                 None => {}
             },
@@ -199,11 +201,15 @@ pub fn wait_healthy(
         if Instant::now() >= deadline {
             return match (last, dead) {
                 (_, Some(why)) => Outcome::error(format!("error: {why}")),
-                (Ok(r), None) => Outcome::unhealthy(format!(
-                    "unhealthy after {}: {}",
-                    humantime::format_duration(timeout),
-                    summary(&r)
-                )),
+                (Ok(r), None) => {
+                    let msg = format!(
+                        "unhealthy after {}: {}",
+                        humantime::format_duration(timeout),
+                        summary(&r)
+                    );
+                    let data = verdict_json("unhealthy", 1, &msg, Some(&r));
+                    Outcome::unhealthy(msg).with_data(data)
+                }
                 (Err(e), None) => Outcome::error(format!("error: {e}")),
             };
         }
@@ -213,6 +219,19 @@ pub fn wait_healthy(
                 .max(Duration::from_millis(1)),
         );
     }
+}
+
+/// `wait-healthy -o json`: the result, the exit code, the line a person reads, and the
+/// record's node, health and most severe handling.
+fn verdict_json(result: &str, code: u8, message: &str, r: Option<&NodeRecord>) -> Value {
+    json!({
+        "result": result,
+        "exitCode": code,
+        "message": message,
+        "node": r.map(|r| r.node.as_str()),
+        "health": r.map(|r| r.health.as_str()),
+        "handling": r.and_then(|r| r.handling).map(|h| h.as_str()),
+    })
 }
 
 /// `faultline clear`: asks the agent to clear faults, and waits until it has taken the request.
@@ -250,11 +269,18 @@ pub fn clear(
             ));
         }
         if !is_pending(&dir, &name) {
+            let data = json!({
+                "result": "cleared",
+                "exitCode": 0,
+                "code": req.code,
+                "device": req.device,
+            });
             return Outcome::ok(format!(
                 "cleared {} on {}",
                 req.code.as_deref().unwrap_or("all faults"),
                 req.device.as_deref().unwrap_or("every device")
-            ));
+            ))
+            .with_data(data);
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -329,7 +355,13 @@ mod tests {
 
     /// `wait_healthy` polling every 10 ms, Healthy only.
     fn wait(p: &Path, timeout: Duration, stale_after: Duration) -> Outcome {
-        wait_healthy(p, timeout, Duration::from_millis(10), false, stale_after)
+        wait_healthy(
+            p,
+            timeout,
+            Duration::from_millis(10),
+            Accept::HEALTHY,
+            stale_after,
+        )
     }
 
     #[test]
@@ -365,7 +397,7 @@ mod tests {
             &p,
             Duration::from_secs(30),
             Duration::from_millis(20),
-            false,
+            Accept::HEALTHY,
             STALE_AFTER,
         );
         writer.join().unwrap();

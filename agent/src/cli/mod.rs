@@ -1,5 +1,5 @@
 //! The `faultline` command for operators and job scripts: `get` (this node, or every node from
-//! the cluster's fault ConfigMaps), `wait-healthy`, `clear`.
+//! the cluster's fault ConfigMaps), `wait-healthy`, `clear`, `hosts`, `check`.
 //!
 //! `local` reads this node's record (`get`, `wait-healthy`, `clear`); `cluster` reads every
 //! node's fault ConfigMap (`get --cluster`, `hosts`); `check` asks the peer-check coordinator
@@ -13,6 +13,9 @@ mod local;
 pub use check::{check, check_report, CheckArgs};
 pub use cluster::{cluster_records, cluster_table, get_cluster, hosts, hosts_lines, ClusterFilter};
 pub use local::{clear, get, read_record, record_path, summary, table, wait_healthy, ReadError};
+
+use faultline_core::record::{Handling, Health, NodeRecord};
+use serde_json::{json, Value};
 
 /// Sets up `tracing` for a binary: `text` or `json` to stderr, level from `RUST_LOG`. Colours
 /// only when stderr is a terminal, so logs collected from files or containers stay plain text.
@@ -31,11 +34,15 @@ pub fn init_tracing(format: &str) {
     }
 }
 
-/// Exit status and the line to print.
+/// Exit status and the line to print; with `-o json`, the document to print instead
+/// ([`render`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
     pub code: u8,
     pub message: String,
+    /// The answer as JSON for `-o json`; `None` when `message` already is the JSON document
+    /// (`get`, `check`) or there is none (an error: [`render`] makes one).
+    pub data: Option<Value>,
 }
 
 impl Outcome {
@@ -43,23 +50,94 @@ impl Outcome {
         Outcome {
             code: 0,
             message: message.into(),
+            data: None,
         }
     }
     fn unhealthy(message: impl Into<String>) -> Self {
         Outcome {
             code: 1,
             message: message.into(),
+            data: None,
         }
     }
     fn error(message: impl Into<String>) -> Self {
         Outcome {
             code: 2,
             message: message.into(),
+            data: None,
         }
     }
     /// Exit status 2: the command could not do its job.
     pub fn failed(message: impl Into<String>) -> Self {
         Self::error(message)
+    }
+    /// The same outcome with its JSON form.
+    fn with_data(mut self, data: Value) -> Self {
+        self.data = Some(data);
+        self
+    }
+}
+
+/// What a command prints: `(stdout, stderr)`. As text, the message goes to stdout on success
+/// and to stderr otherwise (nothing at all for an empty success: `hosts` with no usable node
+/// must not hand a launcher an empty line). With `-o json` everything a script reads is one
+/// JSON document on stdout, errors included: `{"error": "...", "exitCode": 2}`.
+pub fn render(o: &Outcome, json: bool) -> (Option<String>, Option<String>) {
+    if json {
+        let doc = match &o.data {
+            Some(d) => serde_json::to_string_pretty(d).unwrap_or_default(),
+            None if o.code == 2 => {
+                let why = o.message.strip_prefix("error: ").unwrap_or(&o.message);
+                json!({"error": why, "exitCode": o.code}).to_string()
+            }
+            None => o.message.clone(),
+        };
+        return (Some(doc), None);
+    }
+    match (o.code, o.message.is_empty()) {
+        (0, true) => (None, None),
+        (0, false) => (Some(o.message.clone()), None),
+        _ => (None, Some(o.message.clone())),
+    }
+}
+
+/// Which records a job script accepts as usable (`wait-healthy`, `hosts`; docs/record.md,
+/// "Usable"): Healthy always, Unhealthy never, Degraded only with `max_handling` set and the
+/// record's most severe active handling at most that level (a Degraded record with no active
+/// fault, e.g. a detector down, passes too).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Accept {
+    pub max_handling: Option<Handling>,
+}
+
+impl Accept {
+    /// Healthy only (the default).
+    pub const HEALTHY: Accept = Accept { max_handling: None };
+    /// `--allow-degraded`: faults whose handling is a restart of the job at most
+    /// (RestartBusiness and below), never a chip reset or an isolation.
+    pub const DEGRADED: Accept = Accept {
+        max_handling: Some(Handling::RestartBusiness),
+    };
+
+    /// From the flags: `--max-handling` wins over `--allow-degraded`.
+    pub fn from_flags(allow_degraded: bool, max_handling: Option<Handling>) -> Accept {
+        match (max_handling, allow_degraded) {
+            (Some(h), _) => Accept {
+                max_handling: Some(h),
+            },
+            (None, true) => Accept::DEGRADED,
+            (None, false) => Accept::HEALTHY,
+        }
+    }
+
+    pub fn accepts(&self, r: &NodeRecord) -> bool {
+        match r.health {
+            Health::Healthy => true,
+            Health::Unhealthy => false,
+            Health::Degraded => self
+                .max_handling
+                .is_some_and(|max| r.handling.is_none_or(|h| h <= max)),
+        }
     }
 }
 
@@ -91,6 +169,73 @@ fn columns(rows: &[Vec<String>]) -> String {
         out.push('\n');
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_records::{HEALTHY, UNHEALTHY};
+    use super::*;
+
+    fn record(health: Health, handling: Option<Handling>) -> NodeRecord {
+        let mut r: NodeRecord = serde_json::from_str(HEALTHY).unwrap();
+        r.health = health;
+        r.handling = handling;
+        r
+    }
+
+    /// `--allow-degraded` passes faults that need a restart of the job, never ones that call
+    /// for a chip reset or isolation (PreSeparateNPU: a port down, a node a peer check named).
+    #[test]
+    fn allow_degraded_stops_at_restart_business() {
+        use Handling::*;
+        let d = Accept::from_flags(true, None);
+        assert_eq!(d, Accept::DEGRADED);
+        for (h, ok) in [
+            (None, true),
+            (Some(NotHandleFault), true),
+            (Some(SubHealthFault), true),
+            (Some(RestartRequest), true),
+            (Some(RestartBusiness), true),
+            (Some(FreeRestartNPU), false),
+            (Some(RestartNPU), false),
+            (Some(PreSeparateNPU), false),
+            (Some(SeparateNPU), false),
+            (Some(ManuallySeparateNPU), false),
+        ] {
+            assert_eq!(d.accepts(&record(Health::Degraded, h)), ok, "{h:?}");
+            assert!(!Accept::HEALTHY.accepts(&record(Health::Degraded, h)));
+        }
+        let unhealthy: NodeRecord = serde_json::from_str(UNHEALTHY).unwrap();
+        assert!(!Accept::from_flags(true, Some(ManuallySeparateNPU)).accepts(&unhealthy));
+        assert!(Accept::HEALTHY.accepts(&record(Health::Healthy, None)));
+        // The threshold is an option: a site that restarts chips in the job prologue.
+        let wider = Accept::from_flags(false, Some(RestartNPU));
+        assert!(wider.accepts(&record(Health::Degraded, Some(RestartNPU))));
+        assert!(!wider.accepts(&record(Health::Degraded, Some(PreSeparateNPU))));
+    }
+
+    #[test]
+    fn json_output_is_one_document_on_stdout_errors_included() {
+        let err = Outcome::error("error: cannot read /x: No such file");
+        let (out, errout) = render(&err, true);
+        let v: Value = serde_json::from_str(&out.unwrap()).unwrap();
+        assert_eq!(
+            v,
+            json!({"error": "cannot read /x: No such file", "exitCode": 2})
+        );
+        assert_eq!(errout, None);
+        assert_eq!(
+            render(&err, false),
+            (None, Some("error: cannot read /x: No such file".into()))
+        );
+        let ok = Outcome::ok("a:8").with_data(json!({"hosts": [{"host": "a", "slots": 8}]}));
+        let v: Value = serde_json::from_str(&render(&ok, true).0.unwrap()).unwrap();
+        assert_eq!(v["hosts"][0]["slots"], 8);
+        assert_eq!(render(&ok, false), (Some("a:8".into()), None));
+        assert_eq!(render(&Outcome::ok(""), false), (None, None));
+        // `get` and `check` already carry their document as the message.
+        assert_eq!(render(&Outcome::ok("{}"), true), (Some("{}".into()), None));
+    }
 }
 
 /// Records the commands' tests read.
