@@ -8,15 +8,17 @@
 //! node. Building it is pure (`device_list`, `render`); `run` writes it.
 //!
 //! Which chip goes in which list (docs/ascend.md explains the choice):
-//! - `huawei.com/Ascend910-Unhealthy`: an active chip fault at `FreeRestartNPU` or worse (the
-//!   chip needs a reset or isolation), including `NPU_LOST` and `NPU_UNHEALTHY`;
-//! - `huawei.com/Ascend910-NetworkUnhealthy`: an active network fault at `PreSeparateNPU` or
-//!   worse (a port down past its duration rule);
+//! - `huawei.com/Ascend910-Unhealthy`: an active chip fault at `RestartRequest` or worse, as
+//!   MindCluster's device plugin decides, including `NPU_LOST` and `NPU_UNHEALTHY`;
+//! - `huawei.com/Ascend910-NetworkUnhealthy`: an active network fault at any level but
+//!   `NotHandleFault` (a port down past its duration rule, a flapping port);
 //! - `huawei.com/Ascend910-Recovering`: a fault whose condition is gone but whose recovery hold
 //!   still runs;
 //! - `huawei.com/Ascend910`: every other chip the source has seen;
-//! - `huawei.com/Ascend910-Fault`: one element per chip with active Ascend codes (hex codes only:
-//!   faultline's named conditions stay out, a consumer may parse the codes as hex).
+//! - `huawei.com/Ascend910-Fault`: per chip with active Ascend codes, a `CardNetworkUnhealthy`
+//!   element with its network codes and then a `CardUnhealthy` element with its chip codes,
+//!   codes in the order they occurred (hex codes only: faultline's named conditions stay out,
+//!   a consumer may parse the codes as hex).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -144,9 +146,9 @@ pub fn device_list(input: DeviceListInput<'_>) -> BTreeMap<String, String> {
     let mut unhealthy = BTreeSet::new();
     let mut network = BTreeSet::new();
     let mut recovering = BTreeSet::new();
-    // chip -> (type, worst level, code -> (time, level))
-    type Entry = (FaultType, Handling, BTreeMap<String, TimeAndLevel>);
-    let mut faults: BTreeMap<String, Entry> = BTreeMap::new();
+    // (chip, is-network) -> (worst level, (first seen, code, level) per code)
+    type Element = (Handling, Vec<(Timestamp, String, Handling)>);
+    let mut faults: BTreeMap<(String, bool), Element> = BTreeMap::new();
     for r in input.faults {
         if !r.active || r.source != Source::Ascend || !r.device.starts_with(&prefix) {
             continue;
@@ -160,34 +162,21 @@ pub fn device_list(input: DeviceListInput<'_>) -> BTreeMap<String, String> {
             continue;
         }
         let h = r.fault_handling;
-        match r.fault_type {
-            FaultType::CardNetworkUnhealthy if h >= Handling::PreSeparateNPU => {
-                network.insert(r.device.clone());
-            }
-            FaultType::CardUnhealthy | FaultType::NodeUnhealthy
-                if h >= Handling::FreeRestartNPU =>
-            {
-                unhealthy.insert(r.device.clone());
-            }
-            _ => {}
+        let is_network = r.fault_type == FaultType::CardNetworkUnhealthy;
+        // The device plugin's rules: a chip is unhealthy from RestartRequest up, a chip's
+        // network from any level but NotHandleFault (docs/ascend.md, "Which list").
+        if is_network && h > Handling::NotHandleFault {
+            network.insert(r.device.clone());
+        }
+        if !is_network && h >= Handling::RestartRequest {
+            unhealthy.insert(r.device.clone());
         }
         if is_fault_code(&r.fault_code) {
-            let code = &r.fault_code;
             let e = faults
-                .entry(r.device.clone())
-                .or_insert((r.fault_type, h, BTreeMap::new()));
-            // A chip fault outranks a network fault in the element's type.
-            if r.fault_type == FaultType::CardUnhealthy {
-                e.0 = FaultType::CardUnhealthy;
-            }
-            e.1 = e.1.max(h);
-            e.2.insert(
-                code.clone(),
-                TimeAndLevel {
-                    fault_time: r.first_seen.as_millisecond(),
-                    fault_level: h,
-                },
-            );
+                .entry((r.device.clone(), is_network))
+                .or_insert((h, Vec::new()));
+            e.0 = e.0.max(h);
+            e.1.push((r.first_seen, r.fault_code.to_ascii_uppercase(), h));
         }
     }
     let healthy: BTreeSet<String> = all
@@ -195,20 +184,45 @@ pub fn device_list(input: DeviceListInput<'_>) -> BTreeMap<String, String> {
         .filter(|n| !unhealthy.contains(*n) && !network.contains(*n) && !recovering.contains(*n))
         .cloned()
         .collect();
-    let mut names: Vec<&String> = faults.keys().collect();
-    names.sort_by_key(|n| chip_order(n));
-    let elements: Vec<DeviceFault> = names
+    // Per chip in chip order, its network element first, then its chip element: consumers
+    // look for a link-down chip as an element of type CardNetworkUnhealthy whose fault_code is
+    // exactly `81078603`, so network and chip codes never share an element.
+    let mut keys: Vec<&(String, bool)> = faults.keys().collect();
+    keys.sort_by_key(|(n, is_network)| (chip_order(n), !is_network));
+    let elements: Vec<DeviceFault> = keys
         .into_iter()
-        .map(|name| {
-            let (t, h, codes) = &faults[name];
+        .map(|k| {
+            let (worst, codes) = &faults[k];
+            let mut codes = codes.clone();
+            // In the order they occurred, as the device plugin lists them.
+            codes.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
             DeviceFault {
-                fault_type: *t,
-                npu_name: name.clone(),
-                large_model_fault_level: *h,
-                fault_level: *h,
-                fault_handling: *h,
-                fault_code: codes.keys().cloned().collect::<Vec<_>>().join(","),
-                fault_time_and_level_map: codes.clone(),
+                fault_type: if k.1 {
+                    FaultType::CardNetworkUnhealthy
+                } else {
+                    FaultType::CardUnhealthy
+                },
+                npu_name: k.0.clone(),
+                large_model_fault_level: *worst,
+                fault_level: *worst,
+                fault_handling: *worst,
+                fault_code: codes
+                    .iter()
+                    .map(|c| c.1.as_str())
+                    .collect::<Vec<_>>()
+                    .join(","),
+                fault_time_and_level_map: codes
+                    .iter()
+                    .map(|(at, code, level)| {
+                        (
+                            code.clone(),
+                            TimeAndLevel {
+                                fault_time: at.as_millisecond(),
+                                fault_level: *level,
+                            },
+                        )
+                    })
+                    .collect(),
             }
         })
         .collect();
@@ -225,10 +239,10 @@ pub fn device_list(input: DeviceListInput<'_>) -> BTreeMap<String, String> {
 
 /// The `DeviceInfoCfg` document: `CheckCode` is the hex sha256 of the JSON of `DeviceInfo`,
 /// fields in MindCluster's order, `SuperPodID` and `ServerIndex` -2 (not part of a super pod).
-pub fn render(list: &BTreeMap<String, String>, update_time: Timestamp) -> String {
+pub fn render(list: &BTreeMap<String, String>, update_time: i64) -> String {
     let info = DeviceInfo {
         device_list: list,
-        update_time: update_time.as_second(),
+        update_time,
     };
     let info_json = serde_json::to_string(&info).unwrap_or_default();
     let doc = DeviceInfoCfg {
@@ -238,6 +252,29 @@ pub fn render(list: &BTreeMap<String, String>, update_time: Timestamp) -> String
         check_code: hex::encode(Sha256::digest(info_json.as_bytes())),
     };
     serde_json::to_string(&doc).unwrap_or_default()
+}
+
+/// The `UpdateTime` (Unix seconds) of the next document: now, but always after the last one.
+/// Volcano skips a document whose UpdateTime is not newer than the one it holds, so two
+/// changes within one second (or a clock stepped back) would lose the second.
+pub fn next_update_time(last: Option<i64>, now: i64) -> i64 {
+    last.map_or(now, |l| now.max(l.saturating_add(1)))
+}
+
+/// Whether the lists name any chip. A node without chips gets no document, as MindCluster's
+/// device plugin publishes none there (it exits when it finds no device).
+pub fn has_chips(list: &BTreeMap<String, String>) -> bool {
+    ["", "Unhealthy", "NetworkUnhealthy", "Recovering"]
+        .iter()
+        .any(|k| list.get(&key(k)).is_some_and(|v| !v.is_empty()))
+}
+
+/// The `UpdateTime` of a document written before (the local file at start): a restart within
+/// the same second must not repeat it.
+fn last_update_time(path: &std::path::Path) -> Option<i64> {
+    let text = std::fs::read(path).ok()?;
+    let v: serde_json::Value = serde_json::from_slice(&text).ok()?;
+    v["DeviceInfo"]["UpdateTime"].as_i64()
 }
 
 /// Where the document goes besides the local file.
@@ -293,6 +330,7 @@ impl<P: Publisher> MindClusterSink<P> {
         let mut file_written: Option<(BTreeMap<String, String>, Instant)> = None;
         let mut published: Option<(BTreeMap<String, String>, Instant)> = None;
         let mut retry = crate::sink::kube::Retry::new();
+        let mut last_update = last_update_time(&self.dir.join(FILE_NAME));
         loop {
             let (enabled, resync) = {
                 let p = &self.policy.borrow().policy.ascend.mindcluster;
@@ -300,8 +338,12 @@ impl<P: Publisher> MindClusterSink<P> {
             };
             let snap = self.snapshots.borrow_and_update().clone();
             let mut wake = None;
-            if let (true, Some(snap)) = (enabled, snap) {
-                let list = device_list((&snap).into());
+            let list = snap
+                .as_ref()
+                .filter(|_| enabled)
+                .map(|snap| device_list(snap.into()))
+                .filter(has_chips);
+            if let Some(list) = list {
                 let now = Instant::now();
                 let due = |w: &Option<(BTreeMap<String, String>, Instant)>| {
                     w.as_ref()
@@ -310,7 +352,11 @@ impl<P: Publisher> MindClusterSink<P> {
                 let (file_due, publish_due) = (due(&file_written), due(&published));
                 // Rendered (JSON, sha256) only when something will be written: snapshots come
                 // with every engine change, most of which leave the device lists alone.
-                let doc = (file_due || publish_due).then(|| render(&list, self.clock.now()));
+                let doc = (file_due || publish_due).then(|| {
+                    let at = next_update_time(last_update, self.clock.now().as_second());
+                    last_update = Some(at);
+                    render(&list, at)
+                });
                 let mut failed = false;
                 if let (true, Some(doc)) = (file_due, &doc) {
                     let path = self.dir.join(FILE_NAME);
@@ -429,7 +475,7 @@ mod tests {
         e.step(ctx, ascend("80E01801", false, 2), t(2));
         e.step(ctx, ascend("81078603", true, 3), t(3));
         let list = device_list((&e.view(&policy)).into());
-        let doc = render(&list, t(10));
+        let doc = render(&list, t(10).as_second());
         let golden = include_str!("../../../tests/fixtures/ascend/deviceinfocfg-golden.json");
         assert_eq!(doc, golden.trim_end());
         // CheckCode is sha256 over exactly the DeviceInfo object's bytes.
@@ -440,6 +486,68 @@ mod tests {
             v["CheckCode"],
             hex::encode(Sha256::digest(&doc.as_bytes()[start..end]))
         );
+    }
+
+    /// The device plugin's rules (docs/ascend.md): a chip is unhealthy from RestartRequest up;
+    /// a chip with both network and chip codes gets two elements, the network one first, so a
+    /// consumer comparing `fault_code == "81078603"` on CardNetworkUnhealthy elements finds it.
+    #[test]
+    fn network_and_chip_codes_are_separate_elements() {
+        let (policy, catalog) = (Policy::parse("").unwrap(), Catalog::builtin().unwrap());
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let mut e = with_chips(ctx, 4);
+        // 80C98008 is RestartRequest in the built-in table (and in MindCluster's faultCode.json).
+        e.step(ctx, ascend("80C98008", false, 1), t(1));
+        e.step(ctx, ascend("81078603", true, 1), t(2));
+        let l = device_list((&e.view(&policy)).into());
+        assert_eq!(
+            l[&key("Unhealthy")],
+            "Ascend910-1",
+            "RestartRequest is unhealthy"
+        );
+        assert_eq!(l[&key("")], "Ascend910-0,Ascend910-2,Ascend910-3");
+        let elems: serde_json::Value = serde_json::from_str(&l[&key("Fault")]).unwrap();
+        let pairs: Vec<(&str, &str, &str)> = elems
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| {
+                (
+                    x["npu_name"].as_str().unwrap(),
+                    x["fault_type"].as_str().unwrap(),
+                    x["fault_code"].as_str().unwrap(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            pairs,
+            [
+                ("Ascend910-1", "CardNetworkUnhealthy", "81078603"),
+                ("Ascend910-1", "CardUnhealthy", "80C98008"),
+            ]
+        );
+    }
+
+    #[test]
+    fn update_time_strictly_increases_and_cpu_nodes_get_nothing() {
+        assert_eq!(next_update_time(None, 100), 100);
+        assert_eq!(next_update_time(Some(99), 100), 100);
+        assert_eq!(next_update_time(Some(100), 100), 101, "same second");
+        assert_eq!(next_update_time(Some(105), 100), 106, "clock stepped back");
+        let (policy, catalog) = (Policy::parse("").unwrap(), Catalog::builtin().unwrap());
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        assert!(!has_chips(&device_list(
+            (&Engine::new().view(&policy)).into()
+        )));
+        assert!(has_chips(&device_list(
+            (&with_chips(ctx, 1).view(&policy)).into()
+        )));
     }
 
     #[test]
