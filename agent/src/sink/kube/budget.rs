@@ -92,18 +92,18 @@ impl Budget {
                 .as_ref()
                 .and_then(|c| c.metadata.resource_version.clone());
             let mut ledger = current.as_ref().map(parse_ledger).unwrap_or_default();
-            let nodes = match (ledger.fresh_nodes(now, NODE_COUNT_MAX_AGE), counted) {
-                (Some(n), _) => n,
-                (None, Some(n)) => n,
-                (None, None) => {
-                    let n = self.count_nodes().await?;
+            let nodes = match ledger.fresh_nodes(now, NODE_COUNT_MAX_AGE) {
+                Some(n) => n,
+                None => {
+                    let n = match counted {
+                        Some(n) => n,
+                        None => self.count_nodes().await?,
+                    };
                     counted = Some(n);
+                    ledger.nodes = Some(NodeCount { count: n, at: now });
                     n
                 }
             };
-            if let (Some(n), None) = (counted, ledger.fresh_nodes(now, NODE_COUNT_MAX_AGE)) {
-                ledger.nodes = Some(NodeCount { count: n, at: now });
-            }
             let limit = budget.limit(nodes);
             let used = match ledger.decide(&self.node, now, budget.window, limit) {
                 Admission::AlreadyIn { .. } => return Ok(Answer::Allowed),
