@@ -102,6 +102,9 @@ pub struct AgentConfig {
     /// Kubernetes: how often a withheld taint asks the taint budget again.
     #[arg(long, default_value = "15s", value_parser = humantime::parse_duration, hide = true)]
     pub budget_recheck: Duration,
+    /// Kubernetes: how often the agent looks at the taint budget's shared node count.
+    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration, hide = true)]
+    pub budget_count_check: Duration,
     /// Kubernetes: how often the node is re-read to repair drift.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration, hide = true)]
     pub resync: Duration,
@@ -796,6 +799,7 @@ impl Components {
                 instance: self.cfg.pod_name.clone(),
                 settle: self.cfg.settle,
                 budget_recheck: self.cfg.budget_recheck,
+                budget_count_check: self.cfg.budget_count_check,
                 resync: self.cfg.resync,
                 ..kube_sink::KubeSinkConfig::new(self.node.clone())
             };

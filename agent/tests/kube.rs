@@ -824,6 +824,83 @@ fn taint_budget_holds_with_many_nodes() {
     drop(agents);
 }
 
+/// The taint budget's node count in the ledger: (count, when).
+fn ledger_count(c: &Cluster) -> Option<(u64, String)> {
+    let cm = c
+        .emu
+        .get(&ResourceRef::config_map(NS, "faultline-taint-budget"))?;
+    let ledger: Value = serde_json::from_str(cm["data"]["ledger.json"].as_str()?).ok()?;
+    Some((
+        ledger["nodes"]["count"].as_u64()?,
+        ledger["nodes"]["at"].as_str()?.to_string(),
+    ))
+}
+
+/// The taint budget's node count is shared before any incident: agents look at the ledger now
+/// and then and count the records when the count is stale, so a node failing later is admitted
+/// on the shared count without listing every record. (The count used to be written only by an
+/// admission: the first incident in a 2,000-node fleet had 200 agents each list 2,000 records,
+/// and the first taint came after 8 s.)
+#[test]
+fn budget_node_count_is_shared_before_any_incident() {
+    let names = ["node-a", "node-b", "node-c", "node-d"];
+    let c = Cluster::new(&names);
+    let dirs: Vec<_> = names.iter().map(|_| tempfile::tempdir().unwrap()).collect();
+    // node-a looks once a day: its first look is hours away (placed by its name, so the same in
+    // every run); the others every 300 ms.
+    let agents: Vec<Agent> = names
+        .iter()
+        .zip(&dirs)
+        .map(|(n, d)| {
+            let every = if *n == "node-a" { "24h" } else { "300ms" };
+            c.start_agent(d.path(), n, &["--budget-count-check", every])
+        })
+        .collect();
+    c.wait("every agent's ConfigMap", None, |c| {
+        names.iter().all(|n| c.record(n).is_some())
+    });
+    c.wait(
+        "the ledger to hold the number of records, with no incident",
+        None,
+        |c| ledger_count(c).is_some_and(|(n, _)| n == 4),
+    );
+    // It stays fresh: counted again once over 300 ms old.
+    let (_, at) = ledger_count(&c).unwrap();
+    c.wait("the count to be taken again", None, |c| {
+        ledger_count(c).is_some_and(|(_, a)| a != at)
+    });
+    c.emu.clear_calls();
+    agents[0].append(XID79);
+    c.wait("node-a tainted", Some(&agents[0]), |c| {
+        c.taints("node-a")
+            .iter()
+            .any(|t| t.starts_with("faultline.io/unhealthy="))
+    });
+    let by_a: Vec<Call> = c
+        .emu
+        .calls()
+        .into_iter()
+        .filter(|x| {
+            x.user_agent
+                .as_deref()
+                .is_some_and(|u| u.ends_with("(node-a)"))
+        })
+        .collect();
+    assert!(
+        by_a.iter()
+            .any(|x| x.method == "PUT" && x.path.ends_with("/configmaps/faultline-taint-budget")),
+        "node-a was admitted through the ledger: {by_a:#?}"
+    );
+    assert!(
+        !by_a
+            .iter()
+            .any(|x| x.method == "GET" && x.path == format!("/api/v1/namespaces/{NS}/configmaps")),
+        "node-a's admission used the shared count and listed no records: {by_a:#?}"
+    );
+    c.assert_calls_listed();
+    drop(agents);
+}
+
 /// A restart while the budget withholds a taint writes nothing: the withheld list comes back
 /// from the last record, so the ConfigMap is not rewritten, no second `TaintBudgetExceeded`
 /// Event is emitted and `agent.taintBudget.since` stays. (The withheld list used to live only

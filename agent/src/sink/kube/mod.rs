@@ -8,6 +8,9 @@
 //! - [`configmap`]: `faultline-<node>` holding `faults.json` (server-side apply);
 //! - [`events`]: Events on the Node through kube-runtime's `Recorder`.
 //!
+//! A fourth task keeps the taint [`budget`]'s shared node count fresh (a read every few
+//! minutes; a list of the records when the count is over a minute old).
+//!
 //! The Node and the ConfigMap are also watched by name ([`own`]), so that a deletion or an
 //! overwrite by someone else is repaired within seconds; the periodic resync is the backstop.
 //!
@@ -57,6 +60,9 @@ pub struct KubeSinkConfig {
     pub resync: Duration,
     /// How often a withheld taint asks the budget again.
     pub budget_recheck: Duration,
+    /// How often the agent looks at the taint budget's shared node count (and counts again
+    /// when it is over a minute old; [`budget::keep_count_fresh`]).
+    pub budget_count_check: Duration,
 }
 
 impl KubeSinkConfig {
@@ -68,6 +74,7 @@ impl KubeSinkConfig {
             settle: Duration::from_secs(30),
             resync: Duration::from_secs(300),
             budget_recheck: Duration::from_secs(15),
+            budget_count_check: Duration::from_secs(300),
         }
     }
 }
@@ -183,6 +190,12 @@ pub fn spawn(
     };
     let client = clients.calls;
     let budget = budget::Budget::new(client.clone(), &cfg.namespace, &cfg.node);
+    let count_task = budget::keep_count_fresh(
+        budget.clone(),
+        clock.clone(),
+        cfg.budget_count_check,
+        shutdown.clone(),
+    );
     let node_sink = node::NodeSink::new(
         client.clone(),
         cfg.clone(),
@@ -227,5 +240,6 @@ pub fn spawn(
         tokio::spawn(node_task.instrument(tracing::info_span!("sink", name = "node"))),
         tokio::spawn(cm_task.instrument(tracing::info_span!("sink", name = "configmap"))),
         tokio::spawn(ev_task.instrument(tracing::info_span!("sink", name = "events"))),
+        tokio::spawn(count_task.instrument(tracing::info_span!("sink", name = "budget_count"))),
     ]
 }
