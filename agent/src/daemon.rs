@@ -788,8 +788,22 @@ impl Components {
         };
         match self.kube.clone() {
             Some(c) => {
-                let p = kube_sink::deviceinfo::DeviceInfoPublisher::new(c.calls, &self.node);
+                let p =
+                    kube_sink::deviceinfo::DeviceInfoPublisher::new(c.calls.clone(), &self.node);
                 self.spawn_sink("mindcluster", mind.with_publisher(p).run());
+                // Public faults go to ClusterD, which exists only in a cluster.
+                let public = crate::sink::publicfault::PublicFaultSink {
+                    node: self.node.clone(),
+                    publisher: kube_sink::deviceinfo::DeviceInfoPublisher::public_faults(
+                        c.calls, &self.node,
+                    ),
+                    snapshots: self.snapshots.clone(),
+                    policy: self.policy.clone(),
+                    clock: self.clock.clone(),
+                    metrics: self.metrics.clone(),
+                    shutdown: self.shutdown.clone(),
+                };
+                self.spawn_sink("publicfault", public.run());
             }
             None => self.spawn_sink("mindcluster", mind.run()),
         }

@@ -683,3 +683,114 @@ fn deviceinfo_configmap_in_kubernetes_mode() {
         .collect();
     assert!(refused.is_empty(), "{refused:?}");
 }
+
+/// With `public_faults` on, what the device plugin does not report itself (here a chip whose
+/// health is Critical with no error code: `NPU_UNHEALTHY`) is published for ClusterD as
+/// `kube-system/faultline-publicfault-<node>`, labelled `mc-consumer-publicfault=true`; when it
+/// clears, a `recover` with the same faultId follows. The agent runs against the API emulator
+/// with exactly the permissions of the call tables.
+#[test]
+fn public_faults_configmap_in_kubernetes_mode() {
+    use faultline_agent::sink::kube::calls::{API_CALLS, MINDCLUSTER_CALLS};
+    use faultline_kube_emulator::{ResourceRef, UserInfo};
+    use serde_json::{json, Value};
+
+    let (_rt, emu) = common::emulator();
+    let rules = common::rules_for(&[API_CALLS, MINDCLUSTER_CALLS], "faultline-system");
+    emu.authorize(
+        "agent",
+        UserInfo::service_account("faultline-system", "faultline"),
+        rules,
+    );
+    for ns in ["faultline-system", "kube-system"] {
+        emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}));
+    }
+    emu.put(faultline_kube_emulator::node(
+        "node-a",
+        &[("kubernetes.io/hostname", "node-a")],
+    ));
+    let kdir = tempfile::tempdir().unwrap();
+    let kubeconfig = kdir.path().join("kubeconfig");
+    emu.write_kubeconfig(&kubeconfig, "agent").unwrap();
+    let rig = Rig::start(
+        "  mindcluster: { public_faults: { enabled: true } }\n",
+        &[
+            "--kubeconfig",
+            kubeconfig.to_str().unwrap(),
+            "--settle",
+            "0s",
+        ],
+    );
+    rig.running();
+    let cm_ref = ResourceRef::config_map("kube-system", "faultline-publicfault-node-a");
+    let message = || -> Option<(Value, Value)> {
+        let cm = emu.get(&cm_ref)?;
+        let m = serde_json::from_str(cm["data"]["PublicFault"].as_str()?).ok()?;
+        Some((cm, m))
+    };
+    // A healthy node has nothing to say.
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(message().is_none());
+
+    rig.put("health-4-0.txt", &health_with("Critical", "NA"));
+    let wait = |what: &str, f: &dyn Fn(&Value) -> bool| -> (Value, Value) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some((cm, m)) = message() {
+                if f(&m) {
+                    return (cm, m);
+                }
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{what}: {:?}\nrecord: {:?}\ncalls: {:?}\nlog: {}",
+                message(),
+                rig.agent.record().map(|r| r.faults),
+                emu.calls()
+                    .iter()
+                    .filter(|c| c.path.contains("kube-system"))
+                    .collect::<Vec<_>>(),
+                rig.agent.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    };
+    let (cm, m) = wait("an occur entry for Ascend910-4", &|m| {
+        m["faults"].as_array().is_some_and(|f| {
+            f.iter()
+                .any(|x| x["assertion"] == "occur" && x["faultLocation"]["device"] == "Ascend910-4")
+        })
+    });
+    assert_eq!(cm["metadata"]["labels"]["mc-consumer-publicfault"], "true");
+    assert_eq!(
+        (m["version"].as_str(), m["resource"].as_str()),
+        (Some("1.0"), Some("faultline"))
+    );
+    let f = m["faults"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["faultLocation"]["device"] == "Ascend910-4")
+        .unwrap()
+        .clone();
+    assert_eq!(f["faultType"], "NPU");
+    assert_eq!(f["faultLocation"]["faultlineCode"], "NPU_UNHEALTHY");
+    assert_eq!(f["influence"][0]["nodeName"], "node-a");
+    assert_eq!(f["influence"][0]["deviceIds"], json!([4]));
+    assert_eq!(f["faultCode"].as_str().map(str::len), Some(9));
+
+    rig.put("health-4-0.txt", &fixture("npu-smi-health-ok.txt"));
+    wait("a recover entry with the same faultId", &|m| {
+        m["faults"].as_array().is_some_and(|x| {
+            x.iter()
+                .any(|x| x["assertion"] == "recover" && x["faultId"] == f["faultId"])
+        })
+    });
+    rig.agent.stop();
+    let refused: Vec<_> = emu
+        .calls()
+        .into_iter()
+        .filter(|c| c.status == 403)
+        .collect();
+    assert!(refused.is_empty(), "{refused:?}");
+}

@@ -118,6 +118,9 @@ pub struct MindClusterPolicy {
     /// `UpdateTime` as a dead node).
     #[serde(with = "humantime_serde")]
     pub resync: Duration,
+    /// MindCluster's public-fault interface (Kubernetes mode): faultline's own findings, which
+    /// MindCluster's device plugin cannot see, as a ConfigMap its ClusterD reads.
+    pub public_faults: PublicFaultPolicy,
 }
 
 impl Default for MindClusterPolicy {
@@ -125,6 +128,27 @@ impl Default for MindClusterPolicy {
         MindClusterPolicy {
             enabled: false,
             resync: Duration::from_secs(300),
+            public_faults: PublicFaultPolicy::default(),
+        }
+    }
+}
+
+/// Public faults for MindCluster's ClusterD (docs/ascend.md, "Public faults"). Off by default;
+/// ClusterD drops them unless its `publicCustomization.json` lists `resource` and faultline's
+/// codes (`manifests/examples/mindcluster/publicCustomization.json`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PublicFaultPolicy {
+    pub enabled: bool,
+    /// The `resource` field of every message (ClusterD's `publicFaultResource` must list it).
+    pub resource: String,
+}
+
+impl Default for PublicFaultPolicy {
+    fn default() -> Self {
+        PublicFaultPolicy {
+            enabled: false,
+            resource: "faultline".to_string(),
         }
     }
 }
@@ -236,6 +260,10 @@ pub struct AscendTables {
     pub codes: Option<Arc<AscendTable>>,
     /// Escalation rules from `faultCustomization.json` (the operator's, else the built-in).
     pub rules: Vec<EscalationRule>,
+    /// What the operator's files hold that is read but not applied, one line each (keys of
+    /// other releases, skipped rules, network codes moved out of chip lists): shown as policy
+    /// warnings.
+    pub notes: Vec<String>,
 }
 
 impl AscendTables {
@@ -244,7 +272,9 @@ impl AscendTables {
             codes: None,
             // The built-in file is tested to parse; an error here cannot happen at run time.
             rules: ascend::parse_customization("builtin", ascend::BUILTIN_CUSTOMIZATION)
+                .map(|c| c.rules)
                 .unwrap_or_default(),
+            notes: Vec::new(),
         }
     }
 }
@@ -458,11 +488,22 @@ impl Policy {
         };
         if let Some((path, text)) = codes {
             let t = AscendTable::parse(path, text).map_err(|e| err("fault_code_file", e))?;
+            let notes = &mut self.ascend_tables.notes;
+            notes.extend(
+                t.ignored_keys
+                    .iter()
+                    .map(|k| format!("{path}: {k}: not a level this agent knows; ignored")),
+            );
+            notes.extend(t.moved.iter().map(|m| format!("{path}: {m}")));
             self.ascend_tables.codes = Some(Arc::new(t));
         }
         if let Some((path, text)) = customization {
-            self.ascend_tables.rules = ascend::parse_customization(path, text)
+            let c = ascend::parse_customization(path, text)
                 .map_err(|e| err("fault_customization_file", e))?;
+            self.ascend_tables.rules = c.rules;
+            self.ascend_tables
+                .notes
+                .extend(c.notes.iter().map(|n| format!("{path}: {n}")));
         }
         Ok(self)
     }
@@ -506,6 +547,7 @@ impl Policy {
                     )
                 }),
         )
+        .chain(self.ascend_tables.notes.iter().cloned())
         .collect()
     }
 
@@ -724,6 +766,20 @@ impl Policy {
                 );
             }
         }
+        // ClusterD compares `resource` with its configured names; keep it to the characters
+        // its other identifiers allow, so a typo is refused here and not dropped there.
+        let resource = &self.ascend.mindcluster.public_faults.resource;
+        if resource.is_empty()
+            || resource.len() > 64
+            || !resource
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+        {
+            return err(
+                "field ascend.mindcluster.public_faults.resource".into(),
+                "1 to 64 letters, digits, '-', '_' or '.'",
+            );
+        }
         for code in self.overrides.keys() {
             if !valid_code(code) {
                 return err(
@@ -936,6 +992,11 @@ expected_gpus: 8
             ("escalation:\n  - codes: [Xid13]\n    count: 100000000\n    window: 1h\n    handling: SeparateNPU\n", &["escalation[0].count"]),
             ("recovery:\n  - clear_after: 1000y\n", &["recovery[0].clear_after"]),
             ("ascend: { link_flap_count: 100000 }\n", &["ascend.link_flap_count"]),
+            ("ascend: { mindcluster: { public_faults: { resource: \"fault line\" } } }\n",
+             &["ascend.mindcluster.public_faults.resource", "letters, digits"]),
+            ("ascend: { mindcluster: { public_faults: { enabled: true, resource: \"\" } } }\n",
+             &["ascend.mindcluster.public_faults.resource"]),
+            ("ascend: { mindcluster: { public_faults: { enable: true } } }\n", &["unknown field", "enable"]),
         ];
         for (text, needles) in cases {
             let err = Policy::parse(text).expect_err(text).to_string();

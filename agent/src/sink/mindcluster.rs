@@ -19,6 +19,11 @@
 //!   element with its network codes and then a `CardUnhealthy` element with its chip codes,
 //!   codes in the order they occurred (hex codes only: faultline's named conditions stay out,
 //!   a consumer may parse the codes as hex).
+//!
+//! Keys are per chip family as the device plugin names them: the above for 910, 910B and 910A3;
+//! `huawei.com/Ascend310P`, `-Unhealthy` and `-Fault` for 310P cards, and the same for 310
+//! (`Ascend310`): the device plugin computes no network health and has no recovering list
+//! there, so a chip waiting out a recovery hold is listed unhealthy.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -35,7 +40,7 @@ use tracing::{debug, info, warn};
 use crate::atomic_file::write as write_atomic;
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::{Clock, Snapshot};
-use faultline_core::catalog::ascend::{is_fault_code, KIND};
+use faultline_core::catalog::ascend::{is_fault_code, FAMILIES, KIND};
 use faultline_core::engine::NodeView;
 use faultline_core::policy::LoadedPolicy;
 use faultline_core::record::{Fault, FaultType, Handling, Source};
@@ -48,11 +53,21 @@ pub const FILE_NAME: &str = "deviceinfo.json";
 
 /// `huawei.com/Ascend910` and its suffixed keys.
 pub fn key(suffix: &str) -> String {
+    family_key(KIND, suffix)
+}
+
+/// `huawei.com/<family>` and its suffixed keys (`huawei.com/Ascend310P-Fault`).
+pub fn family_key(family: &str, suffix: &str) -> String {
     if suffix.is_empty() {
-        format!("huawei.com/{KIND}")
+        format!("huawei.com/{family}")
     } else {
-        format!("huawei.com/{KIND}-{suffix}")
+        format!("huawei.com/{family}-{suffix}")
     }
+}
+
+/// Whether the device plugin keeps network and recovering lists for this family (910 only).
+fn has_network_lists(family: &str) -> bool {
+    family == KIND
 }
 
 /// One element of the `-Fault` list.
@@ -139,10 +154,29 @@ impl<'a> From<&'a NodeView> for DeviceListInput<'a> {
 }
 
 /// The `DeviceList` map from the engine's published view: chips from the Ascend inventory,
-/// faults from the Ascend source.
+/// faults from the Ascend source; the keys of each chip family present.
 pub fn device_list(input: DeviceListInput<'_>) -> BTreeMap<String, String> {
-    let prefix = format!("{KIND}-");
-    let mut all: BTreeSet<String> = input.inventory.get(KIND).cloned().unwrap_or_default();
+    let mut out = BTreeMap::new();
+    for family in FAMILIES {
+        let prefix = format!("{family}-");
+        let present = input.inventory.get(family).is_some_and(|c| !c.is_empty())
+            || input
+                .faults
+                .iter()
+                .any(|r| r.active && r.source == Source::Ascend && r.device.starts_with(&prefix));
+        if present {
+            out.extend(family_list(family, input));
+        }
+    }
+    out
+}
+
+/// The keys of one chip family.
+fn family_list(family: &str, input: DeviceListInput<'_>) -> BTreeMap<String, String> {
+    let key = |suffix: &str| family_key(family, suffix);
+    let lists = has_network_lists(family);
+    let prefix = format!("{family}-");
+    let mut all: BTreeSet<String> = input.inventory.get(family).cloned().unwrap_or_default();
     let mut unhealthy = BTreeSet::new();
     let mut network = BTreeSet::new();
     let mut recovering = BTreeSet::new();
@@ -158,14 +192,18 @@ pub fn device_list(input: DeviceListInput<'_>) -> BTreeMap<String, String> {
             .recovering
             .contains(&(r.device.clone(), r.fault_code.clone()))
         {
-            recovering.insert(r.device.clone());
+            if lists {
+                recovering.insert(r.device.clone());
+            } else {
+                unhealthy.insert(r.device.clone());
+            }
             continue;
         }
         let h = r.fault_handling;
         let is_network = r.fault_type == FaultType::CardNetworkUnhealthy;
         // The device plugin's rules: a chip is unhealthy from RestartRequest up, a chip's
         // network from any level but NotHandleFault (docs/ascend.md, "Which list").
-        if is_network && h > Handling::NotHandleFault {
+        if lists && is_network && h > Handling::NotHandleFault {
             network.insert(r.device.clone());
         }
         if !is_network && h >= Handling::RestartRequest {
@@ -228,13 +266,16 @@ pub fn device_list(input: DeviceListInput<'_>) -> BTreeMap<String, String> {
         .collect();
     // Serializing plain data cannot fail; an empty list is the safe fallback all the same.
     let fault_json = serde_json::to_string(&elements).unwrap_or_else(|_| "[]".into());
-    BTreeMap::from([
+    let mut list = BTreeMap::from([
         (key(""), join(&healthy)),
         (key("Unhealthy"), join(&unhealthy)),
-        (key("NetworkUnhealthy"), join(&network)),
-        (key("Recovering"), join(&recovering)),
         (key("Fault"), fault_json),
-    ])
+    ]);
+    if lists {
+        list.insert(key("NetworkUnhealthy"), join(&network));
+        list.insert(key("Recovering"), join(&recovering));
+    }
+    list
 }
 
 /// The `DeviceInfoCfg` document: `CheckCode` is the hex sha256 of the JSON of `DeviceInfo`,
@@ -264,9 +305,11 @@ pub fn next_update_time(last: Option<i64>, now: i64) -> i64 {
 /// Whether the lists name any chip. A node without chips gets no document, as MindCluster's
 /// device plugin publishes none there (it exits when it finds no device).
 pub fn has_chips(list: &BTreeMap<String, String>) -> bool {
-    ["", "Unhealthy", "NetworkUnhealthy", "Recovering"]
-        .iter()
-        .any(|k| list.get(&key(k)).is_some_and(|v| !v.is_empty()))
+    FAMILIES.iter().any(|f| {
+        ["", "Unhealthy", "NetworkUnhealthy", "Recovering"]
+            .iter()
+            .any(|k| list.get(&family_key(f, k)).is_some_and(|v| !v.is_empty()))
+    })
 }
 
 /// The `UpdateTime` of a document written before (the local file at start): a restart within
@@ -486,6 +529,52 @@ mod tests {
             v["CheckCode"],
             hex::encode(Sha256::digest(&doc.as_bytes()[start..end]))
         );
+    }
+
+    /// 310P cards get MindCluster's 310P keys (`huawei.com/Ascend310P`, `-Unhealthy`, `-Fault`;
+    /// no network or recovering lists there) and nothing under the 910 keys.
+    #[test]
+    fn a_310p_node_gets_the_310p_keys() {
+        let (policy, catalog) = (Policy::parse("").unwrap(), Catalog::builtin().unwrap());
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let mut e = Engine::new();
+        e.step(
+            ctx,
+            Observation::Inventory {
+                kind: "Ascend310P".into(),
+                names: (0..3).map(|i| format!("Ascend310P-{i}")).collect(),
+            },
+            t(0),
+        );
+        let chip = |code: &str, n: u32| {
+            Observation::Signal(Signal::new(
+                Source::Ascend,
+                FaultCode::Ascend {
+                    code: code.into(),
+                    network: false,
+                    severe: false,
+                },
+                Some(DeviceRef::named(&format!("Ascend310P-{n}"))),
+                "x",
+            ))
+        };
+        e.step(ctx, chip("80E3A201", 1), t(1));
+        let l = device_list((&e.view(&policy)).into());
+        assert_eq!(
+            l.keys().map(String::as_str).collect::<Vec<_>>(),
+            [
+                "huawei.com/Ascend310P",
+                "huawei.com/Ascend310P-Fault",
+                "huawei.com/Ascend310P-Unhealthy"
+            ]
+        );
+        assert_eq!(l["huawei.com/Ascend310P"], "Ascend310P-0,Ascend310P-2");
+        assert_eq!(l["huawei.com/Ascend310P-Unhealthy"], "Ascend310P-1");
+        assert!(l["huawei.com/Ascend310P-Fault"].contains(r#""npu_name":"Ascend310P-1""#));
+        assert!(has_chips(&l));
     }
 
     /// The device plugin's rules (docs/ascend.md): a chip is unhealthy from RestartRequest up;

@@ -6,3 +6,4 @@
 pub mod file;
 pub mod kube;
 pub mod mindcluster;
+pub mod publicfault;

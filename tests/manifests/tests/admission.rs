@@ -711,7 +711,8 @@ fn cel_does_not_apply_to_anyone_else() {
 }
 
 /// The opt-in MindCluster component: the agent may write only its own node's
-/// `mindx-dl-deviceinfo-<node>` in kube-system, and nothing without a node name.
+/// `mindx-dl-deviceinfo-<node>` and `faultline-publicfault-<node>` in kube-system, and nothing
+/// without a node name.
 #[test]
 fn cel_mindcluster_component_confines_the_agent_to_its_deviceinfo() {
     let docs = common::component_objects("mindcluster");
@@ -752,7 +753,17 @@ fn cel_mindcluster_component_confines_the_agent_to_its_deviceinfo() {
         write(agent_on(Some(NODE)), &own, "UPDATE"),
         Verdict::Allowed
     );
+    // Its public-fault ConfigMap for ClusterD too, and only its own.
+    let public = format!("faultline-publicfault-{NODE}");
+    for op in ["CREATE", "UPDATE"] {
+        assert_eq!(write(agent_on(Some(NODE)), &public, op), Verdict::Allowed);
+    }
     for (who, name) in [
+        (
+            agent_on(Some(NODE)),
+            "faultline-publicfault-gpu-node-2".to_string(),
+        ),
+        (agent_on(None), public.clone()),
         (
             agent_on(Some(NODE)),
             "mindx-dl-deviceinfo-gpu-node-2".to_string(),

@@ -203,14 +203,14 @@ pub const MINDCLUSTER_CALLS: &[ApiCall] = &[
         "configmaps",
         "patch",
         Scope::Namespace("kube-system"),
-        "sink::kube::deviceinfo (mindx-dl-deviceinfo-<node> by server-side apply)",
+        "sink::kube::deviceinfo (mindx-dl-deviceinfo-<node> and faultline-publicfault-<node> by server-side apply)",
     ),
     call(
         "",
         "configmaps",
         "create",
         Scope::Namespace("kube-system"),
-        "sink::kube::deviceinfo (the first apply creates mindx-dl-deviceinfo-<node>: checked as create too)",
+        "sink::kube::deviceinfo (the first apply creates each ConfigMap: checked as create too)",
     ),
 ];
 

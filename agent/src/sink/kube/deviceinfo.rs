@@ -1,7 +1,8 @@
-//! Publishes the MindCluster `DeviceInfoCfg` document (built by `sink::mindcluster`) as the
-//! ConfigMap `mindx-dl-deviceinfo-<node>` in `kube-system`, by server-side apply under the
-//! agent's field manager. Only when `ascend.mindcluster.enabled`; the RBAC for it is an opt-in
-//! kustomize component (`manifests/components/mindcluster`).
+//! Publishes the MindCluster documents in `kube-system` by server-side apply under the agent's
+//! field manager: the `DeviceInfoCfg` document (built by `sink::mindcluster`) as
+//! `mindx-dl-deviceinfo-<node>`, and the public-fault message (built by `sink::publicfault`) as
+//! `faultline-publicfault-<node>`. Only when the policy turns them on; the RBAC for them is an
+//! opt-in kustomize component (`manifests/components/mindcluster`).
 
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Patch, PatchParams};
@@ -10,19 +11,38 @@ use serde_json::json;
 
 use super::FIELD_MANAGER;
 use crate::sink::mindcluster::{Publisher, CONFIGMAP_PREFIX, CONSUMER_LABEL, DATA_KEY, NAMESPACE};
+use crate::sink::publicfault;
 
-/// The Kubernetes side of the MindCluster output.
+/// One labelled ConfigMap in `kube-system` holding one document under one key.
 #[derive(Clone, Debug)]
 pub struct DeviceInfoPublisher {
     api: Api<ConfigMap>,
+    namespace: &'static str,
     name: String,
+    label: (&'static str, &'static str),
+    key: &'static str,
 }
 
 impl DeviceInfoPublisher {
+    /// `mindx-dl-deviceinfo-<node>`, label `mx-consumer-cim=true`, key `DeviceInfoCfg`.
     pub fn new(client: kube::Client, node: &str) -> Self {
         DeviceInfoPublisher {
             api: Api::namespaced(client, NAMESPACE),
+            namespace: NAMESPACE,
             name: format!("{CONFIGMAP_PREFIX}{node}"),
+            label: CONSUMER_LABEL,
+            key: DATA_KEY,
+        }
+    }
+
+    /// `faultline-publicfault-<node>`, label `mc-consumer-publicfault=true`, key `PublicFault`.
+    pub fn public_faults(client: kube::Client, node: &str) -> Self {
+        DeviceInfoPublisher {
+            api: Api::namespaced(client, publicfault::NAMESPACE),
+            namespace: publicfault::NAMESPACE,
+            name: format!("{}{node}", publicfault::CONFIGMAP_PREFIX),
+            label: publicfault::CONSUMER_LABEL,
+            key: publicfault::DATA_KEY,
         }
     }
 }
@@ -34,10 +54,10 @@ impl Publisher for DeviceInfoPublisher {
             "kind": "ConfigMap",
             "metadata": {
                 "name": self.name,
-                "namespace": NAMESPACE,
-                "labels": { CONSUMER_LABEL.0: CONSUMER_LABEL.1 },
+                "namespace": self.namespace,
+                "labels": { self.label.0: self.label.1 },
             },
-            "data": { DATA_KEY: document },
+            "data": { self.key: document },
         });
         self.api
             .patch(
@@ -47,6 +67,6 @@ impl Publisher for DeviceInfoPublisher {
             )
             .await
             .map(|_| ())
-            .map_err(|e| format!("apply ConfigMap {NAMESPACE}/{}: {e}", self.name))
+            .map_err(|e| format!("apply ConfigMap {}/{}: {e}", self.namespace, self.name))
     }
 }

@@ -16,7 +16,7 @@ use faultline_core::parse::ascend::{ChipHealth, LinkStatus, NetHealth, NpuChip, 
 use faultline_core::policy::AscendPolicy;
 use faultline_core::record::Source;
 
-pub use faultline_core::catalog::ascend::{KIND, LINK_DOWN_CODE};
+pub use faultline_core::catalog::ascend::{family_of, KIND, LINK_DOWN_CODE};
 pub const DOMAIN_CHIP: &str = "npu-chip";
 pub const DOMAIN_LINK: &str = "npu-link";
 pub const DOMAIN_NET: &str = "npu-net";
@@ -47,12 +47,35 @@ pub struct Poll {
     pub hccn_absent: bool,
 }
 
-/// `Ascend910-<n>`.
-pub fn chip_name(id: u32) -> String {
-    format!("{KIND}-{id}")
+/// A chip as MindCluster names it: its family (from the model npu-smi shows, `310P3` ->
+/// `Ascend310P`) and its number: `Ascend910-3`, `Ascend310P-0`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChipId {
+    pub family: &'static str,
+    pub id: u32,
 }
 
-fn device(id: u32) -> DeviceRef {
+impl ChipId {
+    pub fn of(c: &NpuChip) -> ChipId {
+        ChipId {
+            family: family_of(&c.name),
+            id: c.logical_id(),
+        }
+    }
+}
+
+impl std::fmt::Display for ChipId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.family, self.id)
+    }
+}
+
+/// `Ascend910-<n>`, `Ascend310P-<n>`.
+pub fn chip_name(id: ChipId) -> String {
+    id.to_string()
+}
+
+fn device(id: ChipId) -> DeviceRef {
     DeviceRef::named(&chip_name(id))
 }
 
@@ -87,15 +110,16 @@ impl Analyzer {
         let mut npu_smi_errors = Vec::new();
         let mut hccn_errors: Vec<String> = poll.hccn_error.iter().cloned().collect();
         // Chips gone since the last poll.
-        for (id, old) in &self.seen {
-            if !chips.iter().any(|c| c.logical_id() == *id) {
+        for (key, old) in &self.seen {
+            if !chips.iter().any(|c| c.logical_id() == *key) {
+                let id = ChipId::of(old);
                 out.push(Observation::Signal(Signal::new(
                     Source::Ascend,
                     FaultCode::named("NPU_LOST"),
-                    Some(device(*id)),
+                    Some(device(id)),
                     format!(
                         "{} (NPU {} chip {}) is no longer listed by npu-smi",
-                        chip_name(*id),
+                        chip_name(id),
                         old.npu,
                         old.chip
                     ),
@@ -105,18 +129,28 @@ impl Analyzer {
         for c in chips {
             self.seen.insert(c.logical_id(), c.clone());
         }
-        out.push(Observation::Inventory {
-            kind: KIND.into(),
-            names: self.seen.keys().map(|id| chip_name(*id)).collect(),
-        });
+        // One inventory per family seen (a node has one in practice; the device plugin runs in
+        // one mode per node).
+        let mut families: BTreeMap<&'static str, Vec<String>> = BTreeMap::new();
+        for c in self.seen.values() {
+            let id = ChipId::of(c);
+            families.entry(id.family).or_default().push(chip_name(id));
+        }
+        for (family, names) in families {
+            out.push(Observation::Inventory {
+                kind: family.into(),
+                names,
+            });
+        }
         for c in chips {
-            let id = c.logical_id();
-            match poll.health.get(&id) {
+            let key = c.logical_id();
+            let id = ChipId::of(c);
+            match poll.health.get(&key) {
                 Some(Ok(h)) => out.push(chip_level(c, h)),
                 Some(Err(why)) => npu_smi_errors.push(format!("{}: {why}", chip_name(id))),
                 None => {}
             }
-            if let Some(l) = poll.links.get(&id) {
+            if let Some(l) = poll.links.get(&key) {
                 match self.link_level(id, l, policy, now) {
                     Ok(o) => out.push(o),
                     Err(why) => hccn_errors.push(format!("{}: {why}", chip_name(id))),
@@ -134,7 +168,7 @@ impl Analyzer {
 
     fn link_level(
         &mut self,
-        id: u32,
+        id: ChipId,
         l: &LinkPoll,
         policy: &AscendPolicy,
         now: Instant,
@@ -176,7 +210,7 @@ impl Analyzer {
         if let Some(count) = &l.up_count {
             let count = count.clone()?;
             let grew = crate::source::counter_growth(
-                self.up_counts.entry(id).or_default(),
+                self.up_counts.entry(id.id).or_default(),
                 now,
                 count,
                 policy.link_flap_window,
@@ -202,12 +236,12 @@ impl Analyzer {
     }
 }
 
-fn signal(code: FaultCode, id: u32, message: String) -> Signal {
+fn signal(code: FaultCode, id: ChipId, message: String) -> Signal {
     Signal::new(Source::Ascend, code, Some(device(id)), message)
 }
 
 fn chip_level(c: &NpuChip, h: &ChipHealth) -> Observation {
-    let id = c.logical_id();
+    let id = ChipId::of(c);
     // The health query is more specific than the table; either may say UNKNOWN.
     let health = if h.health == NpuHealth::Ok && c.health != NpuHealth::Ok {
         &c.health
@@ -230,10 +264,13 @@ fn chip_level(c: &NpuChip, h: &ChipHealth) -> Observation {
                 msg.push_str(": ");
                 msg.push_str(info);
             }
+            // A network code (link down) npu-smi reports on the chip is still a network fault,
+            // as the device plugin files it by the code, not by where it was read.
+            let network = faultline_core::catalog::ascend::is_network_code(&code);
             signal(
                 FaultCode::Ascend {
                     code,
-                    network: false,
+                    network,
                     severe,
                 },
                 id,
@@ -270,7 +307,7 @@ fn chip_level(c: &NpuChip, h: &ChipHealth) -> Observation {
     }
 }
 
-fn net_level(id: u32, n: &NetHealth) -> Observation {
+fn net_level(id: ChipId, n: &NetHealth) -> Observation {
     let present = if n.healthy {
         vec![]
     } else {
@@ -496,6 +533,68 @@ mod tests {
             edit(&mut pl);
             assert_eq!(summary(&a.analyze(&pl, &p, t0)), want, "{name}");
         }
+    }
+
+    /// npu-smi reporting a link-down code on a chip: a network fault, as the device plugin files
+    /// it (by the code), so it lands in the network list and its own `-Fault` element.
+    #[test]
+    fn a_network_code_on_a_chip_is_a_network_fault() {
+        let p = AscendPolicy::default();
+        let mut pl = poll(1);
+        pl.health
+            .insert(0, Ok(health(NpuHealth::Alarm, &[0x8107_8603, 0x80E0_1801])));
+        let obs = Analyzer::default().analyze(&pl, &p, Instant::now());
+        let flags: Vec<(String, bool)> = obs
+            .iter()
+            .filter_map(|o| match o {
+                Observation::Level {
+                    domain, present, ..
+                } if domain == "npu-chip" => Some(present),
+                _ => None,
+            })
+            .flatten()
+            .filter_map(|s| match &s.code {
+                FaultCode::Ascend { code, network, .. } => Some((code.clone(), *network)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(
+            flags,
+            [
+                ("81078603".to_string(), true),
+                ("80E01801".to_string(), false)
+            ]
+        );
+    }
+
+    /// 310P cards are named as MindCluster names them (`Ascend310P-<n>`, inventory kind
+    /// `Ascend310P`), not as 910s.
+    #[test]
+    fn chips_are_named_by_their_family() {
+        let p = AscendPolicy::default();
+        let mut pl = poll(2);
+        for c in pl.chips.as_mut().unwrap() {
+            c.name = "310P3".into();
+        }
+        pl.links.clear();
+        pl.hccn_absent = true;
+        pl.health
+            .insert(1, Ok(health(NpuHealth::Alarm, &[0x80E0_1801])));
+        let obs = Analyzer::default().analyze(&pl, &p, Instant::now());
+        assert_eq!(
+            summary(&obs),
+            [
+                "inventory:2",
+                "npu-chip:Ascend310P-0:",
+                "npu-chip:Ascend310P-1:80E01801",
+                "npu-smi=Running",
+                "hccn_tool=Idle",
+            ]
+        );
+        assert!(obs
+            .iter()
+            .any(|o| matches!(o, Observation::Inventory { kind, names }
+            if kind == "Ascend310P" && names == &["Ascend310P-0", "Ascend310P-1"])));
     }
 
     #[test]
