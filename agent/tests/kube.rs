@@ -9,6 +9,7 @@
 
 mod common;
 
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -260,11 +261,35 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
         c.configmap("node-a").unwrap()["metadata"]["labels"]["faultline.io/health"],
         "Unhealthy"
     );
-    // The cluster commands of the CLI, against the emulator: `faultline <command> <args>`.
+    // The cluster commands of the CLI, against the emulator: `faultline <command> <args>`, as
+    // an operator allowed to list nodes, and configmaps and pods in the agents' namespace.
+    let cli_dir = tempfile::tempdir().unwrap();
+    let cli_kubeconfig = cli_dir.path().join("kubeconfig");
+    c.emu.write_kubeconfig(&cli_kubeconfig, "operator").unwrap();
+    let list = |resource: &str, ns: Option<&str>| faultline_kube_emulator::Rule {
+        verbs: vec!["list".into()],
+        api_groups: vec!["".into()],
+        resources: vec![resource.into()],
+        resource_names: vec![],
+        namespace: ns.map(String::from),
+    };
+    c.emu.authorize(
+        "operator",
+        UserInfo {
+            username: "operator".into(),
+            groups: vec![],
+            extra: Default::default(),
+        },
+        vec![
+            list("nodes", None),
+            list("configmaps", Some(NS)),
+            list("pods", Some(NS)),
+        ],
+    );
     let cluster_cli = |command: &[&str], args: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
             .args(command)
-            .args(["--kubeconfig", c.kubeconfig.to_str().unwrap()])
+            .args(["--kubeconfig", cli_kubeconfig.to_str().unwrap()])
             .args(args)
             .output()
             .unwrap();
@@ -330,8 +355,168 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
             && c.taints("node-a") == ["example.com/maintenance=planned:NoSchedule"]
             && c.events("node-a").iter().any(|e| e.0 == "FaultRecovered")
     });
+    // `hosts` also wants the Node to offer accelerators and the agent's pod to be Ready.
+    let mut node = c.emu.get(&ResourceRef::node("node-a")).unwrap();
+    node["status"]["allocatable"]["nvidia.com/gpu"] = json!("8");
+    c.emu.put(node);
+    c.emu.put(json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "faultline-abcde", "namespace": NS,
+            "labels": {"app.kubernetes.io/name": "faultline", "app.kubernetes.io/component": "agent"}},
+        "spec": {"nodeName": "node-a", "containers": [{"name": "agent", "image": "faultline"}]},
+        "status": {"conditions": [{"type": "Ready", "status": "True"}]}}));
     assert_eq!(hosts(&[]), "node-a:8\n");
     c.assert_calls_listed();
+}
+
+/// `faultline hosts` as a launcher runs it, with a service account allowed only what the help
+/// says it needs (list nodes and configmaps; list pods in the agents' namespace): it lists a
+/// node only when the Node exists, is Ready and offers accelerators, its agent pod is Ready and
+/// its record is usable; slots default to the node's accelerators. A namespace without records
+/// and a refused list are errors (exit 2), not the empty output of "nothing usable". (The
+/// command used to list every record: a CPU node, a NotReady node, a deleted node, a node whose
+/// agent was down.)
+#[test]
+fn hosts_lists_only_what_a_launcher_can_use() {
+    use faultline_kube_emulator::Rule;
+    let (_rt, emu) = common::emulator();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    emu.write_kubeconfig(&kubeconfig, "launcher").unwrap();
+    let rule = |resource: &str, ns: Option<&str>| Rule {
+        verbs: vec!["list".into()],
+        api_groups: vec!["".into()],
+        resources: vec![resource.into()],
+        resource_names: vec![],
+        namespace: ns.map(String::from),
+    };
+    emu.authorize(
+        "launcher",
+        UserInfo {
+            username: "system:serviceaccount:jobs:launcher".into(),
+            groups: vec!["system:serviceaccounts".into()],
+            extra: Default::default(),
+        },
+        vec![
+            rule("nodes", None),
+            // Records in any namespace (a ClusterRole), so a mistyped namespace is listed.
+            rule("configmaps", None),
+            rule("pods", Some(NS)),
+        ],
+    );
+    emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}));
+    let healthy = |node: &str| {
+        json!({"apiVersion": "faultline.io/v1", "node": node, "health": "Healthy",
+               "updateTime": "2026-11-22T01:02:03.000Z", "checkCode": "x", "faults": [],
+               "agent": {"version": "0", "policy": {"source": "builtin", "checksum": "y"},
+                         "detectors": []}})
+    };
+    // name, GPUs, Node Ready, agent pod (None: none), record health
+    let nodes: [(&str, u32, bool, Option<bool>, &str); 7] = [
+        ("gpu-a", 8, true, Some(true), "Healthy"),
+        ("gpu-b", 4, true, Some(true), "Healthy"),
+        ("gpu-notready", 8, false, Some(true), "Healthy"),
+        ("cpu-1", 0, true, Some(true), "Healthy"),
+        ("gpu-agent-down", 8, true, Some(false), "Healthy"),
+        ("gpu-no-agent", 8, true, None, "Healthy"),
+        ("gpu-sick", 8, true, Some(true), "Unhealthy"),
+    ];
+    for (name, gpus, ready, agent, health) in nodes {
+        let mut n = faultline_kube_emulator::node(name, &[]);
+        if gpus > 0 {
+            n["status"]["allocatable"]["nvidia.com/gpu"] = json!(gpus.to_string());
+            n["status"]["capacity"]["nvidia.com/gpu"] = json!(gpus.to_string());
+        }
+        if !ready {
+            for c in n["status"]["conditions"].as_array_mut().unwrap() {
+                if c["type"] == "Ready" {
+                    c["status"] = json!("False");
+                }
+            }
+        }
+        emu.put(n);
+        if let Some(ready) = agent {
+            emu.put(json!({"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": format!("faultline-{name}"), "namespace": NS,
+                    "labels": {"app.kubernetes.io/name": "faultline", "app.kubernetes.io/component": "agent"}},
+                "spec": {"nodeName": name, "containers": [{"name": "agent", "image": "faultline"}]},
+                "status": {"phase": "Running", "conditions": [
+                    {"type": "Ready", "status": if ready { "True" } else { "False" }}]}}));
+        }
+        let mut r = healthy(name);
+        r["health"] = json!(health);
+        if health == "Unhealthy" {
+            r["handling"] = json!("SeparateNPU");
+        }
+        emu.put(json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": format!("faultline-{name}"), "namespace": NS,
+                "labels": {"app.kubernetes.io/name": "faultline", "faultline.io/node": name}},
+            "data": {"faults.json": r.to_string()}}));
+    }
+    // A record whose Node was deleted.
+    emu.put(json!({"apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "faultline-gpu-gone", "namespace": NS,
+            "labels": {"app.kubernetes.io/name": "faultline", "faultline.io/node": "gpu-gone"}},
+        "data": {"faults.json": healthy("gpu-gone").to_string()}}));
+    let hosts = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
+            .arg("hosts")
+            .args(["--kubeconfig", kubeconfig.to_str().unwrap()])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8(out.stdout).unwrap(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    assert_eq!(
+        hosts(&[]),
+        (Some(0), "gpu-a:8\ngpu-b:4\n".to_string(), String::new())
+    );
+    assert_eq!(hosts(&["--slots", "2"]).1, "gpu-a:2\ngpu-b:2\n");
+    let (code, out, _) = hosts(&["-o", "json"]);
+    assert_eq!(code, Some(0));
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        v["hosts"],
+        json!([{"host": "gpu-a", "slots": 8}, {"host": "gpu-b", "slots": 4}])
+    );
+    let left: BTreeMap<String, String> = v["leftOut"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| {
+            (
+                x["node"].as_str().unwrap().to_string(),
+                x["why"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(left.len(), 6, "{left:?}");
+    assert_eq!(left["gpu-gone"], "no such Node (the record outlived it)");
+    assert_eq!(left["cpu-1"], "the Node offers no accelerators");
+    assert_eq!(
+        left["gpu-agent-down"],
+        "its faultline agent pod is not Ready"
+    );
+    // A namespace without records is an error, not "no usable node".
+    let (code, out, err) = hosts(&["--namespace", "faultline-sytem"]);
+    assert_eq!((code, out.as_str()), (Some(2), ""), "{err}");
+    assert!(
+        err.contains("no fault records in namespace faultline-sytem"),
+        "{err}"
+    );
+    // So is a list the account may not make (the pods of another namespace's agents).
+    emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "other"}}));
+    emu.put(json!({"apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "faultline-gpu-a", "namespace": "other",
+            "labels": {"app.kubernetes.io/name": "faultline", "faultline.io/node": "gpu-a"}},
+        "data": {"faults.json": healthy("gpu-a").to_string()}}));
+    let (code, _, err) = hosts(&["--namespace", "other"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("cannot list the agent pods in other"), "{err}");
+    assert!(err.contains("forbidden"), "{err}");
 }
 
 /// Every request names its sender (`faultline-agent/<version> (<node>)`, what an audit log

@@ -105,12 +105,15 @@ enum Command {
         #[arg(short, long, value_enum, default_value = "table")]
         output: Output,
     },
-    /// Usable nodes as host:slots lines, from the cluster's fault records (for Horovod
-    /// elastic's discover_hosts and other launchers). Prints nothing when none is usable.
+    /// Usable nodes as host:slots lines (for Horovod elastic's discover_hosts and other
+    /// launchers): a Ready Node with accelerators, a Ready agent pod, and a record the
+    /// acceptance rule takes. Prints nothing when none is usable; exit 2 when there is no
+    /// record at all (wrong namespace) or a list is refused. Needs list on nodes, and on
+    /// configmaps and pods in the agents' namespace.
     Hosts {
-        /// Slots (processes) per host to print.
+        /// Slots (processes) per host to print (default: the node's allocatable accelerators).
         #[arg(long)]
-        slots: u32,
+        slots: Option<u32>,
         /// Also list Degraded nodes whose faults need at most a restart of the job (handling
         /// RestartBusiness or below).
         #[arg(long)]

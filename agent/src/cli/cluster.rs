@@ -1,8 +1,15 @@
 //! Every node's record, from the fault ConfigMaps: `faultline get --cluster` and `hosts`.
+//!
+//! `hosts` lists what a launcher can use: a node whose record the acceptance rule takes, that
+//! exists as a Node, is Ready, offers accelerators, and whose agent pod is Ready (a record
+//! outlives its agent and even its Node). The facts come from the Node and Pod lists; the
+//! decision is the pure [`usable_hosts`].
+
+use std::collections::BTreeMap;
 
 use faultline_core::record::{Health, NodeRecord};
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use super::{columns, table, Accept, Outcome};
 
@@ -124,45 +131,179 @@ pub async fn get_cluster(
     Outcome::ok(cluster_table(&shown).trim_end().to_string())
 }
 
+/// Extended resources that are accelerators (device plugins' names).
+pub const ACCELERATOR_RESOURCES: [&str; 6] = [
+    "nvidia.com/gpu",
+    "amd.com/gpu",
+    "huawei.com/Ascend910",
+    "huawei.com/Ascend310P",
+    "huawei.com/Ascend310",
+    "huawei.com/npu",
+];
+
+/// What `hosts` needs to know about a Node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeFacts {
+    /// Condition `Ready` is `True`.
+    pub ready: bool,
+    /// Allocatable accelerators (the sum over [`ACCELERATOR_RESOURCES`]).
+    pub accelerators: u32,
+}
+
+impl NodeFacts {
+    pub fn of(node: &k8s_openapi::api::core::v1::Node) -> NodeFacts {
+        let status = node.status.as_ref();
+        let ready = status
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        let accelerators = status
+            .and_then(|s| s.allocatable.as_ref())
+            .map(|a| {
+                ACCELERATOR_RESOURCES
+                    .iter()
+                    .filter_map(|r| a.get(*r))
+                    .filter_map(|q| q.0.trim().parse::<u32>().ok())
+                    .fold(0u32, u32::saturating_add)
+            })
+            .unwrap_or(0);
+        NodeFacts {
+            ready,
+            accelerators,
+        }
+    }
+}
+
+/// `hosts`' answer: the usable nodes with their slots, and the others with why they are left out.
+pub type Hosts = (Vec<(String, u32)>, Vec<(String, String)>);
+
+/// The usable nodes with their slots (`slots`, or the node's accelerators when `None`), sorted
+/// by name, and every other record's node with why it is left out.
+pub fn usable_hosts(
+    records: &[NodeRecord],
+    nodes: &BTreeMap<String, NodeFacts>,
+    agents_ready: &BTreeMap<String, bool>,
+    accept: Accept,
+    slots: Option<u32>,
+) -> Hosts {
+    let mut usable = Vec::new();
+    let mut left_out = Vec::new();
+    for r in records {
+        let why = match (nodes.get(&r.node), agents_ready.get(&r.node)) {
+            (None, _) => Some("no such Node (the record outlived it)".to_string()),
+            (Some(n), _) if !n.ready => Some("the Node is not Ready".to_string()),
+            (Some(n), _) if n.accelerators == 0 => {
+                Some("the Node offers no accelerators".to_string())
+            }
+            (_, None) => Some("no faultline agent pod on the node".to_string()),
+            (_, Some(false)) => Some("its faultline agent pod is not Ready".to_string()),
+            _ if !accept.accepts(r) => Some(format!(
+                "the record says {}{}",
+                r.health,
+                r.handling.map(|h| format!(" ({h})")).unwrap_or_default()
+            )),
+            _ => None,
+        };
+        match why {
+            Some(w) => left_out.push((r.node.clone(), w)),
+            None => {
+                let n = slots.unwrap_or_else(|| nodes.get(&r.node).map_or(0, |n| n.accelerators));
+                usable.push((r.node.clone(), n));
+            }
+        }
+    }
+    (usable, left_out)
+}
+
 /// `faultline hosts`: usable nodes as `host:slots` lines, for Horovod elastic's
-/// `discover_hosts` script (and any launcher that wants a host list): the records `accept`
-/// takes, sorted by name.
-pub fn hosts_lines(records: &[NodeRecord], slots: u32, accept: Accept) -> String {
-    records
+/// `discover_hosts` script (and any launcher that wants a host list).
+pub fn hosts_lines(usable: &[(String, u32)]) -> String {
+    usable
         .iter()
-        .filter(|r| accept.accepts(r))
-        .map(|r| format!("{}:{slots}\n", r.node))
+        .map(|(h, slots)| format!("{h}:{slots}\n"))
         .collect()
 }
 
-/// `faultline hosts` against the cluster's fault records.
-pub async fn hosts(client: kube::Client, namespace: &str, slots: u32, accept: Accept) -> Outcome {
-    match cluster_records(client, namespace).await {
-        Ok((records, bad)) => {
-            for (name, why) in &bad {
-                eprintln!("warning: ConfigMap {namespace}/{name} holds no readable record: {why}");
-            }
-            let usable: Vec<Value> = records
-                .iter()
-                .filter(|r| accept.accepts(r))
-                .map(|r| json!({"host": r.node, "slots": slots}))
-                .collect();
-            Outcome::ok(hosts_lines(&records, slots, accept).trim_end().to_string())
-                .with_data(json!({"hosts": usable}))
+/// `faultline hosts` against the cluster: the fault records, the Nodes and the agent pods.
+/// No record at all is an error (exit 2), not an empty list: agents always write one, so an
+/// empty namespace means a wrong `--namespace` or no agents, never "nothing usable".
+pub async fn hosts(
+    client: kube::Client,
+    namespace: &str,
+    slots: Option<u32>,
+    accept: Accept,
+) -> Outcome {
+    use k8s_openapi::api::core::v1::{Node, Pod};
+    let (records, bad) = match cluster_records(client.clone(), namespace).await {
+        Ok(x) => x,
+        Err(e) => {
+            return Outcome::error(format!(
+                "error: cannot list fault ConfigMaps in {namespace}: {e}"
+            ))
         }
-        Err(e) => Outcome::error(format!(
-            "error: cannot list fault ConfigMaps in {namespace}: {e}"
-        )),
+    };
+    for (name, why) in &bad {
+        eprintln!("warning: ConfigMap {namespace}/{name} holds no readable record: {why}");
     }
+    if records.is_empty() {
+        return Outcome::error(format!(
+            "error: no fault records in namespace {namespace}: is it the agents' namespace, and do they run?"
+        ));
+    }
+    let nodes = match kube::Api::<Node>::all(client.clone())
+        .list(&kube::api::ListParams::default())
+        .await
+    {
+        Ok(l) => l
+            .items
+            .iter()
+            .filter_map(|n| Some((n.metadata.name.clone()?, NodeFacts::of(n))))
+            .collect::<BTreeMap<_, _>>(),
+        Err(e) => return Outcome::error(format!("error: cannot list Nodes: {e}")),
+    };
+    let pods = match kube::Api::<Pod>::namespaced(client, namespace)
+        .list(&kube::api::ListParams::default().labels(AGENT_POD_SELECTOR))
+        .await
+    {
+        Ok(l) => l.items,
+        Err(e) => {
+            return Outcome::error(format!(
+                "error: cannot list the agent pods in {namespace}: {e}"
+            ))
+        }
+    };
+    let mut agents_ready: BTreeMap<String, bool> = BTreeMap::new();
+    for p in &pods {
+        let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) else {
+            continue;
+        };
+        let ready = p
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        *agents_ready.entry(node).or_default() |= ready;
+    }
+    let (usable, left_out) = usable_hosts(&records, &nodes, &agents_ready, accept, slots);
+    let data = json!({
+        "hosts": usable.iter().map(|(h, s)| json!({"host": h, "slots": s})).collect::<Vec<_>>(),
+        "leftOut": left_out.iter().map(|(n, w)| json!({"node": n, "why": w})).collect::<Vec<_>>(),
+    });
+    Outcome::ok(hosts_lines(&usable).trim_end().to_string()).with_data(data)
 }
+
+/// The agent pods (the DaemonSet's pod template labels).
+pub const AGENT_POD_SELECTOR: &str =
+    "app.kubernetes.io/name=faultline,app.kubernetes.io/component=agent";
 
 #[cfg(test)]
 mod tests {
     use super::super::test_records::{HEALTHY, UNHEALTHY};
     use super::*;
 
+    /// Only nodes that exist, are Ready, offer accelerators and have a Ready agent, and whose
+    /// record is accepted; each other record says why it is left out.
     #[test]
-    fn hosts_lists_usable_nodes_with_their_slots() {
+    fn hosts_lists_only_what_a_launcher_can_use() {
         let rec = |node: &str, health: Health| {
             let mut r: NodeRecord = serde_json::from_str(HEALTHY).unwrap();
             r.node = node.into();
@@ -174,13 +315,56 @@ mod tests {
             rec("b", Health::Unhealthy),
             rec("c", Health::Degraded),
             rec("d", Health::Healthy),
+            rec("gone", Health::Healthy),
+            rec("notready", Health::Healthy),
+            rec("cpu", Health::Healthy),
+            rec("noagent", Health::Healthy),
+            rec("agentdown", Health::Healthy),
         ];
-        assert_eq!(hosts_lines(&records, 8, Accept::HEALTHY), "a:8\nd:8\n");
-        assert_eq!(
-            hosts_lines(&records, 4, Accept::DEGRADED),
-            "a:4\nc:4\nd:4\n"
+        let gpu = |n: u32| NodeFacts {
+            ready: true,
+            accelerators: n,
+        };
+        let nodes: BTreeMap<String, NodeFacts> = [
+            ("a", gpu(8)),
+            ("b", gpu(8)),
+            ("c", gpu(4)),
+            ("d", gpu(8)),
+            (
+                "notready",
+                NodeFacts {
+                    ready: false,
+                    accelerators: 8,
+                },
+            ),
+            ("cpu", gpu(0)),
+            ("noagent", gpu(8)),
+            ("agentdown", gpu(8)),
+        ]
+        .into_iter()
+        .map(|(n, f)| (n.to_string(), f))
+        .collect();
+        let agents: BTreeMap<String, bool> = ["a", "b", "c", "d", "notready", "cpu"]
+            .iter()
+            .map(|n| (n.to_string(), true))
+            .chain([("agentdown".to_string(), false)])
+            .collect();
+        let (usable, left) = usable_hosts(&records, &nodes, &agents, Accept::HEALTHY, None);
+        assert_eq!(hosts_lines(&usable), "a:8\nd:8\n");
+        let why: BTreeMap<&str, &str> =
+            left.iter().map(|(n, w)| (n.as_str(), w.as_str())).collect();
+        assert_eq!(why["gone"], "no such Node (the record outlived it)");
+        assert_eq!(why["notready"], "the Node is not Ready");
+        assert_eq!(why["cpu"], "the Node offers no accelerators");
+        assert_eq!(why["noagent"], "no faultline agent pod on the node");
+        assert_eq!(why["agentdown"], "its faultline agent pod is not Ready");
+        assert!(
+            why["b"].starts_with("the record says Unhealthy"),
+            "{}",
+            why["b"]
         );
-        assert_eq!(hosts_lines(&records[1..2], 8, Accept::DEGRADED), "");
+        let (usable, _) = usable_hosts(&records, &nodes, &agents, Accept::DEGRADED, Some(2));
+        assert_eq!(hosts_lines(&usable), "a:2\nc:2\nd:2\n");
     }
 
     #[test]
