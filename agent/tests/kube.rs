@@ -401,6 +401,7 @@ fn hosts_lists_only_what_a_launcher_can_use() {
             // Records in any namespace (a ClusterRole), so a mistyped namespace is listed.
             rule("configmaps", None),
             rule("pods", Some(NS)),
+            rule("pods", Some("jobs")),
         ],
     );
     emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}));
@@ -500,6 +501,61 @@ fn hosts_lists_only_what_a_launcher_can_use() {
         left["gpu-agent-down"],
         "its faultline agent pod is not Ready"
     );
+    // The job's pods on usable nodes, by hostname (headless-Service subdomain) or IP, with the
+    // accelerators each asks for.
+    emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "jobs"}}));
+    for (pod, node, gpus, phase, ip) in [
+        ("train-w-0", Some("gpu-a"), 8, "Running", "10.0.0.8"),
+        ("train-w-1", Some("gpu-sick"), 8, "Running", "10.0.0.5"),
+        ("train-w-2", None, 8, "Pending", ""),
+        ("train-w-3", Some("gpu-b"), 4, "Running", "10.0.0.1"),
+        ("other", Some("gpu-a"), 8, "Running", "10.0.0.9"),
+    ] {
+        let label = if pod == "other" { "other" } else { "train" };
+        emu.put(json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod, "namespace": "jobs", "labels": {"job": label}},
+            "spec": {"nodeName": node, "hostname": pod, "subdomain": "train",
+                "containers": [{"name": "w", "image": "x",
+                    "resources": {"limits": {"nvidia.com/gpu": gpus.to_string()}}}]},
+            "status": {"phase": phase, "podIP": ip}}));
+    }
+    let pods = |extra: &[&str]| {
+        let mut a = vec!["--pods", "-l", "job=train", "--pod-namespace", "jobs"];
+        a.extend_from_slice(extra);
+        hosts(&a)
+    };
+    assert_eq!(
+        pods(&[]),
+        (
+            Some(0),
+            "train-w-0.train:8\ntrain-w-3.train:4\n".to_string(),
+            String::new()
+        )
+    );
+    assert_eq!(
+        pods(&["--ip", "--slots", "1"]).1,
+        "10.0.0.8:1\n10.0.0.1:1\n"
+    );
+    let v: Value = serde_json::from_str(&pods(&["-o", "json"]).1).unwrap();
+    let left: BTreeMap<String, String> = v["leftOut"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| {
+            (
+                x["node"].as_str().unwrap().to_string(),
+                x["why"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert!(
+        left["train-w-1"].starts_with("its node gpu-sick: the record says Unhealthy"),
+        "{left:?}"
+    );
+    assert_eq!(left["train-w-2"], "the pod is not running");
+    let (code, _, err) = hosts(&["--pods", "-l", "job=nope", "--pod-namespace", "jobs"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("no pod matches"), "{err}");
     // A namespace without records is an error, not "no usable node".
     let (code, out, err) = hosts(&["--namespace", "faultline-sytem"]);
     assert_eq!((code, out.as_str()), (Some(2), ""), "{err}");

@@ -129,6 +129,20 @@ enum Command {
         /// The namespace of the fault ConfigMaps.
         #[arg(long, default_value = "faultline-system")]
         namespace: String,
+        /// List the job's pods (selected with -l) that run on usable nodes, with the
+        /// accelerators each asks for, instead of the nodes. Needs list on pods there.
+        #[arg(long, requires = "selector")]
+        pods: bool,
+        /// The job's pods, as a label selector (with --pods).
+        #[arg(short = 'l', long, requires = "pods")]
+        selector: Option<String>,
+        /// The job's namespace (with --pods).
+        #[arg(long, default_value = "default")]
+        pod_namespace: String,
+        /// Print pod IPs instead of hostnames (with --pods; hostnames resolve only through a
+        /// headless Service named by the pods' subdomain).
+        #[arg(long)]
+        ip: bool,
     },
     /// Run a peer check among these nodes now and print faulty nodes, broken links and
     /// stragglers. Exit 0: none; 1: some; 3: some nodes could not be judged; 2: no run.
@@ -242,10 +256,19 @@ fn main() -> std::process::ExitCode {
             max_handling,
             kubeconfig,
             namespace,
+            pods,
+            selector,
+            pod_namespace,
+            ip,
             ..
         } => with_cluster(kubeconfig, |client| async move {
             let accept = cli::Accept::from_flags(allow_degraded, max_handling);
-            cli::hosts(client, &namespace, slots, accept).await
+            let pods = pods.then(|| cli::PodQuery {
+                namespace: pod_namespace,
+                selector: selector.unwrap_or_default(),
+                ip,
+            });
+            cli::hosts(client, &namespace, slots, accept, pods).await
         }),
         Command::Get { file, all, .. } => cli::get(
             &cli::record_path(file.as_deref(), &cli.state_dir),

@@ -223,14 +223,127 @@ pub fn hosts_lines(usable: &[(String, u32)]) -> String {
         .collect()
 }
 
-/// `faultline hosts` against the cluster: the fault records, the Nodes and the agent pods.
-/// No record at all is an error (exit 2), not an empty list: agents always write one, so an
-/// empty namespace means a wrong `--namespace` or no agents, never "nothing usable".
+/// `hosts --pods`: which of the job's pods to list and how.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodQuery {
+    pub namespace: String,
+    /// A label selector (`app=train,role=worker`).
+    pub selector: String,
+    /// Print the pod IP instead of its hostname.
+    pub ip: bool,
+}
+
+/// What `hosts --pods` needs to know about one pod.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PodFacts {
+    pub name: String,
+    pub node: Option<String>,
+    /// `hostname[.subdomain]` (the name other pods resolve through a headless Service).
+    pub hostname: String,
+    pub ip: Option<String>,
+    /// Running and not being deleted.
+    pub running: bool,
+    /// Accelerators its containers ask for (limits, else requests).
+    pub accelerators: u32,
+}
+
+impl PodFacts {
+    pub fn of(p: &k8s_openapi::api::core::v1::Pod) -> PodFacts {
+        let name = p.metadata.name.clone().unwrap_or_default();
+        let spec = p.spec.as_ref();
+        let host = spec
+            .and_then(|s| s.hostname.clone())
+            .unwrap_or_else(|| name.clone());
+        let hostname = match spec.and_then(|s| s.subdomain.as_deref()) {
+            Some(sub) if !sub.is_empty() => format!("{host}.{sub}"),
+            _ => host,
+        };
+        let status = p.status.as_ref();
+        let accelerators = spec
+            .map(|s| {
+                s.containers
+                    .iter()
+                    .map(|c| {
+                        let r = c.resources.as_ref();
+                        ACCELERATOR_RESOURCES
+                            .iter()
+                            .filter_map(|k| {
+                                r.and_then(|r| r.limits.as_ref().and_then(|l| l.get(*k)))
+                                    .or_else(|| r.and_then(|r| r.requests.as_ref()?.get(*k)))
+                            })
+                            .filter_map(|q| q.0.trim().parse::<u32>().ok())
+                            .fold(0u32, u32::saturating_add)
+                    })
+                    .fold(0u32, u32::saturating_add)
+            })
+            .unwrap_or(0);
+        PodFacts {
+            node: spec.and_then(|s| s.node_name.clone()),
+            hostname,
+            ip: status.and_then(|s| s.pod_ip.clone()),
+            running: status.and_then(|s| s.phase.as_deref()) == Some("Running")
+                && p.metadata.deletion_timestamp.is_none(),
+            accelerators,
+            name,
+        }
+    }
+}
+
+/// The job's pods a launcher can use: running, on a node `usable_hosts` accepts, printed as
+/// their hostname (or IP) with the accelerators they ask for (or `slots`), sorted by pod name;
+/// the others with why.
+pub fn usable_pods(pods: &[PodFacts], nodes: &Hosts, slots: Option<u32>, ip: bool) -> Hosts {
+    let usable_nodes: BTreeMap<&str, u32> = nodes.0.iter().map(|(n, s)| (n.as_str(), *s)).collect();
+    let left_nodes: BTreeMap<&str, &str> = nodes
+        .1
+        .iter()
+        .map(|(n, w)| (n.as_str(), w.as_str()))
+        .collect();
+    let mut sorted: Vec<&PodFacts> = pods.iter().collect();
+    sorted.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut usable = Vec::new();
+    let mut left_out = Vec::new();
+    for p in sorted {
+        let why = match p.node.as_deref() {
+            _ if !p.running => Some("the pod is not running".to_string()),
+            None => Some("the pod is not scheduled".to_string()),
+            Some(n) if usable_nodes.contains_key(n) => None,
+            Some(n) => Some(format!(
+                "its node {n}: {}",
+                left_nodes
+                    .get(n)
+                    .copied()
+                    .unwrap_or("no fault record for the node")
+            )),
+        };
+        let n = slots.unwrap_or(p.accelerators);
+        let why = why.or_else(|| {
+            (n == 0).then(|| "the pod asks for no accelerators (give --slots)".to_string())
+        });
+        let address = if ip {
+            p.ip.clone()
+        } else {
+            Some(p.hostname.clone())
+        };
+        match (why, address) {
+            (Some(w), _) => left_out.push((p.name.clone(), w)),
+            (None, None) => left_out.push((p.name.clone(), "the pod has no IP yet".to_string())),
+            (None, Some(a)) => usable.push((a, n)),
+        }
+    }
+    (usable, left_out)
+}
+
+/// `faultline hosts` against the cluster: the fault records, the Nodes and the agent pods, and
+/// with `pods` the job's pods on the usable nodes. No record at all is an error (exit 2), not
+/// an empty list: agents always write one, so an empty namespace means a wrong `--namespace` or
+/// no agents, never "nothing usable".
 pub async fn hosts(
     client: kube::Client,
     namespace: &str,
     slots: Option<u32>,
     accept: Accept,
+    pods: Option<PodQuery>,
 ) -> Outcome {
     use k8s_openapi::api::core::v1::{Node, Pod};
     let (records, bad) = match cluster_records(client.clone(), namespace).await {
@@ -260,7 +373,7 @@ pub async fn hosts(
             .collect::<BTreeMap<_, _>>(),
         Err(e) => return Outcome::error(format!("error: cannot list Nodes: {e}")),
     };
-    let pods = match kube::Api::<Pod>::namespaced(client, namespace)
+    let agent_pods = match kube::Api::<Pod>::namespaced(client.clone(), namespace)
         .list(&kube::api::ListParams::default().labels(AGENT_POD_SELECTOR))
         .await
     {
@@ -272,7 +385,7 @@ pub async fn hosts(
         }
     };
     let mut agents_ready: BTreeMap<String, bool> = BTreeMap::new();
-    for p in &pods {
+    for p in &agent_pods {
         let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) else {
             continue;
         };
@@ -283,7 +396,29 @@ pub async fn hosts(
             .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
         *agents_ready.entry(node).or_default() |= ready;
     }
-    let (usable, left_out) = usable_hosts(&records, &nodes, &agents_ready, accept, slots);
+    let mut found = usable_hosts(&records, &nodes, &agents_ready, accept, slots);
+    if let Some(q) = pods {
+        let listed = kube::Api::<Pod>::namespaced(client, &q.namespace)
+            .list(&kube::api::ListParams::default().labels(&q.selector))
+            .await;
+        let job: Vec<PodFacts> = match listed {
+            Ok(l) => l.items.iter().map(PodFacts::of).collect(),
+            Err(e) => {
+                return Outcome::error(format!(
+                    "error: cannot list the pods {:?} in {}: {e}",
+                    q.selector, q.namespace
+                ))
+            }
+        };
+        if job.is_empty() {
+            return Outcome::error(format!(
+                "error: no pod matches {:?} in namespace {}",
+                q.selector, q.namespace
+            ));
+        }
+        found = usable_pods(&job, &found, slots, q.ip);
+    }
+    let (usable, left_out) = found;
     let data = json!({
         "hosts": usable.iter().map(|(h, s)| json!({"host": h, "slots": s})).collect::<Vec<_>>(),
         "leftOut": left_out.iter().map(|(n, w)| json!({"node": n, "why": w})).collect::<Vec<_>>(),

@@ -11,7 +11,9 @@ mod cluster;
 mod local;
 
 pub use check::{check, check_report, CheckArgs};
-pub use cluster::{cluster_records, cluster_table, get_cluster, hosts, hosts_lines, ClusterFilter};
+pub use cluster::{
+    cluster_records, cluster_table, get_cluster, hosts, hosts_lines, ClusterFilter, PodQuery,
+};
 pub use local::{clear, get, read_record, record_path, summary, table, wait_healthy, ReadError};
 
 use faultline_core::record::{Handling, Health, NodeRecord};
