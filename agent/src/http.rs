@@ -83,14 +83,21 @@ async fn readyz(State(s): State<HttpState>) -> Response {
     }
 }
 
+/// The latest record, its `heartbeatTime` the engine loop's last beat (what `/healthz` reads),
+/// so a reader elsewhere (`faultline hosts --members`) can tell a live agent as the local file's
+/// heartbeat tells it.
 async fn record(State(s): State<HttpState>) -> Response {
     let snap = s.snapshots.borrow().clone();
     match snap {
-        Some(snap) => (
-            [(header::CONTENT_TYPE, "application/json")],
-            serde_json::to_string_pretty(&*snap.record).unwrap_or_default(),
-        )
-            .into_response(),
+        Some(snap) => {
+            let mut r = (*snap.record).clone();
+            r.agent.heartbeat_time = s.heartbeat.last();
+            (
+                [(header::CONTENT_TYPE, "application/json")],
+                serde_json::to_string_pretty(&r).unwrap_or_default(),
+            )
+                .into_response()
+        }
         None => (StatusCode::SERVICE_UNAVAILABLE, "no record yet\n").into_response(),
     }
 }

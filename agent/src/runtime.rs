@@ -80,6 +80,13 @@ impl Heartbeat {
     pub fn beat(&self, now: Timestamp) {
         self.0.store(now.as_millisecond(), Ordering::Relaxed);
     }
+    /// When the last beat was, if there was one.
+    pub fn last(&self) -> Option<Timestamp> {
+        match self.0.load(Ordering::Relaxed) {
+            0 => None,
+            ms => Timestamp::from_millisecond(ms).ok(),
+        }
+    }
     /// Milliseconds since the last beat.
     pub fn age_ms(&self, now: Timestamp) -> i64 {
         now.as_millisecond() - self.0.load(Ordering::Relaxed)

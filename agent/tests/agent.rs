@@ -711,3 +711,103 @@ fn real_dev_kmsg_round_trip() {
     assert_eq!(find(&r).map(|f| f.count), Some(1), "not recounted");
     agent.stop();
 }
+
+/// `faultline hosts --members FILE` without Kubernetes: each member's agent is asked for its
+/// record over HTTP; a member is listed only when its agent answers in time with a live,
+/// accepted record of that node. An agent that is down, one that answers for another node, one
+/// that sends more than a record can be, and an Unhealthy node are left out, each with why.
+#[test]
+fn hosts_from_the_members_file() {
+    use std::io::{Read, Write};
+    // One port, free on several loopback addresses: every agent listens on the same port, as
+    // on real hosts.
+    let port = (0..50)
+        .find_map(|_| {
+            let p = std::net::TcpListener::bind("127.0.0.2:0")
+                .ok()?
+                .local_addr()
+                .ok()?
+                .port();
+            ["127.0.0.3", "127.0.0.5", "127.0.0.6"]
+                .iter()
+                .all(|ip| std::net::TcpListener::bind((*ip, p)).is_ok())
+                .then_some(p)
+        })
+        .expect("a port free on 127.0.0.2-6");
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let listen = |ip: &str| format!("{ip}:{port}");
+    let (l1, l2) = (listen("127.0.0.2"), listen("127.0.0.3"));
+    let a1 = Agent::start(
+        d1.path(),
+        &["--no-nvml", "--node-name", "n1", "--listen", &l1],
+    );
+    let a2 = Agent::start(
+        d2.path(),
+        &["--no-nvml", "--node-name", "n2", "--listen", &l2],
+    );
+    a1.wait_for("n1 healthy", |r| r.health == Health::Healthy);
+    a2.append(&xid79(1, "3b"));
+    a2.wait_for("n2 unhealthy", |r| r.health == Health::Unhealthy);
+    // A liar (answers with n1's record) and a flood (more than a record can be).
+    let record = a1.get("/v1/record").1;
+    let fake = |ip: &'static str, body: Vec<u8>| {
+        let l = std::net::TcpListener::bind((ip, port)).unwrap();
+        std::thread::spawn(move || {
+            for s in l.incoming().flatten().take(4) {
+                let mut s = s;
+                let mut buf = [0u8; 1024];
+                let _ = s.read(&mut buf);
+                let head = format!(
+                    "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+                    body.len()
+                );
+                let _ = s.write_all(head.as_bytes());
+                let _ = s.write_all(&body);
+            }
+        });
+    };
+    fake("127.0.0.5", record.into_bytes());
+    fake("127.0.0.6", vec![b' '; 3 << 20]);
+    let members = d1.path().join("members");
+    std::fs::write(
+        &members,
+        "# node ip:port (the peer-check port; hosts asks --agent-port)\n\
+         n1 127.0.0.2:7000\nn2 127.0.0.3:7000\nn3 127.0.0.4:7000\nliar 127.0.0.5:7000\nflood 127.0.0.6:7000\n",
+    )
+    .unwrap();
+    let run = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
+            .args(["hosts", "--members", members.to_str().unwrap()])
+            .args(["--agent-port", &port.to_string(), "--agent-timeout", "2s"])
+            .args(extra)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8(out.stdout).unwrap(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (code, out, err) = run(&["--slots", "4"]);
+    assert_eq!((code, out.as_str()), (Some(0), "n1:4\n"), "{err}");
+    let (code, out, _) = run(&["--slots", "4", "-o", "json"]);
+    assert_eq!(code, Some(0));
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let why = |n: &str| -> String {
+        v["leftOut"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["node"] == n)
+            .map(|x| x["why"].as_str().unwrap().to_string())
+            .unwrap_or_default()
+    };
+    assert!(why("n2").starts_with("the record says Unhealthy"), "{v}");
+    assert!(why("n3").contains("127.0.0.4"), "{v}");
+    assert!(why("liar").contains("answers for node \"n1\""), "{v}");
+    assert!(why("flood").contains("reading the answer"), "{v}");
+    // --slots is required: a record does not say how many accelerators a host has.
+    let (code, _, err) = run(&[]);
+    assert_eq!(code, Some(2), "{err}");
+    drop((a1, a2));
+}

@@ -143,6 +143,21 @@ enum Command {
         /// headless Service named by the pods' subdomain).
         #[arg(long)]
         ip: bool,
+        /// Without Kubernetes (bare metal, Slurm): the peer checks' members file; each
+        /// member's agent is asked for its record on --agent-port (start the agents with
+        /// `--listen <ip>:<port>`). Needs --slots.
+        #[arg(long, conflicts_with_all = ["pods", "kubeconfig"], requires = "slots")]
+        members: Option<PathBuf>,
+        /// The agents' HTTP port (with --members).
+        #[arg(long, default_value_t = faultline_agent::daemon::DEFAULT_HTTP_PORT)]
+        agent_port: u16,
+        /// A member whose agent's last heartbeat is older than this is left out (with
+        /// --members).
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        stale_after: Duration,
+        /// How long to wait for each member's agent (with --members).
+        #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+        agent_timeout: Duration,
     },
     /// Run a peer check among these nodes now and print faulty nodes, broken links and
     /// stragglers. Exit 0: none; 1: some; 3: some nodes could not be judged; 2: no run.
@@ -206,12 +221,16 @@ where
     F: FnOnce(kube::Client) -> Fut,
     Fut: std::future::Future<Output = cli::Outcome>,
 {
-    let run = async {
+    on_runtime(async {
         match faultline_agent::kube_client::client_infer(kubeconfig.as_deref()).await {
             Ok(client) => f(client).await,
             Err(e) => cli::Outcome::failed(format!("error: {e}")),
         }
-    };
+    })
+}
+
+/// Runs `run` on a single-threaded runtime.
+fn on_runtime(run: impl std::future::Future<Output = cli::Outcome>) -> cli::Outcome {
     match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -254,12 +273,34 @@ fn main() -> std::process::ExitCode {
             slots,
             allow_degraded,
             max_handling,
+            members: Some(members),
+            agent_port,
+            stale_after,
+            agent_timeout,
+            ..
+        } => on_runtime(async move {
+            let accept = cli::Accept::from_flags(allow_degraded, max_handling);
+            cli::members::hosts(
+                &members,
+                agent_port,
+                slots.unwrap_or_default(),
+                accept,
+                stale_after,
+                agent_timeout,
+            )
+            .await
+        }),
+        Command::Hosts {
+            slots,
+            allow_degraded,
+            max_handling,
             kubeconfig,
             namespace,
             pods,
             selector,
             pod_namespace,
             ip,
+            members: None,
             ..
         } => with_cluster(kubeconfig, |client| async move {
             let accept = cli::Accept::from_flags(allow_degraded, max_handling);

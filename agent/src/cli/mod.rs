@@ -9,12 +9,15 @@
 mod check;
 mod cluster;
 mod local;
+pub mod members;
 
 pub use check::{check, check_report, CheckArgs};
 pub use cluster::{
-    cluster_records, cluster_table, get_cluster, hosts, hosts_lines, ClusterFilter, PodQuery,
+    cluster_records, cluster_table, get_cluster, hosts, hosts_lines, ClusterFilter, Hosts, PodQuery,
 };
-pub use local::{clear, get, read_record, record_path, summary, table, wait_healthy, ReadError};
+pub use local::{
+    clear, get, not_alive, read_record, record_path, summary, table, wait_healthy, ReadError,
+};
 
 use faultline_core::record::{Handling, Health, NodeRecord};
 use serde_json::{json, Value};

@@ -11,8 +11,8 @@ fuzz_target!(|data: &[u8]| {
         let (chip, net) = t.len();
         assert_eq!(t.is_empty(), chip + net == 0);
     }
-    if let Ok(rules) = parse_customization("fuzz", &text) {
-        for r in rules {
+    if let Ok(c) = parse_customization("fuzz", &text) {
+        for r in c.rules {
             assert!(!r.codes.is_empty());
             assert!(r.codes.iter().all(|c| normalize_code(c).as_deref() == Some(c.as_str())));
             assert!(r.count.is_some() == r.window.is_some());

@@ -1,0 +1,143 @@
+//! `faultline hosts --members FILE`: the host list without Kubernetes (bare metal, Slurm). The
+//! nodes are the peer checks' members file (`node ip:port [topology]`); each member's agent is
+//! asked for its record at `http://<ip>:<agent-port>/v1/record` (the agents must listen there:
+//! `--listen <ip>:20260`, since by default they answer on loopback only). A member is usable
+//! when its agent answers in time with a record of that node, alive (a fresh heartbeat) and
+//! accepted. Each answer is untrusted: bounded in time and size, and checked to name the node.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use faultline_core::record::NodeRecord;
+use faultline_core::time::Timestamp;
+use futures::StreamExt;
+use http_body_util::BodyExt;
+use serde_json::json;
+
+use super::{not_alive, Accept, Hosts, Outcome};
+use crate::peer::members::{parse_members, Member};
+
+/// The most of one agent's answer read (a record is at most about 1 MiB).
+pub const MAX_ANSWER_BYTES: usize = 2 << 20;
+/// Agents asked at once.
+const CONCURRENCY: usize = 64;
+
+/// What asking one member's agent gave.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Answer {
+    Record(Box<NodeRecord>),
+    /// Why there is no usable record (unreachable, refused, too slow, not a record).
+    Failed(String),
+}
+
+/// Asks `addr` for `/v1/record` within `timeout`, reading at most [`MAX_ANSWER_BYTES`].
+pub async fn fetch_record(addr: SocketAddr, timeout: Duration) -> Answer {
+    match tokio::time::timeout(timeout, fetch(addr)).await {
+        Ok(Ok(r)) => Answer::Record(Box::new(r)),
+        Ok(Err(why)) => Answer::Failed(why),
+        Err(_) => Answer::Failed(format!(
+            "its agent at {addr} did not answer within {}",
+            humantime::format_duration(timeout)
+        )),
+    }
+}
+
+async fn fetch(addr: SocketAddr) -> Result<NodeRecord, String> {
+    let at = |e: &dyn std::fmt::Display| format!("its agent at {addr}: {e}");
+    let stream = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| at(&e))?;
+    let (mut sender, conn) =
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .map_err(|e| at(&e))?;
+    let driver = tokio::spawn(conn);
+    let req = http::Request::get("/v1/record")
+        .header(http::header::HOST, addr.to_string())
+        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
+        .map_err(|e| at(&e))?;
+    let resp = sender.send_request(req).await.map_err(|e| at(&e))?;
+    let status = resp.status();
+    let body = http_body_util::Limited::new(resp.into_body(), MAX_ANSWER_BYTES)
+        .collect()
+        .await
+        .map_err(|e| at(&format!("reading the answer: {e}")))?
+        .to_bytes();
+    driver.abort();
+    if !status.is_success() {
+        return Err(at(&format!("answered {status}")));
+    }
+    serde_json::from_slice::<NodeRecord>(&body).map_err(|e| at(&format!("not a record: {e}")))
+}
+
+/// The usable members with `slots` each, in the file's order, and the others with why.
+pub fn usable_members(
+    members: &[(Member, Answer)],
+    slots: u32,
+    accept: Accept,
+    now: Timestamp,
+    stale_after: Duration,
+) -> Hosts {
+    let mut usable = Vec::new();
+    let mut left_out = Vec::new();
+    for (m, answer) in members {
+        let why = match answer {
+            Answer::Failed(why) => Some(why.clone()),
+            Answer::Record(r) if r.node != m.node => Some(format!(
+                "its agent answers for node {:?}, not {:?}",
+                r.node, m.node
+            )),
+            Answer::Record(r) => not_alive(r, now, stale_after).or_else(|| {
+                (!accept.accepts(r)).then(|| {
+                    format!(
+                        "the record says {}{}",
+                        r.health,
+                        r.handling.map(|h| format!(" ({h})")).unwrap_or_default()
+                    )
+                })
+            }),
+        };
+        match why {
+            Some(w) => left_out.push((m.node.clone(), w)),
+            None => usable.push((m.node.clone(), slots)),
+        }
+    }
+    (usable, left_out)
+}
+
+/// `faultline hosts --members FILE`.
+pub async fn hosts(
+    path: &std::path::Path,
+    agent_port: u16,
+    slots: u32,
+    accept: Accept,
+    stale_after: Duration,
+    timeout: Duration,
+) -> Outcome {
+    let shown = path.display().to_string();
+    let text = match tokio::fs::read_to_string(path).await {
+        Ok(t) => t,
+        Err(e) => return Outcome::error(format!("error: cannot read {shown}: {e}")),
+    };
+    let members = match parse_members(&shown, &text) {
+        Ok(m) if m.is_empty() => {
+            return Outcome::error(format!("error: {shown} lists no member"));
+        }
+        Ok(m) => m,
+        Err(e) => return Outcome::error(format!("error: {e}")),
+    };
+    let answers: Vec<(Member, Answer)> = futures::stream::iter(members)
+        .map(|m| async move {
+            let a = fetch_record(SocketAddr::new(m.ip, agent_port), timeout).await;
+            (m, a)
+        })
+        .buffered(CONCURRENCY)
+        .collect()
+        .await;
+    let (usable, left_out) = usable_members(&answers, slots, accept, Timestamp::now(), stale_after);
+    let data = json!({
+        "hosts": usable.iter().map(|(h, s)| json!({"host": h, "slots": s})).collect::<Vec<_>>(),
+        "leftOut": left_out.iter().map(|(n, w)| json!({"node": n, "why": w})).collect::<Vec<_>>(),
+    });
+    Outcome::ok(super::hosts_lines(&usable).trim_end().to_string()).with_data(data)
+}
