@@ -794,6 +794,8 @@ impl Components {
                 // Public faults go to ClusterD, which exists only in a cluster.
                 let public = crate::sink::publicfault::PublicFaultSink {
                     node: self.node.clone(),
+                    dir: self.cfg.state_dir.clone(),
+                    settle: self.cfg.settle,
                     publisher: kube_sink::deviceinfo::DeviceInfoPublisher::public_faults(
                         c.calls, &self.node,
                     ),

@@ -734,7 +734,10 @@ impl Policy {
         ];
         for (i, r) in self.escalation.iter().enumerate() {
             if let Some(c) = r.count {
-                v.push((format!("escalation[{i}].count"), u64::from(c), 1, 100_000));
+                // The engine remembers this many occurrences per fault: a larger count could
+                // never be reached (MindCluster's `Times` is at most 100 too).
+                let most = crate::engine::MAX_OCCURRENCES as u64;
+                v.push((format!("escalation[{i}].count"), u64::from(c), 1, most));
             }
         }
         v
@@ -990,6 +993,8 @@ expected_gpus: 8
             ("max_recovered: 10000000\n", &["max_recovered"]),
             ("escalation:\n  - codes: [Xid13]\n    count: 2\n    window: 1000y\n    handling: SeparateNPU\n", &["escalation[0].window"]),
             ("escalation:\n  - codes: [Xid13]\n    count: 100000000\n    window: 1h\n    handling: SeparateNPU\n", &["escalation[0].count"]),
+            // More occurrences than the engine remembers could never be counted.
+            ("escalation:\n  - codes: [Xid13]\n    count: 101\n    window: 1h\n    handling: SeparateNPU\n", &["escalation[0].count", "between 1 and 100"]),
             ("recovery:\n  - clear_after: 1000y\n", &["recovery[0].clear_after"]),
             ("ascend: { link_flap_count: 100000 }\n", &["ascend.link_flap_count"]),
             ("ascend: { mindcluster: { public_faults: { resource: \"fault line\" } } }\n",

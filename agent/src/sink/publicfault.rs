@@ -164,19 +164,27 @@ fn chip_id(device: &str) -> Option<i32> {
     })
 }
 
-/// The first `max` characters, control characters and line breaks made spaces (ClusterD's
-/// free text is printable characters and spaces).
+/// At most `max` bytes of `s` (ClusterD measures its limits in bytes), control characters and
+/// line breaks made spaces (its free text is printable characters and spaces), `"` made `'`,
+/// `\` made `/` and any other non-ASCII character `?`: the message is then printable ASCII
+/// with no JSON escape, which lets the admission policy check who a message names by plain
+/// text (manifests/components/mindcluster).
 fn clean(s: &str, max: usize) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_control() || c.is_whitespace() {
-                ' '
-            } else {
-                c
-            }
-        })
-        .take(max)
-        .collect()
+    let mut out = String::new();
+    for c in s.chars() {
+        let c = match c {
+            '"' => '\'',
+            '\\' => '/',
+            c if !c.is_ascii() => '?',
+            c if c.is_control() || c.is_whitespace() => ' ',
+            c => c,
+        };
+        if out.len() + c.len_utf8() > max {
+            break;
+        }
+        out.push(c);
+    }
+    out
 }
 
 fn hash16(parts: &[&str]) -> String {
@@ -243,7 +251,19 @@ pub fn entries(
             (
                 level,
                 PublicFault {
-                    fault_id: format!("faultline.{}", hash16(&[node, &f.fault_code, &f.device])),
+                    // Everything ClusterD keeps of an occurrence is in the id: ClusterD adds an
+                    // `occur` only for an id it does not hold, so a new level or a new set of
+                    // chips must be a new id (the old one is sent as `recover`).
+                    fault_id: format!(
+                        "faultline.{}",
+                        hash16(&[
+                            node,
+                            &f.fault_code,
+                            &f.device,
+                            &public_code(fault_type, level),
+                            &format!("{device_ids:?}"),
+                        ])
+                    ),
                     fault_type: fault_type.into(),
                     fault_code: public_code(fault_type, level),
                     fault_time: f.first_seen.as_millisecond(),
@@ -262,32 +282,64 @@ pub fn entries(
         })
         .collect();
     out.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.fault_id.cmp(&b.1.fault_id)));
-    out.into_iter().map(|(_, f)| f).collect()
+    // Two faults with the same code and device name (one from two device keys) are one entry.
+    let mut seen = BTreeSet::new();
+    out.into_iter()
+        .map(|(_, f)| f)
+        .filter(|f| seen.insert(f.fault_id.clone()))
+        .collect()
 }
 
-/// What was published, to know what changed and what has recovered.
-#[derive(Debug, Clone, Default)]
+/// What was published, to know what changed and what has recovered. Kept in the state
+/// directory (`publicfault.json`), so a restarted agent still retracts what it published before:
+/// ClusterD clears a public fault only on its `recover`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Outbox {
+    /// The resource the entries were sent under.
+    resource: String,
     /// The `occur` entries of the last message, by faultId.
     occurring: BTreeMap<String, PublicFault>,
-    /// Faults that ended, with when (their `recover` entries are repeated for RECOVER_KEPT).
-    recovered: BTreeMap<String, (PublicFault, Timestamp)>,
+    /// Every faultId current at the last message, sent or cut for room.
+    considered: BTreeSet<String>,
+    /// Faults that ended, with when (Unix ms); their `recover` entries are repeated for
+    /// RECOVER_KEPT.
+    recovered: BTreeMap<String, (PublicFault, i64)>,
 }
 
+/// The outbox's file in the state directory.
+pub const OUTBOX_FILE: &str = "publicfault.json";
+/// The most of it read back (a hundred entries of at most about 1.5 KiB each, twice).
+const OUTBOX_MAX_BYTES: u64 = 1 << 20;
+
 impl Outbox {
-    /// Whether `current` differs from what was last sent (fault ids, codes or chips; a new
-    /// description alone is no reason to write).
-    pub fn changed(&self, current: &[PublicFault]) -> bool {
-        current.len() != self.occurring.len()
-            || current.iter().any(|f| {
-                self.occurring
-                    .get(&f.fault_id)
-                    .is_none_or(|o| o.fault_code != f.fault_code || o.influence != f.influence)
-            })
+    /// Whether nothing is published that could need a `recover`.
+    pub fn is_empty(&self) -> bool {
+        self.occurring.is_empty() && self.recovered.is_empty()
     }
 
-    /// The message for `current`, or `None` when there is nothing to say (no fault now and no
-    /// recovery to repeat). Call [`Outbox::sent`] once it is written.
+    /// Whether `current` differs from what the last message was made of. The faultId holds
+    /// the code, the level and the chips, so comparing ids is comparing all ClusterD keeps (a
+    /// new description alone is no reason to write).
+    pub fn changed(&self, current: &[PublicFault]) -> bool {
+        current.len() != self.considered.len()
+            || current
+                .iter()
+                .any(|f| !self.considered.contains(&f.fault_id))
+    }
+
+    /// Whether a repeated `recover` has been repeated long enough.
+    pub fn expiring(&self, now: Timestamp) -> bool {
+        let kept = i64::try_from(RECOVER_KEPT.as_millis()).unwrap_or(i64::MAX);
+        self.recovered
+            .values()
+            .any(|(_, at)| now.as_millisecond().saturating_sub(*at) >= kept)
+    }
+
+    /// The message for `current` under `resource`, or `None` when there is nothing to say (no
+    /// fault now and no recovery to repeat), with the outbox to keep once it is written. A
+    /// fault that just ended goes first (as `recover`), then the current ones worst first, then
+    /// repeated recoveries; past [`MAX_FAULTS`] the rest waits: an ended fault stays pending,
+    /// a current one not sent counts as not published.
     pub fn message(
         &self,
         node: &str,
@@ -295,41 +347,55 @@ impl Outbox {
         current: &[PublicFault],
         now: Timestamp,
     ) -> Option<(Message, Outbox)> {
-        let mut next = Outbox::default();
-        let kept = faultline_core::time::signed(RECOVER_KEPT);
-        for (id, (f, at)) in &self.recovered {
-            if faultline_core::time::since(now, *at) < kept
-                && !current.iter().any(|c| c.fault_id == *id)
-            {
-                next.recovered.insert(id.clone(), (f.clone(), *at));
-            }
-        }
+        let ms = now.as_millisecond();
+        let kept = i64::try_from(RECOVER_KEPT.as_millis()).unwrap_or(i64::MAX);
+        let is_current = |id: &str| current.iter().any(|c| c.fault_id == id);
+        let mut ended: Vec<(PublicFault, i64)> = Vec::new();
         for (id, f) in &self.occurring {
-            if !current.iter().any(|c| c.fault_id == *id) {
+            if !is_current(id) {
                 let mut r = f.clone();
                 r.assertion = "recover".into();
-                r.fault_time = now.as_millisecond();
-                next.recovered.insert(id.clone(), (r, now));
+                r.fault_time = ms;
+                ended.push((r, ms));
             }
         }
-        for f in current {
-            next.occurring.insert(f.fault_id.clone(), f.clone());
-        }
-        let mut faults: Vec<PublicFault> =
-            next.recovered.values().map(|(f, _)| f.clone()).collect();
-        faults.extend(current.iter().cloned());
-        if faults.is_empty() {
+        let repeated: Vec<(PublicFault, i64)> = self
+            .recovered
+            .iter()
+            .filter(|(id, (_, at))| ms.saturating_sub(*at) < kept && !is_current(id))
+            .map(|(_, x)| x.clone())
+            .collect();
+        let total = ended.len() + current.len() + repeated.len();
+        if total == 0 {
             return None;
         }
-        if faults.len() > MAX_FAULTS {
+        if total > MAX_FAULTS {
             warn!(
-                faults = faults.len(),
+                faults = total,
                 max = MAX_FAULTS,
-                "more public faults than one message holds; sending the recoveries and the worst"
+                "more public faults than one message holds; the rest wait for the next message"
             );
-            faults.truncate(MAX_FAULTS);
         }
-        let ms = now.as_millisecond();
+        let mut faults: Vec<PublicFault> = Vec::new();
+        let mut next = Outbox {
+            resource: resource.to_string(),
+            considered: current.iter().map(|f| f.fault_id.clone()).collect(),
+            ..Outbox::default()
+        };
+        for (f, at) in ended.iter().chain(repeated.iter()) {
+            next.recovered.insert(f.fault_id.clone(), (f.clone(), *at));
+        }
+        let ordered = ended
+            .iter()
+            .map(|(f, _)| (f, false))
+            .chain(current.iter().map(|f| (f, true)))
+            .chain(repeated.iter().map(|(f, _)| (f, false)));
+        for (f, occurs) in ordered.take(MAX_FAULTS) {
+            if occurs {
+                next.occurring.insert(f.fault_id.clone(), f.clone());
+            }
+            faults.push(f.clone());
+        }
         Some((
             Message {
                 id: format!("faultline.{ms}.{}", hash16(&[node])),
@@ -341,69 +407,170 @@ impl Outbox {
             next,
         ))
     }
+
+    /// Reads the outbox a previous run left; a missing, oversized or unreadable file is an
+    /// empty outbox (with a warning for the last two).
+    pub fn load(dir: &std::path::Path) -> Outbox {
+        use std::io::Read;
+        let path = dir.join(OUTBOX_FILE);
+        let Ok(f) = std::fs::File::open(&path) else {
+            return Outbox::default();
+        };
+        let mut text = Vec::new();
+        if let Err(e) = f.take(OUTBOX_MAX_BYTES + 1).read_to_end(&mut text) {
+            warn!(path = %path.display(), error = %e, "cannot read the public-fault outbox");
+            return Outbox::default();
+        }
+        if text.len() as u64 > OUTBOX_MAX_BYTES {
+            warn!(path = %path.display(), "the public-fault outbox is too large; ignored");
+            return Outbox::default();
+        }
+        serde_json::from_slice(&text).unwrap_or_else(|e| {
+            warn!(path = %path.display(), error = %e, "the public-fault outbox is unreadable; ignored");
+            Outbox::default()
+        })
+    }
 }
+
+/// Not before 2025-01-01T00:00:00Z: ClusterD discards a message dated earlier (a node whose
+/// clock is unset).
+const EARLIEST_MS: i64 = 1_735_689_600_000;
 
 /// Everything `run` needs.
 #[derive(Debug)]
 pub struct PublicFaultSink<P: Publisher> {
     pub node: String,
+    /// The state directory (the outbox file).
+    pub dir: std::path::PathBuf,
     pub publisher: P,
     pub snapshots: watch::Receiver<Option<Snapshot>>,
     pub policy: watch::Receiver<LoadedPolicy>,
     pub clock: Arc<dyn Clock>,
     pub metrics: Arc<Metrics>,
+    /// After start, a message that would retract a published fault waits this long, so a
+    /// restarted agent re-detects standing faults first (a `recover` followed within seconds
+    /// by the same `occur` can leave ClusterD without the fault: it deletes 5 s after a
+    /// `recover`).
+    pub settle: Duration,
     pub shutdown: CancellationToken,
 }
 
 impl<P: Publisher> PublicFaultSink<P> {
-    /// Runs until shutdown or the engine stops; does nothing while the output is disabled.
-    /// Writes when the faults change and while recoveries are being repeated; a failed write is
-    /// retried with backoff and never holds up detection.
+    /// Runs until shutdown or the engine stops. Writes when the faults change, when the policy
+    /// turns the output off (every published fault as `recover`) or renames the resource (the
+    /// same under the old name first), while recoveries are being repeated, and again every
+    /// `ascend.mindcluster.resync` (± 25 % per node) while anything is published: ClusterD drops
+    /// messages beyond its rate limit (100 at once, then 1 a second per resource) and after a
+    /// restart replays only the last one. A failed write is retried with backoff and never
+    /// holds up detection.
     pub async fn run(mut self) {
         let label = SinkLabel {
             sink: "publicfault",
         };
-        let mut outbox = Outbox::default();
+        let mut outbox = Outbox::load(&self.dir);
+        let started = tokio::time::Instant::now();
         let mut retry = crate::sink::kube::Retry::new();
-        // The recoveries still being repeated: look again when the oldest expires.
+        let mut last_sent: Option<tokio::time::Instant> = None;
+        let spread =
+            u32::try_from(u64::from_str_radix(&hash16(&[&self.node])[..4], 16).unwrap_or(0) % 500)
+                .unwrap_or(0);
         loop {
-            let (enabled, resource) = {
-                let p = &self.policy.borrow().policy.ascend.mindcluster.public_faults;
-                (p.enabled, p.resource.clone())
+            let (enabled, resource, resync) = {
+                let p = &self.policy.borrow().policy.ascend.mindcluster;
+                (
+                    p.public_faults.enabled,
+                    p.public_faults.resource.clone(),
+                    p.resync,
+                )
             };
+            // ± 25 %: 750..1250 per mille of resync.
+            let resync = resync * (750 + spread) / 1000;
             let snap = self.snapshots.borrow_and_update().clone();
+            let now = self.clock.now();
+            let tick = tokio::time::Instant::now();
             let mut wake = None;
-            if let (true, Some(snap)) = (enabled, snap) {
-                let current = entries(&self.node, &snap.record.faults, &snap.inventory);
-                let now = self.clock.now();
-                let expiring = outbox.recovered.values().any(|(_, at)| {
-                    faultline_core::time::since(now, *at)
-                        >= faultline_core::time::signed(RECOVER_KEPT)
-                });
-                if outbox.changed(&current) || expiring {
-                    match outbox.message(&self.node, &resource, &current, now) {
-                        None => outbox = Outbox::default(),
-                        Some((msg, next)) => {
+            if outbox.occurring.is_empty() && outbox.resource != resource {
+                // Nothing published under the old name (or none yet): take the new one; the
+                // repeats of old recoveries stop.
+                outbox = Outbox {
+                    resource: resource.clone(),
+                    ..Outbox::default()
+                };
+            }
+            // What to send now: (resource, current faults), or nothing.
+            let job: Option<(String, Vec<PublicFault>)> = if !enabled || resource != outbox.resource
+            {
+                // Off, or renamed: retract what was published under the old name first.
+                (!outbox.occurring.is_empty()).then(|| (outbox.resource.clone(), Vec::new()))
+            } else {
+                snap.map(|snap| entries(&self.node, &snap.record.faults, &snap.inventory))
+                    .filter(|current| {
+                        outbox.changed(current)
+                            || outbox.expiring(now)
+                            || (!outbox.is_empty()
+                                && last_sent.is_none_or(|at| tick >= at + resync))
+                    })
+                    .map(|current| (resource.clone(), current))
+            };
+            let settle_until = started + self.settle;
+            let retracts = |current: &[PublicFault]| {
+                outbox
+                    .occurring
+                    .keys()
+                    .any(|id| !current.iter().any(|c| &c.fault_id == id))
+            };
+            let job = match job {
+                Some((_, ref current)) if enabled && tick < settle_until && retracts(current) => {
+                    debug!("holding a retraction until the agent has settled");
+                    wake = Some(settle_until);
+                    None
+                }
+                other => other,
+            };
+            if let Some((name, current)) = job {
+                if now.as_millisecond() < EARLIEST_MS {
+                    warn!(%now, "the clock is before 2025: ClusterD would discard the message; not sent");
+                    wake = Some(tick + retry.next_delay());
+                } else {
+                    match outbox.message(&self.node, &name, &current, now) {
+                        None => {
+                            outbox = Outbox {
+                                resource: resource.clone(),
+                                ..Outbox::default()
+                            }
+                        }
+                        Some((msg, mut next)) => {
                             let text = serde_json::to_string(&msg).unwrap_or_default();
                             match self.publisher.publish(&text).await {
                                 Ok(()) => {
                                     self.metrics.sink_writes.get_or_create(&label).inc();
                                     debug!(faults = msg.faults.len(), "public faults published");
+                                    if name != resource || !enabled {
+                                        // Retracted: what was under the old name is done.
+                                        next = Outbox {
+                                            resource: resource.clone(),
+                                            ..Outbox::default()
+                                        };
+                                    }
                                     outbox = next;
+                                    last_sent = Some(tick);
+                                    self.save(&outbox).await;
                                     retry.reset();
                                 }
                                 Err(e) => {
                                     self.metrics.sink_errors.get_or_create(&label).inc();
                                     warn!(error = %e, "publishing public faults failed; detection goes on");
-                                    wake = Some(tokio::time::Instant::now() + retry.next_delay());
+                                    wake = Some(tick + retry.next_delay());
                                 }
                             }
                         }
                     }
                 }
-                if wake.is_none() && !outbox.recovered.is_empty() {
-                    wake = Some(tokio::time::Instant::now() + Duration::from_secs(30));
-                }
+            }
+            if wake.is_none() && !outbox.is_empty() && enabled {
+                // Look again for expiring recoveries and for the periodic re-send.
+                let resend = last_sent.map_or(tick, |at| at + resync);
+                wake = Some(resend.min(tick + Duration::from_secs(30)));
             }
             tokio::select! {
                 _ = self.shutdown.cancelled() => return,
@@ -418,6 +585,18 @@ impl<P: Publisher> PublicFaultSink<P> {
                     }
                 }
             }
+        }
+    }
+
+    /// Keeps the outbox for the next run; a failure is logged (the next write tries again).
+    async fn save(&self, outbox: &Outbox) {
+        let path = self.dir.join(OUTBOX_FILE);
+        let bytes = serde_json::to_vec(outbox).unwrap_or_default();
+        let r = tokio::task::spawn_blocking(move || crate::atomic_file::write(&path, &bytes)).await;
+        if !matches!(r, Ok(Ok(()))) {
+            warn!(
+                "cannot keep the public-fault outbox; a restart may not retract what was published"
+            );
         }
     }
 }
@@ -535,7 +714,8 @@ mod tests {
             let loc = f["faultLocation"].as_object().ok_or("faultLocation")?;
             if loc.len() > 10
                 || loc.iter().any(|(k, v)| {
-                    k.chars().count() > 16 || v.as_str().is_none_or(|v| v.chars().count() > 128)
+                    // Go's len(): bytes.
+                    k.len() > 16 || v.as_str().is_none_or(|v| v.len() > 128)
                 })
             {
                 return Err("faultLocation".into());
@@ -640,6 +820,14 @@ mod tests {
         let text = serde_json::to_string(&msg).unwrap();
         let cfg = shipped_config();
         assert_eq!(clusterd_check(&text, &cfg), Ok(()), "{text}");
+        // What the mindcluster component's admission policy requires of it (its CEL, restated):
+        // printable ASCII, no backslash, no nodeSN, every nodeName key the agent's own node.
+        assert!(text.bytes().all(|b| (b' '..=b'~').contains(&b)), "{text}");
+        assert!(!text.contains('\\') && !text.to_ascii_lowercase().contains("nodesn"));
+        assert_eq!(
+            text.to_ascii_lowercase().matches("\"nodename\"").count(),
+            text.matches("\"nodeName\":\"gpu-node-1\"").count()
+        );
         assert!(
             text.contains(r#""faultLocation":{"device":"Ascend910-5","faultlineCode":"NPU_LOST"}"#)
         );
@@ -697,6 +885,116 @@ mod tests {
             let e = clusterd_check(&v.to_string(), &cfg).unwrap_err();
             assert!(e.starts_with(want), "{want}: {e}");
         }
+    }
+
+    /// A new level (or other chips) is a new faultId: ClusterD adds an `occur` only for an id it
+    /// does not hold, so the old id is retracted and the new one sent.
+    #[test]
+    fn a_new_level_is_a_new_fault_for_clusterd() {
+        let mut f = fault(
+            "NPU_NET_UNHEALTHY",
+            "Ascend910-1",
+            Source::Ascend,
+            FaultType::CardNetworkUnhealthy,
+            Handling::SubHealthFault,
+        );
+        let before = entries("n1", std::slice::from_ref(&f), &inventory(2));
+        let (_, outbox) = Outbox::default()
+            .message("n1", "faultline", &before, t(0))
+            .unwrap();
+        f.fault_handling = Handling::SeparateNPU;
+        let after = entries("n1", &[f], &inventory(2));
+        assert_ne!(before[0].fault_id, after[0].fault_id);
+        assert!(outbox.changed(&after));
+        let (msg, _) = outbox.message("n1", "faultline", &after, t(1)).unwrap();
+        let got: Vec<(&str, &str, &str)> = msg
+            .faults
+            .iter()
+            .map(|x| {
+                (
+                    x.fault_id.as_str(),
+                    x.assertion.as_str(),
+                    x.fault_code.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (before[0].fault_id.as_str(), "recover", "920000002"),
+                (after[0].fault_id.as_str(), "occur", "920000004"),
+            ]
+        );
+    }
+
+    /// Past 100 entries a message holds what just ended first, then the worst current faults;
+    /// what did not fit is not counted as published, and the same faults again write nothing.
+    #[test]
+    fn a_full_message_keeps_only_what_it_sent() {
+        let many: Vec<PublicFault> = (0..120)
+            .map(|i| {
+                let mut f = entries(
+                    "n1",
+                    &[fault(
+                        &format!("PEER_X{i}"),
+                        "node",
+                        Source::Peer,
+                        FaultType::NodeUnhealthy,
+                        Handling::SubHealthFault,
+                    )],
+                    &inventory(1),
+                );
+                f.remove(0)
+            })
+            .collect();
+        let (msg, outbox) = Outbox::default()
+            .message("n1", "faultline", &many, t(0))
+            .unwrap();
+        assert_eq!(msg.faults.len(), MAX_FAULTS);
+        assert_eq!(outbox.occurring.len(), MAX_FAULTS);
+        assert!(!outbox.changed(&many));
+        // All of them end: the hundred sent are retracted, nothing is lost or invented.
+        let (msg, outbox) = outbox.message("n1", "faultline", &[], t(1)).unwrap();
+        assert_eq!(msg.faults.len(), MAX_FAULTS);
+        assert!(msg.faults.iter().all(|f| f.assertion == "recover"));
+        assert!(outbox.occurring.is_empty());
+    }
+
+    /// The outbox survives a restart through the state directory; a damaged or oversized file
+    /// is an empty outbox, never a crash.
+    #[test]
+    fn the_outbox_survives_a_restart() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(Outbox::load(dir.path()), Outbox::default());
+        let current = entries(
+            "n1",
+            &[fault(
+                "NPU_LOST",
+                "Ascend910-0",
+                Source::Ascend,
+                FaultType::CardUnhealthy,
+                Handling::SeparateNPU,
+            )],
+            &inventory(1),
+        );
+        let (_, outbox) = Outbox::default()
+            .message("n1", "faultline", &current, t(0))
+            .unwrap();
+        std::fs::write(
+            dir.path().join(OUTBOX_FILE),
+            serde_json::to_vec(&outbox).unwrap(),
+        )
+        .unwrap();
+        let back = Outbox::load(dir.path());
+        assert_eq!(back, outbox);
+        // After the restart the fault is gone: the first message retracts it.
+        let (msg, _) = back.message("n1", "faultline", &[], t(100)).unwrap();
+        assert_eq!(msg.faults[0].assertion, "recover");
+        assert_eq!(msg.faults[0].fault_id, current[0].fault_id);
+        std::fs::write(dir.path().join(OUTBOX_FILE), b"{not json").unwrap();
+        assert_eq!(Outbox::load(dir.path()), Outbox::default());
+        std::fs::write(dir.path().join(OUTBOX_FILE), vec![b' '; 2 << 20]).unwrap();
+        assert_eq!(Outbox::load(dir.path()), Outbox::default());
     }
 
     /// A fault that ends is sent as `recover` with the same faultId, repeated for a while, and

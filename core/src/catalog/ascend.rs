@@ -220,16 +220,20 @@ struct CustomizationFile {
     other: BTreeMap<String, Value>,
 }
 
+/// A missing or null field is Go's zero value, as the device plugin decodes it: the range
+/// checks then skip the rule, never the whole file.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "PascalCase")]
 struct FrequencyRule {
     #[serde(default)]
-    event_id: Vec<String>,
+    event_id: Option<Vec<String>>,
+    #[serde(default)]
     time_window: i64,
+    #[serde(default)]
     times: i64,
     /// `FaultLevel` was this agent's own name for it before it read MindCluster's files as
     /// shipped; both are accepted.
-    #[serde(alias = "FaultLevel")]
+    #[serde(default, alias = "FaultLevel")]
     fault_handling: String,
     /// How long after recovery the device plugin lifts the escalation; required when the level
     /// is not `ManuallySeparateNPU`, 0 = never. Validated; see docs/ascend.md for what this
@@ -244,10 +248,12 @@ struct FrequencyRule {
 #[serde(rename_all = "PascalCase")]
 struct DurationRule {
     #[serde(default)]
-    event_id: Vec<String>,
+    event_id: Option<Vec<String>>,
+    #[serde(default)]
     fault_timeout: i64,
+    #[serde(default)]
     recover_timeout: i64,
-    #[serde(alias = "FaultLevel")]
+    #[serde(default, alias = "FaultLevel")]
     fault_handling: String,
     #[serde(flatten)]
     other: BTreeMap<String, Value>,
@@ -301,10 +307,12 @@ pub fn parse_customization(file: &str, text: &str) -> Result<Customization, Asce
             let handling = level_named(&r.fault_handling)?;
             in_range("TimeWindow", r.time_window, TIME_WINDOW)?;
             in_range("Times", r.times, TIMES)?;
+            // 0 means "never release" to the device plugin, which then treats the rule as one
+            // without a release window.
             match r.release_time_window {
-                None if handling != Handling::ManuallySeparateNPU => {
+                None | Some(0) if handling != Handling::ManuallySeparateNPU => {
                     return Err(format!(
-                        "ReleaseTimeWindow: required for {handling} (only ManuallySeparateNPU may omit it)"
+                        "ReleaseTimeWindow: required (and not 0) for {handling} (only ManuallySeparateNPU may omit it)"
                     ))
                 }
                 Some(w) if w < 0 => {
@@ -317,7 +325,8 @@ pub fn parse_customization(file: &str, text: &str) -> Result<Customization, Asce
         let Some(handling) = skip_or(&at, checked, &mut out.notes) else {
             continue;
         };
-        let Some(codes) = rule_codes(&at, &r.event_id, &mut seen_frequency, &mut out.notes) else {
+        let ids = r.event_id.as_deref().unwrap_or_default();
+        let Some(codes) = rule_codes(&at, ids, &mut seen_frequency, &mut out.notes) else {
             continue;
         };
         if r.release_time_window.is_some() {
@@ -354,7 +363,8 @@ pub fn parse_customization(file: &str, text: &str) -> Result<Customization, Asce
         let Some(handling) = skip_or(&at, checked, &mut out.notes) else {
             continue;
         };
-        let Some(codes) = rule_codes(&at, &r.event_id, &mut seen_duration, &mut out.notes) else {
+        let ids = r.event_id.as_deref().unwrap_or_default();
+        let Some(codes) = rule_codes(&at, ids, &mut seen_duration, &mut out.notes) else {
             continue;
         };
         out.rules.push(EscalationRule {
@@ -595,9 +605,12 @@ mod tests {
         // This agent's own earlier key name still reads.
         let own = r#"{"FaultFrequency": [{"EventId": ["80E01801"], "TimeWindow": 86400,
             "Times": 2, "FaultLevel": "ManuallySeparateNPU"}]}"#;
-        assert_eq!(
-            parse_customization("own.json", own).unwrap().rules[0].handling,
-            Handling::ManuallySeparateNPU
+        let c = parse_customization("own.json", own).unwrap();
+        assert_eq!(c.rules[0].handling, Handling::ManuallySeparateNPU);
+        assert!(
+            c.notes.is_empty(),
+            "the alias is no unknown key: {:?}",
+            c.notes
         );
     }
 
@@ -617,7 +630,7 @@ mod tests {
             (format!(r#"{{"EventId": ["1"], "TimeWindow": 60, "Times": 101, {m}}}"#), "FaultFrequency[0] skipped: Times: 101 is outside 1..=100"),
             (format!(r#"{{"EventId": ["1"], "TimeWindow": 60, "Times": 0, {m}}}"#), "FaultFrequency[0] skipped: Times: 0 is outside"),
             (r#"{"EventId": ["1"], "TimeWindow": 60, "Times": 2, "FaultHandling": "Reboot"}"#.to_string(), "FaultFrequency[0] skipped: FaultHandling: \"Reboot\" is not a handling level"),
-            (r#"{"EventId": ["1"], "TimeWindow": 60, "Times": 2, "FaultHandling": "RestartNPU"}"#.to_string(), "FaultFrequency[0] skipped: ReleaseTimeWindow: required for RestartNPU"),
+            (r#"{"EventId": ["1"], "TimeWindow": 60, "Times": 2, "FaultHandling": "RestartNPU"}"#.to_string(), "FaultFrequency[0] skipped: ReleaseTimeWindow: required (and not 0) for RestartNPU"),
             (r#"{"EventId": ["1"], "TimeWindow": 60, "Times": 2, "FaultHandling": "RestartNPU", "ReleaseTimeWindow": -1}"#.to_string(), "FaultFrequency[0] skipped: ReleaseTimeWindow: -1 is negative"),
             (format!(r#"{{"EventId": ["zz"], "TimeWindow": 60, "Times": 2, {m}}}"#), "FaultFrequency[0].EventId: \"zz\" is not a hex fault code; ignored"),
             // The second rule's code is already in the first: the first applies.
@@ -632,6 +645,34 @@ mod tests {
             );
             // The valid rule still applies, unless the skipped one took its code first.
             assert!(c.rules.len() == 1, "{r}: {:?}", c.rules);
+        }
+        // A missing key is Go's zero value: the rule is skipped (or, where zero is in range,
+        // applies), the file is not refused.
+        let c = parse_customization(
+            "c.json",
+            r#"{"FaultFrequency": [{"EventId": ["1"], "Times": 2, "FaultHandling": "ManuallySeparateNPU"},
+                                  {"EventId": null, "TimeWindow": 60, "Times": 2, "FaultHandling": "ManuallySeparateNPU"},
+                                  {"EventId": ["2"], "TimeWindow": 60, "Times": 2, "FaultHandling": "RestartNPU", "ReleaseTimeWindow": 0}],
+                "FaultDuration": [{"EventId": ["3"], "FaultTimeout": 3, "FaultHandling": "SeparateNPU"},
+                                 {"EventId": ["4"], "FaultTimeout": 3}]}"#,
+        )
+        .unwrap();
+        assert_eq!(c.rules.len(), 1, "{:?}", c.notes);
+        assert_eq!(
+            (c.rules[0].codes.as_slice(), c.rules[0].recover_after),
+            (&["3".to_string()][..], None)
+        );
+        for want in [
+            "FaultFrequency[0] skipped: TimeWindow: 0 is outside",
+            "FaultFrequency[1] skipped: EventId lists no usable code",
+            "FaultFrequency[2] skipped: ReleaseTimeWindow: required (and not 0)",
+            "FaultDuration[1] skipped: FaultHandling: \"\" is not a handling level",
+        ] {
+            assert!(
+                c.notes.iter().any(|n| n.starts_with(want)),
+                "{want}: {:?}",
+                c.notes
+            );
         }
         let d = |json: &str| format!(r#"{{"FaultDuration": [{json}]}}"#);
         for (r, want) in [
@@ -653,8 +694,8 @@ mod tests {
                 "invalid type",
             ),
             (
-                r#"{"FaultDuration": [{"EventId": ["1"], "FaultTimeout": 3}]}"#,
-                "missing field",
+                r#"{"FaultDuration": [{"EventId": ["1"], "FaultTimeout": "3"}]}"#,
+                "invalid type",
             ),
         ] {
             let e = parse_customization("c.json", text).unwrap_err();

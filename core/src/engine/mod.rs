@@ -346,8 +346,9 @@ pub struct Engine {
     inventory: BTreeMap<String, BTreeSet<String>>,
 }
 
-/// Most occurrences remembered per fault (frequency rules need at most `count` of them).
-const MAX_OCCURRENCES: usize = 64;
+/// Most occurrences remembered per fault (frequency rules need at most `count` of them; the
+/// policy refuses a larger `count`).
+pub const MAX_OCCURRENCES: usize = 100;
 
 /// A taint the node should carry.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]

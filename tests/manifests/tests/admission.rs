@@ -160,6 +160,27 @@ fn join(This(list): This<Arc<Vec<Value>>>, sep: Arc<String>) -> Result<Value, Ex
     Ok(Value::String(Arc::new(parts?.join(sep.as_str()))))
 }
 
+/// `string.lowerAscii()`, from Kubernetes' CEL strings library: ASCII letters only.
+fn lower_ascii(This(s): This<Arc<String>>) -> Result<Value, ExecutionError> {
+    Ok(Value::String(Arc::new(s.to_ascii_lowercase())))
+}
+
+/// `string.split(separator)`, from Kubernetes' CEL strings library (Go's `strings.Split`: a
+/// non-empty separator found n times gives n + 1 parts).
+fn split(This(s): This<Arc<String>>, sep: Arc<String>) -> Result<Value, ExecutionError> {
+    if sep.is_empty() {
+        return Err(ExecutionError::function_error(
+            "split",
+            "an empty separator is not used here",
+        ));
+    }
+    Ok(Value::List(Arc::new(
+        s.split(sep.as_str())
+            .map(|p| Value::String(Arc::new(p.to_string())))
+            .collect(),
+    )))
+}
+
 #[derive(Debug, PartialEq)]
 enum Verdict {
     /// A matchCondition was false: the policy does not apply.
@@ -181,6 +202,8 @@ impl Verdict {
 fn admit(c: &Compiled, request: &Json, object: &Json, old_object: &Json) -> Verdict {
     let mut ctx = Context::default();
     ctx.add_function("join", join);
+    ctx.add_function("lowerAscii", lower_ascii);
+    ctx.add_function("split", split);
     for (name, v) in [
         ("request", request),
         ("object", object),
@@ -480,6 +503,24 @@ fn cel_allows_what_the_agent_does_on_its_own_node() {
 fn cel_denies_the_agent_anything_else() {
     let c = compiled();
     let me = || agent_on(Some(NODE));
+
+    // Its own record labelled for MindCluster's ClusterD, which reads public faults from any
+    // namespace: refused.
+    let mut labelled = configmap(&format!("faultline-{NODE}"));
+    labelled["metadata"]["labels"] = json!({"mc-consumer-publicfault": "true"});
+    let name = format!("faultline-{NODE}");
+    let v = admit(
+        &c,
+        &request(me(), "configmaps", "", "UPDATE", &name, NAMESPACE),
+        &labelled,
+        &configmap(&name),
+    );
+    assert!(
+        v.denied()
+            .iter()
+            .any(|m| m.contains("mc-consumer-publicfault")),
+        "{v:?}"
+    );
 
     // Another node.
     let v = run(
@@ -786,6 +827,68 @@ fn cel_mindcluster_component_confines_the_agent_to_its_deviceinfo() {
         ),
         Verdict::NotApplicable
     );
+
+    // What a public-fault message may say: ClusterD takes the nodes from its text, so only the
+    // agent's own node, spelled plainly.
+    let publish = |name: &str, text: &str| {
+        let mut v = cm(name);
+        v["metadata"]["labels"] = json!({"mc-consumer-publicfault": "true"});
+        v["data"] = json!({ "PublicFault": text });
+        let req = request(
+            agent_on(Some(NODE)),
+            "configmaps",
+            "",
+            "UPDATE",
+            name,
+            "kube-system",
+        );
+        admit(&c, &req, &v, &Json::Null)
+    };
+    let msg = |influence: &str| {
+        format!(
+            r#"{{"id":"faultline.1790000000000.ab","timestamp":1790000000000,"version":"1.0","resource":"faultline","faults":[{{"faultId":"faultline.0123456789abcdef","faultType":"Node","faultCode":"930000004","faultTime":1790000000000,"assertion":"occur","faultLocation":{{"device":"node"}},"influence":[{influence}],"description":"peer check: unreachable"}}]}}"#
+        )
+    };
+    let own = format!(r#"{{"nodeName":"{NODE}","deviceIds":[0,1]}}"#);
+    assert_eq!(publish(&public, &msg(&own)), Verdict::Allowed);
+    let other = r#"{"nodeName":"gpu-node-2","deviceIds":[0]}"#;
+    for (what, text) in [
+        ("another node", msg(other)),
+        (
+            "another node besides its own",
+            msg(&format!("{own},{other}")),
+        ),
+        (
+            "another node, key in capitals",
+            msg(r#"{"NODENAME":"gpu-node-2","deviceIds":[0]}"#),
+        ),
+        (
+            "a serial number",
+            msg(r#"{"nodeSN":"2102313LNK10N3000123","deviceIds":[0]}"#),
+        ),
+        (
+            "an escape",
+            msg(r#"{"nodeName":"gpu-node-2","deviceIds":[0]}"#),
+        ),
+        (
+            "non-ASCII",
+            msg("{\"nodeName\":\"gpu-node-2\",\"deviceIds\":[0],\"x\":\"\u{017f}\"}"),
+        ),
+    ] {
+        let v = publish(&public, &text);
+        assert!(
+            v.denied()
+                .iter()
+                .any(|m| m.contains("may publish faults only about its own node")),
+            "{what}: {v:?}"
+        );
+    }
+    // The device-info ConfigMap labelled for ClusterD is held to the same rule.
+    assert!(!publish(&own_deviceinfo(), &msg(other)).denied().is_empty());
+}
+
+fn own_deviceinfo() -> String {
+    format!("mindx-dl-deviceinfo-{NODE}")
 }
 
 /// What a stolen agent token tried on its own Node against the earlier policy, and was allowed:

@@ -174,6 +174,9 @@ impl Budget {
         // failing at once in a 2,000-node cluster each listing every record was 400,000
         // objects for one incident; now it is one list per NODE_COUNT_MAX_AGE.
         let mut counted: Option<u32> = None;
+        // Whether this attempt put a count of its own into the ledger (only then is a denied
+        // admission's write worth making).
+        let mut shares_count;
         let started = tokio::time::Instant::now();
         let mut attempt: u32 = 0;
         while started.elapsed() < CONTENTION_DEADLINE {
@@ -187,6 +190,7 @@ impl Budget {
                 .as_ref()
                 .and_then(|c| c.metadata.resource_version.clone());
             let mut ledger = current.as_ref().map(parse_ledger).unwrap_or_default();
+            shares_count = false;
             let nodes = match ledger.fresh_nodes(now, NODE_COUNT_MAX_AGE) {
                 Some(n) => n,
                 None => {
@@ -198,6 +202,7 @@ impl Budget {
                     // No records at all (not even this agent's): nothing worth sharing.
                     if n > 0 {
                         ledger.nodes = Some(NodeCount { count: n, at: now });
+                        shares_count = true;
                     }
                     n
                 }
@@ -208,7 +213,7 @@ impl Budget {
                 Admission::Denied { used } => {
                     // Share a count taken here, so that the denied agents' rechecks find it
                     // and do not each list every record again (one try; a conflict is fine).
-                    if counted.is_some_and(|n| n > 0) {
+                    if shares_count {
                         if let Err(e) = self.write(&ledger, version).await? {
                             debug!(error = %e, "the node count was not shared");
                         }
@@ -247,8 +252,9 @@ pub async fn keep_count_fresh(
     every: Duration,
     shutdown: CancellationToken,
 ) {
-    // A zero interval (a typo) must not turn this into a busy loop against the API server.
-    let every = every.max(Duration::from_millis(100));
+    // A zero interval (a typo) must not turn this into a busy loop against the API server, nor
+    // an absurd one overflow the spread.
+    let every = every.clamp(Duration::from_millis(100), Duration::from_secs(86_400));
     let max_age = every.min(NODE_COUNT_REFRESH_AGE);
     let seed = jitter(&budget.node);
     for look in 0u64.. {
@@ -263,7 +269,8 @@ pub async fn keep_count_fresh(
         match looked {
             Ok(Refresh::Counted(n)) => debug!(nodes = n, "taint budget: node count shared"),
             Ok(r) => debug!(result = ?r, "taint budget: node count looked at"),
-            Err(e) => debug!(error = %e, "taint budget: could not look at the node count"),
+            // Once per look (minutes apart): a refused call (RBAC) must show.
+            Err(e) => warn!(error = %e, "taint budget: could not look at the node count"),
         }
     }
 }

@@ -272,9 +272,10 @@ pub struct LedgerEntry {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Ledger {
     pub entries: Vec<LedgerEntry>,
-    /// The fleet's size as last counted by an admitting agent, shared so that 200 nodes
-    /// failing at once do not each list every fault ConfigMap (at 2,000 nodes that was 400,000
-    /// objects listed for one incident). Absent in ledgers written before it existed.
+    /// The fleet's size as last counted (by any agent's periodic look, or by an admission that
+    /// found no fresh count), shared so that 200 nodes failing at once do not each list every
+    /// fault ConfigMap (at 2,000 nodes that was 400,000 objects listed for one incident).
+    /// Absent in ledgers written before it existed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub nodes: Option<NodeCount>,
 }
