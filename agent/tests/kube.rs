@@ -556,6 +556,158 @@ fn hosts_lists_only_what_a_launcher_can_use() {
     let (code, _, err) = hosts(&["--pods", "-l", "job=nope", "--pod-namespace", "jobs"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("no pod matches"), "{err}");
+    // The Horovod elastic example's discovery script, run as written (only the CLI's path is
+    // this build's), its output read by Horovod's own rules.
+    let yaml = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../manifests/examples/horovod-elastic.yaml"),
+    )
+    .unwrap();
+    let script: String = yaml
+        .split_once("  discover_hosts.sh: |\n")
+        .unwrap()
+        .1
+        .lines()
+        .take_while(|l| l.starts_with("    "))
+        .map(|l| format!("{}\n", &l[4..]))
+        .collect::<String>()
+        .replace("/opt/faultline/faultline", env!("CARGO_BIN_EXE_faultline"));
+    let discover = || {
+        let out = std::process::Command::new("sh")
+            .args(["-c", &script])
+            .env("FAULTLINE_KUBECONFIG", &kubeconfig)
+            .env("JOB_NAMESPACE", "jobs")
+            .output()
+            .unwrap();
+        (out.status.code(), String::from_utf8(out.stdout).unwrap())
+    };
+    let mpi_worker = |i: u32, node: &str| {
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("horovod-elastic-worker-{i}"), "namespace": "jobs",
+                "labels": {"training.kubeflow.org/job-name": "horovod-elastic",
+                           "training.kubeflow.org/job-role": "worker"}},
+            "spec": {"nodeName": node, "hostname": format!("horovod-elastic-worker-{i}"),
+                "subdomain": "horovod-elastic",
+                "containers": [{"name": "worker", "image": "x",
+                    "resources": {"limits": {"nvidia.com/gpu": "8"}}}]},
+            "status": {"phase": "Running", "podIP": format!("10.0.1.{i}")}})
+    };
+    emu.put(mpi_worker(0, "gpu-sick"));
+    // No worker on a usable node: exit 1, which Horovod takes as a failed discovery (it keeps
+    // its hosts), not as an empty list.
+    let (code, out) = discover();
+    assert_eq!((code, out.as_str()), (Some(1), ""));
+    assert_eq!(
+        horovod_hosts(""),
+        BTreeMap::from([(String::new(), 0)]),
+        "what Horovod would have made of an empty output: one host named \"\""
+    );
+    emu.put(mpi_worker(1, "gpu-a"));
+    emu.put(mpi_worker(2, "gpu-b"));
+    let (code, out) = discover();
+    assert_eq!(code, Some(0));
+    assert_eq!(
+        horovod_hosts(&out),
+        BTreeMap::from([
+            ("horovod-elastic-worker-1.horovod-elastic".to_string(), 8),
+            ("horovod-elastic-worker-2.horovod-elastic".to_string(), 8),
+        ])
+    );
+    // The PyTorchJob example's pre-flight script, run as written: with this build's CLI (no
+    // coordinator here: exit 2, and the Master starts), and with a stand-in `faultline` that
+    // exits with each verdict code, to show what the script does with each.
+    let yaml = std::fs::read_to_string(
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../manifests/examples/pytorchjob.yaml"),
+    )
+    .unwrap();
+    let preflight: String = yaml
+        .split_once("                - |\n")
+        .unwrap()
+        .1
+        .lines()
+        .take_while(|l| l.starts_with("                  "))
+        .map(|l| format!("{}\n", &l[18..]))
+        .collect();
+    assert!(
+        preflight.starts_with("faultline check --pods"),
+        "{preflight}"
+    );
+    let bin_dir = dir.path().join("bin");
+    std::fs::create_dir_all(&bin_dir).unwrap();
+    let run_preflight = |faultline: &str| {
+        use std::os::unix::fs::PermissionsExt;
+        let shim = bin_dir.join("faultline");
+        std::fs::write(&shim, faultline).unwrap();
+        std::fs::set_permissions(&shim, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let out = std::process::Command::new("sh")
+            .args(["-c", &preflight])
+            .env("PATH", format!("{}:/usr/bin:/bin", bin_dir.display()))
+            .env("FAULTLINE_JOB_NAMESPACE", "jobs")
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
+    };
+    // (Its --timeout 5m made 3s: the unreachable coordinator is retried until the timeout.)
+    let real = format!(
+        "#!/bin/sh\nset -- $(echo \"$@\" | sed 's/--timeout 5m/--timeout 3s/')\nexec '{}' \"$@\" --kubeconfig '{}' --coordinator 127.0.0.1:9 --secret-file '{}'\n",
+        env!("CARGO_BIN_EXE_faultline"),
+        kubeconfig.display(),
+        dir.path().join("secret").display()
+    );
+    std::fs::write(
+        dir.path().join("secret"),
+        "0123456789abcdef0123456789abcdef",
+    )
+    .unwrap();
+    emu.put(json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "pytorch-example-master-0", "namespace": "jobs",
+            "labels": {"training.kubeflow.org/job-name": "pytorch-example"}},
+        "spec": {"nodeName": "gpu-a", "containers": [{"name": "pytorch", "image": "x"}]},
+        "status": {"phase": "Pending"}}));
+    let (code, out) = run_preflight(&real);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("no peer check (exit 2); starting"), "{out}");
+    assert!(
+        out.contains(r#""exitCode":2"#) && out.contains("127.0.0.1:9"),
+        "{out}"
+    );
+    for (verdict, want) in [(0, 0), (1, 1), (3, 0), (2, 0)] {
+        let (code, out) = run_preflight(&format!("#!/bin/sh\necho '{{}}'\nexit {verdict}\n"));
+        assert_eq!(code, Some(want), "faultline check exit {verdict}: {out}");
+    }
+    // `faultline check --pods`: the job's nodes from its own pods (a namespaced list, no
+    // cluster-wide right), waiting for every pod to be scheduled.
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
+    let check = |selector: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
+            .args(["check", "--pods", selector, "--pod-namespace", "jobs"])
+            .args(["--kubeconfig", kubeconfig.to_str().unwrap()])
+            .args(["--coordinator", "127.0.0.1:9", "--timeout", "3s"])
+            .args(["--secret-file", secret.to_str().unwrap()])
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (code, err) = check("job=train");
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("pods not scheduled yet: train-w-2"), "{err}");
+    let (code, err) = check("job=other");
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("cannot reach the coordinator at 127.0.0.1:9"),
+        "the pods' nodes were found, the run was asked for: {err}"
+    );
+    let (code, err) = check("job=none");
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("no pod matches"), "{err}");
     // A namespace without records is an error, not "no usable node".
     let (code, out, err) = hosts(&["--namespace", "faultline-sytem"]);
     assert_eq!((code, out.as_str()), (Some(2), ""), "{err}");
@@ -573,6 +725,24 @@ fn hosts_lists_only_what_a_launcher_can_use() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("cannot list the agent pods in other"), "{err}");
     assert!(err.contains("forbidden"), "{err}");
+}
+
+/// What Horovod elastic makes of a discovery script's output (its `HostDiscoveryScript`,
+/// restated): the whole output stripped, split on newlines, each distinct line a host; a line
+/// with `:` is `host:slots` (exactly one `:`, slots an integer, else Horovod raises), a line
+/// without gets the default slots (0 here, to show it).
+fn horovod_hosts(stdout: &str) -> BTreeMap<String, u32> {
+    let lines: std::collections::BTreeSet<&str> = stdout.trim().split('\n').collect();
+    lines
+        .into_iter()
+        .map(
+            |line| match line.split(':').collect::<Vec<_>>().as_slice() {
+                [host, slots] => (host.to_string(), slots.parse().expect("int(slots)")),
+                [host] => (host.to_string(), 0),
+                _ => panic!("Horovod cannot unpack {line:?}"),
+            },
+        )
+        .collect()
 }
 
 /// Every request names its sender (`faultline-agent/<version> (<node>)`, what an audit log

@@ -163,8 +163,21 @@ enum Command {
     /// stragglers. Exit 0: none; 1: some; 3: some nodes could not be judged; 2: no run.
     Check {
         /// Node names, comma separated.
-        #[arg(long, value_delimiter = ',', required = true)]
+        #[arg(
+            long,
+            value_delimiter = ',',
+            required_unless_present = "pods",
+            conflicts_with = "pods"
+        )]
         nodes: Vec<String>,
+        /// Check the nodes of the job's pods matching this label selector instead (a list of
+        /// pods in --pod-namespace: no cluster-wide right needed); waits for them to be
+        /// scheduled, within --timeout.
+        #[arg(long)]
+        pods: Option<String>,
+        /// The job's namespace (with --pods).
+        #[arg(long, env = "FAULTLINE_JOB_NAMESPACE", default_value = "default")]
+        pod_namespace: String,
         /// Give up after this long (the run, and retries while the coordinator changes).
         #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
         timeout: Duration,
@@ -333,6 +346,8 @@ fn main() -> std::process::ExitCode {
         ),
         Command::Check {
             nodes,
+            pods,
+            pod_namespace,
             timeout,
             check_timeout,
             coordinator,
@@ -343,6 +358,7 @@ fn main() -> std::process::ExitCode {
         } => {
             let args = cli::CheckArgs {
                 nodes,
+                pods: pods.map(|sel| (pod_namespace, sel)),
                 timeout,
                 check_timeout,
                 coordinator,

@@ -10,6 +10,8 @@ use super::Outcome;
 #[derive(Debug, Clone)]
 pub struct CheckArgs {
     pub nodes: Vec<String>,
+    /// The job's pods instead of `nodes`: (namespace, label selector); their nodes are checked.
+    pub pods: Option<(String, String)>,
     /// The whole command gives up after this (retries included).
     pub timeout: Duration,
     /// Per-check deadline to ask for (0: the coordinator's policy).
@@ -20,6 +22,63 @@ pub struct CheckArgs {
     pub kubeconfig: Option<PathBuf>,
     pub namespace: String,
     pub json: bool,
+}
+
+/// The nodes a job's pods run on, from a list of the pods in the job's own namespace: a
+/// launcher needs no cluster-wide right (no list of Nodes) for it. Waits, until `deadline`,
+/// for every matching pod to be scheduled; none matching is an error.
+pub async fn job_nodes(
+    client: kube::Client,
+    namespace: &str,
+    selector: &str,
+    deadline: tokio::time::Instant,
+) -> Result<Vec<String>, String> {
+    use k8s_openapi::api::core::v1::Pod;
+    let pods: kube::Api<Pod> = kube::Api::namespaced(client, namespace);
+    loop {
+        let list = pods
+            .list(&kube::api::ListParams::default().labels(selector))
+            .await
+            .map_err(|e| format!("cannot list the pods {selector:?} in {namespace}: {e}"))?;
+        if list.items.is_empty() {
+            return Err(format!(
+                "no pod matches {selector:?} in namespace {namespace}"
+            ));
+        }
+        let (nodes, pending) = job_nodes_of(&list.items);
+        if pending.is_empty() {
+            return Ok(nodes);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!(
+                "pods not scheduled yet: {} (of {} matching {selector:?})",
+                pending.join(", "),
+                list.items.len()
+            ));
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
+/// The sorted, distinct nodes of the pods that are scheduled, and the names of those that are
+/// not (a finished or deleted pod does not count).
+pub fn job_nodes_of(pods: &[k8s_openapi::api::core::v1::Pod]) -> (Vec<String>, Vec<String>) {
+    let mut nodes = std::collections::BTreeSet::new();
+    let mut pending = Vec::new();
+    for p in pods {
+        let phase = p.status.as_ref().and_then(|s| s.phase.as_deref());
+        if matches!(phase, Some("Succeeded" | "Failed")) || p.metadata.deletion_timestamp.is_some()
+        {
+            continue;
+        }
+        match p.spec.as_ref().and_then(|s| s.node_name.as_deref()) {
+            Some(n) if !n.is_empty() => {
+                nodes.insert(n.to_string());
+            }
+            _ => pending.push(p.metadata.name.clone().unwrap_or_default()),
+        }
+    }
+    (nodes.into_iter().collect(), pending)
 }
 
 /// The printed report of a run and its exit status: 0 nothing found, 1 a faulty node, broken
@@ -109,6 +168,18 @@ pub async fn check(args: CheckArgs) -> Outcome {
     let deadline = tokio::time::Instant::now() + args.timeout;
     let mut last_error = String::from("no attempt made");
     let mut client_kube = None;
+    let mut args = args;
+    if let Some((ns, selector)) = args.pods.clone() {
+        let client = match crate::kube_client::client_infer(args.kubeconfig.as_deref()).await {
+            Ok(c) => c,
+            Err(e) => return Outcome::error(format!("error: --pods needs Kubernetes: {e}")),
+        };
+        match job_nodes(client.clone(), &ns, &selector, deadline).await {
+            Ok(nodes) => args.nodes = nodes,
+            Err(e) => return Outcome::error(format!("error: {e}")),
+        }
+        client_kube = Some(client);
+    }
     loop {
         let now = tokio::time::Instant::now();
         if now >= deadline {

@@ -27,10 +27,24 @@ fn pod_specs() -> Vec<(String, PodSpec)> {
                     out.push((format!("{} {role}", d.at()), t.spec.expect("pod spec")));
                 }
             }
+            "MPIJob" => {
+                // The launcher starts no training and needs no agent on its node; the workers
+                // are held to the same rules as every training pod.
+                let t: PodTemplateSpec =
+                    common::strict(&d.value["spec"]["mpiReplicaSpecs"]["Worker"]["template"])
+                        .unwrap_or_else(|e| panic!("{}: Worker: {e}", d.at()));
+                out.push((format!("{} Worker", d.at()), t.spec.expect("pod spec")));
+            }
+            // The launcher's identity and its discovery script.
+            "ServiceAccount" | "Role" | "RoleBinding" | "ClusterRole" | "ClusterRoleBinding"
+            | "ConfigMap" => {}
             other => panic!("{}: unexpected kind {other}", d.at()),
         }
     }
-    assert!(out.len() >= 3, "a Job and a PyTorchJob's Master and Worker");
+    assert!(
+        out.len() >= 4,
+        "a Job, a PyTorchJob's Master and Worker, an MPIJob's Worker"
+    );
     out
 }
 

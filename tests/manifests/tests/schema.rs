@@ -38,6 +38,7 @@ fn check_doc(doc: &Doc) -> Result<(), String> {
             check::<ValidatingAdmissionPolicyBinding>(v)
         }
         ("kubeflow.org/v1", "PyTorchJob") => check_pytorchjob(v),
+        ("kubeflow.org/v2beta1", "MPIJob") => check_mpijob(v),
         ("kustomize.config.k8s.io/v1beta1", "Kustomization") => {
             if doc.file.ends_with("kustomization.yaml") {
                 Ok(())
@@ -83,6 +84,47 @@ fn check_pytorchjob(v: &Value) -> Result<(), String> {
     for (role, r) in replicas {
         if !["Master", "Worker"].contains(&role.as_str()) {
             return Err(format!("replica type {role}: not Master or Worker"));
+        }
+        for key in r.as_object().ok_or("replica spec is not a map")?.keys() {
+            if !["replicas", "restartPolicy", "template"].contains(&key.as_str()) {
+                return Err(format!("{role}.{key}: not a ReplicaSpec field"));
+            }
+        }
+        strict::<PodTemplateSpec>(&r["template"]).map_err(|e| format!("{role}.template: {e}"))?;
+    }
+    Ok(())
+}
+
+/// An MPIJob (mpi-operator's custom resource, v2beta1): the known top-level shape, a Launcher
+/// and Workers, every replica's pod template a strict `PodTemplateSpec`.
+fn check_mpijob(v: &Value) -> Result<(), String> {
+    let spec = v["spec"].as_object().ok_or("no spec")?;
+    for key in spec.keys() {
+        if ![
+            "slotsPerWorker",
+            "runLauncherAsWorker",
+            "runPolicy",
+            "mpiReplicaSpecs",
+            "sshAuthMountPath",
+            "launcherCreationPolicy",
+            "mpiImplementation",
+        ]
+        .contains(&key.as_str())
+        {
+            return Err(format!("spec.{key}: not an MPIJob field"));
+        }
+    }
+    let replicas = spec["mpiReplicaSpecs"]
+        .as_object()
+        .ok_or("no spec.mpiReplicaSpecs")?;
+    for role in ["Launcher", "Worker"] {
+        if !replicas.contains_key(role) {
+            return Err(format!("spec.mpiReplicaSpecs has no {role}"));
+        }
+    }
+    for (role, r) in replicas {
+        if !["Launcher", "Worker"].contains(&role.as_str()) {
+            return Err(format!("replica type {role}: not Launcher or Worker"));
         }
         for key in r.as_object().ok_or("replica spec is not a map")?.keys() {
             if !["replicas", "restartPolicy", "template"].contains(&key.as_str()) {
