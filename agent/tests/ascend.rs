@@ -557,17 +557,18 @@ fn tool_paths_in_the_policy_run_nothing() {
     rig.agent.stop();
 }
 
-/// With the Kubernetes sinks present and the compatibility output on, the same document is the
-/// ConfigMap `mindx-dl-deviceinfo-<node>` in kube-system, labelled for MindCluster's consumers,
-/// rewritten when the lists change and refreshed every `resync` when nothing does. The agent
-/// runs against the API emulator with exactly the permissions of the call tables.
-#[test]
-fn deviceinfo_configmap_in_kubernetes_mode() {
+/// The API emulator with node-a, the agents' and kube-system namespaces, and the agent's token
+/// allowed exactly the call tables (the MindCluster one included); its kubeconfig is
+/// `<dir>/kubeconfig`.
+fn kube_rig() -> (
+    tokio::runtime::Runtime,
+    faultline_kube_emulator::Emulator,
+    tempfile::TempDir,
+) {
     use faultline_agent::sink::kube::calls::{API_CALLS, MINDCLUSTER_CALLS};
-    use faultline_kube_emulator::{ResourceRef, UserInfo};
+    use faultline_kube_emulator::UserInfo;
     use serde_json::json;
-
-    let (_rt, emu) = common::emulator();
+    let (rt, emu) = common::emulator();
     let rules = common::rules_for(&[API_CALLS, MINDCLUSTER_CALLS], "faultline-system");
     emu.authorize(
         "agent",
@@ -582,8 +583,21 @@ fn deviceinfo_configmap_in_kubernetes_mode() {
         &[("kubernetes.io/hostname", "node-a")],
     ));
     let kdir = tempfile::tempdir().unwrap();
+    emu.write_kubeconfig(&kdir.path().join("kubeconfig"), "agent")
+        .unwrap();
+    (rt, emu, kdir)
+}
+
+/// With the Kubernetes sinks present and the compatibility output on, the same document is the
+/// ConfigMap `mindx-dl-deviceinfo-<node>` in kube-system, labelled for MindCluster's consumers,
+/// rewritten when the lists change and refreshed every `resync` when nothing does. The agent
+/// runs against the API emulator with exactly the permissions of the call tables.
+#[test]
+fn deviceinfo_configmap_in_kubernetes_mode() {
+    use faultline_kube_emulator::ResourceRef;
+
+    let (_rt, emu, kdir) = kube_rig();
     let kubeconfig = kdir.path().join("kubeconfig");
-    emu.write_kubeconfig(&kubeconfig, "agent").unwrap();
 
     let rig = Rig::start(
         "  mindcluster: { enabled: true, resync: 2s }\n",
@@ -691,27 +705,11 @@ fn deviceinfo_configmap_in_kubernetes_mode() {
 /// with exactly the permissions of the call tables.
 #[test]
 fn public_faults_configmap_in_kubernetes_mode() {
-    use faultline_agent::sink::kube::calls::{API_CALLS, MINDCLUSTER_CALLS};
-    use faultline_kube_emulator::{ResourceRef, UserInfo};
+    use faultline_kube_emulator::ResourceRef;
     use serde_json::{json, Value};
 
-    let (_rt, emu) = common::emulator();
-    let rules = common::rules_for(&[API_CALLS, MINDCLUSTER_CALLS], "faultline-system");
-    emu.authorize(
-        "agent",
-        UserInfo::service_account("faultline-system", "faultline"),
-        rules,
-    );
-    for ns in ["faultline-system", "kube-system"] {
-        emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}));
-    }
-    emu.put(faultline_kube_emulator::node(
-        "node-a",
-        &[("kubernetes.io/hostname", "node-a")],
-    ));
-    let kdir = tempfile::tempdir().unwrap();
+    let (_rt, emu, kdir) = kube_rig();
     let kubeconfig = kdir.path().join("kubeconfig");
-    emu.write_kubeconfig(&kubeconfig, "agent").unwrap();
     let rig = Rig::start(
         "  mindcluster: { public_faults: { enabled: true } }\n",
         &[

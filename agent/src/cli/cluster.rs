@@ -65,6 +65,23 @@ pub async fn cluster_records(
     Ok((records, bad))
 }
 
+/// The readable records (the unreadable ones are warned about on stderr), or the error outcome
+/// when the ConfigMaps cannot be listed.
+async fn readable_records(
+    client: kube::Client,
+    namespace: &str,
+) -> Result<Vec<NodeRecord>, Outcome> {
+    let (records, bad) = cluster_records(client, namespace).await.map_err(|e| {
+        Outcome::error(format!(
+            "error: cannot list fault ConfigMaps in {namespace}: {e}"
+        ))
+    })?;
+    for (name, why) in &bad {
+        eprintln!("warning: ConfigMap {namespace}/{name} holds no readable record: {why}");
+    }
+    Ok(records)
+}
+
 /// One line per node: verdict, level, active fault codes.
 pub fn cluster_table(records: &[NodeRecord]) -> String {
     let mut rows = vec![["NODE", "HEALTH", "HANDLING", "ACTIVE", "UPDATED"]
@@ -102,17 +119,10 @@ pub async fn get_cluster(
     json: bool,
     all: bool,
 ) -> Outcome {
-    let (records, bad) = match cluster_records(client, namespace).await {
-        Ok(x) => x,
-        Err(e) => {
-            return Outcome::error(format!(
-                "error: cannot list fault ConfigMaps in {namespace}: {e}"
-            ))
-        }
+    let records = match readable_records(client, namespace).await {
+        Ok(r) => r,
+        Err(o) => return o,
     };
-    for (name, why) in &bad {
-        eprintln!("warning: ConfigMap {namespace}/{name} holds no readable record: {why}");
-    }
     let mut shown: Vec<NodeRecord> = records.into_iter().filter(|r| filter.matches(r)).collect();
     if !all {
         for r in &mut shown {
@@ -346,17 +356,10 @@ pub async fn hosts(
     pods: Option<PodQuery>,
 ) -> Outcome {
     use k8s_openapi::api::core::v1::{Node, Pod};
-    let (records, bad) = match cluster_records(client.clone(), namespace).await {
-        Ok(x) => x,
-        Err(e) => {
-            return Outcome::error(format!(
-                "error: cannot list fault ConfigMaps in {namespace}: {e}"
-            ))
-        }
+    let records = match readable_records(client.clone(), namespace).await {
+        Ok(r) => r,
+        Err(o) => return o,
     };
-    for (name, why) in &bad {
-        eprintln!("warning: ConfigMap {namespace}/{name} holds no readable record: {why}");
-    }
     if records.is_empty() {
         return Outcome::error(format!(
             "error: no fault records in namespace {namespace}: is it the agents' namespace, and do they run?"

@@ -92,6 +92,22 @@ impl Budget {
         Ok(u32::try_from(list.items.len()).unwrap_or(u32::MAX))
     }
 
+    /// The ledger and the resourceVersion it was read at (`None`: there is none yet).
+    async fn read(&self) -> Result<(Option<String>, Ledger), KubeSinkError> {
+        let current = self
+            .cms
+            .get_opt(LEDGER_NAME)
+            .await
+            .map_err(api("read the taint ledger"))?;
+        let version = current
+            .as_ref()
+            .and_then(|c| c.metadata.resource_version.clone());
+        Ok((
+            version,
+            current.as_ref().map(parse_ledger).unwrap_or_default(),
+        ))
+    }
+
     /// Writes the ledger: a replace carrying the resourceVersion it was read at, or a create
     /// when there was none. The inner error is the API's (a 409 means someone wrote first).
     async fn write(
@@ -139,15 +155,7 @@ impl Budget {
         now: Timestamp,
         max_age: Duration,
     ) -> Result<Refresh, KubeSinkError> {
-        let current = self
-            .cms
-            .get_opt(LEDGER_NAME)
-            .await
-            .map_err(api("read the taint ledger"))?;
-        let version = current
-            .as_ref()
-            .and_then(|c| c.metadata.resource_version.clone());
-        let mut ledger = current.as_ref().map(parse_ledger).unwrap_or_default();
+        let (version, mut ledger) = self.read().await?;
         if ledger.fresh_nodes(now, max_age).is_some() {
             return Ok(Refresh::Fresh);
         }
@@ -181,15 +189,7 @@ impl Budget {
         let mut attempt: u32 = 0;
         while started.elapsed() < CONTENTION_DEADLINE {
             attempt = attempt.saturating_add(1);
-            let current = self
-                .cms
-                .get_opt(LEDGER_NAME)
-                .await
-                .map_err(api("read the taint ledger"))?;
-            let version = current
-                .as_ref()
-                .and_then(|c| c.metadata.resource_version.clone());
-            let mut ledger = current.as_ref().map(parse_ledger).unwrap_or_default();
+            let (version, mut ledger) = self.read().await?;
             shares_count = false;
             let nodes = match ledger.fresh_nodes(now, NODE_COUNT_MAX_AGE) {
                 Some(n) => n,
