@@ -809,5 +809,23 @@ fn hosts_from_the_members_file() {
     // --slots is required: a record does not say how many accelerators a host has.
     let (code, _, err) = run(&[]);
     assert_eq!(code, Some(2), "{err}");
+    // No agent answers at all (they listen on loopback only, or the port is wrong): a wrong
+    // setup, exit 2, not an empty list.
+    let only_dead = d1.path().join("dead");
+    std::fs::write(&only_dead, "n3 127.0.0.4:7000\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
+        .args([
+            "hosts",
+            "--members",
+            only_dead.to_str().unwrap(),
+            "--slots",
+            "4",
+        ])
+        .args(["--agent-port", &port.to_string(), "--agent-timeout", "1s"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{err}");
+    assert!(err.contains("no member's agent answered"), "{err}");
     drop((a1, a2));
 }

@@ -543,7 +543,7 @@ fn hosts_lists_only_what_a_launcher_can_use() {
         .iter()
         .map(|x| {
             (
-                x["node"].as_str().unwrap().to_string(),
+                x["pod"].as_str().unwrap().to_string(),
                 x["why"].as_str().unwrap().to_string(),
             )
         })
@@ -556,31 +556,43 @@ fn hosts_lists_only_what_a_launcher_can_use() {
     let (code, _, err) = hosts(&["--pods", "-l", "job=nope", "--pod-namespace", "jobs"]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("no pod matches"), "{err}");
-    // The Horovod elastic example's discovery script, run as written (only the CLI's path is
-    // this build's), its output read by Horovod's own rules.
+    // The Horovod elastic example's two scripts, run as written: the sidecar's refresh (with
+    // this build's CLI as `faultline` on PATH) and the launcher's discovery script, whose output
+    // is read by Horovod's own rules.
     let yaml = std::fs::read_to_string(
         std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("../manifests/examples/horovod-elastic.yaml"),
     )
     .unwrap();
-    let script: String = yaml
-        .split_once("  discover_hosts.sh: |\n")
-        .unwrap()
-        .1
-        .lines()
-        .take_while(|l| l.starts_with("    "))
-        .map(|l| format!("{}\n", &l[4..]))
-        .collect::<String>()
-        .replace("/opt/faultline/faultline", env!("CARGO_BIN_EXE_faultline"));
-    let discover = || {
+    let block = |key: &str| -> String {
+        yaml.split_once(&format!("  {key}: |\n"))
+            .unwrap()
+            .1
+            .lines()
+            .take_while(|l| l.starts_with("    "))
+            .map(|l| format!("{}\n", &l[4..]))
+            .collect()
+    };
+    let (refresh, discovery) = (block("refresh_hosts.sh"), block("discover_hosts.sh"));
+    let path_dir = dir.path().join("path");
+    let hosts_dir = dir.path().join("hosts");
+    std::fs::create_dir_all(&path_dir).unwrap();
+    std::fs::create_dir_all(&hosts_dir).unwrap();
+    std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_faultline"), path_dir.join("faultline"))
+        .unwrap();
+    let sh = |script: &str| {
         let out = std::process::Command::new("sh")
-            .args(["-c", &script])
+            .args(["-c", script])
+            .env("PATH", format!("{}:/usr/bin:/bin", path_dir.display()))
             .env("FAULTLINE_KUBECONFIG", &kubeconfig)
             .env("JOB_NAMESPACE", "jobs")
+            .env("HOSTS_DIR", &hosts_dir)
             .output()
             .unwrap();
         (out.status.code(), String::from_utf8(out.stdout).unwrap())
     };
+    // Before the sidecar's first list, discovery fails (the launcher waits for the list).
+    assert_eq!(sh(&discovery).0, Some(1));
     let mpi_worker = |i: u32, node: &str| {
         json!({"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": format!("horovod-elastic-worker-{i}"), "namespace": "jobs",
@@ -593,26 +605,24 @@ fn hosts_lists_only_what_a_launcher_can_use() {
             "status": {"phase": "Running", "podIP": format!("10.0.1.{i}")}})
     };
     emu.put(mpi_worker(0, "gpu-sick"));
-    // No worker on a usable node: exit 1, which Horovod takes as a failed discovery (it keeps
-    // its hosts), not as an empty list.
-    let (code, out) = discover();
-    assert_eq!((code, out.as_str()), (Some(1), ""));
-    assert_eq!(
-        horovod_hosts(""),
-        BTreeMap::from([(String::new(), 0)]),
-        "what Horovod would have made of an empty output: one host named \"\""
-    );
+    // No worker on a usable node: an empty list, which Horovod reads as "no host now".
+    assert_eq!(sh(&refresh).0, Some(0));
+    let (code, out) = sh(&discovery);
+    assert_eq!((code, horovod_hosts(&out)), (Some(0), BTreeMap::new()));
     emu.put(mpi_worker(1, "gpu-a"));
     emu.put(mpi_worker(2, "gpu-b"));
-    let (code, out) = discover();
+    assert_eq!(sh(&refresh).0, Some(0));
+    let (code, out) = sh(&discovery);
     assert_eq!(code, Some(0));
-    assert_eq!(
-        horovod_hosts(&out),
-        BTreeMap::from([
-            ("horovod-elastic-worker-1.horovod-elastic".to_string(), 8),
-            ("horovod-elastic-worker-2.horovod-elastic".to_string(), 8),
-        ])
-    );
+    let both = BTreeMap::from([
+        ("horovod-elastic-worker-1.horovod-elastic".to_string(), 8),
+        ("horovod-elastic-worker-2.horovod-elastic".to_string(), 8),
+    ]);
+    assert_eq!(horovod_hosts(&out), both);
+    // A failed refresh (the API refuses: another namespace) keeps the last list.
+    let refused = refresh.replace("${JOB_NAMESPACE:-default}", "kube-system");
+    assert_ne!(sh(&refused).0, Some(0));
+    assert_eq!(horovod_hosts(&sh(&discovery).1), both);
     // The PyTorchJob example's pre-flight script, run as written: with this build's CLI (no
     // coordinator here: exit 2, and the Master starts), and with a stand-in `faultline` that
     // exits with each verdict code, to show what the script does with each.
@@ -727,18 +737,20 @@ fn hosts_lists_only_what_a_launcher_can_use() {
     assert!(err.contains("forbidden"), "{err}");
 }
 
-/// What Horovod elastic makes of a discovery script's output (its `HostDiscoveryScript`,
-/// restated): the whole output stripped, split on newlines, each distinct line a host; a line
-/// with `:` is `host:slots` (exactly one `:`, slots an integer, else Horovod raises), a line
-/// without gets the default slots (0 here, to show it).
+/// What Horovod elastic (0.25 and later; the example runs 0.28.1) makes of a discovery script's
+/// output, its `HostDiscoveryScript` restated: the whole output stripped, split on newlines,
+/// each distinct line a host; a line with `:` is `host:slots` (exactly one `:`, slots an
+/// integer, else Horovod raises), a line without gets the default slots (0 here, to show it),
+/// an empty line is skipped (before 0.25 it became a host named "").
 fn horovod_hosts(stdout: &str) -> BTreeMap<String, u32> {
     let lines: std::collections::BTreeSet<&str> = stdout.trim().split('\n').collect();
     lines
         .into_iter()
-        .map(
+        .filter_map(
             |line| match line.split(':').collect::<Vec<_>>().as_slice() {
-                [host, slots] => (host.to_string(), slots.parse().expect("int(slots)")),
-                [host] => (host.to_string(), 0),
+                [host, slots] => Some((host.to_string(), slots.parse().expect("int(slots)"))),
+                [""] => None,
+                [host] => Some((host.to_string(), 0)),
                 _ => panic!("Horovod cannot unpack {line:?}"),
             },
         )

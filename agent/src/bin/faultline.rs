@@ -112,7 +112,7 @@ enum Command {
     /// configmaps and pods in the agents' namespace.
     Hosts {
         /// Slots (processes) per host to print (default: the node's allocatable accelerators).
-        #[arg(long)]
+        #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
         slots: Option<u32>,
         /// Also list Degraded nodes whose faults need at most a restart of the job (handling
         /// RestartBusiness or below).
@@ -137,26 +137,26 @@ enum Command {
         #[arg(short = 'l', long, requires = "pods")]
         selector: Option<String>,
         /// The job's namespace (with --pods).
-        #[arg(long, default_value = "default")]
+        #[arg(long, default_value = "default", requires = "pods")]
         pod_namespace: String,
         /// Print pod IPs instead of hostnames (with --pods; hostnames resolve only through a
         /// headless Service named by the pods' subdomain).
-        #[arg(long)]
+        #[arg(long, requires = "pods")]
         ip: bool,
         /// Without Kubernetes (bare metal, Slurm): the peer checks' members file; each
         /// member's agent is asked for its record on --agent-port (start the agents with
         /// `--listen <ip>:<port>`). Needs --slots.
-        #[arg(long, conflicts_with_all = ["pods", "kubeconfig"], requires = "slots")]
+        #[arg(long, conflicts_with = "pods", requires = "slots")]
         members: Option<PathBuf>,
         /// The agents' HTTP port (with --members).
-        #[arg(long, default_value_t = faultline_agent::daemon::DEFAULT_HTTP_PORT)]
+        #[arg(long, default_value_t = faultline_agent::daemon::DEFAULT_HTTP_PORT, requires = "members")]
         agent_port: u16,
         /// A member whose agent's last heartbeat is older than this is left out (with
-        /// --members).
-        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        /// --members; the agents' clocks are compared with this host's).
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration, requires = "members")]
         stale_after: Duration,
         /// How long to wait for each member's agent (with --members).
-        #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+        #[arg(long, default_value = "3s", value_parser = humantime::parse_duration, requires = "members")]
         agent_timeout: Duration,
     },
     /// Run a peer check among these nodes now and print faulty nodes, broken links and

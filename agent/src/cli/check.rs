@@ -47,6 +47,11 @@ pub async fn job_nodes(
         }
         let (nodes, pending) = job_nodes_of(&list.items);
         if pending.is_empty() {
+            if nodes.is_empty() {
+                return Err(format!(
+                    "no live pod matches {selector:?} in namespace {namespace} (all finished or being deleted)"
+                ));
+            }
             return Ok(nodes);
         }
         if tokio::time::Instant::now() >= deadline {

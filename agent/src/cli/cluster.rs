@@ -151,6 +151,24 @@ pub const ACCELERATOR_RESOURCES: [&str; 6] = [
     "huawei.com/npu",
 ];
 
+/// A whole count from a resource quantity as the API writes it (`8`, `1k`, `2Ki`); `None` for
+/// a fraction or anything else. A node or pod offering several accelerator resources counts the
+/// largest (the same devices can be advertised under two names).
+pub fn count_of(q: &str) -> Option<u32> {
+    let q = q.trim();
+    let digits = q.bytes().take_while(u8::is_ascii_digit).count();
+    let n: u64 = q[..digits].parse().ok()?;
+    let scale: u64 = match &q[digits..] {
+        "" => 1,
+        "k" => 1_000,
+        "M" => 1_000_000,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        _ => return None,
+    };
+    u32::try_from(n.checked_mul(scale)?).ok()
+}
+
 /// What `hosts` needs to know about a Node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct NodeFacts {
@@ -172,8 +190,9 @@ impl NodeFacts {
                 ACCELERATOR_RESOURCES
                     .iter()
                     .filter_map(|r| a.get(*r))
-                    .filter_map(|q| q.0.trim().parse::<u32>().ok())
-                    .fold(0u32, u32::saturating_add)
+                    .filter_map(|q| count_of(&q.0))
+                    .max()
+                    .unwrap_or(0)
             })
             .unwrap_or(0);
         NodeFacts {
@@ -281,8 +300,9 @@ impl PodFacts {
                                 r.and_then(|r| r.limits.as_ref().and_then(|l| l.get(*k)))
                                     .or_else(|| r.and_then(|r| r.requests.as_ref()?.get(*k)))
                             })
-                            .filter_map(|q| q.0.trim().parse::<u32>().ok())
-                            .fold(0u32, u32::saturating_add)
+                            .filter_map(|q| count_of(&q.0))
+                            .max()
+                            .unwrap_or(0)
                     })
                     .fold(0u32, u32::saturating_add)
             })
@@ -365,8 +385,10 @@ pub async fn hosts(
             "error: no fault records in namespace {namespace}: is it the agents' namespace, and do they run?"
         ));
     }
+    // Lists served from the API server's cache (resourceVersion=0): a launcher may call this
+    // every few seconds, and a quorum read of every Node from etcd each time is not needed.
     let nodes = match kube::Api::<Node>::all(client.clone())
-        .list(&kube::api::ListParams::default())
+        .list(&kube::api::ListParams::default().match_any())
         .await
     {
         Ok(l) => l
@@ -377,7 +399,11 @@ pub async fn hosts(
         Err(e) => return Outcome::error(format!("error: cannot list Nodes: {e}")),
     };
     let agent_pods = match kube::Api::<Pod>::namespaced(client.clone(), namespace)
-        .list(&kube::api::ListParams::default().labels(AGENT_POD_SELECTOR))
+        .list(
+            &kube::api::ListParams::default()
+                .match_any()
+                .labels(AGENT_POD_SELECTOR),
+        )
         .await
     {
         Ok(l) => l.items,
@@ -400,9 +426,14 @@ pub async fn hosts(
         *agents_ready.entry(node).or_default() |= ready;
     }
     let mut found = usable_hosts(&records, &nodes, &agents_ready, accept, slots);
+    let pods_mode = pods.is_some();
     if let Some(q) = pods {
         let listed = kube::Api::<Pod>::namespaced(client, &q.namespace)
-            .list(&kube::api::ListParams::default().labels(&q.selector))
+            .list(
+                &kube::api::ListParams::default()
+                    .match_any()
+                    .labels(&q.selector),
+            )
             .await;
         let job: Vec<PodFacts> = match listed {
             Ok(l) => l.items.iter().map(PodFacts::of).collect(),
@@ -422,9 +453,11 @@ pub async fn hosts(
         found = usable_pods(&job, &found, slots, q.ip);
     }
     let (usable, left_out) = found;
+    // What was left out: nodes, or with --pods the job's pods.
+    let what = if pods_mode { "pod" } else { "node" };
     let data = json!({
         "hosts": usable.iter().map(|(h, s)| json!({"host": h, "slots": s})).collect::<Vec<_>>(),
-        "leftOut": left_out.iter().map(|(n, w)| json!({"node": n, "why": w})).collect::<Vec<_>>(),
+        "leftOut": left_out.iter().map(|(n, w)| json!({what: n, "why": w})).collect::<Vec<_>>(),
     });
     Outcome::ok(hosts_lines(&usable).trim_end().to_string()).with_data(data)
 }
@@ -503,6 +536,21 @@ mod tests {
         );
         let (usable, _) = usable_hosts(&records, &nodes, &agents, Accept::DEGRADED, Some(2));
         assert_eq!(hosts_lines(&usable), "a:2\nc:2\nd:2\n");
+    }
+
+    #[test]
+    fn accelerator_counts_from_quantities() {
+        for (q, want) in [
+            ("8", Some(8)),
+            ("1k", Some(1000)),
+            ("2Ki", Some(2048)),
+            ("500m", None),
+            ("1.5", None),
+            ("", None),
+            ("99999999999", None),
+        ] {
+            assert_eq!(count_of(q), want, "{q:?}");
+        }
     }
 
     #[test]

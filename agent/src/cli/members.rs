@@ -126,14 +126,36 @@ pub async fn hosts(
         Ok(m) => m,
         Err(e) => return Outcome::error(format!("error: {e}")),
     };
-    let answers: Vec<(Member, Answer)> = futures::stream::iter(members)
-        .map(|m| async move {
-            let a = fetch_record(SocketAddr::new(m.ip, agent_port), timeout).await;
-            (m, a)
-        })
-        .buffered(CONCURRENCY)
-        .collect()
-        .await;
+    // Unordered, so that one slow member does not hold up the next ones; back in file order
+    // after.
+    let mut answers: Vec<(usize, Member, Answer)> =
+        futures::stream::iter(members.into_iter().enumerate())
+            .map(|(i, m)| async move {
+                // The member's own address (an IPv6 scope id included), on the agents' port.
+                let mut addr = m
+                    .address
+                    .parse::<SocketAddr>()
+                    .unwrap_or_else(|_| SocketAddr::new(m.ip, agent_port));
+                addr.set_port(agent_port);
+                let a = fetch_record(addr, timeout).await;
+                (i, m, a)
+            })
+            .buffer_unordered(CONCURRENCY)
+            .collect()
+            .await;
+    answers.sort_by_key(|(i, _, _)| *i);
+    let answers: Vec<(Member, Answer)> = answers.into_iter().map(|(_, m, a)| (m, a)).collect();
+    // No agent answered at all: the agents do not listen there (their default is loopback
+    // only) or --agent-port is wrong; that is a wrong setup, not "nothing usable".
+    if !answers.iter().any(|(_, a)| matches!(a, Answer::Record(_))) {
+        let first = answers
+            .first()
+            .map(|(m, a)| format!("{}: {a:?}", m.node))
+            .unwrap_or_default();
+        return Outcome::error(format!(
+            "error: no member's agent answered on port {agent_port} (start the agents with --listen <ip>:{agent_port}); {first}"
+        ));
+    }
     let (usable, left_out) = usable_members(&answers, slots, accept, Timestamp::now(), stale_after);
     let data = json!({
         "hosts": usable.iter().map(|(h, s)| json!({"host": h, "slots": s})).collect::<Vec<_>>(),

@@ -486,6 +486,7 @@ impl<P: Publisher> PublicFaultSink<P> {
             // ± 25 %: 750..1250 per mille of resync.
             let resync = resync * (750 + spread) / 1000;
             let snap = self.snapshots.borrow_and_update().clone();
+            let have_snapshot = snap.is_some();
             let now = self.clock.now();
             let tick = tokio::time::Instant::now();
             let mut wake = None;
@@ -519,8 +520,10 @@ impl<P: Publisher> PublicFaultSink<P> {
                     .keys()
                     .any(|id| !current.iter().any(|c| &c.fault_id == id))
             };
+            // Retractions of every kind wait: an agent just started may still be loading its
+            // policy (the built-in one has the output off) or re-detecting standing faults.
             let job = match job {
-                Some((_, ref current)) if enabled && tick < settle_until && retracts(current) => {
+                Some((_, ref current)) if tick < settle_until && retracts(current) => {
                     debug!("holding a retraction until the agent has settled");
                     wake = Some(settle_until);
                     None
@@ -567,10 +570,15 @@ impl<P: Publisher> PublicFaultSink<P> {
                     }
                 }
             }
-            if wake.is_none() && !outbox.is_empty() && enabled {
-                // Look again for expiring recoveries and for the periodic re-send.
-                let resend = last_sent.map_or(tick, |at| at + resync);
-                wake = Some(resend.min(tick + Duration::from_secs(30)));
+            if wake.is_none() && !outbox.is_empty() && enabled && have_snapshot {
+                // Look again for expiring recoveries and for the periodic re-send (never in the
+                // past: before a first send the job above has just run).
+                let resend = last_sent.map_or(tick + resync, |at| at + resync);
+                wake = Some(
+                    resend
+                        .min(tick + Duration::from_secs(30))
+                        .max(tick + Duration::from_millis(100)),
+                );
             }
             tokio::select! {
                 _ = self.shutdown.cancelled() => return,
@@ -823,7 +831,7 @@ mod tests {
         // What the mindcluster component's admission policy requires of it (its CEL, restated):
         // printable ASCII, no backslash, no nodeSN, every nodeName key the agent's own node.
         assert!(text.bytes().all(|b| (b' '..=b'~').contains(&b)), "{text}");
-        assert!(!text.contains('\\') && !text.to_ascii_lowercase().contains("nodesn"));
+        assert!(!text.contains('\\') && !text.to_ascii_lowercase().contains("\"nodesn\""));
         assert_eq!(
             text.to_ascii_lowercase().matches("\"nodename\"").count(),
             text.matches("\"nodeName\":\"gpu-node-1\"").count()

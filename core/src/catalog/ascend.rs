@@ -207,9 +207,9 @@ fn level_of_key(key: &str) -> Option<(Handling, bool)> {
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "PascalCase")]
 struct CustomizationFile {
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_zero")]
     fault_frequency: Vec<FrequencyRule>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_zero")]
     fault_duration: Vec<DurationRule>,
     /// MindCluster's reset timing (`WaitProcessReadCMTime`, `WaitDeviceResetTime`,
     /// `WaitFaultSelfHealingTime`; older files `WaitFlushingCMTime`): the device plugin's, for
@@ -227,17 +227,17 @@ struct CustomizationFile {
 struct FrequencyRule {
     #[serde(default)]
     event_id: Option<Vec<String>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_zero")]
     time_window: i64,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_zero")]
     times: i64,
     /// `FaultLevel` was this agent's own name for it before it read MindCluster's files as
     /// shipped; both are accepted.
-    #[serde(default, alias = "FaultLevel")]
+    #[serde(default, alias = "FaultLevel", deserialize_with = "null_is_zero")]
     fault_handling: String,
-    /// How long after recovery the device plugin lifts the escalation; required when the level
-    /// is not `ManuallySeparateNPU`, 0 = never. Validated; see docs/ascend.md for what this
-    /// agent does instead.
+    /// How long after recovery the device plugin lifts the escalation; required (and not 0,
+    /// which it reads as "never", then as missing) when the level is not
+    /// `ManuallySeparateNPU`. Validated; see docs/ascend.md for what this agent does instead.
     #[serde(default)]
     release_time_window: Option<i64>,
     #[serde(flatten)]
@@ -249,14 +249,24 @@ struct FrequencyRule {
 struct DurationRule {
     #[serde(default)]
     event_id: Option<Vec<String>>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_zero")]
     fault_timeout: i64,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_zero")]
     recover_timeout: i64,
-    #[serde(default, alias = "FaultLevel")]
+    #[serde(default, alias = "FaultLevel", deserialize_with = "null_is_zero")]
     fault_handling: String,
     #[serde(flatten)]
     other: BTreeMap<String, Value>,
+}
+
+/// A value, or Go's zero value for `null` (as `encoding/json` leaves a field it reads `null`
+/// into).
+fn null_is_zero<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    T: Default + Deserialize<'de>,
+{
+    Ok(Option::<T>::deserialize(d)?.unwrap_or_default())
 }
 
 /// The device plugin's ranges for `faultCustomization.json` (its `constants.go`), seconds.
@@ -654,7 +664,8 @@ mod tests {
                                   {"EventId": null, "TimeWindow": 60, "Times": 2, "FaultHandling": "ManuallySeparateNPU"},
                                   {"EventId": ["2"], "TimeWindow": 60, "Times": 2, "FaultHandling": "RestartNPU", "ReleaseTimeWindow": 0}],
                 "FaultDuration": [{"EventId": ["3"], "FaultTimeout": 3, "FaultHandling": "SeparateNPU"},
-                                 {"EventId": ["4"], "FaultTimeout": 3}]}"#,
+                                 {"EventId": ["4"], "FaultTimeout": 3},
+                                 {"EventId": ["5"], "FaultTimeout": null, "RecoverTimeout": null, "FaultHandling": null}]}"#,
         )
         .unwrap();
         assert_eq!(c.rules.len(), 1, "{:?}", c.notes);
@@ -667,6 +678,7 @@ mod tests {
             "FaultFrequency[1] skipped: EventId lists no usable code",
             "FaultFrequency[2] skipped: ReleaseTimeWindow: required (and not 0)",
             "FaultDuration[1] skipped: FaultHandling: \"\" is not a handling level",
+            "FaultDuration[2] skipped: FaultHandling: \"\" is not a handling level",
         ] {
             assert!(
                 c.notes.iter().any(|n| n.starts_with(want)),

@@ -851,6 +851,14 @@ fn cel_mindcluster_component_confines_the_agent_to_its_deviceinfo() {
     };
     let own = format!(r#"{{"nodeName":"{NODE}","deviceIds":[0,1]}}"#);
     assert_eq!(publish(&public, &msg(&own)), Verdict::Allowed);
+    // Free text that happens to spell a key (a node called gpu-nodesn3) is no key.
+    assert_eq!(
+        publish(
+            &public,
+            &msg(&own).replace("peer check: unreachable", "peer gpu-nodesn3 and nodename")
+        ),
+        Verdict::Allowed
+    );
     let other = r#"{"nodeName":"gpu-node-2","deviceIds":[0]}"#;
     for (what, text) in [
         ("another node", msg(other)),
