@@ -510,8 +510,13 @@ fn hosts_lists_only_what_a_launcher_can_use() {
         ("train-w-2", None, 8, "Pending", ""),
         ("train-w-3", Some("gpu-b"), 4, "Running", "10.0.0.1"),
         ("other", Some("gpu-a"), 8, "Running", "10.0.0.9"),
+        ("other-2", Some("gpu-b"), 8, "Running", "10.0.0.10"),
     ] {
-        let label = if pod == "other" { "other" } else { "train" };
+        let label = if pod.starts_with("other") {
+            "other"
+        } else {
+            "train"
+        };
         emu.put(json!({"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": pod, "namespace": "jobs", "labels": {"job": label}},
             "spec": {"nodeName": node, "hostname": pod, "subdomain": "train",
@@ -673,11 +678,16 @@ fn hosts_lists_only_what_a_launcher_can_use() {
         "0123456789abcdef0123456789abcdef",
     )
     .unwrap();
-    emu.put(json!({"apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "pytorch-example-master-0", "namespace": "jobs",
-            "labels": {"training.kubeflow.org/job-name": "pytorch-example"}},
-        "spec": {"nodeName": "gpu-a", "containers": [{"name": "pytorch", "image": "x"}]},
-        "status": {"phase": "Pending"}}));
+    for (pod, node) in [
+        ("pytorch-example-master-0", "gpu-a"),
+        ("pytorch-example-worker-0", "gpu-b"),
+    ] {
+        emu.put(json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": pod, "namespace": "jobs",
+                "labels": {"training.kubeflow.org/job-name": "pytorch-example"}},
+            "spec": {"nodeName": node, "containers": [{"name": "pytorch", "image": "x"}]},
+            "status": {"phase": "Pending"}}));
+    }
     let (code, out) = run_preflight(&real);
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("no peer check (exit 2); starting"), "{out}");
@@ -718,6 +728,14 @@ fn hosts_lists_only_what_a_launcher_can_use() {
     let (code, err) = check("job=none");
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("no pod matches"), "{err}");
+    // A job on one node: there is nothing to pair it with.
+    emu.put(json!({"apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "solo", "namespace": "jobs", "labels": {"job": "solo"}},
+        "spec": {"nodeName": "gpu-a", "containers": [{"name": "w", "image": "x"}]},
+        "status": {"phase": "Running"}}));
+    let (code, err) = check("job=solo");
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("at least two nodes"), "{err}");
     // A namespace without records is an error, not "no usable node".
     let (code, out, err) = hosts(&["--namespace", "faultline-sytem"]);
     assert_eq!((code, out.as_str()), (Some(2), ""), "{err}");

@@ -157,7 +157,31 @@ pub fn check_report(r: &faultline_proto::v1::RunResult, json: bool) -> Outcome {
 /// `faultline check --nodes a,b,c`: asks the coordinator to run a check among these nodes now
 /// and prints the verdicts. Retries (re-reading the Lease) while the coordinator is unreachable
 /// or changing, until `timeout`.
+/// What a run request must name: at least two nodes, none empty, none twice (a check pairs
+/// nodes; a duplicate or a lone node would come back as a silent de-duplication or "unknown").
+pub fn validate_nodes(nodes: &[String]) -> Result<(), String> {
+    if let Some(i) = nodes.iter().position(|n| n.trim().is_empty()) {
+        return Err(format!("node {} of the list is empty", i + 1));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some(d) = nodes.iter().find(|n| !seen.insert(n.as_str())) {
+        return Err(format!("node {d:?} is listed twice"));
+    }
+    if nodes.len() < 2 {
+        return Err(format!(
+            "a peer check needs at least two nodes, got {}",
+            nodes.len()
+        ));
+    }
+    Ok(())
+}
+
 pub async fn check(args: CheckArgs) -> Outcome {
+    if args.pods.is_none() {
+        if let Err(e) = validate_nodes(&args.nodes) {
+            return Outcome::error(format!("error: {e}"));
+        }
+    }
     use faultline_proto::v1::coordinator_client::CoordinatorClient;
     use faultline_proto::v1::RunRequest;
     use tonic::Code;
@@ -182,6 +206,12 @@ pub async fn check(args: CheckArgs) -> Outcome {
         match job_nodes(client.clone(), &ns, &selector, deadline).await {
             Ok(nodes) => args.nodes = nodes,
             Err(e) => return Outcome::error(format!("error: {e}")),
+        }
+        if let Err(e) = validate_nodes(&args.nodes) {
+            return Outcome::error(format!(
+                "error: the job's pods run on {:?}: {e}",
+                args.nodes
+            ));
         }
         client_kube = Some(client);
     }
@@ -280,6 +310,20 @@ pub async fn check(args: CheckArgs) -> Outcome {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_run_names_two_or_more_distinct_nodes() {
+        let v = |n: &[&str]| validate_nodes(&n.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(v(&["a", "b"]), Ok(()));
+        assert_eq!(v(&["a", "a"]).unwrap_err(), "node \"a\" is listed twice");
+        assert_eq!(
+            v(&["a", "", "b"]).unwrap_err(),
+            "node 2 of the list is empty"
+        );
+        assert!(v(&["a"]).unwrap_err().contains("at least two nodes, got 1"));
+        assert!(v(&[]).unwrap_err().contains("got 0"));
+    }
+
     use super::*;
 
     #[test]

@@ -360,14 +360,7 @@ impl Coordinator {
         while let Some(checks) = planner.next_round() {
             let round = planner.rounds() as u32;
             let deadline = match slowest_pass {
-                Some(s) if round > 1 => {
-                    let expected = s * f64::from(spec.iterations.max(1));
-                    Duration::from_secs_f64(
-                        (HANG_FACTOR * expected).min(spec.check_timeout.as_secs_f64()),
-                    )
-                    .max(MIN_LATER_DEADLINE)
-                    .min(spec.check_timeout)
-                }
+                Some(s) if round > 1 => later_deadline(s, spec.iterations, spec.check_timeout),
                 _ => spec.check_timeout,
             };
             // Probe ports: per node, one per check it takes part in this round.
@@ -659,6 +652,44 @@ pub fn select(all: Vec<Member>, wanted: &[String]) -> (Vec<Member>, BTreeMap<Str
         })
         .collect();
     (found, missing)
+}
+
+/// The deadline of a check after the first round: `HANG_FACTOR` times what the slowest passed
+/// check of earlier rounds took for `iterations`, within [MIN_LATER_DEADLINE, check_timeout].
+/// Never panics: a time that is not a finite, non-negative number (reports are validated, but
+/// this is arithmetic on them) gives the full `check_timeout`.
+pub fn later_deadline(slowest: f64, iterations: u32, check_timeout: Duration) -> Duration {
+    let expected = HANG_FACTOR * slowest * f64::from(iterations.max(1));
+    Duration::try_from_secs_f64(expected.min(check_timeout.as_secs_f64()))
+        .unwrap_or(check_timeout)
+        .max(MIN_LATER_DEADLINE)
+        .min(check_timeout)
+}
+
+/// Checks a report's fields at the boundary: times and rates finite, not negative and within
+/// reason, identifiers and the error text of bounded length. The coordinator computes deadlines
+/// from `seconds` (a negative one used to panic it).
+pub fn validate_report(r: &CheckReport) -> Result<(), String> {
+    for (name, v, most) in [
+        ("seconds", r.seconds, 86_400.0),
+        ("busbw_gbps", r.busbw_gbps, 1e9),
+        ("gemm_gflops", r.gemm_gflops, 1e12),
+    ] {
+        if !v.is_finite() || v < 0.0 || v > most {
+            return Err(format!("{name} {v} is not a number from 0 to {most}"));
+        }
+    }
+    for (name, v, most) in [
+        ("run_id", &r.run_id, 128),
+        ("node", &r.node, 253),
+        ("partner", &r.partner, 253),
+        ("error", &r.error, 4096),
+    ] {
+        if v.len() > most {
+            return Err(format!("{name} is {} bytes, more than {most}", v.len()));
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -359,3 +359,81 @@ fn verdict_kind_names_round_trip() {
     }
     assert_eq!(kind_from_name("bogus"), Kind::Unspecified);
 }
+
+/// A report's numbers are untrusted: a negative, infinite or NaN time, or an oversized text, is
+/// refused at the boundary with a reason (a negative `seconds` used to panic the coordinator in
+/// `Duration::from_secs_f64`), and the deadline arithmetic cannot panic whatever it is given.
+#[test]
+fn reports_are_validated_and_deadlines_never_panic() {
+    let good = CheckReport {
+        run_id: "r1".into(),
+        node: "n1".into(),
+        partner: "n2".into(),
+        passed: true,
+        seconds: 0.25,
+        busbw_gbps: 12.0,
+        ..Default::default()
+    };
+    assert_eq!(super::validate_report(&good), Ok(()));
+    let bad: [(&str, CheckReport); 6] = [
+        (
+            "seconds -1",
+            CheckReport {
+                seconds: -1.0,
+                ..good.clone()
+            },
+        ),
+        (
+            "seconds NaN",
+            CheckReport {
+                seconds: f64::NAN,
+                ..good.clone()
+            },
+        ),
+        (
+            "seconds inf",
+            CheckReport {
+                seconds: f64::INFINITY,
+                ..good.clone()
+            },
+        ),
+        (
+            "busbw_gbps -3",
+            CheckReport {
+                busbw_gbps: -3.0,
+                ..good.clone()
+            },
+        ),
+        (
+            "error is 5000 bytes",
+            CheckReport {
+                error: "x".repeat(5000),
+                ..good.clone()
+            },
+        ),
+        (
+            "run_id is 200 bytes",
+            CheckReport {
+                run_id: "r".repeat(200),
+                ..good.clone()
+            },
+        ),
+    ];
+    for (want, r) in bad {
+        let e = super::validate_report(&r).unwrap_err();
+        assert!(
+            e.starts_with(want.split(' ').next().unwrap()),
+            "{want}: {e}"
+        );
+    }
+    let timeout = Duration::from_secs(60);
+    for s in [-1.0, f64::NAN, f64::INFINITY, f64::NEG_INFINITY, 1e300] {
+        let d = super::later_deadline(s, 10, timeout);
+        assert!(d >= super::MIN_LATER_DEADLINE && d <= timeout, "{s}: {d:?}");
+    }
+    assert_eq!(
+        super::later_deadline(0.5, 10, timeout),
+        Duration::from_secs(20),
+        "HANG_FACTOR x 10 iterations x 0.5 s"
+    );
+}

@@ -396,6 +396,8 @@ impl CoordinatorRpc for PeerHandle {
         let r = request.into_inner();
         let sender = self.verify(&r)?;
         PeerService::check_protocol(r.protocol)?;
+        coordinator::validate_report(&r)
+            .map_err(|why| Status::invalid_argument(format!("report from {sender}: {why}")))?;
         if sender != r.node {
             return Err(Status::permission_denied(format!(
                 "{sender} cannot report for {}",
