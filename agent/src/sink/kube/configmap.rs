@@ -3,8 +3,9 @@
 //!
 //! Written by server-side apply (one call creates or updates it) and only when the content
 //! changed: `updateTime` alone is not a change. On start the sink reads the ConfigMap back and
-//! adopts it when it already says the same. The record is cut to fit Kubernetes' 1 MiB limit
-//! ([`plan::fit_record`]).
+//! adopts it when it already says the same; while the agent settles, a record that differs only
+//! in detectors that have not reported yet (their states are not restored) is not written.
+//! The record is cut to fit Kubernetes' 1 MiB limit ([`plan::fit_record`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -44,7 +45,12 @@ pub async fn run(
     let cms: Api<ConfigMap> = Api::namespaced(client, &cfg.namespace);
     let name = name(&cfg.node);
     let label = SinkLabel { sink: "configmap" };
-    let mut written = adopt(&cms, &cfg.node).await;
+    let started = Instant::now();
+    let (mut written, adopted_base) = match adopt(&cms, &cfg.node).await {
+        Some((key, base)) => (Some(key), Some(base)),
+        None => (None, None),
+    };
+    let adopted = written.clone();
     let mut retry = Retry::new();
     let mut wake: Option<Instant> = None;
     let mut versions = OwnVersions::default();
@@ -82,6 +88,18 @@ pub async fn run(
             (_, Some(at)) => {
                 debug!("the fault ConfigMap was changed again; pacing the repair");
                 wake = Some(at);
+            }
+            // Just restarted, nothing written since adopting the ConfigMap, and the record
+            // differs from it only in detectors that have not reported yet: wait for them
+            // (at most the settle time) instead of writing twice.
+            (Some(snap), None)
+                if now < started + cfg.settle
+                    && written.is_some()
+                    && written == adopted
+                    && adopted_base.as_deref()
+                        == Some(plan::content_key_without_detectors(&snap.record).as_str()) =>
+            {
+                wake = Some(started + cfg.settle);
             }
             (Some(snap), None) if !backing_off => {
                 match write(&cms, &cfg, &name, &snap.record, &written).await {
@@ -189,12 +207,16 @@ fn record_in(cm: &ConfigMap) -> Result<NodeRecord, ReadBackError> {
     serde_json::from_str(text).map_err(|e| ReadBackError::Unreadable(e.to_string()))
 }
 
-/// The content key of the ConfigMap as it is, if it exists and holds a readable record.
-async fn adopt(cms: &Api<ConfigMap>, node: &str) -> Option<String> {
+/// The content key of the ConfigMap as it is, and the same without the detectors' states, if
+/// it exists and holds a readable record.
+async fn adopt(cms: &Api<ConfigMap>, node: &str) -> Option<(String, String)> {
     match read_back(cms, node).await {
         Ok(Some(r)) => {
             info!(health = %r.health, faults = r.faults.len(), "fault ConfigMap found; adopting it");
-            Some(plan::content_key(&r))
+            Some((
+                plan::content_key(&r),
+                plan::content_key_without_detectors(&r),
+            ))
         }
         Ok(None) => None,
         Err(e @ ReadBackError::Unreadable(_)) => {

@@ -259,6 +259,15 @@ pub fn content_key(record: &NodeRecord) -> String {
     hex::encode(Sha256::digest(&bytes))
 }
 
+/// The content key without the detectors' states: a restarted agent's first records lack the
+/// detectors that have not reported yet (they are not restored), which is no change worth a
+/// write while the agent settles.
+pub fn content_key_without_detectors(record: &NodeRecord) -> String {
+    let mut r = record.clone();
+    r.agent.detectors.clear();
+    content_key(&r)
+}
+
 /// One node's entry in the shared taint ledger.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LedgerEntry {
