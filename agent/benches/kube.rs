@@ -34,24 +34,35 @@ struct Cluster {
     dir: tempfile::TempDir,
 }
 
+/// The runtime the benches run servers and agents on: two workers, as the machine has.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// An emulator on `rt` holding the agents' namespace and one Node per name.
+fn emulator(rt: &tokio::runtime::Runtime, nodes: impl IntoIterator<Item = String>) -> Emulator {
+    let emu = rt.block_on(Emulator::start()).unwrap();
+    emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}));
+    for n in nodes {
+        emu.put(faultline_kube_emulator::node(
+            &n,
+            &[("kubernetes.io/hostname", &n)],
+        ));
+    }
+    emu
+}
+
 impl Cluster {
     fn new(nodes: &[String]) -> Cluster {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let emu = rt.block_on(Emulator::start()).unwrap();
+        let rt = runtime();
+        let emu = emulator(&rt, nodes.iter().cloned());
         let dir = tempfile::tempdir().unwrap();
         let kubeconfig = dir.path().join("kubeconfig");
         emu.write_kubeconfig(&kubeconfig, "bench").unwrap();
-        emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}));
-        for n in nodes {
-            emu.put(faultline_kube_emulator::node(
-                n,
-                &[("kubernetes.io/hostname", n)],
-            ));
-        }
         Cluster {
             _rt: rt,
             emu,
@@ -393,20 +404,8 @@ fn serve_emulator(kubeconfig: &Path) {
     let nodes: usize = std::env::var("FLEET_NODES").unwrap().parse().unwrap();
     let latency = std::env::var("FLEET_LATENCY_MS").unwrap();
     let (lo, hi) = latency.split_once('-').unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let emu = rt.block_on(Emulator::start()).unwrap();
-    emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}));
-    for i in 0..nodes {
-        let n = format!("node-{i:04}");
-        emu.put(faultline_kube_emulator::node(
-            &n,
-            &[("kubernetes.io/hostname", &n)],
-        ));
-    }
+    let rt = runtime();
+    let emu = emulator(&rt, (0..nodes).map(|i| format!("node-{i:04}")));
     emu.set_write_latency(
         Duration::from_millis(lo.parse().unwrap()),
         Duration::from_millis(hi.parse().unwrap()),
@@ -567,11 +566,7 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     let dir = tempfile::tempdir().unwrap();
     let kubeconfig = dir.path().join("kubeconfig");
     let api = RemoteApi::start(agents, latency_ms, &kubeconfig);
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let shutdown = tokio_util::sync::CancellationToken::new();
     let t_start = Instant::now();
     let mut dirs = Vec::new();

@@ -483,17 +483,7 @@ fn hosts_lists_only_what_a_launcher_can_use() {
         v["hosts"],
         json!([{"host": "gpu-a", "slots": 8}, {"host": "gpu-b", "slots": 4}])
     );
-    let left: BTreeMap<String, String> = v["leftOut"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| {
-            (
-                x["node"].as_str().unwrap().to_string(),
-                x["why"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect();
+    let left = left_out(&v, "node");
     assert_eq!(left.len(), 6, "{left:?}");
     assert_eq!(left["gpu-gone"], "no such Node (the record outlived it)");
     assert_eq!(left["cpu-1"], "the Node offers no accelerators");
@@ -542,17 +532,7 @@ fn hosts_lists_only_what_a_launcher_can_use() {
         "10.0.0.8:1\n10.0.0.1:1\n"
     );
     let v: Value = serde_json::from_str(&pods(&["-o", "json"]).1).unwrap();
-    let left: BTreeMap<String, String> = v["leftOut"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|x| {
-            (
-                x["pod"].as_str().unwrap().to_string(),
-                x["why"].as_str().unwrap().to_string(),
-            )
-        })
-        .collect();
+    let left = left_out(&v, "pod");
     assert!(
         left["train-w-1"].starts_with("its node gpu-sick: the record says Unhealthy"),
         "{left:?}"
@@ -753,6 +733,21 @@ fn hosts_lists_only_what_a_launcher_can_use() {
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("cannot list the agent pods in other"), "{err}");
     assert!(err.contains("forbidden"), "{err}");
+}
+
+/// `hosts -o json`'s `leftOut` as name -> why; `key` names what was left out (`node`, `pod`).
+fn left_out(v: &Value, key: &str) -> BTreeMap<String, String> {
+    v["leftOut"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| {
+            (
+                x[key].as_str().unwrap().to_string(),
+                x["why"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
 }
 
 /// What Horovod elastic (0.25 and later; the example runs 0.28.1) makes of a discovery script's

@@ -445,19 +445,19 @@ impl<P: Publisher> MindClusterSink<P> {
                     (a, b) => a.or(b),
                 };
             }
-            tokio::select! {
-                _ = self.shutdown.cancelled() => return,
-                more = crate::sink::kube::changed_or_woken(&mut self.snapshots, wake) => {
-                    if !more {
-                        return;
-                    }
-                }
-                changed = self.policy.changed() => {
-                    if changed.is_err() {
-                        return;
-                    }
+            match crate::sink::next_input(
+                &self.shutdown,
+                &mut self.snapshots,
+                &mut self.policy,
+                wake,
+            )
+            .await
+            {
+                crate::sink::Woke::Stop => return,
+                crate::sink::Woke::Policy => {
                     info!("policy changed; re-evaluating the MindCluster output");
                 }
+                crate::sink::Woke::Snapshot => {}
             }
         }
     }

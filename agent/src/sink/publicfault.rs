@@ -580,18 +580,15 @@ impl<P: Publisher> PublicFaultSink<P> {
                         .max(tick + Duration::from_millis(100)),
                 );
             }
-            tokio::select! {
-                _ = self.shutdown.cancelled() => return,
-                more = crate::sink::kube::changed_or_woken(&mut self.snapshots, wake) => {
-                    if !more {
-                        return;
-                    }
-                }
-                changed = self.policy.changed() => {
-                    if changed.is_err() {
-                        return;
-                    }
-                }
+            let woke = crate::sink::next_input(
+                &self.shutdown,
+                &mut self.snapshots,
+                &mut self.policy,
+                wake,
+            )
+            .await;
+            if woke == crate::sink::Woke::Stop {
+                return;
             }
         }
     }
