@@ -37,6 +37,8 @@ impl Agent {
             .arg(&fifo_path)
             .arg("--state-dir")
             .arg(dir.join("state"))
+            .arg("--data-dir")
+            .arg(dir.join("data"))
             .arg("--boot-id-path")
             .arg(dir.join("boot_id"))
             .args(["--listen", "127.0.0.1:0", "--node-name", "bench"])

@@ -85,6 +85,8 @@ impl Cluster {
             .arg(&kmsg)
             .arg("--state-dir")
             .arg(dir.join("state"))
+            .arg("--data-dir")
+            .arg(dir.join("data"))
             .arg("--boot-id-path")
             .arg(dir.join("boot_id"))
             .args(extra)
@@ -593,6 +595,8 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
             p("kmsg"),
             "--state-dir".into(),
             p("state"),
+            "--data-dir".into(),
+            p("data"),
             "--boot-id-path".into(),
             p("boot_id"),
             "--settle".into(),

@@ -113,6 +113,8 @@ fn event(lib: &Path, events: usize) {
         .arg(dir.path().join("policy.yaml"))
         .arg("--state-dir")
         .arg(dir.path().join("state"))
+        .arg("--data-dir")
+        .arg(dir.path().join("data"))
         .arg("--boot-id-path")
         .arg(dir.path().join("boot_id"))
         .args(["--listen", "127.0.0.1:0"])

@@ -11,7 +11,7 @@ use anyhow::Context as _;
 use tokio::sync::{mpsc, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn, Instrument};
+use tracing::{debug, error, info, warn, Instrument};
 
 use crate::http::{self, HttpState};
 use crate::metrics::Metrics;
@@ -58,9 +58,15 @@ pub struct AgentConfig {
     /// This node's name (Kubernetes: from the downward API). Default: the host name.
     #[arg(long, env = "NODE_NAME")]
     pub node_name: Option<String>,
-    /// Where the local record (`faults.json`) and the restart state live.
+    /// Where the local record (`faults.json`) that jobs and the CLI read, clear requests
+    /// (`clear.d/`) and the listen address live. A tmpfs is fine: nothing here must outlive a
+    /// reboot.
     #[arg(long, env = "FAULTLINE_STATE_DIR", default_value = "/run/faultline")]
     pub state_dir: PathBuf,
+    /// Where durable state lives (`state.json`: faults only an operator may clear, escalation
+    /// counts, the kernel-log cursor). Must survive a reboot: not a tmpfs.
+    #[arg(long, env = "FAULTLINE_DATA_DIR", default_value = "/var/lib/faultline")]
+    pub data_dir: PathBuf,
     /// Kernel log to read: `/dev/kmsg`, or a file or FIFO of kmsg records or dmesg lines.
     #[arg(long, env = "FAULTLINE_KMSG_PATH", default_value = "/dev/kmsg")]
     pub kmsg_path: PathBuf,
@@ -373,7 +379,7 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
     // faults.json, read once: the engine is rebuilt from it when state.json is unusable, and
     // the withheld taints come from it in every case.
     let record = crate::cli::read_record(&cfg.state_dir.join(file::FAULTS_FILE));
-    let (origin, persisted) = match file::read_state(&cfg.state_dir) {
+    let (origin, persisted) = match read_durable_state(cfg) {
         Ok(Some(p)) => (Origin::State, p),
         // No usable state.json (deleted alone, or unreadable): the record is rebuilt.
         missing_or_bad => {
@@ -412,6 +418,48 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
             .filter(|r| r.node == node)
             .and_then(|r| r.agent.taint_budget),
     }
+}
+
+/// `state.json` from the data directory. An agent from before `--data-dir` kept it in the state
+/// directory: found there (and not in the data directory), it is moved. A file of another
+/// version is refused and set aside as `state.json.v<N>` (the agent that wrote it may come
+/// back after a rollback), never overwritten.
+fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::PersistedState>, String> {
+    let refused = |e: file::StateReadError| {
+        if let file::StateReadError::UnknownVersion { path, found, .. } = &e {
+            let aside = path.with_file_name(format!("{}.v{found}", file::STATE_FILE));
+            match std::fs::rename(path, &aside) {
+                Ok(()) => error!(error = %e, kept_as = %aside.display(), "saved state refused"),
+                Err(r) => {
+                    error!(error = %e, rename_error = %r, "saved state refused, and it cannot be set aside: it will be overwritten")
+                }
+            }
+        }
+        e.to_string()
+    };
+    match file::read_state(&cfg.data_dir) {
+        Ok(None) if cfg.data_dir != cfg.state_dir => {}
+        other => return other.map_err(refused),
+    }
+    let legacy = match file::read_state(&cfg.state_dir) {
+        Ok(Some(p)) => p,
+        other => return other.map_err(refused),
+    };
+    let from = cfg.state_dir.join(file::STATE_FILE);
+    let to = cfg.data_dir.join(file::STATE_FILE);
+    let moved = serde_json::to_vec(&legacy)
+        .map_err(|e| e.to_string())
+        .and_then(|b| crate::atomic_file::write(&to, &b).map_err(|e| e.to_string()))
+        .and_then(|()| std::fs::remove_file(&from).map_err(|e| e.to_string()));
+    match moved {
+        Ok(()) => {
+            info!(from = %from.display(), to = %to.display(), "saved state moved to the data directory")
+        }
+        Err(e) => {
+            warn!(error = %e, from = %from.display(), to = %to.display(), "cannot move the saved state; using it where it is")
+        }
+    }
+    Ok(Some(legacy))
 }
 
 /// An engine rebuilt from a record, and the time up to which the record counted kernel-log
@@ -840,7 +888,10 @@ impl Components {
             std::time::Instant::now(),
         );
         let file_sink = file::run(
-            self.cfg.state_dir.clone(),
+            file::Dirs {
+                record: self.cfg.state_dir.clone(),
+                data: self.cfg.data_dir.clone(),
+            },
             self.snapshots.clone(),
             self.metrics.clone(),
             budget,
@@ -924,6 +975,14 @@ async fn run_node(
         Err(e) => warn!(error = %e, "cannot clean temporary files in the state directory"),
     }
     std::fs::create_dir_all(cfg.state_dir.join(control::CLEAR_DIR)).ok();
+    std::fs::create_dir_all(&cfg.data_dir)
+        .with_context(|| format!("cannot create data directory {}", cfg.data_dir.display()))?;
+    if cfg.data_dir != cfg.state_dir {
+        match crate::atomic_file::remove_stale_temps(&cfg.data_dir) {
+            Ok(_) => {}
+            Err(e) => warn!(error = %e, "cannot clean temporary files in the data directory"),
+        }
+    }
     let catalog = Arc::new(Catalog::builtin().context("built-in catalog")?);
     let restored = restore(&cfg, &node, &catalog);
     // Connection floods are capped per server (listen.rs); the rest of the descriptors are the

@@ -236,6 +236,135 @@ fn restart_neither_recounts_nor_forgets() {
     agent.stop();
 }
 
+/// A reboot, as a node sees it: a new boot id, a new boot time, a kernel log that starts over,
+/// and `/run` empty (the state directory is gone) while `/var/lib` is kept (the data
+/// directory). The operator-held fault stays active, the node stays Unhealthy, and the
+/// escalation count goes on across the reboot: one Xid 13 before and one after make two in
+/// 24 h. When the state lived in /run, the agent came back empty and Healthy.
+#[test]
+fn a_reboot_keeps_operator_held_faults_and_escalation_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "overrides:\n  Xid79: { handling: ManuallySeparateNPU }\n\
+         escalation:\n  - { name: twice, codes: [Xid13], count: 2, window: 24h, handling: PreSeparateNPU }\n",
+    )
+    .unwrap();
+    let extra = ["--policy", policy.to_str().unwrap()];
+    let agent = Agent::start(dir.path(), &extra);
+    agent.append(&xid79(1, "3b"));
+    agent.append(
+        b"4,2,2000000,-;NVRM: Xid (PCI:0000:5e:00): 13, pid=1, name=a, Graphics Exception\n",
+    );
+    let before = agent.wait_for("both faults", |r| {
+        fault(r, "Xid79").is_some() && fault(r, "Xid13").is_some()
+    });
+    assert_eq!(
+        fault(&before, "Xid13").unwrap().fault_handling,
+        Handling::RestartBusiness,
+        "one occurrence: not escalated yet"
+    );
+    assert!(agent.data().join("state.json").is_file());
+    assert!(
+        !agent.state().join("state.json").exists(),
+        "durable state is not in /run"
+    );
+    assert_eq!(agent.stop(), 0);
+
+    // The reboot.
+    std::fs::remove_dir_all(dir.path().join("state")).unwrap();
+    std::fs::write(dir.path().join("boot_id"), b"boot-2\n").unwrap();
+    std::fs::write(dir.path().join("kmsg"), b"6,1,100,-;Linux version 6.1.0\n").unwrap();
+    let agent = Agent::start(dir.path(), &extra);
+    let r = agent.wait_for("the record of the new boot", |r| {
+        r.agent.detectors.iter().any(|d| d.name == "kmsg")
+    });
+    let held = fault(&r, "Xid79").expect("the operator-held fault is kept");
+    assert!(held.active, "{held:?}");
+    assert_eq!(held.fault_handling, Handling::ManuallySeparateNPU);
+    assert_eq!(r.health, Health::Unhealthy);
+    let x13 = fault(&r, "Xid13").unwrap();
+    assert!(!x13.active, "a reboot ends a kernel-log fault: {x13:?}");
+
+    // The same application fault once more in the new boot: the second in 24 h.
+    agent.append(
+        b"4,2,3000000,-;NVRM: Xid (PCI:0000:5e:00): 13, pid=1, name=a, Graphics Exception\n",
+    );
+    let r = agent.wait_for("Xid 13 again", |r| {
+        fault(r, "Xid13").is_some_and(|f| f.active)
+    });
+    let x13 = fault(&r, "Xid13").unwrap();
+    assert_eq!(
+        x13.fault_handling,
+        Handling::PreSeparateNPU,
+        "escalated: the count survived the reboot ({x13:?})"
+    );
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A `state.json` written by a newer agent (another version) is refused with a clear message,
+/// never misread: it is set aside as `state.json.v2` (a rollback's agent finds it there), and
+/// the faults are rebuilt from the record. An agent from before `--data-dir` left its
+/// `state.json` in the state directory: it is moved, and nothing is lost.
+#[test]
+fn state_of_another_version_is_set_aside_and_old_state_is_moved() {
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    agent.append(&xid79(1, "3b"));
+    agent.wait_for("the fault", |r| fault(r, "Xid79").is_some());
+    let data = agent.data();
+    let state = agent.state();
+    assert_eq!(agent.stop(), 0);
+
+    // Moved from the state directory.
+    std::fs::rename(data.join("state.json"), state.join("state.json")).unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let r = agent.wait_for("restarted", |r| {
+        agent
+            .log()
+            .contains("saved state moved to the data directory")
+            && r.agent.detectors.iter().any(|d| d.name == "kmsg")
+    });
+    assert_eq!(
+        fault(&r, "Xid79").map(|f| (f.active, f.count)),
+        Some((true, 1))
+    );
+    assert!(data.join("state.json").is_file());
+    assert!(!state.join("state.json").exists());
+    assert_eq!(agent.stop(), 0);
+
+    // A newer version.
+    let path = data.join("state.json");
+    let mut doc: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+    doc["version"] = 2.into();
+    let newer = doc.to_string();
+    std::fs::write(&path, &newer).unwrap();
+    std::fs::write(dir.path().join("kmsg"), b"").unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let r = agent.wait_for("rebuilt", |r| {
+        agent.log().contains("faults rebuilt from the record")
+            && r.agent.detectors.iter().any(|d| d.name == "kmsg")
+    });
+    assert_eq!(
+        fault(&r, "Xid79").map(|f| (f.active, f.count)),
+        Some((true, 1))
+    );
+    let log = agent.log();
+    assert!(
+        log.contains("state version 2; this agent reads version 1 only")
+            && log.contains("faults rebuilt from the record"),
+        "{log}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(data.join("state.json.v2")).unwrap(),
+        newer,
+        "set aside untouched"
+    );
+    assert_eq!(agent.stop(), 0);
+}
+
 #[test]
 fn sigterm_flushes_the_latest_state() {
     let dir = tempfile::tempdir().unwrap();
@@ -434,7 +563,7 @@ fn a_lost_state_file_is_rebuilt_from_the_record() {
     agent.wait_for("two faults", |r| {
         r.faults.iter().filter(|f| f.fault_code == "Xid79").count() == 2
     });
-    let state = agent.state();
+    let state = agent.data();
     assert_eq!(agent.stop(), 0);
     for damage in ["truncated", "empty"] {
         let p = state.join("state.json");

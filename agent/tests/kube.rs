@@ -910,7 +910,7 @@ fn deleted_or_replaced_own_objects_are_repaired_in_seconds_not_at_the_resync() {
     );
 }
 
-/// The state directory is lost (state.json and faults.json both gone): the agent rebuilds from
+/// The state and data directories are lost (faults.json and state.json both gone): the agent rebuilds from
 /// the fault ConfigMap instead of starting empty and untainting the node after `--settle`.
 /// Within the same boot the kernel-log faults are kept; after a reboot (new
 /// boot id, a later boot time, an empty kernel log) only the operator-held fault survives, and
@@ -962,6 +962,7 @@ fn a_lost_state_directory_is_rebuilt_from_the_cluster_and_survives_a_reboot() {
     // dated when read, so only /dev/kmsg's can be skipped by date (the core's reader tests
     // cover that skip).
     std::fs::remove_dir_all(dir.path().join("state")).unwrap();
+    std::fs::remove_dir_all(dir.path().join("data")).unwrap();
     std::fs::write(dir.path().join("kmsg"), b"").unwrap();
     let agent = c.start_agent(dir.path(), "node-a", &extra);
     let r = agent.wait_for("the rebuilt record", |r| {
@@ -987,6 +988,7 @@ fn a_lost_state_directory_is_rebuilt_from_the_cluster_and_survives_a_reboot() {
 
     // 2. A reboot: new boot id and boot time, the kernel log starts over, /run is empty.
     std::fs::remove_dir_all(dir.path().join("state")).unwrap();
+    std::fs::remove_dir_all(dir.path().join("data")).unwrap();
     std::fs::write(dir.path().join("boot_id"), b"boot-2\n").unwrap();
     std::fs::write(dir.path().join("kmsg"), b"").unwrap();
     let later = std::time::SystemTime::now()
@@ -1033,6 +1035,68 @@ fn a_lost_state_directory_is_rebuilt_from_the_cluster_and_survives_a_reboot() {
                 })
         },
     );
+    c.assert_calls_listed();
+}
+
+/// A reboot with the data directory kept (`/var/lib/faultline` on a node) and `/run` emptied:
+/// the operator-held fault comes back from the agent's own state, not from the cluster. Here
+/// the fault ConfigMap was deleted while the node was down, so only local durable state can
+/// keep the promise: the node stays tainted past the settle time and the ConfigMap comes back
+/// with the fault. When state lived in /run, this start was empty and untainted the node.
+#[test]
+fn a_reboot_keeps_the_node_tainted_from_its_durable_state() {
+    let c = Cluster::new(&["node-a"]);
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "overrides:\n  Xid79: { handling: ManuallySeparateNPU }\n",
+    )
+    .unwrap();
+    let extra = ["--policy", policy.to_str().unwrap()];
+    let agent = c.start_agent(dir.path(), "node-a", &extra);
+    agent.append(XID79);
+    c.wait(
+        "the fault in the ConfigMap, the node tainted",
+        Some(&agent),
+        |c| {
+            c.record("node-a")
+                .is_some_and(|r| fault(&r, "Xid79").is_some())
+                && c.taints("node-a")
+                    .iter()
+                    .any(|t| t.starts_with("faultline.io/"))
+        },
+    );
+    let tainted = c.taints("node-a");
+    assert_eq!(agent.stop(), 0);
+
+    // The reboot: /run emptied, a new boot id, the kernel log starts over; /var/lib kept.
+    // Meanwhile the fault ConfigMap is gone (deleted by hand, or a namespace recreated).
+    std::fs::remove_dir_all(dir.path().join("state")).unwrap();
+    std::fs::write(dir.path().join("boot_id"), b"boot-2\n").unwrap();
+    std::fs::write(dir.path().join("kmsg"), b"").unwrap();
+    assert!(c
+        .emu
+        .delete(&ResourceRef::config_map(NS, "faultline-node-a")));
+    let agent = c.start_agent(dir.path(), "node-a", &extra);
+    agent.wait_for("the record of the new boot", |r| {
+        r.agent.detectors.iter().any(|d| d.name == "kmsg")
+    });
+    // Past the settle time (2 s), watched all along: an empty start untaints the node by then.
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        assert_eq!(c.taints("node-a"), tainted, "the taint never leaves");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    c.wait("the fault back in the ConfigMap", Some(&agent), |c| {
+        c.record("node-a").is_some_and(|r| {
+            r.health == Health::Unhealthy && fault(&r, "Xid79").is_some_and(|f| f.active)
+        })
+    });
+    assert_eq!(c.taints("node-a"), tainted, "the taint never left");
+    let log = agent.log();
+    assert!(!log.contains("rebuilt from the cluster"), "{log}");
+    assert_eq!(agent.stop(), 0);
     c.assert_calls_listed();
 }
 

@@ -1,5 +1,5 @@
-//! The node-local file sink: `faults.json` (the record) and `state.json` (what a restart
-//! needs) in the state directory.
+//! The node-local file sink: `faults.json` (the record, in the state directory where readers
+//! look) and `state.json` (what a restart and a reboot need, in the data directory).
 //!
 //! Each file is replaced atomically (write a temporary file in the same directory, fsync,
 //! rename), so a reader never sees a half-written file. Writes are rate-limited by a
@@ -72,11 +72,32 @@ impl WriteBudget {
     }
 }
 
+/// Where the file sink writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Dirs {
+    /// `faults.json`: where job scripts and the CLI read it (`--state-dir`, default
+    /// `/run/faultline`; a tmpfs is fine).
+    pub record: PathBuf,
+    /// `state.json`: operator-held faults, escalation counts and the kernel-log cursor
+    /// (`--data-dir`, default `/var/lib/faultline`); must survive a reboot.
+    pub data: PathBuf,
+}
+
+impl Dirs {
+    /// Both files in one directory (tests).
+    pub fn one(dir: PathBuf) -> Self {
+        Dirs {
+            record: dir.clone(),
+            data: dir,
+        }
+    }
+}
+
 /// Writes one snapshot: the state first (so the record is never ahead of what a restart
 /// restores), then the record stamped with `heartbeat`. With `record_only` (a heartbeat, the
 /// state unchanged since the last write) only the record is written.
 pub fn write_snapshot(
-    dir: &Path,
+    dirs: &Dirs,
     snap: &Snapshot,
     heartbeat: Timestamp,
     record_only: bool,
@@ -86,7 +107,7 @@ pub fn write_snapshot(
             what: "state",
             source,
         })?;
-        write_atomic(&dir.join(STATE_FILE), &state)?;
+        write_atomic(&dirs.data.join(STATE_FILE), &state)?;
     }
     let mut stamped = (*snap.record).clone();
     stamped.agent.heartbeat_time = Some(heartbeat);
@@ -96,7 +117,7 @@ pub fn write_snapshot(
             source,
         })?;
     record.push(b'\n');
-    Ok(write_atomic(&dir.join(FAULTS_FILE), &record)?)
+    Ok(write_atomic(&dirs.record.join(FAULTS_FILE), &record)?)
 }
 
 /// How often the record is rewritten when nothing changed, so its `heartbeatTime` says the
@@ -122,16 +143,68 @@ impl HeartbeatConfig {
     }
 }
 
-/// Reads `state.json`; a missing file is `Ok(None)`, an unreadable one an error to log.
-pub fn read_state(dir: &Path) -> Result<Option<PersistedState>, String> {
+/// Why `state.json` could not be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StateReadError {
+    #[error("cannot read {path}: {reason}")]
+    Unreadable { path: PathBuf, reason: String },
+    /// Written by another (newer) agent: its layout is unknown here, so it is not read at all.
+    #[error("{path} is state version {found}; this agent reads version {known} only (written by a newer agent?)")]
+    UnknownVersion {
+        path: PathBuf,
+        found: u64,
+        known: u32,
+    },
+}
+
+/// Largest `state.json` read. A node's state is a few hundred faults at most (well under a
+/// megabyte); anything bigger is not ours to parse.
+pub const MAX_STATE_BYTES: u64 = 32 << 20;
+
+/// Reads `state.json`; a missing file is `Ok(None)`. The version is read first and must be
+/// [`STATE_VERSION`](crate::runtime::STATE_VERSION): a file of another version is refused,
+/// never read as if it were this one.
+pub fn read_state(dir: &Path) -> Result<Option<PersistedState>, StateReadError> {
     let path = dir.join(STATE_FILE);
-    match std::fs::read(&path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(format!("cannot read {}: {e}", path.display())),
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| format!("cannot parse {}: {e}", path.display())),
+    let unreadable = |reason: String| StateReadError::Unreadable {
+        path: path.clone(),
+        reason,
+    };
+    let bytes = match std::fs::File::open(&path) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(unreadable(e.to_string())),
+        Ok(f) => {
+            use std::io::Read;
+            let mut bytes = Vec::new();
+            f.take(MAX_STATE_BYTES + 1)
+                .read_to_end(&mut bytes)
+                .map_err(|e| unreadable(e.to_string()))?;
+            if bytes.len() as u64 > MAX_STATE_BYTES {
+                return Err(unreadable(format!("larger than {MAX_STATE_BYTES} bytes")));
+            }
+            bytes
+        }
+    };
+    #[derive(serde::Deserialize)]
+    struct Versioned {
+        version: Option<serde_json::Value>,
     }
+    let known = crate::runtime::STATE_VERSION;
+    let head: Versioned =
+        serde_json::from_slice(&bytes).map_err(|e| unreadable(format!("cannot parse: {e}")))?;
+    match head.version {
+        None => return Err(unreadable("cannot parse: no \"version\"".into())),
+        Some(v) if v.as_u64() == Some(u64::from(known)) => {}
+        Some(v) => match v.as_u64() {
+            Some(found) => {
+                return Err(StateReadError::UnknownVersion { path, found, known });
+            }
+            None => return Err(unreadable(format!("cannot parse: \"version\" is {v}"))),
+        },
+    }
+    serde_json::from_slice(&bytes)
+        .map(Some)
+        .map_err(|e| unreadable(format!("cannot parse: {e}")))
 }
 
 /// After shutdown, how long the sink keeps trying to write the final snapshot. A disk that is
@@ -174,7 +247,7 @@ pub const RECORD_DETECTOR: &str = "record-file";
 /// Between changes the record is rewritten every `heartbeat.every` (only the record, with a new
 /// `heartbeatTime`); while writes fail the heartbeat stops with them.
 pub async fn run(
-    dir: PathBuf,
+    dirs: Dirs,
     mut rx: watch::Receiver<Option<Snapshot>>,
     metrics: Arc<Metrics>,
     mut budget: WriteBudget,
@@ -215,7 +288,7 @@ pub async fn run(
                 }
                 break;
             }
-            let d = dir.clone();
+            let d = dirs.clone();
             let started = Instant::now();
             let snap2 = snap.clone();
             let now = heartbeat.clock.now();
@@ -224,7 +297,7 @@ pub async fn run(
                     .await
                     .unwrap_or_else(|e| {
                         Err(FileSinkError::Io {
-                            path: dir.clone(),
+                            path: dirs.record.clone(),
                             source: std::io::Error::other(e.to_string()),
                         })
                     });
@@ -342,11 +415,59 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         assert_eq!(read_state(dir.path()), Ok(None));
         std::fs::write(dir.path().join(STATE_FILE), b"{not json").unwrap();
-        let err = read_state(dir.path()).unwrap_err();
+        let err = read_state(dir.path()).unwrap_err().to_string();
         assert!(
             err.contains("cannot parse") && err.contains("state.json"),
             "{err}"
         );
+    }
+
+    /// A state file of another version is refused with both versions named, not read as this
+    /// one (a field that changed meaning would be misread silently). A file with no version,
+    /// or a version that is not a number, is unreadable.
+    #[test]
+    fn state_of_another_version_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(STATE_FILE);
+        let ours = serde_json::to_value(PersistedState {
+            version: crate::runtime::STATE_VERSION,
+            ..Default::default()
+        })
+        .unwrap();
+        std::fs::write(&path, ours.to_string()).unwrap();
+        assert!(matches!(read_state(dir.path()), Ok(Some(_))));
+
+        let mut newer = ours.clone();
+        newer["version"] = 2.into();
+        std::fs::write(&path, newer.to_string()).unwrap();
+        let err = read_state(dir.path()).unwrap_err();
+        assert_eq!(
+            err,
+            StateReadError::UnknownVersion {
+                path: path.clone(),
+                found: 2,
+                known: crate::runtime::STATE_VERSION
+            }
+        );
+        assert!(
+            err.to_string()
+                .contains("state version 2; this agent reads version 1"),
+            "{err}"
+        );
+        for (doc, why) in [
+            (serde_json::json!({"kmsg_cursor": 3}), "no \"version\""),
+            (serde_json::json!({"version": "1"}), "\"version\" is \"1\""),
+            (serde_json::json!({"version": -1}), "\"version\" is -1"),
+        ] {
+            std::fs::write(&path, doc.to_string()).unwrap();
+            let err = read_state(dir.path()).unwrap_err().to_string();
+            assert!(err.contains(why), "{doc}: {err}");
+        }
+        // Bounded: a huge file is not read whole.
+        let f = std::fs::File::create(&path).unwrap();
+        f.set_len(MAX_STATE_BYTES + 10).unwrap();
+        let err = read_state(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("larger than"), "{err}");
     }
 
     fn snapshot(revision: u64, marker: u64) -> Snapshot {
@@ -397,7 +518,7 @@ mod tests {
         let shutdown = CancellationToken::new();
         let budget = WriteBudget::new(Duration::from_millis(10), 3, Instant::now());
         let task = tokio::spawn(run(
-            dir,
+            Dirs::one(dir),
             rx,
             Arc::new(Metrics::new()),
             budget,
@@ -571,7 +692,7 @@ mod tests {
         let shutdown = CancellationToken::new();
         let stuck = Arc::new(Heartbeat::default()); // last beat: the epoch
         let task = tokio::spawn(run(
-            dir.clone(),
+            Dirs::one(dir.clone()),
             rx,
             Arc::new(Metrics::new()),
             WriteBudget::new(Duration::from_millis(10), 3, Instant::now()),

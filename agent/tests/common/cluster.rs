@@ -258,6 +258,8 @@ impl Cluster {
                 .args(["--node-name", name, "--no-kmsg", "--no-nvml", "--no-ascend"])
                 .arg("--state-dir")
                 .arg(dir.join("state"))
+                .arg("--data-dir")
+                .arg(dir.join("data"))
                 .arg("--boot-id-path")
                 .arg(dir.join("boot_id"))
                 .arg("--kubeconfig")

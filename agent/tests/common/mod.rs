@@ -89,6 +89,8 @@ impl Agent {
             .arg(&kmsg)
             .arg("--state-dir")
             .arg(dir.join("state"))
+            .arg("--data-dir")
+            .arg(dir.join("data"))
             .arg("--boot-id-path")
             .arg(&boot_id)
             .args(["--listen", "127.0.0.1:0", "--follow-interval", "5ms"])
@@ -113,8 +115,14 @@ impl Agent {
         }
     }
 
+    /// The state directory (`/run/faultline` on a node: the record; gone after a reboot).
     pub fn state(&self) -> PathBuf {
         self.dir.join("state")
+    }
+
+    /// The data directory (`/var/lib/faultline` on a node: `state.json`; kept across a reboot).
+    pub fn data(&self) -> PathBuf {
+        self.dir.join("data")
     }
 
     pub fn record_path(&self) -> PathBuf {

@@ -93,6 +93,7 @@ fn the_agent_runs_with_flags_it_has() {
     }
     assert_eq!(flag(&a, "--policy"), "/etc/faultline/policy.yaml");
     assert_eq!(flag(&a, "--state-dir"), "/run/faultline");
+    assert_eq!(flag(&a, "--data-dir"), "/var/lib/faultline");
     assert_eq!(flag(&a, "--kmsg-path"), "/dev/kmsg");
     assert!(!a.flags.contains_key("--standalone"));
     assert!(!a.flags.contains_key("--no-kmsg"));
@@ -173,6 +174,20 @@ fn mounts_match_the_flags() {
     );
     assert_eq!(hp.type_.as_deref(), Some("DirectoryOrCreate"));
     assert!(!ro, "the agent writes its state");
+
+    // The data directory: on the host's disk, so a reboot keeps it (/run is a tmpfs).
+    let data_dir = flag(&a, "--data-dir");
+    let (data, ro) = mounted_at(&a, data_dir);
+    let hp = data.host_path.as_ref().expect("data is a hostPath");
+    assert_eq!(hp.path, "/var/lib/faultline");
+    assert!(
+        !hp.path.starts_with("/run/")
+            && !hp.path.starts_with("/dev/")
+            && !hp.path.starts_with("/tmp/"),
+        "durable state on a tmpfs is lost at the first reboot"
+    );
+    assert_eq!(hp.type_.as_deref(), Some("DirectoryOrCreate"));
+    assert!(!ro, "the agent writes its durable state");
 
     // The policy: the ConfigMap mounted as a directory (no subPath: updates propagate), and
     // --policy names a key of it.
