@@ -371,6 +371,8 @@ struct Restored {
     /// starts from them (Kubernetes mode), so a restart neither announces them again nor moves
     /// `since`.
     taint_budget: Option<faultline_core::record::TaintBudgetStatus>,
+    /// The engine's timeline saved by the last run (kept when it is of this boot).
+    saved_timeline: Option<faultline_core::time::Timeline>,
 }
 
 fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
@@ -408,6 +410,7 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
     let kmsg_cursor = persisted.kmsg_cursor.filter(|_| same_boot);
     info!(same_boot, resume_after = ?kmsg_cursor, faults = persisted.engine.faults().count(), "state restored");
     Restored {
+        saved_timeline: persisted.timeline,
         boot_id,
         origin,
         engine: persisted.engine,
@@ -705,6 +708,7 @@ impl Components {
         &mut self,
         resume_after: Option<u64>,
         skip_through: Option<faultline_core::time::Timestamp>,
+        timeline: &faultline_core::time::Timeline,
     ) {
         if self.cfg.no_kmsg {
             info!("kernel log source disabled");
@@ -714,7 +718,9 @@ impl Components {
             path: self.cfg.kmsg_path.clone(),
             resume_after,
             skip_through,
-            boot_time: kmsg::boot_time(&self.cfg.proc_stat_path),
+            // Records are dated on the engine's timeline (boot + their monotonic timestamp),
+            // not by /proc/stat's btime, which a wall-clock step moves.
+            boot_time: Some(timeline.anchor),
             follow_interval: self.cfg.follow_interval,
         };
         kmsg::spawn(kcfg, self.ctx());
@@ -797,6 +803,7 @@ impl Components {
     fn start_engine_and_sinks(
         &mut self,
         restored: Restored,
+        timeline: faultline_core::time::Timeline,
         catalog: Arc<Catalog>,
         ends: EngineEnds,
     ) {
@@ -808,6 +815,7 @@ impl Components {
         let engine_loop = EngineLoop {
             node: self.node.clone(),
             engine: restored.engine,
+            timeline,
             kmsg_cursor: restored.kmsg_cursor,
             marker: 0,
             catalog,
@@ -1001,7 +1009,14 @@ async fn run_node(
     )
     .await;
     let (mut c, ends) = Components::new(cfg, node, metrics, loaded, shutdown, reload);
-    c.heartbeat.beat(c.clock.now());
+    c.heartbeat.beat(&*c.clock);
+    let timeline = faultline_core::time::Timeline::for_boot(
+        restored.saved_timeline.as_ref(),
+        restored.boot_id.as_deref(),
+        c.clock.now(),
+        c.clock.since_boot(),
+    );
+    info!(anchor = %timeline.anchor, boot_id = ?timeline.boot_id, "engine timeline");
     if let Some(b) = &restored.boot_id {
         let boot = Input::Obs(Observation::Boot { boot_id: b.clone() });
         c.ctx().tx.send(boot).await.ok();
@@ -1025,10 +1040,10 @@ async fn run_node(
             restored.taint_budget = record.agent.taint_budget;
         }
     }
-    c.start_kmsg(restored.kmsg_cursor, restored.kmsg_skip_through);
+    c.start_kmsg(restored.kmsg_cursor, restored.kmsg_skip_through, &timeline);
     c.start_accelerators(gpu_count_label);
     c.start_peer().await;
-    c.start_engine_and_sinks(restored, catalog, ends);
+    c.start_engine_and_sinks(restored, timeline, catalog, ends);
     if let Err(e) = c.start_http().await {
         // Nothing is flushed by a half-started agent that exits here: stop what runs.
         c.shutdown.cancel();

@@ -59,7 +59,7 @@ async fn metrics(State(s): State<HttpState>) -> Response {
 }
 
 async fn healthz(State(s): State<HttpState>) -> Response {
-    let age = s.heartbeat.age_ms(s.clock.now());
+    let age = s.heartbeat.age_ms(&*s.clock);
     if age <= STALE_MS {
         (StatusCode::OK, "ok\n").into_response()
     } else {
@@ -202,7 +202,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         let clock: Arc<dyn Clock> = Arc::new(SystemClock);
         let heartbeat = Arc::new(Heartbeat::default());
-        heartbeat.beat(clock.now());
+        heartbeat.beat(&*clock);
         let state = HttpState {
             metrics: Arc::new(Metrics::new()),
             heartbeat,

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use faultline_core::time::Timestamp;
+use faultline_core::time::{shift, SignedDuration, Timeline, Timestamp};
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
@@ -28,7 +28,11 @@ use faultline_core::record::{
 
 /// Wall-clock time, injectable for tests.
 pub trait Clock: Send + Sync + std::fmt::Debug {
+    /// Wall-clock time: for dates people and other programs read, never for measuring.
     fn now(&self) -> Timestamp;
+    /// Time since boot (`CLOCK_BOOTTIME`: monotonic, counts suspend, unmoved by wall-clock
+    /// steps): what windows, holds, durations and ages are measured with.
+    fn since_boot(&self) -> Duration;
 }
 
 /// The system clock.
@@ -39,6 +43,13 @@ impl Clock for SystemClock {
     fn now(&self) -> Timestamp {
         Timestamp::now()
     }
+    fn since_boot(&self) -> Duration {
+        let t = rustix::time::clock_gettime(rustix::time::ClockId::Boottime);
+        Duration::new(
+            u64::try_from(t.tv_sec).unwrap_or(0),
+            u32::try_from(t.tv_nsec).unwrap_or(0),
+        )
+    }
 }
 
 /// What the agent saves across restarts (`state.json` in the state directory).
@@ -48,6 +59,10 @@ pub struct PersistedState {
     /// The last kernel log record whose effects are in `engine` (same boot only).
     pub kmsg_cursor: Option<u64>,
     pub engine: Engine,
+    /// The engine's timeline in the boot that wrote this (a restart in the same boot goes on
+    /// with it). Absent in files from before it existed: a new one is anchored.
+    #[serde(default)]
+    pub timeline: Option<Timeline>,
 }
 
 pub const STATE_VERSION: u32 = 1;
@@ -72,25 +87,39 @@ pub struct Snapshot {
     pub applied_at: std::time::Instant,
 }
 
-/// Liveness of the engine loop, for `/healthz`.
+/// Liveness of the engine loop, for `/healthz`: its age is measured since boot (a wall-clock
+/// step neither kills nor revives it); the wall-clock time is kept for display only.
 #[derive(Debug, Default)]
-pub struct Heartbeat(AtomicI64);
+pub struct Heartbeat {
+    wall_ms: AtomicI64,
+    /// Milliseconds since boot at the last beat, plus one (0: never beat).
+    boot_ms: AtomicI64,
+}
 
 impl Heartbeat {
-    pub fn beat(&self, now: Timestamp) {
-        self.0.store(now.as_millisecond(), Ordering::Relaxed);
+    pub fn beat(&self, clock: &dyn Clock) {
+        self.wall_ms
+            .store(clock.now().as_millisecond(), Ordering::Relaxed);
+        self.boot_ms.store(boot_ms(clock) + 1, Ordering::Relaxed);
     }
-    /// When the last beat was, if there was one.
+    /// When the last beat was, by the wall clock, if there was one.
     pub fn last(&self) -> Option<Timestamp> {
-        match self.0.load(Ordering::Relaxed) {
+        match self.boot_ms.load(Ordering::Relaxed) {
             0 => None,
-            ms => Timestamp::from_millisecond(ms).ok(),
+            _ => Timestamp::from_millisecond(self.wall_ms.load(Ordering::Relaxed)).ok(),
         }
     }
-    /// Milliseconds since the last beat.
-    pub fn age_ms(&self, now: Timestamp) -> i64 {
-        now.as_millisecond() - self.0.load(Ordering::Relaxed)
+    /// Milliseconds since the last beat (`i64::MAX` before the first).
+    pub fn age_ms(&self, clock: &dyn Clock) -> i64 {
+        match self.boot_ms.load(Ordering::Relaxed) {
+            0 => i64::MAX,
+            b => boot_ms(clock) + 1 - b,
+        }
     }
+}
+
+fn boot_ms(clock: &dyn Clock) -> i64 {
+    i64::try_from(clock.since_boot().as_millis()).unwrap_or(i64::MAX - 1)
 }
 
 /// What sinks report about themselves; shown in the record's `agent` block.
@@ -105,6 +134,8 @@ pub struct SinkReport {
 pub struct EngineLoop {
     pub node: String,
     pub engine: Engine,
+    /// The engine's time: `timeline.at(clock.since_boot())`.
+    pub timeline: Timeline,
     pub kmsg_cursor: Option<u64>,
     /// The highest [`Input::Marker`] applied.
     pub marker: u64,
@@ -145,6 +176,7 @@ impl EngineLoop {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut loaded = self.policy.borrow_and_update().clone();
         let mut report = self.sink_report.borrow_and_update().clone();
+        let mut offset = SignedDuration::ZERO;
         loop {
             tokio::select! {
                 biased;
@@ -193,20 +225,22 @@ impl EngineLoop {
                 }
                 _ = tick.tick() => self.apply(&loaded, Input::Obs(Observation::Tick)),
             }
-            self.heartbeat.beat(self.clock.now());
+            self.heartbeat.beat(&*self.clock);
             // A marker is published even when nothing else changed: its sender waits for it.
             if self.engine.revision() != published || self.marker != published_marker {
                 published = self.engine.revision();
                 published_marker = self.marker;
                 seq += 1;
-                self.publish(&loaded, &report, seq);
+                offset = self.display_offset(offset);
+                self.publish(&loaded, &report, seq, offset);
             }
         }
         // Shutdown: nothing queued is dropped.
         while let Ok(i) = self.inputs.try_recv() {
             self.apply(&loaded, i);
         }
-        self.publish(&loaded, &report, seq + 1);
+        offset = self.display_offset(offset);
+        self.publish(&loaded, &report, seq + 1, offset);
         info!(revision = self.engine.revision(), "engine stopped");
     }
 
@@ -229,8 +263,18 @@ impl EngineLoop {
             policy: &loaded.policy,
             catalog: &self.catalog,
         };
-        let events = self.engine.step(ctx, obs, self.clock.now());
+        let events = self.engine.step(ctx, obs, self.engine_now());
         self.note(&events);
+    }
+
+    /// The engine's time: on the boot's timeline, unmoved by wall-clock steps.
+    fn engine_now(&self) -> Timestamp {
+        self.timeline.at(self.clock.since_boot())
+    }
+
+    /// The offset that turns the engine's times into wall-clock dates for the record.
+    fn display_offset(&self, current: SignedDuration) -> SignedDuration {
+        faultline_core::time::display_offset(current, self.clock.now(), self.engine_now())
     }
 
     fn note(&self, events: &[EngineEvent]) {
@@ -289,8 +333,24 @@ impl EngineLoop {
         }
     }
 
-    fn publish(&self, loaded: &LoadedPolicy, report: &SinkReport, seq: u64) {
-        let view = self.engine.view(&loaded.policy);
+    /// Publishes a snapshot. The faults' dates are the engine's times shifted by `offset`
+    /// (wall minus engine time): after a wall-clock step they read as the corrected clock would
+    /// have dated them; without one, the offset is zero.
+    fn publish(
+        &self,
+        loaded: &LoadedPolicy,
+        report: &SinkReport,
+        seq: u64,
+        offset: SignedDuration,
+    ) {
+        let mut view = self.engine.view(&loaded.policy);
+        if !offset.is_zero() {
+            for f in &mut view.faults {
+                f.first_seen = shift(f.first_seen, offset);
+                f.last_seen = shift(f.last_seen, offset);
+                f.recovered_at = f.recovered_at.map(|t| shift(t, offset));
+            }
+        }
         let now = self.clock.now();
         let detectors = self
             .engine
@@ -360,9 +420,327 @@ impl EngineLoop {
                 version: STATE_VERSION,
                 kmsg_cursor: self.kmsg_cursor,
                 engine: self.engine.clone(),
+                timeline: Some(self.timeline.clone()),
             }),
             applied_at: std::time::Instant::now(),
         };
         self.snapshots.send_replace(Some(snap));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The engine loop against an injected clock whose wall time can be stepped while the time
+    //! since boot runs on: a wall-clock step changes no verdict.
+
+    use super::*;
+    use faultline_core::catalog::FaultCode;
+    use faultline_core::engine::{DeviceRef, Signal};
+    use faultline_core::record::Source;
+    use std::sync::atomic::AtomicU64;
+
+    /// Wall time and time since boot, set by the test.
+    #[derive(Debug)]
+    struct FakeClock {
+        wall_ms: AtomicI64,
+        boot_ms: AtomicU64,
+    }
+
+    impl Clock for FakeClock {
+        fn now(&self) -> Timestamp {
+            Timestamp::from_millisecond(self.wall_ms.load(Ordering::SeqCst)).unwrap()
+        }
+        fn since_boot(&self) -> Duration {
+            Duration::from_millis(self.boot_ms.load(Ordering::SeqCst))
+        }
+    }
+
+    impl FakeClock {
+        /// Real time passing: both clocks move.
+        fn advance(&self, d: Duration) {
+            let ms = d.as_millis() as u64;
+            self.boot_ms.fetch_add(ms, Ordering::SeqCst);
+            self.wall_ms.fetch_add(ms as i64, Ordering::SeqCst);
+        }
+        /// A wall-clock step (NTP, `date -s`): only the wall clock moves.
+        fn step_wall(&self, secs: i64) {
+            self.wall_ms.fetch_add(secs * 1000, Ordering::SeqCst);
+        }
+    }
+
+    const POLICY: &str = "\
+escalation:
+  - { name: twice, codes: [Xid13], count: 2, window: 10m, handling: PreSeparateNPU }
+  - { name: lasting, codes: [NVLINK_DOWN], duration: 20s, recover_after: 30s, handling: SeparateNPU }
+recovery:
+  - { codes: [KMSG_LOSS], clear_after: 10m }
+";
+
+    struct Rig {
+        clock: Arc<FakeClock>,
+        tx: mpsc::Sender<Input>,
+        snaps: watch::Receiver<Option<Snapshot>>,
+        marker: u64,
+        shutdown: CancellationToken,
+    }
+
+    impl Rig {
+        fn start() -> Rig {
+            let clock = Arc::new(FakeClock {
+                wall_ms: AtomicI64::new(1_790_000_000_000),
+                boot_ms: AtomicU64::new(600_000),
+            });
+            let policy = LoadedPolicy {
+                policy: Arc::new(faultline_core::policy::Policy::parse(POLICY).unwrap()),
+                status: LoadedPolicy::builtin().status,
+            };
+            let (tx, inputs) = mpsc::channel(64);
+            let (snap_tx, snaps) = watch::channel(None);
+            let shutdown = CancellationToken::new();
+            let timeline = Timeline::for_boot(None, Some("b1"), clock.now(), clock.since_boot());
+            let engine_loop = EngineLoop {
+                node: "n1".into(),
+                engine: Engine::default(),
+                timeline,
+                kmsg_cursor: None,
+                marker: 0,
+                catalog: Arc::new(Catalog::builtin().unwrap()),
+                policy: watch::channel(policy).1,
+                inputs,
+                snapshots: snap_tx,
+                metrics: Arc::new(Metrics::new()),
+                clock: clock.clone(),
+                heartbeat: Arc::new(Heartbeat::default()),
+                // Ticks are sent by the test, at the times it chooses.
+                tick: Duration::from_secs(3600),
+                events: None,
+                sink_report: watch::channel(SinkReport::default()).1,
+                record_writer: watch::channel(crate::sink::file::RecordStatus::Written).1,
+                shutdown: shutdown.clone(),
+            };
+            tokio::spawn(engine_loop.run());
+            Rig {
+                clock,
+                tx,
+                snaps,
+                marker: 0,
+                shutdown,
+            }
+        }
+
+        /// Applies `obs` (then a tick) and returns the snapshot that has it.
+        async fn apply(&mut self, obs: Option<Observation>) -> Snapshot {
+            if let Some(obs) = obs {
+                self.tx.send(Input::Obs(obs)).await.unwrap();
+            }
+            self.tx.send(Input::Obs(Observation::Tick)).await.unwrap();
+            self.marker += 1;
+            self.tx.send(Input::Marker(self.marker)).await.unwrap();
+            let m = self.marker;
+            let snap = self
+                .snaps
+                .wait_for(|s| s.as_ref().is_some_and(|s| s.marker >= m))
+                .await
+                .unwrap();
+            snap.clone().unwrap()
+        }
+
+        async fn tick(&mut self) -> Snapshot {
+            self.apply(None).await
+        }
+    }
+
+    impl Drop for Rig {
+        fn drop(&mut self) {
+            self.shutdown.cancel();
+        }
+    }
+
+    fn signal(code: FaultCode, source: Source) -> Observation {
+        let device = DeviceRef::named("GPU-0");
+        Observation::Signal(Signal::new(source, code, Some(device), "test"))
+    }
+
+    fn handling(s: &Snapshot, code: &str) -> Option<(Handling, bool)> {
+        s.record
+            .faults
+            .iter()
+            .find(|f| f.fault_code == code)
+            .map(|f| (f.fault_handling, f.active))
+    }
+
+    const STEPS: [i64; 3] = [0, 3600, -3600];
+
+    /// Two Xid 13 five minutes apart are two in the 10-minute window, whatever the wall clock
+    /// did between them; eleven minutes apart they are not.
+    #[tokio::test]
+    async fn a_wall_clock_step_in_a_count_window_changes_nothing() {
+        for step in STEPS {
+            for (apart, escalated) in [(5 * 60, true), (11 * 60, false)] {
+                let mut r = Rig::start();
+                r.apply(Some(signal(FaultCode::Xid(13), Source::Kmsg)))
+                    .await;
+                r.clock.advance(Duration::from_secs(60));
+                r.clock.step_wall(step);
+                r.clock.advance(Duration::from_secs(apart - 60));
+                let s = r
+                    .apply(Some(signal(FaultCode::Xid(13), Source::Kmsg)))
+                    .await;
+                let want = if escalated {
+                    Handling::PreSeparateNPU
+                } else {
+                    Handling::RestartBusiness
+                };
+                assert_eq!(
+                    handling(&s, "Xid13"),
+                    Some((want, true)),
+                    "step {step} s, {apart} s apart"
+                );
+            }
+        }
+    }
+
+    /// A link down for 20 s escalates at 20 s of real time: not at once after a forward step,
+    /// not an hour late after a backward one.
+    #[tokio::test]
+    async fn a_wall_clock_step_during_a_duration_rule_changes_nothing() {
+        let down = || signal(FaultCode::Named("NVLINK_DOWN".into()), Source::Nvml);
+        for step in STEPS {
+            let mut r = Rig::start();
+            let s = r.apply(Some(down())).await;
+            let base = handling(&s, "NVLINK_DOWN").unwrap().0;
+            assert!(base < Handling::SeparateNPU, "{base}");
+            r.clock.advance(Duration::from_secs(5));
+            r.clock.step_wall(step);
+            let s = r.tick().await;
+            assert_eq!(
+                handling(&s, "NVLINK_DOWN"),
+                Some((base, true)),
+                "step {step} s: 5 s down"
+            );
+            r.clock.advance(Duration::from_secs(14));
+            let s = r.tick().await;
+            assert_eq!(
+                handling(&s, "NVLINK_DOWN").map(|h| h.0),
+                Some(base),
+                "step {step} s: 19 s down"
+            );
+            r.clock.advance(Duration::from_secs(2));
+            let s = r.tick().await;
+            assert_eq!(
+                handling(&s, "NVLINK_DOWN"),
+                Some((Handling::SeparateNPU, true)),
+                "step {step} s: 21 s down"
+            );
+        }
+    }
+
+    /// A recovery hold of 30 s and a quiet time of 10 min run on real time: a forward step does
+    /// not end them early, a backward step does not stall them.
+    #[tokio::test]
+    async fn a_wall_clock_step_during_recovery_holds_changes_nothing() {
+        for step in STEPS {
+            let mut r = Rig::start();
+            let link = FaultCode::Named("NVLINK_DOWN".into());
+            r.apply(Some(signal(link.clone(), Source::Nvml))).await;
+            r.apply(Some(signal(
+                FaultCode::Named("KMSG_LOSS".into()),
+                Source::Kmsg,
+            )))
+            .await;
+            let gone = Observation::Resolved {
+                source: Source::Nvml,
+                code: link,
+                device: Some(DeviceRef::named("GPU-0")),
+            };
+            r.apply(Some(gone)).await;
+            r.clock.advance(Duration::from_secs(10));
+            r.clock.step_wall(step);
+            let s = r.tick().await;
+            assert_eq!(
+                handling(&s, "NVLINK_DOWN").map(|h| h.1),
+                Some(true),
+                "step {step} s: hold at 10 s"
+            );
+            assert_eq!(
+                handling(&s, "KMSG_LOSS").map(|h| h.1),
+                Some(true),
+                "step {step} s: quiet 10 s"
+            );
+            r.clock.advance(Duration::from_secs(21));
+            let s = r.tick().await;
+            assert_eq!(
+                handling(&s, "NVLINK_DOWN").map(|h| h.1),
+                Some(false),
+                "step {step} s: hold over at 31 s"
+            );
+            assert_eq!(
+                handling(&s, "KMSG_LOSS").map(|h| h.1),
+                Some(true),
+                "step {step} s: quiet 31 s"
+            );
+            r.clock.advance(Duration::from_secs(9 * 60 + 30));
+            let s = r.tick().await;
+            assert_eq!(
+                handling(&s, "KMSG_LOSS").map(|h| h.1),
+                Some(false),
+                "step {step} s: quiet 10 min 1 s"
+            );
+        }
+    }
+
+    /// The record's dates follow the wall clock: after a step, the faults' dates are shifted by
+    /// it (as the corrected clock would have dated them); the record's own time is the wall's.
+    #[tokio::test]
+    async fn record_dates_follow_the_wall_clock() {
+        let mut r = Rig::start();
+        let before = r.clock.now();
+        let s = r
+            .apply(Some(signal(FaultCode::Xid(13), Source::Kmsg)))
+            .await;
+        let first = s.record.faults[0].first_seen;
+        assert_eq!(first, before);
+        r.clock.step_wall(3600);
+        let s = r
+            .apply(Some(signal(FaultCode::Xid(31), Source::Kmsg)))
+            .await;
+        assert_eq!(s.record.update_time, r.clock.now());
+        let x13 = s
+            .record
+            .faults
+            .iter()
+            .find(|f| f.fault_code == "Xid13")
+            .unwrap();
+        assert_eq!(
+            x13.first_seen,
+            shift(before, SignedDuration::from_secs(3600))
+        );
+        let x31 = s
+            .record
+            .faults
+            .iter()
+            .find(|f| f.fault_code == "Xid31")
+            .unwrap();
+        assert_eq!(x31.first_seen, r.clock.now());
+    }
+
+    /// `/healthz`'s age is measured since boot: a wall-clock step neither makes a beating
+    /// engine look dead nor a dead one alive.
+    #[test]
+    fn the_heartbeat_age_ignores_wall_clock_steps() {
+        let clock = FakeClock {
+            wall_ms: AtomicI64::new(1_790_000_000_000),
+            boot_ms: AtomicU64::new(1_000),
+        };
+        let h = Heartbeat::default();
+        assert_eq!(h.age_ms(&clock), i64::MAX, "never beat");
+        assert_eq!(h.last(), None);
+        h.beat(&clock);
+        assert_eq!(h.last(), Some(clock.now()));
+        clock.step_wall(3600);
+        assert_eq!(h.age_ms(&clock), 0);
+        clock.step_wall(-7200);
+        clock.advance(Duration::from_secs(40));
+        assert_eq!(h.age_ms(&clock), 40_000);
     }
 }

@@ -17,9 +17,114 @@ pub fn since(later: Timestamp, earlier: Timestamp) -> SignedDuration {
     later.duration_since(earlier)
 }
 
+/// `t` moved by `d`, saturating at the ends of time.
+pub fn shift(t: Timestamp, d: SignedDuration) -> Timestamp {
+    // Only a span with calendar units can make this fail; a SignedDuration has none.
+    t.saturating_add(d).unwrap_or(t)
+}
+
+/// The engine's timeline within one boot: the wall-clock time of boot, as first estimated in
+/// that boot, plus the time since boot (`CLOCK_BOOTTIME`). Windows, holds and durations are
+/// measured on it, so a wall-clock step (an NTP step, `date -s`) moves nothing; a restart within
+/// the boot continues it (it is saved with the boot id). A new boot starts a new one, anchored
+/// on the wall clock of that boot: time across a reboot can only be compared by the wall clock.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Timeline {
+    /// The boot this timeline belongs to; `None` when the boot id is unknown (then every start
+    /// anchors anew).
+    pub boot_id: Option<String>,
+    /// The timeline's time at boot.
+    pub anchor: Timestamp,
+}
+
+impl Timeline {
+    /// The timeline of the current boot: `saved` when it is of this boot, else one anchored so
+    /// that its time now is `wall`.
+    pub fn for_boot(
+        saved: Option<&Timeline>,
+        boot_id: Option<&str>,
+        wall: Timestamp,
+        since_boot: Duration,
+    ) -> Timeline {
+        if let Some(t) = saved.filter(|t| boot_id.is_some() && t.boot_id.as_deref() == boot_id) {
+            return t.clone();
+        }
+        Timeline {
+            boot_id: boot_id.map(str::to_string),
+            anchor: shift(wall, -signed(since_boot)),
+        }
+    }
+
+    /// The timeline's time `since_boot` after boot.
+    pub fn at(&self, since_boot: Duration) -> Timestamp {
+        shift(self.anchor, signed(since_boot))
+    }
+}
+
+/// How far the wall clock is from the timeline now (`wall - timeline`), for showing the
+/// timeline's times as wall-clock dates. Moves only when it changed by more than a second, so
+/// reading two clocks a few microseconds apart never rewrites a record.
+pub fn display_offset(
+    current: SignedDuration,
+    wall: Timestamp,
+    timeline_now: Timestamp,
+) -> SignedDuration {
+    let fresh = since(wall, timeline_now);
+    if (fresh - current).abs() > SignedDuration::from_secs(1) {
+        fresh
+    } else {
+        current
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A restart within the boot continues the saved timeline, whatever the wall clock says
+    /// now; a new boot (or an unknown boot id) anchors a new one on the wall clock.
+    #[test]
+    fn the_timeline_is_kept_within_a_boot_only() {
+        let t = |s| Timestamp::from_second(s).unwrap();
+        let saved = Timeline {
+            boot_id: Some("b1".into()),
+            anchor: t(1_000),
+        };
+        let up = Duration::from_secs(500);
+        // Same boot, the wall clock stepped an hour ahead meanwhile: unchanged.
+        let same = Timeline::for_boot(Some(&saved), Some("b1"), t(1_500 + 3_600), up);
+        assert_eq!(same, saved);
+        assert_eq!(same.at(up), t(1_500));
+        // A new boot: anchored on the wall clock.
+        let next = Timeline::for_boot(Some(&saved), Some("b2"), t(9_000), up);
+        assert_eq!(next.anchor, t(8_500));
+        assert_eq!(next.boot_id.as_deref(), Some("b2"));
+        assert_eq!(next.at(up), t(9_000));
+        // Unknown boot id: never trusted across starts.
+        let unknown = Timeline::for_boot(Some(&saved), None, t(9_000), up);
+        assert_eq!(unknown.anchor, t(8_500));
+        assert_eq!(
+            Timeline::for_boot(Some(&unknown), None, t(7_000), up).anchor,
+            t(6_500)
+        );
+    }
+
+    #[test]
+    fn the_display_offset_moves_on_steps_not_on_jitter() {
+        let t = |ms| Timestamp::from_millisecond(ms).unwrap();
+        let zero = SignedDuration::ZERO;
+        assert_eq!(display_offset(zero, t(10_000), t(10_000)), zero);
+        // Microseconds to a second between two readings: kept.
+        assert_eq!(display_offset(zero, t(10_900), t(10_000)), zero);
+        assert_eq!(display_offset(zero, t(9_100), t(10_000)), zero);
+        // A step either way: followed.
+        let hour = SignedDuration::from_secs(3_600);
+        assert_eq!(display_offset(zero, t(10_000 + 3_600_000), t(10_000)), hour);
+        assert_eq!(
+            display_offset(hour, t(10_000 - 3_600_000), t(10_000)),
+            -hour
+        );
+    }
 
     #[test]
     fn huge_policy_durations_saturate() {

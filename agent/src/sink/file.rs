@@ -139,7 +139,7 @@ pub struct HeartbeatConfig {
 
 impl HeartbeatConfig {
     fn engine_alive(&self) -> bool {
-        self.engine.age_ms(self.clock.now()) <= crate::http::STALE_MS
+        self.engine.age_ms(&*self.clock) <= crate::http::STALE_MS
     }
 }
 
@@ -589,7 +589,7 @@ mod tests {
         let h = Arc::new(Heartbeat::default());
         let beating = h.clone();
         std::thread::spawn(move || loop {
-            beating.beat(Timestamp::now());
+            beating.beat(&crate::runtime::SystemClock);
             std::thread::sleep(Duration::from_millis(50));
         });
         h
@@ -690,7 +690,7 @@ mod tests {
             persisted: watch::channel(0).0,
         };
         let shutdown = CancellationToken::new();
-        let stuck = Arc::new(Heartbeat::default()); // last beat: the epoch
+        let stuck = Arc::new(Heartbeat::default()); // never beat
         let task = tokio::spawn(run(
             Dirs::one(dir.clone()),
             rx,
@@ -717,7 +717,7 @@ mod tests {
             Some(written),
             "no heartbeat while the engine is stuck"
         );
-        stuck.beat(Timestamp::now());
+        stuck.beat(&crate::runtime::SystemClock);
         let resumed = tokio::time::timeout(Duration::from_secs(5), async {
             while heartbeat_of(&dir) == Some(written) {
                 tokio::time::sleep(Duration::from_millis(20)).await;
