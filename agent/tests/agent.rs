@@ -159,7 +159,7 @@ fn whole_corpus_through_the_agent() {
         let code = match e.get("kind").and_then(|k| k.as_str()) {
             Some("xid") => format!("Xid{}", num("xid").unwrap()),
             Some("fallen_off_bus") => "Xid79".into(),
-            Some("sxid") => format!("SXid{}", num("sxid").unwrap()),
+            Some("sxid" | "sxid_severity") => format!("SXid{}", num("sxid").unwrap()),
             Some("pcie_aer") if e.get("fatal") == Some(&serde_json::Value::Bool(true)) => {
                 "PCIE_AER_FATAL".into()
             }

@@ -88,7 +88,17 @@ pub struct KmsgReader {
     use_record_time: bool,
     counters: Arc<dyn ReaderCounters>,
     unsent_cursor: bool,
+    /// Messages scanned so far, and the last few SXid reports as `(switch, sxid, at message)`:
+    /// a severity line merges into a report of the same SXid at most
+    /// [`SXID_COMPANION_WITHIN`] messages before it.
+    scanned: u64,
+    recent_sxid: std::collections::VecDeque<(crate::parse::PciAddr, u32, u64)>,
 }
+
+/// How many messages after its SXid report a `Severity …` line still belongs to it. The driver
+/// prints the report and its detail lines back to back; a few lines of slack cover other
+/// messages interleaved by other CPUs.
+pub const SXID_COMPANION_WITHIN: u64 = 8;
 
 impl KmsgReader {
     pub fn new(
@@ -105,6 +115,8 @@ impl KmsgReader {
             use_record_time,
             counters,
             unsent_cursor: false,
+            scanned: 0,
+            recent_sxid: std::collections::VecDeque::new(),
         }
     }
 
@@ -244,8 +256,28 @@ impl KmsgReader {
 
     /// Parses a message into its observation, if it is one the parsers know.
     fn scan(&mut self, msg: &str, at: Option<Timestamp>) -> Option<Observation> {
+        self.scanned += 1;
         let ev = parse_message(msg)?;
         self.counters.matched(ev.kind());
+        let n = self.scanned;
+        match &ev {
+            KernelEvent::Sxid { pci, sxid, .. } => {
+                if self.recent_sxid.len() == SXID_COMPANION_WITHIN as usize {
+                    self.recent_sxid.pop_front();
+                }
+                self.recent_sxid.push_back((*pci, *sxid, n));
+            }
+            KernelEvent::SxidSeverity { pci, sxid, .. } => {
+                let merged = self
+                    .recent_sxid
+                    .iter()
+                    .any(|(p, s, at)| p == pci && s == sxid && n - at <= SXID_COMPANION_WITHIN);
+                if merged {
+                    return None; // detail of the report just before it
+                }
+            }
+            _ => {}
+        }
         Some(to_observation(ev, at))
     }
 }
@@ -321,6 +353,23 @@ pub fn to_observation(ev: KernelEvent, at: Option<Timestamp>) -> Observation {
             let fatal = fatal.unwrap_or(false);
             signal(FaultCode::Sxid { code: sxid, fatal }, Some(device), message)
         }
+        // A severity line with no report before it: the SXid itself, with no severity word.
+        KernelEvent::SxidSeverity {
+            pci,
+            sxid,
+            switch,
+            message,
+        } => to_observation(
+            KernelEvent::Sxid {
+                pci,
+                sxid,
+                fatal: None,
+                switch,
+                link: None,
+                message,
+            },
+            at,
+        ),
         KernelEvent::PcieAer {
             pci,
             fatal,
@@ -442,6 +491,59 @@ mod tests {
         );
         assert_eq!(signals(&out), vec!["Xid48x1", "Xid95x1"]);
         assert_eq!(Tally::get(&tally.malformed), 2);
+    }
+
+    /// An NVSwitch SXid seen only as its `Severity …` line is recorded as that SXid; a
+    /// severity line right after its report merges into it (counted once); one long after a
+    /// report of the same SXid, or after a report of another SXid or switch, is its own.
+    #[test]
+    fn a_lone_sxid_severity_line_is_the_sxid() {
+        let sev = |seq: u32, pci: &str, sxid: u32| {
+            format!("4,{seq},100,-;nvidia-nvswitch2: SXid (PCI:{pci}): {sxid}, Severity 0 Engine instance 62 Sub-engine instance 00")
+        };
+        let report = |seq: u32, pci: &str, sxid: u32| {
+            format!("4,{seq},100,-;nvidia-nvswitch2: SXid (PCI:{pci}): {sxid}, Non-fatal, Link 62 egress non-posted PRIV error (First)")
+        };
+        let run = |lines: Vec<String>| {
+            let (mut r, _) = reader(None);
+            let lines: Vec<&[u8]> = lines.iter().map(|l| l.as_bytes()).collect();
+            signals(&feed_all(&mut r, &lines))
+        };
+        let a = "0000:07:00.0";
+        let b = "0000:88:00.0";
+        assert_eq!(run(vec![sev(1, a, 12028)]), vec!["SXid12028x1"], "alone");
+        assert_eq!(
+            run(vec![report(1, a, 12028), sev(2, a, 12028)]),
+            vec!["SXid12028x1"],
+            "merged into its report"
+        );
+        assert_eq!(
+            run(vec![
+                report(1, a, 12028),
+                sev(2, b, 12028),
+                sev(3, a, 20009)
+            ]),
+            vec!["SXid12028x1", "SXid12028x1", "SXid20009x1"],
+            "another switch, another SXid"
+        );
+        let mut far = vec![report(1, a, 12028)];
+        for i in 0..SXID_COMPANION_WITHIN as u32 {
+            far.push(format!("6,{},100,-;unrelated line {i}", i + 2));
+        }
+        far.push(sev(SXID_COMPANION_WITHIN as u32 + 2, a, 12028));
+        assert_eq!(run(far), vec!["SXid12028x1", "SXid12028x1"], "long after");
+        // Many other SXid reports in between push the report out of the window.
+        let mut busy = vec![report(1, a, 12028)];
+        for i in 0..SXID_COMPANION_WITHIN as u32 {
+            busy.push(report(i + 2, b, 20000 + i));
+        }
+        busy.push(sev(SXID_COMPANION_WITHIN as u32 + 2, a, 12028));
+        let got = run(busy);
+        assert_eq!(
+            got.iter().filter(|s| *s == "SXid12028x1").count(),
+            2,
+            "{got:?}"
+        );
     }
 
     #[test]

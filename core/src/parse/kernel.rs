@@ -52,6 +52,16 @@ pub enum KernelEvent {
         link: Option<u32>,
         message: String,
     },
+    /// `nvidia-nvswitch2: SXid (PCI:0000:07:00.0): 12028, Severity 0 Engine instance 62 …`: the
+    /// line that follows an SXid report with detail. Alone (no report of that SXid just
+    /// before it) it is the only trace of the SXid, and the reader records it as one.
+    SxidSeverity {
+        pci: PciAddr,
+        sxid: u32,
+        #[serde(skip_serializing_if = "Option::is_none")]
+        switch: Option<u32>,
+        message: String,
+    },
     /// An uncorrectable PCIe error reported through AER.
     PcieAer {
         pci: PciAddr,
@@ -77,6 +87,7 @@ impl KernelEvent {
             KernelEvent::GpuUuid { .. } => "gpu_uuid",
             KernelEvent::FallenOffBus { .. } => "fallen_off_bus",
             KernelEvent::Sxid { .. } => "sxid",
+            KernelEvent::SxidSeverity { .. } => "sxid_severity",
             KernelEvent::PcieAer { .. } => "pcie_aer",
             KernelEvent::MachineCheck { .. } => "machine_check",
         }
@@ -214,10 +225,24 @@ fn parse_sxid(msg: &str, at: usize) -> Option<KernelEvent> {
     let (pci, sxid, rest) = addr_and_code(&msg[at + "SXid (".len()..])?;
     let rest = rest.strip_prefix(',').unwrap_or(rest).trim_start();
     let lower = rest.get(..9).unwrap_or(rest).to_ascii_lowercase();
-    // `Data {…}` and `Severity N Engine instance …` lines follow the report that carries the
-    // severity and only add detail; they are not separate events.
-    if rest.starts_with("Data {") || rest.starts_with("Severity ") {
+    let switch = || {
+        memmem::find(msg.as_bytes(), b"nvswitch")
+            .and_then(|i| decimal(&msg[i + "nvswitch".len()..]).map(|(v, _)| v))
+    };
+    // `Data {…}` lines follow the report and only add detail. `Severity N Engine instance …`
+    // lines follow it too, but some drivers print one with no report before it: the reader
+    // decides (kmsg_reader.rs). Its number is not the Fatal/Non-fatal word and is not read as
+    // one.
+    if rest.starts_with("Data {") {
         return None;
+    }
+    if rest.starts_with("Severity ") {
+        return Some(KernelEvent::SxidSeverity {
+            pci,
+            sxid,
+            switch: switch(),
+            message: rest.trim_end().to_string(),
+        });
     }
     let (fatal, text) = if lower.starts_with("non-fatal") || lower.starts_with("nonfatal") {
         (
@@ -233,13 +258,11 @@ fn parse_sxid(msg: &str, at: usize) -> Option<KernelEvent> {
         // Some SXids print no severity word (`10007, IO failure`).
         (None, rest.trim())
     };
-    let switch = memmem::find(msg.as_bytes(), b"nvswitch")
-        .and_then(|i| decimal(&msg[i + "nvswitch".len()..]).map(|(v, _)| v));
     Some(KernelEvent::Sxid {
         pci,
         sxid,
         fatal,
-        switch,
+        switch: switch(),
         link: number_after(text, "link "),
         message: text.to_string(),
     })
