@@ -226,12 +226,19 @@ impl EngineLoop {
                 _ = tick.tick() => self.apply(&loaded, Input::Obs(Observation::Tick)),
             }
             self.heartbeat.beat(&*self.clock);
+            // A wall-clock step moves the faults' dates: publish them even if nothing else
+            // changed, and save the offset for the next boot's timeline.
+            let next = self.display_offset(offset);
+            if next != offset {
+                offset = next;
+                self.timeline.wall_offset_ms = i64::try_from(offset.as_millis()).unwrap_or(0);
+                published = u64::MAX;
+            }
             // A marker is published even when nothing else changed: its sender waits for it.
             if self.engine.revision() != published || self.marker != published_marker {
                 published = self.engine.revision();
                 published_marker = self.marker;
                 seq += 1;
-                offset = self.display_offset(offset);
                 self.publish(&loaded, &report, seq, offset);
             }
         }
@@ -239,7 +246,6 @@ impl EngineLoop {
         while let Ok(i) = self.inputs.try_recv() {
             self.apply(&loaded, i);
         }
-        offset = self.display_offset(offset);
         self.publish(&loaded, &report, seq + 1, offset);
         info!(revision = self.engine.revision(), "engine stopped");
     }
@@ -722,6 +728,35 @@ recovery:
             .find(|f| f.fault_code == "Xid31")
             .unwrap();
         assert_eq!(x31.first_seen, r.clock.now());
+    }
+
+    /// A step alone (no new input, only time passing) republishes the record with the moved
+    /// dates, and the offset is saved for the next boot's timeline.
+    #[tokio::test]
+    async fn a_step_alone_republishes_the_dates() {
+        let mut r = Rig::start();
+        let before = r.clock.now();
+        r.apply(Some(signal(FaultCode::Xid(13), Source::Kmsg)))
+            .await;
+        r.clock.step_wall(3600);
+        r.tx.send(Input::Obs(Observation::Tick)).await.unwrap();
+        let want = shift(before, SignedDuration::from_secs(3600));
+        let snap = r
+            .snaps
+            .wait_for(|s| {
+                s.as_ref().is_some_and(|s| {
+                    s.record
+                        .faults
+                        .first()
+                        .is_some_and(|f| f.first_seen == want)
+                })
+            })
+            .await
+            .unwrap()
+            .clone()
+            .unwrap();
+        let saved = snap.state.timeline.clone().unwrap();
+        assert_eq!(saved.wall_offset_ms, 3_600_000);
     }
 
     /// `/healthz`'s age is measured since boot: a wall-clock step neither makes a beating

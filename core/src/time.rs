@@ -27,7 +27,9 @@ pub fn shift(t: Timestamp, d: SignedDuration) -> Timestamp {
 /// that boot, plus the time since boot (`CLOCK_BOOTTIME`). Windows, holds and durations are
 /// measured on it, so a wall-clock step (an NTP step, `date -s`) moves nothing; a restart within
 /// the boot continues it (it is saved with the boot id). A new boot starts a new one, anchored
-/// on the wall clock of that boot: time across a reboot can only be compared by the wall clock.
+/// on the wall clock of that boot minus the last known difference between the wall clock and
+/// the old timeline: the times saved in the old boot stay comparable with the new ones even
+/// when the old boot's clock was stepped after its timeline was anchored.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Timeline {
     /// The boot this timeline belongs to; `None` when the boot id is unknown (then every start
@@ -35,11 +37,16 @@ pub struct Timeline {
     pub boot_id: Option<String>,
     /// The timeline's time at boot.
     pub anchor: Timestamp,
+    /// The last known wall-clock time minus timeline time, in milliseconds (the display offset,
+    /// saved with the state): carried into the next boot's timeline.
+    #[serde(default)]
+    pub wall_offset_ms: i64,
 }
 
 impl Timeline {
     /// The timeline of the current boot: `saved` when it is of this boot, else one anchored so
-    /// that its time now is `wall`.
+    /// that its time now is `wall` minus the saved timeline's last wall offset (so times saved
+    /// on the old timeline compare correctly with the new one's).
     pub fn for_boot(
         saved: Option<&Timeline>,
         boot_id: Option<&str>,
@@ -49,9 +56,12 @@ impl Timeline {
         if let Some(t) = saved.filter(|t| boot_id.is_some() && t.boot_id.as_deref() == boot_id) {
             return t.clone();
         }
+        let offset_ms = saved.map_or(0, |t| t.wall_offset_ms);
+        let offset = SignedDuration::from_millis(offset_ms);
         Timeline {
             boot_id: boot_id.map(str::to_string),
-            anchor: shift(wall, -signed(since_boot)),
+            anchor: shift(shift(wall, -signed(since_boot)), -offset),
+            wall_offset_ms: offset_ms,
         }
     }
 
@@ -89,6 +99,7 @@ mod tests {
         let saved = Timeline {
             boot_id: Some("b1".into()),
             anchor: t(1_000),
+            wall_offset_ms: 0,
         };
         let up = Duration::from_secs(500);
         // Same boot, the wall clock stepped an hour ahead meanwhile: unchanged.
@@ -107,6 +118,16 @@ mod tests {
             Timeline::for_boot(Some(&unknown), None, t(7_000), up).anchor,
             t(6_500)
         );
+        // The old boot's wall clock was stepped an hour ahead after its timeline was anchored
+        // (wall = timeline + 1 h when last saved): the new timeline keeps that difference, so an
+        // occurrence saved at old-timeline time T and one now are still (now - T) apart.
+        let stepped = Timeline {
+            wall_offset_ms: 3_600_000,
+            ..saved.clone()
+        };
+        let next = Timeline::for_boot(Some(&stepped), Some("b2"), t(9_000), up);
+        assert_eq!(next.at(up), t(9_000 - 3_600));
+        assert_eq!(next.wall_offset_ms, 3_600_000);
     }
 
     #[test]
