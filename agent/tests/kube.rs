@@ -910,6 +910,17 @@ fn deleted_or_replaced_own_objects_are_repaired_in_seconds_not_at_the_resync() {
     );
 }
 
+/// A policy file in `dir` that makes Xid 79 a fault only an operator may clear.
+fn operator_held_xid79_policy(dir: &std::path::Path) -> PathBuf {
+    let policy = dir.join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "overrides:\n  Xid79: { handling: ManuallySeparateNPU }\n",
+    )
+    .unwrap();
+    policy
+}
+
 /// The state and data directories are lost (faults.json and state.json both gone): the agent rebuilds from
 /// the fault ConfigMap instead of starting empty and untainting the node after `--settle`.
 /// Within the same boot the kernel-log faults are kept; after a reboot (new
@@ -919,12 +930,7 @@ fn deleted_or_replaced_own_objects_are_repaired_in_seconds_not_at_the_resync() {
 fn a_lost_state_directory_is_rebuilt_from_the_cluster_and_survives_a_reboot() {
     let c = Cluster::new(&["node-a"]);
     let dir = tempfile::tempdir().unwrap();
-    let policy = dir.path().join("policy.yaml");
-    std::fs::write(
-        &policy,
-        "overrides:\n  Xid79: { handling: ManuallySeparateNPU }\n",
-    )
-    .unwrap();
+    let policy = operator_held_xid79_policy(dir.path());
     let proc_stat = dir.path().join("stat");
     let real = std::fs::read_to_string("/proc/stat").unwrap();
     std::fs::write(&proc_stat, &real).unwrap();
@@ -1047,12 +1053,7 @@ fn a_lost_state_directory_is_rebuilt_from_the_cluster_and_survives_a_reboot() {
 fn a_reboot_keeps_the_node_tainted_from_its_durable_state() {
     let c = Cluster::new(&["node-a"]);
     let dir = tempfile::tempdir().unwrap();
-    let policy = dir.path().join("policy.yaml");
-    std::fs::write(
-        &policy,
-        "overrides:\n  Xid79: { handling: ManuallySeparateNPU }\n",
-    )
-    .unwrap();
+    let policy = operator_held_xid79_policy(dir.path());
     let extra = ["--policy", policy.to_str().unwrap()];
     let agent = c.start_agent(dir.path(), "node-a", &extra);
     agent.append(XID79);
