@@ -381,7 +381,7 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
     // faults.json, read once: the engine is rebuilt from it when state.json is unusable, and
     // the withheld taints come from it in every case.
     let record = crate::cli::read_record(&cfg.state_dir.join(file::FAULTS_FILE));
-    let (origin, persisted) = match read_durable_state(cfg) {
+    let (origin, mut persisted) = match read_durable_state(cfg) {
         Ok(Some(p)) => (Origin::State, p),
         // No usable state.json (deleted alone, or unreadable): the record is rebuilt.
         missing_or_bad => {
@@ -406,6 +406,8 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
             }
         }
     };
+    // Faults saved by an older agent, brought under the current level domains.
+    persisted.engine.upgrade();
     let same_boot = boot_id.is_some() && persisted.engine.boot_id() == boot_id.as_deref();
     let kmsg_cursor = persisted.kmsg_cursor.filter(|_| same_boot);
     info!(same_boot, resume_after = ?kmsg_cursor, faults = persisted.engine.faults().count(), "state restored");

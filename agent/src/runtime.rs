@@ -647,19 +647,28 @@ recovery:
     async fn a_wall_clock_step_during_recovery_holds_changes_nothing() {
         for step in STEPS {
             let mut r = Rig::start();
-            let link = FaultCode::Named("NVLINK_DOWN".into());
-            r.apply(Some(signal(link.clone(), Source::Nvml))).await;
+            let link = |present: bool| Observation::Level {
+                source: Source::Nvml,
+                device: Some(DeviceRef::named("GPU-0")),
+                domain: "nvml-nvlink".into(),
+                present: if present {
+                    vec![Signal::new(
+                        Source::Nvml,
+                        FaultCode::Named("NVLINK_DOWN".into()),
+                        None,
+                        "down",
+                    )]
+                } else {
+                    Vec::new()
+                },
+            };
+            r.apply(Some(link(true))).await;
             r.apply(Some(signal(
                 FaultCode::Named("KMSG_LOSS".into()),
                 Source::Kmsg,
             )))
             .await;
-            let gone = Observation::Resolved {
-                source: Source::Nvml,
-                code: link,
-                device: Some(DeviceRef::named("GPU-0")),
-            };
-            r.apply(Some(gone)).await;
+            r.apply(Some(link(false))).await;
             r.clock.advance(Duration::from_secs(10));
             r.clock.step_wall(step);
             let s = r.tick().await;

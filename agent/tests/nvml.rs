@@ -51,10 +51,32 @@ fn gpu(i: u32) -> Value {
 struct Rig {
     agent: Agent,
     state: PathBuf,
+    args: Vec<String>,
     _dir: tempfile::TempDir,
 }
 
 impl Rig {
+    /// Stops the agent, sets the fake's state while it is down, and starts it again on the same
+    /// directories (a restart in the same boot).
+    fn restart_with(self, next: &Value) -> Rig {
+        let Rig {
+            agent,
+            state,
+            args,
+            _dir,
+        } = self;
+        assert_eq!(agent.stop(), 0);
+        std::fs::write(&state, serde_json::to_vec_pretty(next).unwrap()).unwrap();
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        let agent = Agent::start_env(_dir.path(), &a, &[("FAKE_NVML_STATE", &state)]);
+        Rig {
+            agent,
+            state,
+            args,
+            _dir,
+        }
+    }
+
     fn start(state: &Value, policy: &str) -> Rig {
         let dir = tempfile::tempdir().unwrap();
         let state_path = dir.path().join("nvml-state.json");
@@ -76,6 +98,7 @@ impl Rig {
         Rig {
             agent,
             state: state_path,
+            args: args.iter().map(|a| a.to_string()).collect(),
             _dir: dir,
         }
     }
@@ -241,6 +264,48 @@ fn state_like_faults_recover_when_the_condition_goes() {
         fault(r, "NVLINK_DOWN").is_some_and(|f| !f.active)
     });
     assert_eq!(r.health, Health::Healthy);
+    rig.agent.stop();
+}
+
+/// A restart of the agent (same boot, state kept): an NVLink that came back while the agent was
+/// down ends after one poll, and uncorrectable ECC errors that are still there are neither a
+/// new fault nor counted again. Before NVML conditions were levels, the link stayed down in the
+/// record (and the node tainted) forever, and the ECC count doubled.
+#[test]
+fn a_restart_ends_what_cleared_and_does_not_recount_what_stayed() {
+    let mut state = two_gpus();
+    let rig = Rig::start(&state, "");
+    rig.agent.wait_for("nvml running", nvml_running_clean);
+    state["devices"][0]["nvlinks"][1]["active"] = json!(false);
+    state["devices"][1]["ecc"]["volatile_uncorrected"] = json!(3);
+    state["devices"][1]["ecc"]["aggregate_uncorrected"] = json!(3);
+    rig.set(&state);
+    rig.agent.wait_for("link down and ECC", |r| {
+        fault(r, "NVLINK_DOWN").is_some_and(|f| f.active)
+            && fault(r, "ECC_UNCORRECTABLE").is_some_and(|f| f.active && f.count == 3)
+    });
+    // While the agent is down, the link comes back; the ECC errors stay.
+    state["devices"][0]["nvlinks"][1]["active"] = json!(true);
+    let rig = rig.restart_with(&state);
+    let r = rig.agent.wait_for("link recovered after the restart", |r| {
+        fault(r, "NVLINK_DOWN").is_some_and(|f| !f.active)
+    });
+    assert!(
+        rig.agent.log().contains("state restored"),
+        "a restart from saved state"
+    );
+    assert_eq!(
+        r.faults.iter().filter(|f| f.active).count(),
+        1,
+        "only the ECC fault stays: {:?}",
+        r.faults
+    );
+    // Several polls (200 ms each) later the ECC fault is the same one, with the same count.
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let r = rig.agent.record().unwrap();
+    let ecc = fault(&r, "ECC_UNCORRECTABLE").unwrap();
+    assert!(ecc.active);
+    assert_eq!(ecc.count, 3, "{ecc:?}");
     rig.agent.stop();
 }
 

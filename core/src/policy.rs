@@ -384,6 +384,18 @@ fn default_recovery() -> Vec<RecoveryRule> {
 }
 
 /// The default node action for a level (DESIGN.md's table).
+/// The health of [`default_node_action`], without building the action.
+pub fn default_health(h: Handling) -> Health {
+    use Handling::*;
+    match h {
+        ManuallySeparateNPU | SeparateNPU => Health::Unhealthy,
+        PreSeparateNPU | RestartNPU | FreeRestartNPU | RestartBusiness | RestartRequest => {
+            Health::Degraded
+        }
+        SubHealthFault | NotHandleFault => Health::Healthy,
+    }
+}
+
 pub fn default_node_action(h: Handling) -> NodeAction {
     use Handling::*;
     match h {
@@ -868,6 +880,13 @@ impl Policy {
         c
     }
 
+    /// The node health a level maps to; unlike [`Policy::node_action`], allocates nothing.
+    pub fn health_of(&self, h: Handling) -> Health {
+        self.node_actions
+            .get(&h)
+            .map_or_else(|| default_health(h), |a| a.health)
+    }
+
     /// The node action for a level.
     pub fn node_action(&self, h: Handling) -> NodeAction {
         self.node_actions
@@ -1182,6 +1201,25 @@ expected_gpus: 8
                 .classify(&cat, &FaultCode::Xid(43))
                 .handling,
             Handling::NotHandleFault
+        );
+    }
+
+    #[test]
+    fn health_of_agrees_with_the_node_action() {
+        let custom =
+            Policy::parse("node_actions:\n  RestartNPU: {health: Unhealthy, condition: false}\n")
+                .unwrap();
+        for p in [Policy::parse("").unwrap(), custom] {
+            for h in Handling::ALL {
+                assert_eq!(p.health_of(h), p.node_action(h).health, "{h}");
+            }
+        }
+        assert_eq!(
+            Policy::parse("node_actions:\n  RestartNPU: {health: Unhealthy, condition: false}\n")
+                .unwrap()
+                .health_of(Handling::RestartNPU),
+            Health::Unhealthy,
+            "a configured action wins"
         );
     }
 }

@@ -34,7 +34,6 @@ use super::runner::{self, ProbeOutcome, ProbeSpec};
 use super::wire::{self, Signer};
 use crate::source::Input;
 use faultline_core::peer::pairing::PairingConfig;
-use faultline_core::peer::verdicts::VerdictTracker;
 use faultline_core::policy::PeerPolicy;
 
 /// Checks one agent runs at once (a node is in at most two per round).
@@ -99,7 +98,6 @@ pub struct PeerService {
     probe: ProbeSetup,
     busy: Arc<dyn Busy>,
     inputs: mpsc::Sender<Input>,
-    tracker: Mutex<VerdictTracker>,
     running: Mutex<HashMap<CheckKey, CancellationToken>>,
     leadership: Leadership,
     runs: std::sync::atomic::AtomicUsize,
@@ -122,7 +120,6 @@ impl PeerService {
             probe,
             busy,
             inputs,
-            tracker: Mutex::new(VerdictTracker::default()),
             running: Mutex::new(HashMap::new()),
             leadership,
             runs: std::sync::atomic::AtomicUsize::new(0),
@@ -300,11 +297,7 @@ impl PeerCheck for PeerHandle {
                 self.node, c.run_id
             )));
         };
-        let obs = self
-            .tracker
-            .lock()
-            .map_err(|_| Status::internal("poisoned"))?
-            .observe(&c.members, me, &verdicts, &c.run_id);
+        let obs = faultline_core::peer::verdicts::observe(&c.members, me, &verdicts, &c.run_id);
         info!(run_id = %c.run_id, observations = obs.len(), "peer-check verdicts received");
         for o in obs {
             if self.inputs.send(Input::Obs(o)).await.is_err() {

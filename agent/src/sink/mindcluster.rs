@@ -649,7 +649,7 @@ mod tests {
         let mut e = with_chips(ctx, 11);
         let level = |down: bool| Observation::Level {
             source: Source::Ascend,
-            device: DeviceRef::named("Ascend910-10"),
+            device: Some(DeviceRef::named("Ascend910-10")),
             domain: "npu-link".into(),
             present: if down {
                 vec![Signal::new(

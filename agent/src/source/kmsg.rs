@@ -86,10 +86,11 @@ pub fn boot_time(proc_stat: &Path) -> Option<Timestamp> {
 
 /// Runs the source on a dedicated thread until shutdown. Never returns an error: failures are
 /// reported as the detector being down, and the thread retries.
+/// If the thread dies (a panic), the detector is reported Down.
 pub fn spawn(cfg: KmsgConfig, ctx: SourceContext) -> std::thread::JoinHandle<()> {
-    std::thread::Builder::new()
-        .name("kmsg".into())
-        .spawn(move || run(cfg, ctx))
+    let on_death = super::report_down("kmsg", &ctx);
+    let shutdown = ctx.shutdown.clone();
+    super::spawn_watched("kmsg", shutdown, move || run(cfg, ctx), on_death)
         .unwrap_or_else(|e| panic!("cannot start the kmsg thread: {e}"))
 }
 

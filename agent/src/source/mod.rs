@@ -18,6 +18,7 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 use crate::metrics::Metrics;
+use faultline_core::engine::{DetectorState, Observation};
 
 pub use faultline_core::engine::Input;
 
@@ -27,6 +28,48 @@ pub struct SourceContext {
     pub tx: mpsc::Sender<Input>,
     pub metrics: Arc<Metrics>,
     pub shutdown: CancellationToken,
+}
+
+/// Starts `body` on a thread named `name`. If the thread dies of a panic while the agent is not
+/// stopping, `on_death` gets a reason (`the kmsg thread stopped: <panic message>`) to report:
+/// a detector whose thread is gone must not go on showing Running.
+pub(crate) fn spawn_watched(
+    name: &str,
+    shutdown: CancellationToken,
+    body: impl FnOnce() + Send + 'static,
+    on_death: impl FnOnce(String) + Send + 'static,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    let thread = name.to_string();
+    std::thread::Builder::new()
+        .name(thread.clone())
+        .spawn(move || {
+            let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) else {
+                return;
+            };
+            let msg = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "a panic".to_string());
+            tracing::error!(thread = %thread, panic = %msg, "a source thread died");
+            if !shutdown.is_cancelled() {
+                on_death(format!("the {thread} thread stopped: {msg}"));
+            }
+        })
+}
+
+/// An `on_death` for [`spawn_watched`] that reports the detector `name` Down to the engine.
+pub(crate) fn report_down(name: &'static str, ctx: &SourceContext) -> impl FnOnce(String) + Send {
+    let tx = ctx.tx.clone();
+    move |why| {
+        let obs = Observation::Detector {
+            name: name.into(),
+            state: DetectorState::Down,
+            reason: Some(why),
+        };
+        // A std thread: blocking is fine, and an engine that is gone needs no report.
+        let _ = tx.blocking_send(Input::Obs(obs));
+    }
 }
 
 /// Keeps `(time, value)` samples of a counter for `window` and returns its growth over the
@@ -60,6 +103,52 @@ pub(crate) fn counter_growth(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A source thread that panics is reported: its detector goes Down with the panic's text.
+    /// At shutdown, nothing is reported.
+    #[test]
+    fn a_dead_thread_reports_its_detector_down() {
+        let (tx, mut rx) = mpsc::channel(4);
+        let ctx = SourceContext {
+            tx,
+            metrics: Arc::new(Metrics::default()),
+            shutdown: CancellationToken::new(),
+        };
+        let h = spawn_watched(
+            "kmsg",
+            ctx.shutdown.clone(),
+            || panic!("index out of bounds"),
+            report_down("kmsg", &ctx),
+        )
+        .unwrap();
+        h.join().unwrap();
+        let Some(Input::Obs(Observation::Detector {
+            name,
+            state,
+            reason,
+        })) = rx.try_recv().ok()
+        else {
+            panic!("no detector report");
+        };
+        assert_eq!((name.as_str(), state), ("kmsg", DetectorState::Down));
+        assert_eq!(
+            reason.as_deref(),
+            Some("the kmsg thread stopped: index out of bounds")
+        );
+        ctx.shutdown.cancel();
+        let h = spawn_watched(
+            "kmsg",
+            ctx.shutdown.clone(),
+            || panic!("late"),
+            report_down("kmsg", &ctx),
+        )
+        .unwrap();
+        h.join().unwrap();
+        assert!(rx.try_recv().is_err(), "nothing reported at shutdown");
+        // A thread that returns is not a death.
+        let h = spawn_watched("x", CancellationToken::new(), || {}, |_| panic!()).unwrap();
+        h.join().unwrap();
+    }
 
     #[test]
     fn counter_growth_over_a_window_and_across_resets() {

@@ -7,6 +7,7 @@
 //! overridable by the operator's own file.
 
 pub mod ascend;
+pub mod nvml;
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;

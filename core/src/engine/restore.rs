@@ -11,7 +11,8 @@ use std::collections::VecDeque;
 
 use super::{Ctx, Engine, FaultCodeRepr, FaultState};
 use crate::catalog::ascend::is_fault_code;
-use crate::catalog::FaultCode;
+use crate::catalog::{nvml, FaultCode};
+use crate::peer::verdicts;
 use crate::record::{Fault, FaultType, Handling, NodeRecord, Source};
 
 /// Which of a record's faults to rebuild.
@@ -22,11 +23,12 @@ pub struct RestoreScope {
 }
 
 impl RestoreScope {
-    /// Active faults only; of those, every operator-held (sticky) fault, and the edge-triggered
-    /// ones (kernel log, NVML, the agent's own): level-triggered sources (Ascend tools, peer
-    /// verdicts) report what is still true at their first poll, and a fault rebuilt without
-    /// their domain could not be resolved by them. Kernel-log faults of an earlier boot are
-    /// not rebuilt (a reboot ends them), unless an operator must clear them.
+    /// Active faults only; of those, every operator-held (sticky) fault, the edge-triggered ones
+    /// (kernel log, the agent's own) and NVML's, whose domain follows from the code
+    /// ([`crate::catalog::nvml`]) so that its next poll ends them if they are gone. The Ascend
+    /// tools and peer verdicts report what is still true at their first poll and run. Kernel-log
+    /// faults of an earlier boot are not rebuilt (a reboot ends them), unless an operator must
+    /// clear them.
     pub fn keeps(&self, f: &Fault) -> bool {
         if !f.active {
             return false;
@@ -67,13 +69,47 @@ impl Engine {
                 escalated: f.escalated_from.map(|_| f.fault_handling),
                 occurrences: VecDeque::from([f.last_seen]),
                 active_since: f.first_seen,
-                domain: None,
+                domain: level_domain(f),
                 resolving_since: None,
             };
             e.faults.insert(key, state);
         }
         e.revision += 1;
         e
+    }
+}
+
+/// The `Level` domain a fault of a level-triggered source is reported in, when its code alone
+/// tells (NVML's conditions).
+fn level_domain(f: &Fault) -> Option<String> {
+    match f.source {
+        Source::Nvml => nvml::domain(&f.fault_code).map(str::to_string),
+        _ => None,
+    }
+}
+
+impl Engine {
+    /// Brings faults saved by an older agent under the current level domains: NVML conditions
+    /// were edge-triggered (no domain), and a node's peer links shared the node's domain. Without
+    /// this, such a fault could never be ended by the source that raised it.
+    pub fn upgrade(&mut self) {
+        let mut changed = false;
+        for f in self.faults.values_mut() {
+            let domain = match (f.fault.source, f.domain.as_deref()) {
+                (Source::Nvml, None) => level_domain(&f.fault),
+                (Source::Peer, Some(verdicts::DOMAIN)) if f.device_key.starts_with("link:") => {
+                    Some(verdicts::LINK_DOMAIN.to_string())
+                }
+                _ => continue,
+            };
+            if domain.is_some() {
+                f.domain = domain;
+                changed = true;
+            }
+        }
+        if changed {
+            self.revision += 1;
+        }
     }
 }
 

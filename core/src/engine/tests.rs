@@ -358,27 +358,73 @@ fn quiet_recovery_rules() {
 }
 
 #[test]
-fn resolved_clears_only_from_the_reporting_source() {
+fn a_level_ends_only_its_own_source_and_domain() {
     let mut r = Rig::new("");
-    r.at(0, named("NVLINK_DOWN", Source::Nvml));
-    r.at(
-        1,
-        Observation::Resolved {
-            source: Source::Kmsg,
-            code: FaultCode::named("NVLINK_DOWN"),
-            device: None,
+    let level = |source, domain: &str, present: bool| Observation::Level {
+        source,
+        device: Some(DeviceRef::pci(pci("0000:3b:00.0"))),
+        domain: domain.into(),
+        present: if present {
+            vec![Signal::new(
+                Source::Nvml,
+                FaultCode::named("NVLINK_DOWN"),
+                None,
+                "down",
+            )]
+        } else {
+            Vec::new()
         },
-    );
+    };
+    r.at(0, level(Source::Nvml, "nvml-nvlink", true));
+    r.at(1, level(Source::Kmsg, "nvml-nvlink", false));
+    r.at(2, level(Source::Nvml, "nvml-pcie", false));
     assert!(r.only().active);
+    r.at(3, level(Source::Nvml, "nvml-nvlink", false));
+    assert!(!r.only().active);
+}
+
+/// A level with no device covers every device of its source and domain (a node's peer links).
+#[test]
+fn a_level_without_a_device_covers_the_domain() {
+    let mut r = Rig::new("");
+    let link = |p: &str| {
+        Signal::new(
+            Source::Peer,
+            FaultCode::named("PEER_LINK_FAILED"),
+            Some(DeviceRef::named(&format!("link:{p}"))),
+            "broken",
+        )
+    };
+    let links = |present: Vec<Signal>| Observation::Level {
+        source: Source::Peer,
+        device: None,
+        domain: "peer-link".into(),
+        present,
+    };
+    r.at(0, links(vec![link("a"), link("b")]));
     r.at(
-        2,
-        Observation::Resolved {
-            source: Source::Nvml,
-            code: FaultCode::named("NVLINK_DOWN"),
-            device: None,
+        0,
+        Observation::Level {
+            source: Source::Peer,
+            device: Some(DeviceRef::named("node")),
+            domain: "peer".into(),
+            present: vec![Signal::new(
+                Source::Peer,
+                FaultCode::named("STRAGGLER"),
+                None,
+                "slow",
+            )],
         },
     );
-    assert!(!r.only().active);
+    r.at(1, links(vec![link("b")]));
+    let active: Vec<String> = r
+        .view()
+        .faults
+        .iter()
+        .filter(|f| f.active)
+        .map(|f| format!("{}@{}", f.fault_code, f.device))
+        .collect();
+    assert_eq!(active, ["PEER_LINK_FAILED@link:b", "STRAGGLER@node"]);
 }
 
 #[test]
@@ -549,8 +595,15 @@ fn arb_obs() -> impl Strategy<Value = (i64, Observation)> {
         1 => prop::option::of(prop::sample::select(vec!["Xid79", "Xid13", "GPU_LOST"]))
             .prop_map(|c| Observation::OperatorClear { code: c.map(String::from), device: None }),
         1 => prop::sample::select(vec!["a", "b"]).prop_map(|b| Observation::Boot { boot_id: b.into() }),
-        1 => (codes, sources).prop_map(|(c, s)| Observation::Resolved { source: s, code: FaultCode::named(c), device: None }),
-        1 => (gpu, 0u32..8).prop_map(|(g, i)| Observation::DeviceSeen { pci: pci(g), uuid: Some(format!("GPU-{i}")), index: Some(i) }),
+        1 => (gpu.clone(), 0u32..8).prop_map(|(g, i)| Observation::DeviceSeen { pci: pci(g), uuid: Some(format!("GPU-{i}")), index: Some(i) }),
+        // A level on one GPU or (no device) over every device of the source, with one condition
+        // present or none.
+        1 => (prop::option::of(gpu), prop::option::of(prop::sample::select(vec!["NVLINK_DOWN", "GPU_LOST"]))).prop_map(|(g, c)| Observation::Level {
+            source: Source::Nvml,
+            device: g.map(|g| DeviceRef::pci(pci(g))),
+            domain: "d".into(),
+            present: c.map(|c| Signal::new(Source::Nvml, FaultCode::named(c), g.map(|g| DeviceRef::pci(pci(g))), "level")).into_iter().collect(),
+        }),
     ];
     (0i64..4000, obs)
 }
@@ -587,6 +640,26 @@ proptest! {
         }
     }
 
+    /// The verdict that `HealthChanged` reports (derived only after steps with events) is the
+    /// one a full pass over the faults derives, after every step.
+    #[test]
+    fn health_events_follow_the_full_derivation(obs in prop::collection::vec(arb_obs(), 1..80)) {
+        let mut r = Rig::new(POLICY);
+        let policy = Policy::parse(POLICY).unwrap();
+        let mut health = Health::Healthy;
+        let mut now = 0;
+        for (dt, o) in obs {
+            now += dt;
+            for e in r.at(now, o) {
+                if let EngineEvent::HealthChanged { from, to } = e {
+                    prop_assert_eq!(from, health);
+                    health = to;
+                }
+            }
+            prop_assert_eq!(health, r.engine.health(&policy));
+        }
+    }
+
     /// Same input, same output.
     #[test]
     fn deterministic(obs in prop::collection::vec(arb_obs(), 1..80)) {
@@ -599,6 +672,8 @@ proptest! {
     /// Every signal is counted exactly once unless its fault was dropped from history.
     #[test]
     fn nothing_lost(obs in prop::collection::vec(arb_obs(), 1..80)) {
+        // A level counts a condition once when it appears, not once per poll: not a signal each.
+        let obs: Vec<_> = obs.into_iter().filter(|(_, o)| !matches!(o, Observation::Level { .. })).collect();
         let (engine, _) = run(&obs);
         let signals = obs.iter().filter(|(_, o)| matches!(o, Observation::Signal(_))).count() as u64;
         let counted: u64 = engine.faults().map(|f| f.fault.count).sum();
@@ -641,7 +716,7 @@ fn npu_code(code: &str, network: bool, severe: bool) -> FaultCode {
 fn level(chip: u32, domain: &str, codes: &[FaultCode]) -> Observation {
     Observation::Level {
         source: Source::Ascend,
-        device: DeviceRef::named(&format!("Ascend910-{chip}")),
+        device: Some(DeviceRef::named(&format!("Ascend910-{chip}"))),
         domain: domain.into(),
         present: codes
             .iter()

@@ -13,9 +13,20 @@ impl Engine {
         self.faults
             .values()
             .filter(|f| f.fault.active)
-            .map(|f| policy.node_action(f.fault.fault_handling).health)
+            .map(|f| policy.health_of(f.fault.fault_handling))
             .max()
             .unwrap_or(Health::Healthy)
+    }
+    /// [`Engine::health`] as of the last step that caused an event (see [`Engine::step`]).
+    pub(super) fn cached_health(&mut self, policy: &Policy) -> Health {
+        match self.health_cache.0 {
+            Some(h) => h,
+            None => {
+                let h = self.health(policy);
+                self.health_cache.0 = Some(h);
+                h
+            }
+        }
     }
     /// The desired node state and the record's fault list.
     pub fn view(&self, policy: &Policy) -> NodeView {

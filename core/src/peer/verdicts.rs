@@ -23,86 +23,79 @@ pub fn link_device(partner: &str) -> String {
     format!("link:{partner}")
 }
 
-/// Remembers which links this node reported, so a healed link is cleared by the next run.
-#[derive(Debug, Default)]
-pub struct VerdictTracker {
-    links: BTreeSet<String>,
-}
+/// The `Level` domain of this node's peer links: one level per run covers all of them.
+pub const LINK_DOMAIN: &str = "peer-link";
 
-impl VerdictTracker {
-    /// The observations for this node (`me`, an index into `members`) after a run.
-    pub fn observe(
-        &mut self,
-        members: &[String],
-        me: NodeId,
-        verdicts: &Verdicts,
-        run_id: &str,
-    ) -> Vec<Observation> {
-        let Some(my_name) = members.get(me) else {
-            return Vec::new();
-        };
-        if verdicts.unknown.contains_key(&me) {
-            return Vec::new();
-        }
-        let name = |n: NodeId| members.get(n).cloned().unwrap_or_else(|| format!("#{n}"));
-        let signal = |code: &str, device: &str, message: String| {
-            Signal::new(
-                Source::Peer,
-                FaultCode::named(code),
-                Some(DeviceRef::named(device)),
-                message,
+/// A run's observations for this node (`me`, an index into `members`). No memory between runs:
+/// every run states the node's whole peer status (one level for the node, one for all its
+/// links), so links restored from saved state after a restart heal on the next clean run like
+/// any other (a tracker of the links reported before did not survive a restart).
+pub fn observe(
+    members: &[String],
+    me: NodeId,
+    verdicts: &Verdicts,
+    run_id: &str,
+) -> Vec<Observation> {
+    let Some(my_name) = members.get(me) else {
+        return Vec::new();
+    };
+    if verdicts.unknown.contains_key(&me) {
+        return Vec::new();
+    }
+    let name = |n: NodeId| members.get(n).cloned().unwrap_or_else(|| format!("#{n}"));
+    let signal = |code: &str, device: &str, message: String| {
+        Signal::new(
+            Source::Peer,
+            FaultCode::named(code),
+            Some(DeviceRef::named(device)),
+            message,
+        )
+    };
+    let mut node = Vec::new();
+    if verdicts.faulty.contains(&me) {
+        node.push(signal(
+            "PEER_UNREACHABLE",
+            "node",
+            format!("peer check {run_id}: {my_name} failed with every partner, at least two of them good"),
+        ));
+    }
+    if let Some(ratio) = verdicts.stragglers.get(&me) {
+        node.push(signal(
+            "STRAGGLER",
+            "node",
+            format!("peer check {run_id}: {my_name} is {ratio:.2}x slower than the median, in two measurements"),
+        ));
+    }
+    let partners: BTreeSet<String> = verdicts
+        .broken_links
+        .iter()
+        .filter(|l| l.has(me))
+        .map(|l| name(l.other(me)))
+        .collect();
+    let links = partners
+        .iter()
+        .map(|partner| {
+            signal(
+                "PEER_LINK_FAILED",
+                &link_device(partner),
+                format!("peer check {run_id}: the path between {my_name} and {partner} fails while both pass with others"),
             )
-        };
-        let mut node = Vec::new();
-        if verdicts.faulty.contains(&me) {
-            node.push(signal(
-                "PEER_UNREACHABLE",
-                "node",
-                format!("peer check {run_id}: {my_name} failed with every partner, at least two of them good"),
-            ));
-        }
-        if let Some(ratio) = verdicts.stragglers.get(&me) {
-            node.push(signal(
-                "STRAGGLER",
-                "node",
-                format!("peer check {run_id}: {my_name} is {ratio:.2}x slower than the median, in two measurements"),
-            ));
-        }
-        let mut out = vec![Observation::Level {
+        })
+        .collect();
+    vec![
+        Observation::Level {
             source: Source::Peer,
-            device: DeviceRef::named("node"),
+            device: Some(DeviceRef::named("node")),
             domain: DOMAIN.into(),
             present: node,
-        }];
-        let now: BTreeSet<String> = verdicts
-            .broken_links
-            .iter()
-            .filter(|l| l.has(me))
-            .map(|l| name(l.other(me)))
-            .collect();
-        for partner in &now {
-            out.push(Observation::Level {
-                source: Source::Peer,
-                device: DeviceRef::named(&link_device(partner)),
-                domain: DOMAIN.into(),
-                present: vec![signal(
-                    "PEER_LINK_FAILED",
-                    &link_device(partner),
-                    format!("peer check {run_id}: the path between {my_name} and {partner} fails while both pass with others"),
-                )],
-            });
-        }
-        for healed in self.links.difference(&now) {
-            out.push(Observation::Level {
-                source: Source::Peer,
-                device: DeviceRef::named(&link_device(healed)),
-                domain: DOMAIN.into(),
-                present: Vec::new(),
-            });
-        }
-        self.links = now;
-        out
-    }
+        },
+        Observation::Level {
+            source: Source::Peer,
+            device: None,
+            domain: LINK_DOMAIN.into(),
+            present: links,
+        },
+    ]
 }
 
 #[cfg(test)]
@@ -149,26 +142,24 @@ mod tests {
             noise: 0.02,
         };
         let (v, _, _) = simulate((0..8).collect(), &truth, PairingConfig::default());
-        let mut engines: Vec<(Engine, VerdictTracker)> = (0..8)
-            .map(|_| (Engine::new(), VerdictTracker::default()))
-            .collect();
-        for (i, (e, tr)) in engines.iter_mut().enumerate() {
-            for o in tr.observe(&m, i, &v, "run-1") {
+        let mut engines: Vec<Engine> = (0..8).map(|_| Engine::new()).collect();
+        for (i, e) in engines.iter_mut().enumerate() {
+            for o in observe(&m, i, &v, "run-1") {
                 e.step(ctx, o, t(0));
             }
         }
-        assert_eq!(active(&engines[3].0, &policy), ["PEER_UNREACHABLE@node"]);
-        assert_eq!(engines[3].0.view(&policy).health, Health::Degraded);
+        assert_eq!(active(&engines[3], &policy), ["PEER_UNREACHABLE@node"]);
+        assert_eq!(engines[3].view(&policy).health, Health::Degraded);
         assert_eq!(
-            active(&engines[4].0, &policy),
+            active(&engines[4], &policy),
             ["PEER_LINK_FAILED@link:gpu-5"]
         );
         assert_eq!(
-            active(&engines[5].0, &policy),
+            active(&engines[5], &policy),
             ["PEER_LINK_FAILED@link:gpu-4"]
         );
-        assert_eq!(active(&engines[6].0, &policy), ["STRAGGLER@node"]);
-        let straggler = &engines[6].0.view(&policy).faults[0];
+        assert_eq!(active(&engines[6], &policy), ["STRAGGLER@node"]);
+        let straggler = &engines[6].view(&policy).faults[0];
         assert!(
             straggler.message.contains("3.0") || straggler.message.contains("2.9"),
             "{}",
@@ -176,7 +167,7 @@ mod tests {
         );
         assert_eq!(straggler.fault_handling, Handling::SubHealthFault);
         for i in [0, 1, 2, 7] {
-            assert!(active(&engines[i].0, &policy).is_empty(), "gpu-{i}");
+            assert!(active(&engines[i], &policy).is_empty(), "gpu-{i}");
         }
         // Run 2: everything repaired; every recorded fault recovers.
         let (v2, _, _) = simulate(
@@ -184,8 +175,8 @@ mod tests {
             &Truth::default(),
             PairingConfig::default(),
         );
-        for (i, (e, tr)) in engines.iter_mut().enumerate() {
-            for o in tr.observe(&m, i, &v2, "run-2") {
+        for (i, e) in engines.iter_mut().enumerate() {
+            for o in observe(&m, i, &v2, "run-2") {
                 e.step(ctx, o, t(1800));
             }
             assert!(
@@ -196,13 +187,92 @@ mod tests {
         }
     }
 
+    /// A restart between two runs: the engine comes back from its saved state (the old tracker's
+    /// memory is gone). A link that healed meanwhile is ended by the next clean run, a link that
+    /// is still broken stays one fault with its count (fails while the tracker kept the links).
+    #[test]
+    fn links_restored_after_a_restart_heal_or_stay() {
+        let (policy, catalog) = (Policy::parse("").unwrap(), Catalog::builtin().unwrap());
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let t = |s: i64| jiff::Timestamp::from_second(1_790_000_000 + s).unwrap();
+        let m = members(8);
+        let broken = |links: &[(usize, usize)]| Verdicts {
+            broken_links: links.iter().map(|(a, b)| Pair::new(*a, *b)).collect(),
+            ..Default::default()
+        };
+        let mut e = Engine::new();
+        for o in observe(&m, 4, &broken(&[(4, 5), (4, 6)]), "run-1") {
+            e.step(ctx, o, t(0));
+        }
+        assert_eq!(
+            active(&e, &policy),
+            ["PEER_LINK_FAILED@link:gpu-5", "PEER_LINK_FAILED@link:gpu-6"]
+        );
+        // Restart: state saved and loaded, a new tracker.
+        let mut e: Engine = serde_json::from_str(&serde_json::to_string(&e).unwrap()).unwrap();
+        for o in observe(&m, 4, &broken(&[(4, 6)]), "run-2") {
+            e.step(ctx, o, t(1800));
+        }
+        assert_eq!(active(&e, &policy), ["PEER_LINK_FAILED@link:gpu-6"]);
+        let count = |e: &Engine| e.faults().find(|f| f.fault.active).map(|f| f.fault.count);
+        assert_eq!(
+            count(&e),
+            Some(1),
+            "a link that stayed broken is not counted again"
+        );
+        for o in observe(&m, 4, &Verdicts::default(), "run-3") {
+            e.step(ctx, o, t(3600));
+        }
+        assert!(active(&e, &policy).is_empty());
+    }
+
+    /// A link fault saved by an agent from before the link domain (it shared the node's domain)
+    /// is brought under it on load and heals on a clean run.
+    #[test]
+    fn a_link_fault_saved_in_the_old_domain_heals() {
+        let (policy, catalog) = (Policy::parse("").unwrap(), Catalog::builtin().unwrap());
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let t = |s: i64| jiff::Timestamp::from_second(1_790_000_000 + s).unwrap();
+        let m = members(8);
+        let mut e = Engine::new();
+        let v = Verdicts {
+            broken_links: BTreeSet::from([Pair::new(4, 5)]),
+            ..Default::default()
+        };
+        for o in observe(&m, 4, &v, "run-1") {
+            e.step(ctx, o, t(0));
+        }
+        let text = serde_json::to_string(&e)
+            .unwrap()
+            .replace(&format!("\"{LINK_DOMAIN}\""), &format!("\"{DOMAIN}\""));
+        let mut old: Engine = serde_json::from_str(&text).unwrap();
+        let mut upgraded = old.clone();
+        upgraded.upgrade();
+        for e in [&mut old, &mut upgraded] {
+            for o in observe(&m, 4, &Verdicts::default(), "run-2") {
+                e.step(ctx, o, t(1800));
+            }
+        }
+        assert_eq!(
+            active(&old, &policy),
+            ["PEER_LINK_FAILED@link:gpu-5"],
+            "without the upgrade the old fault never heals"
+        );
+        assert!(active(&upgraded, &policy).is_empty());
+    }
+
     #[test]
     fn unknown_or_absent_changes_nothing() {
         let m = members(2);
         let mut v = Verdicts::default();
         v.unknown.insert(0, "no partner".into());
-        let mut tr = VerdictTracker::default();
-        assert!(tr.observe(&m, 0, &v, "r").is_empty());
-        assert!(tr.observe(&m, 5, &Verdicts::default(), "r").is_empty());
+        assert!(observe(&m, 0, &v, "r").is_empty());
+        assert!(observe(&m, 5, &Verdicts::default(), "r").is_empty());
     }
 }

@@ -229,7 +229,7 @@ impl Analyzer {
         }
         Ok(Observation::Level {
             source: Source::Ascend,
-            device: device(id),
+            device: Some(device(id)),
             domain: DOMAIN_LINK.into(),
             present,
         })
@@ -301,7 +301,7 @@ fn chip_level(c: &NpuChip, h: &ChipHealth) -> Observation {
     }
     Observation::Level {
         source: Source::Ascend,
-        device: device(id),
+        device: Some(device(id)),
         domain: DOMAIN_CHIP.into(),
         present,
     }
@@ -319,7 +319,7 @@ fn net_level(id: ChipId, n: &NetHealth) -> Observation {
     };
     Observation::Level {
         source: Source::Ascend,
-        device: device(id),
+        device: Some(device(id)),
         domain: DOMAIN_NET.into(),
         present,
     }
@@ -415,7 +415,10 @@ mod tests {
                     let codes: Vec<String> = present.iter().map(|s| s.code.to_string()).collect();
                     Some(format!(
                         "{domain}:{}:{}",
-                        device.name.as_deref().unwrap_or("?"),
+                        device
+                            .as_ref()
+                            .and_then(|d| d.name.as_deref())
+                            .unwrap_or("?"),
                         codes.join(",")
                     ))
                 }

@@ -1,14 +1,21 @@
 //! The NVML analyzer: pure. Turns inventories, readings and events into engine observations.
 //!
-//! Conditions are level-triggered: a condition (lost GPU, pending remap, link down, …) raises
-//! a signal when it appears and a `Resolved` when it goes away; counters (uncorrectable ECC)
-//! raise a signal for every increase; rates (NVLink errors, PCIe replays) compare a counter with
-//! its value one window ago.
+//! Conditions are level-triggered: every poll of a GPU sends one `Level` per reading that
+//! succeeded (its domain from [`faultline_core::catalog::nvml`]), naming the conditions (lost
+//! GPU, pending remap, link down, …) that reading shows now. The engine raises what is new and
+//! ends what is gone; the analyzer keeps no list of what it raised, so a restart neither keeps
+//! a condition that cleared while the agent was down nor counts one that stayed. A reading that
+//! failed sends nothing (its conditions stay as they were): a lost GPU, which reads nothing
+//! else, keeps its other conditions.
+//!
+//! Counters (uncorrectable ECC) add a signal for every increase seen between two polls of this
+//! process; rates (NVLink errors, PCIe replays) compare a counter with its value one window ago,
+//! and say a rate is low only once this process has watched for a whole window.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Instant;
 
-use faultline_core::catalog::FaultCode;
+use faultline_core::catalog::{nvml, FaultCode};
 use faultline_core::engine::{DeviceRef, Observation, Signal};
 use faultline_core::policy::NvmlPolicy;
 use faultline_core::record::Source;
@@ -23,15 +30,31 @@ struct DevState {
     links_seen_active: BTreeSet<u32>,
     link_errors: BTreeMap<u32, VecDeque<(Instant, u64)>>,
     replays: VecDeque<(Instant, u64)>,
-    /// Conditions currently raised for this device.
-    raised: BTreeSet<&'static str>,
+    /// When this process first read the NVLink error counters and the replay counter: a rate
+    /// is known to be low only a whole window later.
+    link_errors_since: Option<Instant>,
+    replays_since: Option<Instant>,
 }
 
-/// The analyzer's memory between passes.
+/// The analyzer's memory between passes (counter history only; no raised conditions).
 #[derive(Debug, Default)]
 pub struct Analyzer {
     devices: BTreeMap<u32, DevState>,
-    missing_raised: bool,
+}
+
+/// One poll's conditions of one reading, sent as a `Level`.
+fn level(dref: &DeviceRef, domain: &str, present: Vec<Signal>) -> Observation {
+    Observation::Level {
+        source: Source::Nvml,
+        device: Some(dref.clone()),
+        domain: domain.to_string(),
+        present,
+    }
+}
+
+/// The domain of a condition this analyzer raises (every one is in the table).
+fn domain_of(code: &str) -> &'static str {
+    nvml::domain(code).unwrap_or("nvml")
 }
 
 fn device_ref(id: &Identity) -> DeviceRef {
@@ -63,34 +86,28 @@ impl Analyzer {
         out
     }
 
-    /// The device count against the expected count.
+    /// The device count against the expected count (no expectation: nothing missing).
     pub fn inventory(&mut self, count: u32, expected: u32) -> Vec<Observation> {
-        let missing = expected > 0 && count < expected;
-        let code = FaultCode::named("GPU_MISSING");
-        match (missing, self.missing_raised) {
-            (true, false) => {
-                self.missing_raised = true;
-                let msg = format!("NVML sees {count} of the {expected} GPUs this node should have");
-                vec![Observation::Signal(Signal::new(
-                    Source::Nvml,
-                    code,
-                    None,
-                    msg,
-                ))]
-            }
-            (false, true) => {
-                self.missing_raised = false;
-                vec![Observation::Resolved {
-                    source: Source::Nvml,
-                    code,
-                    device: None,
-                }]
-            }
-            _ => Vec::new(),
+        let mut present = Vec::new();
+        if expected > 0 && count < expected {
+            let msg = format!("NVML sees {count} of the {expected} GPUs this node should have");
+            present.push(Signal::new(
+                Source::Nvml,
+                FaultCode::named("GPU_MISSING"),
+                None,
+                msg,
+            ));
         }
+        // The node as the device: the fault's key is `node`, as before levels.
+        vec![level(
+            &DeviceRef::default(),
+            domain_of("GPU_MISSING"),
+            present,
+        )]
     }
 
-    /// One polling pass over one GPU.
+    /// One polling pass over one GPU: a `Level` per reading that succeeded, and a signal per
+    /// uncorrectable ECC increase seen since this process's previous pass.
     pub fn readings(
         &mut self,
         p: &NvmlPolicy,
@@ -106,101 +123,130 @@ impl Analyzer {
             ..Default::default()
         });
         let dref = device_ref(&dev.identity);
-        let mut want: BTreeMap<&'static str, String> = BTreeMap::new();
+        let signal = |code: &str, msg: String| {
+            Signal::new(
+                Source::Nvml,
+                FaultCode::named(code),
+                Some(dref.clone()),
+                msg,
+            )
+        };
+        // `(domain, present)`; a reading that failed adds nothing.
+        let mut levels: Vec<(&'static str, Vec<Signal>)> = Vec::new();
+        let mut read = |code: &'static str, present: Option<Signal>| {
+            let d = domain_of(code);
+            match levels.iter_mut().find(|(dd, _)| *dd == d) {
+                Some((_, v)) => v.extend(present),
+                None => levels.push((d, present.into_iter().collect())),
+            }
+        };
 
-        if let Some(e) = r.lost() {
-            let what = if e == CallError::GpuLost {
-                "GPU_IS_LOST"
-            } else {
-                "RESET_REQUIRED"
-            };
-            want.insert("GPU_LOST", format!("NVML returns {what} for this GPU"));
-        }
+        let lost = r.lost();
+        read(
+            "GPU_LOST",
+            lost.map(|e| {
+                let what = if e == CallError::GpuLost {
+                    "GPU_IS_LOST"
+                } else {
+                    "RESET_REQUIRED"
+                };
+                signal("GPU_LOST", format!("NVML returns {what} for this GPU"))
+            }),
+        );
 
-        // Uncorrectable ECC: raised while the volatile count is non-zero, counted per increase.
+        // Uncorrectable ECC: present while the volatile count is non-zero; every increase
+        // between two passes of this process is counted.
+        let mut ecc_growth = None;
         if let Ok(v) = r.ecc_volatile {
             let agg = r.ecc_aggregate.as_ref().ok().copied();
             let increase = match dev.ecc_volatile {
                 Some(prev) if v > prev => v - prev,
-                Some(_) => 0,
-                None => v,
+                _ => 0,
             };
             let agg_increase = match (dev.ecc_aggregate, agg) {
                 (Some(prev), Some(now_agg)) if now_agg > prev && increase == 0 => now_agg - prev,
                 _ => 0,
             };
             let grew = increase.max(agg_increase);
-            if grew > 0 && dev.raised.contains("ECC_UNCORRECTABLE") {
-                let mut s = Signal::new(
-                    Source::Nvml,
-                    FaultCode::named("ECC_UNCORRECTABLE"),
-                    Some(dref.clone()),
-                    format!("uncorrectable ECC errors grew by {grew} (volatile {v})"),
-                );
-                s.count = grew;
-                out.push(Observation::Signal(s));
+            // Present at the previous pass too: the level keeps the fault and the growth is a
+            // signal of its own. New now: the level raises it, counting the volatile errors.
+            let was_present = dev.ecc_volatile.is_some_and(|prev| prev > 0);
+            if grew > 0 && was_present {
+                ecc_growth = Some(grew);
             }
-            if v > 0 || grew > 0 {
-                want.insert(
+            let present = (v > 0 || grew > 0).then(|| {
+                let mut s = signal(
                     "ECC_UNCORRECTABLE",
                     format!(
                         "uncorrectable ECC errors: volatile {v}, aggregate {}",
                         agg.map_or("n/a".into(), |a| a.to_string())
                     ),
                 );
-            }
+                s.count = v.max(1);
+                s
+            });
+            read("ECC_UNCORRECTABLE", present);
             dev.ecc_volatile = Some(v);
             if agg.is_some() {
                 dev.ecc_aggregate = agg;
             }
         }
-        if r.pages_pending == Ok(true) {
-            want.insert(
+        if let Ok(pending) = r.pages_pending {
+            read(
                 "PAGE_RETIRE_PENDING",
-                "retired pages are pending: a GPU reset applies them".into(),
+                pending.then(|| {
+                    signal(
+                        "PAGE_RETIRE_PENDING",
+                        "retired pages are pending: a GPU reset applies them".into(),
+                    )
+                }),
             );
         }
         if let Ok(m) = r.remap {
-            if m.failure > 0 {
-                want.insert(
-                    "REMAP_FAILURE",
-                    format!(
-                        "row remapping failed ({} uncorrectable rows remapped)",
-                        m.uncorrectable
-                    ),
-                );
-            }
-            if m.pending > 0 {
-                want.insert(
-                    "REMAP_PENDING",
-                    "row remapping pending: a GPU reset applies it".into(),
-                );
-            }
+            read(
+                "REMAP_FAILURE",
+                (m.failure > 0).then(|| {
+                    signal(
+                        "REMAP_FAILURE",
+                        format!(
+                            "row remapping failed ({} uncorrectable rows remapped)",
+                            m.uncorrectable
+                        ),
+                    )
+                }),
+            );
+            read(
+                "REMAP_PENDING",
+                (m.pending > 0).then(|| {
+                    signal(
+                        "REMAP_PENDING",
+                        "row remapping pending: a GPU reset applies it".into(),
+                    )
+                }),
+            );
         }
-        match r.recovery_action {
-            Ok(1) => {
-                want.insert(
-                    "GPU_RESET_REQUIRED",
-                    "NVML recovery action: GPU reset".into(),
-                );
-            }
-            Ok(2) => {
-                want.insert(
-                    "NODE_REBOOT_REQUIRED",
-                    "NVML recovery action: node reboot".into(),
-                );
-            }
-            Ok(3) | Ok(4) => {
-                want.insert(
+        if let Ok(action) = r.recovery_action {
+            let present = match action {
+                1 => Some(("GPU_RESET_REQUIRED", "NVML recovery action: GPU reset")),
+                2 => Some(("NODE_REBOOT_REQUIRED", "NVML recovery action: node reboot")),
+                3 | 4 => Some((
                     "GPU_DRAIN_REQUIRED",
-                    "NVML recovery action: drain work, then reset".into(),
-                );
-            }
-            _ => {}
+                    "NVML recovery action: drain work, then reset",
+                )),
+                _ => None,
+            };
+            read(
+                "GPU_RESET_REQUIRED",
+                present.map(|(code, msg)| signal(code, msg.into())),
+            );
         }
         if let Ok(links) = &r.links {
             let mut down = Vec::new();
+            // Inactive links never seen active by this process, with no expected count: a link
+            // that is not cabled or one that went down before a restart; cannot tell which.
+            let mut unsure = false;
             let mut noisy = Vec::new();
+            let errors_since = *dev.link_errors_since.get_or_insert(now);
             for l in links {
                 if l.active {
                     dev.links_seen_active.insert(l.link);
@@ -212,6 +258,7 @@ impl Analyzer {
                 if expected && !l.active {
                     down.push(l.link);
                 }
+                unsure |= !expected && !l.active;
                 if let Ok(e) = l.errors {
                     let hist = dev.link_errors.entry(l.link).or_default();
                     let g = crate::source::counter_growth(hist, now, e, p.nvlink_error_window);
@@ -227,81 +274,82 @@ impl Analyzer {
             }
             if !down.is_empty() {
                 let list: Vec<String> = down.iter().map(u32::to_string).collect();
-                want.insert(
+                read(
                     "NVLINK_DOWN",
-                    format!("NVLink {} not active", list.join(", ")),
+                    Some(signal(
+                        "NVLINK_DOWN",
+                        format!("NVLink {} not active", list.join(", ")),
+                    )),
                 );
+            } else if !unsure {
+                read("NVLINK_DOWN", None);
             }
             if !noisy.is_empty() {
                 let list: Vec<String> = noisy
                     .iter()
                     .map(|(l, g)| format!("link {l} +{g}"))
                     .collect();
-                want.insert(
+                read(
                     "NVLINK_ERRORS",
-                    format!(
-                        "NVLink error counters grew within {}: {}",
-                        humantime::format_duration(p.nvlink_error_window),
-                        list.join(", ")
-                    ),
+                    Some(signal(
+                        "NVLINK_ERRORS",
+                        format!(
+                            "NVLink error counters grew within {}: {}",
+                            humantime::format_duration(p.nvlink_error_window),
+                            list.join(", ")
+                        ),
+                    )),
                 );
+            } else if now.saturating_duration_since(errors_since) >= p.nvlink_error_window {
+                read("NVLINK_ERRORS", None);
             }
         }
         if let Ok(pc) = r.pcie {
             let width = pc.max_width > 0 && pc.cur_width < pc.max_width;
             let gen = p.pcie_check_generation && pc.max_gen > 0 && pc.cur_gen < pc.max_gen;
-            if width || gen {
-                want.insert(
-                    "PCIE_DEGRADED",
-                    format!(
-                        "PCIe link Gen{} x{} (maximum Gen{} x{})",
-                        pc.cur_gen, pc.cur_width, pc.max_gen, pc.max_width
-                    ),
-                );
-            }
+            read(
+                "PCIE_DEGRADED",
+                (width || gen).then(|| {
+                    signal(
+                        "PCIE_DEGRADED",
+                        format!(
+                            "PCIe link Gen{} x{} (maximum Gen{} x{})",
+                            pc.cur_gen, pc.cur_width, pc.max_gen, pc.max_width
+                        ),
+                    )
+                }),
+            );
         }
         if let Ok(c) = r.pcie_replay {
+            let since = *dev.replays_since.get_or_insert(now);
             let g = crate::source::counter_growth(&mut dev.replays, now, c, p.pcie_replay_window);
             if g >= p.pcie_replay_threshold {
-                want.insert(
+                read(
                     "PCIE_REPLAY_ERRORS",
-                    format!(
-                        "PCIe replay counter grew by {g} within {}",
-                        humantime::format_duration(p.pcie_replay_window)
-                    ),
+                    Some(signal(
+                        "PCIE_REPLAY_ERRORS",
+                        format!(
+                            "PCIe replay counter grew by {g} within {}",
+                            humantime::format_duration(p.pcie_replay_window)
+                        ),
+                    )),
                 );
+            } else if now.saturating_duration_since(since) >= p.pcie_replay_window {
+                read("PCIE_REPLAY_ERRORS", None);
             }
         }
 
-        // Edges. A lost GPU reads nothing else, so its other conditions stay as they were.
-        let lost = want.contains_key("GPU_LOST");
-        for (code, msg) in &want {
-            if dev.raised.insert(code) {
-                let mut s = Signal::new(
-                    Source::Nvml,
-                    FaultCode::named(code),
-                    Some(dref.clone()),
-                    msg.clone(),
-                );
-                if *code == "ECC_UNCORRECTABLE" {
-                    s.count = r.ecc_volatile.as_ref().ok().copied().unwrap_or(1).max(1);
-                }
-                out.push(Observation::Signal(s));
-            }
+        for (domain, present) in levels {
+            out.push(level(&dref, domain, present));
         }
-        let gone: Vec<&'static str> = dev
-            .raised
-            .iter()
-            .copied()
-            .filter(|c| !want.contains_key(c) && (!lost || *c == "GPU_LOST"))
-            .collect();
-        for code in gone {
-            dev.raised.remove(code);
-            out.push(Observation::Resolved {
-                source: Source::Nvml,
-                code: FaultCode::named(code),
-                device: Some(dref.clone()),
-            });
+        if let Some(grew) = ecc_growth {
+            let v = r.ecc_volatile.as_ref().ok().copied().unwrap_or(0);
+            let mut s = signal(
+                "ECC_UNCORRECTABLE",
+                format!("uncorrectable ECC errors grew by {grew} (volatile {v})"),
+            );
+            s.count = grew;
+            out.push(Observation::Signal(s));
         }
         out
     }
@@ -342,6 +390,9 @@ impl Analyzer {
 mod tests {
     use super::super::readings::{Link, Pcie, Remap};
     use super::*;
+    use faultline_core::catalog::Catalog;
+    use faultline_core::engine::{Ctx, Engine};
+    use faultline_core::policy::Policy;
     use std::time::Duration;
 
     fn ok_readings(index: u32) -> DeviceReadings {
@@ -369,140 +420,272 @@ mod tests {
         }
     }
 
-    fn codes(obs: &[Observation]) -> Vec<String> {
-        obs.iter()
-            .map(|o| match o {
-                Observation::Signal(s) => format!("+{}x{}", s.code, s.count),
-                Observation::Resolved { code, .. } => format!("-{code}"),
-                other => format!("{other:?}"),
-            })
-            .collect()
-    }
-
-    fn analyzer() -> (Analyzer, Instant) {
-        let mut a = Analyzer::new();
-        a.identity(Identity {
+    fn identity() -> Identity {
+        Identity {
             index: 0,
             uuid: Some("GPU-0".into()),
             pci: Some("0000:3b:00.0".parse().unwrap()),
             name: None,
-        });
-        (a, Instant::now())
+        }
     }
 
-    /// Each row: a change to healthy readings, and the edges it must raise then clear.
+    /// The analyzer feeding a real engine: what counts is what the record shows.
+    struct Rig {
+        a: Analyzer,
+        engine: Engine,
+        policy: Policy,
+        catalog: Catalog,
+        nvml: NvmlPolicy,
+        t0: Instant,
+        secs: u64,
+    }
+
+    impl Rig {
+        fn new(nvml: NvmlPolicy) -> Rig {
+            let mut r = Rig {
+                a: Analyzer::new(),
+                engine: Engine::new(),
+                policy: Policy::parse("").unwrap(),
+                catalog: Catalog::builtin().unwrap(),
+                nvml,
+                t0: Instant::now(),
+                secs: 0,
+            };
+            let obs = r.a.identity(identity());
+            r.apply(obs);
+            r
+        }
+
+        /// The same engine (its saved state) with a new analyzer: an agent restart.
+        fn restart(&mut self) {
+            self.engine =
+                serde_json::from_str(&serde_json::to_string(&self.engine).unwrap()).unwrap();
+            self.a = Analyzer::new();
+            let obs = self.a.identity(identity());
+            self.apply(obs);
+        }
+
+        fn apply(&mut self, obs: Vec<Observation>) {
+            let ctx = Ctx {
+                policy: &self.policy,
+                catalog: &self.catalog,
+            };
+            let now =
+                faultline_core::time::Timestamp::from_second(1_790_000_000 + self.secs as i64)
+                    .unwrap();
+            for o in obs {
+                self.engine.step(ctx, o, now);
+            }
+        }
+
+        /// One poll, `dt` seconds after the last; the active faults as `CODExCOUNT`.
+        fn poll_after(&mut self, dt: u64, r: &DeviceReadings) -> Vec<String> {
+            self.secs += dt;
+            let obs = self
+                .a
+                .readings(&self.nvml, r, self.t0 + Duration::from_secs(self.secs));
+            self.apply(obs);
+            self.active()
+        }
+
+        fn poll(&mut self, r: &DeviceReadings) -> Vec<String> {
+            self.poll_after(1, r)
+        }
+
+        fn active(&self) -> Vec<String> {
+            let mut v: Vec<String> = self
+                .engine
+                .faults()
+                .filter(|f| f.fault.active)
+                .map(|f| format!("{}x{}", f.fault.fault_code, f.fault.count))
+                .collect();
+            v.sort();
+            v
+        }
+    }
+
+    type Mutate = fn(&mut DeviceReadings);
+
+    /// Each condition: a change to healthy readings that shows it.
+    const CONDITIONS: &[(&str, Mutate)] = &[
+        ("GPU_LOST", |r| {
+            *r = DeviceReadings::all_failed(0, CallError::GpuLost)
+        }),
+        ("PAGE_RETIRE_PENDING", |r| r.pages_pending = Ok(true)),
+        ("REMAP_PENDING", |r| {
+            r.remap = Ok(Remap {
+                pending: 1,
+                ..Default::default()
+            })
+        }),
+        ("REMAP_FAILURE", |r| {
+            r.remap = Ok(Remap {
+                failure: 1,
+                ..Default::default()
+            })
+        }),
+        ("GPU_RESET_REQUIRED", |r| r.recovery_action = Ok(1)),
+        ("NODE_REBOOT_REQUIRED", |r| r.recovery_action = Ok(2)),
+        ("GPU_DRAIN_REQUIRED", |r| r.recovery_action = Ok(4)),
+        ("NVLINK_DOWN", |r| {
+            if let Ok(l) = &mut r.links {
+                l[2].active = false;
+            }
+        }),
+        ("PCIE_DEGRADED", |r| {
+            r.pcie = Ok(Pcie {
+                cur_gen: 5,
+                max_gen: 5,
+                cur_width: 8,
+                max_width: 16,
+            })
+        }),
+        ("ECC_UNCORRECTABLE", |r| {
+            r.ecc_volatile = Ok(1);
+            r.ecc_aggregate = Ok(1);
+        }),
+    ];
+
+    fn bad(mutate: Mutate) -> DeviceReadings {
+        let mut r = ok_readings(0);
+        mutate(&mut r);
+        r
+    }
+
+    #[test]
+    fn every_condition_has_its_domain() {
+        for (code, _) in CONDITIONS {
+            assert!(nvml::domain(code).is_some(), "{code}");
+        }
+    }
+
+    /// Each condition: raised once, not counted again while it lasts, ended when it goes.
     #[test]
     fn conditions_raise_once_and_resolve() {
-        type Mutate = fn(&mut DeviceReadings);
-        let rows: &[(&str, Mutate)] = &[
-            ("GPU_LOST", |r| {
-                *r = DeviceReadings::all_failed(0, CallError::GpuLost)
-            }),
-            ("PAGE_RETIRE_PENDING", |r| r.pages_pending = Ok(true)),
-            ("REMAP_PENDING", |r| {
-                r.remap = Ok(Remap {
-                    pending: 1,
-                    ..Default::default()
-                })
-            }),
-            ("REMAP_FAILURE", |r| {
-                r.remap = Ok(Remap {
-                    failure: 1,
-                    ..Default::default()
-                })
-            }),
-            ("GPU_RESET_REQUIRED", |r| r.recovery_action = Ok(1)),
-            ("NODE_REBOOT_REQUIRED", |r| r.recovery_action = Ok(2)),
-            ("GPU_DRAIN_REQUIRED", |r| r.recovery_action = Ok(4)),
-            ("NVLINK_DOWN", |r| {
-                if let Ok(l) = &mut r.links {
-                    l[2].active = false;
-                }
-            }),
-            ("PCIE_DEGRADED", |r| {
-                r.pcie = Ok(Pcie {
-                    cur_gen: 5,
-                    max_gen: 5,
-                    cur_width: 8,
-                    max_width: 16,
-                })
-            }),
-        ];
-        let p = NvmlPolicy::default();
-        for (code, mutate) in rows {
-            let (mut a, t) = analyzer();
-            assert!(
-                a.readings(&p, &ok_readings(0), t).is_empty(),
-                "{code}: healthy start"
-            );
-            let mut bad = ok_readings(0);
-            mutate(&mut bad);
-            let raised = codes(&a.readings(&p, &bad, t));
-            assert_eq!(raised, vec![format!("+{code}x1")], "{code}");
-            assert!(
-                a.readings(&p, &bad, t).is_empty(),
-                "{code}: no repeat while it lasts"
-            );
+        for (code, mutate) in CONDITIONS {
+            let mut r = Rig::new(NvmlPolicy::default());
+            assert!(r.poll(&ok_readings(0)).is_empty(), "{code}: healthy start");
+            let want = vec![format!("{code}x1")];
+            assert_eq!(r.poll(&bad(*mutate)), want, "{code}");
             assert_eq!(
-                codes(&a.readings(&p, &ok_readings(0), t)),
-                vec![format!("-{code}")],
-                "{code}"
+                r.poll(&bad(*mutate)),
+                want,
+                "{code}: no recount while it lasts"
+            );
+            assert!(r.poll(&ok_readings(0)).is_empty(), "{code}: ends");
+        }
+    }
+
+    /// A restart (new analyzer, engine from saved state) while a condition holds: one poll later
+    /// it has ended if it cleared while the agent was down, and it is still one fault with the
+    /// same count if it stayed. Before levels, the first stayed forever and the second was
+    /// counted again.
+    #[test]
+    fn a_restart_neither_keeps_a_cleared_condition_nor_recounts_one_that_stayed() {
+        for (code, mutate) in CONDITIONS {
+            let mut r = Rig::new(NvmlPolicy::default());
+            r.poll(&ok_readings(0));
+            r.poll(&bad(*mutate));
+            r.restart();
+            assert_eq!(
+                r.poll(&bad(*mutate)),
+                vec![format!("{code}x1")],
+                "{code}: stayed across the restart"
+            );
+            r.restart();
+            assert!(
+                r.poll(&ok_readings(0)).is_empty(),
+                "{code}: cleared while the agent was down"
             );
         }
     }
 
     #[test]
-    fn ecc_counts_every_increase() {
-        let (mut a, t) = analyzer();
-        let p = NvmlPolicy::default();
-        a.readings(&p, &ok_readings(0), t);
-        let mut r = ok_readings(0);
-        r.ecc_volatile = Ok(2);
-        r.ecc_aggregate = Ok(2);
-        assert_eq!(codes(&a.readings(&p, &r, t)), vec!["+ECC_UNCORRECTABLEx2"]);
-        r.ecc_volatile = Ok(5);
-        r.ecc_aggregate = Ok(5);
-        assert_eq!(codes(&a.readings(&p, &r, t)), vec!["+ECC_UNCORRECTABLEx3"]);
-        assert!(a.readings(&p, &r, t).is_empty());
+    fn ecc_counts_every_increase_once() {
+        let mut r = Rig::new(NvmlPolicy::default());
+        r.poll(&ok_readings(0));
+        let ecc = |v: u64| {
+            let mut x = ok_readings(0);
+            x.ecc_volatile = Ok(v);
+            x.ecc_aggregate = Ok(v);
+            x
+        };
+        assert_eq!(r.poll(&ecc(2)), ["ECC_UNCORRECTABLEx2"]);
+        assert_eq!(r.poll(&ecc(5)), ["ECC_UNCORRECTABLEx5"]);
+        assert_eq!(r.poll(&ecc(5)), ["ECC_UNCORRECTABLEx5"]);
+        // A restart: the count already seen is not added again; growth after it is.
+        r.restart();
+        assert_eq!(r.poll(&ecc(5)), ["ECC_UNCORRECTABLEx5"]);
+        assert_eq!(r.poll(&ecc(6)), ["ECC_UNCORRECTABLEx6"]);
         // A GPU reset clears the volatile count.
-        r.ecc_volatile = Ok(0);
-        assert_eq!(codes(&a.readings(&p, &r, t)), vec!["-ECC_UNCORRECTABLE"]);
+        let mut reset = ecc(0);
+        reset.ecc_aggregate = Ok(6);
+        assert!(r.poll(&reset).is_empty());
     }
 
     #[test]
     fn not_supported_is_never_a_fault() {
-        let (mut a, t) = analyzer();
-        let p = NvmlPolicy::default();
-        let r = DeviceReadings::all_failed(0, CallError::NotSupported);
-        assert!(a.readings(&p, &r, t).is_empty());
-        let r = DeviceReadings::all_failed(0, CallError::Other("Unknown Error".into()));
-        assert!(a.readings(&p, &r, t).is_empty());
+        let mut r = Rig::new(NvmlPolicy::default());
+        assert!(r
+            .poll(&DeviceReadings::all_failed(0, CallError::NotSupported))
+            .is_empty());
+        assert!(r
+            .poll(&DeviceReadings::all_failed(
+                0,
+                CallError::Other("Unknown Error".into())
+            ))
+            .is_empty());
+    }
+
+    /// A reading that fails leaves its conditions as they were (no level is sent for it).
+    #[test]
+    fn a_failed_reading_ends_nothing() {
+        let mut r = Rig::new(NvmlPolicy::default());
+        let mut x = ok_readings(0);
+        x.pages_pending = Ok(true);
+        assert_eq!(r.poll(&x), ["PAGE_RETIRE_PENDINGx1"]);
+        x.pages_pending = Err(CallError::Other("Unknown Error".into()));
+        assert_eq!(r.poll(&x), ["PAGE_RETIRE_PENDINGx1"]);
     }
 
     #[test]
     fn expected_links_catch_links_down_from_the_start() {
-        let (mut a, t) = analyzer();
-        let p = NvmlPolicy {
+        let mut r = Rig::new(NvmlPolicy {
             nvlinks_expected: Some(6),
             ..Default::default()
-        };
+        });
         // Only links 0..4 listed, all active: 4 and 5 are missing.
-        let out = a.readings(&p, &ok_readings(0), t);
-        assert_eq!(codes(&out), vec!["+NVLINK_DOWNx1"]);
-        let Observation::Signal(s) = &out[0] else {
-            panic!()
-        };
-        assert!(s.message.contains("4, 5"), "{}", s.message);
+        assert_eq!(r.poll(&ok_readings(0)), ["NVLINK_DOWNx1"]);
+        let msg = r.engine.faults().next().unwrap().fault.message.clone();
+        assert!(msg.contains("4, 5"), "{msg}");
+    }
+
+    /// Without an expected count, a link never seen active is not known to be cabled: after a
+    /// restart with a link still down, the fault stays (not ended by a guess); once it is up,
+    /// it ends.
+    #[test]
+    fn a_link_still_down_after_a_restart_stays_down() {
+        let mut r = Rig::new(NvmlPolicy::default());
+        r.poll(&ok_readings(0));
+        let down = bad(|r| {
+            if let Ok(l) = &mut r.links {
+                l[2].active = false;
+            }
+        });
+        assert_eq!(r.poll(&down), ["NVLINK_DOWNx1"]);
+        r.restart();
+        assert_eq!(r.poll(&down), ["NVLINK_DOWNx1"]);
+        assert_eq!(r.poll(&down), ["NVLINK_DOWNx1"]);
+        assert!(r.poll(&ok_readings(0)).is_empty());
     }
 
     #[test]
     fn error_rates_over_a_window() {
-        let (mut a, t) = analyzer();
-        let p = NvmlPolicy {
+        let mut r = Rig::new(NvmlPolicy {
             nvlink_error_threshold: 100,
             nvlink_error_window: Duration::from_secs(600),
             ..Default::default()
-        };
+        });
         let with = |e: u64, replay: u64| {
             let mut r = ok_readings(0);
             if let Ok(l) = &mut r.links {
@@ -511,70 +694,81 @@ mod tests {
             r.pcie_replay = Ok(replay);
             r
         };
-        let s = Duration::from_secs;
         assert!(
-            a.readings(&p, &with(1000, 0), t).is_empty(),
+            r.poll(&with(1000, 0)).is_empty(),
             "a high counter at start is history, not a rate"
         );
-        assert!(a.readings(&p, &with(1050, 50), t + s(300)).is_empty());
+        assert!(r.poll_after(300, &with(1050, 50)).is_empty());
         assert_eq!(
-            codes(&a.readings(&p, &with(1100, 100), t + s(590))),
-            vec!["+NVLINK_ERRORSx1", "+PCIE_REPLAY_ERRORSx1"]
+            r.poll_after(290, &with(1100, 100)),
+            ["NVLINK_ERRORSx1", "PCIE_REPLAY_ERRORSx1"]
         );
-        // Ten minutes later the growth over the window is small again.
+        // A restart: the rate is unknown until a whole window is watched again, so the faults
+        // stay (not ended by a guess, not counted again)...
+        r.restart();
         assert_eq!(
-            codes(&a.readings(&p, &with(1110, 101), t + s(1300))),
-            vec!["-NVLINK_ERRORS", "-PCIE_REPLAY_ERRORS"]
+            r.poll_after(10, &with(1101, 100)),
+            ["NVLINK_ERRORSx1", "PCIE_REPLAY_ERRORSx1"]
         );
+        // ...and end when the growth over a whole window is small.
+        assert!(r.poll_after(700, &with(1110, 101)).is_empty());
     }
 
     #[test]
     fn generation_check_is_opt_in() {
-        let (mut a, t) = analyzer();
-        let mut r = ok_readings(0);
-        r.pcie = Ok(Pcie {
+        let mut x = ok_readings(0);
+        x.pcie = Ok(Pcie {
             cur_gen: 1,
             max_gen: 5,
             cur_width: 16,
             max_width: 16,
         });
-        assert!(
-            a.readings(&NvmlPolicy::default(), &r, t).is_empty(),
-            "idle GPUs drop to Gen1"
-        );
-        let p = NvmlPolicy {
+        let mut r = Rig::new(NvmlPolicy::default());
+        assert!(r.poll(&x).is_empty(), "idle GPUs drop to Gen1");
+        let mut r = Rig::new(NvmlPolicy {
             pcie_check_generation: true,
             ..Default::default()
-        };
-        assert_eq!(codes(&a.readings(&p, &r, t)), vec!["+PCIE_DEGRADEDx1"]);
+        });
+        assert_eq!(r.poll(&x), ["PCIE_DEGRADEDx1"]);
     }
 
     #[test]
     fn lost_gpu_keeps_its_other_conditions() {
-        let (mut a, t) = analyzer();
-        let p = NvmlPolicy::default();
-        let mut r = ok_readings(0);
-        r.remap = Ok(Remap {
+        let mut r = Rig::new(NvmlPolicy::default());
+        let mut x = ok_readings(0);
+        x.remap = Ok(Remap {
             pending: 1,
             ..Default::default()
         });
-        a.readings(&p, &r, t);
-        let out = a.readings(&p, &DeviceReadings::all_failed(0, CallError::GpuLost), t);
+        r.poll(&x);
         assert_eq!(
-            codes(&out),
-            vec!["+GPU_LOSTx1"],
+            r.poll(&DeviceReadings::all_failed(0, CallError::GpuLost)),
+            ["GPU_LOSTx1", "REMAP_PENDINGx1"],
             "REMAP_PENDING is not resolved by silence"
         );
+        assert_eq!(r.poll(&x), ["REMAP_PENDINGx1"]);
     }
 
     #[test]
     fn inventory_and_events() {
-        let (mut a, _) = analyzer();
-        assert!(a.inventory(8, 0).is_empty(), "no expectation, no check");
-        assert_eq!(codes(&a.inventory(7, 8)), vec!["+GPU_MISSINGx1"]);
-        assert!(a.inventory(7, 8).is_empty());
-        assert_eq!(codes(&a.inventory(8, 8)), vec!["-GPU_MISSING"]);
-        let out = a.event(&NvmlEvent {
+        let mut r = Rig::new(NvmlPolicy::default());
+        let inv = |r: &mut Rig, n, want| {
+            let obs = r.a.inventory(n, want);
+            r.apply(obs);
+            r.active()
+        };
+        assert!(inv(&mut r, 8, 0).is_empty(), "no expectation, no check");
+        assert_eq!(inv(&mut r, 7, 8), ["GPU_MISSINGx1"]);
+        assert_eq!(inv(&mut r, 7, 8), ["GPU_MISSINGx1"]);
+        r.restart();
+        assert_eq!(inv(&mut r, 7, 8), ["GPU_MISSINGx1"], "not counted again");
+        assert!(inv(&mut r, 8, 8).is_empty());
+        assert_eq!(
+            r.engine.faults().next().unwrap().fault.device,
+            "node",
+            "the node, as before levels"
+        );
+        let out = r.a.event(&NvmlEvent {
             index: Some(0),
             kind: EventKind::Xid(79),
         });
@@ -588,10 +782,13 @@ mod tests {
             Some("0000:3b:00.0"),
             "same key as the kernel log's Xid"
         );
-        let out = a.event(&NvmlEvent {
+        let out = r.a.event(&NvmlEvent {
             index: Some(0),
             kind: EventKind::DoubleBitEcc,
         });
-        assert_eq!(codes(&out), vec!["+Xid48x1"]);
+        let Observation::Signal(s) = &out[0] else {
+            panic!()
+        };
+        assert_eq!(s.code, FaultCode::Xid(48));
     }
 }

@@ -6,7 +6,8 @@
 //! the device count, one for events. Each reports what it reads to an async loop that runs the
 //! pure [`analyze::Analyzer`] and sends observations to the engine. A watchdog in that loop
 //! marks the NVML detector down when a call has not returned within `nvml.call_timeout`, and up
-//! again when it returns. No NVML on the machine (no library, no driver) is normal: the
+//! again when it returns. A thread that dies (a panic) marks the detector down for good: its
+//! GPU is no longer watched. No NVML on the machine (no library, no driver) is normal: the
 //! detector is `Idle`, with one info line.
 
 pub mod analyze;
@@ -41,6 +42,8 @@ enum Msg {
     Count(Reading<u32>),
     Readings(Box<DeviceReadings>),
     Event(NvmlEvent),
+    /// A thread died: why.
+    Died(String),
 }
 
 async fn detector(ctx: &SourceContext, state: DetectorState, reason: Option<String>) -> bool {
@@ -107,8 +110,18 @@ pub async fn run(
     }
 }
 
-fn spawn_thread(name: String, f: impl FnOnce() + Send + 'static) {
-    if let Err(e) = std::thread::Builder::new().name(name.clone()).spawn(f) {
+/// Starts a source thread; its death (a panic) is reported to the source's loop.
+fn spawn_thread(
+    name: String,
+    ctx: &SourceContext,
+    tx: &mpsc::Sender<Msg>,
+    f: impl FnOnce() + Send + 'static,
+) {
+    let tx = tx.clone();
+    let on_death = move |why: String| {
+        let _ = tx.blocking_send(Msg::Died(why));
+    };
+    if let Err(e) = super::spawn_watched(&name, ctx.shutdown.clone(), f, on_death) {
         warn!(thread = %name, error = %e, "cannot start an NVML thread");
     }
 }
@@ -163,6 +176,7 @@ pub async fn run_with(
     let _ = tx.send(Msg::Count(Ok(count))).await;
 
     {
+        let died = tx.clone();
         let (b, c, tx, ctx2, iv) = (
             backend.clone(),
             inventory_calls.clone(),
@@ -170,7 +184,7 @@ pub async fn run_with(
             ctx.clone(),
             interval_ms.clone(),
         );
-        spawn_thread("nvml-count".into(), move || loop {
+        spawn_thread("nvml-count".into(), &ctx, &died, move || loop {
             nap(Duration::from_millis(iv.load(Ordering::Relaxed)), &ctx2);
             if ctx2.shutdown.is_cancelled()
                 || tx.blocking_send(Msg::Count(b.device_count(&c))).is_err()
@@ -183,13 +197,14 @@ pub async fn run_with(
     for i in 0..count {
         let calls = Arc::new(CallTracker::default());
         trackers.push((i, calls.clone()));
+        let died = tx.clone();
         let (b, tx, ctx2, iv) = (
             backend.clone(),
             tx.clone(),
             ctx.clone(),
             interval_ms.clone(),
         );
-        spawn_thread(format!("nvml-gpu{i}"), move || {
+        spawn_thread(format!("nvml-gpu{i}"), &ctx, &died, move || {
             match b.identity(i, &calls) {
                 Ok(id) => {
                     if tx.blocking_send(Msg::Identity(id)).is_err() {
@@ -208,8 +223,9 @@ pub async fn run_with(
         });
     }
     {
+        let died = tx.clone();
         let (b, tx, ctx2) = (backend.clone(), tx.clone(), ctx.clone());
-        spawn_thread("nvml-events".into(), move || {
+        spawn_thread("nvml-events".into(), &ctx, &died, move || {
             let mut backoff = Duration::from_secs(1);
             while !ctx2.shutdown.is_cancelled() {
                 let mut events = match b.events() {
@@ -246,6 +262,8 @@ pub async fn run_with(
     let mut analyzer = Analyzer::new();
     let mut last_count: Option<u32> = None;
     let mut hung = false;
+    // A thread that died: the detector stays down (nothing watches its GPU any more).
+    let mut dead: Option<String> = None;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -278,12 +296,24 @@ pub async fn run_with(
                     }
                     Msg::Readings(r) => analyzer.readings(&loaded.policy.nvml, &r, Instant::now()),
                     Msg::Event(ev) => analyzer.event(&ev),
+                    Msg::Died(why) => {
+                        if dead.is_none() {
+                            if !detector(&ctx, DetectorState::Down, Some(why.clone())).await {
+                                return;
+                            }
+                            dead = Some(why);
+                        }
+                        Vec::new()
+                    }
                 }
             }
             _ = tick.tick() => {
                 let limit = policy.borrow().policy.nvml.call_timeout;
                 let now = Instant::now();
                 let stuck = trackers.iter().find_map(|(i, t)| t.stuck(limit, now).map(|(name, d)| (*i, name, d)));
+                if dead.is_some() {
+                    continue;
+                }
                 match (stuck, hung) {
                     (Some((i, name, d)), false) => {
                         hung = true;
@@ -311,5 +341,84 @@ pub async fn run_with(
                 return;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::readings::{CallError, EventWaiter};
+    use super::*;
+    use crate::metrics::Metrics;
+    use tokio_util::sync::CancellationToken;
+
+    /// Two GPUs; reading GPU 1 panics (a bug in a reading, not an NVML error).
+    struct Panicky;
+
+    impl NvmlBackend for Panicky {
+        fn device_count(&self, _: &CallTracker) -> Reading<u32> {
+            Ok(2)
+        }
+        fn identity(&self, index: u32, _: &CallTracker) -> Reading<Identity> {
+            Ok(Identity {
+                index,
+                ..Default::default()
+            })
+        }
+        fn read(&self, index: u32, _: &CallTracker) -> DeviceReadings {
+            assert!(index != 1, "reading GPU {index} went wrong");
+            DeviceReadings::all_failed(index, CallError::NotSupported)
+        }
+        fn events(&self) -> Reading<Box<dyn EventWaiter>> {
+            Err(CallError::NotSupported)
+        }
+    }
+
+    fn detectors(rx: &mut mpsc::Receiver<Input>) -> Vec<(DetectorState, Option<String>)> {
+        let mut out = Vec::new();
+        while let Ok(i) = rx.try_recv() {
+            if let Input::Obs(Observation::Detector { state, reason, .. }) = i {
+                out.push((state, reason));
+            }
+        }
+        out
+    }
+
+    /// A GPU thread that dies marks the detector Down with the reason, and it stays Down (the
+    /// hung-call watchdog does not report Running while a thread is gone); the other GPU is
+    /// still polled.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_dead_gpu_thread_marks_the_detector_down() {
+        let (tx, mut rx) = mpsc::channel(1024);
+        let ctx = SourceContext {
+            tx,
+            metrics: Arc::new(Metrics::default()),
+            shutdown: CancellationToken::new(),
+        };
+        let mut loaded = LoadedPolicy::builtin();
+        let mut p = (*loaded.policy).clone();
+        p.nvml.poll_interval = Duration::from_millis(50);
+        loaded.policy = Arc::new(p);
+        let (_ptx, prx) = watch::channel(loaded);
+        let (_ltx, lrx) = watch::channel(None);
+        let task = tokio::spawn(run_with(Arc::new(Panicky), prx, lrx, ctx.clone()));
+        tokio::time::sleep(Duration::from_millis(2500)).await;
+        let seen = detectors(&mut rx);
+        let down: Vec<_> = seen
+            .iter()
+            .filter(|(s, _)| *s == DetectorState::Down)
+            .collect();
+        assert_eq!(down.len(), 1, "{seen:?}");
+        let why = down[0].1.clone().unwrap_or_default();
+        assert!(
+            why.contains("nvml-gpu1 thread stopped") && why.contains("reading GPU 1 went wrong"),
+            "{why}"
+        );
+        assert_eq!(
+            seen.last().map(|(s, _)| *s),
+            Some(DetectorState::Down),
+            "stays down: {seen:?}"
+        );
+        ctx.shutdown.cancel();
+        let _ = task.await;
     }
 }
