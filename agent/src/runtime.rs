@@ -161,6 +161,13 @@ pub struct EngineLoop {
 /// Most inputs applied before a snapshot is published.
 const BATCH: usize = 4096;
 
+/// Changes that only move counts and last-seen times (a repeating fault) are published at most
+/// this often; anything an engine event announces (a new, escalated or recovered fault, a health
+/// change), a marker a source waits for, a policy or sink-report change is published at once.
+/// A snapshot costs a pass over every fault (the view, the saved state); published after every
+/// batch, a storm with 450 standing faults cost 30 us per record against 6.6 us with 20.
+pub const PUBLISH_EVERY: Duration = Duration::from_millis(100);
+
 impl EngineLoop {
     /// Runs until shutdown; then applies what is already queued and publishes a final snapshot.
     pub async fn run(self) {
@@ -177,10 +184,17 @@ impl EngineLoop {
         let mut loaded = self.policy.borrow_and_update().clone();
         let mut report = self.sink_report.borrow_and_update().clone();
         let mut offset = SignedDuration::ZERO;
+        // An engine event since the last snapshot: publish at once.
+        let mut urgent = false;
+        let mut last_publish = tokio::time::Instant::now();
+        // A count-only change waiting for `PUBLISH_EVERY`.
+        let mut deferred: Option<tokio::time::Instant> = None;
         loop {
             tokio::select! {
                 biased;
                 _ = self.shutdown.cancelled() => break,
+                _ = tokio::time::sleep_until(deferred.unwrap_or_else(tokio::time::Instant::now)),
+                    if deferred.is_some() => {}
                 Ok(()) = self.sink_report.changed() => {
                     let next = self.sink_report.borrow_and_update().clone();
                     if next != report {
@@ -198,7 +212,7 @@ impl EngineLoop {
                     if let Some((state, reason)) = detector {
                         let name = crate::sink::file::RECORD_DETECTOR.into();
                         let obs = Observation::Detector { name, state, reason };
-                        self.apply(&loaded, Input::Obs(obs));
+                        urgent |= self.apply(&loaded, Input::Obs(obs));
                     }
                 }
                 Ok(()) = self.policy.changed() => {
@@ -209,21 +223,22 @@ impl EngineLoop {
                         let ctx = Ctx { policy: &loaded.policy, catalog: &self.catalog };
                         let events = self.engine.reclassify(ctx);
                         self.note(&events);
+                        urgent = true;
                     }
                     published = u64::MAX; // the policy status is part of the record
                 }
                 input = self.inputs.recv() => {
                     let Some(first) = input else { break };
-                    self.apply(&loaded, first);
+                    urgent |= self.apply(&loaded, first);
                     let mut n = 1;
                     while n < BATCH {
                         match self.inputs.try_recv() {
-                            Ok(i) => { self.apply(&loaded, i); n += 1; }
+                            Ok(i) => { urgent |= self.apply(&loaded, i); n += 1; }
                             Err(_) => break,
                         }
                     }
                 }
-                _ = tick.tick() => self.apply(&loaded, Input::Obs(Observation::Tick)),
+                _ = tick.tick() => urgent |= self.apply(&loaded, Input::Obs(Observation::Tick)),
             }
             self.heartbeat.beat(&*self.clock);
             // A wall-clock step moves the faults' dates: publish them even if nothing else
@@ -236,10 +251,22 @@ impl EngineLoop {
             }
             // A marker is published even when nothing else changed: its sender waits for it.
             if self.engine.revision() != published || self.marker != published_marker {
-                published = self.engine.revision();
-                published_marker = self.marker;
-                seq += 1;
-                self.publish(&loaded, &report, seq, offset);
+                let now = tokio::time::Instant::now();
+                let due = urgent
+                    || published == u64::MAX
+                    || self.marker != published_marker
+                    || now >= last_publish + PUBLISH_EVERY;
+                if due {
+                    published = self.engine.revision();
+                    published_marker = self.marker;
+                    seq += 1;
+                    self.publish(&loaded, &report, seq, offset);
+                    last_publish = now;
+                    urgent = false;
+                    deferred = None;
+                } else if deferred.is_none() {
+                    deferred = Some(last_publish + PUBLISH_EVERY);
+                }
             }
         }
         // Shutdown: nothing queued is dropped.
@@ -250,27 +277,36 @@ impl EngineLoop {
         info!(revision = self.engine.revision(), "engine stopped");
     }
 
-    fn apply(&mut self, loaded: &LoadedPolicy, input: Input) {
+    /// Applies one input; true when it caused an engine event (worth publishing at once).
+    fn apply(&mut self, loaded: &LoadedPolicy, input: Input) -> bool {
         self.metrics.engine_inputs.inc();
         match input {
-            Input::KmsgCursor(seq) => self.kmsg_cursor = Some(seq),
-            Input::Marker(m) => self.marker = self.marker.max(m),
+            Input::KmsgCursor(seq) => {
+                self.kmsg_cursor = Some(seq);
+                false
+            }
+            Input::Marker(m) => {
+                self.marker = self.marker.max(m);
+                false
+            }
             Input::Kmsg { obs, seq } => {
                 // One step: no snapshot can hold this fault without the cursor covering it.
-                self.step(loaded, obs);
+                let events = self.step(loaded, obs);
                 self.kmsg_cursor = Some(seq);
+                events
             }
             Input::Obs(obs) => self.step(loaded, obs),
         }
     }
 
-    fn step(&mut self, loaded: &LoadedPolicy, obs: Observation) {
+    fn step(&mut self, loaded: &LoadedPolicy, obs: Observation) -> bool {
         let ctx = Ctx {
             policy: &loaded.policy,
             catalog: &self.catalog,
         };
         let events = self.engine.step(ctx, obs, self.engine_now());
         self.note(&events);
+        !events.is_empty()
     }
 
     /// The engine's time: on the boot's timeline, unmoved by wall-clock steps.
@@ -786,5 +822,46 @@ recovery:
         clock.step_wall(-7200);
         clock.advance(Duration::from_secs(40));
         assert_eq!(h.age_ms(&clock), 40_000);
+    }
+
+    /// A repeating fault (1,000 repeats over one second, each its own batch) is published at
+    /// most once per `PUBLISH_EVERY` after its first report, and the last count arrives; a new
+    /// fault in the middle is published at once. Before, every batch was a snapshot (1,001).
+    #[tokio::test(start_paused = true)]
+    async fn count_only_changes_are_published_at_a_bounded_rate() {
+        let mut r = Rig::start();
+        let first = r.tick().await.revision;
+        let xid = || signal(FaultCode::Xid(31), Source::Kmsg);
+        let mut mid = None;
+        for i in 0..1000u32 {
+            r.tx.send(Input::Obs(xid())).await.unwrap();
+            if i == 500 {
+                r.tx.send(Input::Obs(signal(FaultCode::Xid(79), Source::Kmsg)))
+                    .await
+                    .unwrap();
+                // Published at once, without waiting for the pacing interval.
+                let s = tokio::time::timeout(
+                    Duration::from_millis(5),
+                    r.snaps
+                        .wait_for(|s| s.as_ref().is_some_and(|s| handling(s, "Xid79").is_some())),
+                )
+                .await;
+                assert!(s.is_ok(), "a new fault waited for the pacing");
+                mid = Some(());
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        assert!(mid.is_some());
+        tokio::time::sleep(PUBLISH_EVERY * 2).await;
+        let last = r.snaps.borrow().clone().unwrap();
+        let xid31 = last.record.faults.iter().find(|f| f.fault_code == "Xid31");
+        assert_eq!(xid31.map(|f| f.count), Some(1000), "the last count arrives");
+        let publishes = last.revision - first;
+        // The first report and Xid 79 at once, then at most one per 100 ms over ~1 s, and the
+        // trailing one.
+        assert!(
+            (3..=14).contains(&publishes),
+            "{publishes} snapshots for 1,000 repeats"
+        );
     }
 }

@@ -245,7 +245,9 @@ impl KmsgReader {
             Source::Agent,
             FaultCode::named("KMSG_LOSS"),
             None,
-            format!("{lost} kernel log records were lost before faultline read them"),
+            // No number here: the fault's message is its first report's, while its count
+            // grows with every gap; the count is the number of records lost in total.
+            "kernel log records were lost before faultline read them (the count is how many)",
         );
         s.count = lost;
         out.push(Input::Kmsg {
@@ -454,6 +456,39 @@ mod tests {
         let out = feed_all(&mut r, &[b"6,1,0,-;a", b"6,2,0,-;b", b"6,50,0,-;c"]);
         assert_eq!(signals(&out), vec!["KMSG_LOSSx47"]);
         assert_eq!(Tally::get(&tally.lost), 47);
+    }
+
+    /// Two gaps make one KMSG_LOSS fault counting every lost record; its message names no
+    /// number, so it cannot disagree with the count (it kept the first gap's "47").
+    #[test]
+    fn the_loss_message_agrees_with_its_count() {
+        let (mut r, _) = reader(None);
+        let out = feed_all(
+            &mut r,
+            &[b"6,1,0,-;a", b"6,2,0,-;b", b"6,50,0,-;c", b"6,60,0,-;d"],
+        );
+        let (policy, catalog) = (
+            crate::policy::Policy::default(),
+            crate::catalog::Catalog::builtin().unwrap(),
+        );
+        let ctx = crate::engine::Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let mut e = crate::engine::Engine::new();
+        let now = Timestamp::from_second(1_790_000_000).unwrap();
+        for i in out {
+            if let Input::Obs(o) | Input::Kmsg { obs: o, .. } = i {
+                e.step(ctx, o, now);
+            }
+        }
+        let f = &e.faults().next().unwrap().fault;
+        assert_eq!((f.fault_code.as_str(), f.count), ("KMSG_LOSS", 56));
+        assert!(
+            !f.message.chars().any(|c| c.is_ascii_digit()),
+            "{}",
+            f.message
+        );
     }
 
     #[test]

@@ -6,6 +6,7 @@ mod admission;
 mod common;
 mod daemonset;
 mod examples;
+mod image;
 mod kustomize;
 mod policy;
 mod rbac;
