@@ -418,15 +418,19 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
         engine: persisted.engine,
         kmsg_cursor,
         kmsg_skip_through,
-        taint_budget: record
-            .ok()
-            .filter(|r| r.node == node)
-            .and_then(|r| r.agent.taint_budget),
+        // Saved with the state (kept by a reboot); from the record for state from before.
+        taint_budget: persisted.taint_budget.or_else(|| {
+            record
+                .ok()
+                .filter(|r| r.node == node)
+                .and_then(|r| r.agent.taint_budget)
+        }),
     }
 }
 
 /// `state.json` from the data directory. An agent from before `--data-dir` kept it in the state
-/// directory: found there (and not in the data directory), it is moved. A file of another
+/// directory: found there and newer than the data directory's copy (or the only one), it is
+/// moved; older, it is removed. A file of another
 /// version is refused and set aside as `state.json.v<N>` (the agent that wrote it may come
 /// back after a rollback), never overwritten.
 fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::PersistedState>, String> {
@@ -442,16 +446,42 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
         }
         e.to_string()
     };
-    match file::read_state(&cfg.data_dir) {
-        Ok(None) if cfg.data_dir != cfg.state_dir => {}
-        other => return other.map_err(refused),
+    if cfg.data_dir == cfg.state_dir {
+        return file::read_state(&cfg.data_dir).map_err(refused);
+    }
+    // A `state.json` in the state directory is an agent's from before `--data-dir` (or one rolled
+    // back to such an agent, and forward again, in the same boot). The newer of the two copies
+    // wins: after a roll back the old agent went on in /run, and the /var/lib copy is stale.
+    let from = cfg.state_dir.join(file::STATE_FILE);
+    let to = cfg.data_dir.join(file::STATE_FILE);
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    let legacy_newer = match (modified(&to), modified(&from)) {
+        (_, None) => false,
+        (None, Some(_)) => true,
+        (Some(d), Some(l)) => l > d,
+    };
+    if !legacy_newer {
+        if modified(&from).is_some() {
+            // Superseded: an agent rolled back to would otherwise restore it.
+            match std::fs::remove_file(&from) {
+                Ok(()) => {
+                    info!(stale = %from.display(), kept = %to.display(), "an older saved state in the state directory removed")
+                }
+                Err(e) => {
+                    warn!(error = %e, stale = %from.display(), "cannot remove an older saved state")
+                }
+            }
+        }
+        return file::read_state(&cfg.data_dir).map_err(refused);
     }
     let legacy = match file::read_state(&cfg.state_dir) {
         Ok(Some(p)) => p,
+        // Unreadable: the data directory's copy, if any, is the better one.
+        Ok(None) | Err(_) if modified(&to).is_some() => {
+            return file::read_state(&cfg.data_dir).map_err(refused)
+        }
         other => return other.map_err(refused),
     };
-    let from = cfg.state_dir.join(file::STATE_FILE);
-    let to = cfg.data_dir.join(file::STATE_FILE);
     let moved = serde_json::to_vec(&legacy)
         .map_err(|e| e.to_string())
         .and_then(|b| crate::atomic_file::write(&to, &b).map_err(|e| e.to_string()))
@@ -465,6 +495,24 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
         }
     }
     Ok(Some(legacy))
+}
+
+/// Moves `name` from the state directory (where agents from before `--data-dir` kept it) to the
+/// data directory, unless the data directory has one already. Across file systems (/run is a
+/// tmpfs), so a copy and a removal; failing, the file stays and is logged.
+fn move_legacy_file(state_dir: &Path, data_dir: &Path, name: &str) {
+    let (from, to) = (state_dir.join(name), data_dir.join(name));
+    if state_dir == data_dir || !from.is_file() || to.exists() {
+        return;
+    }
+    let moved = std::fs::read(&from)
+        .map_err(|e| e.to_string())
+        .and_then(|b| crate::atomic_file::write(&to, &b).map_err(|e| e.to_string()))
+        .and_then(|()| std::fs::remove_file(&from).map_err(|e| e.to_string()));
+    match moved {
+        Ok(()) => info!(from = %from.display(), to = %to.display(), "moved to the data directory"),
+        Err(e) => warn!(error = %e, from = %from.display(), "cannot move to the data directory"),
+    }
 }
 
 /// An engine rebuilt from a record, and the time up to which the record counted kernel-log
@@ -850,9 +898,16 @@ impl Components {
                     kube_sink::deviceinfo::DeviceInfoPublisher::new(c.calls.clone(), &self.node);
                 self.spawn_sink("mindcluster", mind.with_publisher(p).run());
                 // Public faults go to ClusterD, which exists only in a cluster.
+                // The outbox is durable state: after a reboot, the faults the reboot ended
+                // must still be retracted (ClusterD clears a public fault only on `recover`).
+                move_legacy_file(
+                    &self.cfg.state_dir,
+                    &self.cfg.data_dir,
+                    crate::sink::publicfault::OUTBOX_FILE,
+                );
                 let public = crate::sink::publicfault::PublicFaultSink {
                     node: self.node.clone(),
-                    dir: self.cfg.state_dir.clone(),
+                    dir: self.cfg.data_dir.clone(),
                     settle: self.cfg.settle,
                     publisher: kube_sink::deviceinfo::DeviceInfoPublisher::public_faults(
                         c.calls, &self.node,
@@ -985,8 +1040,14 @@ async fn run_node(
         Err(e) => warn!(error = %e, "cannot clean temporary files in the state directory"),
     }
     std::fs::create_dir_all(cfg.state_dir.join(control::CLEAR_DIR)).ok();
-    std::fs::create_dir_all(&cfg.data_dir)
-        .with_context(|| format!("cannot create data directory {}", cfg.data_dir.display()))?;
+    std::fs::create_dir_all(&cfg.data_dir).with_context(|| {
+        format!(
+            "cannot create data directory {} (it holds the state a restart and a reboot need; \
+             not running as root, give --data-dir a directory you can write, on a disk that \
+             survives a reboot)",
+            cfg.data_dir.display()
+        )
+    })?;
     if cfg.data_dir != cfg.state_dir {
         match crate::atomic_file::remove_stale_temps(&cfg.data_dir) {
             Ok(_) => {}

@@ -63,6 +63,10 @@ pub struct PersistedState {
     /// with it). Absent in files from before it existed: a new one is anchored.
     #[serde(default)]
     pub timeline: Option<Timeline>,
+    /// The taint budget's last answer (the taints it withholds and since when), so that a
+    /// reboot, which empties the record's directory, does not announce a withheld taint again.
+    #[serde(default)]
+    pub taint_budget: Option<TaintBudgetStatus>,
 }
 
 pub const STATE_VERSION: u32 = 1;
@@ -463,6 +467,7 @@ impl EngineLoop {
                 kmsg_cursor: self.kmsg_cursor,
                 engine: self.engine.clone(),
                 timeline: Some(self.timeline.clone()),
+                taint_budget: report.taint_budget.clone(),
             }),
             applied_at: std::time::Instant::now(),
         };

@@ -760,6 +760,10 @@ fn public_faults_configmap_in_kubernetes_mode() {
         })
     });
     assert_eq!(cm["metadata"]["labels"]["mc-consumer-publicfault"], "true");
+    // What was published is durable state: in the data directory, which a reboot keeps (it was
+    // in /run, so faults a reboot ended were never retracted).
+    assert!(rig.agent.data().join("publicfault.json").is_file());
+    assert!(!rig.agent.state().join("publicfault.json").exists());
     assert_eq!(
         (m["version"].as_str(), m["resource"].as_str()),
         (Some("1.0"), Some("faultline"))

@@ -1402,6 +1402,77 @@ fn budget_node_count_is_shared_before_any_incident() {
     drop(agents);
 }
 
+/// A reboot while the budget withholds the taint of an operator-held fault: the withheld list
+/// is saved with the durable state, so the rebooted agent (empty /run, new boot id, empty kernel
+/// log) neither taints the node nor announces the withheld taint again, and `since` stays.
+/// (It came back only from the record in /run, which a reboot empties.)
+#[test]
+fn a_reboot_while_a_taint_is_withheld_announces_nothing_again() {
+    let c = Cluster::new(&["node-0", "node-1", "node-2"]);
+    let policy_dir = tempfile::tempdir().unwrap();
+    let policy = policy_dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "taint_budget: { max_percent: 10, min_nodes: 1, window: 1h }\n\
+         overrides:\n  Xid79: { handling: ManuallySeparateNPU }\n",
+    )
+    .unwrap();
+    let dirs: Vec<_> = (0..2).map(|_| tempfile::tempdir().unwrap()).collect();
+    let args = [
+        "--policy",
+        policy.to_str().unwrap(),
+        "--budget-recheck",
+        "500ms",
+    ];
+    let a0 = c.start_agent(dirs[0].path(), "node-0", &args);
+    let a1 = c.start_agent(dirs[1].path(), "node-1", &args);
+    c.wait("both ConfigMaps", None, |c| {
+        c.record("node-0").is_some() && c.record("node-1").is_some()
+    });
+    a0.append(XID79);
+    c.wait("node-0 tainted", Some(&a0), |c| {
+        c.taints("node-0")
+            .contains(&"faultline.io/unhealthy=Xid79:NoSchedule".to_string())
+    });
+    a1.append(XID79);
+    c.wait("node-1's taint withheld", Some(&a1), |c| {
+        c.record("node-1")
+            .is_some_and(|r| r.health == Health::Unhealthy && r.agent.taint_budget.is_some())
+            && c.events("node-1")
+                .iter()
+                .any(|e| e.0 == "TaintBudgetExceeded")
+    });
+    let before = c.record("node-1").unwrap().agent.taint_budget.unwrap();
+    let events_before = c.events("node-1");
+    assert_eq!(a1.stop(), 0);
+
+    let dir = dirs[1].path();
+    std::fs::remove_dir_all(dir.join("state")).unwrap();
+    std::fs::write(dir.join("boot_id"), b"boot-2\n").unwrap();
+    std::fs::write(dir.join("kmsg"), b"").unwrap();
+    let a1 = c.start_agent(dir, "node-1", &args);
+    a1.wait_for("the record of the new boot", |r| {
+        r.agent.detectors.iter().any(|d| d.name == "kmsg")
+    });
+    // The settle time (2 s) and several budget rechecks (500 ms) pass.
+    std::thread::sleep(Duration::from_secs(4));
+    let local = a1.record().unwrap();
+    assert!(fault(&local, "Xid79").is_some_and(|f| f.active));
+    assert_eq!(
+        local.agent.taint_budget,
+        Some(before.clone()),
+        "since stays"
+    );
+    assert_eq!(c.events("node-1"), events_before, "no second Event");
+    assert!(c
+        .taints("node-1")
+        .iter()
+        .all(|t| !t.starts_with("faultline.io/")));
+    assert_eq!(c.record("node-1").unwrap().agent.taint_budget, Some(before));
+    c.assert_calls_listed();
+    drop((a0, a1));
+}
+
 /// A restart while the budget withholds a taint writes nothing: the withheld list comes back
 /// from the last record, so the ConfigMap is not rewritten, no second `TaintBudgetExceeded`
 /// Event is emitted and `agent.taintBudget.since` stays. (The withheld list used to live only

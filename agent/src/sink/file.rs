@@ -40,6 +40,18 @@ pub enum FileSinkError {
         #[source]
         source: serde_json::Error,
     },
+    /// The record was written, the state was not: readers see the current record (and its
+    /// heartbeat), but a restart would not restore it, so nothing waiting for persistence (a
+    /// clear request) is told it is saved.
+    #[error("the record was written, but the saved state was not: {0}")]
+    StateNotSaved(Box<FileSinkError>),
+}
+
+impl FileSinkError {
+    /// The record itself reached the disk.
+    pub fn record_written(&self) -> bool {
+        matches!(self, FileSinkError::StateNotSaved(_))
+    }
 }
 
 /// A generic cell rate limiter (GCRA): up to `burst` writes at once, then one per `interval`.
@@ -93,21 +105,29 @@ impl Dirs {
     }
 }
 
-/// Writes one snapshot: the state first (so the record is never ahead of what a restart
-/// restores), then the record stamped with `heartbeat`. With `record_only` (a heartbeat, the
-/// state unchanged since the last write) only the record is written.
+/// Writes one snapshot: the state first (so that, normally, the record is never ahead of what a
+/// restart restores), then the record stamped with `heartbeat`. With `record_only` (a heartbeat,
+/// the state unchanged since the last write) only the record is written.
+///
+/// A state that cannot be written (the data directory full or read-only) does not stop the
+/// record: readers keep a current record and a live heartbeat, and the error
+/// ([`FileSinkError::StateNotSaved`]) says the state is behind. Before, a failed state write
+/// skipped the record too, so a broken `/var/lib` looked like a dead agent.
 pub fn write_snapshot(
     dirs: &Dirs,
     snap: &Snapshot,
     heartbeat: Timestamp,
     record_only: bool,
 ) -> Result<(), FileSinkError> {
+    let mut state_err = None;
     if !record_only {
         let state = serde_json::to_vec(&*snap.state).map_err(|source| FileSinkError::Encode {
             what: "state",
             source,
         })?;
-        write_atomic(&dirs.data.join(STATE_FILE), &state)?;
+        if let Err(e) = write_atomic(&dirs.data.join(STATE_FILE), &state) {
+            state_err = Some(FileSinkError::from(e));
+        }
     }
     let mut stamped = (*snap.record).clone();
     stamped.agent.heartbeat_time = Some(heartbeat);
@@ -117,7 +137,11 @@ pub fn write_snapshot(
             source,
         })?;
     record.push(b'\n');
-    Ok(write_atomic(&dirs.record.join(FAULTS_FILE), &record)?)
+    write_atomic(&dirs.record.join(FAULTS_FILE), &record)?;
+    match state_err {
+        Some(e) => Err(FileSinkError::StateNotSaved(Box::new(e))),
+        None => Ok(()),
+    }
 }
 
 /// How often the record is rewritten when nothing changed, so its `heartbeatTime` says the
@@ -335,6 +359,10 @@ pub async fn run(
                 }
                 Err(e) => {
                     metrics.sink_errors.get_or_create(&label).inc();
+                    if e.record_written() {
+                        // The heartbeat is fresh; the state is retried with the backoff.
+                        last_write = tokio::time::Instant::now();
+                    }
                     // The record on disk is now older than the agent's state: not ready, and
                     // say so in the record the agent serves.
                     signals.status.send_if_modified(|s| {
@@ -346,6 +374,10 @@ pub async fn run(
                     });
                     warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "writing the local record failed");
                     let mut pause = backoff;
+                    if e.record_written() {
+                        // Retried at least as often as the heartbeat, which the retry carries.
+                        pause = pause.min(heartbeat.every);
+                    }
                     if shutdown.is_cancelled() {
                         let until =
                             *flush_until.get_or_insert_with(|| Instant::now() + FLUSH_DEADLINE);
@@ -579,6 +611,56 @@ mod tests {
             other => panic!("the failure is reported: {other:?}"),
         };
         assert!(why.contains("plain-file"), "{why}");
+        shutdown.cancel();
+        drop(tx);
+        task.await.unwrap();
+    }
+
+    /// The data directory cannot take `state.json` (here a non-empty directory stands where the
+    /// file goes: the rename fails, for root too). The record is still written and its heartbeat
+    /// goes on; the failure is reported and nothing is acknowledged as persisted. When the data
+    /// directory works again, the state is saved and the marker reported. Before, the failed
+    /// state write skipped the record as well.
+    #[tokio::test]
+    async fn a_state_that_cannot_be_saved_does_not_stop_the_record() {
+        let tmp = tempfile::tempdir().unwrap();
+        let blocked = tmp.path().join(STATE_FILE);
+        std::fs::create_dir(&blocked).unwrap();
+        std::fs::write(blocked.join("x"), b"x").unwrap();
+        let (tx, signals, shutdown, task) =
+            start_beating(tmp.path().to_path_buf(), Duration::from_millis(100));
+        tx.send_replace(Some(snapshot(1, 5)));
+        let mut status = signals.status.subscribe();
+        let why = tokio::time::timeout(
+            Duration::from_secs(5),
+            status.wait_for(|s| matches!(s, RecordStatus::Failing(_))),
+        )
+        .await
+        .expect("the failure is reported")
+        .unwrap()
+        .clone();
+        assert!(
+            matches!(&why, RecordStatus::Failing(w) if w.contains("saved state was not")),
+            "{why:?}"
+        );
+        assert!(
+            tmp.path().join(FAULTS_FILE).exists(),
+            "the record is written"
+        );
+        let first = heartbeat_of(tmp.path()).unwrap();
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let later = heartbeat_of(tmp.path()).unwrap();
+        assert!(later > first, "the record's heartbeat goes on");
+        assert_eq!(*signals.persisted.borrow(), 0, "nothing acknowledged");
+        // The data directory works again: saved, acknowledged, written.
+        std::fs::remove_dir_all(&blocked).unwrap();
+        let mut persisted = signals.persisted.subscribe();
+        tokio::time::timeout(Duration::from_secs(10), persisted.wait_for(|m| *m == 5))
+            .await
+            .expect("saved once the directory works")
+            .unwrap();
+        assert!(blocked.is_file());
+        assert!(signals.status.borrow().is_written());
         shutdown.cancel();
         drop(tx);
         task.await.unwrap();

@@ -290,9 +290,9 @@ pub fn entries(
         .collect()
 }
 
-/// What was published, to know what changed and what has recovered. Kept in the state
-/// directory (`publicfault.json`), so a restarted agent still retracts what it published before:
-/// ClusterD clears a public fault only on its `recover`.
+/// What was published, to know what changed and what has recovered. Kept in the data directory
+/// (`publicfault.json`, kept by a reboot), so a restarted or rebooted agent still retracts what
+/// it published before: ClusterD clears a public fault only on its `recover`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Outbox {
     /// The resource the entries were sent under.
@@ -306,7 +306,7 @@ pub struct Outbox {
     recovered: BTreeMap<String, (PublicFault, i64)>,
 }
 
-/// The outbox's file in the state directory.
+/// The outbox's file in the data directory.
 pub const OUTBOX_FILE: &str = "publicfault.json";
 /// The most of it read back (a hundred entries of at most about 1.5 KiB each, twice).
 const OUTBOX_MAX_BYTES: u64 = 1 << 20;
