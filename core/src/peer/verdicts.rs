@@ -125,14 +125,21 @@ mod tests {
         v
     }
 
+    /// The built-in policy, and a context over it with the built-in catalog.
+    fn ctx() -> (&'static Policy, Ctx<'static>) {
+        static P: std::sync::OnceLock<(Policy, Catalog)> = std::sync::OnceLock::new();
+        let (policy, catalog) =
+            P.get_or_init(|| (Policy::parse("").unwrap(), Catalog::builtin().unwrap()));
+        (policy, Ctx { policy, catalog })
+    }
+
+    fn t(s: i64) -> jiff::Timestamp {
+        jiff::Timestamp::from_second(1_790_000_000 + s).unwrap()
+    }
+
     #[test]
     fn verdicts_reach_the_record_and_clear_on_a_clean_run() {
-        let (policy, catalog) = (Policy::parse("").unwrap(), Catalog::builtin().unwrap());
-        let ctx = Ctx {
-            policy: &policy,
-            catalog: &catalog,
-        };
-        let t = |s: i64| jiff::Timestamp::from_second(1_790_000_000 + s).unwrap();
+        let (policy, ctx) = ctx();
         let m = members(8);
         // Run 1 (simulated): node 3 faulty, link 4-5 broken, node 6 a 3x straggler.
         let truth = Truth {
@@ -148,18 +155,12 @@ mod tests {
                 e.step(ctx, o, t(0));
             }
         }
-        assert_eq!(active(&engines[3], &policy), ["PEER_UNREACHABLE@node"]);
-        assert_eq!(engines[3].view(&policy).health, Health::Degraded);
-        assert_eq!(
-            active(&engines[4], &policy),
-            ["PEER_LINK_FAILED@link:gpu-5"]
-        );
-        assert_eq!(
-            active(&engines[5], &policy),
-            ["PEER_LINK_FAILED@link:gpu-4"]
-        );
-        assert_eq!(active(&engines[6], &policy), ["STRAGGLER@node"]);
-        let straggler = &engines[6].view(&policy).faults[0];
+        assert_eq!(active(&engines[3], policy), ["PEER_UNREACHABLE@node"]);
+        assert_eq!(engines[3].view(policy).health, Health::Degraded);
+        assert_eq!(active(&engines[4], policy), ["PEER_LINK_FAILED@link:gpu-5"]);
+        assert_eq!(active(&engines[5], policy), ["PEER_LINK_FAILED@link:gpu-4"]);
+        assert_eq!(active(&engines[6], policy), ["STRAGGLER@node"]);
+        let straggler = &engines[6].view(policy).faults[0];
         assert!(
             straggler.message.contains("3.0") || straggler.message.contains("2.9"),
             "{}",
@@ -167,7 +168,7 @@ mod tests {
         );
         assert_eq!(straggler.fault_handling, Handling::SubHealthFault);
         for i in [0, 1, 2, 7] {
-            assert!(active(&engines[i], &policy).is_empty(), "gpu-{i}");
+            assert!(active(&engines[i], policy).is_empty(), "gpu-{i}");
         }
         // Run 2: everything repaired; every recorded fault recovers.
         let (v2, _, _) = simulate(
@@ -180,9 +181,9 @@ mod tests {
                 e.step(ctx, o, t(1800));
             }
             assert!(
-                active(e, &policy).is_empty(),
+                active(e, policy).is_empty(),
                 "gpu-{i}: {:?}",
-                active(e, &policy)
+                active(e, policy)
             );
         }
     }
@@ -192,12 +193,7 @@ mod tests {
     /// is still broken stays one fault with its count (fails while the tracker kept the links).
     #[test]
     fn links_restored_after_a_restart_heal_or_stay() {
-        let (policy, catalog) = (Policy::parse("").unwrap(), Catalog::builtin().unwrap());
-        let ctx = Ctx {
-            policy: &policy,
-            catalog: &catalog,
-        };
-        let t = |s: i64| jiff::Timestamp::from_second(1_790_000_000 + s).unwrap();
+        let (policy, ctx) = ctx();
         let m = members(8);
         let broken = |links: &[(usize, usize)]| Verdicts {
             broken_links: links.iter().map(|(a, b)| Pair::new(*a, *b)).collect(),
@@ -208,7 +204,7 @@ mod tests {
             e.step(ctx, o, t(0));
         }
         assert_eq!(
-            active(&e, &policy),
+            active(&e, policy),
             ["PEER_LINK_FAILED@link:gpu-5", "PEER_LINK_FAILED@link:gpu-6"]
         );
         // Restart: state saved and loaded, a new tracker.
@@ -216,7 +212,7 @@ mod tests {
         for o in observe(&m, 4, &broken(&[(4, 6)]), "run-2") {
             e.step(ctx, o, t(1800));
         }
-        assert_eq!(active(&e, &policy), ["PEER_LINK_FAILED@link:gpu-6"]);
+        assert_eq!(active(&e, policy), ["PEER_LINK_FAILED@link:gpu-6"]);
         let count = |e: &Engine| e.faults().find(|f| f.fault.active).map(|f| f.fault.count);
         assert_eq!(
             count(&e),
@@ -226,19 +222,14 @@ mod tests {
         for o in observe(&m, 4, &Verdicts::default(), "run-3") {
             e.step(ctx, o, t(3600));
         }
-        assert!(active(&e, &policy).is_empty());
+        assert!(active(&e, policy).is_empty());
     }
 
     /// A link fault saved by an agent from before the link domain (it shared the node's domain)
     /// is brought under it on load and heals on a clean run.
     #[test]
     fn a_link_fault_saved_in_the_old_domain_heals() {
-        let (policy, catalog) = (Policy::parse("").unwrap(), Catalog::builtin().unwrap());
-        let ctx = Ctx {
-            policy: &policy,
-            catalog: &catalog,
-        };
-        let t = |s: i64| jiff::Timestamp::from_second(1_790_000_000 + s).unwrap();
+        let (policy, ctx) = ctx();
         let m = members(8);
         let mut e = Engine::new();
         let v = Verdicts {
@@ -260,11 +251,11 @@ mod tests {
             }
         }
         assert_eq!(
-            active(&old, &policy),
+            active(&old, policy),
             ["PEER_LINK_FAILED@link:gpu-5"],
             "without the upgrade the old fault never heals"
         );
-        assert!(active(&upgraded, &policy).is_empty());
+        assert!(active(&upgraded, policy).is_empty());
     }
 
     #[test]
