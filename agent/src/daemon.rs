@@ -114,6 +114,22 @@ pub struct AgentConfig {
     /// Kubernetes: how often the node is re-read to repair drift.
     #[arg(long, default_value = "5m", value_parser = humantime::parse_duration, hide = true)]
     pub resync: Duration,
+    /// Kubernetes: a change of the fault ConfigMap that only moves counts and last-seen times
+    /// (a fault repeating) is written at most once per this interval, the newest count at the
+    /// end of it; a change of health, handling or the set of faults is written at once.
+    /// `0s` writes every change at once.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    pub kube_write_interval: Duration,
+    /// Kubernetes: Events published per minute once the burst is spent (a token bucket);
+    /// notices over the budget get no Event (counted in
+    /// `faultline_kube_events_rate_limited_total`).
+    #[arg(long, default_value_t = crate::sink::kube::events::RATE_PER_MINUTE,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub kube_event_rate: u32,
+    /// Kubernetes: Events that may be published back to back (the token bucket's size).
+    #[arg(long, default_value_t = crate::sink::kube::events::BURST,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub kube_event_burst: u32,
     /// How often the local record is rewritten when nothing changed, so that its
     /// `heartbeatTime` shows the agent alive (`faultline wait-healthy` checks it).
     #[arg(long, default_value = "10s", value_parser = parse_heartbeat)]
@@ -930,6 +946,9 @@ impl Components {
                 budget_recheck: self.cfg.budget_recheck,
                 budget_count_check: self.cfg.budget_count_check,
                 resync: self.cfg.resync,
+                write_interval: self.cfg.kube_write_interval,
+                event_rate: self.cfg.kube_event_rate,
+                event_burst: self.cfg.kube_event_burst,
                 ..kube_sink::KubeSinkConfig::new(self.node.clone())
             };
             let inputs = kube_sink::KubeSinkInputs {
@@ -947,10 +966,10 @@ impl Components {
                 self.shutdown.clone(),
             ));
         }
-        let budget = file::WriteBudget::new(
+        let budget = crate::sink::pace::WriteBudget::new(
             self.cfg.write_interval,
             self.cfg.write_burst,
-            std::time::Instant::now(),
+            tokio::time::Instant::now(),
         );
         let file_sink = file::run(
             file::Dirs {

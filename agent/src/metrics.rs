@@ -82,6 +82,8 @@ pub struct Metrics {
     pub detector_up: Family<DetectorLabel, Gauge>,
     /// Engine events the Kubernetes Event sink could not take (its queue was full).
     pub events_dropped: Counter,
+    /// Notices the Kubernetes Event sink published no Event for: its token bucket was empty.
+    pub events_rate_limited: Counter,
     /// Taints withheld by the taint budget right now.
     pub taints_withheld: Gauge,
     /// Seconds from the engine applying a change to the node sink having written it.
@@ -124,6 +126,7 @@ impl Metrics {
             policy_valid: Gauge::default(),
             detector_up: Family::default(),
             events_dropped: Counter::default(),
+            events_rate_limited: Counter::default(),
             taints_withheld: Gauge::default(),
             kube_publish_seconds: Histogram::new([
                 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -236,6 +239,11 @@ impl Metrics {
             "faultline_kube_events_dropped",
             "Kubernetes Events dropped because the Event sink's queue was full",
             m.events_dropped.clone(),
+        );
+        r.register(
+            "faultline_kube_events_rate_limited",
+            "Notices that got no Kubernetes Event because the Event budget (--kube-event-burst, --kube-event-rate a minute) was spent",
+            m.events_rate_limited.clone(),
         );
         r.register(
             "faultline_taints_withheld",

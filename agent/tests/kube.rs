@@ -1553,3 +1553,123 @@ fn a_restart_while_a_taint_is_withheld_writes_nothing() {
     assert_eq!(local.agent.taint_budget, Some(before));
     c.assert_calls_listed();
 }
+
+/// Issue 13 §5: a fault repeating for seconds writes the fault ConfigMap once per
+/// `--kube-write-interval`, not once per repeat (each write is the whole record, up to 1 MiB);
+/// an escalation in the middle of it is written at once, and the last write carries the final
+/// count. (Every repeat was one server-side apply before: about 240 here.)
+#[test]
+fn a_repeating_xid_writes_the_configmap_once_per_interval_and_an_escalation_at_once() {
+    // The escalation (5 s into the storm) falls between two writes of counts (4 s, 8 s).
+    const INTERVAL_S: u64 = 4;
+    const STORM: Duration = Duration::from_secs(12);
+    let c = Cluster::new(&["node-a"]);
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "escalation:\n  - name: lasting\n    codes: [Xid13]\n    duration: 5s\n    handling: SeparateNPU\n",
+    )
+    .unwrap();
+    let interval = format!("{INTERVAL_S}s");
+    let agent = c.start_agent(
+        dir.path(),
+        "node-a",
+        &[
+            "--kube-write-interval",
+            &interval,
+            "--policy",
+            policy.to_str().unwrap(),
+        ],
+    );
+    c.wait("a healthy node", Some(&agent), |c| {
+        healthy_everywhere(c, "node-a")
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    c.emu.clear_calls();
+
+    let xid13 = |r: &NodeRecord| fault(r, "Xid13").cloned();
+    let escalated = |r: &NodeRecord| xid13(r).is_some_and(|f| f.escalated_from.is_some());
+    // Xid 13 twenty times a second; when the escalation shows in the local record and in the
+    // ConfigMap (polled between lines).
+    let started = Instant::now();
+    let (mut local_at, mut cluster_at) = (None, None);
+    let mut lines = 0u64;
+    while started.elapsed() < STORM {
+        let seq = 100 + lines;
+        agent.append(
+            format!(
+                "4,{seq},{},-;NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics Exception\n",
+                seq * 1000
+            )
+            .as_bytes(),
+        );
+        lines += 1;
+        if local_at.is_none() && agent.record().is_some_and(|r| escalated(&r)) {
+            local_at = Some(started.elapsed());
+        }
+        if cluster_at.is_none() && c.record("node-a").is_some_and(|r| escalated(&r)) {
+            cluster_at = Some(started.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let storm_ended = Instant::now();
+    agent.wait_for("the final count in the local record", |r| {
+        xid13(r).is_some_and(|f| f.count == lines)
+    });
+    c.wait("the final count in the ConfigMap", Some(&agent), |c| {
+        c.record("node-a")
+            .and_then(|r| xid13(&r))
+            .is_some_and(|f| f.count == lines)
+    });
+    let final_after = storm_ended.elapsed();
+    // Nothing after the final count.
+    std::thread::sleep(Duration::from_secs(INTERVAL_S + 1));
+    let applies: Vec<Call> = c
+        .writes()
+        .into_iter()
+        .filter(|x| x.path.ends_with("/configmaps/faultline-node-a"))
+        .collect();
+    let (local_at, cluster_at) = (local_at.unwrap(), cluster_at.unwrap());
+    let first = applies.first().map(|x| x.at);
+    let at: Vec<String> = applies
+        .iter()
+        .map(|x| {
+            let d = first.and_then(|f| x.at.duration_since(f).ok());
+            format!("{:.2}", d.unwrap_or_default().as_secs_f64())
+        })
+        .collect();
+    eprintln!(
+        "{lines} repeats in {STORM:?}: {} ConfigMap writes at {at:?} s; escalation local {local_at:?}, ConfigMap {cluster_at:?}; final count {final_after:?} after the storm",
+        applies.len()
+    );
+    // The new fault (1), the escalation (1), counts once per interval over the storm
+    // (ceil(12 / 4) = 3) and the trailing write with the final count (1).
+    let budget = 1 + 1 + STORM.as_secs().div_ceil(INTERVAL_S) + 1;
+    assert!(
+        applies.len() as u64 <= budget,
+        "{} ConfigMap writes for {lines} repeats, budget {budget}: {applies:#?}",
+        applies.len()
+    );
+    assert!(
+        applies.len() >= 3,
+        "counts went out during the storm: {applies:#?}"
+    );
+    // The escalation did not wait for the interval (3 s more): in the ConfigMap within a
+    // second of the local record (which has a write budget of its own, 200 ms).
+    assert!(
+        cluster_at <= local_at + Duration::from_secs(1),
+        "escalation: local {local_at:?}, ConfigMap {cluster_at:?}"
+    );
+    // The final count within an interval (and a margin) of the last repeat.
+    assert!(
+        final_after <= Duration::from_secs(INTERVAL_S) + Duration::from_secs(2),
+        "final count after {final_after:?}"
+    );
+    assert_eq!(
+        c.record("node-a").unwrap().health,
+        Health::Unhealthy,
+        "SeparateNPU"
+    );
+    c.assert_calls_listed();
+}

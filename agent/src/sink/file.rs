@@ -3,7 +3,7 @@
 //!
 //! Each file is replaced atomically (write a temporary file in the same directory, fsync,
 //! rename), so a reader never sees a half-written file. Writes are rate-limited by a
-//! [`WriteBudget`]: a few writes back to back go out at once, after that one per interval, and
+//! [`WriteBudget`] (shared with the Kubernetes sinks, [`super::pace`]): a few writes back to back go out at once, after that one per interval, and
 //! every change in between is coalesced into the next write. A failed write is retried with
 //! backoff; the engine keeps running meanwhile.
 
@@ -15,6 +15,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use super::pace::WriteBudget;
 use crate::atomic_file::write as write_atomic;
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::{Clock, Heartbeat, PersistedState, Snapshot};
@@ -51,36 +52,6 @@ impl FileSinkError {
     /// The record itself reached the disk.
     pub fn record_written(&self) -> bool {
         matches!(self, FileSinkError::StateNotSaved(_))
-    }
-}
-
-/// A generic cell rate limiter (GCRA): up to `burst` writes at once, then one per `interval`.
-#[derive(Debug, Clone)]
-pub struct WriteBudget {
-    interval: Duration,
-    burst: u32,
-    /// The theoretical time of the next write if writes were evenly spaced.
-    tat: Instant,
-}
-
-impl WriteBudget {
-    pub fn new(interval: Duration, burst: u32, now: Instant) -> Self {
-        WriteBudget {
-            interval,
-            burst: burst.max(1),
-            tat: now,
-        }
-    }
-
-    /// How long to wait before the next write may go out.
-    pub fn wait(&self, now: Instant) -> Duration {
-        let slack = self.interval * (self.burst - 1);
-        (self.tat.checked_sub(slack).unwrap_or(now)).saturating_duration_since(now)
-    }
-
-    /// Records a write made at `now`.
-    pub fn spend(&mut self, now: Instant) {
-        self.tat = self.tat.max(now) + self.interval;
     }
 }
 
@@ -293,7 +264,7 @@ pub async fn run(
                 false
             }
         };
-        let wait = budget.wait(Instant::now());
+        let wait = budget.wait(tokio::time::Instant::now());
         if !closed && !wait.is_zero() && !shutdown.is_cancelled() {
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
@@ -340,7 +311,7 @@ pub async fn run(
                     written = Some(snap.revision);
                     last_write = tokio::time::Instant::now();
                     if !record_only {
-                        budget.spend(Instant::now());
+                        budget.spend(tokio::time::Instant::now());
                     }
                     // Reported on the first success of a run too, which clears a record-file
                     // fault an earlier run left behind.
@@ -406,41 +377,6 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn budget_allows_a_burst_then_one_per_interval() {
-        let t0 = Instant::now();
-        let ms = Duration::from_millis;
-        let mut b = WriteBudget::new(ms(100), 3, t0);
-        for _ in 0..3 {
-            assert_eq!(b.wait(t0), Duration::ZERO);
-            b.spend(t0);
-        }
-        assert_eq!(b.wait(t0), ms(100), "burst spent");
-        assert_eq!(b.wait(t0 + ms(40)), ms(60));
-        b.spend(t0 + ms(100));
-        assert_eq!(b.wait(t0 + ms(100)), ms(100));
-        // After a quiet period the whole burst is back, and no more.
-        let later = t0 + ms(10_000);
-        for _ in 0..3 {
-            assert_eq!(b.wait(later), Duration::ZERO);
-            b.spend(later);
-        }
-        assert!(b.wait(later) > Duration::ZERO);
-        // At most burst + elapsed/interval writes in any span: 3 + 10 over one second.
-        let mut b = WriteBudget::new(ms(100), 3, t0);
-        let mut now = t0;
-        let mut writes = 0;
-        while now < t0 + ms(1000) {
-            now += b.wait(now);
-            if now >= t0 + ms(1000) {
-                break;
-            }
-            b.spend(now);
-            writes += 1;
-        }
-        assert_eq!(writes, 12);
-    }
 
     #[test]
     fn corrupt_state_is_reported_not_fatal() {
@@ -548,7 +484,7 @@ mod tests {
             persisted: watch::channel(0).0,
         };
         let shutdown = CancellationToken::new();
-        let budget = WriteBudget::new(Duration::from_millis(10), 3, Instant::now());
+        let budget = WriteBudget::new(Duration::from_millis(10), 3, tokio::time::Instant::now());
         let task = tokio::spawn(run(
             Dirs::one(dir),
             rx,
@@ -777,7 +713,7 @@ mod tests {
             Dirs::one(dir.clone()),
             rx,
             Arc::new(Metrics::new()),
-            WriteBudget::new(Duration::from_millis(10), 3, Instant::now()),
+            WriteBudget::new(Duration::from_millis(10), 3, tokio::time::Instant::now()),
             signals.clone(),
             HeartbeatConfig {
                 every: Duration::from_millis(50),

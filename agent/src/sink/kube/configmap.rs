@@ -2,7 +2,12 @@
 //! `faults.json`, with the labels of DESIGN.md, for schedulers and job scripts.
 //!
 //! Written by server-side apply (one call creates or updates it) and only when the content
-//! changed: `updateTime` alone is not a change. On start the sink reads the ConfigMap back and
+//! changed: `updateTime` alone is not a change. A change of counts and last-seen times alone (a
+//! fault repeating) waits for the sink's write budget, one such write per
+//! `--kube-write-interval` (default 10 s), and then carries the newest counts; any other change
+//! (health, handling, a fault new, escalated or recovered) is written at once
+//! ([`plan::when_to_write`]). A record of up to 1 MiB is otherwise sent for every repeat of an
+//! Xid storm, back to back, on every node it hits. On start the sink reads the ConfigMap back and
 //! adopts it when it already says the same; while the agent settles, a record that differs only
 //! in detectors that have not reported yet (their states are not restored) is not written.
 //! The record is cut to fit Kubernetes' 1 MiB limit ([`plan::fit_record`]).
@@ -20,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::own::{self, DriftPacer, OwnVersions, Seen};
-use super::plan::{self, CONFIGMAP_LIMIT, RECORD_KEY};
+use super::plan::{self, CountsPacer, RecordKeys, WriteWhen, CONFIGMAP_LIMIT, RECORD_KEY};
 use super::{api, KubeSinkConfig, KubeSinkError, Retry, FIELD_MANAGER};
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::Snapshot;
@@ -47,11 +52,15 @@ pub async fn run(
     let label = SinkLabel { sink: "configmap" };
     let started = Instant::now();
     let (mut written, adopted_base) = match adopt(&cms, &cfg.node).await {
-        Some((key, base)) => (Some(key), Some(base)),
+        Some((keys, base)) => (Some(keys), Some(base)),
         None => (None, None),
     };
     let adopted = written.clone();
     let mut retry = Retry::new();
+    // When a failed write is tried again (a content change does not wait for it).
+    let mut retry_at: Option<Instant> = None;
+    // Writes of counters alone: one per interval, an interval after any write.
+    let mut counts = CountsPacer::new(cfg.write_interval, Instant::now());
     let mut wake: Option<Instant> = None;
     let mut versions = OwnVersions::default();
     let mut pacer = DriftPacer::default();
@@ -80,8 +89,8 @@ pub async fn run(
         } else {
             None
         };
-        // A change of the watched ConfigMap alone does not cut a retry backoff short, and a
-        // repair that keeps being undone waits its turn.
+        // A change of the watched ConfigMap alone does not cut a retry backoff or a wait for
+        // the write budget short, and a repair that keeps being undone waits its turn.
         let backing_off = woke_by_own && wake.is_some_and(|w| now < w);
         let snap = snapshots.borrow_and_update().clone();
         match (snap, paced) {
@@ -101,32 +110,56 @@ pub async fn run(
             {
                 wake = Some(started + cfg.settle);
             }
-            (Some(snap), None) if !backing_off => {
-                match write(&cms, &cfg, &name, &snap.record, &written).await {
-                    Ok(Some((key, rv))) => {
-                        metrics.sink_writes.get_or_create(&label).inc();
-                        if repair {
-                            info!("the fault ConfigMap had been changed or deleted by someone else; written again");
-                            metrics.drift_repairs.get_or_create(&label).inc();
+            (Some(snap), None) if !backing_off => match Prepared::of(&snap.record) {
+                // Cannot happen with a record (plain data); nothing to retry.
+                Err(e) => {
+                    warn!(error = %e, "the record cannot be encoded for the fault ConfigMap");
+                    wake = None;
+                }
+                Ok(prepared) => {
+                    let change = plan::record_change(written.as_ref(), &prepared.keys);
+                    match counts.decide(change, now, retry_at) {
+                        WriteWhen::Skip => {
                             repair = false;
+                            retry_at = None;
+                            wake = None;
                         }
-                        versions.note(rv.as_deref());
-                        written = Some(key);
-                        retry.reset();
-                        wake = None;
-                    }
-                    Ok(None) => {
-                        repair = false;
-                        wake = None;
-                    }
-                    Err(e) => {
-                        metrics.sink_errors.get_or_create(&label).inc();
-                        let delay = retry.next_delay();
-                        warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "writing the fault ConfigMap failed; detection goes on");
-                        wake = Some(Instant::now() + delay);
+                        WriteWhen::After(wait) => {
+                            debug!(
+                                wait_ms = wait.as_millis() as u64,
+                                "only counts changed; the write waits for the write budget"
+                            );
+                            wake = Some(now + wait);
+                        }
+                        WriteWhen::Now => {
+                            match apply(&cms, &cfg, &name, &prepared, &snap.record).await {
+                                Ok(rv) => {
+                                    metrics.sink_writes.get_or_create(&label).inc();
+                                    if repair {
+                                        info!("the fault ConfigMap had been changed or deleted by someone else; written again");
+                                        metrics.drift_repairs.get_or_create(&label).inc();
+                                        repair = false;
+                                    }
+                                    versions.note(rv.as_deref());
+                                    counts.written(change, Instant::now());
+                                    written = Some(prepared.keys);
+                                    retry.reset();
+                                    retry_at = None;
+                                    wake = None;
+                                }
+                                Err(e) => {
+                                    metrics.sink_errors.get_or_create(&label).inc();
+                                    let delay = retry.next_delay();
+                                    warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "writing the fault ConfigMap failed; detection goes on");
+                                    let at = Instant::now() + delay;
+                                    retry_at = Some(at);
+                                    wake = Some(at);
+                                }
+                            }
+                        }
                     }
                 }
-            }
+            },
             _ => {}
         }
         woke_by_own = false;
@@ -135,20 +168,26 @@ pub async fn run(
             () = own::changed(&mut own) => woke_by_own = true,
         }
     }
+    // Stopping: the newest record, whatever the write budget says (one bounded attempt), so
+    // that a count held back for the budget is not lost.
     let last = snapshots.borrow().clone();
     if let Some(snap) = last {
-        let _ = tokio::time::timeout(
-            Duration::from_secs(3),
-            write(&cms, &cfg, &name, &snap.record, &written),
-        )
-        .await;
+        if let Ok(p) = Prepared::of(&snap.record) {
+            if plan::record_change(written.as_ref(), &p.keys) != plan::RecordChange::Same {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(3),
+                    apply(&cms, &cfg, &name, &p, &snap.record),
+                )
+                .await;
+            }
+        }
     }
 }
 
 /// What the watch says the server holds: `Some(None)` when the ConfigMap is gone, holds no
-/// readable record or lacks its labels (the taint budget counts nodes by them), `Some(key)` for
-/// a record, `None` when the watch has not answered yet.
-fn on_server(seen: &Seen<ConfigMap>, node: &str) -> Option<Option<String>> {
+/// readable record or lacks its labels (the taint budget counts nodes by them), `Some(keys)`
+/// for a record, `None` when the watch has not answered yet.
+fn on_server(seen: &Seen<ConfigMap>, node: &str) -> Option<Option<RecordKeys>> {
     match seen {
         Seen::Unknown => None,
         Seen::Absent => Some(None),
@@ -160,11 +199,7 @@ fn on_server(seen: &Seen<ConfigMap>, node: &str) -> Option<Option<String>> {
                     .iter()
                     .all(|(k, v)| have.and_then(|l| l.get(k)) == Some(v))
             };
-            Some(
-                record
-                    .filter(|r| labelled(r))
-                    .map(|r| plan::content_key(&r)),
-            )
+            Some(record.filter(|r| labelled(r)).map(|r| RecordKeys::of(&r)))
         }
     }
 }
@@ -207,16 +242,13 @@ fn record_in(cm: &ConfigMap) -> Result<NodeRecord, ReadBackError> {
     serde_json::from_str(text).map_err(|e| ReadBackError::Unreadable(e.to_string()))
 }
 
-/// The content key of the ConfigMap as it is, and the same without the detectors' states, if
+/// The keys of the ConfigMap as it is, and its content key without the detectors' states, if
 /// it exists and holds a readable record.
-async fn adopt(cms: &Api<ConfigMap>, node: &str) -> Option<(String, String)> {
+async fn adopt(cms: &Api<ConfigMap>, node: &str) -> Option<(RecordKeys, String)> {
     match read_back(cms, node).await {
         Ok(Some(r)) => {
             info!(health = %r.health, faults = r.faults.len(), "fault ConfigMap found; adopting it");
-            Some((
-                plan::content_key(&r),
-                plan::content_key_without_detectors(&r),
-            ))
+            Some((RecordKeys::of(&r), plan::content_key_without_detectors(&r)))
         }
         Ok(None) => None,
         Err(e @ ReadBackError::Unreadable(_)) => {
@@ -230,26 +262,38 @@ async fn adopt(cms: &Api<ConfigMap>, node: &str) -> Option<(String, String)> {
     }
 }
 
-/// Writes the record when it differs from `written`; returns the new content key and the
-/// written object's resourceVersion.
-async fn write(
+/// The record as it goes into the ConfigMap: cut to fit ([`plan::fit_record`]), as text, and
+/// the keys it is compared by.
+struct Prepared {
+    text: String,
+    fitted: NodeRecord,
+    keys: RecordKeys,
+}
+
+impl Prepared {
+    fn of(record: &NodeRecord) -> Result<Prepared, KubeSinkError> {
+        let (text, fitted) =
+            plan::fit_record(record, CONFIGMAP_LIMIT - RECORD_KEY.len()).map_err(|source| {
+                KubeSinkError::Encode {
+                    what: "the record",
+                    source,
+                }
+            })?;
+        let keys = RecordKeys::of(&fitted);
+        Ok(Prepared { text, fitted, keys })
+    }
+}
+
+/// Writes the prepared record (`record` is the whole one, before it was cut to fit); returns
+/// the written object's resourceVersion.
+async fn apply(
     cms: &Api<ConfigMap>,
     cfg: &KubeSinkConfig,
     name: &str,
+    prepared: &Prepared,
     record: &NodeRecord,
-    written: &Option<String>,
-) -> Result<Option<(String, Option<String>)>, KubeSinkError> {
-    let (text, fitted) =
-        plan::fit_record(record, CONFIGMAP_LIMIT - RECORD_KEY.len()).map_err(|source| {
-            KubeSinkError::Encode {
-                what: "the record",
-                source,
-            }
-        })?;
-    let key = plan::content_key(&fitted);
-    if written.as_ref() == Some(&key) {
-        return Ok(None);
-    }
+) -> Result<Option<String>, KubeSinkError> {
+    let fitted = &prepared.fitted;
     if fitted.dropped_faults > record.dropped_faults {
         warn!(
             dropped = fitted.dropped_faults - record.dropped_faults,
@@ -264,7 +308,7 @@ async fn write(
             "namespace": cfg.namespace,
             "labels": plan::configmap_labels(&cfg.node, fitted.health),
         },
-        "data": { RECORD_KEY: text },
+        "data": { RECORD_KEY: prepared.text },
     });
     let cm = cms
         .patch(
@@ -275,7 +319,7 @@ async fn write(
         .await
         .map_err(api("apply the fault ConfigMap"))?;
     debug!(health = %fitted.health, faults = fitted.faults.len(), "fault ConfigMap written");
-    Ok(Some((key, cm.metadata.resource_version)))
+    Ok(cm.metadata.resource_version)
 }
 
 #[cfg(test)]
@@ -354,7 +398,7 @@ mod tests {
         assert_eq!(on_server(&Seen::Absent, "n1"), Some(None));
         assert_eq!(
             on_server(&present(with_labels.clone()), "n1"),
-            Some(Some(plan::content_key(&record)))
+            Some(Some(RecordKeys::of(&record)))
         );
         let mut stripped = with_labels.clone();
         stripped["metadata"]["labels"] = json!({"app.kubernetes.io/name": "faultline"});

@@ -4,6 +4,21 @@
 //!
 //! Notices wait in a bounded queue while the API is unreachable and go out in order when it
 //! answers again; only when more than [`QUEUE`] pile up are the oldest dropped (and counted).
+//!
+//! Events are budgeted by a token bucket ([`WriteBudget::per_minute`]): [`BURST`] back to back,
+//! then [`RATE_PER_MINUTE`] a minute (`--kube-event-burst`, `--kube-event-rate`). The token is
+//! taken when a notice arrives; a notice that finds the bucket empty gets no Event (counted in
+//! `faultline_kube_events_rate_limited_total`, logged at most once a minute) and never holds the
+//! sink up. So an outage defers Events but adds none: what goes out after it was admitted
+//! during it. The record and the node's condition still say everything.
+//!
+//! What kube-runtime's `Recorder` (5.0, `events.rs`) does and does not do, relied on here: it
+//! keys an Event by type, reason, action, reporting controller and instance, and the regarding
+//! and related objects; a repeat of a key within 6 minutes becomes a merge PATCH of the same
+//! Event's `series` (count, lastObservedTime), and its note is not sent (the first note stays).
+//! That bounds the Event *objects* a repeating fault leaves in etcd, but every publish is
+//! still one API write (a POST or a PATCH): the Recorder has no rate limit, so the bucket here
+//! is what bounds the write rate.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -20,9 +35,57 @@ use tracing::{debug, warn};
 use super::plan::{self, EventSpec, Notice};
 use super::{KubeSinkConfig, Retry};
 use crate::metrics::{Metrics, SinkLabel};
+use crate::sink::pace::WriteBudget;
 
 /// Most notices held while the API is unreachable.
 pub const QUEUE: usize = 1024;
+/// Events a minute once the burst is spent (`--kube-event-rate`).
+pub const RATE_PER_MINUTE: u32 = 30;
+/// Events that may go out back to back (`--kube-event-burst`): one incident's new faults on a
+/// few devices, and their escalations.
+pub const BURST: u32 = 10;
+/// How often at most the sink logs that Events were left out for the budget.
+const DROP_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// The Event budget: a token bucket, and what it turned away since it last said so.
+#[derive(Debug)]
+struct EventBudget {
+    bucket: WriteBudget,
+    refused: u64,
+    logged_at: Option<Instant>,
+}
+
+impl EventBudget {
+    fn new(cfg: &KubeSinkConfig) -> Self {
+        EventBudget {
+            bucket: WriteBudget::per_minute(cfg.event_rate, cfg.event_burst, Instant::now()),
+            refused: 0,
+            logged_at: None,
+        }
+    }
+
+    /// Whether the Event may be published; counts and (at most once a minute) logs a refusal.
+    fn admit(&mut self, ev: &EventSpec, metrics: &Metrics) -> bool {
+        let now = Instant::now();
+        if self.bucket.try_spend(now) {
+            return true;
+        }
+        metrics.events_rate_limited.inc();
+        self.refused += 1;
+        if self.logged_at.is_none_or(|t| now >= t + DROP_LOG_EVERY) {
+            warn!(
+                refused = self.refused,
+                reason = ev.reason,
+                action = %ev.action,
+                "Event budget spent; Events left out (the record and the node condition still carry every fault)"
+            );
+            self.refused = 0;
+            self.logged_at = Some(now);
+        }
+        false
+    }
+}
+
 /// The reporting controller named in every Event.
 pub const CONTROLLER: &str = "faultline-agent";
 
@@ -50,6 +113,7 @@ pub async fn run(
     };
     let label = SinkLabel { sink: "event" };
     let mut queue: VecDeque<EventSpec> = VecDeque::new();
+    let mut budget = EventBudget::new(&cfg);
     let mut retry = Retry::new();
     let mut wake: Option<Instant> = None;
     let mut open = true;
@@ -76,21 +140,9 @@ pub async fn run(
         tokio::select! {
             n = notices.recv() => match n {
                 Some(n) => {
-                    if let Some(ev) = plan::event_for(&n) {
-                        if queue.len() >= QUEUE {
-                            queue.pop_front();
-                            metrics.events_dropped.inc();
-                        }
-                        queue.push_back(ev);
-                    }
+                    enqueue(&mut queue, &mut budget, &n, &metrics);
                     while let Ok(n) = notices.try_recv() {
-                        if let Some(ev) = plan::event_for(&n) {
-                            if queue.len() >= QUEUE {
-                                queue.pop_front();
-                                metrics.events_dropped.inc();
-                            }
-                            queue.push_back(ev);
-                        }
+                        enqueue(&mut queue, &mut budget, &n, &metrics);
                     }
                     if wake.is_some() {
                         continue; // backing off: keep collecting
@@ -127,6 +179,26 @@ pub async fn run(
     }
 }
 
+/// Queues the notice's Event if it gets one and the budget admits it.
+fn enqueue(
+    queue: &mut VecDeque<EventSpec>,
+    budget: &mut EventBudget,
+    n: &Notice,
+    metrics: &Metrics,
+) {
+    let Some(ev) = plan::event_for(n) else {
+        return;
+    };
+    if !budget.admit(&ev, metrics) {
+        return;
+    }
+    if queue.len() >= QUEUE {
+        queue.pop_front();
+        metrics.events_dropped.inc();
+    }
+    queue.push_back(ev);
+}
+
 async fn publish(
     recorder: &Recorder,
     reference: &ObjectReference,
@@ -148,4 +220,83 @@ async fn publish(
             reference,
         )
         .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use faultline_core::engine::EngineEvent;
+    use faultline_core::record::Handling;
+    use faultline_kube_emulator::Emulator;
+    use serde_json::json;
+
+    /// A flood of notices (new faults on many devices, and one fault raised again and again)
+    /// makes at most the bucket's burst of Event writes; the rest are counted, and the sink
+    /// neither blocks nor queues them.
+    #[tokio::test]
+    async fn a_flood_of_notices_makes_at_most_the_buckets_event_writes() {
+        let emu = Emulator::start().await.unwrap();
+        emu.put(faultline_kube_emulator::node("n1", &[]));
+        emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default"}}));
+        let dir = tempfile::tempdir().unwrap();
+        let kubeconfig = dir.path().join("kubeconfig");
+        emu.write_kubeconfig(&kubeconfig, "t").unwrap();
+        let client = crate::kube_client::client(
+            Some(&kubeconfig),
+            crate::kube_client::Sender::Agent { node: "n1" },
+        )
+        .await
+        .unwrap();
+        // 5 at once, then one a minute: nothing refills within the test.
+        let cfg = KubeSinkConfig {
+            event_burst: 5,
+            event_rate: 1,
+            ..KubeSinkConfig::new("n1")
+        };
+        let metrics = Arc::new(Metrics::new());
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let task = tokio::spawn(run(
+            client,
+            cfg,
+            rx,
+            metrics.clone(),
+            CancellationToken::new(),
+        ));
+        let new_fault = |code: String, device: &str| {
+            Notice::Engine(EngineEvent::NewFault {
+                code,
+                device: device.to_string(),
+                handling: Handling::SeparateNPU,
+                message: "flood".into(),
+            })
+        };
+        let started = Instant::now();
+        for i in 0..100 {
+            tx.send(new_fault(format!("Xid{i}"), "GPU-0"))
+                .await
+                .unwrap();
+            // The same fault raised again: the Recorder's series, one PATCH each.
+            tx.send(new_fault("Xid79".into(), "GPU-1")).await.unwrap();
+        }
+        let event_writes = || {
+            emu.calls()
+                .iter()
+                .filter(|c| c.is_write() && c.path.contains("/events"))
+                .count()
+        };
+        while event_writes() < 5 && started.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Time for anything more to go out.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        drop(tx);
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("the sink stops")
+            .unwrap();
+        assert!(started.elapsed() < Duration::from_secs(60), "no refill");
+        assert_eq!(event_writes(), 5, "{:#?}", emu.calls());
+        assert_eq!(metrics.events_rate_limited.get(), 195);
+        assert_eq!(metrics.events_dropped.get(), 0, "no queue overflow");
+    }
 }

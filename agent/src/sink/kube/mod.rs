@@ -5,8 +5,11 @@
 //! - [`node`]: the `faultline.io/health` label (server-side apply), `faultline.io/*` taints
 //!   (read-modify-write with the resourceVersion, under the cluster's taint [`budget`]) and the
 //!   `AcceleratorHealthy` condition (strategic merge patch of the status);
-//! - [`configmap`]: `faultline-<node>` holding `faults.json` (server-side apply);
-//! - [`events`]: Events on the Node through kube-runtime's `Recorder`.
+//! - [`configmap`]: `faultline-<node>` holding `faults.json` (server-side apply); a change of
+//!   counts and last-seen times alone waits for its write budget (one per
+//!   `--kube-write-interval`, the newest count at the end of it), any other change goes at once;
+//! - [`events`]: Events on the Node through kube-runtime's `Recorder`, under a token bucket
+//!   (`--kube-event-burst`, then `--kube-event-rate` a minute).
 //!
 //! A fourth task keeps the taint [`budget`]'s shared node count fresh (a read every few
 //! minutes; a list of the records when the count is over a minute old).
@@ -44,6 +47,10 @@ use faultline_core::policy::LoadedPolicy;
 pub use crate::kube_client::FIELD_MANAGER;
 /// The agent's namespace unless configured otherwise.
 pub const DEFAULT_NAMESPACE: &str = "faultline-system";
+/// The fault ConfigMap's default write budget for changes of counts and last-seen times alone
+/// (`--kube-write-interval`): a fault repeating all day costs the API server one write of the
+/// record every 10 s at most.
+pub const DEFAULT_WRITE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Settings of the Kubernetes sinks.
 #[derive(Debug, Clone)]
@@ -63,6 +70,13 @@ pub struct KubeSinkConfig {
     /// How often the agent looks at the taint budget's shared node count (and counts again
     /// when it is over a minute old; [`budget::keep_count_fresh`]).
     pub budget_count_check: Duration,
+    /// The fault ConfigMap's write budget: a change of counts and last-seen times alone is
+    /// written at most once per this interval ([`plan::when_to_write`]); `ZERO` writes every
+    /// change at once.
+    pub write_interval: Duration,
+    /// The Event sink's token bucket: Events a minute once `event_burst` are spent.
+    pub event_rate: u32,
+    pub event_burst: u32,
 }
 
 impl KubeSinkConfig {
@@ -75,6 +89,9 @@ impl KubeSinkConfig {
             resync: Duration::from_secs(300),
             budget_recheck: Duration::from_secs(15),
             budget_count_check: Duration::from_secs(300),
+            write_interval: DEFAULT_WRITE_INTERVAL,
+            event_rate: events::RATE_PER_MINUTE,
+            event_burst: events::BURST,
         }
     }
 }

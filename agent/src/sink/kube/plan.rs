@@ -15,6 +15,9 @@ use sha2::{Digest, Sha256};
 use faultline_core::engine::{DesiredCondition, DesiredTaint, EngineEvent, HEALTH_LABEL};
 use faultline_core::policy::TaintEffect;
 use faultline_core::record::{check_code, Health, NodeRecord};
+use tokio::time::Instant;
+
+use crate::sink::pace::WriteBudget;
 
 /// Taints, labels and ConfigMaps the agent owns all live under this prefix.
 pub const OWNED_PREFIX: &str = "faultline.io/";
@@ -266,6 +269,137 @@ pub fn content_key_without_detectors(record: &NodeRecord) -> String {
     let mut r = record.clone();
     r.agent.detectors.clear();
     content_key(&r)
+}
+
+/// The keys the fault ConfigMap sink compares records by.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordKeys {
+    /// [`content_key`]: any difference needs a write.
+    pub content: String,
+    /// [`shape_key`]: a difference here is more than a fault repeating.
+    pub shape: String,
+}
+
+impl RecordKeys {
+    pub fn of(record: &NodeRecord) -> Self {
+        RecordKeys {
+            content: content_key(record),
+            shape: shape_key(record),
+        }
+    }
+}
+
+/// The content key without what a repeating fault moves: every fault's `count` and `lastSeen`,
+/// and the `checkCode` computed over them. What is left is the health, the handling, which
+/// faults there are and at which level (new, escalated, recovered), their messages and sources,
+/// the detectors and the taint budget's report: all written at once.
+pub fn shape_key(record: &NodeRecord) -> String {
+    let mut r = record.clone();
+    for f in &mut r.faults {
+        f.count = 0;
+        f.last_seen = Timestamp::UNIX_EPOCH;
+    }
+    r.check_code.clear();
+    content_key(&r)
+}
+
+/// How the newest record differs from the one the ConfigMap holds (as last written or read).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordChange {
+    /// The same content: nothing to write.
+    Same,
+    /// Only counts and last-seen times moved (a fault repeating): written within the budget.
+    Counters,
+    /// Anything else, or nothing known to be there: written at once.
+    Content,
+}
+
+/// Compares by [`RecordKeys`]; `written` is `None` when the ConfigMap is missing, unreadable or
+/// not known yet.
+pub fn record_change(written: Option<&RecordKeys>, newest: &RecordKeys) -> RecordChange {
+    match written {
+        Some(w) if w.content == newest.content => RecordChange::Same,
+        Some(w) if w.shape == newest.shape => RecordChange::Counters,
+        _ => RecordChange::Content,
+    }
+}
+
+/// When the fault ConfigMap sink writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteWhen {
+    /// Nothing to write.
+    Skip,
+    Now,
+    /// Wake after this long and decide again with whatever is newest then: the trailing write
+    /// that carries the last count of a storm.
+    After(std::time::Duration),
+}
+
+/// The fault ConfigMap's write decision. A content change (health, handling, a fault new,
+/// escalated or recovered, the ConfigMap gone) is written now, even while a failed write backs
+/// off. A change of counters alone waits for the write budget (`budget_wait`) and for a running
+/// retry backoff (`retry_wait`), then goes out with the newest counts: a repeating fault costs
+/// one write per interval, never one per repeat, and its final count is never lost.
+pub fn when_to_write(
+    change: RecordChange,
+    budget_wait: std::time::Duration,
+    retry_wait: std::time::Duration,
+) -> WriteWhen {
+    match change {
+        RecordChange::Same => WriteWhen::Skip,
+        RecordChange::Content => WriteWhen::Now,
+        RecordChange::Counters => {
+            let wait = budget_wait.max(retry_wait);
+            if wait.is_zero() {
+                WriteWhen::Now
+            } else {
+                WriteWhen::After(wait)
+            }
+        }
+    }
+}
+
+/// The fault ConfigMap's pacing: [`when_to_write`] with the write budget it keeps. A write of
+/// counters alone spends the budget (one per interval); a content write goes out regardless
+/// and moves the next counters write one interval after it, without running up a debt. So the
+/// writes of counters are at least an interval from any write before them, and a storm of one
+/// repeating fault over `S` seconds costs at most `1 + ceil(S / interval) + 1` writes: its first
+/// report, one per interval, and the trailing write with the final count (plus one per content
+/// change, such as an escalation, in the middle).
+#[derive(Debug, Clone)]
+pub struct CountsPacer {
+    budget: WriteBudget,
+}
+
+impl CountsPacer {
+    /// `interval`: `--kube-write-interval`; zero writes every change at once.
+    pub fn new(interval: std::time::Duration, now: Instant) -> Self {
+        CountsPacer {
+            budget: WriteBudget::new(interval, 1, now),
+        }
+    }
+
+    /// When to write a record that differs from the written one by `change`; `retry_at`: when
+    /// a failed write may be tried again.
+    pub fn decide(
+        &self,
+        change: RecordChange,
+        now: Instant,
+        retry_at: Option<Instant>,
+    ) -> WriteWhen {
+        let retry_wait = retry_at.map_or(std::time::Duration::ZERO, |at| {
+            at.saturating_duration_since(now)
+        });
+        when_to_write(change, self.budget.wait(now), retry_wait)
+    }
+
+    /// Records a write of a record that differed by `change`, made at `now`.
+    pub fn written(&mut self, change: RecordChange, now: Instant) {
+        match change {
+            RecordChange::Counters => self.budget.spend(now),
+            RecordChange::Content | RecordChange::Same => self.budget.note_forced(now),
+        }
+    }
 }
 
 /// One node's entry in the shared taint ledger.
@@ -832,6 +966,245 @@ mod tests {
             since: t(0),
         });
         assert_ne!(content_key(&a), content_key(&c), "a withheld taint is news");
+    }
+
+    /// A repeat moves counters only; every other change is content.
+    #[test]
+    fn record_changes() {
+        let base = record(2, 1, 5);
+        let keys = RecordKeys::of(&base);
+        let repeat = |r: &mut NodeRecord| {
+            r.faults[0].count += 7;
+            r.faults[0].last_seen = t(60);
+            r.check_code = check_code(&r.faults);
+        };
+        type Edit = fn(&mut NodeRecord);
+        let cases: &[(&str, Edit, RecordChange)] = &[
+            ("nothing", |_| {}, RecordChange::Same),
+            (
+                "updateTime only",
+                |r| r.update_time = t(99),
+                RecordChange::Same,
+            ),
+            (
+                "a count",
+                |r| {
+                    r.faults[0].count += 1;
+                    r.check_code = check_code(&r.faults)
+                },
+                RecordChange::Counters,
+            ),
+            (
+                "a last-seen time",
+                |r| r.faults[1].last_seen = t(30),
+                RecordChange::Counters,
+            ),
+            (
+                "count and last seen",
+                |r| {
+                    r.faults[0].count += 7;
+                    r.faults[0].last_seen = t(60);
+                    r.check_code = check_code(&r.faults)
+                },
+                RecordChange::Counters,
+            ),
+            (
+                "health",
+                |r| r.health = Health::Unhealthy,
+                RecordChange::Content,
+            ),
+            (
+                "node handling",
+                |r| r.handling = Some(Handling::SeparateNPU),
+                RecordChange::Content,
+            ),
+            (
+                "a fault escalated",
+                |r| {
+                    r.faults[0].escalated_from = Some(Handling::RestartBusiness);
+                    r.faults[0].fault_handling = Handling::SeparateNPU;
+                },
+                RecordChange::Content,
+            ),
+            (
+                "a fault recovered",
+                |r| {
+                    r.faults[0].active = false;
+                    r.faults[0].recovered_at = Some(t(9))
+                },
+                RecordChange::Content,
+            ),
+            (
+                "a new fault",
+                |r| {
+                    let f = r.faults[0].clone();
+                    r.faults.push(Fault {
+                        device: "GPU-9".into(),
+                        ..f
+                    })
+                },
+                RecordChange::Content,
+            ),
+            (
+                "a fault gone",
+                |r| {
+                    r.faults.pop();
+                },
+                RecordChange::Content,
+            ),
+            (
+                "a message",
+                |r| r.faults[0].message = "other".into(),
+                RecordChange::Content,
+            ),
+            (
+                "another source",
+                |r| r.faults[0].also_seen_by = vec![Source::Nvml],
+                RecordChange::Content,
+            ),
+            (
+                "a detector",
+                |r| {
+                    r.agent
+                        .detectors
+                        .push(faultline_core::record::DetectorStatus {
+                            name: "kmsg".into(),
+                            state: "Down".into(),
+                            reason: None,
+                        })
+                },
+                RecordChange::Content,
+            ),
+            (
+                "dropped faults",
+                |r| r.dropped_faults = 3,
+                RecordChange::Content,
+            ),
+        ];
+        for (what, edit, want) in cases {
+            let mut r = base.clone();
+            edit(&mut r);
+            assert_eq!(
+                record_change(Some(&keys), &RecordKeys::of(&r)),
+                *want,
+                "{what}"
+            );
+        }
+        assert_eq!(
+            record_change(None, &keys),
+            RecordChange::Content,
+            "nothing there"
+        );
+        // Counters compared with the last record written, not the last seen: a storm that
+        // also escalates is one content change.
+        let mut r = base.clone();
+        repeat(&mut r);
+        r.faults[0].fault_handling = Handling::SeparateNPU;
+        assert_eq!(
+            record_change(Some(&keys), &RecordKeys::of(&r)),
+            RecordChange::Content
+        );
+    }
+
+    #[test]
+    fn write_decisions() {
+        use std::time::Duration;
+        let (z, s) = (Duration::ZERO, Duration::from_secs);
+        let cases = [
+            // (change, budget wait, retry wait, decision)
+            (RecordChange::Same, z, z, WriteWhen::Skip),
+            (RecordChange::Same, s(5), s(1), WriteWhen::Skip),
+            (RecordChange::Content, z, z, WriteWhen::Now),
+            (RecordChange::Content, s(9), z, WriteWhen::Now),
+            (RecordChange::Content, s(9), s(30), WriteWhen::Now),
+            (RecordChange::Counters, z, z, WriteWhen::Now),
+            (RecordChange::Counters, s(4), z, WriteWhen::After(s(4))),
+            (RecordChange::Counters, z, s(2), WriteWhen::After(s(2))),
+            (RecordChange::Counters, s(4), s(2), WriteWhen::After(s(4))),
+            (RecordChange::Counters, s(1), s(8), WriteWhen::After(s(8))),
+        ];
+        for (change, budget, retry, want) in cases {
+            assert_eq!(
+                when_to_write(change, budget, retry),
+                want,
+                "{change:?} budget {budget:?} retry {retry:?}"
+            );
+        }
+    }
+
+    /// The sink's loop over a 60 s storm of one repeating fault (a repeat every 50 ms) with a
+    /// 10 s interval, decided by [`CountsPacer`]: the first report and an escalation at 25 s go
+    /// out the moment they happen, the repeats once per interval, and the last write carries the
+    /// final count: 8 writes where every repeat was one before (1,200).
+    #[test]
+    fn a_storm_is_written_once_per_interval_and_ends_with_its_final_count() {
+        use std::time::Duration;
+        let interval = Duration::from_secs(10);
+        let t0 = Instant::now();
+        let ms = |n: u64| t0 + Duration::from_millis(n);
+        let mut pacer = CountsPacer::new(interval, t0);
+        let mut written: Option<RecordKeys> = None;
+        let writes: std::cell::RefCell<Vec<(Duration, u64)>> = Default::default();
+        let mut wake: Option<Instant> = None;
+        let mut newest = record(1, 0, 5);
+        // What the sink does when a snapshot arrives or its wake-up passes.
+        let mut step = |now: Instant, r: &NodeRecord, wake: &mut Option<Instant>| {
+            let keys = RecordKeys::of(r);
+            let change = record_change(written.as_ref(), &keys);
+            match pacer.decide(change, now, None) {
+                WriteWhen::Skip => *wake = None,
+                WriteWhen::Now => {
+                    pacer.written(change, now);
+                    written = Some(keys);
+                    *wake = None;
+                    writes.borrow_mut().push((now - t0, r.faults[0].count));
+                }
+                WriteWhen::After(d) => *wake = Some(now + d),
+            }
+        };
+        let repeats = 1200u64;
+        for i in 0..repeats {
+            let now = ms(50 * i);
+            // A wake-up due before this repeat comes first.
+            while let Some(w) = wake.filter(|w| *w <= now) {
+                step(w, &newest, &mut wake);
+            }
+            newest.faults[0].count = i + 1;
+            newest.faults[0].last_seen = t(i as i64 / 20);
+            if i == 501 {
+                newest.faults[0].escalated_from = Some(Handling::RestartBusiness);
+                newest.faults[0].fault_handling = Handling::SeparateNPU;
+            }
+            newest.check_code = check_code(&newest.faults);
+            step(now, &newest, &mut wake);
+        }
+        while let Some(w) = wake {
+            step(w, &newest, &mut wake);
+        }
+        let s = |n: u64, count: u64| (Duration::from_millis(n), count);
+        assert_eq!(
+            *writes.borrow(),
+            [
+                // The new fault.
+                s(0, 1),
+                // Counts, one interval after it (the wake-up before the repeat due then).
+                s(10_000, 200),
+                s(20_000, 400),
+                // The escalation, at once.
+                s(25_050, 502),
+                // Counts, one interval after the escalation.
+                s(35_050, 701),
+                s(45_050, 901),
+                s(55_050, 1101),
+                // The trailing write: the final count.
+                s(65_050, 1200),
+            ]
+        );
+        // A lone repeat after a quiet spell goes out at once.
+        let later = ms(200_000);
+        newest.faults[0].count += 1;
+        step(later, &newest, &mut wake);
+        assert_eq!(writes.borrow().last(), Some(&(later - t0, 1201)));
     }
 
     #[test]
