@@ -2,13 +2,16 @@
 //!
 //! - `latency`: an Xid line to the taint and the ConfigMap visible in the API server;
 //! - `writes`: API writes per fault, and at steady state (nothing changing);
+//! - `storm`: one Xid repeating for a minute: API writes against the write budget, and the
+//!   final count in the last ConfigMap write;
 //! - `fleet`: many agents against one API server, all failing at once, under the taint budget.
 //! - `fleet-tasks`: 1,000-2,000 agents as tasks of one process against an API server (the
 //!   emulator in a process of its own, as a real one is) with a real server's write latency; a
 //!   share of them failing at once.
 //!
-//! `cargo bench -p faultline-agent --bench kube -- [latency] [writes] [fleet] [fleet-tasks]
-//!  [--events N] [--steady-secs S] [--agents N] [--fail-percent P] [--latency-min-ms A]
+//! `cargo bench -p faultline-agent --bench kube -- [latency] [writes] [storm] [fleet]
+//!  [fleet-tasks] [--events N] [--steady-secs S] [--storm-secs S] [--storm-every-ms M]
+//!  [--storm-interval-ms I] [--agents N] [--fail-percent P] [--latency-min-ms A]
 //!  [--latency-max-ms B]`; docs/benchmarks.md has the figures.
 
 #![allow(clippy::unwrap_used)]
@@ -287,6 +290,108 @@ fn writes(steady_secs: u64) {
         "steady state, {steady_secs} s with nothing changing: {} writes {steady:?}, {reads} reads",
         steady.values().sum::<usize>()
     );
+    sigterm(&child);
+    child.wait().unwrap();
+}
+
+/// One Xid repeating every `every_ms` for `secs` seconds (a storm) against the emulator, the
+/// agent's write budget at its default (`--kube-write-interval 10s`, Events 10 then 30 a
+/// minute) or `interval_ms` (0: every change written at once, as before the budget). Counts
+/// the API writes by the emulator's request log and checks them against the budget; checks
+/// that the last ConfigMap write carries the final count.
+fn storm(secs: u64, every_ms: u64, interval_ms: Option<u64>) {
+    let c = Cluster::new(&["node-a".to_string()]);
+    let interval = Duration::from_millis(interval_ms.unwrap_or(10_000));
+    let flag = format!("{}ms", interval.as_millis());
+    let (mut child, dir) = c.agent(
+        "node-a",
+        &["--settle", "0s", "--kube-write-interval", &flag],
+    );
+    c.wait("a first ConfigMap", Duration::from_secs(30), |c| {
+        c.record("node-a").is_some_and(|r| r["health"] == "Healthy")
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    c.emu.clear_calls();
+    let started = std::time::SystemTime::now();
+    let t0 = Instant::now();
+    let every = Duration::from_millis(every_ms.max(1));
+    let mut lines = 0u64;
+    while t0.elapsed() < Duration::from_secs(secs) {
+        append(&dir, &xid(10 + lines, "3b", 79));
+        lines += 1;
+        let next = t0 + every * u32::try_from(lines).unwrap();
+        std::thread::sleep(next.saturating_duration_since(Instant::now()));
+    }
+    let count = |r: &Value| {
+        r["faults"]
+            .as_array()
+            .and_then(|fs| fs.iter().find(|f| f["fault_code"] == "Xid79"))
+            .and_then(|f| f["count"].as_u64())
+    };
+    let final_after = c.wait(
+        "the final count in the ConfigMap",
+        interval + Duration::from_secs(30),
+        |c| c.record("node-a").is_some_and(|r| count(&r) == Some(lines)),
+    );
+    // Anything still to come would come within an interval.
+    std::thread::sleep(interval.min(Duration::from_secs(10)) + Duration::from_secs(2));
+    let calls = c.emu.calls();
+    let cm_path = format!("/api/v1/namespaces/{NS}/configmaps/faultline-node-a");
+    let applies: Vec<f64> = calls
+        .iter()
+        .filter(|x| x.is_write() && x.path == cm_path)
+        .map(|x| {
+            x.at.duration_since(started)
+                .unwrap_or_default()
+                .as_secs_f64()
+        })
+        .collect();
+    let events = calls
+        .iter()
+        .filter(|x| x.is_write() && x.path.contains("/events"))
+        .count();
+    let node = calls
+        .iter()
+        .filter(|x| x.is_write() && x.path.contains("/nodes/"))
+        .count();
+    let all = calls.iter().filter(|x| x.is_write()).count();
+    let ledger = all - applies.len() - events - node;
+    let last = c.record("node-a").and_then(|r| count(&r));
+    println!(
+        "storm: Xid 79 every {every_ms} ms for {secs} s ({lines} lines), --kube-write-interval {flag}: {all} API writes: {} ConfigMap applies, {node} Node writes, {ledger} taint-ledger writes, {events} Event writes; ConfigMap writes at {:?} s (the first 12); the final count ({lines}) in the ConfigMap {:.2} s after the last line; by kind {:?}",
+        applies.len(),
+        applies
+            .iter()
+            .take(12)
+            .map(|t| (t * 100.0).round() / 100.0)
+            .collect::<Vec<_>>(),
+        final_after.as_secs_f64(),
+        c.writes()
+    );
+    assert_eq!(last, Some(lines), "the last write carries the final count");
+    if interval.is_zero() {
+        println!("storm: (no write budget: every change written at once)");
+    } else {
+        // ConfigMap: the first report, one write of counts per interval over the storm, and
+        // the trailing write with the final count. Node: what one new fault takes (the label,
+        // the taint, the condition); the storm adds nothing. Events: the token bucket's burst
+        // and its refill over the storm.
+        // Over the nominal storm length (the loop ends a few ms after it).
+        let per = interval.as_secs_f64();
+        let cm_budget = 1 + (secs as f64 / per).ceil() as usize + 1;
+        let event_budget = 10 + (secs * 30 / 60) as usize;
+        println!(
+            "storm: budget: ConfigMap 1 + ceil({secs} / {per}) + 1 = {cm_budget} (used {}), Node 3 (used {node}), taint ledger 1 (used {ledger}), Events 10 + {secs} x 30/60 = {event_budget} (used {events})",
+            applies.len()
+        );
+        assert!(
+            applies.len() <= cm_budget,
+            "ConfigMap writes over the budget"
+        );
+        assert!(node <= 3, "Node writes over one fault's");
+        assert!(ledger <= 1, "taint-ledger writes over one admission's");
+        assert!(events <= event_budget, "Event writes over the budget");
+    }
     sigterm(&child);
     child.wait().unwrap();
 }
@@ -757,12 +862,20 @@ fn main() {
         return;
     }
     let args = common::Args::from_env();
-    let parts = ["latency", "writes", "fleet", "fleet-tasks"];
+    let parts = ["latency", "writes", "storm", "fleet", "fleet-tasks"];
     if args.wants(&parts, "latency") {
         latency(args.flag("--events", 100) as usize);
     }
     if args.wants(&parts, "writes") {
         writes(args.flag("--steady-secs", 60));
+    }
+    if args.wants(&parts, "storm") {
+        let interval = args.flag("--storm-interval-ms", u64::MAX);
+        storm(
+            args.flag("--storm-secs", 60),
+            args.flag("--storm-every-ms", 10),
+            (interval != u64::MAX).then_some(interval),
+        );
     }
     if args.wants(&parts, "fleet") {
         fleet(args.flag("--agents", 200) as usize);
