@@ -477,8 +477,10 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
         (Some(d), Some(l)) => l > d,
     };
     if !legacy_newer {
-        if modified(&from).is_some() {
-            // Superseded: an agent rolled back to would otherwise restore it.
+        let data = file::read_state(&cfg.data_dir);
+        // Superseded, once the data directory's copy is known good: an agent rolled back to
+        // would otherwise restore it.
+        if matches!(data, Ok(Some(_))) && modified(&from).is_some() {
             match std::fs::remove_file(&from) {
                 Ok(()) => {
                     info!(stale = %from.display(), kept = %to.display(), "an older saved state in the state directory removed")
@@ -488,13 +490,17 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
                 }
             }
         }
-        return file::read_state(&cfg.data_dir).map_err(refused);
+        return data.map_err(refused);
     }
     let legacy = match file::read_state(&cfg.state_dir) {
         Ok(Some(p)) => p,
-        // Unreadable: the data directory's copy, if any, is the better one.
-        Ok(None) | Err(_) if modified(&to).is_some() => {
-            return file::read_state(&cfg.data_dir).map_err(refused)
+        // Unreadable (set aside when of another version): the data directory's copy, if any,
+        // is the better one.
+        other if modified(&to).is_some() => {
+            if let Err(e) = other {
+                let _ = refused(e);
+            }
+            return file::read_state(&cfg.data_dir).map_err(refused);
         }
         other => return other.map_err(refused),
     };
@@ -514,12 +520,22 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
 }
 
 /// Moves `name` from the state directory (where agents from before `--data-dir` kept it) to the
-/// data directory, unless the data directory has one already. Across file systems (/run is a
-/// tmpfs), so a copy and a removal; failing, the file stays and is logged.
+/// data directory when it is the newer copy (as for `state.json`); an older copy is removed.
+/// Across file systems (/run is a tmpfs), so a copy and a removal; failing, the file stays and
+/// is logged.
 fn move_legacy_file(state_dir: &Path, data_dir: &Path, name: &str) {
     let (from, to) = (state_dir.join(name), data_dir.join(name));
-    if state_dir == data_dir || !from.is_file() || to.exists() {
+    if state_dir == data_dir || !from.is_file() {
         return;
+    }
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    if let (Some(d), Some(l)) = (modified(&to), modified(&from)) {
+        if l <= d {
+            if let Err(e) = std::fs::remove_file(&from) {
+                warn!(error = %e, stale = %from.display(), "cannot remove an older copy");
+            }
+            return;
+        }
     }
     let moved = std::fs::read(&from)
         .map_err(|e| e.to_string())

@@ -383,7 +383,6 @@ fn default_recovery() -> Vec<RecoveryRule> {
     ]
 }
 
-/// The default node action for a level (DESIGN.md's table).
 /// The health of [`default_node_action`], without building the action.
 pub fn default_health(h: Handling) -> Health {
     use Handling::*;
@@ -396,6 +395,7 @@ pub fn default_health(h: Handling) -> Health {
     }
 }
 
+/// The default node action for a level (DESIGN.md's table).
 pub fn default_node_action(h: Handling) -> NodeAction {
     use Handling::*;
     match h {

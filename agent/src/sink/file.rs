@@ -255,6 +255,9 @@ pub async fn run(
     let mut backoff = Duration::from_millis(100);
     let mut flush_until: Option<Instant> = None;
     let mut last_write = tokio::time::Instant::now();
+    // The heartbeat last written: kept, not renewed, while the engine loop is not running (a
+    // retry of a state that cannot be saved rewrites the record too).
+    let mut stamped: Option<Timestamp> = None;
     loop {
         let mut beat = false;
         let closed = tokio::select! {
@@ -286,7 +289,10 @@ pub async fn run(
             let d = dirs.clone();
             let started = Instant::now();
             let snap2 = snap.clone();
-            let now = heartbeat.clock.now();
+            let now = match stamped {
+                Some(last) if !heartbeat.engine_alive() => last,
+                _ => heartbeat.clock.now(),
+            };
             let result =
                 tokio::task::spawn_blocking(move || write_snapshot(&d, &snap2, now, record_only))
                     .await
@@ -309,6 +315,7 @@ pub async fn run(
                         "record written"
                     );
                     written = Some(snap.revision);
+                    stamped = Some(now);
                     last_write = tokio::time::Instant::now();
                     if !record_only {
                         budget.spend(tokio::time::Instant::now());
@@ -333,6 +340,7 @@ pub async fn run(
                     if e.record_written() {
                         // The heartbeat is fresh; the state is retried with the backoff.
                         last_write = tokio::time::Instant::now();
+                        stamped = Some(now);
                     }
                     // The record on disk is now older than the agent's state: not ready, and
                     // say so in the record the agent serves.

@@ -41,13 +41,31 @@ impl Engine {
         let Some(d) = d else {
             return ("node".into(), "node".into(), None, None);
         };
-        let known = d.pci.and_then(|p| self.devices.get(&p));
+        // Only an index (a GPU whose identity could not be read, for one lost at a restart): the
+        // PCI address the engine knows for that index, when exactly one device has it, so the
+        // fault gets the key it had before (saved faults are keyed by PCI address).
+        let by_index = match (d.pci, &d.uuid, &d.name, d.index) {
+            (None, None, None, Some(i)) => {
+                let mut with = self
+                    .devices
+                    .iter()
+                    .filter(|(_, k)| k.index == Some(i))
+                    .map(|(p, _)| *p);
+                match (with.next(), with.next()) {
+                    (Some(p), None) => Some(p),
+                    _ => None,
+                }
+            }
+            _ => None,
+        };
+        let pci_addr = d.pci.or(by_index);
+        let known = pci_addr.and_then(|p| self.devices.get(&p));
         let uuid = d
             .uuid
             .clone()
             .or_else(|| known.and_then(|k| k.uuid.clone()));
         let index = d.index.or_else(|| known.and_then(|k| k.index));
-        let pci = d.pci.map(|p| p.to_string());
+        let pci = pci_addr.map(|p| p.to_string());
         let key = pci
             .clone()
             .or_else(|| uuid.clone())

@@ -696,8 +696,11 @@ impl Engine {
             seen.insert(key.clone());
             match self.faults.get_mut(&key) {
                 Some(f) if f.fault.active => {
-                    // Still there: nothing to record; a running recovery hold is cancelled.
-                    f.resolving_since = None;
+                    // Still there: nothing to record; a running recovery hold is cancelled
+                    // (which shows in the record's `recovering` set).
+                    if f.resolving_since.take().is_some() {
+                        self.revision += 1;
+                    }
                     if f.domain.as_deref() != Some(domain.as_str()) {
                         f.domain = Some(domain.clone());
                     }

@@ -944,3 +944,52 @@ fn inventory_is_kept_and_changes_bump_the_revision() {
     assert!(r.engine.revision() > rev);
     assert_eq!(r.engine.inventory("Ascend910").map(|s| s.len()), Some(7));
 }
+
+/// A GPU known only by its index (its identity could not be read, as for a GPU lost at an
+/// agent restart) gets the fault key of the PCI address the engine knows for that index, so a
+/// saved fault is the same fault; with two devices claiming the index, it is not guessed.
+#[test]
+fn an_index_alone_finds_the_known_device() {
+    let mut r = Rig::new("");
+    r.at(
+        0,
+        Observation::DeviceSeen {
+            pci: pci("0000:3b:00.0"),
+            uuid: Some("GPU-a".into()),
+            index: Some(1),
+        },
+    );
+    let lost = |index: u32| {
+        Observation::Signal(Signal::new(
+            Source::Nvml,
+            FaultCode::named("GPU_LOST"),
+            Some(DeviceRef {
+                index: Some(index),
+                ..Default::default()
+            }),
+            "lost",
+        ))
+    };
+    r.at(1, xid(79, "0000:3b:00.0"));
+    r.at(2, lost(1));
+    let keys: Vec<String> = r
+        .engine
+        .faults()
+        .map(|f| f.fault.pci_bus_id.clone().unwrap_or_default())
+        .collect();
+    assert_eq!(keys, ["0000:3b:00.0", "0000:3b:00.0"]);
+    // A second device with the same index (stale after a renumbering): no guess.
+    r.at(
+        3,
+        Observation::DeviceSeen {
+            pci: pci("0000:86:00.0"),
+            uuid: Some("GPU-b".into()),
+            index: Some(1),
+        },
+    );
+    r.at(4, lost(1));
+    assert!(r
+        .engine
+        .faults()
+        .any(|f| f.fault.pci_bus_id.is_none() && f.fault.device == "GPU-1"));
+}

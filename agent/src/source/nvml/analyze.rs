@@ -34,6 +34,11 @@ struct DevState {
     /// is known to be low only a whole window later.
     link_errors_since: Option<Instant>,
     replays_since: Option<Instant>,
+    /// This process reported a link down: it knows that fault is its own to end, even while
+    /// another link (never seen active) keeps the picture unsure.
+    nvlink_down_reported: bool,
+    /// Uncorrectable ECC errors were present at this process's previous poll.
+    ecc_present: bool,
 }
 
 /// The analyzer's memory between passes (counter history only; no raised conditions).
@@ -142,17 +147,28 @@ impl Analyzer {
         };
 
         let lost = r.lost();
-        read(
-            "GPU_LOST",
-            lost.map(|e| {
-                let what = if e == CallError::GpuLost {
-                    "GPU_IS_LOST"
-                } else {
-                    "RESET_REQUIRED"
-                };
-                signal("GPU_LOST", format!("NVML returns {what} for this GPU"))
-            }),
-        );
+        // Every reading failed, none of them as lost: nothing is known about the GPU.
+        let any_read = r.ecc_volatile.is_ok()
+            || r.ecc_aggregate.is_ok()
+            || r.pages_pending.is_ok()
+            || r.remap.is_ok()
+            || r.recovery_action.is_ok()
+            || r.links.is_ok()
+            || r.pcie.is_ok()
+            || r.pcie_replay.is_ok();
+        if lost.is_some() || any_read {
+            read(
+                "GPU_LOST",
+                lost.map(|e| {
+                    let what = if e == CallError::GpuLost {
+                        "GPU_IS_LOST"
+                    } else {
+                        "RESET_REQUIRED"
+                    };
+                    signal("GPU_LOST", format!("NVML returns {what} for this GPU"))
+                }),
+            );
+        }
 
         // Uncorrectable ECC: present while the volatile count is non-zero; every increase
         // between two passes of this process is counted.
@@ -170,10 +186,14 @@ impl Analyzer {
             let grew = increase.max(agg_increase);
             // Present at the previous pass too: the level keeps the fault and the growth is a
             // signal of its own. New now: the level raises it, counting the volatile errors.
-            let was_present = dev.ecc_volatile.is_some_and(|prev| prev > 0);
+            let was_present = dev.ecc_present;
             if grew > 0 && was_present {
                 ecc_growth = Some(grew);
             }
+            // A first reading counts the errors it finds; a later one only what is new (after an
+            // operator's clear, the errors seen before are not counted again).
+            let known = dev.ecc_volatile.is_some();
+            dev.ecc_present = v > 0 || grew > 0;
             let present = (v > 0 || grew > 0).then(|| {
                 let mut s = signal(
                     "ECC_UNCORRECTABLE",
@@ -182,7 +202,7 @@ impl Analyzer {
                         agg.map_or("n/a".into(), |a| a.to_string())
                     ),
                 );
-                s.count = v.max(1);
+                s.count = if known { grew.max(1) } else { v.max(1) };
                 s
             });
             read("ECC_UNCORRECTABLE", present);
@@ -245,6 +265,7 @@ impl Analyzer {
             // Inactive links never seen active by this process, with no expected count: a link
             // that is not cabled or one that went down before a restart; cannot tell which.
             let mut unsure = false;
+            let mut errors_read = false;
             let mut noisy = Vec::new();
             let errors_since = *dev.link_errors_since.get_or_insert(now);
             for l in links {
@@ -260,6 +281,7 @@ impl Analyzer {
                 }
                 unsure |= !expected && !l.active;
                 if let Ok(e) = l.errors {
+                    errors_read = true;
                     let hist = dev.link_errors.entry(l.link).or_default();
                     let g = crate::source::counter_growth(hist, now, e, p.nvlink_error_window);
                     if g >= p.nvlink_error_threshold {
@@ -281,9 +303,10 @@ impl Analyzer {
                         format!("NVLink {} not active", list.join(", ")),
                     )),
                 );
-            } else if !unsure {
+            } else if !unsure || dev.nvlink_down_reported {
                 read("NVLINK_DOWN", None);
             }
+            dev.nvlink_down_reported = !down.is_empty();
             if !noisy.is_empty() {
                 let list: Vec<String> = noisy
                     .iter()
@@ -300,7 +323,9 @@ impl Analyzer {
                         ),
                     )),
                 );
-            } else if now.saturating_duration_since(errors_since) >= p.nvlink_error_window {
+            } else if errors_read
+                && now.saturating_duration_since(errors_since) >= p.nvlink_error_window
+            {
                 read("NVLINK_ERRORS", None);
             }
         }
@@ -677,6 +702,87 @@ mod tests {
         assert_eq!(r.poll(&down), ["NVLINK_DOWNx1"]);
         assert_eq!(r.poll(&down), ["NVLINK_DOWNx1"]);
         assert!(r.poll(&ok_readings(0)).is_empty());
+    }
+
+    /// A GPU with a link that was never active (uncabled, or dead before the agent started):
+    /// another link that goes down and comes back is still ended by this process.
+    #[test]
+    fn a_link_that_comes_back_ends_its_fault_beside_a_never_active_link() {
+        let mut r = Rig::new(NvmlPolicy::default());
+        let with = |down: Option<usize>| {
+            let mut x = ok_readings(0);
+            if let Ok(l) = &mut x.links {
+                l.push(Link {
+                    link: 4,
+                    active: false,
+                    errors: Ok(0),
+                });
+                if let Some(d) = down {
+                    l[d].active = false;
+                }
+            }
+            x
+        };
+        assert!(r.poll(&with(None)).is_empty(), "never active: not a fault");
+        assert_eq!(r.poll(&with(Some(2))), ["NVLINK_DOWNx1"]);
+        assert!(r.poll(&with(None)).is_empty(), "link 2 is back");
+    }
+
+    /// Readings that all fail without saying the GPU is lost tell nothing: a lost GPU stays lost.
+    #[test]
+    fn failed_readings_do_not_end_a_lost_gpu() {
+        let mut r = Rig::new(NvmlPolicy::default());
+        r.poll(&DeviceReadings::all_failed(0, CallError::GpuLost));
+        assert_eq!(
+            r.poll(&DeviceReadings::all_failed(
+                0,
+                CallError::Other("Unknown Error".into())
+            )),
+            ["GPU_LOSTx1"]
+        );
+        assert!(r.poll(&ok_readings(0)).is_empty());
+    }
+
+    /// Uncorrectable ECC errors an operator cleared are not counted again when the fault comes
+    /// back at the next poll; growth of the aggregate count alone is counted at every poll.
+    #[test]
+    fn ecc_after_an_operator_clear_and_aggregate_growth() {
+        let mut r = Rig::new(NvmlPolicy::default());
+        let ecc = |v: u64, agg: u64| {
+            let mut x = ok_readings(0);
+            x.ecc_volatile = Ok(v);
+            x.ecc_aggregate = Ok(agg);
+            x
+        };
+        r.poll(&ecc(0, 0));
+        assert_eq!(r.poll(&ecc(4, 4)), ["ECC_UNCORRECTABLEx4"]);
+        let ctx = Ctx {
+            policy: &r.policy,
+            catalog: &r.catalog,
+        };
+        let now = faultline_core::time::Timestamp::from_second(1_790_000_100).unwrap();
+        r.engine.step(
+            ctx,
+            Observation::OperatorClear {
+                code: None,
+                device: None,
+            },
+            now,
+        );
+        assert!(r.active().is_empty());
+        assert_eq!(
+            r.poll(&ecc(4, 4)),
+            ["ECC_UNCORRECTABLEx5"],
+            "back as one occurrence, not four more"
+        );
+        // A reset: volatile 0; the aggregate grows twice in a row.
+        assert!(r.poll(&ecc(0, 4)).is_empty());
+        assert_eq!(
+            r.poll(&ecc(0, 6)),
+            ["ECC_UNCORRECTABLEx7"],
+            "two new errors"
+        );
+        assert_eq!(r.poll(&ecc(0, 9)), ["ECC_UNCORRECTABLEx10"], "three more");
     }
 
     #[test]

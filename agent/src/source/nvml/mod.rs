@@ -205,15 +205,26 @@ pub async fn run_with(
             interval_ms.clone(),
         );
         spawn_thread(format!("nvml-gpu{i}"), &ctx, &died, move || {
-            match b.identity(i, &calls) {
-                Ok(id) => {
-                    if tx.blocking_send(Msg::Identity(id)).is_err() {
-                        return;
+            // Read again every poll until it succeeds: a GPU lost at start has no identity yet,
+            // and its faults are keyed by PCI address once it is known.
+            let mut identified = false;
+            let mut warned = false;
+            while !ctx2.shutdown.is_cancelled() {
+                if !identified {
+                    match b.identity(i, &calls) {
+                        Ok(id) => {
+                            identified = true;
+                            if tx.blocking_send(Msg::Identity(id)).is_err() {
+                                return;
+                            }
+                        }
+                        Err(e) if !warned => {
+                            warned = true;
+                            warn!(gpu = i, error = ?e, "cannot read the GPU's identity; trying again every poll");
+                        }
+                        Err(_) => {}
                     }
                 }
-                Err(e) => warn!(gpu = i, error = ?e, "cannot read the GPU's identity"),
-            }
-            while !ctx2.shutdown.is_cancelled() {
                 let r = b.read(i, &calls);
                 if tx.blocking_send(Msg::Readings(Box::new(r))).is_err() {
                     return;
