@@ -117,8 +117,8 @@ pub struct AgentConfig {
     /// Kubernetes: a change of the fault ConfigMap that only moves counts and last-seen times
     /// (a fault repeating) is written at most once per this interval, the newest count at the
     /// end of it; a change of health, handling or the set of faults is written at once.
-    /// `0s` writes every change at once.
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    /// `0s` writes every change at once; at most 10m.
+    #[arg(long, default_value = "10s", value_parser = parse_kube_write_interval)]
     pub kube_write_interval: Duration,
     /// Kubernetes: Events published per minute once the burst is spent (a token bucket);
     /// notices over the budget get no Event (counted in
@@ -186,6 +186,16 @@ fn parse_heartbeat(s: &str) -> Result<Duration, String> {
     let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
     if !(Duration::from_secs(1)..=Duration::from_secs(10)).contains(&d) {
         return Err(format!("{s} is outside 1s..=10s"));
+    }
+    Ok(d)
+}
+
+/// `--kube-write-interval`: counts held back longer than 10 minutes would make the ConfigMap
+/// useless to a scheduler reading it (and an absurd value would overflow the clock).
+fn parse_kube_write_interval(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d > Duration::from_secs(600) {
+        return Err(format!("{s} is longer than 10m"));
     }
     Ok(d)
 }
@@ -1162,6 +1172,26 @@ mod tests {
     struct Flags {
         #[command(flatten)]
         cfg: AgentConfig,
+    }
+
+    /// `--kube-write-interval` takes 0 (every change at once) up to 10 minutes; longer is refused
+    /// with the limit named (an absurd value overflowed the clock).
+    #[test]
+    fn the_kube_write_interval_is_bounded() {
+        let parse = |v: &str| Flags::try_parse_from(["agent", "--kube-write-interval", v]);
+        assert_eq!(parse("0s").unwrap().cfg.kube_write_interval, Duration::ZERO);
+        assert_eq!(
+            parse("10m").unwrap().cfg.kube_write_interval,
+            Duration::from_secs(600)
+        );
+        for bad in ["11m", "300000000000y", "soon"] {
+            let e = parse(bad).unwrap_err().to_string();
+            assert!(e.contains("kube-write-interval"), "{bad}: {e}");
+        }
+        assert!(parse("1d")
+            .unwrap_err()
+            .to_string()
+            .contains("longer than 10m"));
     }
 
     /// On bare metal every interface is the host's: the endpoints stay on loopback unless

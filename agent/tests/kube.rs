@@ -1558,6 +1558,61 @@ fn a_restart_while_a_taint_is_withheld_writes_nothing() {
 /// `--kube-write-interval`, not once per repeat (each write is the whole record, up to 1 MiB);
 /// an escalation in the middle of it is written at once, and the last write carries the final
 /// count. (Every repeat was one server-side apply before: about 240 here.)
+/// While the API server refuses the fault ConfigMap, a storm of a repeating fault waits for the
+/// retry backoff: what the failed attempt already carried (the new fault) plus counts is not
+/// "new content", so it is not sent with every snapshot. When the API answers again, the final
+/// count arrives. (Compared only with the last successful write, every snapshot of the storm
+/// looked like content and was applied at once: about ten a second per node.)
+#[test]
+fn a_storm_against_a_failing_api_waits_for_the_retry_backoff() {
+    let c = Cluster::new(&["node-a"]);
+    let dir = tempfile::tempdir().unwrap();
+    let agent = c.start_agent(dir.path(), "node-a", &[]);
+    c.wait("a healthy node", Some(&agent), |c| {
+        healthy_everywhere(c, "node-a")
+    });
+    let rule = c.emu.inject(FaultRule {
+        method: Some("PATCH".into()),
+        path_contains: Some("/configmaps/faultline-node-a".into()),
+        action: FaultAction::Status {
+            code: 500,
+            retry_after_s: None,
+        },
+        times: None,
+    });
+    let started = Instant::now();
+    let mut seq = 100u64;
+    while started.elapsed() < Duration::from_secs(4) {
+        agent.append(
+            format!(
+                "4,{seq},{},-;NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=x, Graphics Exception\n",
+                seq * 1000
+            )
+            .as_bytes(),
+        );
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let attempts = c
+        .emu
+        .calls()
+        .iter()
+        .filter(|x| x.injected && x.path.contains("/configmaps/faultline-node-a"))
+        .count();
+    // A backoff from 200 ms doubling (with jitter) over 4 s: a handful of attempts, not ~40.
+    assert!(
+        (1..=8).contains(&attempts),
+        "{attempts} applies of the ConfigMap in 4 s against a failing API"
+    );
+    assert!(c.emu.remove_fault(rule));
+    let lines = seq - 100;
+    c.wait("the final count in the ConfigMap", Some(&agent), |c| {
+        c.record("node-a")
+            .is_some_and(|r| fault(&r, "Xid13").is_some_and(|f| f.count == lines))
+    });
+    c.assert_calls_listed();
+}
+
 #[test]
 fn a_repeating_xid_writes_the_configmap_once_per_interval_and_an_escalation_at_once() {
     // The escalation (5 s into the storm) falls between two writes of counts (4 s, 8 s).

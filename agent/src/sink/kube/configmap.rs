@@ -59,6 +59,8 @@ pub async fn run(
     let mut retry = Retry::new();
     // When a failed write is tried again (a content change does not wait for it).
     let mut retry_at: Option<Instant> = None;
+    // The keys of the attempt that failed, while its retry is pending.
+    let mut failed: Option<RecordKeys> = None;
     // Writes of counters alone: one per interval, an interval after any write.
     let mut counts = CountsPacer::new(cfg.write_interval, Instant::now());
     let mut wake: Option<Instant> = None;
@@ -91,7 +93,8 @@ pub async fn run(
         };
         // A change of the watched ConfigMap alone does not cut a retry backoff or a wait for
         // the write budget short, and a repair that keeps being undone waits its turn.
-        let backing_off = woke_by_own && wake.is_some_and(|w| now < w);
+        // (Only a retry backoff: a drift is repaired without waiting for the counts' budget.)
+        let backing_off = woke_by_own && retry_at.is_some_and(|r| now < r);
         let snap = snapshots.borrow_and_update().clone();
         match (snap, paced) {
             (_, Some(at)) => {
@@ -118,7 +121,24 @@ pub async fn run(
                 }
                 Ok(prepared) => {
                     let change = plan::record_change(written.as_ref(), &prepared.keys);
-                    match counts.decide(change, now, retry_at) {
+                    // During a retry backoff, what the failed attempt already carried waits for
+                    // the retry: only content new since that attempt goes at once. (Compared
+                    // with the last successful write alone, every later count change looked
+                    // like content and was sent at once, ~10 applies a second in a storm
+                    // against a failing API server.)
+                    let since_failed = match (failed.as_ref(), retry_at) {
+                        (Some(f), Some(r)) if now < r => {
+                            Some((plan::record_change(Some(f), &prepared.keys), r))
+                        }
+                        _ => None,
+                    };
+                    let when = match since_failed {
+                        Some((c, r)) if c != plan::RecordChange::Content => {
+                            WriteWhen::After(r.saturating_duration_since(now))
+                        }
+                        _ => counts.decide(change, now, retry_at),
+                    };
+                    match when {
                         WriteWhen::Skip => {
                             repair = false;
                             retry_at = None;
@@ -143,6 +163,7 @@ pub async fn run(
                                     versions.note(rv.as_deref());
                                     counts.written(change, Instant::now());
                                     written = Some(prepared.keys);
+                                    failed = None;
                                     retry.reset();
                                     retry_at = None;
                                     wake = None;
@@ -152,6 +173,7 @@ pub async fn run(
                                     let delay = retry.next_delay();
                                     warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "writing the fault ConfigMap failed; detection goes on");
                                     let at = Instant::now() + delay;
+                                    failed = Some(prepared.keys);
                                     retry_at = Some(at);
                                     wake = Some(at);
                                 }

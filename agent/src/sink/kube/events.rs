@@ -67,6 +67,12 @@ impl EventBudget {
     /// Whether the Event may be published; counts and (at most once a minute) logs a refusal.
     fn admit(&mut self, ev: &EventSpec, metrics: &Metrics) -> bool {
         let now = Instant::now();
+        // A withheld taint is announced once per change of the withheld list (the node sink
+        // sends it only then) and always after the incident's fault notices: it never waits
+        // for tokens the incident spent, or it would be lost for good.
+        if ev.reason == plan::TAINT_WITHHELD_REASON {
+            return true;
+        }
         if self.bucket.try_spend(now) {
             return true;
         }
@@ -278,13 +284,23 @@ mod tests {
             // The same fault raised again: the Recorder's series, one PATCH each.
             tx.send(new_fault("Xid79".into(), "GPU-1")).await.unwrap();
         }
+        // The incident's withheld taint comes last, after the bucket is spent: it is announced
+        // once per change of the withheld list, so it never waits for tokens.
+        tx.send(Notice::TaintWithheld {
+            taints: vec!["faultline.io/unhealthy=Xid79:NoSchedule".into()],
+            used: 1,
+            limit: 1,
+            nodes: 3,
+        })
+        .await
+        .unwrap();
         let event_writes = || {
             emu.calls()
                 .iter()
                 .filter(|c| c.is_write() && c.path.contains("/events"))
                 .count()
         };
-        while event_writes() < 5 && started.elapsed() < Duration::from_secs(10) {
+        while event_writes() < 6 && started.elapsed() < Duration::from_secs(10) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         // Time for anything more to go out.
@@ -295,7 +311,8 @@ mod tests {
             .expect("the sink stops")
             .unwrap();
         assert!(started.elapsed() < Duration::from_secs(60), "no refill");
-        assert_eq!(event_writes(), 5, "{:#?}", emu.calls());
+        // 5 of the 200 fault notices, and the withheld taint's (all 195 refusals are faults').
+        assert_eq!(event_writes(), 6, "{:#?}", emu.calls());
         assert_eq!(metrics.events_rate_limited.get(), 195);
         assert_eq!(metrics.events_dropped.get(), 0, "no queue overflow");
     }

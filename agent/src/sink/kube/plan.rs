@@ -480,6 +480,9 @@ impl Ledger {
     }
 }
 
+/// The reason of the Event that says the taint budget withholds a taint.
+pub const TAINT_WITHHELD_REASON: &str = "TaintBudgetExceeded";
+
 /// Something the Event sink publishes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Notice {
@@ -560,7 +563,7 @@ pub fn event_for(n: &Notice) -> Option<EventSpec> {
             nodes,
         } => EventSpec {
             warning: true,
-            reason: "TaintBudgetExceeded",
+            reason: TAINT_WITHHELD_REASON,
             action: "Taint".to_string(),
             note: format!(
                 "withheld {}: {used} of {nodes} nodes were newly tainted by faultline within the budget window (limit {limit})",
