@@ -389,13 +389,15 @@ fn after_a_roll_back_and_forward_the_newer_saved_state_wins() {
     set_count(&mut newer, 3);
     std::thread::sleep(Duration::from_millis(20));
     std::fs::write(state.join("state.json"), newer.to_string()).unwrap();
+    // A record written by this run, not the last one's (still on disk at start).
+    let since = faultline_core::time::Timestamp::now();
     let agent = Agent::start(dir.path(), &[]);
     let r = agent.wait_for("restarted on the newer copy", |r| {
-        agent
-            .log()
-            .contains("saved state moved to the data directory")
-            && r.agent.detectors.iter().any(|d| d.name == "kmsg")
+        r.update_time > since && r.agent.detectors.iter().any(|d| d.name == "kmsg")
     });
+    assert!(agent
+        .log()
+        .contains("saved state moved to the data directory"));
     assert_eq!(fault(&r, "Xid79").map(|f| f.count), Some(3));
     assert!(!state.join("state.json").exists());
     assert_eq!(agent.stop(), 0);
@@ -412,13 +414,14 @@ fn after_a_roll_back_and_forward_the_newer_saved_state_wins() {
         .unwrap()
         .set_modified(an_hour_ago)
         .unwrap();
+    let since = faultline_core::time::Timestamp::now();
     let agent = Agent::start(dir.path(), &[]);
     let r = agent.wait_for("restarted on the data directory's copy", |r| {
-        agent
-            .log()
-            .contains("an older saved state in the state directory removed")
-            && r.agent.detectors.iter().any(|d| d.name == "kmsg")
+        r.update_time > since && r.agent.detectors.iter().any(|d| d.name == "kmsg")
     });
+    assert!(agent
+        .log()
+        .contains("an older saved state in the state directory removed"));
     assert_eq!(fault(&r, "Xid79").map(|f| f.count), Some(3));
     assert!(!path.exists());
     assert_eq!(agent.stop(), 0);

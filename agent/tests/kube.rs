@@ -1554,10 +1554,6 @@ fn a_restart_while_a_taint_is_withheld_writes_nothing() {
     c.assert_calls_listed();
 }
 
-/// Issue 13 §5: a fault repeating for seconds writes the fault ConfigMap once per
-/// `--kube-write-interval`, not once per repeat (each write is the whole record, up to 1 MiB);
-/// an escalation in the middle of it is written at once, and the last write carries the final
-/// count. (Every repeat was one server-side apply before: about 240 here.)
 /// While the API server refuses the fault ConfigMap, a storm of a repeating fault waits for the
 /// retry backoff: what the failed attempt already carried (the new fault) plus counts is not
 /// "new content", so it is not sent with every snapshot. When the API answers again, the final
@@ -1613,6 +1609,10 @@ fn a_storm_against_a_failing_api_waits_for_the_retry_backoff() {
     c.assert_calls_listed();
 }
 
+/// Issue 13 §5: a fault repeating for seconds writes the fault ConfigMap once per
+/// `--kube-write-interval`, not once per repeat (each write is the whole record, up to 1 MiB);
+/// an escalation in the middle of it is written at once, and the last write carries the final
+/// count. (Every repeat was one server-side apply before: about 240 here.)
 #[test]
 fn a_repeating_xid_writes_the_configmap_once_per_interval_and_an_escalation_at_once() {
     // The escalation (5 s into the storm) falls between two writes of counts (4 s, 8 s).

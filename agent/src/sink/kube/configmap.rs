@@ -91,9 +91,9 @@ pub async fn run(
         } else {
             None
         };
-        // A change of the watched ConfigMap alone does not cut a retry backoff or a wait for
-        // the write budget short, and a repair that keeps being undone waits its turn.
-        // (Only a retry backoff: a drift is repaired without waiting for the counts' budget.)
+        // A change of the watched ConfigMap alone does not cut a retry backoff short, and a
+        // repair that keeps being undone waits its turn; a drift is repaired without waiting
+        // for the counts' budget.
         let backing_off = woke_by_own && retry_at.is_some_and(|r| now < r);
         let snap = snapshots.borrow_and_update().clone();
         match (snap, paced) {
