@@ -992,7 +992,7 @@ impl Components {
                 self.shutdown.clone(),
             ));
         }
-        let budget = crate::sink::pace::WriteBudget::new(
+        let budget = crate::pace::WriteBudget::new(
             self.cfg.write_interval,
             self.cfg.write_burst,
             tokio::time::Instant::now(),

@@ -15,6 +15,7 @@ pub mod kube_client;
 pub mod listen;
 pub mod metrics;
 pub mod operator_file;
+pub mod pace;
 pub mod peer;
 pub mod runtime;
 pub mod sink;

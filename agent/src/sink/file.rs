@@ -15,9 +15,9 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::pace::WriteBudget;
 use crate::atomic_file::write as write_atomic;
 use crate::metrics::{Metrics, SinkLabel};
+use crate::pace::WriteBudget;
 use crate::runtime::{Clock, Heartbeat, PersistedState, Snapshot};
 use faultline_core::time::Timestamp;
 

@@ -6,7 +6,6 @@
 pub mod file;
 pub mod kube;
 pub mod mindcluster;
-pub mod pace;
 pub mod publicfault;
 
 /// What ended a sink's wait.

@@ -12,7 +12,9 @@ use std::io::{self, BufRead, BufReader, Read};
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use faultline_core::time::Timestamp;
 use tracing::{debug, info, warn};
@@ -23,52 +25,7 @@ use faultline_core::parse::kmsg::RecordError;
 
 use super::{Input, SourceContext};
 use crate::metrics::{KindLabel, Metrics};
-
-/// Logs a repeating condition (overruns, gaps) at most once per `every`, each line with what
-/// happened since the previous line and the running total. A storm that made one WARN per
-/// overrun wrote 112k lines (17 MB) in two storms; the metrics count every one.
-#[derive(Debug)]
-pub(crate) struct LogPacer {
-    every: Duration,
-    last: Option<Instant>,
-    since: Tally,
-    total: Tally,
-}
-
-/// Occurrences and the amount they carried (records lost).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Tally {
-    pub times: u64,
-    pub amount: u64,
-}
-
-impl LogPacer {
-    pub(crate) fn new(every: Duration) -> Self {
-        LogPacer {
-            every,
-            last: None,
-            since: Tally::default(),
-            total: Tally::default(),
-        }
-    }
-
-    /// One occurrence carrying `amount`. Returns `(since the last line, total)` when a line is
-    /// due: the first occurrence, then at most one per `every`.
-    pub(crate) fn note(&mut self, amount: u64, now: Instant) -> Option<(Tally, Tally)> {
-        for t in [&mut self.since, &mut self.total] {
-            t.times = t.times.saturating_add(1);
-            t.amount = t.amount.saturating_add(amount);
-        }
-        if self
-            .last
-            .is_some_and(|l| now.saturating_duration_since(l) < self.every)
-        {
-            return None;
-        }
-        self.last = Some(now);
-        Some((std::mem::take(&mut self.since), self.total))
-    }
-}
+use crate::pace::LogPacer;
 
 /// How often overruns and gaps are logged while they go on.
 const LOSS_LOG_EVERY: Duration = Duration::from_secs(10);
@@ -408,42 +365,6 @@ fn read_bounded_line<R: BufRead>(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A storm of 100,000 overruns in 25 s makes 3 lines (at 0, 10 and 20 s), each with the
-    /// count since the previous line and the running total; nothing is lost from the totals.
-    #[test]
-    fn overruns_and_gaps_are_logged_at_a_bounded_rate() {
-        let t0 = Instant::now();
-        let mut p = LogPacer::new(Duration::from_secs(10));
-        let mut lines = Vec::new();
-        for i in 0..100_000u64 {
-            let now = t0 + Duration::from_micros(i * 250);
-            if let Some(l) = p.note(3, now) {
-                lines.push(l);
-            }
-        }
-        assert_eq!(lines.len(), 3, "{lines:?}");
-        assert_eq!(
-            lines[0].0,
-            Tally {
-                times: 1,
-                amount: 3
-            }
-        );
-        assert_eq!(lines[1].1.times, lines[0].0.times + lines[1].0.times);
-        let since: u64 = lines.iter().map(|l| l.0.times).sum();
-        assert_eq!(
-            lines[2].1,
-            Tally {
-                times: since,
-                amount: 3 * since
-            }
-        );
-        // The next line, after the storm, carries the rest.
-        let l = p.note(3, t0 + Duration::from_secs(60)).unwrap();
-        assert_eq!(l.1.times, 100_001);
-        assert_eq!(since + l.0.times, 100_001);
-    }
 
     #[test]
     fn bounded_lines_truncate_and_continue() {

@@ -35,7 +35,7 @@ use tracing::{debug, warn};
 use super::plan::{self, EventSpec, Notice};
 use super::{KubeSinkConfig, Retry};
 use crate::metrics::{Metrics, SinkLabel};
-use crate::sink::pace::WriteBudget;
+use crate::pace::{LogPacer, WriteBudget};
 
 /// Most notices held while the API is unreachable.
 pub const QUEUE: usize = 1024;
@@ -47,20 +47,18 @@ pub const BURST: u32 = 10;
 /// How often at most the sink logs that Events were left out for the budget.
 const DROP_LOG_EVERY: Duration = Duration::from_secs(60);
 
-/// The Event budget: a token bucket, and what it turned away since it last said so.
+/// The Event budget: a token bucket, and the paced log of what it turned away.
 #[derive(Debug)]
 struct EventBudget {
     bucket: WriteBudget,
-    refused: u64,
-    logged_at: Option<Instant>,
+    refusals: LogPacer,
 }
 
 impl EventBudget {
     fn new(cfg: &KubeSinkConfig) -> Self {
         EventBudget {
             bucket: WriteBudget::per_minute(cfg.event_rate, cfg.event_burst, Instant::now()),
-            refused: 0,
-            logged_at: None,
+            refusals: LogPacer::new(DROP_LOG_EVERY),
         }
     }
 
@@ -77,16 +75,14 @@ impl EventBudget {
             return true;
         }
         metrics.events_rate_limited.inc();
-        self.refused += 1;
-        if self.logged_at.is_none_or(|t| now >= t + DROP_LOG_EVERY) {
+        if let Some((since, total)) = self.refusals.note(1, now) {
             warn!(
-                refused = self.refused,
+                refused = since.times,
+                refused_total = total.times,
                 reason = ev.reason,
                 action = %ev.action,
                 "Event budget spent; Events left out (the record and the node condition still carry every fault)"
             );
-            self.refused = 0;
-            self.logged_at = Some(now);
         }
         false
     }

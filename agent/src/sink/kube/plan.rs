@@ -17,7 +17,7 @@ use faultline_core::policy::TaintEffect;
 use faultline_core::record::{check_code, Health, NodeRecord};
 use tokio::time::Instant;
 
-use crate::sink::pace::WriteBudget;
+use crate::pace::WriteBudget;
 
 /// Taints, labels and ConfigMaps the agent owns all live under this prefix.
 pub const OWNED_PREFIX: &str = "faultline.io/";
