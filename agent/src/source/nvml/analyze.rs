@@ -148,15 +148,7 @@ impl Analyzer {
 
         let lost = r.lost();
         // Every reading failed, none of them as lost: nothing is known about the GPU.
-        let any_read = r.ecc_volatile.is_ok()
-            || r.ecc_aggregate.is_ok()
-            || r.pages_pending.is_ok()
-            || r.remap.is_ok()
-            || r.recovery_action.is_ok()
-            || r.links.is_ok()
-            || r.pcie.is_ok()
-            || r.pcie_replay.is_ok();
-        if lost.is_some() || any_read {
+        if lost.is_some() || r.any_read() {
             read(
                 "GPU_LOST",
                 lost.map(|e| {
@@ -194,7 +186,7 @@ impl Analyzer {
             // operator's clear, the errors seen before are not counted again).
             let known = dev.ecc_volatile.is_some();
             dev.ecc_present = v > 0 || grew > 0;
-            let present = (v > 0 || grew > 0).then(|| {
+            let present = dev.ecc_present.then(|| {
                 let mut s = signal(
                     "ECC_UNCORRECTABLE",
                     format!(

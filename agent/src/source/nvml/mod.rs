@@ -114,12 +114,11 @@ pub async fn run(
 fn spawn_thread(
     name: String,
     ctx: &SourceContext,
-    tx: &mpsc::Sender<Msg>,
+    died: mpsc::Sender<Msg>,
     f: impl FnOnce() + Send + 'static,
 ) {
-    let tx = tx.clone();
     let on_death = move |why: String| {
-        let _ = tx.blocking_send(Msg::Died(why));
+        let _ = died.blocking_send(Msg::Died(why));
     };
     if let Err(e) = super::spawn_watched(&name, ctx.shutdown.clone(), f, on_death) {
         warn!(thread = %name, error = %e, "cannot start an NVML thread");
@@ -184,7 +183,7 @@ pub async fn run_with(
             ctx.clone(),
             interval_ms.clone(),
         );
-        spawn_thread("nvml-count".into(), &ctx, &died, move || loop {
+        spawn_thread("nvml-count".into(), &ctx, died, move || loop {
             nap(Duration::from_millis(iv.load(Ordering::Relaxed)), &ctx2);
             if ctx2.shutdown.is_cancelled()
                 || tx.blocking_send(Msg::Count(b.device_count(&c))).is_err()
@@ -204,7 +203,7 @@ pub async fn run_with(
             ctx.clone(),
             interval_ms.clone(),
         );
-        spawn_thread(format!("nvml-gpu{i}"), &ctx, &died, move || {
+        spawn_thread(format!("nvml-gpu{i}"), &ctx, died, move || {
             // Read again every poll until it succeeds: a GPU lost at start has no identity yet,
             // and its faults are keyed by PCI address once it is known.
             let mut identified = false;
@@ -236,7 +235,7 @@ pub async fn run_with(
     {
         let died = tx.clone();
         let (b, tx, ctx2) = (backend.clone(), tx.clone(), ctx.clone());
-        spawn_thread("nvml-events".into(), &ctx, &died, move || {
+        spawn_thread("nvml-events".into(), &ctx, died, move || {
             let mut backoff = Duration::from_secs(1);
             while !ctx2.shutdown.is_cancelled() {
                 let mut events = match b.events() {
@@ -273,8 +272,8 @@ pub async fn run_with(
     let mut analyzer = Analyzer::new();
     let mut last_count: Option<u32> = None;
     let mut hung = false;
-    // A thread that died: the detector stays down (nothing watches its GPU any more).
-    let mut dead: Option<String> = None;
+    // A thread died: the detector stays down (nothing watches its GPU any more).
+    let mut dead = false;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -308,23 +307,23 @@ pub async fn run_with(
                     Msg::Readings(r) => analyzer.readings(&loaded.policy.nvml, &r, Instant::now()),
                     Msg::Event(ev) => analyzer.event(&ev),
                     Msg::Died(why) => {
-                        if dead.is_none() {
-                            if !detector(&ctx, DetectorState::Down, Some(why.clone())).await {
+                        if !dead {
+                            dead = true;
+                            if !detector(&ctx, DetectorState::Down, Some(why)).await {
                                 return;
                             }
-                            dead = Some(why);
                         }
                         Vec::new()
                     }
                 }
             }
             _ = tick.tick() => {
+                if dead {
+                    continue;
+                }
                 let limit = policy.borrow().policy.nvml.call_timeout;
                 let now = Instant::now();
                 let stuck = trackers.iter().find_map(|(i, t)| t.stuck(limit, now).map(|(name, d)| (*i, name, d)));
-                if dead.is_some() {
-                    continue;
-                }
                 match (stuck, hung) {
                     (Some((i, name, d)), false) => {
                         hung = true;

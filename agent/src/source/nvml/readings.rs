@@ -97,9 +97,9 @@ impl DeviceReadings {
         }
     }
 
-    /// The first lost/reset-required error among the readings, if any.
-    pub fn lost(&self) -> Option<CallError> {
-        let errs = [
+    /// Each reading's error, `None` for a reading that succeeded.
+    fn errors(&self) -> [Option<&CallError>; 8] {
+        [
             self.ecc_volatile.as_ref().err(),
             self.ecc_aggregate.as_ref().err(),
             self.pages_pending.as_ref().err(),
@@ -108,8 +108,21 @@ impl DeviceReadings {
             self.links.as_ref().err(),
             self.pcie.as_ref().err(),
             self.pcie_replay.as_ref().err(),
-        ];
-        errs.into_iter().flatten().find(|e| e.is_lost()).cloned()
+        ]
+    }
+
+    /// The first lost/reset-required error among the readings, if any.
+    pub fn lost(&self) -> Option<CallError> {
+        self.errors()
+            .into_iter()
+            .flatten()
+            .find(|e| e.is_lost())
+            .cloned()
+    }
+
+    /// At least one reading succeeded.
+    pub fn any_read(&self) -> bool {
+        self.errors().iter().any(Option::is_none)
     }
 }
 
