@@ -395,36 +395,31 @@ pub fn default_health(h: Handling) -> Health {
     }
 }
 
-/// The default node action for a level (DESIGN.md's table).
+/// The default node action for a level (DESIGN.md's table); its health is [`default_health`].
 pub fn default_node_action(h: Handling) -> NodeAction {
     use Handling::*;
-    match h {
-        ManuallySeparateNPU | SeparateNPU => NodeAction {
-            health: Health::Unhealthy,
-            taint: Some(TaintSpec {
-                key: "faultline.io/unhealthy".into(),
-                effect: TaintEffect::NoSchedule,
-            }),
-            condition: false,
-        },
-        PreSeparateNPU => NodeAction {
-            health: Health::Degraded,
-            taint: Some(TaintSpec {
-                key: "faultline.io/degraded".into(),
-                effect: TaintEffect::PreferNoSchedule,
-            }),
-            condition: false,
-        },
-        RestartNPU | FreeRestartNPU | RestartBusiness | RestartRequest => NodeAction {
-            health: Health::Degraded,
-            taint: None,
-            condition: true,
-        },
-        SubHealthFault | NotHandleFault => NodeAction {
-            health: Health::Healthy,
-            taint: None,
-            condition: true,
-        },
+    let taint = |key: &str, effect| {
+        Some(TaintSpec {
+            key: key.into(),
+            effect,
+        })
+    };
+    let (taint, condition) = match h {
+        ManuallySeparateNPU | SeparateNPU => (
+            taint("faultline.io/unhealthy", TaintEffect::NoSchedule),
+            false,
+        ),
+        PreSeparateNPU => (
+            taint("faultline.io/degraded", TaintEffect::PreferNoSchedule),
+            false,
+        ),
+        RestartNPU | FreeRestartNPU | RestartBusiness | RestartRequest | SubHealthFault
+        | NotHandleFault => (None, true),
+    };
+    NodeAction {
+        health: default_health(h),
+        taint,
+        condition,
     }
 }
 
@@ -1209,17 +1204,15 @@ expected_gpus: 8
         let custom =
             Policy::parse("node_actions:\n  RestartNPU: {health: Unhealthy, condition: false}\n")
                 .unwrap();
+        assert_eq!(
+            custom.health_of(Handling::RestartNPU),
+            Health::Unhealthy,
+            "a configured action wins"
+        );
         for p in [Policy::parse("").unwrap(), custom] {
             for h in Handling::ALL {
                 assert_eq!(p.health_of(h), p.node_action(h).health, "{h}");
             }
         }
-        assert_eq!(
-            Policy::parse("node_actions:\n  RestartNPU: {health: Unhealthy, condition: false}\n")
-                .unwrap()
-                .health_of(Handling::RestartNPU),
-            Health::Unhealthy,
-            "a configured action wins"
-        );
     }
 }
