@@ -480,17 +480,12 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
     // wins: after a roll back the old agent went on in /run, and the /var/lib copy is stale.
     let from = cfg.state_dir.join(file::STATE_FILE);
     let to = cfg.data_dir.join(file::STATE_FILE);
-    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    let legacy_newer = match (modified(&to), modified(&from)) {
-        (_, None) => false,
-        (None, Some(_)) => true,
-        (Some(d), Some(l)) => l > d,
-    };
-    if !legacy_newer {
+    let legacy = legacy_copy(&from, &to);
+    if legacy != Legacy::Newer {
         let data = file::read_state(&cfg.data_dir);
         // Superseded, once the data directory's copy is known good: an agent rolled back to
         // would otherwise restore it.
-        if matches!(data, Ok(Some(_))) && modified(&from).is_some() {
+        if matches!(data, Ok(Some(_))) && legacy == Legacy::Older {
             match std::fs::remove_file(&from) {
                 Ok(()) => {
                     info!(stale = %from.display(), kept = %to.display(), "an older saved state in the state directory removed")
@@ -506,7 +501,7 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
         Ok(Some(p)) => p,
         // Unreadable (set aside when of another version): the data directory's copy, if any,
         // is the better one.
-        other if modified(&to).is_some() => {
+        other if to.exists() => {
             if let Err(e) = other {
                 let _ = refused(e);
             }
@@ -514,11 +509,7 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
         }
         other => return other.map_err(refused),
     };
-    let moved = serde_json::to_vec(&legacy)
-        .map_err(|e| e.to_string())
-        .and_then(|b| crate::atomic_file::write(&to, &b).map_err(|e| e.to_string()))
-        .and_then(|()| std::fs::remove_file(&from).map_err(|e| e.to_string()));
-    match moved {
+    match move_file(&from, &to) {
         Ok(()) => {
             info!(from = %from.display(), to = %to.display(), "saved state moved to the data directory")
         }
@@ -530,31 +521,60 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
 }
 
 /// Moves `name` from the state directory (where agents from before `--data-dir` kept it) to the
-/// data directory when it is the newer copy (as for `state.json`); an older copy is removed.
-/// Across file systems (/run is a tmpfs), so a copy and a removal; failing, the file stays and
-/// is logged.
+/// data directory when it is the newer copy (the rule `state.json` follows too); an older copy
+/// is removed. Failing, the file stays and is logged.
 fn move_legacy_file(state_dir: &Path, data_dir: &Path, name: &str) {
     let (from, to) = (state_dir.join(name), data_dir.join(name));
-    if state_dir == data_dir || !from.is_file() {
+    if state_dir == data_dir {
         return;
     }
-    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    if let (Some(d), Some(l)) = (modified(&to), modified(&from)) {
-        if l <= d {
+    match legacy_copy(&from, &to) {
+        Legacy::Absent => {}
+        Legacy::Older => {
             if let Err(e) = std::fs::remove_file(&from) {
                 warn!(error = %e, stale = %from.display(), "cannot remove an older copy");
             }
-            return;
         }
+        Legacy::Newer => match move_file(&from, &to) {
+            Ok(()) => {
+                info!(from = %from.display(), to = %to.display(), "moved to the data directory")
+            }
+            Err(e) => {
+                warn!(error = %e, from = %from.display(), "cannot move to the data directory")
+            }
+        },
     }
-    let moved = std::fs::read(&from)
-        .map_err(|e| e.to_string())
-        .and_then(|b| crate::atomic_file::write(&to, &b).map_err(|e| e.to_string()))
-        .and_then(|()| std::fs::remove_file(&from).map_err(|e| e.to_string()));
-    match moved {
-        Ok(()) => info!(from = %from.display(), to = %to.display(), "moved to the data directory"),
-        Err(e) => warn!(error = %e, from = %from.display(), "cannot move to the data directory"),
+}
+
+/// A file an agent from before `--data-dir` kept in the state directory, against the data
+/// directory's copy of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Legacy {
+    /// No such file in the state directory.
+    Absent,
+    /// Not newer than the data directory's copy (by modification time).
+    Older,
+    /// Newer, or the data directory has none.
+    Newer,
+}
+
+fn legacy_copy(legacy: &Path, data: &Path) -> Legacy {
+    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
+    if !legacy.is_file() {
+        return Legacy::Absent;
     }
+    match (modified(data), modified(legacy)) {
+        (Some(d), Some(l)) if l <= d => Legacy::Older,
+        _ => Legacy::Newer,
+    }
+}
+
+/// Moves a file to another file system (/run is a tmpfs): written atomically there, then
+/// removed here.
+fn move_file(from: &Path, to: &Path) -> Result<(), String> {
+    let bytes = std::fs::read(from).map_err(|e| e.to_string())?;
+    crate::atomic_file::write(to, &bytes).map_err(|e| e.to_string())?;
+    std::fs::remove_file(from).map_err(|e| e.to_string())
 }
 
 /// An engine rebuilt from a record, and the time up to which the record counted kernel-log
