@@ -3,8 +3,9 @@
 //!
 //! Each file is replaced atomically (write a temporary file in the same directory, fsync,
 //! rename), so a reader never sees a half-written file. Writes are rate-limited by a
-//! [`WriteBudget`] (shared with the Kubernetes sinks, [`super::pace`]): a few writes back to back go out at once, after that one per interval, and
-//! every change in between is coalesced into the next write. A failed write is retried with
+//! [`WriteBudget`] (shared with the Kubernetes sinks, [`crate::pace`]): a few writes back to
+//! back go out at once, after that one per interval, and every change in between is coalesced
+//! into the next write. A failed write is retried with
 //! backoff; the engine keeps running meanwhile.
 
 use std::path::{Path, PathBuf};
@@ -342,8 +343,8 @@ pub async fn run(
                         last_write = tokio::time::Instant::now();
                         stamped = Some(now);
                     }
-                    // The record on disk is now older than the agent's state: not ready, and
-                    // say so in the record the agent serves.
+                    // What is on disk (the record, or the state behind it) is now older than
+                    // the agent's state: not ready, and say so in the record the agent serves.
                     signals.status.send_if_modified(|s| {
                         let first = !matches!(s, RecordStatus::Failing(_));
                         if first {
