@@ -121,24 +121,10 @@ pub async fn run(
                 }
                 Ok(prepared) => {
                     let change = plan::record_change(written.as_ref(), &prepared.keys);
-                    // During a retry backoff, what the failed attempt already carried waits for
-                    // the retry: only content new since that attempt goes at once. (Compared
-                    // with the last successful write alone, every later count change looked
-                    // like content and was sent at once, ~10 applies a second in a storm
-                    // against a failing API server.)
-                    let since_failed = match (failed.as_ref(), retry_at) {
-                        (Some(f), Some(r)) if now < r => {
-                            Some((plan::record_change(Some(f), &prepared.keys), r))
-                        }
-                        _ => None,
-                    };
-                    let when = match since_failed {
-                        Some((c, r)) if c != plan::RecordChange::Content => {
-                            WriteWhen::After(r.saturating_duration_since(now))
-                        }
-                        _ => counts.decide(change, now, retry_at),
-                    };
-                    match when {
+                    let since_failed = failed
+                        .as_ref()
+                        .map(|f| plan::record_change(Some(f), &prepared.keys));
+                    match counts.decide(change, since_failed, now, retry_at) {
                         WriteWhen::Skip => {
                             repair = false;
                             retry_at = None;

@@ -336,15 +336,25 @@ pub enum WriteWhen {
 }
 
 /// The fault ConfigMap's write decision. A content change (health, handling, a fault new,
-/// escalated or recovered, the ConfigMap gone) is written now, even while a failed write backs
-/// off. A change of counters alone waits for the write budget (`budget_wait`) and for a running
-/// retry backoff (`retry_wait`), then goes out with the newest counts: a repeating fault costs
-/// one write per interval, never one per repeat, and its final count is never lost.
+/// escalated or recovered, the ConfigMap gone) is written now. A change of counters alone waits
+/// for the write budget (`budget_wait`) and for a running retry backoff (`retry_wait`), then
+/// goes out with the newest counts: a repeating fault costs one write per interval, never one
+/// per repeat, and its final count is never lost.
+///
+/// While a failed write backs off, `since_failed` is how the newest record differs from that
+/// failed attempt: only content new since the attempt goes at once; what the attempt already
+/// carried (plus counts) waits for the retry. Compared with the last successful write alone,
+/// every later count change looked like content and was sent at once, ~10 applies a second in a
+/// storm against a failing API server.
 pub fn when_to_write(
     change: RecordChange,
+    since_failed: Option<RecordChange>,
     budget_wait: std::time::Duration,
     retry_wait: std::time::Duration,
 ) -> WriteWhen {
+    if !retry_wait.is_zero() && since_failed.is_some_and(|c| c != RecordChange::Content) {
+        return WriteWhen::After(retry_wait);
+    }
     match change {
         RecordChange::Same => WriteWhen::Skip,
         RecordChange::Content => WriteWhen::Now,
@@ -379,18 +389,19 @@ impl CountsPacer {
         }
     }
 
-    /// When to write a record that differs from the written one by `change`; `retry_at`: when
-    /// a failed write may be tried again.
+    /// When to write a record that differs from the written one by `change` (and from a failed
+    /// attempt by `since_failed`); `retry_at`: when that failed write may be tried again.
     pub fn decide(
         &self,
         change: RecordChange,
+        since_failed: Option<RecordChange>,
         now: Instant,
         retry_at: Option<Instant>,
     ) -> WriteWhen {
         let retry_wait = retry_at.map_or(std::time::Duration::ZERO, |at| {
             at.saturating_duration_since(now)
         });
-        when_to_write(change, self.budget.wait(now), retry_wait)
+        when_to_write(change, since_failed, self.budget.wait(now), retry_wait)
     }
 
     /// Records a write of a record that differed by `change`, made at `now`.
@@ -1114,23 +1125,77 @@ mod tests {
         use std::time::Duration;
         let (z, s) = (Duration::ZERO, Duration::from_secs);
         let cases = [
-            // (change, budget wait, retry wait, decision)
-            (RecordChange::Same, z, z, WriteWhen::Skip),
-            (RecordChange::Same, s(5), s(1), WriteWhen::Skip),
-            (RecordChange::Content, z, z, WriteWhen::Now),
-            (RecordChange::Content, s(9), z, WriteWhen::Now),
-            (RecordChange::Content, s(9), s(30), WriteWhen::Now),
-            (RecordChange::Counters, z, z, WriteWhen::Now),
-            (RecordChange::Counters, s(4), z, WriteWhen::After(s(4))),
-            (RecordChange::Counters, z, s(2), WriteWhen::After(s(2))),
-            (RecordChange::Counters, s(4), s(2), WriteWhen::After(s(4))),
-            (RecordChange::Counters, s(1), s(8), WriteWhen::After(s(8))),
+            // (change, since a failed attempt, budget wait, retry wait, decision)
+            (RecordChange::Same, None, z, z, WriteWhen::Skip),
+            (RecordChange::Same, None, s(5), s(1), WriteWhen::Skip),
+            (RecordChange::Content, None, z, z, WriteWhen::Now),
+            (RecordChange::Content, None, s(9), z, WriteWhen::Now),
+            (RecordChange::Content, None, s(9), s(30), WriteWhen::Now),
+            (RecordChange::Counters, None, z, z, WriteWhen::Now),
+            (
+                RecordChange::Counters,
+                None,
+                s(4),
+                z,
+                WriteWhen::After(s(4)),
+            ),
+            (
+                RecordChange::Counters,
+                None,
+                z,
+                s(2),
+                WriteWhen::After(s(2)),
+            ),
+            (
+                RecordChange::Counters,
+                None,
+                s(4),
+                s(2),
+                WriteWhen::After(s(4)),
+            ),
+            (
+                RecordChange::Counters,
+                None,
+                s(1),
+                s(8),
+                WriteWhen::After(s(8)),
+            ),
+            // A failed attempt backing off: what it carried, plus counts, waits for the retry;
+            // content new since it goes at once; with no backoff running it is not consulted.
+            (
+                RecordChange::Content,
+                Some(RecordChange::Counters),
+                s(9),
+                s(30),
+                WriteWhen::After(s(30)),
+            ),
+            (
+                RecordChange::Content,
+                Some(RecordChange::Same),
+                z,
+                s(3),
+                WriteWhen::After(s(3)),
+            ),
+            (
+                RecordChange::Content,
+                Some(RecordChange::Content),
+                s(9),
+                s(30),
+                WriteWhen::Now,
+            ),
+            (
+                RecordChange::Content,
+                Some(RecordChange::Counters),
+                z,
+                z,
+                WriteWhen::Now,
+            ),
         ];
-        for (change, budget, retry, want) in cases {
+        for (change, since_failed, budget, retry, want) in cases {
             assert_eq!(
-                when_to_write(change, budget, retry),
+                when_to_write(change, since_failed, budget, retry),
                 want,
-                "{change:?} budget {budget:?} retry {retry:?}"
+                "{change:?} since failed {since_failed:?} budget {budget:?} retry {retry:?}"
             );
         }
     }
@@ -1154,7 +1219,7 @@ mod tests {
         let mut step = |now: Instant, r: &NodeRecord, wake: &mut Option<Instant>| {
             let keys = RecordKeys::of(r);
             let change = record_change(written.as_ref(), &keys);
-            match pacer.decide(change, now, None) {
+            match pacer.decide(change, None, now, None) {
                 WriteWhen::Skip => *wake = None,
                 WriteWhen::Now => {
                     pacer.written(change, now);
