@@ -350,15 +350,7 @@ mod tests {
     async fn reading_the_record_back_accepts_only_this_nodes_record() {
         let emu = Emulator::start().await.unwrap();
         emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "faultline-system"}}));
-        let dir = tempfile::tempdir().unwrap();
-        let kubeconfig = dir.path().join("kubeconfig");
-        emu.write_kubeconfig(&kubeconfig, "t").unwrap();
-        let client = crate::kube_client::client(
-            Some(&kubeconfig),
-            crate::kube_client::Sender::Agent { node: "n1" },
-        )
-        .await
-        .unwrap();
+        let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
         let cms: Api<ConfigMap> = Api::namespaced(client, "faultline-system");
 
         assert!(read_back(&cms, "n1").await.unwrap().is_none(), "none yet");

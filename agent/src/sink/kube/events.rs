@@ -240,15 +240,7 @@ mod tests {
         let emu = Emulator::start().await.unwrap();
         emu.put(faultline_kube_emulator::node("n1", &[]));
         emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default"}}));
-        let dir = tempfile::tempdir().unwrap();
-        let kubeconfig = dir.path().join("kubeconfig");
-        emu.write_kubeconfig(&kubeconfig, "t").unwrap();
-        let client = crate::kube_client::client(
-            Some(&kubeconfig),
-            crate::kube_client::Sender::Agent { node: "n1" },
-        )
-        .await
-        .unwrap();
+        let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
         // 5 at once, then one a minute: nothing refills within the test.
         let cfg = KubeSinkConfig {
             event_burst: 5,

@@ -260,3 +260,23 @@ pub fn spawn(
         tokio::spawn(count_task.instrument(tracing::info_span!("sink", name = "budget_count"))),
     ]
 }
+
+/// A client of the agent on node `node` against an API emulator (the sinks' unit tests); the
+/// directory holds its kubeconfig.
+#[cfg(test)]
+pub(crate) async fn emulator_client(
+    emu: &faultline_kube_emulator::Emulator,
+    node: &str,
+) -> (kube::Client, tempfile::TempDir) {
+    #![allow(clippy::unwrap_used)]
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    emu.write_kubeconfig(&kubeconfig, "t").unwrap();
+    let client = crate::kube_client::client(
+        Some(&kubeconfig),
+        crate::kube_client::Sender::Agent { node },
+    )
+    .await
+    .unwrap();
+    (client, dir)
+}
