@@ -568,7 +568,12 @@ fn a_record_that_cannot_be_written_is_visible_and_recovers() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
     agent.wait_for("start-up write", |_| true);
-    assert_eq!(agent.get("/readyz").0, 200);
+    // The file appears a moment before the sink reports it written: readiness follows.
+    wait_until(
+        "ready after the first write",
+        Duration::from_secs(30),
+        || (agent.get("/readyz").0 == 200).then_some(()),
+    );
     let faults = agent.record_path();
     std::fs::remove_file(&faults).unwrap();
     std::fs::create_dir(&faults).unwrap();
@@ -702,7 +707,9 @@ fn unreadable_kernel_log_is_a_detector_fault_not_a_crash() {
     assert!(f.message.contains("/nonexistent/kmsg"), "{}", f.message);
     assert_eq!(r.health, Health::Healthy);
     assert_eq!(agent.get("/healthz").0, 200);
-    assert_eq!(agent.get("/readyz").0, 200);
+    wait_until("ready", Duration::from_secs(30), || {
+        (agent.get("/readyz").0 == 200).then_some(())
+    });
     assert_eq!(agent.stop(), 0);
 }
 
