@@ -281,7 +281,7 @@ async fn peer_setup(
     };
     let (members, election, publisher): (
         Arc<dyn members::Members>,
-        peer::Election,
+        Arc<dyn peer::coordinator::Fence>,
         Arc<dyn peer::coordinator::Publisher>,
     ) = match (static_members, kube_client) {
         (Some(list), _) => {
@@ -289,11 +289,7 @@ async fn peer_setup(
             let path = cfg.peer_members.clone().unwrap_or_default();
             (
                 Arc::new(members::StaticMembers { path }),
-                if first {
-                    peer::Election::Always
-                } else {
-                    peer::Election::Never
-                },
+                Arc::new(peer::coordinator::WatchFence(watch::channel(first).1)),
                 Arc::new(publish::FilePublisher {
                     dir: cfg.state_dir.clone(),
                 }),
@@ -302,12 +298,18 @@ async fn peer_setup(
         (None, Some(client)) => {
             let topology_label = policy.borrow().policy.peer.topology_label.clone();
             let identity = peer::lease::identity(node, &address.to_string());
-            let lease = peer::lease::elect(
+            let held = peer::lease::elect(
                 client.lease.clone(),
                 cfg.namespace.clone(),
-                identity,
+                identity.clone(),
                 ctx.shutdown.clone(),
             );
+            let fence = peer::lease::LeaseFence {
+                held,
+                client: client.lease.clone(),
+                namespace: cfg.namespace.clone(),
+                identity,
+            };
             (
                 Arc::new(members::KubeMembers {
                     client: client.calls.clone(),
@@ -316,7 +318,7 @@ async fn peer_setup(
                     port,
                     topology_label,
                 }),
-                peer::Election::Lease(lease),
+                Arc::new(fence),
                 Arc::new(publish::KubePublisher {
                     client: client.calls,
                     namespace: cfg.namespace.clone(),

@@ -176,6 +176,25 @@ pub fn validate_nodes(nodes: &[String]) -> Result<(), String> {
     Ok(())
 }
 
+/// HTTP/2 keep-alive of the call to the coordinator: ping interval, and how long a ping may go
+/// unanswered.
+const KEEPALIVE: Duration = Duration::from_secs(5);
+/// How often the Lease is read again while a call waits.
+const LEASE_POLL: Duration = Duration::from_secs(5);
+
+/// Resolves with the new holder's identity once the Lease names a coordinator other than the
+/// one at `address` (read every `LEASE_POLL`; a failed read is tried again).
+async fn lease_moved(client: kube::Client, namespace: &str, address: &str) -> String {
+    loop {
+        tokio::time::sleep(LEASE_POLL).await;
+        if let Ok(Some(id)) = crate::peer::lease::holder(client.clone(), namespace).await {
+            if crate::peer::lease::address_of(&id) != Some(address) {
+                return id;
+            }
+        }
+    }
+}
+
 pub async fn check(args: CheckArgs) -> Outcome {
     if args.pods.is_none() {
         if let Err(e) = validate_nodes(&args.nodes) {
@@ -195,6 +214,9 @@ pub async fn check(args: CheckArgs) -> Outcome {
         sender: format!("cli@{}", host.trim()),
     };
     let deadline = tokio::time::Instant::now() + args.timeout;
+    // One id for every attempt: a coordinator that took over from the one first asked resumes
+    // the run under it, and answers a retry with that run instead of starting another.
+    let request_id = format!("{:016x}", crate::peer::wire::random_u64());
     let mut last_error = String::from("no attempt made");
     let mut client_kube = None;
     let mut args = args;
@@ -256,11 +278,17 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 }
             }
         };
+        let asked = address.clone().ok();
         let attempt = async {
             let address = address?;
+            // HTTP/2 keep-alive: a coordinator that froze (SIGSTOP, a hung node) answers no
+            // ping, and the call ends within seconds instead of at --timeout.
             let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
                 .map_err(|e| format!("bad coordinator address {address:?}: {e}"))?
                 .connect_timeout(Duration::from_secs(3))
+                .http2_keep_alive_interval(KEEPALIVE)
+                .keep_alive_timeout(KEEPALIVE)
+                .keep_alive_while_idle(true)
                 .connect()
                 .await
                 .map_err(|e| format!("cannot reach the coordinator at {address}: {e}"))?;
@@ -272,6 +300,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
                     .check_timeout
                     .map(|t| t.as_millis().min(u128::from(u32::MAX)) as u32)
                     .unwrap_or(0),
+                request_id: request_id.clone(),
             });
             let mut request = tonic::Request::new(req);
             request.set_timeout(deadline.saturating_duration_since(tokio::time::Instant::now()));
@@ -284,7 +313,19 @@ pub async fn check(args: CheckArgs) -> Outcome {
         // Could not ask (no coordinator yet, unreachable): retry. Asked and refused for the
         // request itself (secret, arguments): stop. Any other answer (not the coordinator any
         // more, shutting down): retry.
-        last_error = match attempt.await {
+        // Found through the Lease: the Lease is read again while the call runs, and a new holder
+        // ends the wait on the old one (a frozen coordinator may keep its connection open).
+        let moved = async {
+            match (&client_kube, &asked, &args.coordinator) {
+                (Some(c), Some(a), None) => lease_moved(c.clone(), &args.namespace, a).await,
+                _ => std::future::pending().await,
+            }
+        };
+        let answered = tokio::select! {
+            r = attempt => r,
+            holder = moved => Err(format!("the coordinator Lease moved to {holder} during the call")),
+        };
+        last_error = match answered {
             Ok((_, Ok(result))) => return check_report(&result.into_inner(), args.json),
             Ok((_, Err(s)))
                 if matches!(

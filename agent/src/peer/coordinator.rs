@@ -9,6 +9,13 @@
 //! the plan, but their checks fail at once without running a probe: a node whose agent is gone
 //! fails with every partner, which is what a faulty node looks like.
 //!
+//! Fencing: a run belongs to the holder of the coordinator role (the Lease). It is aborted the
+//! moment the role is lost ([`Fence::watch`]), and it concludes (publishes the verdicts and tells
+//! the members) only after [`Fence::confirm`] asked the source of truth again: a coordinator that
+//! was frozen while another took over never concludes on stale authority. A requested run
+//! carries the requester's id; a requester that retries against a new coordinator with the same
+//! id gets the run the new coordinator resumed, not a second one.
+//!
 //! Deadlines: round 1 waits the configured check timeout. Later rounds know how long a good
 //! check takes, so they wait at most `HANG_FACTOR` times the slowest passed check (never less
 //! than `MIN_LATER_DEADLINE`, never more than the timeout): a hung node costs one full timeout,
@@ -25,7 +32,7 @@ use faultline_proto::v1::{
 };
 use faultline_proto::PROTOCOL;
 use serde::{Deserialize, Serialize};
-use tokio::sync::oneshot;
+use tokio::sync::{oneshot, watch};
 use tracing::{debug, info, warn, Instrument};
 
 use super::members::Member;
@@ -121,6 +128,10 @@ pub struct RunState {
     pub skipped: BTreeMap<String, String>,
     pub rounds: Vec<RoundState>,
     pub verdicts: Vec<VerdictState>,
+    /// The requester's id for the run (`faultline check`), kept when a new coordinator resumes
+    /// it, so a requester that retries against the new coordinator gets this run's result.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub request_id: Option<String>,
 }
 
 impl RunState {
@@ -136,6 +147,60 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String>;
     async fn cancel(&self, to: &Member, a: CheckAssignment);
     async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String>;
+}
+
+/// Whether this agent may act as the coordinator: the Lease on Kubernetes, the members-file
+/// election on bare metal.
+#[async_trait::async_trait]
+pub trait Fence: Send + Sync + std::fmt::Debug {
+    /// Follows the role: true while this agent holds it. A sender that is gone means the value
+    /// no longer changes.
+    fn watch(&self) -> watch::Receiver<bool>;
+    /// Asks the source of truth again, right before an act that must not happen without the
+    /// role (concluding a run): why not, when this agent does not hold it now.
+    async fn confirm(&self) -> Result<(), String>;
+}
+
+/// A fence that is only its watch (bare metal's election, tests).
+#[derive(Debug, Clone)]
+pub struct WatchFence(pub watch::Receiver<bool>);
+
+#[async_trait::async_trait]
+impl Fence for WatchFence {
+    fn watch(&self) -> watch::Receiver<bool> {
+        self.0.clone()
+    }
+    async fn confirm(&self) -> Result<(), String> {
+        if *self.0.borrow() {
+            Ok(())
+        } else {
+            Err("this agent no longer coordinates".into())
+        }
+    }
+}
+
+/// A run that stopped before its verdicts: the coordinator lost its role. Nothing was concluded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("run {run_id} aborted: {why}")]
+pub struct Aborted {
+    pub run_id: String,
+    pub why: String,
+}
+
+/// Resolves when `leader` says false (at once when it already does); never when its sender is
+/// gone with it true.
+pub async fn role_lost(mut leader: watch::Receiver<bool>) {
+    loop {
+        if !*leader.borrow_and_update() {
+            return;
+        }
+        if leader.changed().await.is_err() {
+            if *leader.borrow() {
+                std::future::pending::<()>().await;
+            }
+            return;
+        }
+    }
 }
 
 /// Where runs are published. Failures are the publisher's to log: a run never waits on them.
@@ -174,8 +239,28 @@ pub struct Coordinator {
     pub probe_port_base: u16,
     transport: Arc<dyn Transport>,
     publisher: Arc<dyn Publisher>,
+    fence: Arc<dyn Fence>,
     reports: Mutex<HashMap<ReportKey, oneshot::Sender<CheckReport>>>,
     lock: tokio::sync::Mutex<()>,
+    /// Request ids of runs claimed (queued, resuming or running) on this coordinator.
+    claimed: Mutex<BTreeSet<String>>,
+    /// The last run that finished here (requesters waiting on a claimed id watch it).
+    finished: watch::Sender<Option<RunState>>,
+}
+
+/// A claimed request id, released when dropped.
+#[derive(Debug)]
+pub struct Claim<'a> {
+    coordinator: &'a Coordinator,
+    id: String,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut c) = self.coordinator.claimed.lock() {
+            c.remove(&self.id);
+        }
+    }
 }
 
 /// What happened to one check.
@@ -240,6 +325,7 @@ impl Coordinator {
         probe_port_base: u16,
         transport: Arc<dyn Transport>,
         publisher: Arc<dyn Publisher>,
+        fence: Arc<dyn Fence>,
     ) -> Coordinator {
         Coordinator {
             node,
@@ -247,8 +333,68 @@ impl Coordinator {
             probe_port_base,
             transport,
             publisher,
+            fence,
             reports: Mutex::new(HashMap::new()),
             lock: tokio::sync::Mutex::new(()),
+            claimed: Mutex::new(BTreeSet::new()),
+            finished: watch::channel(None).0,
+        }
+    }
+
+    /// Whether this agent coordinates now (its fence's view).
+    pub fn is_leader(&self) -> bool {
+        *self.fence.watch().borrow()
+    }
+
+    /// Claims a request id: None when a run with it is already claimed here.
+    pub fn claim(&self, id: &str) -> Option<Claim<'_>> {
+        let mut c = self.claimed.lock().ok()?;
+        c.insert(id.to_string()).then(|| Claim {
+            coordinator: self,
+            id: id.to_string(),
+        })
+    }
+
+    /// The result of the run requested as `id` when it is claimed here (being resumed or run
+    /// for an earlier attempt of the same request): waits for it to finish. None when no run
+    /// with that id is claimed or finished here; `Aborted` when the role is lost meanwhile.
+    pub async fn attach(&self, id: &str) -> Option<Result<RunState, Aborted>> {
+        let is_it = |s: &Option<RunState>| {
+            s.as_ref()
+                .filter(|s| s.request_id.as_deref() == Some(id) && s.is_finished())
+                .cloned()
+        };
+        let mut done = self.finished.subscribe();
+        if let Some(s) = is_it(&done.borrow_and_update()) {
+            return Some(Ok(s));
+        }
+        if let Some(s) = self.publisher.last().await.filter(|s| is_it(&Some(s.clone())).is_some()) {
+            return Some(Ok(s));
+        }
+        let claimed = self.claimed.lock().ok().is_some_and(|c| c.contains(id));
+        if !claimed {
+            return None;
+        }
+        let lost = role_lost(self.fence.watch());
+        tokio::pin!(lost);
+        loop {
+            tokio::select! {
+                _ = &mut lost => return Some(Err(Aborted {
+                    run_id: String::new(),
+                    why: "the coordinator lost its role before the run finished".into(),
+                })),
+                r = done.changed() => {
+                    if r.is_err() {
+                        return None;
+                    }
+                    if let Some(s) = is_it(&done.borrow_and_update()) {
+                        return Some(Ok(s));
+                    }
+                    if !self.claimed.lock().ok().is_some_and(|c| c.contains(id)) {
+                        return None;
+                    }
+                }
+            }
         }
     }
 
@@ -282,21 +428,43 @@ impl Coordinator {
     }
 
     /// Runs one run among `members` (plus `missing`: requested nodes without an agent, reported
-    /// as unknown). Waits for a run already in progress to finish first.
+    /// as unknown). Waits for a run already in progress to finish first. Aborted, with nothing
+    /// concluded, when this agent does not hold the coordinator role or loses it meanwhile.
     pub async fn run(
         &self,
         members: Vec<Member>,
         missing: BTreeMap<String, String>,
         spec: &RunSpec,
         trigger: Trigger,
-    ) -> RunState {
+        request_id: Option<String>,
+    ) -> Result<RunState, Aborted> {
         let _one_at_a_time = self.lock.lock().await;
         let started = Timestamp::now();
         let run_id = new_run_id(started);
         let span = tracing::info_span!("peer_run", run_id = %run_id, trigger = ?trigger);
-        self.run_inner(members, missing, spec, trigger, run_id, started)
-            .instrument(span)
-            .await
+        let inner = self
+            .run_inner(members, missing, spec, trigger, run_id.clone(), started, request_id)
+            .instrument(span);
+        let result = tokio::select! {
+            r = inner => r,
+            _ = role_lost(self.fence.watch()) => Err(Aborted {
+                run_id: run_id.clone(),
+                why: "this agent lost the coordinator role".into(),
+            }),
+        };
+        match &result {
+            Ok(state) => {
+                self.finished.send_replace(Some(state.clone()));
+            }
+            Err(e) => {
+                // Checks still waiting for reports are dropped with the run.
+                if let Ok(mut m) = self.reports.lock() {
+                    m.retain(|k, _| k.0 != run_id);
+                }
+                warn!(run_id = %run_id, why = %e.why, "peer-check run aborted; nothing concluded");
+            }
+        }
+        result
     }
 
     async fn run_inner(
@@ -307,7 +475,8 @@ impl Coordinator {
         trigger: Trigger,
         run_id: String,
         started: Timestamp,
-    ) -> RunState {
+        request_id: Option<String>,
+    ) -> Result<RunState, Aborted> {
         // Ping first: who is there, who is busy.
         let pings = futures::future::join_all(members.iter().map(|m| self.transport.ping(m))).await;
         let mut unreachable: BTreeMap<String, String> = BTreeMap::new();
@@ -344,6 +513,7 @@ impl Coordinator {
             skipped,
             rounds: Vec::new(),
             verdicts: Vec::new(),
+            request_id,
         };
         info!(
             members = names.len(),
@@ -446,6 +616,11 @@ impl Coordinator {
                 });
             }
         }
+        // Fenced: the verdicts go out only while this agent still holds the role, asked of the
+        // source of truth itself (a coordinator frozen past its Lease may not have noticed yet).
+        if let Err(why) = self.fence.confirm().await {
+            return Err(Aborted { run_id, why });
+        }
         state.finished = Some(Timestamp::now());
         self.publisher.publish(&state).await;
         info!(
@@ -475,7 +650,7 @@ impl Coordinator {
                 warn!(node = %m.node, error = %e, "cannot tell a member its verdict");
             }
         }
-        state
+        Ok(state)
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -652,6 +827,19 @@ pub fn select(all: Vec<Member>, wanted: &[String]) -> (Vec<Member>, BTreeMap<Str
         })
         .collect();
     (found, missing)
+}
+
+/// How long a new coordinator waits before it resumes an unfinished run: the probes of that
+/// run's last round may hold their ports until the round's deadline, the probe's grace and the
+/// report slack have passed. Counted from when this agent took the role, which is after the
+/// round started, so no other node's clock is involved. The published deadline is untrusted:
+/// at most an hour is believed.
+pub fn resume_wait(last: &RunState) -> Duration {
+    last.rounds.last().map_or(Duration::ZERO, |r| {
+        Duration::from_millis(r.deadline_ms.min(3_600_000))
+            + super::runner::PROBE_GRACE
+            + REPORT_SLACK
+    })
 }
 
 /// The deadline of a check after the first round: `HANG_FACTOR` times what the slowest passed

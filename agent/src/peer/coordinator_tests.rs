@@ -6,6 +6,8 @@
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use tokio::sync::watch;
 use std::time::Duration;
 
 use faultline_proto::v1::{CheckAccepted, CheckAssignment, CheckReport, PingReply, RunConclusion};
@@ -163,7 +165,36 @@ fn spec() -> RunSpec {
     }
 }
 
-async fn run(n: usize, scenario: Scenario) -> (RunState, Arc<Fake>, Duration) {
+/// A fence the test moves: the role as its watch says, and `confirm` as `confirms` says.
+#[derive(Debug)]
+struct TestFence {
+    role: watch::Sender<bool>,
+    confirms: Mutex<Result<(), String>>,
+}
+
+impl TestFence {
+    fn new() -> Arc<TestFence> {
+        Arc::new(TestFence {
+            role: watch::channel(true).0,
+            confirms: Mutex::new(Ok(())),
+        })
+    }
+}
+
+#[async_trait::async_trait]
+impl Fence for TestFence {
+    fn watch(&self) -> watch::Receiver<bool> {
+        self.role.subscribe()
+    }
+    async fn confirm(&self) -> Result<(), String> {
+        self.confirms.lock().unwrap().clone()
+    }
+}
+
+fn coordinator(
+    scenario: Scenario,
+    fence: Arc<TestFence>,
+) -> (Arc<Coordinator>, Arc<Fake>, Arc<MemoryPublisher>) {
     let fake = Arc::new(Fake {
         scenario,
         ..Default::default()
@@ -175,12 +206,19 @@ async fn run(n: usize, scenario: Scenario) -> (RunState, Arc<Fake>, Duration) {
         20270,
         fake.clone(),
         publisher.clone(),
+        fence,
     ));
     fake.coordinator.set(Arc::downgrade(&c)).unwrap();
+    (c, fake, publisher)
+}
+
+async fn run(n: usize, scenario: Scenario) -> (RunState, Arc<Fake>, Duration) {
+    let (c, fake, publisher) = coordinator(scenario, TestFence::new());
     let start = tokio::time::Instant::now();
     let state = c
-        .run(members(n), BTreeMap::new(), &spec(), Trigger::Request)
-        .await;
+        .run(members(n), BTreeMap::new(), &spec(), Trigger::Request, None)
+        .await
+        .unwrap();
     let took = start.elapsed();
     // Published once per round and once at the end; the last is the finished run.
     let published = publisher.0.lock().unwrap().clone();
@@ -435,5 +473,133 @@ fn reports_are_validated_and_deadlines_never_panic() {
         super::later_deadline(0.5, 10, timeout),
         Duration::from_secs(20),
         "HANG_FACTOR x 10 iterations x 0.5 s"
+    );
+}
+
+/// A coordinator that loses the Lease in the middle of a run stops there: no verdicts are
+/// published as final and no member is told anything (before, it ran on and concluded, and the
+/// reports the new holder refused became PEER_UNREACHABLE on healthy nodes).
+#[tokio::test(start_paused = true)]
+async fn losing_the_role_mid_run_aborts_and_concludes_nothing() {
+    let fence = TestFence::new();
+    // A hung node keeps round 1 waiting its full deadline (10 s).
+    let sc = Scenario {
+        hung: ["n3".to_string()].into(),
+        ..Default::default()
+    };
+    let (c, fake, publisher) = coordinator(sc, fence.clone());
+    let f = fence.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        f.role.send_replace(false);
+    });
+    let start = tokio::time::Instant::now();
+    let r = c
+        .run(members(8), BTreeMap::new(), &spec(), Trigger::Request, None)
+        .await;
+    let e = r.unwrap_err();
+    assert!(e.why.contains("lost the coordinator role"), "{e}");
+    // It stopped when the role went, not at the round's deadline.
+    assert!(start.elapsed() < Duration::from_secs(4), "{:?}", start.elapsed());
+    assert!(fake.concluded.lock().unwrap().is_empty());
+    let published = publisher.0.lock().unwrap().clone();
+    assert!(published.iter().all(|s| !s.is_finished()), "{published:?}");
+    // Its checks no longer wait for reports.
+    assert!(c.reports.lock().unwrap().is_empty());
+    // And without the role it does not start another.
+    let again = c
+        .run(members(8), BTreeMap::new(), &spec(), Trigger::Request, None)
+        .await;
+    assert!(again.is_err());
+}
+
+/// The role as the coordinator last saw it is not enough to conclude: the Lease is asked again
+/// first, and a coordinator whose Lease is gone (it was frozen past it) concludes nothing.
+#[tokio::test(start_paused = true)]
+async fn no_conclusion_unless_the_lease_confirms() {
+    let fence = TestFence::new();
+    *fence.confirms.lock().unwrap() = Err("the Lease is held by \"n4@10.0.0.5:20261\"".into());
+    let (c, fake, publisher) = coordinator(Scenario::default(), fence);
+    let e = c
+        .run(members(6), BTreeMap::new(), &spec(), Trigger::Request, None)
+        .await
+        .unwrap_err();
+    assert!(e.why.contains("n4@"), "{e}");
+    assert!(fake.concluded.lock().unwrap().is_empty());
+    assert!(publisher.0.lock().unwrap().iter().all(|s| !s.is_finished()));
+}
+
+/// A requester that asks again with the same request id (its first coordinator froze, the new
+/// one resumed the run) gets that run's result; a different id gets a run of its own.
+#[tokio::test(start_paused = true)]
+async fn a_retried_request_attaches_to_its_run() {
+    let sc = Scenario {
+        hung: ["n3".to_string()].into(),
+        ..Default::default()
+    };
+    let (c, _fake, publisher) = coordinator(sc, TestFence::new());
+    assert!(c.attach("req-1").await.is_none(), "nothing claimed yet");
+    let claim = c.claim("req-1").unwrap();
+    assert!(c.claim("req-1").is_none(), "claimed once");
+    let c2 = c.clone();
+    let resumed = tokio::spawn(async move {
+        c2.run(
+            members(8),
+            BTreeMap::new(),
+            &spec(),
+            Trigger::Resume,
+            Some("req-1".into()),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let attached = c.attach("req-1").await.unwrap().unwrap();
+    let state = resumed.await.unwrap().unwrap();
+    drop(claim);
+    assert_eq!(attached, state);
+    assert_eq!(state.request_id.as_deref(), Some("req-1"));
+    assert_eq!(
+        verdicts(&state),
+        vec![("faulty_node".to_string(), names(&["n3"]))]
+    );
+    // Asked again after it finished: the same result, from what was published.
+    assert_eq!(c.attach("req-1").await.unwrap().unwrap().run_id, state.run_id);
+    assert!(c.attach("req-2").await.is_none());
+    assert_eq!(
+        publisher.0.lock().unwrap().last().unwrap().request_id.as_deref(),
+        Some("req-1")
+    );
+}
+
+/// A new coordinator resumes an unfinished run only after the probes of its last round are
+/// over (their ports free), and believes no published deadline beyond an hour.
+#[test]
+fn resume_waits_for_the_last_rounds_probes() {
+    let mut last = RunState {
+        run_id: "r".into(),
+        trigger: Trigger::Request,
+        coordinator: "n0".into(),
+        started: faultline_core::time::Timestamp::UNIX_EPOCH,
+        finished: None,
+        members: names(&["n0", "n1"]),
+        skipped: BTreeMap::new(),
+        rounds: vec![],
+        verdicts: vec![],
+        request_id: None,
+    };
+    assert_eq!(resume_wait(&last), Duration::ZERO, "no probe was started");
+    last.rounds.push(RoundState {
+        round: 1,
+        deadline_ms: 10_000,
+        checks: vec![],
+    });
+    assert_eq!(
+        resume_wait(&last),
+        Duration::from_secs(10) + crate::peer::runner::PROBE_GRACE + REPORT_SLACK
+    );
+    last.rounds[0].deadline_ms = u64::MAX;
+    assert_eq!(
+        resume_wait(&last),
+        Duration::from_secs(3600) + crate::peer::runner::PROBE_GRACE + REPORT_SLACK
     );
 }

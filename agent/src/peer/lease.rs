@@ -1,7 +1,7 @@
 //! Who coordinates: in Kubernetes, the holder of the Lease `faultline-peercheck` in the agent's
 //! namespace (kube-lease-manager: acquire, renew, release on shutdown); its holder identity is
-//! `<node>@<peer address>`, which is how `faultline check` finds the coordinator. Without
-//! Kubernetes, the first node of the members file, fixed.
+//! `<node>@<peer address>`, which is how `faultline check` finds the coordinator. [`LeaseFence`]
+//! fences runs with it. Without Kubernetes, `members::elect` decides.
 
 use std::time::Duration;
 
@@ -88,6 +88,66 @@ pub fn elect(
         }
     });
     rx
+}
+
+/// The Kubernetes fence: the election's view, and before a run concludes, the Lease itself read
+/// again from the API server. It must name this agent, and its last renewal plus its duration
+/// must lie ahead: a coordinator frozen (SIGSTOP, a long pause) past its Lease may still see
+/// `held` true for a moment after it wakes; the Lease on the server says otherwise.
+#[derive(Clone)]
+pub struct LeaseFence {
+    pub held: watch::Receiver<bool>,
+    pub client: Client,
+    pub namespace: String,
+    pub identity: String,
+}
+
+impl std::fmt::Debug for LeaseFence {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseFence")
+            .field("namespace", &self.namespace)
+            .field("identity", &self.identity)
+            .finish()
+    }
+}
+
+/// Whether a Lease names `identity` as a holder whose term has not run out at `now`.
+pub fn held_by(lease: &Lease, identity: &str, now: faultline_core::time::Timestamp) -> Result<(), String> {
+    let spec = lease.spec.as_ref().ok_or("the Lease has no spec")?;
+    let holder = spec.holder_identity.as_deref().unwrap_or("");
+    if holder != identity {
+        return Err(format!("the Lease is held by {holder:?}, not {identity:?}"));
+    }
+    let renewed = spec
+        .renew_time
+        .as_ref()
+        .or(spec.acquire_time.as_ref())
+        .ok_or("the Lease has no renew time")?;
+    let seconds = i64::from(spec.lease_duration_seconds.unwrap_or(0).max(0));
+    let until = renewed.0 + faultline_core::time::SignedDuration::from_secs(seconds);
+    if until <= now {
+        return Err(format!("this agent's Lease ran out at {until}"));
+    }
+    Ok(())
+}
+
+#[async_trait::async_trait]
+impl super::coordinator::Fence for LeaseFence {
+    fn watch(&self) -> watch::Receiver<bool> {
+        self.held.clone()
+    }
+    async fn confirm(&self) -> Result<(), String> {
+        if !*self.held.borrow() {
+            return Err("this agent no longer holds the Lease".into());
+        }
+        let api: Api<Lease> = Api::namespaced(self.client.clone(), &self.namespace);
+        let lease = api
+            .get_opt(NAME)
+            .await
+            .map_err(|e| format!("cannot read the Lease to confirm it: {e}"))?
+            .ok_or("the Lease is gone")?;
+        held_by(&lease, &self.identity, faultline_core::time::Timestamp::now())
+    }
 }
 
 /// The current holder's identity (for `faultline check`).

@@ -33,7 +33,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
-use coordinator::{Coordinator, Publisher, Trigger};
+use coordinator::{Coordinator, Fence, Publisher, Trigger};
 use members::Members;
 use service::{Busy, GrpcTransport, Leadership, PeerHandle, PeerService, ProbeSetup};
 use wire::Signer;
@@ -44,17 +44,6 @@ use faultline_core::policy::PeerPolicy;
 
 /// Requests signed longer ago (or later) than this are refused.
 pub const MAX_SKEW: Duration = Duration::from_secs(30);
-
-/// Who coordinates.
-#[derive(Debug)]
-pub enum Election {
-    /// This agent, always (bare metal: the first node of the members file).
-    Always,
-    /// Never (bare metal: every other node).
-    Never,
-    /// As the receiver says (the Kubernetes Lease).
-    Lease(watch::Receiver<bool>),
-}
 
 /// Everything the peer-check part of the agent needs.
 #[derive(Debug)]
@@ -69,7 +58,8 @@ pub struct PeerSetup {
     pub busy: Arc<dyn Busy>,
     pub members: Arc<dyn Members>,
     pub publisher: Arc<dyn Publisher>,
-    pub election: Election,
+    /// Who coordinates: the Lease (`lease::LeaseFence`) or the members-file election.
+    pub election: Arc<dyn Fence>,
     pub policy: watch::Receiver<LoadedPolicy>,
     pub inputs: mpsc::Sender<Input>,
     pub metrics: Arc<crate::metrics::Metrics>,
@@ -111,12 +101,9 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
         s.probe_port_base,
         transport,
         s.publisher,
+        s.election.clone(),
     ));
-    let leader = match s.election {
-        Election::Always => watch::channel(true).1,
-        Election::Never => watch::channel(false).1,
-        Election::Lease(rx) => rx,
-    };
+    let leader = s.election.watch();
     let leadership = Leadership {
         coordinator: coordinator.clone(),
         leader: leader.clone(),
@@ -197,8 +184,27 @@ async fn schedule(l: Leadership, shutdown: CancellationToken) {
         info!("coordinating peer checks");
         if let Some(last) = l.coordinator.publisher().last().await {
             if !last.is_finished() {
-                info!(run_id = %last.run_id, coordinator = %last.coordinator, "restarting the run a previous coordinator left unfinished");
-                run_once(&l, Some(&last.members), Trigger::Resume, runs).await;
+                // A requester retrying against this coordinator attaches to the resumed run.
+                let claim = last
+                    .request_id
+                    .as_deref()
+                    .and_then(|id| l.coordinator.claim(id));
+                let wait = coordinator::resume_wait(&last);
+                info!(run_id = %last.run_id, coordinator = %last.coordinator, wait_ms = wait.as_millis() as u64, "restarting the run a previous coordinator left unfinished, once its probes are over");
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    _ = coordinator::role_lost(leader.clone()) => continue,
+                    _ = tokio::time::sleep(wait) => {}
+                }
+                run_once(
+                    &l,
+                    Some(&last.members),
+                    Trigger::Resume,
+                    runs,
+                    last.request_id.clone(),
+                )
+                .await;
+                drop(claim);
                 runs += 1;
             }
         }
@@ -207,11 +213,8 @@ async fn schedule(l: Leadership, shutdown: CancellationToken) {
             let wait = jittered(p.interval, p.jitter);
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                r = leader.changed() => {
-                    if r.is_err() { return }
-                    if !*leader.borrow_and_update() { info!("no longer coordinating"); break }
-                    continue;
-                }
+                // (A fixed election has no sender left: `lost` then never resolves.)
+                _ = coordinator::role_lost(leader.clone()) => { info!("no longer coordinating"); break }
                 _ = tokio::time::sleep(wait) => {}
             }
             if !l.policy.borrow().enabled {
@@ -219,14 +222,20 @@ async fn schedule(l: Leadership, shutdown: CancellationToken) {
             }
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = run_once(&l, None, Trigger::Schedule, runs) => {}
+                _ = run_once(&l, None, Trigger::Schedule, runs, None) => {}
             }
             runs += 1;
         }
     }
 }
 
-async fn run_once(l: &Leadership, only: Option<&[String]>, trigger: Trigger, runs: usize) {
+async fn run_once(
+    l: &Leadership,
+    only: Option<&[String]>,
+    trigger: Trigger,
+    runs: usize,
+    request_id: Option<String>,
+) {
     let all = match l.members.list().await {
         Ok(m) => m,
         Err(e) => return warn!(error = %e, "cannot list the peer-check members; skipping this run"),
@@ -242,5 +251,9 @@ async fn run_once(l: &Leadership, only: Option<&[String]>, trigger: Trigger, run
         );
     }
     let spec = service::run_spec(&l.policy.borrow(), runs);
-    l.coordinator.run(members, missing, &spec, trigger).await;
+    // An aborted run is logged where it stops; the next holder resumes it.
+    let _ = l
+        .coordinator
+        .run(members, missing, &spec, trigger, request_id)
+        .await;
 }

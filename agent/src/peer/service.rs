@@ -397,8 +397,12 @@ impl CoordinatorRpc for PeerHandle {
                 r.node
             )));
         }
-        let l = self.leader()?;
-        if !l.coordinator.deliver(r) {
+        // Accepted by run id: a check of a run of this coordinator that waits for it takes it,
+        // leader or not (a run that lost the role is being aborted and drops its checks). A
+        // report nothing waits for is refused by an agent that does not coordinate.
+        let coordinator = &self.leadership.coordinator;
+        if !coordinator.deliver(r) {
+            self.leader()?;
             debug!(from = %sender, "report for no waiting check (late or duplicate)");
         }
         Ok(Response::new(ReportAck {}))
@@ -415,6 +419,31 @@ impl CoordinatorRpc for PeerHandle {
         if req.nodes.len() > 10_000 {
             return Err(Status::invalid_argument("more than 10000 nodes"));
         }
+        if req.request_id.len() > 64 {
+            return Err(Status::invalid_argument("request_id is longer than 64 bytes"));
+        }
+        let request_id = (!req.request_id.is_empty()).then(|| req.request_id.clone());
+        let aborted = |e: coordinator::Aborted| Status::unavailable(e.to_string());
+        // The same request again (the requester lost its coordinator and came here): the run
+        // resumed or still running for it, or its result.
+        if let Some(id) = &request_id {
+            if let Some(r) = l.coordinator.attach(id).await {
+                info!(from = %sender, request_id = %id, "peer-check request attached to its run");
+                return r.map(|s| Response::new(result_of(&s))).map_err(aborted);
+            }
+        }
+        let claim = match &request_id {
+            Some(id) => match l.coordinator.claim(id) {
+                Some(c) => Some(c),
+                None => {
+                    return match l.coordinator.attach(id).await {
+                        Some(r) => r.map(|s| Response::new(result_of(&s))).map_err(aborted),
+                        None => Err(Status::unavailable("the same request is being started; ask again")),
+                    }
+                }
+            },
+            None => None,
+        };
         let all = l
             .members
             .list()
@@ -434,8 +463,10 @@ impl CoordinatorRpc for PeerHandle {
         info!(from = %sender, nodes = req.nodes.len(), "peer-check run requested");
         let state = l
             .coordinator
-            .run(members, missing, &spec, Trigger::Request)
-            .await;
+            .run(members, missing, &spec, Trigger::Request, request_id)
+            .await
+            .map_err(aborted)?;
+        drop(claim);
         Ok(Response::new(result_of(&state)))
     }
 }
@@ -589,6 +620,7 @@ mod tests {
             20270,
             Arc::new(GrpcTransport::new(signer.clone())),
             Arc::new(MemoryPublisher::default()),
+            Arc::new(crate::peer::coordinator::WatchFence(watch::channel(false).1)),
         ));
         let leadership = Leadership {
             coordinator,
@@ -703,6 +735,7 @@ mod tests {
             protocol: PROTOCOL,
             nodes: vec!["n0".into()],
             timeout_ms: 0,
+            request_id: String::new(),
         });
         let s = svc.run(Request::new(run)).await.unwrap_err();
         assert_eq!(s.code(), tonic::Code::FailedPrecondition);
