@@ -281,15 +281,14 @@ async fn peer_setup(
     };
     let (members, election, publisher): (
         Arc<dyn members::Members>,
-        Arc<dyn peer::coordinator::Fence>,
+        peer::Election,
         Arc<dyn peer::coordinator::Publisher>,
     ) = match (static_members, kube_client) {
-        (Some(list), _) => {
-            let first = list.first().map(|m| m.node == node).unwrap_or(false);
+        (Some(_), _) => {
             let path = cfg.peer_members.clone().unwrap_or_default();
             (
                 Arc::new(members::StaticMembers { path }),
-                Arc::new(peer::coordinator::WatchFence(watch::channel(first).1)),
+                peer::Election::MembersFile,
                 Arc::new(publish::FilePublisher {
                     dir: cfg.state_dir.clone(),
                 }),
@@ -318,7 +317,7 @@ async fn peer_setup(
                     port,
                     topology_label,
                 }),
-                Arc::new(fence),
+                peer::Election::Lease(fence),
                 Arc::new(publish::KubePublisher {
                     client: client.calls,
                     namespace: cfg.namespace.clone(),

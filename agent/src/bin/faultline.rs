@@ -187,6 +187,11 @@ enum Command {
         /// The coordinator's peer-check address (ip:port). Default: the Lease holder's.
         #[arg(long, env = "FAULTLINE_COORDINATOR")]
         coordinator: Option<String>,
+        /// Without Kubernetes: the agents' members file (`node ip:port [topology]`). The
+        /// members are asked in the file's order until the one that coordinates answers, so
+        /// the request follows a failover (docs/peer-checks.md).
+        #[arg(long, env = "FAULTLINE_PEER_MEMBERS", conflicts_with = "coordinator")]
+        members: Option<PathBuf>,
         /// The shared peer-check secret.
         #[arg(
             long,
@@ -351,6 +356,7 @@ fn main() -> std::process::ExitCode {
             timeout,
             check_timeout,
             coordinator,
+            members,
             secret_file,
             kubeconfig,
             namespace,
@@ -362,6 +368,7 @@ fn main() -> std::process::ExitCode {
                 timeout,
                 check_timeout,
                 coordinator,
+                members,
                 secret_file,
                 kubeconfig,
                 namespace,

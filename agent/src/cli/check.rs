@@ -18,6 +18,9 @@ pub struct CheckArgs {
     pub check_timeout: Option<Duration>,
     /// The coordinator's peer-service address; else the Lease holder's.
     pub coordinator: Option<String>,
+    /// Bare metal: the members file; its members are asked in order until the coordinator
+    /// answers.
+    pub members: Option<PathBuf>,
     pub secret_file: PathBuf,
     pub kubeconfig: Option<PathBuf>,
     pub namespace: String,
@@ -218,6 +221,9 @@ pub async fn check(args: CheckArgs) -> Outcome {
     // the run under it, and answers a retry with that run instead of starting another.
     let request_id = format!("{:016x}", crate::peer::wire::random_u64());
     let mut last_error = String::from("no attempt made");
+    // Members-file mode: the member asked next (advanced past each one that is not the
+    // coordinator or does not answer).
+    let mut next_member = 0usize;
     let mut client_kube = None;
     let mut args = args;
     if let Some((ns, selector)) = args.pods.clone() {
@@ -245,9 +251,31 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 humantime::format_duration(args.timeout)
             ));
         }
-        let address = match &args.coordinator {
-            Some(a) => Ok(a.clone()),
-            None => {
+        let address = match (&args.coordinator, &args.members) {
+            (Some(a), _) => Ok(a.clone()),
+            (None, Some(file)) => match std::fs::read_to_string(file) {
+                Ok(text) => {
+                    match crate::peer::members::parse_members(&file.display().to_string(), &text) {
+                        Ok(list) if !list.is_empty() => {
+                            Ok(list[next_member % list.len()].address.clone())
+                        }
+                        Ok(_) => {
+                            return Outcome::error(format!(
+                                "error: the members file {} lists no member",
+                                file.display()
+                            ))
+                        }
+                        Err(e) => return Outcome::error(format!("error: {e}")),
+                    }
+                }
+                Err(e) => {
+                    return Outcome::error(format!(
+                        "error: cannot read the members file {}: {e}",
+                        file.display()
+                    ))
+                }
+            },
+            (None, None) => {
                 if client_kube.is_none() {
                     match crate::kube_client::client_infer(args.kubeconfig.as_deref()).await {
                         Ok(c) => client_kube = Some(c),
@@ -341,6 +369,20 @@ pub async fn check(args: CheckArgs) -> Outcome {
             Ok((address, Err(s))) => format!("the coordinator at {address}: {}", s.message()),
             Err(e) => e,
         };
+        if args.members.is_some() {
+            // Not the coordinator, or no answer: the next member in the file's order. A full
+            // pass without an answer waits like any retry.
+            next_member += 1;
+            if let Some(file) = &args.members {
+                let n = std::fs::read_to_string(file)
+                    .ok()
+                    .and_then(|t| crate::peer::members::parse_members("", &t).ok())
+                    .map_or(1, |l| l.len().max(1));
+                if next_member % n != 0 {
+                    continue;
+                }
+            }
+        }
         tokio::time::sleep(
             Duration::from_secs(2)
                 .min(deadline.saturating_duration_since(tokio::time::Instant::now())),

@@ -368,7 +368,12 @@ impl Coordinator {
         if let Some(s) = is_it(&done.borrow_and_update()) {
             return Some(Ok(s));
         }
-        if let Some(s) = self.publisher.last().await.filter(|s| is_it(&Some(s.clone())).is_some()) {
+        if let Some(s) = self
+            .publisher
+            .last()
+            .await
+            .filter(|s| is_it(&Some(s.clone())).is_some())
+        {
             return Some(Ok(s));
         }
         let claimed = self.claimed.lock().ok().is_some_and(|c| c.contains(id));
@@ -443,7 +448,15 @@ impl Coordinator {
         let run_id = new_run_id(started);
         let span = tracing::info_span!("peer_run", run_id = %run_id, trigger = ?trigger);
         let inner = self
-            .run_inner(members, missing, spec, trigger, run_id.clone(), started, request_id)
+            .run_inner(
+                members,
+                missing,
+                spec,
+                trigger,
+                run_id.clone(),
+                started,
+                request_id,
+            )
             .instrument(span);
         let result = tokio::select! {
             r = inner => r,

@@ -7,8 +7,8 @@
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use tokio::sync::watch;
 use std::time::Duration;
+use tokio::sync::watch;
 
 use faultline_proto::v1::{CheckAccepted, CheckAssignment, CheckReport, PingReply, RunConclusion};
 use faultline_proto::PROTOCOL;
@@ -500,7 +500,11 @@ async fn losing_the_role_mid_run_aborts_and_concludes_nothing() {
     let e = r.unwrap_err();
     assert!(e.why.contains("lost the coordinator role"), "{e}");
     // It stopped when the role went, not at the round's deadline.
-    assert!(start.elapsed() < Duration::from_secs(4), "{:?}", start.elapsed());
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        start.elapsed()
+    );
     assert!(fake.concluded.lock().unwrap().is_empty());
     let published = publisher.0.lock().unwrap().clone();
     assert!(published.iter().all(|s| !s.is_finished()), "{published:?}");
@@ -563,10 +567,20 @@ async fn a_retried_request_attaches_to_its_run() {
         vec![("faulty_node".to_string(), names(&["n3"]))]
     );
     // Asked again after it finished: the same result, from what was published.
-    assert_eq!(c.attach("req-1").await.unwrap().unwrap().run_id, state.run_id);
+    assert_eq!(
+        c.attach("req-1").await.unwrap().unwrap().run_id,
+        state.run_id
+    );
     assert!(c.attach("req-2").await.is_none());
     assert_eq!(
-        publisher.0.lock().unwrap().last().unwrap().request_id.as_deref(),
+        publisher
+            .0
+            .lock()
+            .unwrap()
+            .last()
+            .unwrap()
+            .request_id
+            .as_deref(),
         Some("req-1")
     );
 }

@@ -112,7 +112,11 @@ impl std::fmt::Debug for LeaseFence {
 }
 
 /// Whether a Lease names `identity` as a holder whose term has not run out at `now`.
-pub fn held_by(lease: &Lease, identity: &str, now: faultline_core::time::Timestamp) -> Result<(), String> {
+pub fn held_by(
+    lease: &Lease,
+    identity: &str,
+    now: faultline_core::time::Timestamp,
+) -> Result<(), String> {
     let spec = lease.spec.as_ref().ok_or("the Lease has no spec")?;
     let holder = spec.holder_identity.as_deref().unwrap_or("");
     if holder != identity {
@@ -146,7 +150,11 @@ impl super::coordinator::Fence for LeaseFence {
             .await
             .map_err(|e| format!("cannot read the Lease to confirm it: {e}"))?
             .ok_or("the Lease is gone")?;
-        held_by(&lease, &self.identity, faultline_core::time::Timestamp::now())
+        held_by(
+            &lease,
+            &self.identity,
+            faultline_core::time::Timestamp::now(),
+        )
     }
 }
 
@@ -158,4 +166,35 @@ pub async fn holder(client: Client, namespace: &str) -> Result<Option<String>, k
         .await?
         .and_then(|l| l.spec?.holder_identity)
         .filter(|h| !h.is_empty()))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use k8s_openapi::api::coordination::v1::LeaseSpec;
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::MicroTime;
+
+    /// The fence's reading of a Lease: this agent's name and a term not yet over, both needed.
+    #[test]
+    fn a_lease_confirms_only_its_holder_within_its_term() {
+        let t = |s: &str| s.parse::<faultline_core::time::Timestamp>().unwrap();
+        let lease = |holder: &str, renewed: &str| Lease {
+            spec: Some(LeaseSpec {
+                holder_identity: Some(holder.into()),
+                renew_time: Some(MicroTime(t(renewed))),
+                lease_duration_seconds: Some(15),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let me = "n1@10.0.0.2:20261";
+        let now = t("2026-11-24T12:00:10Z");
+        assert_eq!(held_by(&lease(me, "2026-11-24T12:00:00Z"), me, now), Ok(()));
+        let other = held_by(&lease("n4@10.0.0.5:20261", "2026-11-24T12:00:00Z"), me, now);
+        assert!(other.unwrap_err().contains("held by \"n4@"));
+        let expired = held_by(&lease(me, "2026-11-24T11:59:50Z"), me, now);
+        assert!(expired.unwrap_err().contains("ran out"));
+        assert!(held_by(&Lease::default(), me, now).is_err());
+    }
 }

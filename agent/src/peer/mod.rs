@@ -2,7 +2,8 @@
 //! faulty nodes, broken links and stragglers from the results.
 //!
 //! - `pairing`: the pure core (the planner and its verdicts, plus a simulator);
-//! - `coordinator`: runs a run over a transport and publishes it; `lease`: who coordinates;
+//! - `coordinator`: runs a run over a transport and publishes it; `lease` (Kubernetes) and
+//!   `election` (the members file's order and a liveness rule): who coordinates;
 //! - `service`: the gRPC service every agent serves, and the coordinator's client;
 //! - `members`: who takes part (agent pods, or a members file); `publish`: where runs go;
 //! - `runner`: the probe as a child process with a hard deadline; `verdicts`: a run's verdicts
@@ -14,6 +15,7 @@
 
 pub mod busy;
 pub mod coordinator;
+pub mod election;
 pub mod lease;
 pub mod members;
 pub mod publish;
@@ -45,6 +47,15 @@ use faultline_core::policy::PeerPolicy;
 /// Requests signed longer ago (or later) than this are refused.
 pub const MAX_SKEW: Duration = Duration::from_secs(30);
 
+/// Who coordinates.
+#[derive(Debug)]
+pub enum Election {
+    /// The holder of the Kubernetes Lease.
+    Lease(lease::LeaseFence),
+    /// Bare metal: the first live member of the members file (`election`).
+    MembersFile,
+}
+
 /// Everything the peer-check part of the agent needs.
 #[derive(Debug)]
 pub struct PeerSetup {
@@ -58,8 +69,7 @@ pub struct PeerSetup {
     pub busy: Arc<dyn Busy>,
     pub members: Arc<dyn Members>,
     pub publisher: Arc<dyn Publisher>,
-    /// Who coordinates: the Lease (`lease::LeaseFence`) or the members-file election.
-    pub election: Arc<dyn Fence>,
+    pub election: Election,
     pub policy: watch::Receiver<LoadedPolicy>,
     pub inputs: mpsc::Sender<Input>,
     pub metrics: Arc<crate::metrics::Metrics>,
@@ -95,15 +105,27 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
     };
     let policy = follow_policy(s.policy, s.shutdown.clone());
     let transport = Arc::new(GrpcTransport::new(signer.clone()));
+    let fence: Arc<dyn Fence> = match s.election {
+        Election::Lease(f) => Arc::new(f),
+        Election::MembersFile => {
+            let (role, _who) = election::elect(
+                s.node.clone(),
+                s.members.clone(),
+                transport.clone(),
+                s.shutdown.clone(),
+            );
+            Arc::new(coordinator::WatchFence(role))
+        }
+    };
     let coordinator = Arc::new(Coordinator::new(
         s.node.clone(),
         s.address.to_string(),
         s.probe_port_base,
         transport,
         s.publisher,
-        s.election.clone(),
+        fence.clone(),
     ));
-    let leader = s.election.watch();
+    let leader = fence.watch();
     let leadership = Leadership {
         coordinator: coordinator.clone(),
         leader: leader.clone(),

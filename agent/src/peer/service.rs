@@ -420,7 +420,9 @@ impl CoordinatorRpc for PeerHandle {
             return Err(Status::invalid_argument("more than 10000 nodes"));
         }
         if req.request_id.len() > 64 {
-            return Err(Status::invalid_argument("request_id is longer than 64 bytes"));
+            return Err(Status::invalid_argument(
+                "request_id is longer than 64 bytes",
+            ));
         }
         let request_id = (!req.request_id.is_empty()).then(|| req.request_id.clone());
         let aborted = |e: coordinator::Aborted| Status::unavailable(e.to_string());
@@ -438,7 +440,9 @@ impl CoordinatorRpc for PeerHandle {
                 None => {
                     return match l.coordinator.attach(id).await {
                         Some(r) => r.map(|s| Response::new(result_of(&s))).map_err(aborted),
-                        None => Err(Status::unavailable("the same request is being started; ask again")),
+                        None => Err(Status::unavailable(
+                            "the same request is being started; ask again",
+                        )),
                     }
                 }
             },
@@ -620,7 +624,9 @@ mod tests {
             20270,
             Arc::new(GrpcTransport::new(signer.clone())),
             Arc::new(MemoryPublisher::default()),
-            Arc::new(crate::peer::coordinator::WatchFence(watch::channel(false).1)),
+            Arc::new(crate::peer::coordinator::WatchFence(
+                watch::channel(false).1,
+            )),
         ));
         let leadership = Leadership {
             coordinator,

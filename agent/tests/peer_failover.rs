@@ -1,0 +1,155 @@
+//! Bare-metal failover (members file, loopback): the first member coordinates; when it freezes
+//! (SIGSTOP: its port still accepts connections, nothing answers), the next live member takes
+//! over within about 15 s and `faultline check --members` finds it, instead of waiting on the
+//! frozen one until `--timeout`. Before, the first member of the file coordinated for good.
+
+#![allow(clippy::unwrap_used)] // test code: a panic is the failure report
+
+mod common;
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::{cluster::probe_bin, Agent};
+use faultline_agent::peer::coordinator::RunState;
+
+fn free_on(ip: &str) -> SocketAddr {
+    TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap()
+}
+
+fn signal(agent: &Agent, sig: &str) {
+    let st = Command::new("kill")
+        .args([sig, &agent.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(st.success());
+}
+
+fn check(members: &Path, secret: &Path, nodes: &str, timeout: &str) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_faultline"))
+        .args(["check", "--nodes", nodes, "--timeout", timeout])
+        .arg("--members")
+        .arg(members)
+        .arg("--secret-file")
+        .arg(secret)
+        .output()
+        .unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn published(agent: &Agent) -> Option<RunState> {
+    let text = std::fs::read_to_string(agent.state().join("peercheck.json")).ok()?;
+    serde_json::from_str(&text).ok()
+}
+
+#[test]
+fn the_next_live_member_coordinates_when_the_first_freezes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = tmp.path().join("secret");
+    std::fs::write(&secret, "failover-test-secret-0123456789abcdef0123\n").unwrap();
+    let policy = tmp.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "peer:\n  enabled: false\n  bytes: 1048576\n  iterations: 2\n  check_timeout: 10s\n",
+    )
+    .unwrap();
+    let addrs = [
+        free_on("127.0.0.1"),
+        free_on("127.0.0.2"),
+        free_on("127.0.0.3"),
+    ];
+    let members = tmp.path().join("members");
+    std::fs::write(
+        &members,
+        format!(
+            "node-a {}\nnode-b {}\nnode-c {}\n",
+            addrs[0], addrs[1], addrs[2]
+        ),
+    )
+    .unwrap();
+    let probe = probe_bin();
+    let start = |name: &str, listen: SocketAddr| {
+        let dir = tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let listen = listen.to_string();
+        Agent::start(
+            &dir,
+            &[
+                "--node-name",
+                name,
+                "--no-nvml",
+                "--no-ascend",
+                "--policy",
+                policy.to_str().unwrap(),
+                "--peer-secret-file",
+                secret.to_str().unwrap(),
+                "--peer-members",
+                members.to_str().unwrap(),
+                "--peer-listen",
+                &listen,
+                "--probe-bin",
+                probe.to_str().unwrap(),
+                "--probe-port-base",
+                "31370",
+            ],
+        )
+    };
+    let a = start("node-a", addrs[0]);
+    let b = start("node-b", addrs[1]);
+    let c = start("node-c", addrs[2]);
+    for (agent, addr) in [(&a, addrs[0]), (&b, addrs[1]), (&c, addrs[2])] {
+        agent.wait_for("start-up write", |_| true);
+        common::wait_until("the peer port to listen", Duration::from_secs(30), || {
+            std::net::TcpStream::connect(addr).ok()
+        });
+    }
+
+    // The first member coordinates.
+    let (code, out, err) = check(&members, &secret, "node-b,node-c", "60s");
+    assert_eq!(code, 0, "{out}\n{err}\n--- a:\n{}", a.log());
+    assert_eq!(published(&a).unwrap().coordinator, "node-a");
+
+    // Frozen: its port still accepts connections, and nothing answers.
+    signal(&a, "-STOP");
+    let asked = Instant::now();
+    let (code, out, err) = check(&members, &secret, "node-b,node-c", "90s");
+    let took = asked.elapsed();
+    assert_eq!(
+        code,
+        0,
+        "{out}\n{err}\n--- b:\n{}\n--- c:\n{}",
+        b.log(),
+        c.log()
+    );
+    let run = published(&b).expect("node-b published the run");
+    assert_eq!(run.coordinator, "node-b");
+    assert!(run.is_finished());
+    eprintln!("answered by node-b after {took:?}");
+    assert!(took < Duration::from_secs(60), "{took:?}");
+    assert!(
+        c.log().contains("peer-check coordinator (members file)"),
+        "{}",
+        c.log()
+    );
+
+    // Back: the first member takes the role again, and node-b lets it go.
+    signal(&a, "-CONT");
+    common::wait_until(
+        "node-b to give the role back",
+        Duration::from_secs(40),
+        || b.log().contains("no longer coordinating").then_some(()),
+    );
+    let (code, out, err) = check(&members, &secret, "node-b,node-c", "60s");
+    assert_eq!(code, 0, "{out}\n{err}");
+    let last = published(&a).unwrap();
+    assert!(last.run_id != run.run_id && last.coordinator == "node-a");
+    for agent in [a, b, c] {
+        assert_eq!(agent.stop(), 0);
+    }
+}
