@@ -378,7 +378,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
                     .ok()
                     .and_then(|t| crate::peer::members::parse_members("", &t).ok())
                     .map_or(1, |l| l.len().max(1));
-                if next_member % n != 0 {
+                if !next_member.is_multiple_of(n) {
                     continue;
                 }
             }

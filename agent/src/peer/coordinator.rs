@@ -480,6 +480,7 @@ impl Coordinator {
         result
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn run_inner(
         &self,
         members: Vec<Member>,
