@@ -48,6 +48,12 @@ pub const MIN_LATER_DEADLINE: Duration = Duration::from_millis(1500);
 /// How long past a check's deadline the coordinator waits for the reports (the probe is killed
 /// one grace period after its deadline; the report then needs a moment to arrive).
 pub const REPORT_SLACK: Duration = Duration::from_secs(2);
+/// Pings per member before it counts as unreachable, and the pause between them (a failed
+/// assignment call is tried once more after the same pause).
+pub const PING_ATTEMPTS: u32 = 3;
+pub const PING_RETRY_PAUSE: Duration = Duration::from_millis(500);
+/// Members asked to reach a member the coordinator cannot reach.
+pub const RELAYS: usize = 2;
 /// Probe ports used per round, from the base port: a node takes part in at most two checks per
 /// round, and successive rounds use different ports so a probe still winding down cannot block
 /// the next one.
@@ -144,6 +150,13 @@ impl RunState {
 #[async_trait::async_trait]
 pub trait Transport: Send + Sync + std::fmt::Debug {
     async fn ping(&self, to: &Member) -> Result<PingReply, String>;
+    /// Asks `via` to ping `targets` (members the coordinator cannot reach): whether each
+    /// answered it.
+    async fn reach(
+        &self,
+        via: &Member,
+        targets: &[Member],
+    ) -> Result<Vec<faultline_proto::v1::Reached>, String>;
     async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String>;
     async fn cancel(&self, to: &Member, a: CheckAssignment);
     async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String>;
@@ -492,7 +505,7 @@ impl Coordinator {
         request_id: Option<String>,
     ) -> Result<RunState, Aborted> {
         // Ping first: who is there, who is busy.
-        let pings = futures::future::join_all(members.iter().map(|m| self.transport.ping(m))).await;
+        let pings = self.ping_all(&members).await;
         let mut unreachable: BTreeMap<String, String> = BTreeMap::new();
         let mut pool: Vec<Member> = Vec::new();
         for (m, p) in members.into_iter().zip(pings) {
@@ -515,6 +528,51 @@ impl Coordinator {
                     pool.push(m);
                 }
             }
+        }
+        // A member the coordinator cannot reach is not yet evidence against the member: other
+        // members are asked to reach it. Reached by one of them, only the path from the
+        // coordinator fails; reached by none that answered, its agent is gone (it stays in the
+        // plan and fails with every partner); with nobody to ask, it cannot be told.
+        let mut coordinator_only: BTreeMap<String, String> = BTreeMap::new();
+        if !unreachable.is_empty() {
+            let relays: Vec<Member> = pool
+                .iter()
+                .filter(|m| !unreachable.contains_key(&m.node) && m.node != self.node)
+                .take(RELAYS)
+                .cloned()
+                .collect();
+            let targets: Vec<Member> = pool
+                .iter()
+                .filter(|m| unreachable.contains_key(&m.node))
+                .cloned()
+                .collect();
+            let seen = self.relay(&relays, &targets).await;
+            for t in &targets {
+                match seen.get(&t.node) {
+                    Some(Reach::By(relay)) => {
+                        coordinator_only.insert(t.node.clone(), relay.clone());
+                        skipped.insert(
+                            t.node.clone(),
+                            format!(
+                                "its agent answers {relay} but not the coordinator ({}): the path between the coordinator and it fails; its checks were not run",
+                                self.node
+                            ),
+                        );
+                    }
+                    Some(Reach::Nobody) => {}
+                    None => {
+                        skipped.insert(
+                            t.node.clone(),
+                            format!(
+                                "its agent does not answer the coordinator ({}: {}), and no other member could be asked to reach it",
+                                self.node, unreachable[&t.node]
+                            ),
+                        );
+                    }
+                }
+            }
+            pool.retain(|m| !skipped.contains_key(&m.node));
+            unreachable.retain(|n, _| !skipped.contains_key(n));
         }
         let names: Vec<String> = pool.iter().map(|m| m.node.clone()).collect();
         let mut state = RunState {
@@ -620,6 +678,29 @@ impl Coordinator {
         }
         let verdicts = planner.verdicts();
         state.verdicts = verdict_states(&names, &verdicts);
+        // The path between the coordinator's node (when it takes part) and a member only it
+        // cannot reach: a broken link, recorded by the coordinator's node.
+        let mut told_members = names.clone();
+        let mut extra_wire = Vec::new();
+        if names.contains(&self.node) {
+            for n in coordinator_only.keys() {
+                let mut pair = vec![self.node.clone(), n.clone()];
+                pair.sort();
+                state.verdicts.push(VerdictState {
+                    kind: "broken_link".into(),
+                    nodes: pair.clone(),
+                    slowdown: None,
+                    reason: None,
+                });
+                told_members.push(n.clone());
+                extra_wire.push(faultline_proto::v1::Verdict {
+                    kind: faultline_proto::v1::verdict::Kind::BrokenLink as i32,
+                    nodes: pair,
+                    slowdown: 0.0,
+                    reason: String::new(),
+                });
+            }
+        }
         for (n, why) in &state.skipped {
             if !names.contains(n) {
                 state.verdicts.push(VerdictState {
@@ -643,12 +724,14 @@ impl Coordinator {
             "peer-check run finished"
         );
         // Every reachable member records its own verdict.
+        let mut wire_verdicts = wire::to_proto(&names, &verdicts);
+        wire_verdicts.extend(extra_wire);
         let conclusion = RunConclusion {
             auth: None,
             protocol: PROTOCOL,
             run_id: run_id.clone(),
-            members: names.clone(),
-            verdicts: wire::to_proto(&names, &verdicts),
+            members: told_members,
+            verdicts: wire_verdicts,
         };
         let told = futures::future::join_all(
             pool.iter()
@@ -665,6 +748,77 @@ impl Coordinator {
             }
         }
         Ok(state)
+    }
+
+    /// Pings every member, each failed ping again up to `PING_ATTEMPTS` times: one lost ping
+    /// does not make a member unreachable for the whole run.
+    async fn ping_all(&self, members: &[Member]) -> Vec<Result<PingReply, String>> {
+        futures::future::join_all(members.iter().map(|m| async move {
+            let mut last = Err(String::new());
+            for attempt in 0..PING_ATTEMPTS {
+                if attempt > 0 {
+                    tokio::time::sleep(PING_RETRY_PAUSE).await;
+                }
+                last = self.transport.ping(m).await;
+                if last.is_ok() {
+                    break;
+                }
+            }
+            last
+        }))
+        .await
+    }
+
+    /// Asks the relays, all at once, to reach `targets`: per target, the first relay that
+    /// reached it, `Nobody` when relays answered and none did, absent when no relay answered.
+    async fn relay(&self, relays: &[Member], targets: &[Member]) -> BTreeMap<String, Reach> {
+        let mut seen: BTreeMap<String, Reach> = BTreeMap::new();
+        if targets.is_empty() {
+            return seen;
+        }
+        let asked = futures::future::join_all(
+            relays
+                .iter()
+                .map(|r| async move { (r, self.transport.reach(r, targets).await) }),
+        )
+        .await;
+        for (relay, answer) in asked {
+            let Ok(reached) = answer else {
+                if let Err(e) = answer {
+                    debug!(relay = %relay.node, error = %e, "a relay could not be asked");
+                }
+                continue;
+            };
+            for t in targets {
+                let ok = reached.iter().any(|r| r.node == t.node && r.answered);
+                match seen.get(&t.node) {
+                    Some(Reach::By(_)) => {}
+                    _ if ok => {
+                        seen.insert(t.node.clone(), Reach::By(relay.node.clone()));
+                    }
+                    _ => {
+                        seen.insert(t.node.clone(), Reach::Nobody);
+                    }
+                }
+            }
+        }
+        seen
+    }
+
+    /// `assign`, once more after a short pause when the call itself failed (a refusal is an
+    /// answer and is not repeated).
+    async fn assign_retried(
+        &self,
+        to: &Member,
+        a: CheckAssignment,
+    ) -> Result<CheckAccepted, String> {
+        match self.transport.assign(to, a.clone()).await {
+            Err(_) => {
+                tokio::time::sleep(PING_RETRY_PAUSE).await;
+                self.transport.assign(to, a).await
+            }
+            answered => answered,
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -725,17 +879,26 @@ impl Coordinator {
         let mut rx_a = self.expect(key_a.clone());
         let mut rx_b = self.expect(key_b.clone());
         let (ra, rb) = tokio::join!(
-            self.transport.assign(a, assignment.clone()),
-            self.transport.assign(b, assignment.clone())
+            self.assign_retried(a, assignment.clone()),
+            self.assign_retried(b, assignment.clone())
         );
         let refused = |m: &Member, r: &Result<CheckAccepted, String>| match r {
             Ok(acc) if acc.accepted => None,
             Ok(acc) => Some(format!("{} refused the check: {}", m.node, acc.reason)),
-            Err(e) => Some(format!("cannot assign the check to {}: {e}", m.node)),
+            Err(_) => None,
         };
+        // The coordinator could not reach an agent to assign the check (it answered the ping):
+        // the control path, not the data path. Not judged.
+        let unassigned = [(&ra, a), (&rb, b)].into_iter().find_map(|(r, m)| {
+            r.as_ref()
+                .err()
+                .map(|e| format!("cannot assign the check to {}: {e}", m.node))
+        });
         let mut result = None;
         if let Some(why) = refused(a, &ra).or_else(|| refused(b, &rb)) {
             result = Some(fail(state.clone(), why));
+        } else if let Some(why) = unassigned {
+            result = Some(void(state.clone(), why));
         }
         let mut got_a: Option<CheckReport> = None;
         let mut got_b: Option<CheckReport> = None;
@@ -788,6 +951,20 @@ impl Coordinator {
                         state: state.clone(),
                     }
                 }
+                (Some(x), None, None) | (None, Some(x), None) => {
+                    // One side passed: its probe exchanged every block with the other, so the
+                    // data path works; the other's report was lost on its way here.
+                    let silent = if got_a.is_none() { a } else { b };
+                    void(
+                        state.clone(),
+                        format!(
+                            "{} passed; no report from {} within {} (lost on the way to the coordinator)",
+                            x.node,
+                            silent.node,
+                            humantime::format_duration(deadline)
+                        ),
+                    )
+                }
                 _ => {
                     let silent: Vec<&str> = [(&got_a, a), (&got_b, b)]
                         .into_iter()
@@ -814,6 +991,25 @@ impl Coordinator {
         futures::future::join_all(cancels).await;
         result.unwrap_or_else(|| fail(state, "internal: no result".into()))
     }
+}
+
+/// A check that says nothing about the data path: no outcome for the planner.
+fn void(mut state: CheckState, why: String) -> CheckResult {
+    state.passed = None;
+    state.error = Some(format!("not judged: {why}"));
+    CheckResult {
+        outcome: Outcome::Void,
+        state,
+    }
+}
+
+/// What other members saw of a member the coordinator could not reach.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Reach {
+    /// This relay reached it.
+    By(String),
+    /// Relays answered; none reached it.
+    Nobody,
 }
 
 fn lost(node: &Member, partner: &Member) -> CheckReport {

@@ -202,6 +202,13 @@ mod tests {
             }
             Ok(PingReply::default())
         }
+        async fn reach(
+            &self,
+            _: &Member,
+            _: &[Member],
+        ) -> Result<Vec<faultline_proto::v1::Reached>, String> {
+            Err("not used".into())
+        }
         async fn assign(&self, _: &Member, _: CheckAssignment) -> Result<CheckAccepted, String> {
             Err("not used".into())
         }

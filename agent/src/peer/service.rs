@@ -18,8 +18,8 @@ use faultline_proto::v1::coordinator_server::Coordinator as CoordinatorRpc;
 use faultline_proto::v1::peer_check_client::PeerCheckClient;
 use faultline_proto::v1::peer_check_server::PeerCheck;
 use faultline_proto::v1::{
-    CheckAccepted, CheckAssignment, CheckReport, PingReply, PingRequest, ReportAck, RunConclusion,
-    RunRequest, RunResult,
+    CheckAccepted, CheckAssignment, CheckReport, PingReply, PingRequest, Reached, ReportAck,
+    RunConclusion, RunRequest, RunResult,
 };
 use faultline_proto::{MAX_MESSAGE_BYTES, PROTOCOL};
 use tokio::sync::{mpsc, watch};
@@ -28,7 +28,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn, Instrument};
 
-use super::coordinator::{self, Coordinator, RunSpec, Trigger};
+use super::coordinator::{self, Coordinator, RunSpec, Transport, Trigger};
 use super::members::{Member, Members};
 use super::runner::{self, ProbeOutcome, ProbeSpec};
 use super::wire::{self, Signer};
@@ -36,12 +36,20 @@ use crate::source::Input;
 use faultline_core::peer::pairing::PairingConfig;
 use faultline_core::policy::PeerPolicy;
 
+/// Attempts to deliver a check report, and the pause between them.
+pub const REPORT_ATTEMPTS: u32 = 3;
+pub const REPORT_RETRY_PAUSE: Duration = Duration::from_millis(300);
 /// Checks one agent runs at once (a node is in at most two per round).
 pub const MAX_CONCURRENT_CHECKS: usize = 4;
 /// How long a ping waits for the busy check.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(1);
 /// Connect and call timeouts of the coordinator's small calls (ping, assign, cancel).
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+/// A ping that asks the member to ping others too: their pings run at once, each within
+/// `CALL_TIMEOUT`.
+pub const RELAY_TIMEOUT: Duration = Duration::from_secs(5);
+/// Members one relayed ping may name.
+pub const MAX_REACH: usize = 16;
 
 /// Whether this node's accelerators run someone's work.
 pub trait Busy: Send + Sync + std::fmt::Debug + 'static {
@@ -101,6 +109,8 @@ pub struct PeerService {
     running: Mutex<HashMap<CheckKey, CancellationToken>>,
     leadership: Leadership,
     runs: std::sync::atomic::AtomicUsize,
+    /// Pings other members on the coordinator's behalf (`PingRequest.reach`).
+    relay: GrpcTransport,
 }
 
 impl PeerService {
@@ -116,13 +126,14 @@ impl PeerService {
         PeerService {
             node,
             verifier: Mutex::new(verifier),
-            signer,
+            signer: signer.clone(),
             probe,
             busy,
             inputs,
             running: Mutex::new(HashMap::new()),
             leadership,
             runs: std::sync::atomic::AtomicUsize::new(0),
+            relay: GrpcTransport::new(signer.clone()),
         }
     }
 
@@ -176,6 +187,7 @@ impl PeerCheck for PeerHandle {
     async fn ping(&self, request: Request<PingRequest>) -> Result<Response<PingReply>, Status> {
         let p = request.into_inner();
         self.verify(&p)?;
+        let reached = self.relay_pings(&p.reach).await?;
         // NVML calls can hang: ask on a blocking thread, and a node that cannot answer in
         // time counts as busy (a scheduled check is not worth disturbing a job).
         let busy = if self.probe.gpu {
@@ -196,6 +208,7 @@ impl PeerCheck for PeerHandle {
             protocol: PROTOCOL,
             busy: busy.is_some(),
             reason: busy.unwrap_or_default(),
+            reached,
         }))
     }
 
@@ -309,6 +322,55 @@ impl PeerCheck for PeerHandle {
 }
 
 impl PeerService {
+    /// Pings the members `reach` names, on the coordinator's behalf: only current members, at
+    /// their listed addresses (the request cannot make this agent connect anywhere else), at
+    /// most `MAX_REACH`, all at once.
+    async fn relay_pings(
+        &self,
+        reach: &[faultline_proto::v1::Member],
+    ) -> Result<Vec<Reached>, Status> {
+        if reach.is_empty() {
+            return Ok(Vec::new());
+        }
+        if reach.len() > MAX_REACH {
+            return Err(Status::invalid_argument(format!(
+                "{} members to reach, at most {MAX_REACH}",
+                reach.len()
+            )));
+        }
+        let current = self
+            .leadership
+            .members
+            .list()
+            .await
+            .map_err(|e| Status::unavailable(format!("cannot list the members: {e}")))?;
+        let mut targets = Vec::new();
+        for r in reach {
+            match current
+                .iter()
+                .find(|m| m.node == r.node && m.address == r.address)
+            {
+                Some(m) => targets.push(m.clone()),
+                None => {
+                    return Err(Status::invalid_argument(format!(
+                        "{} at {:?} is not a current member",
+                        r.node, r.address
+                    )))
+                }
+            }
+        }
+        let answers = futures::future::join_all(targets.iter().map(|m| self.relay.ping(m))).await;
+        Ok(targets
+            .iter()
+            .zip(answers)
+            .map(|(m, a)| Reached {
+                node: m.node.clone(),
+                answered: a.is_ok(),
+                error: a.err().unwrap_or_default(),
+            })
+            .collect())
+    }
+
     async fn run_check(
         &self,
         a: &CheckAssignment,
@@ -363,23 +425,50 @@ impl PeerService {
         Some(report)
     }
 
+    /// Sends the report, up to `REPORT_ATTEMPTS` times while the coordinator cannot be reached
+    /// (a lost report leaves the check unjudged; the coordinator waits `REPORT_SLACK` past the
+    /// deadline for it). A refusal is an answer and is not repeated. Each attempt is signed
+    /// anew: the coordinator refuses a nonce it has seen.
     async fn send_report(&self, coordinator: &str, report: CheckReport) {
-        let report = self.signer.sign(report);
-        let result = async {
-            let ch = endpoint(coordinator)?
-                .connect()
-                .await
-                .map_err(|e| e.to_string())?;
-            CoordinatorClient::new(ch)
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .report(report)
-                .await
-                .map_err(|s| s.message().to_string())
+        let mut last = String::new();
+        for attempt in 0..REPORT_ATTEMPTS {
+            if attempt > 0 {
+                tokio::time::sleep(REPORT_RETRY_PAUSE).await;
+            }
+            let signed = self.signer.sign(report.clone());
+            let result = async {
+                let ch = endpoint(coordinator)
+                    .map_err(|e| (false, e))?
+                    .connect()
+                    .await
+                    .map_err(|e| (true, e.to_string()))?;
+                let mut c = CoordinatorClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
+                match tokio::time::timeout(CALL_TIMEOUT, c.report(timed(signed, CALL_TIMEOUT)))
+                    .await
+                {
+                    Ok(Ok(_)) => Ok(()),
+                    Ok(Err(s)) => Err((
+                        matches!(
+                            s.code(),
+                            tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
+                        ),
+                        s.message().to_string(),
+                    )),
+                    Err(_) => Err((true, format!("no answer within {CALL_TIMEOUT:?}"))),
+                }
+            }
+            .await;
+            match result {
+                Ok(()) => return,
+                Err((again, e)) => {
+                    last = e;
+                    if !again {
+                        break;
+                    }
+                }
+            }
         }
-        .await;
-        if let Err(e) = result {
-            warn!(coordinator, error = %e, "cannot send the check report");
-        }
+        warn!(coordinator, error = %last, "cannot send the check report");
     }
 }
 
@@ -517,6 +606,15 @@ fn endpoint(address: &str) -> Result<Endpoint, String> {
         .map_err(|e| format!("bad address {address:?}: {e}"))
 }
 
+/// A member as the wire names it.
+pub fn wire_member(m: &Member) -> faultline_proto::v1::Member {
+    faultline_proto::v1::Member {
+        node: m.node.clone(),
+        address: m.address.clone(),
+        topology: m.topology.clone().unwrap_or_default(),
+    }
+}
+
 /// The coordinator's client: one lazily connected channel per agent address.
 #[derive(Debug)]
 pub struct GrpcTransport {
@@ -574,9 +672,22 @@ impl coordinator::Transport for GrpcTransport {
         let msg = self.signer.sign(PingRequest {
             auth: None,
             protocol: PROTOCOL,
+            reach: Vec::new(),
         });
         let mut c = self.client(to)?;
         within(CALL_TIMEOUT, |t| c.ping(timed(msg, t))).await
+    }
+
+    async fn reach(&self, via: &Member, targets: &[Member]) -> Result<Vec<Reached>, String> {
+        let msg = self.signer.sign(PingRequest {
+            auth: None,
+            protocol: PROTOCOL,
+            reach: targets.iter().map(wire_member).collect(),
+        });
+        let mut c = self.client(via)?;
+        within(RELAY_TIMEOUT, |t| c.ping(timed(msg, t)))
+            .await
+            .map(|r| r.reached)
     }
 
     async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {

@@ -70,6 +70,11 @@ pub enum Outcome {
     Pass { seconds: f64 },
     /// Failed, timed out, or a member did not answer.
     Fail,
+    /// Not judged: the check could not be run or its result did not come back for a reason
+    /// that says nothing about the data path (the coordinator could not reach an agent to
+    /// assign it, a report was lost on its way). No evidence either way: the pair counts as
+    /// not tried, and its nodes as not checked by it.
+    Void,
 }
 
 /// Thresholds.
@@ -239,6 +244,9 @@ impl Planner {
                 .iter()
                 .find(|(p, _)| *p == check.pair)
                 .map_or(Outcome::Fail, |(_, o)| *o);
+            if outcome == Outcome::Void {
+                continue;
+            }
             self.history.push(Record { check, outcome });
         }
     }
