@@ -89,6 +89,25 @@ fn a_straggler_is_found_with_its_slowdown() {
     assert_eq!(rounds, 2);
 }
 
+/// An unjudged check (the coordinator could not assign it, a report was lost) is no evidence:
+/// its nodes are checked again in the next round, and nobody is blamed for it.
+#[test]
+fn an_unjudged_check_is_run_again_and_blames_nobody() {
+    let mut p = Planner::new((0..4).collect(), PairingConfig::default());
+    let r1 = p.next_round().unwrap();
+    assert_eq!(r1.len(), 2);
+    let pass = Outcome::Pass { seconds: 1.0 };
+    p.record(&[(r1[0].pair, Outcome::Void), (r1[1].pair, pass)]);
+    assert_eq!(p.checks(), 1, "the unjudged check is not in the history");
+    let r2 = p.next_round().unwrap();
+    let again: BTreeSet<NodeId> = r2.iter().flat_map(|c| [c.pair.a(), c.pair.b()]).collect();
+    assert!(again.contains(&0) && again.contains(&1), "{r2:?}");
+    let results: Vec<(Pair, Outcome)> = r2.iter().map(|c| (c.pair, pass)).collect();
+    p.record(&results);
+    assert!(p.next_round().is_none());
+    assert!(p.verdicts().is_clean(), "{:?}", p.verdicts());
+}
+
 #[test]
 fn too_few_nodes_or_no_healthy_partner_is_unknown_with_the_reason() {
     let (v, _, _) = run(2, &faulty(&[1]));
