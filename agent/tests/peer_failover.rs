@@ -2,6 +2,7 @@
 //! (SIGSTOP: its port still accepts connections, nothing answers), the next live member takes
 //! over within about 15 s and `faultline check --members` finds it, instead of waiting on the
 //! frozen one until `--timeout`. Before, the first member of the file coordinated for good.
+//! And a node whose probe cannot run says so in its own record.
 
 #![allow(clippy::unwrap_used)] // test code: a panic is the failure report
 
@@ -48,6 +49,112 @@ fn published(agent: &Agent) -> Option<RunState> {
     serde_json::from_str(&text).ok()
 }
 
+#[allow(clippy::too_many_arguments)]
+fn start_agent(
+    tmp: &Path,
+    name: &str,
+    listen: SocketAddr,
+    policy: &Path,
+    secret: &Path,
+    members: &Path,
+    probe: &Path,
+    port_base: &str,
+) -> Agent {
+    let dir = tmp.join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let listen = listen.to_string();
+    Agent::start(
+        &dir,
+        &[
+            "--node-name",
+            name,
+            "--no-nvml",
+            "--no-ascend",
+            "--policy",
+            policy.to_str().unwrap(),
+            "--peer-secret-file",
+            secret.to_str().unwrap(),
+            "--peer-members",
+            members.to_str().unwrap(),
+            "--peer-listen",
+            &listen,
+            "--probe-bin",
+            probe.to_str().unwrap(),
+            "--probe-port-base",
+            port_base,
+        ],
+    )
+}
+
+/// A node whose probe cannot run fails with every partner and is found faulty; its own record
+/// names the cause (`PEER_PROBE_FAILED`, "cannot run /x/faultline-probe: …"), not
+/// PEER_UNREACHABLE: its agent answered every call.
+#[test]
+fn a_probe_that_cannot_run_is_named_in_the_nodes_record() {
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = tmp.path().join("secret");
+    std::fs::write(&secret, "probe-cause-test-secret-0123456789abcdef\n").unwrap();
+    let policy = tmp.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "peer:\n  enabled: false\n  bytes: 1048576\n  iterations: 2\n  check_timeout: 10s\n",
+    )
+    .unwrap();
+    let addrs = [
+        free_on("127.0.0.1"),
+        free_on("127.0.0.2"),
+        free_on("127.0.0.3"),
+    ];
+    let members = tmp.path().join("members");
+    std::fs::write(
+        &members,
+        format!(
+            "node-a {}\nnode-b {}\nnode-c {}\n",
+            addrs[0], addrs[1], addrs[2]
+        ),
+    )
+    .unwrap();
+    let probe = probe_bin();
+    let missing = Path::new("/x/faultline-probe");
+    let start = |name: &str, listen: SocketAddr, probe: &Path| {
+        start_agent(
+            tmp.path(),
+            name,
+            listen,
+            &policy,
+            &secret,
+            &members,
+            probe,
+            "31470",
+        )
+    };
+    let a = start("node-a", addrs[0], &probe);
+    let b = start("node-b", addrs[1], &probe);
+    let c = start("node-c", addrs[2], missing);
+    for (agent, addr) in [(&a, addrs[0]), (&b, addrs[1]), (&c, addrs[2])] {
+        agent.wait_for("start-up write", |_| true);
+        common::wait_until("the peer port to listen", Duration::from_secs(30), || {
+            std::net::TcpStream::connect(addr).ok()
+        });
+    }
+    let (code, out, err) = check(&members, &secret, "node-a,node-b,node-c", "60s");
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(out.contains("faulty node   node-c"), "{out}");
+    let r = c.wait_for("the cause in node-c's record", |r| {
+        common::fault(r, "PEER_PROBE_FAILED").is_some()
+    });
+    let f = common::fault(&r, "PEER_PROBE_FAILED").unwrap();
+    assert!(
+        f.message.contains("cannot run /x/faultline-probe"),
+        "{}",
+        f.message
+    );
+    assert!(common::fault(&r, "PEER_UNREACHABLE").is_none());
+    for agent in [a, b, c] {
+        assert_eq!(agent.stop(), 0);
+    }
+}
+
 #[test]
 fn the_next_live_member_coordinates_when_the_first_freezes() {
     let tmp = tempfile::tempdir().unwrap();
@@ -75,29 +182,15 @@ fn the_next_live_member_coordinates_when_the_first_freezes() {
     .unwrap();
     let probe = probe_bin();
     let start = |name: &str, listen: SocketAddr| {
-        let dir = tmp.path().join(name);
-        std::fs::create_dir_all(&dir).unwrap();
-        let listen = listen.to_string();
-        Agent::start(
-            &dir,
-            &[
-                "--node-name",
-                name,
-                "--no-nvml",
-                "--no-ascend",
-                "--policy",
-                policy.to_str().unwrap(),
-                "--peer-secret-file",
-                secret.to_str().unwrap(),
-                "--peer-members",
-                members.to_str().unwrap(),
-                "--peer-listen",
-                &listen,
-                "--probe-bin",
-                probe.to_str().unwrap(),
-                "--probe-port-base",
-                "31370",
-            ],
+        start_agent(
+            tmp.path(),
+            name,
+            listen,
+            &policy,
+            &secret,
+            &members,
+            &probe,
+            "31370",
         )
     };
     let a = start("node-a", addrs[0]);

@@ -44,6 +44,9 @@ pub enum ProbeOutcome {
     Passed(ProbeReport),
     /// Why: the probe's own error, a kill at the deadline, unreadable output.
     Failed(String),
+    /// The probe could not be started on this node (missing or not executable): a cause on
+    /// this side, whatever the partner.
+    CannotRun(String),
 }
 
 impl ProbeOutcome {
@@ -53,7 +56,7 @@ impl ProbeOutcome {
             ProbeOutcome::Passed(r) => Outcome::Pass {
                 seconds: r.median_seconds,
             },
-            ProbeOutcome::Failed(_) => Outcome::Fail,
+            ProbeOutcome::Failed(_) | ProbeOutcome::CannotRun(_) => Outcome::Fail,
         }
     }
 }
@@ -96,7 +99,7 @@ pub async fn run_probe(spec: &ProbeSpec) -> ProbeOutcome {
     let limit = spec.timeout + spec.grace;
     match crate::child::run(&mut cmd, limit).await {
         Err(ChildError::Spawn(e)) => {
-            ProbeOutcome::Failed(format!("cannot run {}: {e}", spec.probe.display()))
+            ProbeOutcome::CannotRun(format!("cannot run {}: {e}", spec.probe.display()))
         }
         Err(ChildError::Timeout(_)) => ProbeOutcome::Failed(format!(
             "no result within {} (killed)",

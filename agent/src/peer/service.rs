@@ -36,6 +36,8 @@ use crate::source::Input;
 use faultline_core::peer::pairing::PairingConfig;
 use faultline_core::policy::PeerPolicy;
 
+/// Runs whose own-probe failure an agent remembers (a conclusion comes right after its run).
+const OWN_FAILURES_KEPT: usize = 8;
 /// Attempts to deliver a check report, and the pause between them.
 pub const REPORT_ATTEMPTS: u32 = 3;
 pub const REPORT_RETRY_PAUSE: Duration = Duration::from_millis(300);
@@ -111,6 +113,9 @@ pub struct PeerService {
     runs: std::sync::atomic::AtomicUsize,
     /// Pings other members on the coordinator's behalf (`PingRequest.reach`).
     relay: GrpcTransport,
+    /// Runs in which this node's own probe could not run, with the cause (the newest
+    /// `OWN_FAILURES_KEPT`): a conclusion that finds this node faulty names it.
+    own_failures: Mutex<std::collections::VecDeque<(String, String)>>,
 }
 
 impl PeerService {
@@ -134,6 +139,7 @@ impl PeerService {
             leadership,
             runs: std::sync::atomic::AtomicUsize::new(0),
             relay: GrpcTransport::new(signer.clone()),
+            own_failures: Mutex::new(std::collections::VecDeque::new()),
         }
     }
 
@@ -310,7 +316,18 @@ impl PeerCheck for PeerHandle {
                 self.node, c.run_id
             )));
         };
-        let obs = faultline_core::peer::verdicts::observe(&c.members, me, &verdicts, &c.run_id);
+        let own = self.own_failures.lock().ok().and_then(|f| {
+            f.iter()
+                .find(|(run, _)| run == &c.run_id)
+                .map(|(_, cause)| cause.clone())
+        });
+        let obs = faultline_core::peer::verdicts::observe(
+            &c.members,
+            me,
+            &verdicts,
+            &c.run_id,
+            own.as_deref(),
+        );
         info!(run_id = %c.run_id, observations = obs.len(), "peer-check verdicts received");
         for o in obs {
             if self.inputs.send(Input::Obs(o)).await.is_err() {
@@ -418,6 +435,19 @@ impl PeerService {
                 }
             }
             ProbeOutcome::Failed(e) => {
+                report.passed = false;
+                report.error = e;
+            }
+            ProbeOutcome::CannotRun(e) => {
+                warn!(error = %e, "the probe cannot run on this node");
+                if let Ok(mut f) = self.own_failures.lock() {
+                    if !f.iter().any(|(run, _)| run == &a.run_id) {
+                        if f.len() >= OWN_FAILURES_KEPT {
+                            f.pop_front();
+                        }
+                        f.push_back((a.run_id.clone(), e.clone()));
+                    }
+                }
                 report.passed = false;
                 report.error = e;
             }

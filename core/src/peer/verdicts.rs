@@ -1,6 +1,8 @@
 //! A run's verdicts as this node's fault record sees them: pure. Each agent records only what
 //! concerns itself, so the node sinks label and taint by the normal rules:
 //! - `PEER_UNREACHABLE` on the node when the run found it faulty (it failed with every partner);
+//!   `PEER_PROBE_FAILED` instead when the agent knows its own probe could not run, with the
+//!   cause (the agent answered every call: it is not unreachable);
 //! - `PEER_LINK_FAILED` on `link:<partner>` for each broken link it is an end of;
 //! - `STRAGGLER` on the node, with the slowdown in the message.
 //!
@@ -35,6 +37,7 @@ pub fn observe(
     me: NodeId,
     verdicts: &Verdicts,
     run_id: &str,
+    own_failure: Option<&str>,
 ) -> Vec<Observation> {
     let Some(my_name) = members.get(me) else {
         return Vec::new();
@@ -53,11 +56,18 @@ pub fn observe(
     };
     let mut node = Vec::new();
     if verdicts.faulty.contains(&me) {
-        node.push(signal(
-            "PEER_UNREACHABLE",
-            "node",
-            format!("peer check {run_id}: {my_name} failed with every partner, at least two of them good"),
-        ));
+        node.push(match own_failure {
+            Some(cause) => signal(
+                "PEER_PROBE_FAILED",
+                "node",
+                format!("peer check {run_id}: {my_name} failed with every partner; its own probe could not run: {cause}"),
+            ),
+            None => signal(
+                "PEER_UNREACHABLE",
+                "node",
+                format!("peer check {run_id}: {my_name} failed with every partner, at least two of them good"),
+            ),
+        });
     }
     if let Some(ratio) = verdicts.stragglers.get(&me) {
         node.push(signal(
@@ -137,6 +147,35 @@ mod tests {
         jiff::Timestamp::from_second(1_790_000_000 + s).unwrap()
     }
 
+    /// A node whose own probe could not run says so, with the cause, instead of calling itself
+    /// unreachable (its agent answered every call); the next run that finds it fine clears it.
+    #[test]
+    fn a_probe_that_cannot_run_is_named_with_its_cause() {
+        let (policy, ctx) = ctx();
+        let m = members(4);
+        let v = Verdicts {
+            faulty: BTreeSet::from([2]),
+            ..Verdicts::default()
+        };
+        let cause = "cannot run /x/faultline-probe: No such file or directory (os error 2)";
+        let mut e = Engine::new();
+        for o in observe(&m, 2, &v, "run-1", Some(cause)) {
+            e.step(ctx, o, t(0));
+        }
+        assert_eq!(active(&e, policy), ["PEER_PROBE_FAILED@node"]);
+        let view = e.view(policy);
+        assert!(
+            view.faults[0].message.contains(cause),
+            "{}",
+            view.faults[0].message
+        );
+        assert_eq!(view.health, Health::Degraded);
+        for o in observe(&m, 2, &Verdicts::default(), "run-2", None) {
+            e.step(ctx, o, t(60));
+        }
+        assert!(active(&e, policy).is_empty());
+    }
+
     #[test]
     fn verdicts_reach_the_record_and_clear_on_a_clean_run() {
         let (policy, ctx) = ctx();
@@ -151,7 +190,7 @@ mod tests {
         let (v, _, _) = simulate((0..8).collect(), &truth, PairingConfig::default());
         let mut engines: Vec<Engine> = (0..8).map(|_| Engine::new()).collect();
         for (i, e) in engines.iter_mut().enumerate() {
-            for o in observe(&m, i, &v, "run-1") {
+            for o in observe(&m, i, &v, "run-1", None) {
                 e.step(ctx, o, t(0));
             }
         }
@@ -177,7 +216,7 @@ mod tests {
             PairingConfig::default(),
         );
         for (i, e) in engines.iter_mut().enumerate() {
-            for o in observe(&m, i, &v2, "run-2") {
+            for o in observe(&m, i, &v2, "run-2", None) {
                 e.step(ctx, o, t(1800));
             }
             assert!(
@@ -200,7 +239,7 @@ mod tests {
             ..Default::default()
         };
         let mut e = Engine::new();
-        for o in observe(&m, 4, &broken(&[(4, 5), (4, 6)]), "run-1") {
+        for o in observe(&m, 4, &broken(&[(4, 5), (4, 6)]), "run-1", None) {
             e.step(ctx, o, t(0));
         }
         assert_eq!(
@@ -209,7 +248,7 @@ mod tests {
         );
         // Restart: state saved and loaded, a new tracker.
         let mut e: Engine = serde_json::from_str(&serde_json::to_string(&e).unwrap()).unwrap();
-        for o in observe(&m, 4, &broken(&[(4, 6)]), "run-2") {
+        for o in observe(&m, 4, &broken(&[(4, 6)]), "run-2", None) {
             e.step(ctx, o, t(1800));
         }
         assert_eq!(active(&e, policy), ["PEER_LINK_FAILED@link:gpu-6"]);
@@ -219,7 +258,7 @@ mod tests {
             Some(1),
             "a link that stayed broken is not counted again"
         );
-        for o in observe(&m, 4, &Verdicts::default(), "run-3") {
+        for o in observe(&m, 4, &Verdicts::default(), "run-3", None) {
             e.step(ctx, o, t(3600));
         }
         assert!(active(&e, policy).is_empty());
@@ -236,7 +275,7 @@ mod tests {
             broken_links: BTreeSet::from([Pair::new(4, 5)]),
             ..Default::default()
         };
-        for o in observe(&m, 4, &v, "run-1") {
+        for o in observe(&m, 4, &v, "run-1", None) {
             e.step(ctx, o, t(0));
         }
         let text = serde_json::to_string(&e)
@@ -246,7 +285,7 @@ mod tests {
         let mut upgraded = old.clone();
         upgraded.upgrade();
         for e in [&mut old, &mut upgraded] {
-            for o in observe(&m, 4, &Verdicts::default(), "run-2") {
+            for o in observe(&m, 4, &Verdicts::default(), "run-2", None) {
                 e.step(ctx, o, t(1800));
             }
         }
@@ -263,7 +302,7 @@ mod tests {
         let m = members(2);
         let mut v = Verdicts::default();
         v.unknown.insert(0, "no partner".into());
-        assert!(observe(&m, 0, &v, "r").is_empty());
-        assert!(observe(&m, 5, &Verdicts::default(), "r").is_empty());
+        assert!(observe(&m, 0, &v, "r", None).is_empty());
+        assert!(observe(&m, 5, &Verdicts::default(), "r", None).is_empty());
     }
 }
