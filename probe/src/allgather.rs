@@ -620,6 +620,45 @@ mod tests {
         }
     }
 
+    /// A probe of the previous protocol (another data pattern) is turned away at the handshake,
+    /// not taken for a peer whose data is corrupt.
+    #[test]
+    fn a_version_1_probe_is_turned_away() {
+        let peers = addrs(2);
+        let to = peers[0];
+        let old = std::thread::spawn(move || {
+            let hello = Hello {
+                version: 1,
+                world: 2,
+                rank: 1,
+                bytes: 1000,
+            }
+            .encode(MAGIC);
+            for _ in 0..100 {
+                if let Ok(mut s) = TcpStream::connect(to) {
+                    let _ = s.write_all(&hello);
+                    let _ = s.read(&mut [0u8; 1]);
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        let r = run(&AllgatherConfig {
+            peers,
+            rank: 0,
+            bytes: 1000,
+            iterations: 1,
+            timeout: Duration::from_millis(1500),
+            connect_timeout: None,
+        });
+        old.join().unwrap();
+        let e = r.expect_err("no real peer came").to_string();
+        assert!(
+            e.contains("rejected") && e.contains("protocol version 1"),
+            "{e}"
+        );
+    }
+
     /// A path that flips one byte is caught by the receiver's check, not reported as a pass.
     #[test]
     fn a_corrupting_path_fails_the_check() {
