@@ -1,27 +1,41 @@
-//! The TCP allgather backend: every rank contributes `bytes` and ends with every rank's data.
+//! The TCP allgather backend: every rank contributes `bytes` and receives every other rank's.
 //! A ring: rank r listens on its own address, connects to rank r+1 and accepts rank r-1; in each
 //! of the world-1 steps it sends one block to its successor while it receives one from its
 //! predecessor (full duplex, a thread per direction). Every received block is checked against
 //! the pattern its owner writes, so a corrupting path fails the check instead of passing it.
+//!
+//! Memory does not grow with the block size: nothing holds a whole block. Blocks move in
+//! pieces of [`PIECE`] bytes through three reused buffers (one to send, one to receive, one for
+//! the expected data): each received piece is checked against the owner's pattern
+//! ([`crate::pattern`]) as it arrives, and the sender generates each piece from the pattern as it
+//! goes. In step s a ring forwards the block it received in step s-1; here the sender
+//! regenerates that block from its owner's pattern instead of keeping it (the bytes on the wire
+//! are the same, and what was received has already been checked), so a rank ends with every
+//! block verified but none stored. Peak RSS is a few MiB at 64 MiB and at 1 GiB
+//! (docs/benchmarks.md); the run reports it (`peak_rss_bytes`).
 //!
 //! Peers meet with a handshake (magic, protocol version, world size, the sender's rank, block
 //! size); any mismatch is a clear error, never a hang. Every socket has the deadline as its
 //! timeout, so a silent peer ends the check at the deadline.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::hello::{left, Hello, HELLO_LEN};
+use crate::pattern;
 
 const MAGIC: &[u8; 8] = b"FLPROBE1";
 
 fn bad_magic() -> String {
     "not a faultline probe (bad magic)".into()
 }
-const VERSION: u32 = 1;
-/// Data moves in pieces of this size (the buffers are never copied whole).
-const PIECE: usize = 1 << 20;
+/// 2: the data pattern changed (`crate::pattern`, generated piece by piece); a version-1 peer
+/// would send data this rank reads as corrupt, so it is turned away at the handshake instead.
+const VERSION: u32 = 2;
+/// Data moves in pieces of this size, and each of the three buffers holds one piece: the
+/// probe's memory for data is 3 x `PIECE`, whatever the block size.
+pub(crate) const PIECE: usize = 1 << 20;
 
 /// One allgather run.
 #[derive(Debug, Clone)]
@@ -56,6 +70,10 @@ pub struct AllgatherResult {
     /// Bus bandwidth (algbw x (world-1)/world, comparable across world sizes, as nccl-tests
     /// reports it), GB/s.
     pub busbw_gbps: f64,
+    /// The probe process's peak resident memory (VmHWM) at the end of the run, bytes; absent
+    /// where /proc does not say. The DaemonSet's memory limit is derived from it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_rss_bytes: Option<u64>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -91,18 +109,6 @@ pub enum AllgatherError {
     Corrupt { owner: usize, offset: usize },
     #[error("deadline ({0:?}) passed")]
     Deadline(Duration),
-}
-
-/// The byte at `offset` of `rank`'s block: deterministic, different per rank and position.
-/// The NCCL backend fills and checks its blocks with it too.
-pub(crate) fn pattern(rank: usize, offset: usize) -> u8 {
-    ((rank.wrapping_mul(131) ^ offset.wrapping_mul(7) ^ (offset >> 12)) % 251) as u8
-}
-
-pub(crate) fn fill(rank: usize, buf: &mut [u8]) {
-    for (i, b) in buf.iter_mut().enumerate() {
-        *b = pattern(rank, i);
-    }
 }
 
 fn set_timeouts(s: &TcpStream, deadline: Instant) -> std::io::Result<()> {
@@ -319,7 +325,7 @@ fn barrier(
     }
 }
 
-/// Runs the allgather. `data` gets every rank's block, in rank order.
+/// Runs the allgather: every other rank's block is received and checked, none is kept.
 pub fn run(cfg: &AllgatherConfig) -> Result<AllgatherResult, AllgatherError> {
     let world = cfg.peers.len();
     if world < 2 {
@@ -356,58 +362,54 @@ pub fn run(cfg: &AllgatherConfig) -> Result<AllgatherResult, AllgatherError> {
     let me = cfg.rank;
     let next = (me + 1) % world;
     let prev = (me + world - 1) % world;
-    let mut blocks: Vec<Vec<u8>> = (0..world).map(|_| vec![0u8; cfg.bytes]).collect();
-    fill(me, &mut blocks[me]);
-    // What every block must hold, computed once: the check after each iteration is then a
-    // memory compare, not a pattern computation per byte.
-    let expected: Vec<Vec<u8>> = (0..world)
-        .map(|owner| {
-            if owner == me {
-                Vec::new()
-            } else {
-                let mut b = vec![0u8; cfg.bytes];
-                fill(owner, &mut b);
-                b
-            }
-        })
-        .collect();
+    // The only data buffers of the run, reused for every piece of every block.
+    let piece = PIECE.min(cfg.bytes);
+    let mut send_buf = vec![0u8; piece];
+    let mut recv_buf = vec![0u8; piece];
+    let mut want_buf = vec![0u8; piece];
+    // A second handle on the outgoing socket: a receive that fails shuts the sending direction
+    // down, so the sending thread stops instead of writing on until the deadline.
+    let stopper = to_next.try_clone().map_err(|source| AllgatherError::Io {
+        what: "clone the socket",
+        rank: next,
+        source,
+    })?;
     let mut seconds = Vec::new();
     // One untimed warm-up iteration (buffers faulted in, TCP windows open), then the timed ones.
     for iteration in 0..=cfg.iterations {
         barrier(me, &mut to_next, &mut from_prev, next, prev)?;
         let t0 = Instant::now();
         for step in 0..world - 1 {
-            // Send the block received `step` steps ago (own block first); receive the block
-            // of the rank `step + 1` places back.
+            // Send the block of the rank `step` places back (own block first: in a ring that
+            // is the block received in the previous step, regenerated here); receive the
+            // block of the rank `step + 1` places back, checking it piece by piece.
             let send_owner = (me + world - step) % world;
             let recv_owner = (me + world - step - 1) % world;
-            let outgoing = std::mem::take(&mut blocks[send_owner]);
-            let mut writer = to_next.try_clone().map_err(|source| AllgatherError::Io {
-                what: "clone the socket",
-                rank: next,
-                source,
-            })?;
-            let sender = std::thread::spawn(move || -> (Vec<u8>, std::io::Result<()>) {
-                let r = outgoing.chunks(PIECE).try_for_each(|c| writer.write_all(c));
-                (outgoing, r)
+            let (wrote, read) = std::thread::scope(|s| {
+                let writer = &mut to_next;
+                let buf = &mut send_buf;
+                let sender = s.spawn(move || send_block(writer, send_owner, cfg.bytes, buf));
+                let read = recv_block(
+                    &mut from_prev,
+                    recv_owner,
+                    cfg.bytes,
+                    &mut recv_buf,
+                    &mut want_buf,
+                    prev,
+                );
+                if read.is_err() {
+                    let _ = stopper.shutdown(Shutdown::Both);
+                }
+                (sender.join(), read)
             });
-            let mut incoming = std::mem::take(&mut blocks[recv_owner]);
-            let read = incoming
-                .chunks_mut(PIECE)
-                .try_for_each(|c| from_prev.read_exact(c));
-            let (sent, wrote) = sender
-                .join()
-                .map_err(|_| AllgatherError::Config("the sending thread panicked".into()))?;
-            blocks[send_owner] = sent;
-            blocks[recv_owner] = incoming;
+            let wrote =
+                wrote.map_err(|_| AllgatherError::Config("the sending thread panicked".into()))?;
+            // What this rank received decides first: a send that fails after a failed receive
+            // failed because the receive shut the connection down.
+            read?;
             wrote.map_err(|source| AllgatherError::Io {
                 what: "send",
                 rank: next,
-                source,
-            })?;
-            read.map_err(|source| AllgatherError::Io {
-                what: "receive",
-                rank: prev,
                 source,
             })?;
             if left(deadline).is_none() {
@@ -417,25 +419,58 @@ pub fn run(cfg: &AllgatherConfig) -> Result<AllgatherResult, AllgatherError> {
         if iteration > 0 {
             seconds.push(t0.elapsed().as_secs_f64());
         }
-        for (owner, block) in blocks.iter().enumerate() {
-            if owner != me && block[..] != expected[owner][..] {
-                let offset = block
-                    .iter()
-                    .zip(&expected[owner])
-                    .position(|(a, b)| a != b)
-                    .unwrap_or(0);
-                return Err(AllgatherError::Corrupt { owner, offset });
-            }
-        }
-        // Clear the received blocks so a stale copy can never pass the next check.
-        for (owner, block) in blocks.iter_mut().enumerate() {
-            if owner != me {
-                block.fill(0);
-            }
-        }
     }
     let _ = to_next.flush();
     Ok(summarize(world, me, cfg.bytes, seconds))
+}
+
+/// Sends `owner`'s block of `bytes`, generating it piece by piece in `buf`.
+fn send_block(
+    to: &mut TcpStream,
+    owner: usize,
+    bytes: usize,
+    buf: &mut [u8],
+) -> std::io::Result<()> {
+    let mut at = 0;
+    while at < bytes {
+        let n = buf.len().min(bytes - at);
+        let piece = &mut buf[..n];
+        pattern::fill_at(owner, at, piece);
+        to.write_all(piece)?;
+        at += n;
+    }
+    Ok(())
+}
+
+/// Receives `owner`'s block of `bytes` from `from_rank` piece by piece into `buf`, checking
+/// each piece against the pattern (generated in `want`) as it arrives.
+fn recv_block(
+    from: &mut TcpStream,
+    owner: usize,
+    bytes: usize,
+    buf: &mut [u8],
+    want: &mut [u8],
+    from_rank: usize,
+) -> Result<(), AllgatherError> {
+    let mut at = 0;
+    while at < bytes {
+        let n = buf.len().min(bytes - at);
+        let piece = &mut buf[..n];
+        from.read_exact(piece)
+            .map_err(|source| AllgatherError::Io {
+                what: "receive",
+                rank: from_rank,
+                source,
+            })?;
+        if let Some(i) = pattern::first_mismatch(owner, at, piece, want) {
+            return Err(AllgatherError::Corrupt {
+                owner,
+                offset: at + i,
+            });
+        }
+        at += n;
+    }
+    Ok(())
 }
 
 /// The report for per-iteration `seconds` (at least one), shared with the NCCL backend.
@@ -458,6 +493,7 @@ pub(crate) fn summarize(
         seconds,
         algbw_gbps: algbw,
         busbw_gbps: algbw * (world - 1) as f64 / world as f64,
+        peak_rss_bytes: crate::rss::peak_rss_bytes(),
     }
 }
 
@@ -584,6 +620,45 @@ mod tests {
         }
     }
 
+    /// A probe of the previous protocol (another data pattern) is turned away at the handshake,
+    /// not taken for a peer whose data is corrupt.
+    #[test]
+    fn a_version_1_probe_is_turned_away() {
+        let peers = addrs(2);
+        let to = peers[0];
+        let old = std::thread::spawn(move || {
+            let hello = Hello {
+                version: 1,
+                world: 2,
+                rank: 1,
+                bytes: 1000,
+            }
+            .encode(MAGIC);
+            for _ in 0..100 {
+                if let Ok(mut s) = TcpStream::connect(to) {
+                    let _ = s.write_all(&hello);
+                    let _ = s.read(&mut [0u8; 1]);
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        let r = run(&AllgatherConfig {
+            peers,
+            rank: 0,
+            bytes: 1000,
+            iterations: 1,
+            timeout: Duration::from_millis(1500),
+            connect_timeout: None,
+        });
+        old.join().unwrap();
+        let e = r.expect_err("no real peer came").to_string();
+        assert!(
+            e.contains("rejected") && e.contains("protocol version 1"),
+            "{e}"
+        );
+    }
+
     /// A path that flips one byte is caught by the receiver's check, not reported as a pass.
     #[test]
     fn a_corrupting_path_fails_the_check() {
@@ -606,7 +681,9 @@ mod tests {
                     if n == 0 {
                         break;
                     }
-                    let flip = 36 + 1 + 1000; // after the handshake and the first barrier token
+                    // After the handshake and the first barrier token, in the second piece (the
+                    // check locates it across pieces).
+                    let flip = 36 + 1 + PIECE + 1000;
                     if (seen..seen + n).contains(&flip) {
                         buf[flip - seen] ^= 0x40;
                     }
@@ -621,7 +698,7 @@ mod tests {
         let cfg = |rank, peers: Vec<SocketAddr>| AllgatherConfig {
             peers,
             rank,
-            bytes: 64 * 1024,
+            bytes: 2 * PIECE + 5000,
             iterations: 1,
             timeout: Duration::from_secs(5),
             connect_timeout: None,
@@ -634,7 +711,7 @@ mod tests {
         let _ = r0.join().unwrap();
         match r1 {
             Err(AllgatherError::Corrupt { owner, offset }) => {
-                assert_eq!((owner, offset), (0, 1000))
+                assert_eq!((owner, offset), (0, PIECE + 1000))
             }
             other => panic!("{other:?}"),
         }
@@ -681,12 +758,5 @@ mod tests {
             run(&cfg(addrs(2), 0, 0)),
             Err(AllgatherError::Config(_))
         ));
-    }
-
-    #[test]
-    fn patterns_differ_between_ranks() {
-        let a: Vec<u8> = (0..64).map(|i| pattern(0, i)).collect();
-        let b: Vec<u8> = (0..64).map(|i| pattern(1, i)).collect();
-        assert_ne!(a, b);
     }
 }

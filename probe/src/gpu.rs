@@ -22,7 +22,7 @@ use crate::accel::{
     Backend, CublasGemmConfig, CublasGemmResult, Dtype, GpuError, NcclAllgatherConfig,
     NcclAllgatherResult,
 };
-use crate::{allgather, ncclid, GemmResult};
+use crate::{allgather, ncclid, pattern, GemmResult};
 
 // ---------------------------------------------------------------------------------------------
 // Panics from cudarc, caught and silenced.
@@ -392,7 +392,7 @@ const PHASES: [&str; 8] = [
     "allocating the buffers",
     "the warm-up allgather",
     "the timed allgathers",
-    "copying back and checking the data",
+    "copying back and checking the data (piece by piece)",
 ];
 
 /// Extra wait for the worker after the deadline, so its own deadline error (which names the
@@ -496,11 +496,26 @@ fn nccl_run(
     let comm = Comm::from_rank(Arc::clone(&stream), cfg.rank, world, id)
         .map_err(nccl_call("create the NCCL communicator"))?;
     at(4);
-    let mut block = vec![0u8; bytes];
-    allgather::fill(cfg.rank, &mut block);
-    let send = stream
-        .clone_htod(&block)
-        .map_err(call("copy this rank's block to the GPU"))?;
+    // Host memory stays bounded: this rank's block goes up, and the gathered result comes back,
+    // in pieces of `allgather::PIECE` through two reused host buffers; the whole block and the
+    // gathered tensor exist only on the GPU.
+    let piece = allgather::PIECE.min(bytes);
+    let mut host = vec![0u8; piece];
+    let mut want = vec![0u8; piece];
+    let mut send = stream
+        .alloc_zeros::<u8>(bytes)
+        .map_err(call("allocate the send buffer"))?;
+    for start in (0..bytes).step_by(piece) {
+        let n = piece.min(bytes - start);
+        pattern::fill_at(cfg.rank, start, &mut host[..n]);
+        stream
+            .memcpy_htod(&host[..n], &mut send.slice_mut(start..start + n))
+            .map_err(call("copy this rank's block to the GPU"))?;
+        // The host buffer is refilled next: wait until the copy has read it.
+        stream
+            .synchronize()
+            .map_err(call("copy this rank's block to the GPU"))?;
+    }
     let mut recv = stream
         .alloc_zeros::<u8>(bytes * world)
         .map_err(call("allocate the receive buffer"))?;
@@ -534,16 +549,24 @@ fn nccl_run(
         seconds.push(t0.elapsed().as_secs_f64());
     }
     at(7);
-    let gathered = stream
-        .clone_dtoh(&recv)
-        .map_err(call("copy the gathered data back"))?;
-    for (owner, got) in gathered.chunks(bytes).enumerate() {
-        if let Some(offset) = got
-            .iter()
-            .enumerate()
-            .position(|(i, b)| *b != allgather::pattern(owner, i))
-        {
-            return Err(GpuError::Corrupt { owner, offset });
+    // Checked piece by piece: each piece of the gathered result is copied into the one host
+    // buffer and compared with its owner's pattern, never the whole result at once.
+    for owner in 0..world {
+        for start in (0..bytes).step_by(piece) {
+            let n = piece.min(bytes - start);
+            let at = owner * bytes + start;
+            stream
+                .memcpy_dtoh(&recv.slice(at..at + n), &mut host[..n])
+                .map_err(call("copy the gathered data back"))?;
+            stream
+                .synchronize()
+                .map_err(call("copy the gathered data back"))?;
+            if let Some(i) = pattern::first_mismatch(owner, start, &host[..n], &mut want) {
+                return Err(GpuError::Corrupt {
+                    owner,
+                    offset: start + i,
+                });
+            }
         }
     }
     drop(comm);

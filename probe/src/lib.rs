@@ -6,6 +6,10 @@
 //! feature, which loads the CUDA libraries at run time. NCCL's unique id travels from rank 0 to
 //! the other ranks over TCP (`ncclid`). The rendezvous through the agents comes with the rest
 //! of the peer-check work (issue 6).
+//!
+//! Memory: the allgathers never hold a whole block or the gathered result on the host. Data is
+//! generated from, and checked against, `pattern` piece by piece, so a probe's peak RSS stays a
+//! few MiB at any `--size` (it reports it: `rss`), and the probes fit in the agent's container.
 
 // Only the cudarc calls in `gpu` need `unsafe`; everything else stays safe code.
 #![deny(unsafe_code)]
@@ -17,6 +21,8 @@ pub mod allgather;
 mod gpu;
 mod hello;
 pub mod ncclid;
+pub mod pattern;
+pub mod rss;
 
 use std::time::{Duration, Instant};
 

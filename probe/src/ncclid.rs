@@ -22,7 +22,9 @@ pub const ID_LEN: usize = 128;
 pub type NcclId = [u8; ID_LEN];
 
 const MAGIC: &[u8; 8] = b"FLNCCLID";
-const VERSION: u32 = 1;
+/// 2: the data pattern the NCCL allgather fills and checks changed (`crate::pattern`); ranks of
+/// different versions would read each other's blocks as corrupt, so they are turned away here.
+const VERSION: u32 = 2;
 /// Magic, version, status.
 const REPLY_HEAD: usize = 13;
 const STATUS_OK: u8 = 0;

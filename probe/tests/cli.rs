@@ -43,6 +43,50 @@ fn two_processes_allgather_and_print_json() {
     }
 }
 
+/// The probe's goal for peak resident memory per rank, at any `--size` (docs/benchmarks.md:
+/// about 6 MiB measured at 64 MiB and at 1 GiB; the code and libc pages are most of it).
+const PEAK_RSS_GOAL: u64 = 24 << 20;
+
+/// Memory does not grow with the block: two ranks exchange 256 MiB each, and each reports a peak
+/// RSS (VmHWM) far below one block. The probe that kept every block and a copy of the expected
+/// data peaked at 3 x 256 MiB here (and had no `peak_rss_bytes`).
+#[test]
+fn peak_memory_stays_bounded_at_a_large_size() {
+    let size: u64 = 256 << 20;
+    let peers = format!("127.0.0.1:{},127.0.0.1:{}", free_port(), free_port());
+    let spawn = |rank: &str| {
+        Command::new(env!("CARGO_BIN_EXE_faultline-probe"))
+            .args(["allgather", "--peers", &peers, "--rank", rank])
+            .args(["--size", "256MiB", "--iterations", "1", "--timeout", "120s"])
+            .output()
+            .unwrap()
+    };
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| spawn("0"));
+        let b = s.spawn(|| spawn("1"));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    for (rank, out) in [(0, a), (1, b)] {
+        assert!(
+            out.status.success(),
+            "rank {rank}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["bytes_per_rank"], size);
+        let peak = v["peak_rss_bytes"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("rank {rank}: no peak_rss_bytes in {v}"));
+        assert!(
+            peak > 0 && peak < PEAK_RSS_GOAL,
+            "rank {rank}: peak RSS {} MiB for a {} MiB block (goal < {} MiB)",
+            peak >> 20,
+            size >> 20,
+            PEAK_RSS_GOAL >> 20
+        );
+    }
+}
+
 #[test]
 fn a_peer_that_never_comes_fails_at_the_timeout_with_a_clear_error() {
     let peers = format!("127.0.0.1:{},127.0.0.1:{}", free_port(), free_port());

@@ -184,6 +184,19 @@ impl Cluster {
         policy: &str,
         probe_for: impl Fn(usize) -> Option<PathBuf>,
     ) -> Cluster {
+        Cluster::start_in(tag, n, policy, probe_for, |_| None)
+    }
+
+    /// [`Cluster::start`], with node i's agent started inside the cgroup whose `cgroup.procs`
+    /// file `cgroup_procs(i)` names (if any): its process is moved there before it runs the
+    /// agent, so everything the agent allocates, and every probe it forks, is charged there.
+    pub fn start_in(
+        tag: &str,
+        n: usize,
+        policy: &str,
+        probe_for: impl Fn(usize) -> Option<PathBuf>,
+        cgroup_procs: impl Fn(usize) -> Option<PathBuf>,
+    ) -> Cluster {
         if let Err(why) = Lab::check_available() {
             panic!("this test needs network namespaces: {why}");
         }
@@ -253,8 +266,21 @@ impl Cluster {
             std::fs::create_dir_all(&dir).unwrap();
             std::fs::write(dir.join("boot_id"), "boot-1\n").unwrap();
             let log = std::fs::File::create(dir.join("agent.log")).unwrap();
-            let child = lab
-                .command(i, env!("CARGO_BIN_EXE_faultline-agent"))
+            let procs = cgroup_procs(i);
+            // In a cgroup: a shell waits on its stdin until the test has moved it (the same
+            // process: `ip netns exec` and `sh` exec, they do not fork), then execs the agent.
+            // Moved from here, outside `ip netns exec`'s own mount of /sys.
+            let mut cmd = match procs {
+                None => lab.command(i, env!("CARGO_BIN_EXE_faultline-agent")),
+                Some(_) => {
+                    let mut c = lab.command(i, "sh");
+                    c.args(["-c", "read -r _ && exec \"$@\"", "sh"])
+                        .arg(env!("CARGO_BIN_EXE_faultline-agent"))
+                        .stdin(Stdio::piped());
+                    c
+                }
+            };
+            let mut child = cmd
                 .args(["--node-name", name, "--no-kmsg", "--no-nvml", "--no-ascend"])
                 .arg("--state-dir")
                 .arg(dir.join("state"))
@@ -277,6 +303,13 @@ impl Cluster {
                 .stderr(Stdio::from(log))
                 .spawn()
                 .unwrap();
+            if let Some(procs) = procs {
+                std::fs::write(&procs, child.id().to_string()).unwrap_or_else(|e| {
+                    panic!("move {name}'s agent into {}: {e}", procs.display())
+                });
+                let mut gate = child.stdin.take().unwrap();
+                std::io::Write::write_all(&mut gate, b"go\n").unwrap();
+            }
             nodes.push(Node {
                 name: name.clone(),
                 dir,
