@@ -344,8 +344,8 @@ pub async fn check(args: CheckArgs) -> Outcome {
         // Found through the Lease: the Lease is read again while the call runs, and a new holder
         // ends the wait on the old one (a frozen coordinator may keep its connection open).
         let moved = async {
-            match (&client_kube, &asked, &args.coordinator) {
-                (Some(c), Some(a), None) => lease_moved(c.clone(), &args.namespace, a).await,
+            match (&client_kube, &asked, &args.coordinator, &args.members) {
+                (Some(c), Some(a), None, None) => lease_moved(c.clone(), &args.namespace, a).await,
                 _ => std::future::pending().await,
             }
         };

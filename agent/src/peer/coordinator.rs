@@ -138,6 +138,14 @@ pub struct RunState {
     /// it, so a requester that retries against the new coordinator gets this run's result.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub request_id: Option<String>,
+    /// Every node the run was asked to check (members, nodes without an agent, nodes left out),
+    /// so a resumed run checks and reports the same nodes.
+    #[serde(skip_serializing_if = "Vec::is_empty", default)]
+    pub requested: Vec<String>,
+    /// The run's check deadline, which a resumed run keeps (a requester may have asked for a
+    /// shorter one than the policy's).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub check_timeout_ms: Option<u64>,
 }
 
 impl RunState {
@@ -257,22 +265,26 @@ pub struct Coordinator {
     lock: tokio::sync::Mutex<()>,
     /// Request ids of runs claimed (queued, resuming or running) on this coordinator.
     claimed: Mutex<BTreeSet<String>>,
+    /// No run starts before this (`hold_until`).
+    not_before: Mutex<Option<tokio::time::Instant>>,
     /// The last run that finished here (requesters waiting on a claimed id watch it).
     finished: watch::Sender<Option<RunState>>,
 }
 
-/// A claimed request id, released when dropped.
+/// A claimed request id, released when dropped (which wakes requesters waiting on it: a run
+/// that ended without a result must not leave them waiting).
 #[derive(Debug)]
-pub struct Claim<'a> {
-    coordinator: &'a Coordinator,
+pub struct Claim {
+    coordinator: Arc<Coordinator>,
     id: String,
 }
 
-impl Drop for Claim<'_> {
+impl Drop for Claim {
     fn drop(&mut self) {
         if let Ok(mut c) = self.coordinator.claimed.lock() {
             c.remove(&self.id);
         }
+        self.coordinator.finished.send_modify(|_| {});
     }
 }
 
@@ -350,6 +362,7 @@ impl Coordinator {
             reports: Mutex::new(HashMap::new()),
             lock: tokio::sync::Mutex::new(()),
             claimed: Mutex::new(BTreeSet::new()),
+            not_before: Mutex::new(None),
             finished: watch::channel(None).0,
         }
     }
@@ -360,11 +373,48 @@ impl Coordinator {
     }
 
     /// Claims a request id: None when a run with it is already claimed here.
-    pub fn claim(&self, id: &str) -> Option<Claim<'_>> {
+    pub fn claim(self: &Arc<Self>, id: &str) -> Option<Claim> {
         let mut c = self.claimed.lock().ok()?;
         c.insert(id.to_string()).then(|| Claim {
-            coordinator: self,
+            coordinator: Arc::clone(self),
             id: id.to_string(),
+        })
+    }
+
+    /// No run starts before `t` (a new coordinator: the previous one's probes may still hold
+    /// their ports). A run already waiting for the lock waits for this too.
+    pub fn hold_until(&self, t: tokio::time::Instant) {
+        if let Ok(mut h) = self.not_before.lock() {
+            *h = Some(t);
+        }
+    }
+
+    /// Runs a requested run in a task of its own, so a requester that goes away (a dropped
+    /// call, a keep-alive timeout) does not drop the run halfway (its probes still running, its
+    /// checks never cancelled); the claim is released when the run ends.
+    pub async fn run_detached(
+        self: &Arc<Self>,
+        members: Vec<Member>,
+        missing: BTreeMap<String, String>,
+        spec: RunSpec,
+        trigger: Trigger,
+        request_id: Option<String>,
+        claim: Option<Claim>,
+    ) -> Result<RunState, Aborted> {
+        let c = Arc::clone(self);
+        let task = tokio::spawn(
+            async move {
+                let r = c.run(members, missing, &spec, trigger, request_id).await;
+                drop(claim);
+                r
+            }
+            .in_current_span(),
+        );
+        task.await.unwrap_or_else(|e| {
+            Err(Aborted {
+                run_id: String::new(),
+                why: format!("the run's task ended: {e}"),
+            })
         })
     }
 
@@ -391,7 +441,8 @@ impl Coordinator {
         }
         let claimed = self.claimed.lock().ok().is_some_and(|c| c.contains(id));
         if !claimed {
-            return None;
+            // It may have finished between the looks above and this one.
+            return is_it(&done.borrow_and_update()).map(Ok);
         }
         let lost = role_lost(self.fence.watch());
         tokio::pin!(lost);
@@ -457,6 +508,16 @@ impl Coordinator {
         request_id: Option<String>,
     ) -> Result<RunState, Aborted> {
         let _one_at_a_time = self.lock.lock().await;
+        let hold = self.not_before.lock().ok().and_then(|h| *h);
+        if let Some(t) = hold {
+            tokio::select! {
+                _ = tokio::time::sleep_until(t) => {}
+                _ = role_lost(self.fence.watch()) => return Err(Aborted {
+                    run_id: String::new(),
+                    why: "this agent lost the coordinator role before the run started".into(),
+                }),
+            }
+        }
         let started = Timestamp::now();
         let run_id = new_run_id(started);
         let span = tracing::info_span!("peer_run", run_id = %run_id, trigger = ?trigger);
@@ -504,6 +565,13 @@ impl Coordinator {
         started: Timestamp,
         request_id: Option<String>,
     ) -> Result<RunState, Aborted> {
+        let mut requested: Vec<String> = members
+            .iter()
+            .map(|m| m.node.clone())
+            .chain(skipped.keys().cloned())
+            .collect();
+        requested.sort();
+        requested.dedup();
         // Ping first: who is there, who is busy.
         let pings = self.ping_all(&members).await;
         let mut unreachable: BTreeMap<String, String> = BTreeMap::new();
@@ -586,6 +654,8 @@ impl Coordinator {
             rounds: Vec::new(),
             verdicts: Vec::new(),
             request_id,
+            requested,
+            check_timeout_ms: Some(spec.check_timeout.as_millis() as u64),
         };
         info!(
             members = names.len(),
@@ -636,6 +706,11 @@ impl Coordinator {
                     })
                     .collect(),
             });
+            // Fenced: nothing is published or assigned without the role, asked of the source
+            // of truth (a coordinator woken from a freeze may not have noticed the loss yet).
+            if let Err(why) = self.fence.confirm().await {
+                return Err(Aborted { run_id, why });
+            }
             self.publisher.publish(&state).await;
             let results = futures::future::join_all(planned.iter().map(|(pair, pa, pb)| {
                 self.check(

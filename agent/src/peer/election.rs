@@ -85,7 +85,10 @@ pub fn elect(
                     // Ping the earlier members in order until one is up: that one coordinates.
                     for m in order.iter().take_while(|m| m.node != me) {
                         let answered = tokio::select! {
-                            _ = shutdown.cancelled() => return,
+                            _ = shutdown.cancelled() => {
+                                role_tx.send_replace(false);
+                                return;
+                            }
                             r = transport.ping(m) => r.is_ok(),
                         };
                         live.observe(&m.node, answered);

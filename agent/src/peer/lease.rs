@@ -129,8 +129,13 @@ pub fn held_by(
         .ok_or("the Lease has no renew time")?;
     let seconds = i64::from(spec.lease_duration_seconds.unwrap_or(0).max(0));
     let until = renewed.0 + faultline_core::time::SignedDuration::from_secs(seconds);
-    if until <= now {
-        return Err(format!("this agent's Lease ran out at {until}"));
+    // At least the renewal grace must be left: other candidates judge expiry by their own
+    // clocks, and what follows the confirmation (publish, conclude) takes a moment.
+    let margin = faultline_core::time::SignedDuration::from_secs(GRACE_SECONDS as i64);
+    if until - margin <= now {
+        return Err(format!(
+            "this agent's Lease runs out at {until}, less than {GRACE_SECONDS} s from now"
+        ));
     }
     Ok(())
 }
@@ -189,12 +194,15 @@ mod tests {
             ..Default::default()
         };
         let me = "n1@10.0.0.2:20261";
-        let now = t("2026-11-24T12:00:10Z");
+        let now = t("2026-11-24T12:00:09Z");
         assert_eq!(held_by(&lease(me, "2026-11-24T12:00:00Z"), me, now), Ok(()));
         let other = held_by(&lease("n4@10.0.0.5:20261", "2026-11-24T12:00:00Z"), me, now);
         assert!(other.unwrap_err().contains("held by \"n4@"));
         let expired = held_by(&lease(me, "2026-11-24T11:59:50Z"), me, now);
-        assert!(expired.unwrap_err().contains("ran out"));
+        assert!(expired.unwrap_err().contains("runs out"));
+        // 4 s left: less than the renewal grace.
+        let late = held_by(&lease(me, "2026-11-24T11:59:58Z"), me, now);
+        assert!(late.unwrap_err().contains("less than 5 s"));
         assert!(held_by(&Lease::default(), me, now).is_err());
     }
 }

@@ -204,28 +204,52 @@ async fn schedule(l: Leadership, shutdown: CancellationToken) {
             }
         }
         info!("coordinating peer checks");
-        if let Some(last) = l.coordinator.publisher().last().await {
-            if !last.is_finished() {
-                // A requester retrying against this coordinator attaches to the resumed run.
-                let claim = last
-                    .request_id
-                    .as_deref()
-                    .and_then(|id| l.coordinator.claim(id));
-                let wait = coordinator::resume_wait(&last);
-                info!(run_id = %last.run_id, coordinator = %last.coordinator, wait_ms = wait.as_millis() as u64, "restarting the run a previous coordinator left unfinished, once its probes are over");
+        // Until the last published run is read, no run starts for as long as any probe of a
+        // previous coordinator could still hold its port; then for as long as that run's last
+        // round says (nothing, when it finished).
+        let took_over = tokio::time::Instant::now();
+        let longest = l
+            .policy
+            .borrow()
+            .check_timeout
+            .min(Duration::from_secs(3600))
+            + runner::PROBE_GRACE
+            + coordinator::REPORT_SLACK;
+        l.coordinator.hold_until(took_over + longest);
+        let last = l.coordinator.publisher().last().await;
+        let unfinished = last.filter(|r| !r.is_finished());
+        l.coordinator.hold_until(
+            took_over
+                + unfinished
+                    .as_ref()
+                    .map_or(Duration::ZERO, coordinator::resume_wait),
+        );
+        if let Some(last) = unfinished {
+            // A requester retrying against this coordinator attaches to the resumed run. A
+            // retry that came first runs the request itself: nothing to resume then.
+            let claim = match last.request_id.as_deref() {
+                Some(id) => l.coordinator.claim(id).map(Some),
+                None => Some(None),
+            };
+            if let Some(claim) = claim {
+                info!(run_id = %last.run_id, coordinator = %last.coordinator, "restarting the run a previous coordinator left unfinished, once its probes are over");
+                let only = if last.requested.is_empty() {
+                    last.members.clone()
+                } else {
+                    last.requested.clone()
+                };
+                let timeout = last.check_timeout_ms.map(Duration::from_millis);
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
-                    _ = coordinator::role_lost(leader.clone()) => continue,
-                    _ = tokio::time::sleep(wait) => {}
+                    _ = run_once(
+                        &l,
+                        Some(&only),
+                        Trigger::Resume,
+                        runs,
+                        last.request_id.clone(),
+                        timeout,
+                    ) => {}
                 }
-                run_once(
-                    &l,
-                    Some(&last.members),
-                    Trigger::Resume,
-                    runs,
-                    last.request_id.clone(),
-                )
-                .await;
                 drop(claim);
                 runs += 1;
             }
@@ -244,7 +268,7 @@ async fn schedule(l: Leadership, shutdown: CancellationToken) {
             }
             tokio::select! {
                 _ = shutdown.cancelled() => return,
-                _ = run_once(&l, None, Trigger::Schedule, runs, None) => {}
+                _ = run_once(&l, None, Trigger::Schedule, runs, None, None) => {}
             }
             runs += 1;
         }
@@ -257,6 +281,7 @@ async fn run_once(
     trigger: Trigger,
     runs: usize,
     request_id: Option<String>,
+    check_timeout: Option<Duration>,
 ) {
     let all = match l.members.list().await {
         Ok(m) => m,
@@ -272,7 +297,10 @@ async fn run_once(
             "fewer than two members; nothing to check"
         );
     }
-    let spec = service::run_spec(&l.policy.borrow(), runs);
+    let mut spec = service::run_spec(&l.policy.borrow(), runs);
+    if let Some(t) = check_timeout {
+        spec.check_timeout = spec.check_timeout.min(t).max(Duration::from_millis(100));
+    }
     // An aborted run is logged where it stops; the next holder resumes it.
     let _ = l
         .coordinator

@@ -586,10 +586,9 @@ impl CoordinatorRpc for PeerHandle {
         info!(from = %sender, nodes = req.nodes.len(), "peer-check run requested");
         let state = l
             .coordinator
-            .run(members, missing, &spec, Trigger::Request, request_id)
+            .run_detached(members, missing, spec, Trigger::Request, request_id, claim)
             .await
             .map_err(aborted)?;
-        drop(claim);
         Ok(Response::new(result_of(&state)))
     }
 }

@@ -72,8 +72,8 @@ pub enum Outcome {
     Fail,
     /// Not judged: the check could not be run or its result did not come back for a reason
     /// that says nothing about the data path (the coordinator could not reach an agent to
-    /// assign it, a report was lost on its way). No evidence either way: the pair counts as
-    /// not tried, and its nodes as not checked by it.
+    /// assign it, a report was lost on its way). No evidence either way: its nodes count as not
+    /// checked by it, and they are paired with other partners (the pair is not planned again).
     Void,
 }
 
@@ -131,6 +131,8 @@ pub struct Planner {
     cfg: PairingConfig,
     rounds: usize,
     history: Vec<Record>,
+    /// Pairs whose check was not judged (`Outcome::Void`): not evidence, but not planned again.
+    voided: BTreeSet<Pair>,
     /// The round handed out and not yet recorded.
     pending: Option<Vec<Check>>,
     finished: bool,
@@ -190,6 +192,7 @@ impl Planner {
             cfg,
             rounds: 0,
             history: Vec::new(),
+            voided: BTreeSet::new(),
             pending: None,
             finished: false,
             stop_reason: None,
@@ -245,6 +248,7 @@ impl Planner {
                 .find(|(p, _)| *p == check.pair)
                 .map_or(Outcome::Fail, |(_, o)| *o);
             if outcome == Outcome::Void {
+                self.voided.insert(check.pair);
                 continue;
             }
             self.history.push(Record { check, outcome });
@@ -276,7 +280,7 @@ impl Planner {
 
     fn tried(&self, a: NodeId, b: NodeId) -> bool {
         let p = Pair::new(a, b);
-        self.history.iter().any(|r| r.check.pair == p)
+        self.voided.contains(&p) || self.history.iter().any(|r| r.check.pair == p)
     }
 
     fn later_round(&mut self) -> Vec<Check> {
