@@ -652,6 +652,8 @@ fn resume_waits_for_the_last_rounds_probes() {
         rounds: vec![],
         verdicts: vec![],
         request_id: None,
+        requested: vec![],
+        check_timeout_ms: None,
     };
     assert_eq!(resume_wait(&last), Duration::ZERO, "no probe was started");
     last.rounds.push(RoundState {
