@@ -187,11 +187,12 @@ enum Command {
         /// The coordinator's peer-check address (ip:port). Default: the Lease holder's.
         #[arg(long, env = "FAULTLINE_COORDINATOR")]
         coordinator: Option<String>,
-        /// The shared peer-check secret.
+        /// The requesters' peer-check secret (the agents' `--peer-requester-secret-file`): it
+        /// requests runs and nothing else. The agents' own secret is accepted too.
         #[arg(
             long,
-            env = "FAULTLINE_PEER_SECRET_FILE",
-            default_value = "/etc/faultline/peer/secret"
+            env = "FAULTLINE_PEER_REQUESTER_SECRET_FILE",
+            default_value = "/etc/faultline/peer/requester-secret"
         )]
         secret_file: PathBuf,
         #[arg(long, env = "FAULTLINE_KUBECONFIG")]

@@ -45,6 +45,13 @@ pub trait Members: Send + Sync + std::fmt::Debug {
     async fn list(&self) -> Result<Vec<Member>, MembersError>;
 }
 
+/// Bare metal: the member that coordinates, by the members file's rule. Today the first entry
+/// of the file, fixed. The one place the rule lives: the agent decides from it whether it
+/// coordinates (daemon), and every agent from it whom it obeys (`authz::ElectedMember`).
+pub fn elected(members: &[Member]) -> Option<&Member> {
+    members.first()
+}
+
 /// Members from a file, one per line: `node ip:port [topology]`; `#` starts a comment.
 #[derive(Debug, Clone)]
 pub struct StaticMembers {

@@ -7,11 +7,14 @@
 //! - `members`: who takes part (agent pods, or a members file); `publish`: where runs go;
 //! - `runner`: the probe as a child process with a hard deadline; `verdicts`: a run's verdicts
 //!   as this node's fault record (`PEER_UNREACHABLE`, `PEER_LINK_FAILED`, `STRAGGLER`);
-//! - `wire`: signing, the secret file, verdicts on the wire; `busy`: whether the GPUs run work.
+//! - `wire`: signing, the secret file, verdicts on the wire; `busy`: whether the GPUs run work;
+//! - `authz`: who may send what (the current coordinator, current members' addresses, this
+//!   agent's policy bounds).
 //!
 //! [`start`] wires them into the agent: the service on its own port, the election, and the
 //! schedule of runs while this agent coordinates.
 
+pub mod authz;
 pub mod busy;
 pub mod coordinator;
 pub mod lease;
@@ -44,6 +47,9 @@ use faultline_core::policy::PeerPolicy;
 
 /// Requests signed longer ago (or later) than this are refused.
 pub const MAX_SKEW: Duration = Duration::from_secs(30);
+/// No request is served longer than this (a `Run` lasts its rounds; every other RPC bounds
+/// its own work to seconds). A client's shorter `grpc-timeout` is honoured.
+pub const MAX_REQUEST: Duration = Duration::from_secs(15 * 60);
 
 /// Who coordinates.
 #[derive(Debug)]
@@ -70,6 +76,10 @@ pub struct PeerSetup {
     pub members: Arc<dyn Members>,
     pub publisher: Arc<dyn Publisher>,
     pub election: Election,
+    /// Who coordinates, as every agent (not only the coordinator) must know it.
+    pub who: Arc<dyn authz::WhoCoordinates>,
+    /// The requesters' secret (`faultline check`), accepted for `Run` only.
+    pub requester_key: Option<faultline_proto::auth::Key>,
     pub policy: watch::Receiver<LoadedPolicy>,
     pub inputs: mpsc::Sender<Input>,
     pub metrics: Arc<crate::metrics::Metrics>,
@@ -125,12 +135,18 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
     };
     let svc = PeerHandle(Arc::new(PeerService::new(
         s.node.clone(),
-        Verifier::new(s.key, MAX_SKEW),
         signer,
         s.probe,
         s.busy,
         s.inputs,
         leadership.clone(),
+        service::Authz {
+            agents: Verifier::new(s.key, MAX_SKEW),
+            who: s.who,
+            requester: s.requester_key.map(|k| Verifier::new(k, MAX_SKEW)),
+            probe_ports: s.probe_port_base
+                ..s.probe_port_base.saturating_add(coordinator::PROBE_PORTS),
+        },
     )));
     let mut tasks = Vec::new();
     let shutdown = s.shutdown.clone();
@@ -140,11 +156,13 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
         s.metrics.clone(),
         "peer",
     );
-    // No server-wide request timeout: `Run` lasts a whole check (several rounds, each up to its
-    // check deadline), and every other RPC bounds its own work. A few concurrent requests per
-    // connection, and HTTP/2 keep-alive so a peer that vanished is noticed; the listener caps
-    // connections and their age.
+    // A server-wide request timeout long enough for a `Run` (a whole check: several rounds,
+    // each up to its check deadline; every other RPC bounds its own work to seconds). A few
+    // concurrent requests per connection, and HTTP/2 keep-alive so a peer that vanished is
+    // noticed; the listener caps connections (in all and per address), their idle time and
+    // age (`listen::PEER_LIMITS`).
     let server = tonic::transport::Server::builder()
+        .timeout(MAX_REQUEST)
         .concurrency_limit_per_connection(16)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))
