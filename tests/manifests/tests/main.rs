@@ -8,6 +8,7 @@ mod daemonset;
 mod examples;
 mod image;
 mod kustomize;
+mod networkpolicy;
 mod policy;
 mod rbac;
 mod schema;
