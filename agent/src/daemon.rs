@@ -307,8 +307,10 @@ async fn peer_setup(
         peer::Election,
         Arc<dyn peer::coordinator::Publisher>,
         Arc<dyn peer::authz::WhoCoordinates>,
+        Option<Arc<dyn peer::authz::Requesters>>,
     );
-    let (members, election, publisher, who): Parts = match (static_members, kube_client) {
+    let (members, election, publisher, who, requesters): Parts = match (static_members, kube_client)
+    {
         (Some(list), _) => {
             let first = members::elected(&list).is_some_and(|m| m.node == node);
             let path = cfg.peer_members.clone().unwrap_or_default();
@@ -324,6 +326,7 @@ async fn peer_setup(
                     dir: cfg.state_dir.clone(),
                 }),
                 Arc::new(peer::authz::ElectedMember::new(file)),
+                None,
             )
         }
         (None, Some(client)) => {
@@ -349,9 +352,13 @@ async fn peer_setup(
                     namespace: cfg.namespace.clone(),
                 }),
                 Arc::new(peer::authz::LeaseHolder::new(
-                    client.calls,
+                    client.calls.clone(),
                     cfg.namespace.clone(),
                 )),
+                Some(Arc::new(peer::authz::KubeRequesters {
+                    client: client.calls,
+                    namespace: cfg.namespace.clone(),
+                })),
             )
         }
         (None, None) => {
@@ -381,6 +388,7 @@ async fn peer_setup(
         election,
         who,
         requester_key,
+        requesters,
         policy,
         inputs: ctx.tx.clone(),
         metrics: ctx.metrics.clone(),

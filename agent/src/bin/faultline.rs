@@ -195,6 +195,11 @@ enum Command {
             default_value = "/etc/faultline/peer/requester-secret"
         )]
         secret_file: PathBuf,
+        /// On Kubernetes, instead of a secret: a service-account token projected for the
+        /// audience `faultline-peercheck` (the coordinator checks it with TokenReview and
+        /// SubjectAccessReview: `create` on `peerchecks.faultline.io` in the agents' namespace).
+        #[arg(long, env = "FAULTLINE_PEER_TOKEN_FILE")]
+        token_file: Option<PathBuf>,
         #[arg(long, env = "FAULTLINE_KUBECONFIG")]
         kubeconfig: Option<PathBuf>,
         #[arg(long, env = "POD_NAMESPACE", default_value = "faultline-system")]
@@ -353,6 +358,7 @@ fn main() -> std::process::ExitCode {
             check_timeout,
             coordinator,
             secret_file,
+            token_file,
             kubeconfig,
             namespace,
             ..
@@ -364,6 +370,7 @@ fn main() -> std::process::ExitCode {
                 check_timeout,
                 coordinator,
                 secret_file,
+                token_file,
                 kubeconfig,
                 namespace,
                 json,

@@ -80,6 +80,8 @@ pub struct PeerSetup {
     pub who: Arc<dyn authz::WhoCoordinates>,
     /// The requesters' secret (`faultline check`), accepted for `Run` only.
     pub requester_key: Option<faultline_proto::auth::Key>,
+    /// Kubernetes: requesters' service-account tokens, checked by the API server.
+    pub requesters: Option<Arc<dyn authz::Requesters>>,
     pub policy: watch::Receiver<LoadedPolicy>,
     pub inputs: mpsc::Sender<Input>,
     pub metrics: Arc<crate::metrics::Metrics>,
@@ -146,6 +148,7 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
             requester: s.requester_key.map(|k| Verifier::new(k, MAX_SKEW)),
             probe_ports: s.probe_port_base
                 ..s.probe_port_base.saturating_add(coordinator::PROBE_PORTS),
+            requesters: s.requesters,
         },
     )));
     let mut tasks = Vec::new();

@@ -68,6 +68,9 @@ pub struct Authz {
     pub requester: Option<Verifier>,
     /// The ports probe addresses may name (`probe_port_base` + `coordinator::PROBE_PORTS`).
     pub probe_ports: std::ops::Range<u16>,
+    /// Kubernetes: requesters' service-account tokens (`authorization: Bearer`), checked with
+    /// TokenReview and SubjectAccessReview. `None`: tokens are refused.
+    pub requesters: Option<Arc<dyn authz::Requesters>>,
 }
 
 /// Whether this node's accelerators run someone's work.
@@ -130,6 +133,7 @@ pub struct PeerService {
     runs: std::sync::atomic::AtomicUsize,
     who: Arc<dyn WhoCoordinates>,
     requester: Option<Mutex<Verifier>>,
+    requesters: Option<Arc<dyn authz::Requesters>>,
     probe_ports: std::ops::Range<u16>,
     view: MemberView,
     refusals: Mutex<crate::pace::LogPacer>,
@@ -150,6 +154,7 @@ impl PeerService {
             verifier: Mutex::new(authz.agents),
             who: authz.who,
             requester: authz.requester.map(Mutex::new),
+            requesters: authz.requesters,
             probe_ports: authz.probe_ports,
             refusals: Mutex::new(crate::pace::LogPacer::new(REFUSAL_LOG_EVERY)),
             node,
@@ -185,6 +190,30 @@ impl PeerService {
             .map_err(|_| Status::internal("verifier poisoned"))?;
         v.verify(msg, wire::now_ms())
             .map_err(|e| self.refused(rpc, Status::unauthenticated(e.to_string())))
+    }
+
+    /// Authenticates and authorizes a `Run` by the requester's bearer token (Kubernetes).
+    async fn check_token(&self, token: &str) -> Result<String, Status> {
+        use authz::TokenRefusal;
+        let Some(r) = &self.requesters else {
+            return Err(self.refused(
+                "Run",
+                Status::unauthenticated(
+                    "this agent takes no service-account tokens (not on Kubernetes); sign with the requester secret",
+                ),
+            ));
+        };
+        match tokio::time::timeout(CALL_TIMEOUT * 5, r.check(token)).await {
+            Ok(Ok(user)) => Ok(format!("user {user}")),
+            Ok(Err(e @ TokenRefusal::Unauthenticated(_))) => {
+                Err(self.refused("Run", Status::unauthenticated(e.to_string())))
+            }
+            Ok(Err(e @ TokenRefusal::Denied(_))) => {
+                Err(self.refused("Run", Status::permission_denied(e.to_string())))
+            }
+            Ok(Err(e @ TokenRefusal::Unavailable(_))) => Err(Status::unavailable(e.to_string())),
+            Err(_) => Err(Status::unavailable("the token reviews took too long")),
+        }
     }
 
     /// Verifies a `Run`: with the requesters' secret, else the agents'.
@@ -537,8 +566,17 @@ impl CoordinatorRpc for PeerHandle {
     }
 
     async fn run(&self, request: Request<RunRequest>) -> Result<Response<RunResult>, Status> {
+        let bearer = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(|t| t.trim().to_string());
         let req = request.into_inner();
-        let sender = self.verify_run(&req)?;
+        let sender = match bearer {
+            Some(token) => self.check_token(&token).await?,
+            None => self.verify_run(&req)?,
+        };
         PeerService::check_protocol(req.protocol)?;
         let l = self.leader()?.clone();
         if req.nodes.is_empty() {
@@ -757,7 +795,7 @@ mod tests {
             node: "n0".into(),
             address: Some("10.0.0.1:20261".into()),
         }));
-        let (svc, signer, inputs) = service_with(Arc::new(who_rx));
+        let (svc, signer, inputs) = service_with(Arc::new(who_rx), Some(Arc::new(FakeTokens)));
         Setup {
             svc,
             signer,
@@ -773,7 +811,26 @@ mod tests {
         (s.svc, s.signer)
     }
 
-    fn service_with(who: Arc<dyn WhoCoordinates>) -> (PeerHandle, Signer, mpsc::Receiver<Input>) {
+    /// Tokens as an API server would review them: "good" is alice's, "denied" bob's (who may
+    /// not request runs), anything else invalid.
+    #[derive(Debug)]
+    struct FakeTokens;
+
+    #[async_trait::async_trait]
+    impl authz::Requesters for FakeTokens {
+        async fn check(&self, token: &str) -> Result<String, authz::TokenRefusal> {
+            match token {
+                "good" => Ok("alice".into()),
+                "denied" => Err(authz::TokenRefusal::Denied("bob may not".into())),
+                _ => Err(authz::TokenRefusal::Unauthenticated("invalid".into())),
+            }
+        }
+    }
+
+    fn service_with(
+        who: Arc<dyn WhoCoordinates>,
+        requesters: Option<Arc<dyn authz::Requesters>>,
+    ) -> (PeerHandle, Signer, mpsc::Receiver<Input>) {
         let key = Key::new(SECRET).unwrap();
         let signer = Signer {
             key: key.clone(),
@@ -818,6 +875,7 @@ mod tests {
                     Duration::from_secs(30),
                 )),
                 probe_ports: 20270..20302,
+                requesters,
             },
         );
         (PeerHandle(Arc::new(svc)), signer, rx)
@@ -1154,5 +1212,50 @@ mod tests {
         };
         let e = svc.run(Request::new(run(&stranger))).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
+    }
+
+    /// A requester's bearer token is reviewed (`Requesters`) for `Run` only: accepted,
+    /// denied, invalid; it never stands in for the agents' signature.
+    #[tokio::test]
+    async fn requester_tokens_request_runs_and_nothing_else() {
+        let (svc, _) = service();
+        let with = |token: &str, msg| bearer(token, msg);
+        let run = RunRequest {
+            auth: None,
+            protocol: PROTOCOL,
+            nodes: vec!["n0".into(), "n1".into()],
+            timeout_ms: 0,
+        };
+        let e = svc.run(with("good", run.clone())).await.unwrap_err();
+        assert_eq!(
+            e.code(),
+            tonic::Code::FailedPrecondition,
+            "past auth: {e:?}"
+        );
+        let e = svc.run(with("denied", run.clone())).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert!(e.message().contains("bob may not"));
+        let e = svc.run(with("forged", run.clone())).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let e = svc.assign(bearer("good", assignment())).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let e = svc
+            .conclude(bearer("good", conclusion("n1")))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        // Without Kubernetes no token is taken.
+        let (_who, who_rx) = watch::channel(None);
+        let (bare, _, _) = service_with(Arc::new(who_rx), None);
+        let e = bare.run(with("good", run)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        assert!(e.message().contains("takes no service-account tokens"));
+    }
+
+    fn bearer<T>(token: &str, msg: T) -> Request<T> {
+        let mut r = Request::new(msg);
+        r.metadata_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+        r
     }
 }
