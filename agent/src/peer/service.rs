@@ -574,7 +574,12 @@ impl CoordinatorRpc for PeerHandle {
             .map(|t| t.trim().to_string());
         let req = request.into_inner();
         let sender = match bearer {
-            Some(token) => self.check_token(&token).await?,
+            Some(token) => {
+                // Only the coordinator asks the API server: a token sent to any other agent
+                // costs no review.
+                self.leader()?;
+                self.check_token(&token).await?
+            }
             None => self.verify_run(&req)?,
         };
         PeerService::check_protocol(req.protocol)?;
@@ -795,7 +800,8 @@ mod tests {
             node: "n0".into(),
             address: Some("10.0.0.1:20261".into()),
         }));
-        let (svc, signer, inputs) = service_with(Arc::new(who_rx), Some(Arc::new(FakeTokens)));
+        let (svc, signer, inputs) =
+            service_with(Arc::new(who_rx), Some(Arc::new(FakeTokens)), false);
         Setup {
             svc,
             signer,
@@ -830,6 +836,7 @@ mod tests {
     fn service_with(
         who: Arc<dyn WhoCoordinates>,
         requesters: Option<Arc<dyn authz::Requesters>>,
+        leader: bool,
     ) -> (PeerHandle, Signer, mpsc::Receiver<Input>) {
         let key = Key::new(SECRET).unwrap();
         let signer = Signer {
@@ -845,7 +852,7 @@ mod tests {
         ));
         let leadership = Leadership {
             coordinator,
-            leader: watch::channel(false).1,
+            leader: watch::channel(leader).1,
             members: Arc::new(Fixed(vec![
                 member("n0", "10.0.0.1"),
                 member("n1", "10.0.0.2"),
@@ -1226,16 +1233,22 @@ mod tests {
             nodes: vec!["n0".into(), "n1".into()],
             timeout_ms: 0,
         };
-        let e = svc.run(with("good", run.clone())).await.unwrap_err();
-        assert_eq!(
-            e.code(),
-            tonic::Code::FailedPrecondition,
-            "past auth: {e:?}"
-        );
-        let e = svc.run(with("denied", run.clone())).await.unwrap_err();
+        // Not the coordinator: no review at all, whatever the token.
+        let e = svc.run(with("forged", run.clone())).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        // The coordinator reviews it (an empty node list is refused only after that).
+        let (_w, who_rx) = watch::channel(None);
+        let (lead, _, _) = service_with(Arc::new(who_rx), Some(Arc::new(FakeTokens)), true);
+        let empty = RunRequest {
+            nodes: vec![],
+            ..run.clone()
+        };
+        let e = lead.run(with("good", empty.clone())).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "past auth: {e:?}");
+        let e = lead.run(with("denied", empty.clone())).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
         assert!(e.message().contains("bob may not"));
-        let e = svc.run(with("forged", run.clone())).await.unwrap_err();
+        let e = lead.run(with("forged", empty)).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         let e = svc.assign(bearer("good", assignment())).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
@@ -1246,8 +1259,17 @@ mod tests {
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         // Without Kubernetes no token is taken.
         let (_who, who_rx) = watch::channel(None);
-        let (bare, _, _) = service_with(Arc::new(who_rx), None);
-        let e = bare.run(with("good", run)).await.unwrap_err();
+        let (bare, _, _) = service_with(Arc::new(who_rx), None, true);
+        let e = bare
+            .run(with(
+                "good",
+                RunRequest {
+                    nodes: vec![],
+                    ..run
+                },
+            ))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         assert!(e.message().contains("takes no service-account tokens"));
     }
