@@ -154,6 +154,11 @@ pub struct AgentConfig {
     /// no part in peer checks.
     #[arg(long, env = "FAULTLINE_PEER_SECRET_FILE")]
     pub peer_secret_file: Option<PathBuf>,
+    /// Peer checks: the requesters' secret (`faultline check` signs with it). Accepted for
+    /// requesting a run only, never for the agents' own calls (assign, conclude, report); must
+    /// differ from the agents' secret. Without it only the agents' secret can request runs.
+    #[arg(long, env = "FAULTLINE_PEER_REQUESTER_SECRET_FILE")]
+    pub peer_requester_secret_file: Option<PathBuf>,
     /// Peer checks: where this agent's gRPC service listens.
     #[arg(long, env = "FAULTLINE_PEER_LISTEN", default_value = DEFAULT_PEER_LISTEN)]
     pub peer_listen: SocketAddr,
@@ -242,6 +247,23 @@ async fn peer_setup(
 ) -> anyhow::Result<Option<crate::peer::PeerSetup>> {
     use crate::peer::{self, members, publish, service};
     let key = peer::wire::load_key(secret)?;
+    let requester_key = match &cfg.peer_requester_secret_file {
+        // An optional Secret not created: only the agents' secret requests runs.
+        Some(p) if !p.exists() => {
+            info!(path = %p.display(), "no requester secret; only the agents' secret can request peer-check runs");
+            None
+        }
+        Some(p) => {
+            let k = peer::wire::load_key(p)?;
+            anyhow::ensure!(
+                !k.same_secret(&key),
+                "the requester secret {} is the agents' secret: requesters must not hold the key that assigns checks and concludes runs",
+                p.display()
+            );
+            Some(k)
+        }
+        None => None,
+    };
     let static_members = match &cfg.peer_members {
         Some(p) => {
             let text = std::fs::read_to_string(p)
@@ -279,19 +301,28 @@ async fn peer_setup(
             "no address for other agents to reach this one: set --peer-address (or POD_IP)"
         ),
     };
-    let (members, election, publisher): (
+    /// Who the members are, whether this agent coordinates, where runs go, whom it obeys.
+    type Parts = (
         Arc<dyn members::Members>,
         peer::Election,
         Arc<dyn peer::coordinator::Publisher>,
-    ) = match (static_members, kube_client) {
+        Option<Arc<dyn peer::authz::WhoCoordinates>>,
+        Option<Arc<dyn peer::authz::Requesters>>,
+    );
+    let (members, election, publisher, who, requesters): Parts = match (static_members, kube_client)
+    {
         (Some(_), _) => {
             let path = cfg.peer_members.clone().unwrap_or_default();
+            let file: Arc<dyn members::Members> = Arc::new(members::StaticMembers { path });
             (
-                Arc::new(members::StaticMembers { path }),
+                file,
                 peer::Election::MembersFile,
                 Arc::new(publish::FilePublisher {
                     dir: cfg.state_dir.clone(),
                 }),
+                // Whom it obeys: the election `peer::start` runs.
+                None,
+                None,
             )
         }
         (None, Some(client)) => {
@@ -319,9 +350,17 @@ async fn peer_setup(
                 }),
                 peer::Election::Lease(fence),
                 Arc::new(publish::KubePublisher {
-                    client: client.calls,
+                    client: client.calls.clone(),
                     namespace: cfg.namespace.clone(),
                 }),
+                Some(Arc::new(peer::authz::LeaseHolder::new(
+                    client.calls.clone(),
+                    cfg.namespace.clone(),
+                ))),
+                Some(Arc::new(peer::authz::KubeRequesters {
+                    client: client.calls,
+                    namespace: cfg.namespace.clone(),
+                })),
             )
         }
         (None, None) => {
@@ -349,6 +388,9 @@ async fn peer_setup(
         members,
         publisher,
         election,
+        who,
+        requester_key,
+        requesters,
         policy,
         inputs: ctx.tx.clone(),
         metrics: ctx.metrics.clone(),

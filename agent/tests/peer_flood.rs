@@ -38,6 +38,9 @@ fn a_flood_at_the_peer_port_does_not_stop_a_check_or_detection() {
     let tmp = tempfile::tempdir().unwrap();
     let secret = tmp.path().join("secret");
     std::fs::write(&secret, "flood-test-secret-0123456789abcdef0123456789\n").unwrap();
+    // The CLI holds the requesters' secret only (issue 12 §5).
+    let requester = tmp.path().join("requester-secret");
+    std::fs::write(&requester, "flood-test-requester-secret-0123456789\n").unwrap();
     let policy = tmp.path().join("policy.yaml");
     std::fs::write(
         &policy,
@@ -61,6 +64,8 @@ fn a_flood_at_the_peer_port_does_not_stop_a_check_or_detection() {
             policy.to_str().unwrap(),
             "--peer-secret-file",
             secret.to_str().unwrap(),
+            "--peer-requester-secret-file",
+            requester.to_str().unwrap(),
             "--peer-members",
             members.to_str().unwrap(),
             "--peer-listen",
@@ -92,7 +97,7 @@ fn a_flood_at_the_peer_port_does_not_stop_a_check_or_detection() {
         .args(["check", "--nodes", "node-a,node-b", "--timeout", "60s"])
         .args(["--coordinator", &a.to_string()])
         .arg("--secret-file")
-        .arg(&secret)
+        .arg(&requester)
         .output()
         .unwrap();
     let (stdout, stderr) = (

@@ -18,8 +18,47 @@ use std::time::{Duration, Instant};
 const N: usize = 8;
 
 use common::cluster::{
-    check, has_fault, published, published_key, rounds_of, verdict_lines, wait_until, Cluster, NS,
+    check, check_with, has_fault, published, published_key, rounds_of, verdict_lines, wait_until,
+    Cluster, NS, SECRET,
 };
+
+/// A `Conclude` signed with the agents' secret as `sender`, naming `faulty` faulty, sent to the
+/// agent at `ip`: the refusal.
+fn forged_conclusion(
+    ip: std::net::Ipv4Addr,
+    sender: &str,
+    members: &[String],
+    faulty: &str,
+) -> tonic::Status {
+    use faultline_proto::v1::peer_check_client::PeerCheckClient;
+    use faultline_proto::v1::{verdict::Kind, RunConclusion, Verdict};
+    let signer = faultline_agent::peer::wire::Signer {
+        key: faultline_proto::auth::Key::new(SECRET.as_bytes()).unwrap(),
+        sender: sender.into(),
+    };
+    let msg = signer.sign(RunConclusion {
+        auth: None,
+        protocol: faultline_proto::PROTOCOL,
+        run_id: "forged".into(),
+        members: members.to_vec(),
+        verdicts: vec![Verdict {
+            kind: Kind::FaultyNode as i32,
+            nodes: vec![faulty.into()],
+            slowdown: 0.0,
+            reason: String::new(),
+        }],
+    });
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut c = PeerCheckClient::connect(format!("http://{ip}:20261"))
+            .await
+            .unwrap();
+        c.conclude(msg).await.unwrap_err()
+    })
+}
 
 #[test]
 #[ignore = "slow, needs root and network namespaces: .ci/run runs it with --ignored"]
@@ -142,6 +181,87 @@ fn eight_agents_in_namespaces_find_exactly_the_injected_faults() {
     let (code, out, err) = check(&cli_kubeconfig, &wrong, &names);
     assert_eq!(code, 2, "stdout: {out}\nstderr: {err}");
     assert!(err.contains("signature does not verify"), "{err}");
+
+    // 3b. Issue 12 §5: an agents'-secret holder that is not the coordinator sends Conclude
+    //     naming a healthy node faulty: PERMISSION_DENIED naming the coordinator, and the
+    //     node's record stays clean.
+    let healthy: Vec<usize> = (0..N)
+        .filter(|i| ![cut_a, cut_b, slow, isolated, coord].contains(i))
+        .collect();
+    let (victim, forger) = (healthy[0], healthy[1]);
+    let denied = forged_conclusion(
+        lab.nodes()[victim].ip,
+        &names[forger],
+        &[names[victim].clone(), names[forger].clone()],
+        &names[victim],
+    );
+    assert_eq!(denied.code(), tonic::Code::PermissionDenied, "{denied:?}");
+    assert!(
+        denied.message().contains(&format!(
+            "only the current peer-check coordinator (\"{}\")",
+            names[coord]
+        )),
+        "{}",
+        denied.message()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let r = c.nodes[victim].record().unwrap();
+    assert!(
+        !r.faults
+            .iter()
+            .any(|f| f.active && f.source == faultline_core::record::Source::Peer),
+        "{:?}",
+        r.faults
+    );
+
+    // 3c. Requesters on Kubernetes: a service-account token projected for the audience
+    //     faultline-peercheck, reviewed by the coordinator (TokenReview, SubjectAccessReview).
+    //     With the right: a run. Without it: refused, exit 2, nothing run.
+    let may =
+        vec![
+            faultline_kube_emulator::Rule::new(&["create"], &["faultline.io"], &["peerchecks"])
+                .in_namespace(NS),
+        ];
+    let audience = faultline_agent::peer::authz::REQUESTER_AUDIENCE;
+    emu.authorize_for_audiences(
+        "launcher-token",
+        faultline_kube_emulator::UserInfo::service_account("jobs", "launcher"),
+        may,
+        &[audience],
+    );
+    emu.authorize_for_audiences(
+        "intruder-token",
+        faultline_kube_emulator::UserInfo::service_account("jobs", "intruder"),
+        vec![],
+        &[audience],
+    );
+    let pair = vec![names[coord].clone(), names[victim].clone()];
+    for (token, want_code, want) in [
+        (
+            "launcher-token",
+            0,
+            "no faulty node, broken link or straggler",
+        ),
+        (
+            "intruder-token",
+            2,
+            "system:serviceaccount:jobs:intruder may not request peer checks",
+        ),
+    ] {
+        let file = tmp.join(token);
+        std::fs::write(&file, format!("{token}\n")).unwrap();
+        let (code, out, err) = check_with(
+            &cli_kubeconfig,
+            &tmp.join("no-secret"),
+            &pair,
+            &["--token-file", file.to_str().unwrap()],
+        );
+        assert_eq!(code, want_code, "{token}\nstdout: {out}\nstderr: {err}");
+        assert!(
+            out.contains(want) || err.contains(want),
+            "{token}: {out}{err}"
+        );
+    }
 
     // 4. The coordinator dies mid-run: another agent takes the Lease and restarts the run.
     lab.heal(isolated).unwrap();

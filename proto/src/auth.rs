@@ -88,6 +88,11 @@ impl Key {
         Ok(Key(secret.to_vec()))
     }
 
+    /// Whether two keys hold the same secret (a configuration check, not on the request path).
+    pub fn same_secret(&self, other: &Key) -> bool {
+        self.0 == other.0
+    }
+
     fn mac(&self) -> HmacSha256 {
         // HMAC takes keys of any length; this cannot fail.
         <HmacSha256 as Mac>::new_from_slice(&self.0).unwrap_or_else(|_| unreachable!())

@@ -192,13 +192,19 @@ enum Command {
         /// the request follows a failover (docs/peer-checks.md).
         #[arg(long, env = "FAULTLINE_PEER_MEMBERS", conflicts_with = "coordinator")]
         members: Option<PathBuf>,
-        /// The shared peer-check secret.
+        /// The requesters' peer-check secret (the agents' `--peer-requester-secret-file`): it
+        /// requests runs and nothing else. The agents' own secret is accepted too.
         #[arg(
             long,
-            env = "FAULTLINE_PEER_SECRET_FILE",
-            default_value = "/etc/faultline/peer/secret"
+            env = "FAULTLINE_PEER_REQUESTER_SECRET_FILE",
+            default_value = "/etc/faultline/peer/requester-secret"
         )]
         secret_file: PathBuf,
+        /// On Kubernetes, instead of a secret: a service-account token projected for the
+        /// audience `faultline-peercheck` (the coordinator checks it with TokenReview and
+        /// SubjectAccessReview: `create` on `peerchecks.faultline.io` in the agents' namespace).
+        #[arg(long, env = "FAULTLINE_PEER_TOKEN_FILE")]
+        token_file: Option<PathBuf>,
         #[arg(long, env = "FAULTLINE_KUBECONFIG")]
         kubeconfig: Option<PathBuf>,
         #[arg(long, env = "POD_NAMESPACE", default_value = "faultline-system")]
@@ -358,6 +364,7 @@ fn main() -> std::process::ExitCode {
             coordinator,
             members,
             secret_file,
+            token_file,
             kubeconfig,
             namespace,
             ..
@@ -370,6 +377,7 @@ fn main() -> std::process::ExitCode {
                 coordinator,
                 members,
                 secret_file,
+                token_file,
                 kubeconfig,
                 namespace,
                 json,

@@ -22,6 +22,8 @@ pub struct CheckArgs {
     /// answers.
     pub members: Option<PathBuf>,
     pub secret_file: PathBuf,
+    /// A projected service-account token to send instead of signing (Kubernetes).
+    pub token_file: Option<PathBuf>,
     pub kubeconfig: Option<PathBuf>,
     pub namespace: String,
     pub json: bool,
@@ -207,14 +209,21 @@ pub async fn check(args: CheckArgs) -> Outcome {
     use faultline_proto::v1::coordinator_client::CoordinatorClient;
     use faultline_proto::v1::RunRequest;
     use tonic::Code;
-    let key = match crate::peer::wire::load_key(&args.secret_file) {
-        Ok(k) => k,
-        Err(e) => return Outcome::error(format!("error: {e}")),
-    };
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let signer = crate::peer::wire::Signer {
-        key,
-        sender: format!("cli@{}", host.trim()),
+    // The requester's credential: a service-account token (read again on every attempt: the
+    // kubelet rotates projected tokens), or the requester secret.
+    let signer = match &args.token_file {
+        Some(_) => None,
+        None => {
+            let key = match crate::peer::wire::load_key(&args.secret_file) {
+                Ok(k) => k,
+                Err(e) => return Outcome::error(format!("error: {e}")),
+            };
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+            Some(crate::peer::wire::Signer {
+                key,
+                sender: format!("cli@{}", host.trim()),
+            })
+        }
     };
     let deadline = tokio::time::Instant::now() + args.timeout;
     // One id for every attempt: a coordinator that took over from the one first asked resumes
@@ -320,7 +329,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 .connect()
                 .await
                 .map_err(|e| format!("cannot reach the coordinator at {address}: {e}"))?;
-            let req = signer.sign(RunRequest {
+            let req = RunRequest {
                 auth: None,
                 protocol: faultline_proto::PROTOCOL,
                 nodes: args.nodes.clone(),
@@ -329,8 +338,23 @@ pub async fn check(args: CheckArgs) -> Outcome {
                     .map(|t| t.as_millis().min(u128::from(u32::MAX)) as u32)
                     .unwrap_or(0),
                 request_id: request_id.clone(),
-            });
-            let mut request = tonic::Request::new(req);
+            };
+            let mut request = match (&signer, &args.token_file) {
+                (Some(s), _) => tonic::Request::new(s.sign(req)),
+                (None, Some(path)) => {
+                    let token = std::fs::read_to_string(path)
+                        .map_err(|e| format!("cannot read the token {}: {e}", path.display()))?;
+                    let value = format!("Bearer {}", token.trim())
+                        .parse::<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>()
+                        .map_err(|_| {
+                            format!("the token {} is not printable text", path.display())
+                        })?;
+                    let mut r = tonic::Request::new(req);
+                    r.metadata_mut().insert("authorization", value);
+                    r
+                }
+                (None, None) => return Err("no credential".to_string()),
+            };
             request.set_timeout(deadline.saturating_duration_since(tokio::time::Instant::now()));
             let answer = CoordinatorClient::new(channel)
                 .max_decoding_message_size(faultline_proto::MAX_MESSAGE_BYTES)

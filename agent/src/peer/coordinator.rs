@@ -59,6 +59,8 @@ pub const RELAYS: usize = 2;
 /// the next one.
 const PORTS_PER_ROUND: u16 = 4;
 const PORT_GROUPS: u16 = 8;
+/// How many probe ports from the base a run uses (agents accept no other: `authz`).
+pub const PROBE_PORTS: u16 = PORTS_PER_ROUND * PORT_GROUPS;
 
 /// What a run measures and how it judges.
 #[derive(Debug, Clone, PartialEq)]

@@ -86,6 +86,7 @@ impl Transport for Fake {
             busy: self.scenario.busy.contains(&to.node),
             reason: "a job runs".into(),
             reached: vec![],
+            coordinator: String::new(),
         })
     }
 

@@ -20,6 +20,9 @@ pub const LEASE_SECONDS: u64 = 15;
 /// Lease client's timeouts from it).
 pub const GRACE_SECONDS: u64 = 5;
 
+/// How long past its end a Lease still names its holder for the agents (clock differences).
+const HOLDER_SLACK_MS: i64 = 5_000;
+
 /// The holder identity for a node and its peer-service address.
 pub fn identity(node: &str, address: &str) -> String {
     format!("{node}@{address}")
@@ -171,6 +174,28 @@ pub async fn holder(client: Client, namespace: &str) -> Result<Option<String>, k
         .await?
         .and_then(|l| l.spec?.holder_identity)
         .filter(|h| !h.is_empty()))
+}
+
+/// The current holder's identity, `None` when nobody holds the Lease or it has run out (its
+/// holder stopped renewing it: dead, or frozen and not to be obeyed when it wakes). A Lease
+/// without a renew time or duration counts as held. For the agents (`authz::LeaseHolder`).
+pub async fn live_holder(client: Client, namespace: &str) -> Result<Option<String>, kube::Error> {
+    let api: Api<Lease> = Api::namespaced(client, namespace);
+    let Some(spec) = api.get_opt(NAME).await?.and_then(|l| l.spec) else {
+        return Ok(None);
+    };
+    let expired = match (&spec.renew_time, spec.lease_duration_seconds) {
+        (Some(renewed), Some(secs)) => {
+            // Slack for the clocks of the holder, the API server and this node.
+            let until = renewed
+                .0
+                .as_millisecond()
+                .saturating_add(i64::from(secs.max(0)).saturating_mul(1000) + HOLDER_SLACK_MS);
+            super::wire::now_ms() > until
+        }
+        _ => false,
+    };
+    Ok(spec.holder_identity.filter(|h| !h.is_empty() && !expired))
 }
 
 #[cfg(test)]

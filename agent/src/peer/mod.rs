@@ -8,11 +8,14 @@
 //! - `members`: who takes part (agent pods, or a members file); `publish`: where runs go;
 //! - `runner`: the probe as a child process with a hard deadline; `verdicts`: a run's verdicts
 //!   as this node's fault record (`PEER_UNREACHABLE`, `PEER_LINK_FAILED`, `STRAGGLER`);
-//! - `wire`: signing, the secret file, verdicts on the wire; `busy`: whether the GPUs run work.
+//! - `wire`: signing, the secret file, verdicts on the wire; `busy`: whether the GPUs run work;
+//! - `authz`: who may send what (the current coordinator, current members' addresses, this
+//!   agent's policy bounds).
 //!
 //! [`start`] wires them into the agent: the service on its own port, the election, and the
 //! schedule of runs while this agent coordinates.
 
+pub mod authz;
 pub mod busy;
 pub mod coordinator;
 pub mod election;
@@ -46,6 +49,9 @@ use faultline_core::policy::PeerPolicy;
 
 /// Requests signed longer ago (or later) than this are refused.
 pub const MAX_SKEW: Duration = Duration::from_secs(30);
+/// No request is served longer than this (a `Run` lasts its rounds; every other RPC bounds
+/// its own work to seconds). A client's shorter `grpc-timeout` is honoured.
+pub const MAX_REQUEST: Duration = Duration::from_secs(15 * 60);
 
 /// Who coordinates.
 #[derive(Debug)]
@@ -70,6 +76,13 @@ pub struct PeerSetup {
     pub members: Arc<dyn Members>,
     pub publisher: Arc<dyn Publisher>,
     pub election: Election,
+    /// Who coordinates, as every agent (not only the coordinator) must know it: the Lease
+    /// holder on Kubernetes; `None` on bare metal, where the election `start` runs says it.
+    pub who: Option<Arc<dyn authz::WhoCoordinates>>,
+    /// The requesters' secret (`faultline check`), accepted for `Run` only.
+    pub requester_key: Option<faultline_proto::auth::Key>,
+    /// Kubernetes: requesters' service-account tokens, checked by the API server.
+    pub requesters: Option<Arc<dyn authz::Requesters>>,
     pub policy: watch::Receiver<LoadedPolicy>,
     pub inputs: mpsc::Sender<Input>,
     pub metrics: Arc<crate::metrics::Metrics>,
@@ -105,16 +118,22 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
     };
     let policy = follow_policy(s.policy, s.shutdown.clone());
     let transport = Arc::new(GrpcTransport::new(signer.clone()));
-    let fence: Arc<dyn Fence> = match s.election {
-        Election::Lease(f) => Arc::new(f),
-        Election::MembersFile => {
-            let (role, _who) = election::elect(
+    let (fence, who): (Arc<dyn Fence>, Arc<dyn authz::WhoCoordinates>) = match (s.election, s.who) {
+        (Election::Lease(f), Some(who)) => (Arc::new(f), who),
+        (election, who) => {
+            // Bare metal (or no source of who coordinates given): the members-file election
+            // decides both whether this agent coordinates and whom it obeys.
+            if let Election::Lease(_) = election {
+                warn!("no source for who coordinates; following the members-file election");
+            }
+            let e = election::elect(
                 s.node.clone(),
                 s.members.clone(),
                 transport.clone(),
                 s.shutdown.clone(),
             );
-            Arc::new(coordinator::WatchFence(role))
+            let _ = who;
+            (Arc::new(e.fence), Arc::new(e.who))
         }
     };
     let coordinator = Arc::new(Coordinator::new(
@@ -134,12 +153,19 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
     };
     let svc = PeerHandle(Arc::new(PeerService::new(
         s.node.clone(),
-        Verifier::new(s.key, MAX_SKEW),
         signer,
         s.probe,
         s.busy,
         s.inputs,
         leadership.clone(),
+        service::Authz {
+            agents: Verifier::new(s.key, MAX_SKEW),
+            who,
+            requester: s.requester_key.map(|k| Verifier::new(k, MAX_SKEW)),
+            probe_ports: s.probe_port_base
+                ..s.probe_port_base.saturating_add(coordinator::PROBE_PORTS),
+            requesters: s.requesters,
+        },
     )));
     let mut tasks = Vec::new();
     let shutdown = s.shutdown.clone();
@@ -149,11 +175,13 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
         s.metrics.clone(),
         "peer",
     );
-    // No server-wide request timeout: `Run` lasts a whole check (several rounds, each up to its
-    // check deadline), and every other RPC bounds its own work. A few concurrent requests per
-    // connection, and HTTP/2 keep-alive so a peer that vanished is noticed; the listener caps
-    // connections and their age.
+    // A server-wide request timeout long enough for a `Run` (a whole check: several rounds,
+    // each up to its check deadline; every other RPC bounds its own work to seconds). A few
+    // concurrent requests per connection, and HTTP/2 keep-alive so a peer that vanished is
+    // noticed; the listener caps connections (in all and per address), their idle time and
+    // age (`listen::PEER_LIMITS`).
     let server = tonic::transport::Server::builder()
+        .timeout(MAX_REQUEST)
         .concurrency_limit_per_connection(16)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(30)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(10)))

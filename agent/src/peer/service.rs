@@ -2,6 +2,10 @@
 //! agent, `Coordinator` (report, run) answered by the Lease holder; and [`GrpcTransport`], the
 //! coordinator's client side. Every request is verified against the shared secret first; an
 //! unsigned, forged, stale or replayed one is refused with `UNAUTHENTICATED` and changes nothing.
+//! Then it is authorized (`authz`): `Assign`, `Cancel` and `Conclude` only from the current
+//! coordinator (else `PERMISSION_DENIED`), an assignment only with current members' addresses
+//! and within this agent's policy; `Run` also with the requesters' own secret, which no other
+//! RPC accepts. Refusals are logged at a bounded rate.
 //!
 //! An assignment runs the probe as a child process (`runner`) and sends the `CheckReport` to
 //! the coordinator address it names. A conclusion becomes this node's `Level` observations
@@ -28,6 +32,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn, Instrument};
 
+use super::authz::{self, MemberView, WhoCoordinates};
 use super::coordinator::{self, Coordinator, RunSpec, Transport, Trigger};
 use super::members::{Member, Members};
 use super::runner::{self, ProbeOutcome, ProbeSpec};
@@ -52,6 +57,31 @@ pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 pub const RELAY_TIMEOUT: Duration = Duration::from_secs(5);
 /// Members one relayed ping may name.
 pub const MAX_REACH: usize = 16;
+/// How long the service waits to learn who coordinates or who the members are (an answer
+/// must fit in the coordinator's `CALL_TIMEOUT`).
+pub const AUTHZ_TIMEOUT: Duration = Duration::from_millis(1500);
+/// How long a conclusion waits for the agent's engine to take its observations.
+pub const CONCLUDE_DELIVERY: Duration = Duration::from_secs(3);
+/// At most one log line per this interval about refused requests (with the count).
+pub const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// What the service authorizes requests with, beyond the agents' shared secret.
+#[derive(Debug)]
+pub struct Authz {
+    /// The agents' shared secret: every RPC is accepted with it (`Run` also with the
+    /// requesters').
+    pub agents: Verifier,
+    /// Who coordinates now (Lease holder, elected member).
+    pub who: Arc<dyn WhoCoordinates>,
+    /// The requesters' secret: `Run` is accepted with it (and with the agents' secret);
+    /// nothing else is.
+    pub requester: Option<Verifier>,
+    /// The ports probe addresses may name (`probe_port_base` + `coordinator::PROBE_PORTS`).
+    pub probe_ports: std::ops::Range<u16>,
+    /// Kubernetes: requesters' service-account tokens (`authorization: Bearer`), checked with
+    /// TokenReview and SubjectAccessReview. `None`: tokens are refused.
+    pub requesters: Option<Arc<dyn authz::Requesters>>,
+}
 
 /// Whether this node's accelerators run someone's work.
 pub trait Busy: Send + Sync + std::fmt::Debug + 'static {
@@ -116,21 +146,33 @@ pub struct PeerService {
     /// Runs in which this node's own probe could not run, with the cause (the newest
     /// `OWN_FAILURES_KEPT`): a conclusion that finds this node faulty names it.
     own_failures: Mutex<std::collections::VecDeque<(String, String)>>,
+    who: Arc<dyn WhoCoordinates>,
+    requester: Option<Mutex<Verifier>>,
+    requesters: Option<Arc<dyn authz::Requesters>>,
+    probe_ports: std::ops::Range<u16>,
+    view: MemberView,
+    refusals: Mutex<crate::pace::LogPacer>,
 }
 
 impl PeerService {
     pub fn new(
         node: String,
-        verifier: Verifier,
         signer: Signer,
         probe: ProbeSetup,
         busy: Arc<dyn Busy>,
         inputs: mpsc::Sender<Input>,
         leadership: Leadership,
+        authz: Authz,
     ) -> PeerService {
         PeerService {
+            view: MemberView::new(Arc::clone(&leadership.members)),
+            verifier: Mutex::new(authz.agents),
+            who: authz.who,
+            requester: authz.requester.map(Mutex::new),
+            requesters: authz.requesters,
+            probe_ports: authz.probe_ports,
+            refusals: Mutex::new(crate::pace::LogPacer::new(REFUSAL_LOG_EVERY)),
             node,
-            verifier: Mutex::new(verifier),
             signer: signer.clone(),
             probe,
             busy,
@@ -143,15 +185,115 @@ impl PeerService {
         }
     }
 
-    fn verify<M: Signed>(&self, msg: &M) -> Result<String, Status> {
+    /// Logs a refusal (at most one line per `REFUSAL_LOG_EVERY`, with the count since the
+    /// last line) and returns it.
+    fn refused(&self, rpc: &str, s: Status) -> Status {
+        let due = self
+            .refusals
+            .lock()
+            .ok()
+            .and_then(|mut p| p.note(1, tokio::time::Instant::now()));
+        if let Some((since, total)) = due {
+            warn!(rpc, code = ?s.code(), reason = s.message(), refused_since_last_line = since.times, refused_total = total.times, "peer request refused");
+        }
+        s
+    }
+
+    /// Verifies an agents' request with the agents' secret; the authenticated sender.
+    fn verify<M: Signed>(&self, rpc: &str, msg: &M) -> Result<String, Status> {
         let mut v = self
             .verifier
             .lock()
             .map_err(|_| Status::internal("verifier poisoned"))?;
-        v.verify(msg, wire::now_ms()).map_err(|e| {
-            warn!(error = %e, "peer request refused");
-            Status::unauthenticated(e.to_string())
-        })
+        v.verify(msg, wire::now_ms())
+            .map_err(|e| self.refused(rpc, Status::unauthenticated(e.to_string())))
+    }
+
+    /// Authenticates and authorizes a `Run` by the requester's bearer token (Kubernetes).
+    async fn check_token(&self, token: &str) -> Result<String, Status> {
+        use authz::TokenRefusal;
+        let Some(r) = &self.requesters else {
+            return Err(self.refused(
+                "Run",
+                Status::unauthenticated(
+                    "this agent takes no service-account tokens (not on Kubernetes); sign with the requester secret",
+                ),
+            ));
+        };
+        match tokio::time::timeout(CALL_TIMEOUT * 5, r.check(token)).await {
+            Ok(Ok(user)) => Ok(format!("user {user}")),
+            Ok(Err(e @ TokenRefusal::Unauthenticated(_))) => {
+                Err(self.refused("Run", Status::unauthenticated(e.to_string())))
+            }
+            Ok(Err(e @ TokenRefusal::Denied(_))) => {
+                Err(self.refused("Run", Status::permission_denied(e.to_string())))
+            }
+            Ok(Err(e @ TokenRefusal::Unavailable(_))) => Err(Status::unavailable(e.to_string())),
+            Err(_) => Err(Status::unavailable("the token reviews took too long")),
+        }
+    }
+
+    /// Verifies a `Run`: with the requesters' secret, else the agents'.
+    fn verify_run(&self, msg: &RunRequest) -> Result<String, Status> {
+        if let Some(r) = &self.requester {
+            let mut v = r
+                .lock()
+                .map_err(|_| Status::internal("verifier poisoned"))?;
+            match v.verify(msg, wire::now_ms()) {
+                Ok(sender) => return Ok(sender),
+                // Not the requesters' key: maybe the agents'.
+                Err(faultline_proto::auth::AuthError::BadMac { .. }) => {}
+                Err(e) => return Err(self.refused("Run", Status::unauthenticated(e.to_string()))),
+            }
+        }
+        self.verify("Run", msg)
+    }
+
+    /// Only the current coordinator may send `what`: `PERMISSION_DENIED` for anyone else, with
+    /// who coordinates. Asks again (after a moment) before refusing, so a new coordinator is
+    /// obeyed as soon as the Lease names it.
+    async fn only_coordinator(&self, rpc: &str, sender: &str) -> Result<(), Status> {
+        let ask = |recheck: bool| async move {
+            match tokio::time::timeout(AUTHZ_TIMEOUT, self.who.current(recheck)).await {
+                Ok(r) => r.map_err(|e| e.to_string()),
+                Err(_) => Err(format!(
+                    "cannot tell who coordinates peer checks within {AUTHZ_TIMEOUT:?}"
+                )),
+            }
+        };
+        let mut who = ask(false).await;
+        if !matches!(&who, Ok(Some(c)) if c.node == sender) {
+            who = ask(true).await;
+        }
+        let denied = match who {
+            Ok(Some(c)) if c.node == sender => return Ok(()),
+            Ok(Some(c)) => format!(
+                "{rpc} from {sender:?} refused: only the current peer-check coordinator ({:?}) may send it",
+                c.node
+            ),
+            Ok(None) => format!(
+                "{rpc} from {sender:?} refused: no agent coordinates peer checks now"
+            ),
+            Err(e) => return Err(self.refused(rpc, Status::unavailable(e))),
+        };
+        Err(self.refused(rpc, Status::permission_denied(denied)))
+    }
+
+    /// An assignment's addresses against the current members (read again once if they do
+    /// not match the cached list: a member may have just joined or moved).
+    async fn check_addresses(&self, a: &CheckAssignment, coordinator: &str) -> Result<(), String> {
+        let mut last = String::new();
+        for recheck in [false, true] {
+            let list = tokio::time::timeout(AUTHZ_TIMEOUT, self.view.list(recheck))
+                .await
+                .map_err(|_| format!("cannot list the members within {AUTHZ_TIMEOUT:?}"))?
+                .map_err(|e| format!("cannot list the members: {e}"))?;
+            match authz::check_addresses(a, &list, coordinator, self.probe_ports.clone()) {
+                Ok(()) => return Ok(()),
+                Err(e) => last = e,
+            }
+        }
+        Err(last)
     }
 
     fn check_protocol(p: u32) -> Result<(), Status> {
@@ -192,7 +334,7 @@ fn check_key(a: &CheckAssignment, me: &str) -> Option<(CheckKey, usize, String)>
 impl PeerCheck for PeerHandle {
     async fn ping(&self, request: Request<PingRequest>) -> Result<Response<PingReply>, Status> {
         let p = request.into_inner();
-        self.verify(&p)?;
+        self.verify("Ping", &p)?;
         let reached = self.relay_pings(&p.reach).await?;
         // NVML calls can hang: ask on a blocking thread, and a node that cannot answer in
         // time counts as busy (a scheduled check is not worth disturbing a job).
@@ -215,6 +357,14 @@ impl PeerCheck for PeerHandle {
             busy: busy.is_some(),
             reason: busy.unwrap_or_default(),
             reached,
+            // Whom this agent obeys now (cached; an error or nobody: empty).
+            coordinator: tokio::time::timeout(AUTHZ_TIMEOUT, self.who.current(false))
+                .await
+                .ok()
+                .and_then(Result::ok)
+                .flatten()
+                .map(|c| c.node)
+                .unwrap_or_default(),
         }))
     }
 
@@ -223,9 +373,12 @@ impl PeerCheck for PeerHandle {
         request: Request<CheckAssignment>,
     ) -> Result<Response<CheckAccepted>, Status> {
         let a = request.into_inner();
-        let sender = self.verify(&a)?;
+        let sender = self.verify("Assign", &a)?;
         PeerService::check_protocol(a.protocol)?;
+        self.only_coordinator("Assign", &sender).await?;
         let refuse = |reason: String| {
+            let reason = format!("{}: {reason}", self.node);
+            debug!(from = %sender, reason, "assignment refused");
             Ok(Response::new(CheckAccepted {
                 accepted: false,
                 reason,
@@ -242,8 +395,13 @@ impl PeerCheck for PeerHandle {
         if a.coordinator.parse::<std::net::SocketAddr>().is_err() {
             return refuse("coordinator address is not ip:port".into());
         }
-        if a.timeout_ms == 0 || a.iterations == 0 || a.bytes == 0 || a.bytes > 4 << 30 {
-            return refuse("bytes, iterations and timeout must be set (bytes at most 4GiB)".into());
+        let policy = self.leadership.policy.borrow().clone();
+        let admitted = match authz::admit(&a, &policy) {
+            Ok(x) => x,
+            Err(why) => return refuse(why),
+        };
+        if let Err(why) = self.check_addresses(&a, &sender).await {
+            return refuse(why);
         }
         let cancel = CancellationToken::new();
         {
@@ -264,7 +422,9 @@ impl PeerCheck for PeerHandle {
         let span = tracing::info_span!("peer_check", run_id = %a.run_id, round = a.round, partner = %partner);
         tokio::spawn(
             async move {
-                let report = me.run_check(&a, rank, &partner, peers, cancel).await;
+                let report = me
+                    .run_check(&a, admitted, rank, &partner, peers, cancel)
+                    .await;
                 if let Ok(mut r) = me.running.lock() {
                     r.remove(&key);
                 }
@@ -285,7 +445,8 @@ impl PeerCheck for PeerHandle {
         request: Request<CheckAssignment>,
     ) -> Result<Response<CheckAccepted>, Status> {
         let a = request.into_inner();
-        self.verify(&a)?;
+        let sender = self.verify("Cancel", &a)?;
+        self.only_coordinator("Cancel", &sender).await?;
         let found = check_key(&a, &self.node)
             .and_then(|(key, _, _)| self.running.lock().ok()?.get(&key).cloned());
         if let Some(c) = &found {
@@ -306,8 +467,9 @@ impl PeerCheck for PeerHandle {
         request: Request<RunConclusion>,
     ) -> Result<Response<ReportAck>, Status> {
         let c = request.into_inner();
-        self.verify(&c)?;
+        let sender = self.verify("Conclude", &c)?;
         PeerService::check_protocol(c.protocol)?;
+        self.only_coordinator("Conclude", &sender).await?;
         let verdicts =
             wire::from_proto(&c.members, &c.verdicts).map_err(Status::invalid_argument)?;
         let Some(me) = c.members.iter().position(|m| m == &self.node) else {
@@ -330,8 +492,14 @@ impl PeerCheck for PeerHandle {
         );
         info!(run_id = %c.run_id, observations = obs.len(), "peer-check verdicts received");
         for o in obs {
-            if self.inputs.send(Input::Obs(o)).await.is_err() {
-                return Err(Status::unavailable("the agent is shutting down"));
+            match tokio::time::timeout(CONCLUDE_DELIVERY, self.inputs.send(Input::Obs(o))).await {
+                Ok(Ok(())) => {}
+                Ok(Err(_)) => return Err(Status::unavailable("the agent is shutting down")),
+                Err(_) => {
+                    return Err(Status::unavailable(format!(
+                        "the agent did not take the verdicts within {CONCLUDE_DELIVERY:?}"
+                    )))
+                }
             }
         }
         Ok(Response::new(ReportAck {}))
@@ -391,6 +559,7 @@ impl PeerService {
     async fn run_check(
         &self,
         a: &CheckAssignment,
+        admitted: authz::Admitted,
         rank: usize,
         partner: &str,
         peers: Vec<std::net::SocketAddr>,
@@ -400,9 +569,9 @@ impl PeerService {
             probe: self.probe.bin.clone(),
             peers,
             rank,
-            bytes: a.bytes,
-            iterations: a.iterations,
-            timeout: Duration::from_millis(u64::from(a.timeout_ms)),
+            bytes: admitted.bytes,
+            iterations: admitted.iterations,
+            timeout: admitted.timeout,
             grace: runner::PROBE_GRACE,
             gpu: self.probe.gpu,
         };
@@ -506,15 +675,15 @@ impl PeerService {
 impl CoordinatorRpc for PeerHandle {
     async fn report(&self, request: Request<CheckReport>) -> Result<Response<ReportAck>, Status> {
         let r = request.into_inner();
-        let sender = self.verify(&r)?;
+        let sender = self.verify("Report", &r)?;
         PeerService::check_protocol(r.protocol)?;
         coordinator::validate_report(&r)
             .map_err(|why| Status::invalid_argument(format!("report from {sender}: {why}")))?;
         if sender != r.node {
-            return Err(Status::permission_denied(format!(
-                "{sender} cannot report for {}",
-                r.node
-            )));
+            return Err(self.refused(
+                "Report",
+                Status::permission_denied(format!("{sender} cannot report for {}", r.node)),
+            ));
         }
         // Accepted by run id: a check of a run of this coordinator that waits for it takes it,
         // leader or not (a run that lost the role is being aborted and drops its checks). A
@@ -528,8 +697,22 @@ impl CoordinatorRpc for PeerHandle {
     }
 
     async fn run(&self, request: Request<RunRequest>) -> Result<Response<RunResult>, Status> {
+        let bearer = request
+            .metadata()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "))
+            .map(|t| t.trim().to_string());
         let req = request.into_inner();
-        let sender = self.verify(&req)?;
+        let sender = match bearer {
+            Some(token) => {
+                // Only the coordinator asks the API server: a token sent to any other agent
+                // costs no review.
+                self.leader()?;
+                self.check_token(&token).await?
+            }
+            None => self.verify_run(&req)?,
+        };
         PeerService::check_protocol(req.protocol)?;
         let l = self.leader()?.clone();
         if req.nodes.is_empty() {
@@ -746,13 +929,98 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::peer::coordinator::MemoryPublisher;
-    use crate::peer::members::StaticMembers;
     use faultline_proto::auth::Key;
     use faultline_proto::v1::Member as WireMember;
 
     const SECRET: &[u8] = b"service test secret, 32 bytes...";
+    const REQUESTER: &[u8] = b"requester secret, not the agents";
+
+    /// A fixed member list.
+    #[derive(Debug)]
+    struct Fixed(Vec<Member>);
+
+    #[async_trait::async_trait]
+    impl crate::peer::members::Members for Fixed {
+        async fn list(&self) -> Result<Vec<Member>, crate::peer::members::MembersError> {
+            Ok(self.0.clone())
+        }
+    }
+
+    fn member(node: &str, ip: &str) -> Member {
+        Member {
+            node: node.into(),
+            address: format!("{ip}:20261"),
+            ip: ip.parse().unwrap(),
+            topology: None,
+        }
+    }
+
+    /// The coordinator is n0 (10.0.0.1); n1 (10.0.0.2) serves; n2 (10.0.0.3) is another
+    /// member, holding the agents' secret too.
+    struct Setup {
+        svc: PeerHandle,
+        signer: Signer,
+        who: watch::Sender<Option<authz::CoordinatorId>>,
+        inputs: mpsc::Receiver<Input>,
+    }
+
+    fn agent(name: &str) -> Signer {
+        Signer {
+            key: Key::new(SECRET).unwrap(),
+            sender: name.into(),
+        }
+    }
+
+    fn requester() -> Signer {
+        Signer {
+            key: Key::new(REQUESTER).unwrap(),
+            sender: "cli@laptop".into(),
+        }
+    }
+
+    fn setup() -> Setup {
+        let (who, who_rx) = watch::channel(Some(authz::CoordinatorId {
+            node: "n0".into(),
+            address: Some("10.0.0.1:20261".into()),
+        }));
+        let (svc, signer, inputs) =
+            service_with(Arc::new(who_rx), Some(Arc::new(FakeTokens)), false);
+        Setup {
+            svc,
+            signer,
+            who,
+            inputs,
+        }
+    }
 
     fn service() -> (PeerHandle, Signer) {
+        let s = setup();
+        std::mem::forget(s.who);
+        std::mem::forget(s.inputs);
+        (s.svc, s.signer)
+    }
+
+    /// Tokens as an API server would review them: "good" is alice's, "denied" bob's (who may
+    /// not request runs), anything else invalid.
+    #[derive(Debug)]
+    struct FakeTokens;
+
+    #[async_trait::async_trait]
+    impl authz::Requesters for FakeTokens {
+        async fn check(&self, token: &str) -> Result<String, authz::TokenRefusal> {
+            match token {
+                "good" => Ok("alice".into()),
+                "denied" => Err(authz::TokenRefusal::Denied("bob may not".into())),
+                _ => Err(authz::TokenRefusal::Unauthenticated("invalid".into())),
+            }
+        }
+    }
+
+    fn service_with(
+        who: Arc<dyn WhoCoordinates>,
+        requesters: Option<Arc<dyn authz::Requesters>>,
+        leader: bool,
+    ) -> (PeerHandle, Signer, mpsc::Receiver<Input>) {
         let key = Key::new(SECRET).unwrap();
         let signer = Signer {
             key: key.clone(),
@@ -770,16 +1038,17 @@ mod tests {
         ));
         let leadership = Leadership {
             coordinator,
-            leader: watch::channel(false).1,
-            members: Arc::new(StaticMembers {
-                path: "/nonexistent".into(),
-            }),
+            leader: watch::channel(leader).1,
+            members: Arc::new(Fixed(vec![
+                member("n0", "10.0.0.1"),
+                member("n1", "10.0.0.2"),
+                member("n2", "10.0.0.3"),
+            ])),
             policy: watch::channel(PeerPolicy::default()).1,
         };
-        let (tx, _rx) = mpsc::channel(8);
+        let (tx, rx) = mpsc::channel(8);
         let svc = PeerService::new(
             "n1".into(),
-            Verifier::new(key, Duration::from_secs(30)),
             Signer {
                 key: Key::new(SECRET).unwrap(),
                 sender: "n1".into(),
@@ -791,8 +1060,18 @@ mod tests {
             Arc::new(NeverBusy),
             tx,
             leadership,
+            Authz {
+                agents: Verifier::new(key, Duration::from_secs(30)),
+                who,
+                requester: Some(Verifier::new(
+                    Key::new(REQUESTER).unwrap(),
+                    Duration::from_secs(30),
+                )),
+                probe_ports: 20270..20302,
+                requesters,
+            },
         );
-        (PeerHandle(Arc::new(svc)), signer)
+        (PeerHandle(Arc::new(svc)), signer, rx)
     }
 
     type Edit = Box<dyn Fn(&mut CheckAssignment)>;
@@ -844,7 +1123,7 @@ mod tests {
                 "coordinator address",
             ),
             (Box::new(|a| a.bytes = 0), "bytes, iterations and timeout"),
-            (Box::new(|a| a.bytes = 8 << 30), "at most 4GiB"),
+            (Box::new(|a| a.bytes = 8 << 30), "over this agent's limit"),
             (
                 Box::new(|a| a.timeout_ms = 0),
                 "bytes, iterations and timeout",
@@ -909,5 +1188,286 @@ mod tests {
         });
         let s = svc.conclude(Request::new(c)).await.unwrap_err();
         assert_eq!(s.code(), tonic::Code::InvalidArgument);
+    }
+
+    fn conclusion(faulty: &str) -> RunConclusion {
+        RunConclusion {
+            auth: None,
+            protocol: PROTOCOL,
+            run_id: "r1".into(),
+            members: vec!["n0".into(), "n1".into(), "n2".into()],
+            verdicts: vec![faultline_proto::v1::Verdict {
+                kind: faultline_proto::v1::verdict::Kind::FaultyNode as i32,
+                nodes: vec![faulty.into()],
+                slowdown: 0.0,
+                reason: String::new(),
+            }],
+        }
+    }
+
+    /// Issue 12 §5: a key holder that is not the coordinator sends `Conclude` naming this node
+    /// faulty, or `Assign`, or `Cancel`: PERMISSION_DENIED naming the coordinator, and nothing
+    /// is recorded or started. Once the coordinator changes to it, it is obeyed.
+    #[tokio::test]
+    async fn only_the_current_coordinator_assigns_cancels_and_concludes() {
+        let mut s = setup();
+        let n2 = agent("n2");
+        let e = s
+            .svc
+            .conclude(Request::new(n2.sign(conclusion("n1"))))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(
+            e.message()
+                .contains("only the current peer-check coordinator (\"n0\")"),
+            "{}",
+            e.message()
+        );
+        assert!(s.inputs.try_recv().is_err(), "nothing recorded");
+        let mut a = assignment();
+        a.coordinator = "10.0.0.3:20261".into();
+        let e = s
+            .svc
+            .assign(Request::new(n2.sign(a.clone())))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        let e = s.svc.cancel(Request::new(n2.sign(a))).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert!(s.svc.running.lock().unwrap().is_empty(), "nothing started");
+        // Nobody coordinates: nobody is obeyed.
+        s.who.send_replace(None);
+        let e = s
+            .svc
+            .conclude(Request::new(s.signer.sign(conclusion("n1"))))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert!(
+            e.message().contains("no agent coordinates"),
+            "{}",
+            e.message()
+        );
+        // The coordinator's own conclusion is recorded; after a change, the new one's.
+        s.who.send_replace(Some(authz::CoordinatorId {
+            node: "n0".into(),
+            address: None,
+        }));
+        s.svc
+            .conclude(Request::new(s.signer.sign(conclusion("n1"))))
+            .await
+            .unwrap();
+        assert!(
+            s.inputs.try_recv().is_ok(),
+            "the coordinator's verdict is recorded"
+        );
+        s.who.send_replace(Some(authz::CoordinatorId {
+            node: "n2".into(),
+            address: None,
+        }));
+        while s.inputs.try_recv().is_ok() {}
+        s.svc
+            .conclude(Request::new(n2.sign(conclusion("n1"))))
+            .await
+            .unwrap();
+        assert!(s.inputs.try_recv().is_ok());
+        let e = s
+            .svc
+            .conclude(Request::new(s.signer.sign(conclusion("n1"))))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            e.code(),
+            tonic::Code::PermissionDenied,
+            "the old one is not"
+        );
+    }
+
+    /// Issue 12 §5: an assignment from the coordinator itself that names a foreign address, a
+    /// port outside the probe range, a 4 GiB size or unbounded iterations is refused with the
+    /// reason and starts nothing.
+    #[tokio::test]
+    async fn assignments_name_only_members_and_stay_within_the_policy() {
+        let (svc, signer) = service();
+        let cases: Vec<(Edit, &str)> = vec![
+            (
+                Box::new(|a| a.probe_b = "10.9.9.9:20270".into()),
+                "not the IP of member n1",
+            ),
+            (
+                Box::new(|a| a.probe_a = "127.0.0.99:20270".into()),
+                "not the IP of member n0",
+            ),
+            (
+                Box::new(|a| a.probe_b = "10.0.0.2:10250".into()),
+                "not among the probe ports",
+            ),
+            (
+                Box::new(|a| a.coordinator = "10.9.9.9:20261".into()),
+                "report address",
+            ),
+            (
+                Box::new(|a| a.a.as_mut().unwrap().address = "10.9.9.9:20261".into()),
+                "not its listed",
+            ),
+            (Box::new(|a| a.bytes = 4 << 30), "over this agent's limit"),
+            (
+                Box::new(|a| a.iterations = u32::MAX),
+                "iterations 4294967295 over",
+            ),
+        ];
+        for (edit, why) in cases {
+            let mut a = assignment();
+            edit(&mut a);
+            let r = svc
+                .assign(Request::new(signer.sign(a)))
+                .await
+                .unwrap()
+                .into_inner();
+            assert!(!r.accepted && r.reason.contains(why), "{why}: {r:?}");
+        }
+        assert!(svc.running.lock().unwrap().is_empty(), "nothing started");
+        // A 49-day deadline is accepted, clamped to the policy's (authz::admit's test); the
+        // well-formed assignment starts a check.
+        let mut a = assignment();
+        a.timeout_ms = u32::MAX;
+        let r = svc
+            .assign(Request::new(signer.sign(a)))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(r.accepted, "{r:?}");
+    }
+
+    /// Issue 12 §5: the requesters' secret requests runs and nothing else; the agents'
+    /// secret still requests runs.
+    #[tokio::test]
+    async fn the_requester_secret_cannot_assign_cancel_conclude_or_report() {
+        let (svc, _) = service();
+        let cli = requester();
+        let e = svc
+            .assign(Request::new(cli.sign(assignment())))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let e = svc
+            .cancel(Request::new(cli.sign(assignment())))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let e = svc
+            .conclude(Request::new(cli.sign(conclusion("n1"))))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        // Even naming itself as the coordinator.
+        let as_n0 = Signer {
+            key: Key::new(REQUESTER).unwrap(),
+            sender: "n0".into(),
+        };
+        let e = svc
+            .conclude(Request::new(as_n0.sign(conclusion("n1"))))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let report = as_n0.sign(CheckReport {
+            protocol: PROTOCOL,
+            node: "n0".into(),
+            ..Default::default()
+        });
+        let e = svc.report(Request::new(report)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let e = svc
+            .ping(Request::new(cli.sign(PingRequest {
+                auth: None,
+                protocol: PROTOCOL,
+                reach: vec![],
+            })))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        // Run: authenticated with either secret (this agent then says it does not coordinate),
+        // refused with any other.
+        let run = |s: &Signer| {
+            s.sign(RunRequest {
+                auth: None,
+                protocol: PROTOCOL,
+                nodes: vec!["n0".into(), "n1".into()],
+                timeout_ms: 0,
+                request_id: String::new(),
+            })
+        };
+        for s in [cli, agent("n2")] {
+            let e = svc.run(Request::new(run(&s))).await.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        }
+        let stranger = Signer {
+            key: Key::new(b"a stranger's secret, 32 bytes...").unwrap(),
+            sender: "cli@x".into(),
+        };
+        let e = svc.run(Request::new(run(&stranger))).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+    }
+
+    /// A requester's bearer token is reviewed (`Requesters`) for `Run` only: accepted,
+    /// denied, invalid; it never stands in for the agents' signature.
+    #[tokio::test]
+    async fn requester_tokens_request_runs_and_nothing_else() {
+        let (svc, _) = service();
+        let with = |token: &str, msg| bearer(token, msg);
+        let run = RunRequest {
+            auth: None,
+            protocol: PROTOCOL,
+            nodes: vec!["n0".into(), "n1".into()],
+            timeout_ms: 0,
+            request_id: String::new(),
+        };
+        // Not the coordinator: no review at all, whatever the token.
+        let e = svc.run(with("forged", run.clone())).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        // The coordinator reviews it (an empty node list is refused only after that).
+        let (_w, who_rx) = watch::channel(None);
+        let (lead, _, _) = service_with(Arc::new(who_rx), Some(Arc::new(FakeTokens)), true);
+        let empty = RunRequest {
+            nodes: vec![],
+            ..run.clone()
+        };
+        let e = lead.run(with("good", empty.clone())).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "past auth: {e:?}");
+        let e = lead.run(with("denied", empty.clone())).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert!(e.message().contains("bob may not"));
+        let e = lead.run(with("forged", empty)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let e = svc.assign(bearer("good", assignment())).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let e = svc
+            .conclude(bearer("good", conclusion("n1")))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        // Without Kubernetes no token is taken.
+        let (_who, who_rx) = watch::channel(None);
+        let (bare, _, _) = service_with(Arc::new(who_rx), None, true);
+        let e = bare
+            .run(with(
+                "good",
+                RunRequest {
+                    nodes: vec![],
+                    ..run
+                },
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        assert!(e.message().contains("takes no service-account tokens"));
+    }
+
+    fn bearer<T>(token: &str, msg: T) -> Request<T> {
+        let mut r = Request::new(msg);
+        r.metadata_mut()
+            .insert("authorization", format!("Bearer {token}").parse().unwrap());
+        r
     }
 }

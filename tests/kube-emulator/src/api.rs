@@ -132,6 +132,9 @@ pub(crate) fn serve(inner: &Arc<Inner>, r: &RequestCtx<'_>) -> Response<Body> {
         Ok(g) => g,
         Err(e) => return error_response(&e),
     };
+    if r.path == crate::reviews::TOKEN_REVIEWS || r.path == crate::reviews::ACCESS_REVIEWS {
+        return serve_review(inner, r, grant.as_ref());
+    }
     let route = parse_route(r.path);
     let req = match route {
         Route::Resource(req) => req,
@@ -153,6 +156,29 @@ pub(crate) fn serve(inner: &Arc<Inner>, r: &RequestCtx<'_>) -> Response<Body> {
     };
     match serve_resource(inner, r, &req, grant.as_ref()) {
         Ok(resp) => resp,
+        Err(e) => error_response(&e),
+    }
+}
+
+/// TokenReview and SubjectAccessReview: computed, never stored (`reviews`).
+fn serve_review(
+    inner: &Arc<Inner>,
+    r: &RequestCtx<'_>,
+    grant: Option<&auth::Grant>,
+) -> Response<Body> {
+    if r.method != "POST" {
+        return error_response(&ApiError::method_not_allowed(r.method));
+    }
+    let result = parse_body(r).and_then(|body| {
+        let grants = inner.grants_snapshot();
+        if r.path == crate::reviews::TOKEN_REVIEWS {
+            crate::reviews::token_review(&grants, grant, &body)
+        } else {
+            crate::reviews::access_review(&grants, grant, &body)
+        }
+    });
+    match result {
+        Ok(v) => json_response(201, &v),
         Err(e) => error_response(&e),
     }
 }

@@ -101,6 +101,19 @@ impl Rule {
 pub(crate) struct Grant {
     pub user: UserInfo,
     pub rules: Vec<Rule>,
+    /// The token's audiences; empty: the API server's (`reviews::API_AUDIENCE`).
+    pub audiences: Vec<String>,
+}
+
+impl Grant {
+    /// The token's audiences, the API server's when none were given.
+    pub fn token_audiences(&self) -> Vec<String> {
+        if self.audiences.is_empty() {
+            vec![crate::reviews::API_AUDIENCE.to_string()]
+        } else {
+            self.audiences.clone()
+        }
+    }
 }
 
 /// What a resource request asks to do.
@@ -203,6 +216,7 @@ mod tests {
                 Rule::new(&["get", "patch"], &[""], &["nodes", "nodes/status"]).names(&["n1"]),
                 Rule::new(&["create"], &["events.k8s.io"], &["events"]).in_namespace("default"),
             ],
+            audiences: Vec::new(),
         };
         let a = |verb, group, resource, sub, ns, name| Attributes {
             verb,

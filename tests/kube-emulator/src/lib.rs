@@ -27,6 +27,7 @@ mod faults;
 mod objects;
 mod patch;
 mod resources;
+mod reviews;
 mod schema;
 mod selectors;
 mod server;
@@ -140,6 +141,11 @@ impl Inner {
         id
     }
 
+    /// Every token's grant (the review APIs read them).
+    pub(crate) fn grants_snapshot(&self) -> BTreeMap<String, Grant> {
+        lock(&self.grants).clone()
+    }
+
     pub(crate) fn clear_faults(&self) {
         lock(&self.faults).clear();
     }
@@ -162,9 +168,17 @@ impl Inner {
                     extra: BTreeMap::new(),
                 },
                 rules: Vec::new(),
+                audiences: Vec::new(),
             })),
+            // A token for other audiences (a projected token for some workload) is not
+            // accepted by the API server itself.
             Some(t) => grants
                 .get(t)
+                .filter(|g| {
+                    g.token_audiences()
+                        .iter()
+                        .any(|a| a == reviews::API_AUDIENCE)
+                })
                 .cloned()
                 .map(Some)
                 .ok_or_else(error::ApiError::unauthorized),
@@ -394,8 +408,38 @@ impl Emulator {
     /// Turns authorization on (if it was off) and lets `token` authenticate as
     /// `user` with `rules`. Calling again for a token replaces its grant.
     pub fn authorize(&self, token: &str, user: UserInfo, rules: Vec<Rule>) {
-        lock(&self.inner.grants).insert(token.to_string(), Grant { user, rules });
+        lock(&self.inner.grants).insert(
+            token.to_string(),
+            Grant {
+                user,
+                rules,
+                audiences: Vec::new(),
+            },
+        );
     }
+
+    /// Like [`Emulator::authorize`], for a token issued for `audiences` only (a projected
+    /// service-account token with its `audience`): the API server itself refuses it (401),
+    /// and a TokenReview authenticates it only for one of those audiences.
+    pub fn authorize_for_audiences(
+        &self,
+        token: &str,
+        user: UserInfo,
+        rules: Vec<Rule>,
+        audiences: &[&str],
+    ) {
+        lock(&self.inner.grants).insert(
+            token.to_string(),
+            Grant {
+                user,
+                rules,
+                audiences: audiences.iter().map(|a| a.to_string()).collect(),
+            },
+        );
+    }
+
+    /// The emulated API server's own audience (tokens without explicit audiences).
+    pub const API_AUDIENCE: &'static str = reviews::API_AUDIENCE;
 
     /// How long a watch with `allowWatchBookmarks=true` stays quiet before a
     /// BOOKMARK is sent (default 60 s, as kube-apiserver's watch cache:

@@ -182,6 +182,11 @@ fn kubectl_kustomize_renders_the_base_unchanged_but_for_labels() {
             "{:?}",
             key(v)
         );
+        if v["kind"] == "NetworkPolicy" {
+            assert!(v["spec"]["podSelector"]["matchLabels"]
+                .get("app.kubernetes.io/part-of")
+                .is_none());
+        }
         if v["kind"] == "DaemonSet" {
             assert!(v["spec"]["selector"]["matchLabels"]
                 .get("app.kubernetes.io/part-of")

@@ -9,6 +9,7 @@ mod examples;
 mod image;
 mod kustomize;
 mod memory;
+mod networkpolicy;
 mod policy;
 mod rbac;
 mod schema;

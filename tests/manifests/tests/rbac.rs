@@ -143,10 +143,12 @@ fn granted(docs: &[Doc], errors: &mut Vec<String>) -> Vec<Grant> {
             None => errors.push(format!("{origin}: roleRef {:?} not found", b.role_ref)),
         }
     }
-    // A role nothing binds to the agent is dead weight, or a binding went missing.
+    // A role nothing binds to the agent is dead weight, or a binding went missing (the
+    // requesters' role is for others to bind: `the_requester_role_grants_what_the_coordinator_asks`).
     for d in docs
         .iter()
         .filter(|d| matches!(d.kind(), "Role" | "ClusterRole"))
+        .filter(|d| !(d.kind() == "ClusterRole" && d.name() == REQUESTER_ROLE))
     {
         let ns = (d.kind() == "Role").then(|| d.namespace().unwrap_or("").to_string());
         if !used_roles.contains(&(d.kind().to_string(), ns, d.name().to_string())) {
@@ -171,6 +173,70 @@ fn problems(docs: &[Doc], calls: &[ApiCall]) -> Vec<String> {
         errors.push(format!("granted but no call uses it: {extra:?}"));
     }
     errors
+}
+
+/// The ClusterRole operators bind to whoever may request peer checks.
+const REQUESTER_ROLE: &str = "faultline-peer-requester";
+
+/// A `pub const NAME: &str = "value";` of the agent's peer::authz.
+fn authz_const(name: &str) -> String {
+    let text = std::fs::read_to_string(common::repo_root().join("agent/src/peer/authz.rs"))
+        .expect("authz.rs");
+    let at = text
+        .find(&format!("pub const {name}: &str = \""))
+        .unwrap_or_else(|| panic!("no const {name}"));
+    let rest = &text[at..];
+    let start = rest.find('"').expect("\"") + 1;
+    let end = rest[start..].find('"').expect("\"") + start;
+    rest[start..end].to_string()
+}
+
+/// The requesters' ClusterRole grants exactly the attribute the coordinator's
+/// SubjectAccessReview asks about (peer::authz: verb, group, resource) and the Lease read that
+/// finds the coordinator; nothing binds it to the agent.
+#[test]
+fn the_requester_role_grants_what_the_coordinator_asks() {
+    let docs = rbac_docs();
+    let role: ClusterRole = common::find(&docs, "ClusterRole", REQUESTER_ROLE).to();
+    let mut errors = Vec::new();
+    let mut got = expand(
+        &role.rules.unwrap_or_default(),
+        &Where::Namespace(NAMESPACE.into()),
+        REQUESTER_ROLE,
+        &mut errors,
+    );
+    assert!(errors.is_empty(), "{errors:?}");
+    got.sort();
+    let at = Where::Namespace(NAMESPACE.into());
+    let mut want = vec![
+        (
+            authz_const("REQUEST_GROUP"),
+            authz_const("REQUEST_RESOURCE"),
+            authz_const("REQUEST_VERB"),
+            at.clone(),
+            vec![],
+        ),
+        (
+            "coordination.k8s.io".to_string(),
+            "leases".to_string(),
+            "get".to_string(),
+            at,
+            vec!["faultline-peercheck".to_string()],
+        ),
+    ];
+    want.sort();
+    assert_eq!(got, want);
+    for d in docs
+        .iter()
+        .filter(|d| matches!(d.kind(), "RoleBinding" | "ClusterRoleBinding"))
+    {
+        assert_ne!(
+            d.value["roleRef"]["name"],
+            REQUESTER_ROLE,
+            "{}: the base binds the requesters' role to no one",
+            d.at()
+        );
+    }
 }
 
 fn rbac_docs() -> Vec<Doc> {

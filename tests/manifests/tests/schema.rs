@@ -6,6 +6,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, PodTemplateSpec, ServiceAccount};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -30,6 +31,7 @@ fn check_doc(doc: &Doc) -> Result<(), String> {
         ("rbac.authorization.k8s.io/v1", "Role") => check::<Role>(v),
         ("rbac.authorization.k8s.io/v1", "RoleBinding") => check::<RoleBinding>(v),
         ("apps/v1", "DaemonSet") => check::<DaemonSet>(v),
+        ("networking.k8s.io/v1", "NetworkPolicy") => check::<NetworkPolicy>(v),
         ("batch/v1", "Job") => check::<Job>(v),
         ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy") => {
             check::<ValidatingAdmissionPolicy>(v)

@@ -97,14 +97,28 @@ pub const API_CALLS: &[ApiCall] = &[
         "pods",
         "list",
         Scope::AgentNamespace,
-        "peer::members (the coordinator lists the agent pods: node name and pod IP)",
+        "peer::members (the coordinator lists the agent pods: node name and pod IP; every agent lists them to check an assignment's addresses, peer::authz)",
+    ),
+    call(
+        "authentication.k8s.io",
+        "tokenreviews",
+        "create",
+        Scope::Cluster,
+        "peer::authz (the coordinator checks a requester's service-account token: TokenReview)",
+    ),
+    call(
+        "authorization.k8s.io",
+        "subjectaccessreviews",
+        "create",
+        Scope::Cluster,
+        "peer::authz (the coordinator asks whether that requester may create peerchecks.faultline.io: SubjectAccessReview)",
     ),
     call(
         "coordination.k8s.io",
         "leases",
         "get",
         Scope::AgentNamespace,
-        "peer::lease (the faultline-peercheck Lease: who coordinates; faultline check reads it)",
+        "peer::lease (the faultline-peercheck Lease: who coordinates; faultline check reads it, every agent reads it to obey only the coordinator, peer::authz)",
     )
     .only(LEASE),
     call(

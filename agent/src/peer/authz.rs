@@ -1,0 +1,670 @@
+//! Authorization of peer-check requests, after their signature is verified (`wire`,
+//! `faultline_proto::auth`): who may tell this agent what to do, and within which bounds.
+//!
+//! - [`WhoCoordinates`]: who the coordinator is now. `Assign`, `Cancel` and `Conclude` are
+//!   accepted only from it. On Kubernetes the Lease holder ([`LeaseHolder`], the Lease read on
+//!   demand and cached for a moment, so non-holders learn the holder too); on bare metal the
+//!   member the members-file election names (`peer::election`, a `watch::Receiver`). A
+//!   `watch::Receiver<Option<CoordinatorId>>` is one too (tests, fixed setups).
+//! - [`MemberView`]: the current members, cached; every address an `Assign` names must be one
+//!   of theirs ([`check_addresses`]).
+//! - [`admit`]: an assignment's size, iterations and deadline against this agent's own policy.
+//!
+//! Requesters (`faultline check`) are authorized separately: their own secret (bare metal and
+//! Kubernetes alike), never accepted for the agents' RPCs (`service`); or, on Kubernetes, their
+//! own identity ([`Requesters`], [`KubeRequesters`]): a projected service-account token for the
+//! audience [`REQUESTER_AUDIENCE`], checked with TokenReview, and the right to `create`
+//! `peerchecks.faultline.io` in the agents' namespace, checked with SubjectAccessReview.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use faultline_core::policy::PeerPolicy;
+use faultline_proto::v1::CheckAssignment;
+use tokio::sync::{watch, Mutex};
+use tokio::time::Instant;
+
+use super::members::{Member, Members};
+
+/// The coordinator as the rest of the cluster knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CoordinatorId {
+    /// Its node name: the `sender` its signed requests carry.
+    pub node: String,
+    /// Where its peer service listens (reports go there), when known.
+    pub address: Option<String>,
+}
+
+impl CoordinatorId {
+    /// From a Lease holder identity `<node>@<ip:port>` (`lease::identity`).
+    pub fn from_holder(identity: &str) -> Option<CoordinatorId> {
+        let (node, address) = match identity.rsplit_once('@') {
+            Some((n, a)) => (n, (!a.is_empty()).then(|| a.to_string())),
+            None => (identity, None),
+        };
+        (!node.is_empty()).then(|| CoordinatorId {
+            node: node.to_string(),
+            address,
+        })
+    }
+}
+
+/// Why the coordinator cannot be told.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("cannot tell who coordinates peer checks: {0}")]
+pub struct WhoError(pub String);
+
+/// Who coordinates now: what the service reads before it obeys `Assign`, `Cancel`, `Conclude`.
+#[async_trait::async_trait]
+pub trait WhoCoordinates: Send + Sync + std::fmt::Debug {
+    /// The coordinator now (`None`: nobody). `recheck`: the caller has a request from someone
+    /// else than the last answer; a cached answer is read again if it is not brand new.
+    async fn current(&self, recheck: bool) -> Result<Option<CoordinatorId>, WhoError>;
+}
+
+#[async_trait::async_trait]
+impl WhoCoordinates for watch::Receiver<Option<CoordinatorId>> {
+    async fn current(&self, _recheck: bool) -> Result<Option<CoordinatorId>, WhoError> {
+        Ok(self.borrow().clone())
+    }
+}
+
+/// How long an answer read from the Lease or the members file is used.
+pub const WHO_TTL: Duration = Duration::from_secs(5);
+/// A recheck reads the source again only if the answer is older than this (a flood of requests
+/// from a non-coordinator costs at most one read per this interval).
+pub const RECHECK_AFTER: Duration = Duration::from_millis(500);
+
+/// One source read, cached; on a failed read the last good answer stands (an API server
+/// outage must not fail every check), and with none the error is returned.
+#[derive(Debug, Default)]
+struct Cache {
+    at: Option<Instant>,
+    value: Option<CoordinatorId>,
+    known: bool,
+}
+
+impl Cache {
+    fn fresh(&self, recheck: bool, now: Instant) -> bool {
+        let age = match self.at {
+            Some(at) => now.saturating_duration_since(at),
+            None => return false,
+        };
+        age < if recheck { RECHECK_AFTER } else { WHO_TTL }
+    }
+
+    async fn get<F>(
+        this: &Mutex<Cache>,
+        recheck: bool,
+        read: F,
+    ) -> Result<Option<CoordinatorId>, WhoError>
+    where
+        F: std::future::Future<Output = Result<Option<CoordinatorId>, String>>,
+    {
+        let mut c = this.lock().await;
+        let now = Instant::now();
+        if c.known && c.fresh(recheck, now) {
+            return Ok(c.value.clone());
+        }
+        match read.await {
+            Ok(v) => {
+                c.at = Some(now);
+                c.value = v.clone();
+                c.known = true;
+                Ok(v)
+            }
+            Err(e) if c.known => {
+                c.at = Some(now);
+                tracing::debug!(error = %e, "cannot read who coordinates; using the last answer");
+                Ok(c.value.clone())
+            }
+            Err(e) => Err(WhoError(e)),
+        }
+    }
+}
+
+/// Kubernetes: the holder of the Lease `faultline-peercheck`, read on demand (every agent,
+/// not only the holder, must know it). An expired Lease has no holder.
+pub struct LeaseHolder {
+    pub client: kube::Client,
+    pub namespace: String,
+    cache: Mutex<Cache>,
+}
+
+impl LeaseHolder {
+    pub fn new(client: kube::Client, namespace: String) -> LeaseHolder {
+        LeaseHolder {
+            client,
+            namespace,
+            cache: Mutex::new(Cache::default()),
+        }
+    }
+}
+
+impl std::fmt::Debug for LeaseHolder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeaseHolder")
+            .field("namespace", &self.namespace)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait::async_trait]
+impl WhoCoordinates for LeaseHolder {
+    async fn current(&self, recheck: bool) -> Result<Option<CoordinatorId>, WhoError> {
+        let read = async {
+            super::lease::live_holder(self.client.clone(), &self.namespace)
+                .await
+                .map(|h| h.as_deref().and_then(CoordinatorId::from_holder))
+                .map_err(|e| format!("reading the Lease: {e}"))
+        };
+        Cache::get(&self.cache, recheck, read).await
+    }
+}
+
+/// The current members, cached for [`WHO_TTL`] (on Kubernetes a list of the agent pods, which
+/// an `Assign` per check must not cost); read again at most every [`RECHECK_AFTER`] when an
+/// assignment names someone not in the cached list (a member that just joined).
+#[derive(Debug)]
+pub struct MemberView {
+    pub members: Arc<dyn Members>,
+    cache: Mutex<Option<(Instant, Arc<Vec<Member>>)>>,
+}
+
+impl MemberView {
+    pub fn new(members: Arc<dyn Members>) -> MemberView {
+        MemberView {
+            members,
+            cache: Mutex::new(None),
+        }
+    }
+
+    /// The members; `recheck`: read again unless the list is brand new.
+    pub async fn list(&self, recheck: bool) -> Result<Arc<Vec<Member>>, String> {
+        let mut c = self.cache.lock().await;
+        let now = Instant::now();
+        let limit = if recheck { RECHECK_AFTER } else { WHO_TTL };
+        if let Some((at, list)) = c.as_ref() {
+            if now.saturating_duration_since(*at) < limit {
+                return Ok(Arc::clone(list));
+            }
+        }
+        match self.members.list().await {
+            Ok(l) => {
+                let l = Arc::new(l);
+                *c = Some((now, Arc::clone(&l)));
+                Ok(l)
+            }
+            Err(e) => match c.as_ref() {
+                Some((_, l)) => Ok(Arc::clone(l)),
+                None => Err(e.to_string()),
+            },
+        }
+    }
+}
+
+/// Checks that every address an assignment names belongs to the current members: members a and
+/// b are members with exactly their listed peer-service address, each probe address is its
+/// member's IP on one of the probe ports (`probe_ports`), and the report address is the
+/// coordinator's own listed address. Anything else would make this agent connect where a key
+/// holder tells it (SSRF, traffic at a third party).
+pub fn check_addresses(
+    a: &CheckAssignment,
+    members: &[Member],
+    coordinator: &str,
+    probe_ports: std::ops::Range<u16>,
+) -> Result<(), String> {
+    let member = |w: Option<&faultline_proto::v1::Member>, which: &str| {
+        let w = w.ok_or_else(|| format!("member {which} is missing"))?;
+        let m = members
+            .iter()
+            .find(|m| m.node == w.node)
+            .ok_or_else(|| format!("member {which} {:?} is not a current member", w.node))?;
+        if m.address != w.address {
+            return Err(format!(
+                "member {which} {:?}: address {:?} is not its listed {:?}",
+                w.node, w.address, m.address
+            ));
+        }
+        Ok(m)
+    };
+    let (ma, mb) = (member(a.a.as_ref(), "a")?, member(a.b.as_ref(), "b")?);
+    for (name, probe, m) in [("probe_a", &a.probe_a, ma), ("probe_b", &a.probe_b, mb)] {
+        let sa: SocketAddr = probe
+            .parse()
+            .map_err(|_| format!("{name} {probe:?} is not ip:port"))?;
+        if sa.ip() != m.ip {
+            return Err(format!(
+                "{name} {probe}: not the IP of member {} ({})",
+                m.node, m.ip
+            ));
+        }
+        if !probe_ports.contains(&sa.port()) {
+            return Err(format!(
+                "{name} {probe}: port not among the probe ports {}..{}",
+                probe_ports.start, probe_ports.end
+            ));
+        }
+    }
+    let c = members
+        .iter()
+        .find(|m| m.node == coordinator)
+        .ok_or_else(|| format!("the coordinator {coordinator:?} is not a current member"))?;
+    if a.coordinator != c.address {
+        return Err(format!(
+            "report address {:?} is not the coordinator's listed {:?}",
+            a.coordinator, c.address
+        ));
+    }
+    Ok(())
+}
+
+/// An assignment's sizes within this agent's bounds: bytes and iterations as asked (they must
+/// match the partner's), the deadline clamped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Admitted {
+    pub bytes: u64,
+    pub iterations: u32,
+    pub timeout: Duration,
+}
+
+/// How far above this agent's policy an assignment's bytes and iterations may be: the policy
+/// ConfigMap reaches agents at different moments, and a run must not fail everywhere while a
+/// larger size rolls out.
+pub const POLICY_SLACK: u64 = 4;
+/// Never more than this per check, whatever the policy says.
+pub const MAX_BYTES: u64 = 1 << 30;
+pub const MAX_ITERATIONS: u32 = 1000;
+
+/// Admits an assignment under `policy`: bytes and iterations over `POLICY_SLACK` times the
+/// policy's (or over `MAX_BYTES` / `MAX_ITERATIONS`) are refused with the reason; both sides of
+/// a check must run the same transfer, so they are never silently changed. The deadline is
+/// clamped to the policy's `check_timeout` (a shorter probe deadline is always safe: the
+/// coordinator waits for its own).
+pub fn admit(a: &CheckAssignment, policy: &PeerPolicy) -> Result<Admitted, String> {
+    if a.timeout_ms == 0 || a.iterations == 0 || a.bytes == 0 {
+        return Err("bytes, iterations and timeout must be set".into());
+    }
+    let max_bytes = policy
+        .bytes
+        .max(1)
+        .saturating_mul(POLICY_SLACK)
+        .min(MAX_BYTES);
+    if a.bytes > max_bytes {
+        return Err(format!(
+            "bytes {} over this agent's limit {max_bytes} ({POLICY_SLACK}x its policy's peer.bytes {}, at most {MAX_BYTES})",
+            a.bytes, policy.bytes
+        ));
+    }
+    let max_iterations = u64::from(policy.iterations.max(1))
+        .saturating_mul(POLICY_SLACK)
+        .min(u64::from(MAX_ITERATIONS)) as u32;
+    if a.iterations > max_iterations {
+        return Err(format!(
+            "iterations {} over this agent's limit {max_iterations} ({POLICY_SLACK}x its policy's peer.iterations {}, at most {MAX_ITERATIONS})",
+            a.iterations, policy.iterations
+        ));
+    }
+    Ok(Admitted {
+        bytes: a.bytes,
+        iterations: a.iterations,
+        timeout: Duration::from_millis(u64::from(a.timeout_ms)).min(policy.check_timeout),
+    })
+}
+
+/// The audience a requester's projected service-account token must be issued for: a token
+/// for this audience is useless against the API server, so the coordinator that receives it
+/// cannot use it as the requester.
+pub const REQUESTER_AUDIENCE: &str = "faultline-peercheck";
+/// What a requester must be allowed in the agents' namespace (RBAC; no such object exists,
+/// the right is the point): `create` on `peerchecks` in API group `faultline.io`.
+pub const REQUEST_GROUP: &str = "faultline.io";
+pub const REQUEST_RESOURCE: &str = "peerchecks";
+pub const REQUEST_VERB: &str = "create";
+
+/// Why a requester's token was not accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TokenRefusal {
+    /// Not a valid token for [`REQUESTER_AUDIENCE`] (`UNAUTHENTICATED`).
+    #[error("the requester's token is not valid: {0}")]
+    Unauthenticated(String),
+    /// A valid token of someone not allowed to request runs (`PERMISSION_DENIED`).
+    #[error("{0}")]
+    Denied(String),
+    /// The reviews could not be made (`UNAVAILABLE`).
+    #[error("cannot check the requester's token: {0}")]
+    Unavailable(String),
+}
+
+/// Checks a requester's bearer token: its name when it may request runs.
+#[async_trait::async_trait]
+pub trait Requesters: Send + Sync + std::fmt::Debug {
+    async fn check(&self, token: &str) -> Result<String, TokenRefusal>;
+}
+
+/// Kubernetes: TokenReview (audience [`REQUESTER_AUDIENCE`]; `status.authenticated`, and the
+/// audience echoed in `status.audiences`, as the API reference asks a client to check), then
+/// SubjectAccessReview for that user's `create peerchecks.faultline.io` in `namespace`
+/// (`status.allowed`). The agent's ClusterRole needs `create` on both reviews.
+pub struct KubeRequesters {
+    pub client: kube::Client,
+    pub namespace: String,
+}
+
+impl std::fmt::Debug for KubeRequesters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeRequesters")
+            .field("namespace", &self.namespace)
+            .finish_non_exhaustive()
+    }
+}
+
+#[async_trait::async_trait]
+impl Requesters for KubeRequesters {
+    async fn check(&self, token: &str) -> Result<String, TokenRefusal> {
+        use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+        use k8s_openapi::api::authorization::v1::{
+            ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+        };
+        use kube::api::{Api, PostParams};
+        let unavailable =
+            |what: &str, e: kube::Error| TokenRefusal::Unavailable(format!("{what}: {e}"));
+        let review = TokenReview {
+            spec: TokenReviewSpec {
+                token: Some(token.to_string()),
+                audiences: Some(vec![REQUESTER_AUDIENCE.to_string()]),
+            },
+            ..Default::default()
+        };
+        let reviewed = Api::<TokenReview>::all(self.client.clone())
+            .create(&PostParams::default(), &review)
+            .await
+            .map_err(|e| unavailable("TokenReview", e))?;
+        let status = reviewed.status.unwrap_or_default();
+        if status.authenticated != Some(true) {
+            return Err(TokenRefusal::Unauthenticated(
+                status
+                    .error
+                    .unwrap_or_else(|| "not authenticated".to_string()),
+            ));
+        }
+        if !status
+            .audiences
+            .iter()
+            .flatten()
+            .any(|a| a == REQUESTER_AUDIENCE)
+        {
+            return Err(TokenRefusal::Unauthenticated(format!(
+                "not a token for the audience {REQUESTER_AUDIENCE:?} (the API server did not confirm it)"
+            )));
+        }
+        let user = status.user.unwrap_or_default();
+        let username = user.username.clone().unwrap_or_default();
+        if username.is_empty() {
+            return Err(TokenRefusal::Unauthenticated("no user name".into()));
+        }
+        let sar = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: Some(username.clone()),
+                groups: user.groups,
+                extra: user.extra,
+                uid: user.uid,
+                resource_attributes: Some(ResourceAttributes {
+                    namespace: Some(self.namespace.clone()),
+                    verb: Some(REQUEST_VERB.into()),
+                    group: Some(REQUEST_GROUP.into()),
+                    resource: Some(REQUEST_RESOURCE.into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let decided = Api::<SubjectAccessReview>::all(self.client.clone())
+            .create(&PostParams::default(), &sar)
+            .await
+            .map_err(|e| unavailable("SubjectAccessReview", e))?;
+        if decided.status.is_some_and(|s| s.allowed) {
+            Ok(username)
+        } else {
+            Err(TokenRefusal::Denied(format!(
+                "{username} may not request peer checks (needs {REQUEST_VERB} on {REQUEST_RESOURCE}.{REQUEST_GROUP} in namespace {})",
+                self.namespace
+            )))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use faultline_proto::v1::Member as WireMember;
+
+    fn m(node: &str, ip: &str) -> Member {
+        Member {
+            node: node.into(),
+            address: format!("{ip}:20261"),
+            ip: ip.parse().unwrap(),
+            topology: None,
+        }
+    }
+
+    fn assignment() -> CheckAssignment {
+        let w = |n: &str, a: &str| WireMember {
+            node: n.into(),
+            address: a.into(),
+            topology: String::new(),
+        };
+        CheckAssignment {
+            a: Some(w("n0", "10.0.0.1:20261")),
+            b: Some(w("n1", "10.0.0.2:20261")),
+            probe_a: "10.0.0.1:20270".into(),
+            probe_b: "10.0.0.2:20271".into(),
+            coordinator: "10.0.0.3:20261".into(),
+            bytes: 64 << 20,
+            iterations: 5,
+            timeout_ms: 10_000,
+            ..Default::default()
+        }
+    }
+
+    type Edit = fn(&mut CheckAssignment);
+
+    /// Every address must be a current member's: foreign probe, report and member addresses,
+    /// non-members and ports outside the probe range are refused with the reason.
+    #[test]
+    fn addresses_must_belong_to_current_members() {
+        let members = vec![
+            m("n0", "10.0.0.1"),
+            m("n1", "10.0.0.2"),
+            m("n2", "10.0.0.3"),
+        ];
+        let ports = 20270..20302;
+        assert_eq!(
+            check_addresses(&assignment(), &members, "n2", ports.clone()),
+            Ok(())
+        );
+        let cases: Vec<(Edit, &str)> = vec![
+            (
+                |a| a.probe_b = "10.9.9.9:20270".into(),
+                "not the IP of member n1",
+            ),
+            (
+                |a| a.probe_a = "127.0.0.99:20270".into(),
+                "not the IP of member n0",
+            ),
+            (
+                |a| a.probe_a = "10.0.0.1:10250".into(),
+                "not among the probe ports",
+            ),
+            (|a| a.probe_a = "nowhere".into(), "not ip:port"),
+            (
+                |a| a.coordinator = "10.9.9.9:20261".into(),
+                "report address",
+            ),
+            (
+                |a| a.coordinator = "10.0.0.1:20261".into(),
+                "report address",
+            ),
+            (
+                |a| a.b.as_mut().unwrap().address = "10.9.9.9:20261".into(),
+                "is not its listed",
+            ),
+            (
+                |a| a.b.as_mut().unwrap().node = "n9".into(),
+                "not a current member",
+            ),
+            (|a| a.a = None, "member a is missing"),
+        ];
+        for (edit, why) in cases {
+            let mut a = assignment();
+            edit(&mut a);
+            let e = check_addresses(&a, &members, "n2", ports.clone()).unwrap_err();
+            assert!(e.contains(why), "{why}: {e}");
+        }
+        // A coordinator that is not a member cannot name a report address at all.
+        let e = check_addresses(&assignment(), &members, "n7", ports).unwrap_err();
+        assert!(e.contains("not a current member"), "{e}");
+    }
+
+    /// 4 GiB, unbounded iterations and a 49-day timeout: the first two refused, the deadline
+    /// clamped to the policy's.
+    #[test]
+    fn sizes_and_deadlines_are_bounded_by_the_agents_own_policy() {
+        let p = PeerPolicy::default();
+        let ok = admit(&assignment(), &p).unwrap();
+        assert_eq!(ok.bytes, 64 << 20);
+        let mut a = assignment();
+        a.bytes = 4 << 30;
+        let e = admit(&a, &p).unwrap_err();
+        assert!(
+            e.contains("bytes 4294967296 over this agent's limit"),
+            "{e}"
+        );
+        let mut a = assignment();
+        a.bytes = p.bytes * POLICY_SLACK;
+        assert!(admit(&a, &p).is_ok(), "the slack is allowed");
+        a.bytes += 1;
+        assert!(admit(&a, &p).is_err());
+        let mut a = assignment();
+        a.iterations = u32::MAX;
+        let e = admit(&a, &p).unwrap_err();
+        assert!(e.contains("iterations 4294967295 over"), "{e}");
+        let mut a = assignment();
+        a.timeout_ms = u32::MAX; // 49.7 days
+        assert_eq!(admit(&a, &p).unwrap().timeout, p.check_timeout);
+        for zero in [
+            |a: &mut CheckAssignment| a.bytes = 0,
+            |a: &mut CheckAssignment| a.iterations = 0,
+            |a: &mut CheckAssignment| a.timeout_ms = 0,
+        ] {
+            let mut a = assignment();
+            zero(&mut a);
+            assert!(admit(&a, &p).unwrap_err().contains("must be set"));
+        }
+        // A policy asking for more than the hard cap still gets the cap.
+        let big = PeerPolicy {
+            bytes: 8 << 30,
+            ..PeerPolicy::default()
+        };
+        let mut a = assignment();
+        a.bytes = MAX_BYTES + 1;
+        assert!(admit(&a, &big).is_err());
+    }
+
+    #[test]
+    fn holder_identities() {
+        assert_eq!(
+            CoordinatorId::from_holder("n1@10.0.0.1:20261"),
+            Some(CoordinatorId {
+                node: "n1".into(),
+                address: Some("10.0.0.1:20261".into())
+            })
+        );
+        assert_eq!(CoordinatorId::from_holder("n1").unwrap().address, None);
+        assert_eq!(CoordinatorId::from_holder("@10.0.0.1:1"), None);
+        assert_eq!(CoordinatorId::from_holder(""), None);
+    }
+
+    /// TokenReview and SubjectAccessReview against the API emulator: a token projected for
+    /// the requester audience whose user may create peerchecks is accepted by name; one for
+    /// another audience, an unknown one, and one without the right are refused, each with its
+    /// kind of refusal; the agent without create on the reviews cannot check at all.
+    #[tokio::test]
+    async fn requester_tokens_are_reviewed_by_the_api_server() {
+        use faultline_kube_emulator::{Emulator, Rule, UserInfo};
+        let emu = Emulator::start().await.unwrap();
+        let ns = "faultline-system";
+        emu.authorize(
+            "t",
+            UserInfo::service_account(ns, "faultline"),
+            vec![
+                Rule::new(&["create"], &["authentication.k8s.io"], &["tokenreviews"]),
+                Rule::new(
+                    &["create"],
+                    &["authorization.k8s.io"],
+                    &["subjectaccessreviews"],
+                ),
+            ],
+        );
+        let may = vec![
+            Rule::new(&[REQUEST_VERB], &[REQUEST_GROUP], &[REQUEST_RESOURCE]).in_namespace(ns),
+        ];
+        emu.authorize_for_audiences(
+            "launcher-token",
+            UserInfo::service_account("jobs", "launcher"),
+            may.clone(),
+            &[REQUESTER_AUDIENCE],
+        );
+        emu.authorize_for_audiences(
+            "other-audience",
+            UserInfo::service_account("jobs", "launcher"),
+            may.clone(),
+            &["vault"],
+        );
+        emu.authorize_for_audiences(
+            "no-right",
+            UserInfo::service_account("jobs", "intruder"),
+            vec![],
+            &[REQUESTER_AUDIENCE],
+        );
+        // The API server's own token of the launcher (its default service-account token).
+        emu.authorize(
+            "api-token",
+            UserInfo::service_account("jobs", "launcher"),
+            may,
+        );
+        let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
+        let r = KubeRequesters {
+            client,
+            namespace: ns.into(),
+        };
+        assert_eq!(
+            r.check("launcher-token").await,
+            Ok("system:serviceaccount:jobs:launcher".to_string())
+        );
+        for bad in ["other-audience", "nope", "api-token"] {
+            match r.check(bad).await {
+                Err(TokenRefusal::Unauthenticated(why)) => {
+                    assert!(why.contains("invalid"), "{bad}: {why}")
+                }
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+        match r.check("no-right").await {
+            Err(TokenRefusal::Denied(why)) => assert!(
+                why.contains("system:serviceaccount:jobs:intruder may not request peer checks"),
+                "{why}"
+            ),
+            other => panic!("{other:?}"),
+        }
+        // Without create on the reviews (RBAC missing): unavailable, never accepted.
+        emu.authorize("t", UserInfo::service_account(ns, "faultline"), vec![]);
+        assert!(matches!(
+            r.check("launcher-token").await,
+            Err(TokenRefusal::Unavailable(_))
+        ));
+    }
+}
