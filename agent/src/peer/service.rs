@@ -41,6 +41,16 @@ use crate::source::Input;
 use faultline_core::peer::pairing::PairingConfig;
 use faultline_core::policy::PeerPolicy;
 
+/// This node's failed checks in one run.
+#[derive(Debug)]
+struct OwnRun {
+    run_id: String,
+    /// Why its probe could not start, the first time.
+    cannot_run: Option<String>,
+    /// A check failed for another reason too (then the cause is not named).
+    other_failures: bool,
+}
+
 /// Runs whose own-probe failure an agent remembers (a conclusion comes right after its run).
 const OWN_FAILURES_KEPT: usize = 8;
 /// Attempts to deliver a check report, and the pause between them.
@@ -54,7 +64,7 @@ pub const BUSY_TIMEOUT: Duration = Duration::from_secs(1);
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
 /// A ping that asks the member to ping others too: their pings run at once, each within
 /// `CALL_TIMEOUT`.
-pub const RELAY_TIMEOUT: Duration = Duration::from_secs(5);
+pub const RELAY_TIMEOUT: Duration = Duration::from_secs(6);
 /// Members one relayed ping may name.
 pub const MAX_REACH: usize = 16;
 /// How long the service waits to learn who coordinates or who the members are (an answer
@@ -145,7 +155,7 @@ pub struct PeerService {
     relay: GrpcTransport,
     /// Runs in which this node's own probe could not run, with the cause (the newest
     /// `OWN_FAILURES_KEPT`): a conclusion that finds this node faulty names it.
-    own_failures: Mutex<std::collections::VecDeque<(String, String)>>,
+    own_failures: Mutex<std::collections::VecDeque<OwnRun>>,
     who: Arc<dyn WhoCoordinates>,
     requester: Option<Mutex<Verifier>>,
     requesters: Option<Arc<dyn authz::Requesters>>,
@@ -413,7 +423,12 @@ impl PeerCheck for PeerHandle {
                 return refuse(format!("{} checks already running", running.len()));
             }
             if running.contains_key(&key) {
-                return refuse("this check is already running".into());
+                // The same assignment again: the coordinator retried a call whose answer it did
+                // not get. The check runs; say so (a refusal would fail a check that is fine).
+                return Ok(Response::new(CheckAccepted {
+                    accepted: true,
+                    reason: "already running (a repeated assignment)".into(),
+                }));
             }
             running.insert(key.clone(), cancel.clone());
         }
@@ -478,10 +493,11 @@ impl PeerCheck for PeerHandle {
                 self.node, c.run_id
             )));
         };
+        // Named only when every failure of this node in the run was its probe not starting.
         let own = self.own_failures.lock().ok().and_then(|f| {
             f.iter()
-                .find(|(run, _)| run == &c.run_id)
-                .map(|(_, cause)| cause.clone())
+                .find(|r| r.run_id == c.run_id && !r.other_failures)
+                .and_then(|r| r.cannot_run.clone())
         });
         let obs = faultline_core::peer::verdicts::observe(
             &c.members,
@@ -523,37 +539,43 @@ impl PeerService {
                 reach.len()
             )));
         }
-        let current = self
-            .leadership
-            .members
-            .list()
+        // The members as cached for authorization: a relayed ping costs no list of pods.
+        let current = tokio::time::timeout(AUTHZ_TIMEOUT, self.view.list(false))
             .await
+            .map_err(|_| Status::unavailable("cannot list the members in time"))?
             .map_err(|e| Status::unavailable(format!("cannot list the members: {e}")))?;
-        let mut targets = Vec::new();
-        for r in reach {
-            match current
-                .iter()
-                .find(|m| m.node == r.node && m.address == r.address)
-            {
-                Some(m) => targets.push(m.clone()),
-                None => {
-                    return Err(Status::invalid_argument(format!(
-                        "{} at {:?} is not a current member",
-                        r.node, r.address
-                    )))
+        let ping = |m: Option<Member>, r: &faultline_proto::v1::Member| {
+            let node = r.node.clone();
+            let address = r.address.clone();
+            async move {
+                let Some(m) = m else {
+                    return Reached {
+                        node,
+                        answered: false,
+                        error: format!("{address:?} is not a current member's address"),
+                    };
+                };
+                // Twice, like the coordinator's own pings: one lost ping says nothing.
+                let mut last = self.relay.ping(&m).await;
+                if last.is_err() {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                    last = self.relay.ping(&m).await;
+                }
+                Reached {
+                    node,
+                    answered: last.is_ok(),
+                    error: last.err().unwrap_or_default(),
                 }
             }
-        }
-        let answers = futures::future::join_all(targets.iter().map(|m| self.relay.ping(m))).await;
-        Ok(targets
-            .iter()
-            .zip(answers)
-            .map(|(m, a)| Reached {
-                node: m.node.clone(),
-                answered: a.is_ok(),
-                error: a.err().unwrap_or_default(),
-            })
-            .collect())
+        };
+        Ok(futures::future::join_all(reach.iter().map(|r| {
+            let m = current
+                .iter()
+                .find(|m| m.node == r.node && m.address == r.address)
+                .cloned();
+            ping(m, r)
+        }))
+        .await)
     }
 
     async fn run_check(
@@ -604,24 +626,44 @@ impl PeerService {
                 }
             }
             ProbeOutcome::Failed(e) => {
+                self.note_failure(&a.run_id, None);
                 report.passed = false;
                 report.error = e;
             }
             ProbeOutcome::CannotRun(e) => {
                 warn!(error = %e, "the probe cannot run on this node");
-                if let Ok(mut f) = self.own_failures.lock() {
-                    if !f.iter().any(|(run, _)| run == &a.run_id) {
-                        if f.len() >= OWN_FAILURES_KEPT {
-                            f.pop_front();
-                        }
-                        f.push_back((a.run_id.clone(), e.clone()));
-                    }
-                }
+                self.note_failure(&a.run_id, Some(&e));
                 report.passed = false;
                 report.error = e;
             }
         }
         Some(report)
+    }
+
+    /// Remembers a failed check of this node in `run_id`: its probe could not start (`cause`),
+    /// or it failed otherwise.
+    fn note_failure(&self, run_id: &str, cause: Option<&str>) {
+        let Ok(mut f) = self.own_failures.lock() else {
+            return;
+        };
+        if !f.iter().any(|r| r.run_id == run_id) {
+            if f.len() >= OWN_FAILURES_KEPT {
+                f.pop_front();
+            }
+            f.push_back(OwnRun {
+                run_id: run_id.to_string(),
+                cannot_run: None,
+                other_failures: false,
+            });
+        }
+        if let Some(r) = f.iter_mut().find(|r| r.run_id == run_id) {
+            match cause {
+                Some(c) => {
+                    r.cannot_run.get_or_insert_with(|| c.to_string());
+                }
+                None => r.other_failures = true,
+            }
+        }
     }
 
     /// Sends the report, up to `REPORT_ATTEMPTS` times while the coordinator cannot be reached
