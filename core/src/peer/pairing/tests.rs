@@ -16,6 +16,125 @@ fn faulty(nodes: &[NodeId]) -> Truth {
     }
 }
 
+/// The noise model of the property tests (docs/peer-checks.md): jitter, whole rounds up to
+/// `LOAD`x slower, and one check per round up to `SLOW_CHECK`x slower than that.
+const LOAD: f64 = 5.0;
+/// The measured worst single check at 64 MiB under load was 1.61x its round's median at p99
+/// (1.91x at most), and the issue saw 1.59x at 8 MiB: docs/peer-checks.md, "Noise".
+const SLOW_CHECK: f64 = 1.6;
+
+fn noisy(t: Truth) -> Truth {
+    Truth {
+        noise: 0.05,
+        round_slowdown: LOAD,
+        slow_check: SLOW_CHECK,
+        ..t
+    }
+}
+
+/// Runs a planner by hand: `time(round, pair)` gives each check's outcome.
+fn drive(n: usize, cfg: PairingConfig, time: impl Fn(usize, Pair) -> Outcome) -> (Verdicts, usize) {
+    let mut p = Planner::new((0..n).collect(), cfg);
+    while let Some(round) = p.next_round() {
+        let r = p.rounds();
+        let results: Vec<(Pair, Outcome)> =
+            round.iter().map(|c| (c.pair, time(r, c.pair))).collect();
+        p.record(&results);
+    }
+    (p.verdicts(), p.rounds())
+}
+
+/// A small deterministic jitter (±2 %) per pair and round.
+fn wobble(r: usize, p: Pair) -> f64 {
+    1.0 + 0.02 * (((p.a() * 7 + p.b() * 13 + r * 5) % 5) as f64 - 2.0) / 2.0
+}
+
+#[test]
+fn later_rounds_are_judged_against_their_own_round() {
+    // Issue 12 §4: one faulty node took 3 rounds. Round 1 runs 4 checks at once, round 2 fewer,
+    // and round 2 ran 2.5x slower (or 2.5x faster) as a whole. Its checks are compared with
+    // round 2, not with a median over both rounds, so the faulty node's partner is cleared in
+    // round 2.
+    for load in [2.5, 0.4] {
+        let (v, rounds) = drive(8, PairingConfig::default(), |r, p| {
+            if p.has(5) {
+                Outcome::Fail
+            } else {
+                let l = if r == 1 { 1.0 } else { load };
+                Outcome::Pass {
+                    seconds: l * wobble(r, p),
+                }
+            }
+        });
+        assert_eq!(v.faulty, BTreeSet::from([5]), "{load}: {v:?}");
+        assert!(
+            v.broken_links.is_empty() && v.stragglers.is_empty() && v.unknown.is_empty(),
+            "{load}: {v:?}"
+        );
+        assert_eq!(rounds, 2, "{load}");
+    }
+}
+
+#[test]
+fn one_slow_check_then_a_slower_round_is_no_straggler() {
+    // Issue 12 §4: a false straggler at 1.59x. Round 1: the check {0, 1} alone takes 1.59x the
+    // others (noise: a check, not a node). Round 2 re-measures 0 and 1, and the whole round
+    // runs 1.6x slower (load). Against a median over both rounds 0 and 1 were slow twice, with
+    // two partners each; against their own rounds they are not.
+    let time = |r: usize, p: Pair| {
+        let t = if r == 1 && p == Pair::new(0, 1) {
+            1.59
+        } else if r == 1 {
+            1.0
+        } else {
+            1.6
+        };
+        Outcome::Pass {
+            seconds: t * wobble(r, p),
+        }
+    };
+    // At the old ratio 1.5 the first check is slow and 0 and 1 are measured again ...
+    let old = PairingConfig {
+        straggler_ratio: 1.5,
+        ..PairingConfig::default()
+    };
+    let (v, rounds) = drive(12, old, time);
+    assert!(v.is_clean(), "{v:?}");
+    assert_eq!(rounds, 2);
+    // ... at the default (chosen from measured noise) 1.59x is not slow at all.
+    let (v, rounds) = drive(12, PairingConfig::default(), time);
+    assert!(v.is_clean(), "{v:?}");
+    assert_eq!(rounds, 1);
+}
+
+#[test]
+fn the_noise_model_is_deterministic_and_bounded() {
+    let t = noisy(Truth::default());
+    let checks: Vec<Check> = (0..20)
+        .map(|i| Check {
+            pair: Pair::new(2 * i, 2 * i + 1),
+            exclusive: true,
+        })
+        .collect();
+    for round in 1..50 {
+        let a = t.round_outcomes(&checks, round);
+        assert_eq!(a, t.round_outcomes(&checks, round));
+        let secs: Vec<f64> = a
+            .iter()
+            .map(|(_, o)| match o {
+                Outcome::Pass { seconds } => *seconds,
+                other => panic!("{other:?}"),
+            })
+            .collect();
+        let lo = secs.iter().copied().fold(f64::INFINITY, f64::min);
+        let hi = secs.iter().copied().fold(0.0, f64::max);
+        assert!(lo >= 0.95 && hi < LOAD * SLOW_CHECK * 1.05, "{secs:?}");
+        // At most one check stands out from the jitter.
+        let over = secs.iter().filter(|s| **s > lo * 1.11).count();
+        assert!(over <= 1, "round {round}: {secs:?}");
+    }
+}
+
 #[test]
 fn healthy_cluster_is_one_round_without_verdicts() {
     for n in [2, 3, 4, 5, 8, 9, 64] {
@@ -164,7 +283,7 @@ proptest! {
     #[test]
     fn single_faulty_node_in_two_rounds(n in 3usize..300, f in any::<prop::sample::Index>(), seed in any::<u64>()) {
         let f = f.index(n);
-        let truth = faulty(&[f]);
+        let truth = noisy(faulty(&[f]));
         let (v, rounds, _) = simulate(shuffled(n, seed), &truth, PairingConfig::default());
         prop_assert_eq!(&v.faulty, &BTreeSet::from([f]));
         prop_assert!(v.broken_links.is_empty() && v.stragglers.is_empty() && v.unknown.is_empty(), "{:?}", v);
@@ -175,7 +294,7 @@ proptest! {
     #[test]
     fn k_faulty_nodes_in_three_rounds(n in 4usize..400, k in 1usize..100, seed in any::<u64>()) {
         let k = k.min(n / 4).max(1);
-        let truth = Truth { faulty: pick(n, k, seed), noise: 0.05, ..Truth::default() };
+        let truth = noisy(Truth { faulty: pick(n, k, seed), ..Truth::default() });
         let (v, rounds, _) = simulate(shuffled(n, seed), &truth, PairingConfig::default());
         prop_assert_eq!(&v.faulty, &truth.faulty);
         prop_assert!(v.broken_links.is_empty() && v.unknown.is_empty(), "{:?}", v);
@@ -192,7 +311,7 @@ proptest! {
         // Disjoint links among healthy nodes.
         let healthy: Vec<NodeId> = shuffled(n, seed ^ 0x5555).into_iter().filter(|x| !bad.contains(x)).collect();
         let links: BTreeSet<Pair> = healthy.chunks(2).filter(|c| c.len() == 2).take(links.min(n / 4)).map(|c| Pair::new(c[0], c[1])).collect();
-        let truth = Truth { faulty: bad.clone(), broken_links: links.clone(), noise: 0.05, ..Truth::default() };
+        let truth = noisy(Truth { faulty: bad.clone(), broken_links: links.clone(), ..Truth::default() });
         let (v, _, _) = simulate(order, &truth, PairingConfig::default());
         // Soundness: no healthy node is called faulty, no link is called anything else.
         prop_assert!(v.faulty.is_subset(&bad), "{:?} vs {:?}", v.faulty, bad);
@@ -209,22 +328,33 @@ proptest! {
     /// A healthy cluster with noisy times finishes in one round with no verdicts.
     #[test]
     fn healthy_clusters_finish_in_one_round(n in 2usize..500, noise in 0.0f64..0.2) {
-        let (v, rounds, _) = run(n, &Truth { noise, ..Truth::default() });
+        let (v, rounds, _) = run(n, &Truth { noise, round_slowdown: LOAD, ..Truth::default() });
         prop_assert!(v.is_clean(), "{:?}", v);
         prop_assert_eq!(rounds, 1);
     }
 
-    /// Stragglers (at most N/8, slowed 2x to 10x) are found with about their slowdown, and no
-    /// normal node is called one.
+    /// ... also when one check of the round is up to 1.6x slower on top of up to ±10 % jitter
+    /// (the issue: a healthy 12-node cluster took 2 rounds).
     #[test]
-    fn stragglers_are_found(n in 8usize..200, k in 1usize..6, factor in 2.0f64..10.0, seed in any::<u64>()) {
+    fn healthy_clusters_with_a_slow_check_finish_in_one_round(n in 2usize..500, noise in 0.0f64..0.1, slow_check in 1.0f64..SLOW_CHECK) {
+        let (v, rounds, _) = run(n, &Truth { noise, round_slowdown: LOAD, slow_check, ..Truth::default() });
+        prop_assert!(v.is_clean(), "{:?}", v);
+        prop_assert_eq!(rounds, 1);
+    }
+
+    /// Stragglers (at most N/8, slowed 2.25x to 10x) are found with about their slowdown, and
+    /// no normal node is called one.
+    #[test]
+    fn stragglers_are_found(n in 8usize..200, k in 1usize..6, factor in 2.25f64..10.0, seed in any::<u64>()) {
         let k = k.min(n / 8);
         let slow: BTreeMap<NodeId, f64> = pick(n, k, seed).into_iter().map(|x| (x, factor)).collect();
-        let truth = Truth { slow: slow.clone(), noise: 0.05, ..Truth::default() };
+        let truth = noisy(Truth { slow: slow.clone(), ..Truth::default() });
         let (v, rounds, _) = simulate(shuffled(n, seed), &truth, PairingConfig::default());
         prop_assert_eq!(v.stragglers.keys().copied().collect::<BTreeSet<_>>(), slow.keys().copied().collect::<BTreeSet<_>>(), "{:?}", v);
+        // Within 12 %, or up to SLOW_CHECK above when the noise model's one slow check of a
+        // round fell on its checks in every round that measured it.
         for r in v.stragglers.values() {
-            prop_assert!((r / factor - 1.0).abs() < 0.12, "ratio {} for {}x", r, factor);
+            prop_assert!(r / factor > 0.88 && r / factor < 1.12 * SLOW_CHECK, "ratio {} for {}x", r, factor);
         }
         prop_assert!(v.faulty.is_empty() && v.broken_links.is_empty() && v.unknown.is_empty(), "{:?}", v);
         prop_assert!(rounds <= 3, "{} rounds", rounds);
