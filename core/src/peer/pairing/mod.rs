@@ -157,10 +157,10 @@ const MAX_DEADLINE_FACTOR: f64 = 4.0;
 
 /// The planner of one run.
 ///
-/// Timeouts (`Outcome::TimedOut`) are read per round. A round is **overloaded** when a
-/// reference check of it timed out, or a check between two nodes that both pass elsewhere
-/// timed out, or (with no reference check of it passed) at least two and more than a third of
-/// its checks timed out. The timeouts of an overloaded round are no evidence: their nodes are
+/// Timeouts (`Outcome::TimedOut`) are read per round. A round with a timeout is
+/// **overloaded** when a reference check of it timed out, or a check between two nodes that
+/// both pass elsewhere timed out, or none of its checks passed, or (with no reference check of
+/// it passed) at least two and more than a third of its checks timed out. The timeouts of an overloaded round are no evidence: their nodes are
 /// checked again (same pair allowed) and the next round's deadline is longer
 /// (`deadline_factor`); after `OVERLOAD_RETRIES` overloaded rounds, or at the round limit,
 /// nodes left open by them are unknown ("checks timed out under load"), never faulty. A
@@ -224,6 +224,8 @@ struct Evidence {
     unresolved: BTreeSet<NodeId>,
     /// Unresolved nodes that failed only by timeouts of overloaded rounds.
     timed_out: BTreeSet<NodeId>,
+    /// Unresolved nodes all of whose checks timed out, some in rounds that were not overloaded.
+    timed_out_counted: BTreeSet<NodeId>,
     /// Rounds whose timeouts are overload, not evidence.
     overloaded: BTreeSet<usize>,
     links: BTreeSet<Pair>,
@@ -298,8 +300,8 @@ impl Planner {
     }
 
     /// How much longer than usual the round last handed out by `next_round` should wait for
-    /// its checks: 1 normally; 2, then 4, after overloaded rounds (their timed-out nodes are
-    /// checked again with the longer deadline).
+    /// its checks: 1 normally; 2 when it checks a node again after a timeout; 2, then 4, after
+    /// overloaded rounds (their timed-out nodes are checked again with the longer deadline).
     pub fn deadline_factor(&self) -> f64 {
         self.deadline_factor
     }
@@ -504,8 +506,21 @@ impl Planner {
                 }
             }
         }
+        // A longer deadline after overloaded rounds, and for a node checked again after a
+        // timeout: one slow check that ran past the deadline passes then, a hung node does not.
         let doublings = i32::try_from(ol.len()).unwrap_or(i32::MAX);
-        self.deadline_factor = 2f64.powi(doublings).min(MAX_DEADLINE_FACTOR);
+        let mut factor = 2f64.powi(doublings).min(MAX_DEADLINE_FACTOR);
+        let timed_out = |n: NodeId| {
+            self.history
+                .iter()
+                .any(|r| r.check.pair.has(n) && r.outcome == Outcome::TimedOut)
+        };
+        if plan.iter().any(|(c, role)| {
+            *role == Role::Resolve && (timed_out(c.pair.a()) || timed_out(c.pair.b()))
+        }) {
+            factor = factor.max(2.0);
+        }
+        self.deadline_factor = factor;
         plan
     }
 
@@ -530,8 +545,11 @@ impl Planner {
             let reference_passed = recs
                 .iter()
                 .any(|x| x.role == Role::Reference && matches!(x.outcome, Outcome::Pass { .. }));
+            let none_passed = !recs
+                .iter()
+                .any(|x| matches!(x.outcome, Outcome::Pass { .. }));
             let most = timeouts >= 2 && timeouts * 3 > recs.len() && !reference_passed;
-            if reference_timed_out || between_good || most {
+            if reference_timed_out || between_good || none_passed || most {
                 out.insert(r);
             }
         }
@@ -613,11 +631,12 @@ impl Planner {
             let explained = !fw.is_empty() && fw.iter().all(|p| ev.faulty.contains(p));
             if !explained {
                 ev.unresolved.insert(n);
-                let discarded = self.history.iter().any(|r| {
-                    r.check.pair.has(n) && r.outcome == Outcome::TimedOut && ol.contains(&r.round)
-                });
-                if fw.is_empty() && discarded {
+                let mine = || self.history.iter().filter(|r| r.check.pair.has(n));
+                let timeouts_only = mine().all(|r| r.outcome == Outcome::TimedOut);
+                if fw.is_empty() && mine().any(|r| r.outcome == Outcome::TimedOut) {
                     ev.timed_out.insert(n);
+                } else if timeouts_only && mine().next().is_some() {
+                    ev.timed_out_counted.insert(n);
                 }
             }
         }
@@ -701,6 +720,8 @@ impl Planner {
         for &n in &ev.unresolved {
             let why = if ev.timed_out.contains(&n) {
                 format!("checks timed out under load ({reason})")
+            } else if ev.timed_out_counted.contains(&n) {
+                format!("checks timed out, no partner to tell load from a hung node ({reason})")
             } else if ev.good.is_empty() {
                 format!("no node passed a check to compare with ({reason})")
             } else {
@@ -749,6 +770,11 @@ pub struct Truth {
     /// One check per round, drawn per round, is slower by a factor drawn from 1 to this, on top
     /// of the rest; 0 or 1: none.
     pub slow_check: f64,
+    /// Nodes that hang: their checks time out (no failure reported).
+    pub hung: BTreeSet<NodeId>,
+    /// A check's deadline in nominal check times (0: none), times the planner's
+    /// `deadline_factor`: a check slower than that times out (overload).
+    pub deadline: f64,
 }
 
 /// A uniform draw in [0, 1) from (a, b, round, salt).
@@ -774,12 +800,19 @@ fn up_to(max: f64, u: f64) -> f64 {
 }
 
 impl Truth {
-    /// The outcome of one check of `round`, without the round's single slow check.
+    /// The outcome of one check of `round`, without the round's single slow check, with the
+    /// deadline factor 1.
     pub fn outcome(&self, check: Check, round: usize) -> Outcome {
-        self.outcome_with(check, round, 1.0)
+        self.outcome_with(check, round, 1.0, 1.0)
     }
 
-    fn outcome_with(&self, check: Check, round: usize, extra: f64) -> Outcome {
+    fn outcome_with(
+        &self,
+        check: Check,
+        round: usize,
+        extra: f64,
+        deadline_factor: f64,
+    ) -> Outcome {
         let p = check.pair;
         if self.faulty.contains(&p.a())
             || self.faulty.contains(&p.b())
@@ -787,18 +820,28 @@ impl Truth {
         {
             return Outcome::Fail;
         }
+        if self.hung.contains(&p.a()) || self.hung.contains(&p.b()) {
+            return Outcome::TimedOut;
+        }
         let slow = |n| self.slow.get(&n).copied().unwrap_or(1.0);
         let r = round as u64;
         let jitter = 1.0 + self.noise * (2.0 * unit(p.a() as u64, p.b() as u64, r, 0) - 1.0);
         let load = up_to(self.round_slowdown, unit(0, 0, r, 1));
-        Outcome::Pass {
-            seconds: 1.0 * slow(p.a()).max(slow(p.b())) * load * jitter * extra,
+        let seconds = 1.0 * slow(p.a()).max(slow(p.b())) * load * jitter * extra;
+        if self.deadline > 0.0 && seconds > self.deadline * deadline_factor {
+            return Outcome::TimedOut;
         }
+        Outcome::Pass { seconds }
     }
 
-    /// The outcomes of a whole round: `outcome` for each check, and one check (drawn per
-    /// round) slower by up to `slow_check`.
-    pub fn round_outcomes(&self, checks: &[Check], round: usize) -> Vec<(Pair, Outcome)> {
+    /// The outcomes of a whole round: `outcome` for each check, one check (drawn per round)
+    /// slower by up to `slow_check`, and the deadline times `deadline_factor`.
+    pub fn round_outcomes(
+        &self,
+        checks: &[Check],
+        round: usize,
+        deadline_factor: f64,
+    ) -> Vec<(Pair, Outcome)> {
         let r = round as u64;
         let unlucky = (unit(0, 0, r, 2) * checks.len() as f64) as usize;
         checks
@@ -813,7 +856,7 @@ impl Truth {
                 } else {
                     1.0
                 };
-                (c.pair, self.outcome_with(*c, round, extra))
+                (c.pair, self.outcome_with(*c, round, extra, deadline_factor))
             })
             .collect()
     }
@@ -824,7 +867,7 @@ pub fn simulate(order: Vec<NodeId>, truth: &Truth, cfg: PairingConfig) -> (Verdi
     let mut planner = Planner::new(order, cfg);
     while let Some(round) = planner.next_round() {
         let r = planner.rounds();
-        let results = truth.round_outcomes(&round, r);
+        let results = truth.round_outcomes(&round, r, planner.deadline_factor());
         planner.record(&results);
     }
     (planner.verdicts(), planner.rounds(), planner.checks())

@@ -117,8 +117,8 @@ fn the_noise_model_is_deterministic_and_bounded() {
         })
         .collect();
     for round in 1..50 {
-        let a = t.round_outcomes(&checks, round);
-        assert_eq!(a, t.round_outcomes(&checks, round));
+        let a = t.round_outcomes(&checks, round, 1.0);
+        assert_eq!(a, t.round_outcomes(&checks, round, 1.0));
         let secs: Vec<f64> = a
             .iter()
             .map(|(_, o)| match o {
@@ -226,10 +226,11 @@ fn too_few_nodes_or_no_healthy_partner_is_unknown_with_the_reason() {
 }
 
 #[test]
-fn missing_results_count_as_failures() {
+fn missing_results_count_as_timeouts() {
     let mut p = Planner::new((0..4).collect(), PairingConfig::default());
     let r1 = p.next_round().unwrap();
-    // Only the first pair reported.
+    // Only the first pair reported: the other is a timeout, isolated (one of two checks), so
+    // it counts against its nodes.
     p.record(&[(r1[0].pair, Outcome::Pass { seconds: 1.0 })]);
     let r2 = p.next_round().unwrap();
     assert_eq!(
@@ -237,6 +238,146 @@ fn missing_results_count_as_failures() {
         2,
         "both members of the silent pair are checked again: {r2:?}"
     );
+    // ... with twice the deadline: one slow check that ran past it passes then.
+    assert_eq!(p.deadline_factor(), 2.0);
+}
+
+/// Runs a planner by hand with `outcome(round, pair)`; returns the verdicts and each round's
+/// deadline factor.
+fn drive_timed(n: usize, outcome: impl Fn(usize, Pair) -> Outcome) -> (Verdicts, Vec<f64>) {
+    let mut p = Planner::new((0..n).collect(), PairingConfig::default());
+    let mut factors = Vec::new();
+    while let Some(round) = p.next_round() {
+        factors.push(p.deadline_factor());
+        let r = p.rounds();
+        let results: Vec<(Pair, Outcome)> =
+            round.iter().map(|c| (c.pair, outcome(r, c.pair))).collect();
+        p.record(&results);
+    }
+    (p.verdicts(), factors)
+}
+
+fn pass(r: usize, p: Pair) -> Outcome {
+    Outcome::Pass {
+        seconds: wobble(r, p),
+    }
+}
+
+/// Overload, table: (name, nodes, which checks time out (round, pair), what must come out).
+/// Each row is run twice: with the timeouts as `TimedOut`, and with them as hard failures
+/// (`Fail`, all the old planner had for a check whose deadline passed) for contrast.
+#[test]
+fn timeouts_under_load_are_retried_not_blamed() {
+    struct Row {
+        name: &'static str,
+        n: usize,
+        timed_out: fn(usize, Pair) -> bool,
+        faulty: &'static [NodeId],
+        factors: &'static [f64],
+        unknown: usize,
+        /// With hard failures instead: (faulty nodes, broken links) named.
+        as_failures: (usize, usize),
+    }
+    // A cheap hash of (round, pair) for "random" timeouts.
+    fn h(r: usize, p: Pair) -> usize {
+        (p.a() * 31 + p.b() * 17 + r * 7) % 5
+    }
+    let rows = [
+        Row {
+            // A hung node: its check is the only one of round 1 to time out, then again in
+            // round 2 while the reference checks pass. Found in 2 rounds.
+            name: "isolated timeout, hung node 5",
+            n: 8,
+            timed_out: |_, p| p.has(5),
+            faulty: &[5],
+            factors: &[1.0, 2.0],
+            unknown: 0,
+            as_failures: (1, 0),
+        },
+        Row {
+            // Three of six checks of round 1 time out (more than a third): overload. Their
+            // nodes are checked again with twice the deadline, and pass.
+            name: "half of round 1 times out, then passes",
+            n: 12,
+            timed_out: |r, p| r == 1 && p.a() < 6,
+            faulty: &[],
+            factors: &[1.0, 2.0],
+            unknown: 0,
+            as_failures: (0, 3),
+        },
+        Row {
+            // One check between two nodes that pass elsewhere times out: not a broken link
+            // (links are named from reported failures), the round counts as overloaded.
+            name: "one timeout between good nodes",
+            n: 8,
+            timed_out: |r, p| r == 1 && p == Pair::new(2, 3),
+            faulty: &[],
+            factors: &[1.0, 2.0],
+            unknown: 0,
+            as_failures: (0, 1),
+        },
+        Row {
+            // Everything times out, round after round: three overloaded rounds with the deadline
+            // doubled twice, then every node is unknown, none faulty.
+            name: "every check times out",
+            n: 12,
+            timed_out: |_, _| true,
+            faulty: &[],
+            factors: &[1.0, 2.0, 4.0],
+            unknown: 12,
+            as_failures: (0, 0),
+        },
+        Row {
+            // Issue 12 §2: a healthy 12-node cluster under heavy CPU load, two checks in five
+            // timing out in every round, was named with faulty nodes and broken links.
+            name: "two in five time out in every round",
+            n: 12,
+            timed_out: |r, p| h(r, p) < 2,
+            faulty: &[],
+            // Round 1 (2 of 6 timed out) looked like isolated timeouts until round 2 showed
+            // those nodes pass elsewhere: round 2 doubles the deadline for the re-checks, round
+            // 3 for one overloaded round known by then (4x after round 3 would come next).
+            factors: &[1.0, 2.0, 2.0],
+            unknown: 1,
+            as_failures: (2, 1),
+        },
+    ];
+    for row in &rows {
+        let (v, factors) = drive_timed(row.n, |r, p| {
+            if (row.timed_out)(r, p) {
+                Outcome::TimedOut
+            } else {
+                pass(r, p)
+            }
+        });
+        let name = row.name;
+        assert_eq!(
+            v.faulty,
+            row.faulty.iter().copied().collect(),
+            "{name}: {v:?}"
+        );
+        assert!(
+            v.broken_links.is_empty() && v.stragglers.is_empty(),
+            "{name}: {v:?}"
+        );
+        assert_eq!(v.unknown.len(), row.unknown, "{name}: {v:?}");
+        for why in v.unknown.values() {
+            assert!(why.contains("timed out under load"), "{name}: {why}");
+        }
+        assert_eq!(factors, row.factors, "{name}");
+        let (hard, _) = drive_timed(row.n, |r, p| {
+            if (row.timed_out)(r, p) {
+                Outcome::Fail
+            } else {
+                pass(r, p)
+            }
+        });
+        assert_eq!(
+            (hard.faulty.len(), hard.broken_links.len()),
+            row.as_failures,
+            "{name} as hard failures: {hard:?}"
+        );
+    }
 }
 
 #[test]
@@ -340,6 +481,32 @@ proptest! {
         let (v, rounds, _) = run(n, &Truth { noise, round_slowdown: LOAD, slow_check, ..Truth::default() });
         prop_assert!(v.is_clean(), "{:?}", v);
         prop_assert_eq!(rounds, 1);
+    }
+
+    /// Hung nodes (at most N/8; their checks time out, nothing is reported) are found as
+    /// faulty, under the noise model, and nothing else is blamed.
+    #[test]
+    fn hung_nodes_are_found(n in 8usize..300, k in 1usize..40, seed in any::<u64>()) {
+        let k = k.min(n / 8);
+        let truth = noisy(Truth { hung: pick(n, k, seed), ..Truth::default() });
+        let (v, rounds, _) = simulate(shuffled(n, seed), &truth, PairingConfig::default());
+        prop_assert_eq!(&v.faulty, &truth.hung);
+        prop_assert!(v.broken_links.is_empty() && v.stragglers.is_empty() && v.unknown.is_empty(), "{:?}", v);
+        prop_assert!(rounds <= 3, "{} rounds for {} of {}", rounds, k, n);
+    }
+
+    /// A healthy cluster under overload (rounds up to 8x slower, deadline 2x to 4x a normal
+    /// check, so whole rounds and parts of rounds time out) names no faulty node, no broken
+    /// link and no straggler; nodes it cannot tell are unknown because of timeouts.
+    #[test]
+    fn overload_blames_nobody(n in 2usize..200, load in 1.0f64..8.0, deadline in 2.0f64..4.0, seed in any::<u64>()) {
+        let truth = Truth { noise: 0.1, round_slowdown: load, slow_check: SLOW_CHECK, deadline, ..Truth::default() };
+        let (v, rounds, _) = simulate(shuffled(n, seed), &truth, PairingConfig::default());
+        prop_assert!(v.faulty.is_empty() && v.broken_links.is_empty() && v.stragglers.is_empty(), "{:?}", v);
+        for why in v.unknown.values() {
+            prop_assert!(why.contains("timed out"), "{}", why);
+        }
+        prop_assert!(rounds <= 6);
     }
 
     /// Stragglers (at most N/8, slowed 2.25x to 10x) are found with about their slowdown, and
