@@ -7,6 +7,8 @@
 //! takes part in two checks (that check's time is not used for straggler statistics). Later
 //! rounds pair every unresolved node with a distinct node that has passed a check and that it has
 //! not yet been paired with; with no such node, unresolved nodes are paired among themselves.
+//! Nodes with one slow check are measured again against a normal node, and a later round gets
+//! up to 3 reference checks between normal nodes: its own yardstick for time and for load.
 //!
 //! What the evidence means (docs/peer-checks.md):
 //! - **good**: passed at least one check (a faulty node fails with everyone);
@@ -14,11 +16,16 @@
 //!   partner is not enough: that could be a broken link);
 //! - **explained**: never passed, but every failure was with a node found faulty: nothing
 //!   against it, no verdict;
-//! - **broken link**: a pair failed although both members are good;
-//! - **straggler**: at least two of its checks, with distinct partners, were slower than the
-//!   median by `straggler_ratio` and by `straggler_mads` median absolute deviations;
-//! - **unknown**: still unresolved when no informative pair is left or the round limit is reached,
-//!   with the reason.
+//! - **broken link**: a pair failed with a reported error although both members are good;
+//! - **straggler**: slow with at least two distinct partners, each check against its own round
+//!   (the lower median of the round's other reference times): slower by `straggler_ratio` and
+//!   by `straggler_mads` median absolute deviations;
+//! - **unknown**: still unresolved when no informative pair is left, the round limit is
+//!   reached, or checks kept timing out under load, with the reason.
+//!
+//! A timeout (`Outcome::TimedOut`) is a failure only in a round that was not overloaded
+//! (`Planner` has the rule); the timeouts of an overloaded round are checked again with a
+//! longer deadline (`Planner::deadline_factor`).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -88,7 +95,8 @@ pub struct PairingConfig {
 }
 
 /// The default `straggler_ratio`: above the slowest single check measured on a loaded host at
-/// the default check size (1.91x its round's median at 64 MiB; docs/peer-checks.md, "Noise").
+/// the default check size (1.94x its round's reference at 64 MiB, over 2,000 checks;
+/// docs/peer-checks.md, "Noise").
 pub const DEFAULT_STRAGGLER_RATIO: f64 = 2.0;
 
 impl Default for PairingConfig {
