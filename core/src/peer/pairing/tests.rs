@@ -528,3 +528,28 @@ proptest! {
         prop_assert!(rounds <= 3, "{} rounds", rounds);
     }
 }
+
+#[test]
+fn a_check_is_compared_with_the_lower_median_of_its_rounds_other_checks() {
+    // (reference times, the check's own time if it is one of them, the bar)
+    let rows: [(&[f64], Option<f64>, Option<f64>); 7] = [
+        // Two checks: each against the other.
+        (&[1.0, 3.0], Some(3.0), Some(1.0)),
+        (&[1.0, 3.0], Some(1.0), Some(3.0)),
+        // Three: the lower of the two others, so one slow reference does not lift the bar.
+        (&[1.0, 1.6, 3.0], Some(3.0), Some(1.0)),
+        (&[1.0, 1.1, 1.2, 1.3, 5.0], Some(5.0), Some(1.1)),
+        // Not a reference time itself (a re-measurement): all of them.
+        (&[1.0, 1.1, 1.2], None, Some(1.1)),
+        // Alone in its round: nothing to compare with.
+        (&[2.0], Some(2.0), None),
+        (&[], None, None),
+    ];
+    for (times, own, bar) in rows {
+        let s = RoundStats {
+            times: times.to_vec(),
+            mad: 0.0,
+        };
+        assert_eq!(s.median_without(own), bar, "{times:?} without {own:?}");
+    }
+}
