@@ -575,7 +575,7 @@ impl Planner {
             let mut t: Vec<f64> = self
                 .history
                 .iter()
-                .filter(|x| x.round == r && x.check.exclusive && x.role != Role::Remeasure)
+                .filter(|x| x.round == r && Self::is_reference(x))
                 .filter_map(|x| pass_time(x.outcome))
                 .collect();
             let m = median(&mut t);
