@@ -2,8 +2,11 @@
 //! and against bisection (split the failing group in halves, all halves of a level in one
 //! round), for N = 8 ... 4096 with 1, 2 and N/8 faulty nodes placed at random.
 //!
-//! `cargo bench -p faultline-core --bench peer [-- --trials N]`; docs/benchmarks.md has the
-//! figures. Pure computation: no processes, no network.
+//! `cargo bench -p faultline-core --bench peer [-- --trials N] [--noise-model]`;
+//! docs/benchmarks.md has the figures. `--noise-model`: faultline's checks under the property
+//! tests' noise model (rounds up to 5x slower, one check per round up to 1.6x slower, ±5 %
+//! jitter) instead of ±5 % jitter alone; DLRover and bisection read only pass/fail and the
+//! slowdowns, so their columns do not change. Pure computation: no processes, no network.
 
 #![allow(clippy::unwrap_used)]
 // A benchmark times itself: the purity rules are for the library.
@@ -233,6 +236,7 @@ fn exact(found: &Found, truth: &Truth) -> bool {
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
+    let noise_model = args.iter().any(|a| a == "--noise-model");
     let trials: usize = args
         .iter()
         .position(|a| a == "--trials")
@@ -250,7 +254,11 @@ fn main() {
                 (Tally::default(), Tally::default(), Tally::default());
             let mut planning = std::time::Duration::ZERO;
             for _ in 0..trials {
-                let truth = scenarios(n, &mut rng).swap_remove(i).1;
+                let mut truth = scenarios(n, &mut rng).swap_remove(i).1;
+                if noise_model {
+                    truth.round_slowdown = 5.0;
+                    truth.slow_check = 1.6;
+                }
                 let t0 = Instant::now();
                 let (v, r, c) = simulate((0..n).collect(), &truth, PairingConfig::default());
                 planning += t0.elapsed();

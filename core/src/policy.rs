@@ -243,7 +243,8 @@ impl Default for PeerPolicy {
             check_timeout: Duration::from_secs(10),
             gemm: false,
             gpu: false,
-            straggler_ratio: 1.5,
+            // Chosen from measured noise: core::peer::pairing::DEFAULT_STRAGGLER_RATIO.
+            straggler_ratio: crate::peer::pairing::DEFAULT_STRAGGLER_RATIO,
             straggler_mads: 3.0,
             max_rounds: 6,
         }

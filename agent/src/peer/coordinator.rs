@@ -677,6 +677,8 @@ impl Coordinator {
                 Some(s) if round > 1 => later_deadline(s, spec.iterations, spec.check_timeout),
                 _ => spec.check_timeout,
             };
+            // Longer after overloaded rounds and for nodes checked again after a timeout.
+            let deadline = deadline.mul_f64(planner.deadline_factor());
             // Probe ports: per node, one per check it takes part in this round.
             let mut slots: HashMap<NodeId, u16> = HashMap::new();
             let group = (round.saturating_sub(1) as u16 % PORT_GROUPS) * PORTS_PER_ROUND;
@@ -745,7 +747,10 @@ impl Coordinator {
                 }
             }
             planner.record(&outcomes);
-            let failed = outcomes.iter().filter(|(_, o)| *o == Outcome::Fail).count();
+            let failed = outcomes
+                .iter()
+                .filter(|(_, o)| !matches!(o, Outcome::Pass { .. }))
+                .count();
             info!(
                 round,
                 checks = outcomes.len(),
@@ -1048,14 +1053,18 @@ impl Coordinator {
                         .filter(|(r, _)| r.is_none())
                         .map(|(_, m)| m.node.as_str())
                         .collect();
-                    fail(
+                    // The deadline passed with no failure reported: a timeout, which the
+                    // planner reads against the rest of the round (overload or a hung node).
+                    let mut r = fail(
                         state.clone(),
                         format!(
                             "no report from {} within {}",
                             silent.join(" and "),
                             humantime::format_duration(deadline)
                         ),
-                    )
+                    );
+                    r.outcome = Outcome::TimedOut;
+                    r
                 }
             });
         }

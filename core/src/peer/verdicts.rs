@@ -186,6 +186,7 @@ mod tests {
             broken_links: BTreeSet::from([Pair::new(4, 5)]),
             slow: BTreeMap::from([(6, 3.0)]),
             noise: 0.02,
+            ..Truth::default()
         };
         let (v, _, _) = simulate((0..8).collect(), &truth, PairingConfig::default());
         let mut engines: Vec<Engine> = (0..8).map(|_| Engine::new()).collect();

@@ -7,6 +7,8 @@
 //! takes part in two checks (that check's time is not used for straggler statistics). Later
 //! rounds pair every unresolved node with a distinct node that has passed a check and that it has
 //! not yet been paired with; with no such node, unresolved nodes are paired among themselves.
+//! Nodes with one slow check are measured again against a normal node, and a later round gets
+//! up to 3 reference checks between normal nodes: its own yardstick for time and for load.
 //!
 //! What the evidence means (docs/peer-checks.md):
 //! - **good**: passed at least one check (a faulty node fails with everyone);
@@ -14,11 +16,16 @@
 //!   partner is not enough: that could be a broken link);
 //! - **explained**: never passed, but every failure was with a node found faulty: nothing
 //!   against it, no verdict;
-//! - **broken link**: a pair failed although both members are good;
-//! - **straggler**: at least two of its checks, with distinct partners, were slower than the
-//!   median by `straggler_ratio` and by `straggler_mads` median absolute deviations;
-//! - **unknown**: still unresolved when no informative pair is left or the round limit is reached,
-//!   with the reason.
+//! - **broken link**: a pair failed with a reported error although both members are good;
+//! - **straggler**: slow with at least two distinct partners, each check against its own round
+//!   (the lower median of the round's other reference times): slower by `straggler_ratio` and
+//!   by `straggler_mads` median absolute deviations;
+//! - **unknown**: still unresolved when no informative pair is left, the round limit is
+//!   reached, or checks kept timing out under load, with the reason.
+//!
+//! A timeout (`Outcome::TimedOut`) is a failure only in a round that was not overloaded
+//! (`Planner` has the rule); the timeouts of an overloaded round are checked again with a
+//! longer deadline (`Planner::deadline_factor`).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -68,19 +75,23 @@ pub struct Check {
 pub enum Outcome {
     /// Completed; the time of the allgather (or whatever the run measures), in seconds.
     Pass { seconds: f64 },
-    /// Failed, timed out, or a member did not answer.
+    /// A hard failure: a member reported an error (data, connection, probe), refused the check,
+    /// or could not be reached.
     Fail,
     /// Not judged: the check could not be run or its result did not come back for a reason
     /// that says nothing about the data path (the coordinator could not reach an agent to
     /// assign it, a report was lost on its way). No evidence either way: its nodes count as not
     /// checked by it, and they are paired with other partners (the pair is not planned again).
     Void,
+    /// The deadline passed and neither member reported a failure. Evidence against a node only
+    /// when the round was not overloaded (`Planner` docs).
+    TimedOut,
 }
 
 /// Thresholds.
 #[derive(Debug, Clone, PartialEq)]
 pub struct PairingConfig {
-    /// A check is slow when its time exceeds the median by this factor ...
+    /// A check is slow when its time exceeds its round's median by this factor ...
     pub straggler_ratio: f64,
     /// ... and by this many median absolute deviations.
     pub straggler_mads: f64,
@@ -88,10 +99,15 @@ pub struct PairingConfig {
     pub max_rounds: usize,
 }
 
+/// The default `straggler_ratio`: above the slowest single check measured on a loaded host at
+/// the default check size (1.94x its round's reference at 64 MiB, over 2,000 checks;
+/// docs/peer-checks.md, "Noise").
+pub const DEFAULT_STRAGGLER_RATIO: f64 = 2.0;
+
 impl Default for PairingConfig {
     fn default() -> Self {
         PairingConfig {
-            straggler_ratio: 1.5,
+            straggler_ratio: DEFAULT_STRAGGLER_RATIO,
             straggler_mads: 3.0,
             max_rounds: 6,
         }
@@ -103,7 +119,8 @@ impl Default for PairingConfig {
 pub struct Verdicts {
     pub faulty: BTreeSet<NodeId>,
     pub broken_links: BTreeSet<Pair>,
-    /// Straggler -> its median check time over the median of all checks.
+    /// Straggler -> its slowdown: over its comparable checks, each check's time over its own
+    /// round's median; the lower median of those (one check slowed by noise does not inflate it).
     pub stragglers: BTreeMap<NodeId, f64>,
     /// Unresolved nodes and why.
     pub unknown: BTreeMap<NodeId, String>,
@@ -118,13 +135,51 @@ impl Verdicts {
     }
 }
 
+/// Why the planner asked for a check; decides which checks set a round's reference times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// Round 1: neighbours.
+    First,
+    /// An unresolved node with a good partner, or two unresolved nodes.
+    Resolve,
+    /// A node with one slow check, measured again against a normal node: the checks the round
+    /// judges, never its reference.
+    Remeasure,
+    /// Two normal nodes: the round's reference, for time and for load.
+    Reference,
+}
+
 #[derive(Debug, Clone)]
 struct Record {
     check: Check,
     outcome: Outcome,
+    /// The round it ran in (1 for the first).
+    round: usize,
+    role: Role,
 }
 
+/// Reference checks (two normal nodes) a later round gets, as free normal nodes allow.
+const REFERENCE_CHECKS: usize = 3;
+/// A round needs this many reference times for its own spread (MAD); below it, round 1's
+/// relative spread is scaled to the round's median.
+const OWN_SPREAD_MIN: usize = 3;
+/// Overloaded rounds after which the run gives up on the nodes they left open.
+const OVERLOAD_RETRIES: usize = 2;
+/// The deadline factor doubles after each overloaded round, up to this.
+const MAX_DEADLINE_FACTOR: f64 = 4.0;
+
 /// The planner of one run.
+///
+/// Timeouts (`Outcome::TimedOut`) are read per round. A round with a timeout is
+/// **overloaded** when a reference check of it timed out, or a check between two nodes that
+/// both pass elsewhere timed out, or none of its checks passed, or (with no reference check of
+/// it passed) at least two and more than a third of its checks timed out. The timeouts of an overloaded round are no evidence: their nodes are
+/// checked again (same pair allowed) and the next round's deadline is longer
+/// (`deadline_factor`); after `OVERLOAD_RETRIES` overloaded rounds, or at the round limit,
+/// nodes left open by them are unknown ("checks timed out under load"), never faulty. A
+/// timeout in a round that is not overloaded counts as a failure against a node that never
+/// passes (a hung node is still found), and never makes a broken link (links are named from
+/// hard failures only).
 #[derive(Debug, Clone)]
 pub struct Planner {
     order: Vec<NodeId>,
@@ -134,11 +189,46 @@ pub struct Planner {
     /// Pairs whose check was not judged (`Outcome::Void`): not evidence, but not planned again.
     voided: BTreeSet<Pair>,
     /// The round handed out and not yet recorded.
-    pending: Option<Vec<Check>>,
+    pending: Option<Vec<(Check, Role)>>,
+    /// Deadline factor of the round last handed out.
+    deadline_factor: f64,
     finished: bool,
     /// Why planning stopped with nodes unresolved.
     stop_reason: Option<String>,
 }
+
+/// A round's reference: its reference times (exclusive passed checks not planned to
+/// re-measure a suspect; round 1: all its exclusive checks), sorted, and their median absolute
+/// deviation.
+#[derive(Debug, Clone, Default)]
+struct RoundStats {
+    times: Vec<f64>,
+    mad: f64,
+}
+
+impl RoundStats {
+    /// The lower median (the smaller middle value of an even count) of the reference times
+    /// leaving out one occurrence of `own`: a check is not its own reference (in a round of two
+    /// checks each is compared with the other), and in a small round one slow reference check
+    /// does not lift the bar.
+    fn median_without(&self, own: Option<f64>) -> Option<f64> {
+        let v = &self.times;
+        let skip = own.and_then(|x| v.iter().position(|t| *t == x));
+        let k = v.len() - usize::from(skip.is_some());
+        if k == 0 {
+            return None;
+        }
+        let at = |i: usize| match skip {
+            Some(s) if i >= s => v[i + 1],
+            _ => v[i],
+        };
+        let m = at((k - 1) / 2);
+        (m > 0.0).then_some(m)
+    }
+}
+
+/// One node's comparable checks: (partner, time over its round's median, slow).
+type Judged = Vec<(NodeId, f64, bool)>;
 
 /// What the history says right now.
 #[derive(Debug, Default)]
@@ -147,6 +237,12 @@ struct Evidence {
     faulty: BTreeSet<NodeId>,
     /// Never passed, not faulty, not explained: needs another check.
     unresolved: BTreeSet<NodeId>,
+    /// Unresolved nodes that failed only by timeouts of overloaded rounds.
+    timed_out: BTreeSet<NodeId>,
+    /// Unresolved nodes all of whose checks timed out, some in rounds that were not overloaded.
+    timed_out_counted: BTreeSet<NodeId>,
+    /// Rounds whose timeouts are overload, not evidence.
+    overloaded: BTreeSet<usize>,
     links: BTreeSet<Pair>,
     stragglers: BTreeMap<NodeId, f64>,
     /// Good nodes with exactly one slow check that are not cleared: need another measurement.
@@ -166,6 +262,15 @@ fn median(v: &mut [f64]) -> f64 {
     } else {
         (v[m - 1] + v[m]) / 2.0
     }
+}
+
+/// The lower median: the middle value, or the smaller of the two middle ones.
+fn lower_median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_by(f64::total_cmp);
+    v[(v.len() - 1) / 2]
 }
 
 /// Round-1 order: by topology label (members without one last), then by name, rotated by
@@ -194,6 +299,7 @@ impl Planner {
             history: Vec::new(),
             voided: BTreeSet::new(),
             pending: None,
+            deadline_factor: 1.0,
             finished: false,
             stop_reason: None,
         }
@@ -209,11 +315,18 @@ impl Planner {
         self.history.len()
     }
 
+    /// How much longer than usual the round last handed out by `next_round` should wait for
+    /// its checks: 1 normally; 2 when it checks a node again after a timeout; 2, then 4, after
+    /// overloaded rounds (their timed-out nodes are checked again with the longer deadline).
+    pub fn deadline_factor(&self) -> f64 {
+        self.deadline_factor
+    }
+
     /// The next round's checks, or `None` when the run is over. Calling it again before
     /// `record` returns the same round.
     pub fn next_round(&mut self) -> Option<Vec<Check>> {
         if let Some(p) = &self.pending {
-            return Some(p.clone());
+            return Some(p.iter().map(|x| x.0).collect());
         }
         if self.finished {
             return None;
@@ -231,67 +344,107 @@ impl Planner {
             return None;
         }
         self.rounds += 1;
-        self.pending = Some(plan.clone());
-        Some(plan)
+        let checks = plan.iter().map(|x| x.0).collect();
+        self.pending = Some(plan);
+        Some(checks)
     }
 
     /// Records the outcomes of the pending round. A planned check missing from `results`
-    /// counts as failed (its members did not report); results for checks not planned are
-    /// ignored.
+    /// counts as timed out (no report came); results for checks not planned are ignored.
     pub fn record(&mut self, results: &[(Pair, Outcome)]) {
         let Some(plan) = self.pending.take() else {
             return;
         };
-        for check in plan {
+        for (check, role) in plan {
             let outcome = results
                 .iter()
                 .find(|(p, _)| *p == check.pair)
-                .map_or(Outcome::Fail, |(_, o)| *o);
+                .map_or(Outcome::TimedOut, |(_, o)| *o);
             if outcome == Outcome::Void {
                 self.voided.insert(check.pair);
                 continue;
             }
-            self.history.push(Record { check, outcome });
+            self.history.push(Record {
+                check,
+                outcome,
+                round: self.rounds,
+                role,
+            });
         }
     }
 
-    fn first_round(&self) -> Vec<Check> {
+    fn first_round(&self) -> Vec<(Check, Role)> {
         let o = &self.order;
-        let mut plan: Vec<Check> = o
+        let mut plan: Vec<(Check, Role)> = o
             .chunks(2)
             .filter(|c| c.len() == 2)
-            .map(|c| Check {
-                pair: Pair::new(c[0], c[1]),
-                exclusive: true,
+            .map(|c| {
+                let check = Check {
+                    pair: Pair::new(c[0], c[1]),
+                    exclusive: true,
+                };
+                (check, Role::First)
             })
             .collect();
         if o.len() % 2 == 1 && o.len() >= 3 {
             let last = o[o.len() - 1];
-            plan.push(Check {
+            let check = Check {
                 pair: Pair::new(last, o[0]),
                 exclusive: false,
-            });
+            };
+            plan.push((check, Role::First));
             if let Some(first) = plan.first_mut() {
-                first.exclusive = false;
+                first.0.exclusive = false;
             }
         }
         plan
     }
 
-    fn tried(&self, a: NodeId, b: NodeId) -> bool {
+    /// Whether a pair has been checked with a result that says something (a timeout of an
+    /// overloaded round says nothing: the pair may be tried again).
+    fn tried(&self, a: NodeId, b: NodeId, overloaded: &BTreeSet<usize>) -> bool {
         let p = Pair::new(a, b);
-        self.voided.contains(&p) || self.history.iter().any(|r| r.check.pair == p)
+        self.voided.contains(&p)
+            || self.history.iter().any(|r| {
+                r.check.pair == p
+                    && !(r.outcome == Outcome::TimedOut && overloaded.contains(&r.round))
+            })
     }
 
-    fn later_round(&mut self) -> Vec<Check> {
+    /// Whether a record counts as a failure of its pair.
+    fn failed(r: &Record, overloaded: &BTreeSet<usize>) -> bool {
+        match r.outcome {
+            Outcome::Fail => true,
+            Outcome::TimedOut => !overloaded.contains(&r.round),
+            // Never recorded (`record` keeps unjudged checks out of the history).
+            Outcome::Pass { .. } | Outcome::Void => false,
+        }
+    }
+
+    fn later_round(&mut self) -> Vec<(Check, Role)> {
         let ev = self.evidence();
+        let ol = &ev.overloaded;
+        if ol.len() > OVERLOAD_RETRIES {
+            self.stop_reason = Some(format!(
+                "checks timed out under load in {} rounds",
+                ol.len()
+            ));
+            return Vec::new();
+        }
         let mut used: BTreeSet<NodeId> = BTreeSet::new();
         let mut plan = Vec::new();
+        let exclusive = |a: NodeId, b: NodeId, role: Role| {
+            let check = Check {
+                pair: Pair::new(a, b),
+                exclusive: true,
+            };
+            (check, role)
+        };
         // Most failures first: they resolve the most.
         let failures = |n: NodeId| {
             self.history
                 .iter()
-                .filter(|r| r.check.pair.has(n) && matches!(r.outcome, Outcome::Fail))
+                .filter(|r| r.check.pair.has(n) && Self::failed(r, ol))
                 .count()
         };
         let mut unresolved: Vec<NodeId> = ev.unresolved.iter().copied().collect();
@@ -302,15 +455,12 @@ impl Planner {
                 .good
                 .iter()
                 .copied()
-                .find(|&g| !used.contains(&g) && !self.tried(s, g));
+                .find(|&g| !used.contains(&g) && !self.tried(s, g, ol));
             match partner {
                 Some(g) => {
                     used.insert(g);
                     used.insert(s);
-                    plan.push(Check {
-                        pair: Pair::new(s, g),
-                        exclusive: true,
-                    });
+                    plan.push(exclusive(s, g, Role::Resolve));
                 }
                 None => waiting.push(s),
             }
@@ -323,14 +473,11 @@ impl Planner {
             }
             if let Some(&t) = waiting[i + 1..]
                 .iter()
-                .find(|&&t| !used.contains(&t) && !self.tried(s, t))
+                .find(|&&t| !used.contains(&t) && !self.tried(s, t, ol))
             {
                 used.insert(s);
                 used.insert(t);
-                plan.push(Check {
-                    pair: Pair::new(s, t),
-                    exclusive: true,
-                });
+                plan.push(exclusive(s, t, Role::Resolve));
             }
         }
         // A second measurement for nodes with one slow check, against a normal node.
@@ -342,33 +489,136 @@ impl Planner {
                 .normal
                 .iter()
                 .copied()
-                .find(|&g| g != s && !used.contains(&g) && !self.tried(s, g));
+                .find(|&g| g != s && !used.contains(&g) && !self.tried(s, g, ol));
             if let Some(g) = partner {
                 used.insert(g);
                 used.insert(s);
-                plan.push(Check {
-                    pair: Pair::new(s, g),
-                    exclusive: true,
-                });
+                plan.push(exclusive(s, g, Role::Remeasure));
             }
         }
-        if plan.is_empty() && (!ev.unresolved.is_empty() || !ev.slow_suspects.is_empty()) {
-            self.stop_reason = Some("no untried partner left that could tell".into());
+        if plan.is_empty() {
+            if !ev.unresolved.is_empty() || !ev.slow_suspects.is_empty() {
+                self.stop_reason = Some("no untried partner left that could tell".into());
+            }
+            return plan;
         }
+        // Reference checks between normal nodes: the round's own yardstick for time (its
+        // other checks run fewer at once than round 1, or under another load) and for load
+        // (a reference check timing out means the round was overloaded). Untried pairs first:
+        // they exercise new links.
+        let free: Vec<NodeId> = ev
+            .normal
+            .iter()
+            .copied()
+            .filter(|n| !used.contains(n))
+            .collect();
+        let mut refs = 0;
+        for untried_only in [true, false] {
+            for (i, &a) in free.iter().enumerate() {
+                if refs >= REFERENCE_CHECKS || used.contains(&a) {
+                    continue;
+                }
+                if let Some(&b) = free[i + 1..]
+                    .iter()
+                    .find(|&&b| !used.contains(&b) && (!untried_only || !self.tried(a, b, ol)))
+                {
+                    used.insert(a);
+                    used.insert(b);
+                    plan.push(exclusive(a, b, Role::Reference));
+                    refs += 1;
+                }
+            }
+        }
+        // A longer deadline after overloaded rounds, and for a node checked again after a
+        // timeout: one slow check that ran past the deadline passes then, a hung node does not.
+        let doublings = i32::try_from(ol.len()).unwrap_or(i32::MAX);
+        let mut factor = 2f64.powi(doublings).min(MAX_DEADLINE_FACTOR);
+        let timed_out = |n: NodeId| {
+            self.history
+                .iter()
+                .any(|r| r.check.pair.has(n) && r.outcome == Outcome::TimedOut)
+        };
+        if plan.iter().any(|(c, role)| {
+            *role == Role::Resolve && (timed_out(c.pair.a()) || timed_out(c.pair.b()))
+        }) {
+            factor = factor.max(2.0);
+        }
+        self.deadline_factor = factor;
         plan
     }
 
-    /// Passing check times, with whether the check was exclusive (comparable).
-    fn times(&self) -> Vec<(Pair, f64, bool)> {
-        self.history
-            .iter()
-            .filter_map(|r| match r.outcome {
-                Outcome::Pass { seconds } if seconds.is_finite() && seconds >= 0.0 => {
-                    Some((r.check.pair, seconds, r.check.exclusive))
+    /// Which rounds are overloaded, given the good nodes.
+    fn overloaded(&self, good: &BTreeSet<NodeId>) -> BTreeSet<usize> {
+        let mut out = BTreeSet::new();
+        for r in 1..=self.rounds {
+            let recs: Vec<&Record> = self.history.iter().filter(|x| x.round == r).collect();
+            let timed_out = |x: &&&Record| x.outcome == Outcome::TimedOut;
+            let timeouts = recs.iter().filter(timed_out).count();
+            if timeouts == 0 {
+                continue;
+            }
+            let reference_timed_out = recs
+                .iter()
+                .filter(timed_out)
+                .any(|x| x.role == Role::Reference);
+            let between_good = recs
+                .iter()
+                .filter(timed_out)
+                .any(|x| good.contains(&x.check.pair.a()) && good.contains(&x.check.pair.b()));
+            let reference_passed = recs
+                .iter()
+                .any(|x| x.role == Role::Reference && matches!(x.outcome, Outcome::Pass { .. }));
+            let none_passed = !recs
+                .iter()
+                .any(|x| matches!(x.outcome, Outcome::Pass { .. }));
+            let most = timeouts >= 2 && timeouts * 3 > recs.len() && !reference_passed;
+            if reference_timed_out || between_good || none_passed || most {
+                out.insert(r);
+            }
+        }
+        out
+    }
+
+    /// Each round's reference (`RoundStats`). With fewer than `OWN_SPREAD_MIN` reference
+    /// times the MAD is round 1's relative MAD times the round's median; a round with none is
+    /// compared with the latest round before it that has some.
+    fn round_stats(&self) -> BTreeMap<usize, RoundStats> {
+        let mut out = BTreeMap::new();
+        let mut rel_mad = 0.0;
+        let mut last: Option<RoundStats> = None;
+        for r in 1..=self.rounds {
+            let mut t: Vec<f64> = self
+                .history
+                .iter()
+                .filter(|x| x.round == r && Self::is_reference(x))
+                .filter_map(|x| pass_time(x.outcome))
+                .collect();
+            let m = median(&mut t);
+            let stats = if m > 0.0 {
+                let mad = if t.len() >= OWN_SPREAD_MIN {
+                    let mut dev: Vec<f64> = t.iter().map(|x| (x - m).abs()).collect();
+                    median(&mut dev)
+                } else {
+                    rel_mad * m
+                };
+                if r == 1 && t.len() >= OWN_SPREAD_MIN {
+                    rel_mad = mad / m;
                 }
-                _ => None,
-            })
-            .collect()
+                Some(RoundStats { times: t, mad })
+            } else {
+                last.clone()
+            };
+            if let Some(s) = stats {
+                last = Some(s.clone());
+                out.insert(r, s);
+            }
+        }
+        out
+    }
+
+    /// Whether a record belongs to its round's reference times.
+    fn is_reference(r: &Record) -> bool {
+        r.check.exclusive && r.role != Role::Remeasure
     }
 
     fn evidence(&self) -> Evidence {
@@ -382,10 +632,12 @@ impl Planner {
                 ev.good.insert(r.check.pair.b());
             }
         }
+        ev.overloaded = self.overloaded(&ev.good);
+        let ol = &ev.overloaded;
         let failed_with = |n: NodeId| -> BTreeSet<NodeId> {
             self.history
                 .iter()
-                .filter(|r| r.check.pair.has(n) && matches!(r.outcome, Outcome::Fail))
+                .filter(|r| r.check.pair.has(n) && Self::failed(r, ol))
                 .map(|r| r.check.pair.other(n))
                 .collect()
         };
@@ -402,52 +654,61 @@ impl Planner {
             let explained = !fw.is_empty() && fw.iter().all(|p| ev.faulty.contains(p));
             if !explained {
                 ev.unresolved.insert(n);
+                let mine = || self.history.iter().filter(|r| r.check.pair.has(n));
+                let timeouts_only = mine().all(|r| r.outcome == Outcome::TimedOut);
+                if fw.is_empty() && mine().any(|r| r.outcome == Outcome::TimedOut) {
+                    ev.timed_out.insert(n);
+                } else if timeouts_only && mine().next().is_some() {
+                    ev.timed_out_counted.insert(n);
+                }
             }
         }
         for r in &self.history {
             let p = r.check.pair;
-            if matches!(r.outcome, Outcome::Fail)
-                && ev.good.contains(&p.a())
-                && ev.good.contains(&p.b())
-            {
+            if r.outcome == Outcome::Fail && ev.good.contains(&p.a()) && ev.good.contains(&p.b()) {
                 ev.links.insert(p);
             }
         }
-        // Stragglers. The statistics use exclusive checks only: a node in two checks at once
-        // shares its bandwidth. A shared check that was not slow still shows the node is not.
-        let times = self.times();
-        let mut all: Vec<f64> = times.iter().filter(|x| x.2).map(|x| x.1).collect();
-        let m = median(&mut all);
-        let mut dev: Vec<f64> = times
-            .iter()
-            .filter(|x| x.2)
-            .map(|x| (x.1 - m).abs())
-            .collect();
-        let mad = median(&mut dev);
-        let slow = |t: f64| {
-            m > 0.0 && t > m * self.cfg.straggler_ratio && t > m + self.cfg.straggler_mads * mad
+        // Stragglers. Each check is judged against its own round (`round_stats`), from
+        // exclusive checks only: a node in two checks at once shares its bandwidth. A shared
+        // check that was not slow still shows the node is not.
+        let stats = self.round_stats();
+        let judge = |r: &Record| -> Option<(f64, bool)> {
+            let t = pass_time(r.outcome)?;
+            let own = Self::is_reference(r).then_some(t);
+            // Nothing to compare with (no other check passed): not slow.
+            let Some((m, mad)) = stats
+                .get(&r.round)
+                .and_then(|s| Some((s.median_without(own)?, s.mad)))
+            else {
+                return Some((1.0, false));
+            };
+            let slow = t > m * self.cfg.straggler_ratio && t > m + self.cfg.straggler_mads * mad;
+            Some((t / m, slow))
         };
-        // Per good node: (partner, time) of its exclusive checks, and whether any shared check
-        // of it was normal.
-        let mine = |n: NodeId| -> (Vec<(NodeId, f64)>, bool) {
-            let excl = times
-                .iter()
-                .filter(|(p, _, e)| *e && p.has(n))
-                .map(|(p, t, _)| (p.other(n), *t))
-                .collect();
-            let shared_normal = times.iter().any(|(p, t, e)| !*e && p.has(n) && !slow(*t));
+        // Per good node: its exclusive checks judged, and whether any shared check of it was
+        // normal.
+        let mine = |n: NodeId| -> (Judged, bool) {
+            let mut excl = Vec::new();
+            let mut shared_normal = false;
+            for r in self.history.iter().filter(|r| r.check.pair.has(n)) {
+                if let Some((ratio, slow)) = judge(r) {
+                    if r.check.exclusive {
+                        excl.push((r.check.pair.other(n), ratio, slow));
+                    } else if !slow {
+                        shared_normal = true;
+                    }
+                }
+            }
             (excl, shared_normal)
         };
         for &n in &ev.good {
             let (excl, shared_normal) = mine(n);
-            let slow_partners: BTreeSet<NodeId> = excl
-                .iter()
-                .filter(|(_, t)| slow(*t))
-                .map(|(p, _)| *p)
-                .collect();
+            let slow_partners: BTreeSet<NodeId> =
+                excl.iter().filter(|x| x.2).map(|x| x.0).collect();
             if slow_partners.len() >= 2 {
-                let mut ts: Vec<f64> = excl.iter().map(|(_, t)| *t).collect();
-                ev.stragglers.insert(n, median(&mut ts) / m);
+                let mut ratios: Vec<f64> = excl.iter().map(|x| x.1).collect();
+                ev.stragglers.insert(n, lower_median(&mut ratios));
             } else if slow_partners.is_empty() && (!excl.is_empty() || shared_normal) {
                 ev.normal.insert(n);
             }
@@ -460,10 +721,10 @@ impl Planner {
                 continue;
             }
             let (excl, shared_normal) = mine(n);
-            let has_normal = shared_normal || excl.iter().any(|(_, t)| !slow(*t));
-            let slow_ones: Vec<&(NodeId, f64)> = excl.iter().filter(|(_, t)| slow(*t)).collect();
-            let blamed = !slow_ones.is_empty()
-                && slow_ones.iter().all(|(p, _)| ev.stragglers.contains_key(p));
+            let has_normal = shared_normal || excl.iter().any(|x| !x.2);
+            let slow_ones: Vec<&(NodeId, f64, bool)> = excl.iter().filter(|x| x.2).collect();
+            let blamed =
+                !slow_ones.is_empty() && slow_ones.iter().all(|x| ev.stragglers.contains_key(&x.0));
             if !has_normal && !blamed {
                 ev.slow_suspects.insert(n);
             }
@@ -480,7 +741,11 @@ impl Planner {
             .unwrap_or_else(|| "the run ended before it was resolved".into());
         let mut unknown: BTreeMap<NodeId, String> = BTreeMap::new();
         for &n in &ev.unresolved {
-            let why = if ev.good.is_empty() {
+            let why = if ev.timed_out.contains(&n) {
+                format!("checks timed out under load ({reason})")
+            } else if ev.timed_out_counted.contains(&n) {
+                format!("checks timed out, no partner to tell load from a hung node ({reason})")
+            } else if ev.good.is_empty() {
                 format!("no node passed a check to compare with ({reason})")
             } else {
                 reason.clone()
@@ -499,20 +764,78 @@ impl Planner {
     }
 }
 
+/// A passed check's time, when it is a usable one.
+fn pass_time(o: Outcome) -> Option<f64> {
+    match o {
+        Outcome::Pass { seconds } if seconds.is_finite() && seconds >= 0.0 => Some(seconds),
+        _ => None,
+    }
+}
+
 /// A simulated cluster for tests and the localization benchmark: who is broken, and how checks
-/// come out.
+/// come out. Every random draw is a hash of (pair, round), so a run is deterministic.
+///
+/// The noise model (docs/peer-checks.md, "Guarantees"): a check's time is 1 s times the slower
+/// member's slowdown, times the round's slowdown (machine load: every check of a round slower
+/// by the same factor), times jitter, and one check per round (a check, not a node) is slower
+/// again.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Truth {
     pub faulty: BTreeSet<NodeId>,
     pub broken_links: BTreeSet<Pair>,
     /// Node -> slowdown factor (2.0: its checks take twice as long).
     pub slow: BTreeMap<NodeId, f64>,
-    /// Relative noise on check times (0.05: up to ±5 %), deterministic per pair and round.
+    /// Relative jitter on check times (0.05: up to ±5 %).
     pub noise: f64,
+    /// Every check of a round is slower by a factor drawn per round from 1 to this (3.0: up to
+    /// 3x); 0 or 1: no round slowdowns.
+    pub round_slowdown: f64,
+    /// One check per round, drawn per round, is slower by a factor drawn from 1 to this, on top
+    /// of the rest; 0 or 1: none.
+    pub slow_check: f64,
+    /// Nodes that hang: their checks time out (no failure reported).
+    pub hung: BTreeSet<NodeId>,
+    /// A check's deadline in nominal check times (0: none), times the planner's
+    /// `deadline_factor`: a check slower than that times out (overload).
+    pub deadline: f64,
+}
+
+/// A uniform draw in [0, 1) from (a, b, round, salt).
+fn unit(a: u64, b: u64, round: u64, salt: u64) -> f64 {
+    let h = a
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        .wrapping_add(b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F))
+        .wrapping_add(round)
+        .wrapping_add(salt.wrapping_mul(0xD6E8_FEB8_6659_FD93))
+        .rotate_left(29)
+        .wrapping_mul(0x1656_67B1_9E37_79F9);
+    let h = (h ^ (h >> 31)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    (h >> 11) as f64 / (1u64 << 53) as f64
+}
+
+/// A factor drawn from [1, max) (1 when max <= 1).
+fn up_to(max: f64, u: f64) -> f64 {
+    if max > 1.0 {
+        1.0 + (max - 1.0) * u
+    } else {
+        1.0
+    }
 }
 
 impl Truth {
+    /// The outcome of one check of `round`, without the round's single slow check, with the
+    /// deadline factor 1.
     pub fn outcome(&self, check: Check, round: usize) -> Outcome {
+        self.outcome_with(check, round, 1.0, 1.0)
+    }
+
+    fn outcome_with(
+        &self,
+        check: Check,
+        round: usize,
+        extra: f64,
+        deadline_factor: f64,
+    ) -> Outcome {
         let p = check.pair;
         if self.faulty.contains(&p.a())
             || self.faulty.contains(&p.b())
@@ -520,19 +843,45 @@ impl Truth {
         {
             return Outcome::Fail;
         }
-        let slow = |n| self.slow.get(&n).copied().unwrap_or(1.0);
-        // A cheap deterministic hash of (pair, round) for the noise.
-        let h = (p.a() as u64)
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            .wrapping_add((p.b() as u64).wrapping_mul(0xC2B2_AE3D_27D4_EB4F))
-            .wrapping_add(round as u64)
-            .rotate_left(29)
-            .wrapping_mul(0x1656_67B1_9E37_79F9);
-        let unit = (h >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
-        let jitter = 1.0 + self.noise * (2.0 * unit - 1.0);
-        Outcome::Pass {
-            seconds: 1.0 * slow(p.a()).max(slow(p.b())) * jitter,
+        if self.hung.contains(&p.a()) || self.hung.contains(&p.b()) {
+            return Outcome::TimedOut;
         }
+        let slow = |n| self.slow.get(&n).copied().unwrap_or(1.0);
+        let r = round as u64;
+        let jitter = 1.0 + self.noise * (2.0 * unit(p.a() as u64, p.b() as u64, r, 0) - 1.0);
+        let load = up_to(self.round_slowdown, unit(0, 0, r, 1));
+        let seconds = 1.0 * slow(p.a()).max(slow(p.b())) * load * jitter * extra;
+        if self.deadline > 0.0 && seconds > self.deadline * deadline_factor {
+            return Outcome::TimedOut;
+        }
+        Outcome::Pass { seconds }
+    }
+
+    /// The outcomes of a whole round: `outcome` for each check, one check (drawn per round)
+    /// slower by up to `slow_check`, and the deadline times `deadline_factor`.
+    pub fn round_outcomes(
+        &self,
+        checks: &[Check],
+        round: usize,
+        deadline_factor: f64,
+    ) -> Vec<(Pair, Outcome)> {
+        let r = round as u64;
+        let unlucky = (unit(0, 0, r, 2) * checks.len() as f64) as usize;
+        checks
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let extra = if i == unlucky {
+                    up_to(
+                        self.slow_check,
+                        unit(c.pair.a() as u64, c.pair.b() as u64, r, 3),
+                    )
+                } else {
+                    1.0
+                };
+                (c.pair, self.outcome_with(*c, round, extra, deadline_factor))
+            })
+            .collect()
     }
 }
 
@@ -541,10 +890,7 @@ pub fn simulate(order: Vec<NodeId>, truth: &Truth, cfg: PairingConfig) -> (Verdi
     let mut planner = Planner::new(order, cfg);
     while let Some(round) = planner.next_round() {
         let r = planner.rounds();
-        let results: Vec<(Pair, Outcome)> = round
-            .iter()
-            .map(|c| (c.pair, truth.outcome(*c, r)))
-            .collect();
+        let results = truth.round_outcomes(&round, r, planner.deadline_factor());
         planner.record(&results);
     }
     (planner.verdicts(), planner.rounds(), planner.checks())
