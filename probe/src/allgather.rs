@@ -111,6 +111,21 @@ pub enum AllgatherError {
     Deadline(Duration),
 }
 
+impl AllgatherError {
+    /// The deadline passed after the ranks connected (a transfer too slow to finish), as
+    /// opposed to an error or a rank that never came.
+    pub fn is_deadline(&self) -> bool {
+        match self {
+            AllgatherError::Deadline(_) => true,
+            AllgatherError::Io { source, .. } => matches!(
+                source.kind(),
+                std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+            ),
+            _ => false,
+        }
+    }
+}
+
 fn set_timeouts(s: &TcpStream, deadline: Instant) -> std::io::Result<()> {
     let t = left(deadline).unwrap_or(Duration::from_millis(1));
     s.set_read_timeout(Some(t))?;

@@ -117,13 +117,24 @@ fn parse_size(s: &str) -> Result<usize, String> {
     Ok(bytes)
 }
 
+/// Exit status when the allgather's deadline passed after the ranks connected.
+const DEADLINE_EXIT: u8 = 3;
+
 fn main() -> ExitCode {
     match run(Cli::parse().command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // One line: the agent keeps the first line of stderr as the failure reason.
             eprintln!("Error: {}", format!("{e:#}").replace('\n', " "));
-            ExitCode::FAILURE
+            let deadline = e
+                .downcast_ref::<faultline_probe::allgather::AllgatherError>()
+                .is_some_and(|a| a.is_deadline());
+            if deadline {
+                // The agent tells this apart: too slow, not broken (docs/peer-checks.md).
+                ExitCode::from(DEADLINE_EXIT)
+            } else {
+                ExitCode::FAILURE
+            }
         }
     }
 }

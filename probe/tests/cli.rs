@@ -87,6 +87,31 @@ fn peak_memory_stays_bounded_at_a_large_size() {
     }
 }
 
+/// A transfer too slow for the deadline (4 GiB x 5 in 2 s on one machine) is not an error: the
+/// probe exits with status 3, which the agent reports as a timeout (judged with its round, no
+/// evidence under load), while a rank that never comes stays status 1 (below).
+#[test]
+fn a_deadline_mid_transfer_exits_3() {
+    let peers = format!("127.0.0.1:{},127.0.0.1:{}", free_port(), free_port());
+    let spawn = |rank: &str| {
+        Command::new(env!("CARGO_BIN_EXE_faultline-probe"))
+            .args(["allgather", "--peers", &peers, "--rank", rank])
+            .args(["--size", "4GiB", "--iterations", "5", "--timeout", "2s"])
+            .output()
+            .unwrap()
+    };
+    let (a, b) = std::thread::scope(|s| {
+        let a = s.spawn(|| spawn("0"));
+        let b = s.spawn(|| spawn("1"));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    for (rank, out) in [(0, a), (1, b)] {
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(3), "rank {rank}: {err}");
+        assert!(err.starts_with("Error: "), "{err}");
+    }
+}
+
 #[test]
 fn a_peer_that_never_comes_fails_at_the_timeout_with_a_clear_error() {
     let peers = format!("127.0.0.1:{},127.0.0.1:{}", free_port(), free_port());

@@ -1000,10 +1000,11 @@ impl Coordinator {
                     }
                     _ = &mut limit => break,
                 }
-                // A failure on either side decides the check.
+                // A failure on either side decides the check (one that is only the probe's
+                // deadline waits for the other side, which may say more).
                 if [&got_a, &got_b]
                     .iter()
-                    .any(|r| r.as_ref().is_some_and(|r| !r.passed))
+                    .any(|r| r.as_ref().is_some_and(|r| !r.passed && !r.timed_out))
                 {
                     break;
                 }
@@ -1014,11 +1015,23 @@ impl Coordinator {
         if result.is_none() {
             let failure = [(&got_a, a), (&got_b, b)].into_iter().find_map(|(r, m)| {
                 r.as_ref()
-                    .filter(|r| !r.passed)
+                    .filter(|r| !r.passed && !r.timed_out)
+                    .map(|r| format!("{}: {}", m.node, r.error))
+            });
+            let too_slow = [(&got_a, a), (&got_b, b)].into_iter().find_map(|(r, m)| {
+                r.as_ref()
+                    .filter(|r| !r.passed && r.timed_out)
                     .map(|r| format!("{}: {}", m.node, r.error))
             });
             result = Some(match (&got_a, &got_b, failure) {
                 (_, _, Some(why)) => fail(state.clone(), why),
+                (_, _, None) if too_slow.is_some() => {
+                    // The transfer did not finish in time: a timeout, which the planner judges
+                    // with its round (load, or a node that is too slow).
+                    let mut r = fail(state.clone(), too_slow.unwrap_or_default());
+                    r.outcome = Outcome::TimedOut;
+                    r
+                }
                 (Some(x), Some(y), None) => {
                     let seconds = x.seconds.max(y.seconds);
                     state.passed = Some(true);

@@ -47,7 +47,13 @@ pub enum ProbeOutcome {
     /// The probe could not be started on this node (missing or not executable): a cause on
     /// this side, whatever the partner.
     CannotRun(String),
+    /// The probe's deadline passed after the ranks connected (exit status 3): too slow to
+    /// finish, not an error. Under load, no evidence against anyone (`Outcome::TimedOut`).
+    TimedOut(String),
 }
+
+/// The probe's exit status for a deadline that passed after the ranks connected.
+pub const PROBE_DEADLINE_EXIT: i32 = 3;
 
 impl ProbeOutcome {
     /// The pairing planner's view.
@@ -57,6 +63,7 @@ impl ProbeOutcome {
                 seconds: r.median_seconds,
             },
             ProbeOutcome::Failed(_) | ProbeOutcome::CannotRun(_) => Outcome::Fail,
+            ProbeOutcome::TimedOut(_) => Outcome::TimedOut,
         }
     }
 }
@@ -106,6 +113,9 @@ pub async fn run_probe(spec: &ProbeSpec) -> ProbeOutcome {
             humantime::format_duration(limit)
         )),
         Err(ChildError::Io(e)) => ProbeOutcome::Failed(format!("waiting for the probe: {e}")),
+        Ok(out) if out.status.code() == Some(PROBE_DEADLINE_EXIT) => {
+            ProbeOutcome::TimedOut(format!("probe {}: {}", out.status, excerpt(&out.stderr)))
+        }
         Ok(out) if !out.status.success() => {
             ProbeOutcome::Failed(format!("probe {}: {}", out.status, excerpt(&out.stderr)))
         }

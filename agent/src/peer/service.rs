@@ -630,6 +630,11 @@ impl PeerService {
                 report.passed = false;
                 report.error = e;
             }
+            ProbeOutcome::TimedOut(e) => {
+                report.passed = false;
+                report.timed_out = true;
+                report.error = e;
+            }
             ProbeOutcome::CannotRun(e) => {
                 warn!(error = %e, "the probe cannot run on this node");
                 self.note_failure(&a.run_id, Some(&e));
