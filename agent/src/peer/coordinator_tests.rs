@@ -808,3 +808,56 @@ async fn a_round_of_probe_deadlines_under_load_blames_nobody() {
         s.rounds.iter().map(|r| r.deadline_ms).collect::<Vec<_>>()
     );
 }
+
+/// A requester that goes away (its call dropped: keep-alive, Ctrl-C, the Lease moved) does not
+/// drop its run halfway: the run goes on in its own task, and a retry with the same request id
+/// gets its result.
+#[tokio::test(start_paused = true)]
+async fn a_requester_that_goes_away_does_not_drop_its_run() {
+    let sc = Scenario {
+        hung: ["n3".to_string()].into(),
+        ..Default::default()
+    };
+    let (c, fake, _) = coordinator(sc, TestFence::new());
+    let claim = c.claim("req-9").unwrap();
+    let call = c.run_detached(
+        members(8),
+        BTreeMap::new(),
+        spec(),
+        Trigger::Request,
+        Some("req-9".into()),
+        Some(claim),
+    );
+    assert!(tokio::time::timeout(Duration::from_secs(1), call)
+        .await
+        .is_err());
+    let state = c.attach("req-9").await.unwrap().unwrap();
+    assert_eq!(
+        verdicts(&state),
+        vec![("faulty_node".to_string(), names(&["n3"]))]
+    );
+    // Concluded: every member told (the hung node's agent answers; its probe does not).
+    assert_eq!(fake.concluded.lock().unwrap().len(), 8);
+    assert!(c.claim("req-9").is_some(), "released when the run ended");
+}
+
+/// A new coordinator holds every run (requested ones too) until the previous coordinator's
+/// probes are over.
+#[tokio::test(start_paused = true)]
+async fn no_run_starts_before_the_hold() {
+    let (c, fake, _) = coordinator(Scenario::default(), TestFence::new());
+    let start = tokio::time::Instant::now();
+    c.hold_until(start + Duration::from_secs(13));
+    let s = c
+        .run(members(4), BTreeMap::new(), &spec(), Trigger::Request, None)
+        .await
+        .unwrap();
+    assert!(s.verdicts.is_empty());
+    assert!(
+        start.elapsed() >= Duration::from_secs(13),
+        "{:?}",
+        start.elapsed()
+    );
+    let first_assign = fake.assigned.lock().unwrap().len();
+    assert!(first_assign > 0);
+}
