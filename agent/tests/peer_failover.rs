@@ -49,6 +49,51 @@ fn published(agent: &Agent) -> Option<RunState> {
     serde_json::from_str(&text).ok()
 }
 
+/// Three members on loopback addresses: a temporary directory, the agents' secret, a policy
+/// with scheduled runs off and small checks, the members file, and their peer addresses.
+fn pool() -> (
+    tempfile::TempDir,
+    std::path::PathBuf,
+    std::path::PathBuf,
+    std::path::PathBuf,
+    [SocketAddr; 3],
+) {
+    let tmp = tempfile::tempdir().unwrap();
+    let secret = tmp.path().join("secret");
+    std::fs::write(&secret, "failover-test-secret-0123456789abcdef0123\n").unwrap();
+    let policy = tmp.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "peer:\n  enabled: false\n  bytes: 1048576\n  iterations: 2\n  check_timeout: 10s\n",
+    )
+    .unwrap();
+    let addrs = [
+        free_on("127.0.0.1"),
+        free_on("127.0.0.2"),
+        free_on("127.0.0.3"),
+    ];
+    let members = tmp.path().join("members");
+    std::fs::write(
+        &members,
+        format!(
+            "node-a {}\nnode-b {}\nnode-c {}\n",
+            addrs[0], addrs[1], addrs[2]
+        ),
+    )
+    .unwrap();
+    (tmp, secret, policy, members, addrs)
+}
+
+/// Each agent has written its record and listens on its peer port.
+fn wait_ready(agents: &[(&Agent, SocketAddr)]) {
+    for (agent, addr) in agents {
+        agent.wait_for("start-up write", |_| true);
+        common::wait_until("the peer port to listen", Duration::from_secs(30), || {
+            std::net::TcpStream::connect(addr).ok()
+        });
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn start_agent(
     tmp: &Path,
@@ -91,29 +136,7 @@ fn start_agent(
 /// PEER_UNREACHABLE: its agent answered every call.
 #[test]
 fn a_probe_that_cannot_run_is_named_in_the_nodes_record() {
-    let tmp = tempfile::tempdir().unwrap();
-    let secret = tmp.path().join("secret");
-    std::fs::write(&secret, "probe-cause-test-secret-0123456789abcdef\n").unwrap();
-    let policy = tmp.path().join("policy.yaml");
-    std::fs::write(
-        &policy,
-        "peer:\n  enabled: false\n  bytes: 1048576\n  iterations: 2\n  check_timeout: 10s\n",
-    )
-    .unwrap();
-    let addrs = [
-        free_on("127.0.0.1"),
-        free_on("127.0.0.2"),
-        free_on("127.0.0.3"),
-    ];
-    let members = tmp.path().join("members");
-    std::fs::write(
-        &members,
-        format!(
-            "node-a {}\nnode-b {}\nnode-c {}\n",
-            addrs[0], addrs[1], addrs[2]
-        ),
-    )
-    .unwrap();
+    let (tmp, secret, policy, members, addrs) = pool();
     let probe = probe_bin();
     let missing = Path::new("/x/faultline-probe");
     let start = |name: &str, listen: SocketAddr, probe: &Path| {
@@ -131,12 +154,7 @@ fn a_probe_that_cannot_run_is_named_in_the_nodes_record() {
     let a = start("node-a", addrs[0], &probe);
     let b = start("node-b", addrs[1], &probe);
     let c = start("node-c", addrs[2], missing);
-    for (agent, addr) in [(&a, addrs[0]), (&b, addrs[1]), (&c, addrs[2])] {
-        agent.wait_for("start-up write", |_| true);
-        common::wait_until("the peer port to listen", Duration::from_secs(30), || {
-            std::net::TcpStream::connect(addr).ok()
-        });
-    }
+    wait_ready(&[(&a, addrs[0]), (&b, addrs[1]), (&c, addrs[2])]);
     let (code, out, err) = check(&members, &secret, "node-a,node-b,node-c", "60s");
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(out.contains("faulty node   node-c"), "{out}");
@@ -157,29 +175,7 @@ fn a_probe_that_cannot_run_is_named_in_the_nodes_record() {
 
 #[test]
 fn the_next_live_member_coordinates_when_the_first_freezes() {
-    let tmp = tempfile::tempdir().unwrap();
-    let secret = tmp.path().join("secret");
-    std::fs::write(&secret, "failover-test-secret-0123456789abcdef0123\n").unwrap();
-    let policy = tmp.path().join("policy.yaml");
-    std::fs::write(
-        &policy,
-        "peer:\n  enabled: false\n  bytes: 1048576\n  iterations: 2\n  check_timeout: 10s\n",
-    )
-    .unwrap();
-    let addrs = [
-        free_on("127.0.0.1"),
-        free_on("127.0.0.2"),
-        free_on("127.0.0.3"),
-    ];
-    let members = tmp.path().join("members");
-    std::fs::write(
-        &members,
-        format!(
-            "node-a {}\nnode-b {}\nnode-c {}\n",
-            addrs[0], addrs[1], addrs[2]
-        ),
-    )
-    .unwrap();
+    let (tmp, secret, policy, members, addrs) = pool();
     let probe = probe_bin();
     let start = |name: &str, listen: SocketAddr| {
         start_agent(
@@ -196,12 +192,7 @@ fn the_next_live_member_coordinates_when_the_first_freezes() {
     let a = start("node-a", addrs[0]);
     let b = start("node-b", addrs[1]);
     let c = start("node-c", addrs[2]);
-    for (agent, addr) in [(&a, addrs[0]), (&b, addrs[1]), (&c, addrs[2])] {
-        agent.wait_for("start-up write", |_| true);
-        common::wait_until("the peer port to listen", Duration::from_secs(30), || {
-            std::net::TcpStream::connect(addr).ok()
-        });
-    }
+    wait_ready(&[(&a, addrs[0]), (&b, addrs[1]), (&c, addrs[2])]);
 
     // The first member coordinates.
     let (code, out, err) = check(&members, &secret, "node-b,node-c", "60s");

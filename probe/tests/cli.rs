@@ -13,13 +13,13 @@ fn free_port() -> u16 {
         .port()
 }
 
-#[test]
-fn two_processes_allgather_and_print_json() {
+/// Ranks 0 and 1 of `allgather` on loopback, at once, with these further arguments.
+fn two_ranks(args: &[&str]) -> [(usize, std::process::Output); 2] {
     let peers = format!("127.0.0.1:{},127.0.0.1:{}", free_port(), free_port());
     let spawn = |rank: &str| {
         Command::new(env!("CARGO_BIN_EXE_faultline-probe"))
             .args(["allgather", "--peers", &peers, "--rank", rank])
-            .args(["--size", "4MiB", "--iterations", "2", "--timeout", "20s"])
+            .args(args)
             .output()
             .unwrap()
     };
@@ -28,7 +28,12 @@ fn two_processes_allgather_and_print_json() {
         let b = s.spawn(|| spawn("1"));
         (a.join().unwrap(), b.join().unwrap())
     });
-    for (rank, out) in [(0, a), (1, b)] {
+    [(0, a), (1, b)]
+}
+
+#[test]
+fn two_processes_allgather_and_print_json() {
+    for (rank, out) in two_ranks(&["--size", "4MiB", "--iterations", "2", "--timeout", "20s"]) {
         assert!(
             out.status.success(),
             "{}",
@@ -53,20 +58,7 @@ const PEAK_RSS_GOAL: u64 = 24 << 20;
 #[test]
 fn peak_memory_stays_bounded_at_a_large_size() {
     let size: u64 = 256 << 20;
-    let peers = format!("127.0.0.1:{},127.0.0.1:{}", free_port(), free_port());
-    let spawn = |rank: &str| {
-        Command::new(env!("CARGO_BIN_EXE_faultline-probe"))
-            .args(["allgather", "--peers", &peers, "--rank", rank])
-            .args(["--size", "256MiB", "--iterations", "1", "--timeout", "120s"])
-            .output()
-            .unwrap()
-    };
-    let (a, b) = std::thread::scope(|s| {
-        let a = s.spawn(|| spawn("0"));
-        let b = s.spawn(|| spawn("1"));
-        (a.join().unwrap(), b.join().unwrap())
-    });
-    for (rank, out) in [(0, a), (1, b)] {
+    for (rank, out) in two_ranks(&["--size", "256MiB", "--iterations", "1", "--timeout", "120s"]) {
         assert!(
             out.status.success(),
             "rank {rank}: {}",
@@ -92,20 +84,7 @@ fn peak_memory_stays_bounded_at_a_large_size() {
 /// evidence under load), while a rank that never comes stays status 1 (below).
 #[test]
 fn a_deadline_mid_transfer_exits_3() {
-    let peers = format!("127.0.0.1:{},127.0.0.1:{}", free_port(), free_port());
-    let spawn = |rank: &str| {
-        Command::new(env!("CARGO_BIN_EXE_faultline-probe"))
-            .args(["allgather", "--peers", &peers, "--rank", rank])
-            .args(["--size", "4GiB", "--iterations", "5", "--timeout", "2s"])
-            .output()
-            .unwrap()
-    };
-    let (a, b) = std::thread::scope(|s| {
-        let a = s.spawn(|| spawn("0"));
-        let b = s.spawn(|| spawn("1"));
-        (a.join().unwrap(), b.join().unwrap())
-    });
-    for (rank, out) in [(0, a), (1, b)] {
+    for (rank, out) in two_ranks(&["--size", "4GiB", "--iterations", "5", "--timeout", "2s"]) {
         let err = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(3), "rank {rank}: {err}");
         assert!(err.starts_with("Error: "), "{err}");

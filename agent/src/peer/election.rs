@@ -126,7 +126,8 @@ impl Fence for MembersFence {
             .skip(1)
             .take(SUCCESSORS_ASKED)
             .collect();
-        let answers = futures::future::join_all(after.iter().map(|m| self.transport.ping(m))).await;
+        let answers =
+            futures::future::join_all(after.iter().map(|m| self.transport.alive(m))).await;
         for (m, a) in after.iter().zip(answers) {
             if let Ok(reply) = a {
                 if !reply.coordinator.is_empty() && reply.coordinator != self.me {
@@ -185,7 +186,7 @@ pub fn elect(
                                 role_tx.send_replace(false);
                                 return;
                             }
-                            r = transport.ping(m) => r.is_ok(),
+                            r = transport.alive(m) => r.is_ok(),
                         };
                         look();
                         live.observe(&m.node, answered);

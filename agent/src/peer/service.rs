@@ -348,7 +348,7 @@ impl PeerCheck for PeerHandle {
         let reached = self.relay_pings(&p.reach).await?;
         // NVML calls can hang: ask on a blocking thread, and a node that cannot answer in
         // time counts as busy (a scheduled check is not worth disturbing a job).
-        let busy = if self.probe.gpu {
+        let busy = if self.probe.gpu && !p.liveness_only {
             let b = Arc::clone(&self.busy);
             let asked = tokio::task::spawn_blocking(move || b.busy());
             match tokio::time::timeout(BUSY_TIMEOUT, asked).await {
@@ -932,6 +932,18 @@ impl coordinator::Transport for GrpcTransport {
             auth: None,
             protocol: PROTOCOL,
             reach: Vec::new(),
+            liveness_only: false,
+        });
+        let mut c = self.client(to)?;
+        within(CALL_TIMEOUT, |t| c.ping(timed(msg, t))).await
+    }
+
+    async fn alive(&self, to: &Member) -> Result<PingReply, String> {
+        let msg = self.signer.sign(PingRequest {
+            auth: None,
+            protocol: PROTOCOL,
+            reach: Vec::new(),
+            liveness_only: true,
         });
         let mut c = self.client(to)?;
         within(CALL_TIMEOUT, |t| c.ping(timed(msg, t))).await
@@ -942,6 +954,7 @@ impl coordinator::Transport for GrpcTransport {
             auth: None,
             protocol: PROTOCOL,
             reach: targets.iter().map(wire_member).collect(),
+            liveness_only: false,
         });
         let mut c = self.client(via)?;
         within(RELAY_TIMEOUT, |t| c.ping(timed(msg, t)))
@@ -1430,6 +1443,7 @@ mod tests {
                 auth: None,
                 protocol: PROTOCOL,
                 reach: vec![],
+                liveness_only: false,
             })))
             .await
             .unwrap_err();
