@@ -761,8 +761,15 @@ fn public_faults_configmap_in_kubernetes_mode() {
     });
     assert_eq!(cm["metadata"]["labels"]["mc-consumer-publicfault"], "true");
     // What was published is durable state: in the data directory, which a reboot keeps (it was
-    // in /run, so faults a reboot ended were never retracted).
-    assert!(rig.agent.data().join("publicfault.json").is_file());
+    // in /run, so faults a reboot ended were never retracted). It is saved once the apply
+    // succeeded, a moment after the ConfigMap appears.
+    common::wait_until("the outbox saved", Duration::from_secs(10), || {
+        rig.agent
+            .data()
+            .join("publicfault.json")
+            .is_file()
+            .then_some(())
+    });
     assert!(!rig.agent.state().join("publicfault.json").exists());
     assert_eq!(
         (m["version"].as_str(), m["resource"].as_str()),
