@@ -301,16 +301,14 @@ async fn peer_setup(
             "no address for other agents to reach this one: set --peer-address (or POD_IP)"
         ),
     };
-    /// Who the members are, whether this agent coordinates, where runs go, whom it obeys.
+    /// Who the members are, who coordinates and whom this agent obeys, where runs go.
     type Parts = (
         Arc<dyn members::Members>,
         peer::Election,
         Arc<dyn peer::coordinator::Publisher>,
-        Option<Arc<dyn peer::authz::WhoCoordinates>>,
         Option<Arc<dyn peer::authz::Requesters>>,
     );
-    let (members, election, publisher, who, requesters): Parts = match (static_members, kube_client)
-    {
+    let (members, election, publisher, requesters): Parts = match (static_members, kube_client) {
         (Some(_), _) => {
             let path = cfg.peer_members.clone().unwrap_or_default();
             let file: Arc<dyn members::Members> = Arc::new(members::StaticMembers { path });
@@ -320,8 +318,6 @@ async fn peer_setup(
                 Arc::new(publish::FilePublisher {
                     dir: cfg.state_dir.clone(),
                 }),
-                // Whom it obeys: the election `peer::start` runs.
-                None,
                 None,
             )
         }
@@ -348,15 +344,17 @@ async fn peer_setup(
                     port,
                     topology_label,
                 }),
-                peer::Election::Lease(fence),
+                peer::Election::Lease {
+                    fence,
+                    who: Arc::new(peer::authz::LeaseHolder::new(
+                        client.calls.clone(),
+                        cfg.namespace.clone(),
+                    )),
+                },
                 Arc::new(publish::KubePublisher {
                     client: client.calls.clone(),
                     namespace: cfg.namespace.clone(),
                 }),
-                Some(Arc::new(peer::authz::LeaseHolder::new(
-                    client.calls.clone(),
-                    cfg.namespace.clone(),
-                ))),
                 Some(Arc::new(peer::authz::KubeRequesters {
                     client: client.calls,
                     namespace: cfg.namespace.clone(),
@@ -388,7 +386,6 @@ async fn peer_setup(
         members,
         publisher,
         election,
-        who,
         requester_key,
         requesters,
         policy,

@@ -233,6 +233,8 @@ pub async fn check(args: CheckArgs) -> Outcome {
     // Members-file mode: the member asked next (advanced past each one that is not the
     // coordinator or does not answer).
     let mut next_member = 0usize;
+    // How many members the file listed when it was last read (each attempt reads it).
+    let mut in_file = 1usize;
     let mut client_kube = None;
     let mut args = args;
     if let Some((ns, selector)) = args.pods.clone() {
@@ -266,6 +268,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 Ok(text) => {
                     match crate::peer::members::parse_members(&file.display().to_string(), &text) {
                         Ok(list) if !list.is_empty() => {
+                            in_file = list.len();
                             Ok(list[next_member % list.len()].address.clone())
                         }
                         Ok(_) => {
@@ -397,14 +400,8 @@ pub async fn check(args: CheckArgs) -> Outcome {
             // Not the coordinator, or no answer: the next member in the file's order. A full
             // pass without an answer waits like any retry.
             next_member += 1;
-            if let Some(file) = &args.members {
-                let n = std::fs::read_to_string(file)
-                    .ok()
-                    .and_then(|t| crate::peer::members::parse_members("", &t).ok())
-                    .map_or(1, |l| l.len().max(1));
-                if !next_member.is_multiple_of(n) {
-                    continue;
-                }
+            if !next_member.is_multiple_of(in_file) {
+                continue;
             }
         }
         tokio::time::sleep(

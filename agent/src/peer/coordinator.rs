@@ -188,7 +188,7 @@ pub trait Fence: Send + Sync + std::fmt::Debug {
     async fn confirm(&self) -> Result<(), String>;
 }
 
-/// A fence that is only its watch (bare metal's election, tests).
+/// A fence that is only its watch (a fixed role, tests).
 #[derive(Debug, Clone)]
 pub struct WatchFence(pub watch::Receiver<bool>);
 
@@ -373,11 +373,6 @@ impl Coordinator {
         }
     }
 
-    /// Whether this agent coordinates now (its fence's view).
-    pub fn is_leader(&self) -> bool {
-        *self.fence.watch().borrow()
-    }
-
     /// Claims a request id: None when a run with it is already claimed here.
     pub fn claim(self: &Arc<Self>, id: &str) -> Option<Claim> {
         let mut c = self.claimed.lock().ok()?;
@@ -428,27 +423,18 @@ impl Coordinator {
     /// for an earlier attempt of the same request): waits for it to finish. None when no run
     /// with that id is claimed or finished here; `Aborted` when the role is lost meanwhile.
     pub async fn attach(&self, id: &str) -> Option<Result<RunState, Aborted>> {
-        let is_it = |s: &Option<RunState>| {
-            s.as_ref()
-                .filter(|s| s.request_id.as_deref() == Some(id) && s.is_finished())
-                .cloned()
-        };
+        let is_it = |s: &RunState| s.request_id.as_deref() == Some(id) && s.is_finished();
         let mut done = self.finished.subscribe();
-        if let Some(s) = is_it(&done.borrow_and_update()) {
+        if let Some(s) = done.borrow_and_update().clone().filter(is_it) {
             return Some(Ok(s));
         }
-        if let Some(s) = self
-            .publisher
-            .last()
-            .await
-            .filter(|s| is_it(&Some(s.clone())).is_some())
-        {
+        if let Some(s) = self.publisher.last().await.filter(is_it) {
             return Some(Ok(s));
         }
-        let claimed = self.claimed.lock().ok().is_some_and(|c| c.contains(id));
-        if !claimed {
+        let claimed = |c: &Coordinator| c.claimed.lock().ok().is_some_and(|c| c.contains(id));
+        if !claimed(self) {
             // It may have finished between the looks above and this one.
-            return is_it(&done.borrow_and_update()).map(Ok);
+            return done.borrow_and_update().clone().filter(is_it).map(Ok);
         }
         let lost = role_lost(self.fence.watch());
         tokio::pin!(lost);
@@ -462,10 +448,10 @@ impl Coordinator {
                     if r.is_err() {
                         return None;
                     }
-                    if let Some(s) = is_it(&done.borrow_and_update()) {
+                    if let Some(s) = done.borrow_and_update().clone().filter(is_it) {
                         return Some(Ok(s));
                     }
-                    if !self.claimed.lock().ok().is_some_and(|c| c.contains(id)) {
+                    if !claimed(self) {
                         return None;
                     }
                 }

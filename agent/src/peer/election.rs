@@ -159,13 +159,12 @@ pub fn elect(
         transport: transport.clone(),
         looked: looked.clone(),
     };
+    // Marks that the election looked now; how long since it last did.
     let look = move || {
-        let mut l = looked.lock().ok();
-        let before = l.as_deref().copied().unwrap_or_else(Instant::now);
-        if let Some(l) = l.as_deref_mut() {
-            *l = Instant::now();
-        }
-        before.elapsed()
+        looked
+            .lock()
+            .map(|mut l| std::mem::replace(&mut *l, Instant::now()).elapsed())
+            .unwrap_or_default()
     };
     tokio::spawn(async move {
         let mut live = Liveness::default();

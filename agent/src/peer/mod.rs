@@ -56,8 +56,12 @@ pub const MAX_REQUEST: Duration = Duration::from_secs(15 * 60);
 /// Who coordinates.
 #[derive(Debug)]
 pub enum Election {
-    /// The holder of the Kubernetes Lease.
-    Lease(lease::LeaseFence),
+    /// The holder of the Kubernetes Lease: this agent's fence, and whom every agent obeys
+    /// (the holder, read from the Lease).
+    Lease {
+        fence: lease::LeaseFence,
+        who: Arc<dyn authz::WhoCoordinates>,
+    },
     /// Bare metal: the first live member of the members file (`election`).
     MembersFile,
 }
@@ -76,9 +80,6 @@ pub struct PeerSetup {
     pub members: Arc<dyn Members>,
     pub publisher: Arc<dyn Publisher>,
     pub election: Election,
-    /// Who coordinates, as every agent (not only the coordinator) must know it: the Lease
-    /// holder on Kubernetes; `None` on bare metal, where the election `start` runs says it.
-    pub who: Option<Arc<dyn authz::WhoCoordinates>>,
     /// The requesters' secret (`faultline check`), accepted for `Run` only.
     pub requester_key: Option<faultline_proto::auth::Key>,
     /// Kubernetes: requesters' service-account tokens, checked by the API server.
@@ -118,21 +119,17 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
     };
     let policy = follow_policy(s.policy, s.shutdown.clone());
     let transport = Arc::new(GrpcTransport::new(signer.clone()));
-    let (fence, who): (Arc<dyn Fence>, Arc<dyn authz::WhoCoordinates>) = match (s.election, s.who) {
-        (Election::Lease(f), Some(who)) => (Arc::new(f), who),
-        (election, who) => {
-            // Bare metal (or no source of who coordinates given): the members-file election
-            // decides both whether this agent coordinates and whom it obeys.
-            if let Election::Lease(_) = election {
-                warn!("no source for who coordinates; following the members-file election");
-            }
+    let (fence, who): (Arc<dyn Fence>, Arc<dyn authz::WhoCoordinates>) = match s.election {
+        Election::Lease { fence, who } => (Arc::new(fence), who),
+        Election::MembersFile => {
+            // The members-file election decides both whether this agent coordinates and whom
+            // it obeys.
             let e = election::elect(
                 s.node.clone(),
                 s.members.clone(),
                 transport.clone(),
                 s.shutdown.clone(),
             );
-            let _ = who;
             (Arc::new(e.fence), Arc::new(e.who))
         }
     };
