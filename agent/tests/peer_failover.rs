@@ -9,7 +9,7 @@
 mod common;
 
 use std::net::{SocketAddr, TcpListener};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -51,84 +51,95 @@ fn published(agent: &Agent) -> Option<RunState> {
 
 /// Three members on loopback addresses: a temporary directory, the agents' secret, a policy
 /// with scheduled runs off and small checks, the members file, and their peer addresses.
-fn pool() -> (
-    tempfile::TempDir,
-    std::path::PathBuf,
-    std::path::PathBuf,
-    std::path::PathBuf,
-    [SocketAddr; 3],
-) {
-    let tmp = tempfile::tempdir().unwrap();
-    let secret = tmp.path().join("secret");
-    std::fs::write(&secret, "failover-test-secret-0123456789abcdef0123\n").unwrap();
-    let policy = tmp.path().join("policy.yaml");
-    std::fs::write(
-        &policy,
-        "peer:\n  enabled: false\n  bytes: 1048576\n  iterations: 2\n  check_timeout: 10s\n",
-    )
-    .unwrap();
-    let addrs = [
-        free_on("127.0.0.1"),
-        free_on("127.0.0.2"),
-        free_on("127.0.0.3"),
-    ];
-    let members = tmp.path().join("members");
-    std::fs::write(
-        &members,
-        format!(
-            "node-a {}\nnode-b {}\nnode-c {}\n",
-            addrs[0], addrs[1], addrs[2]
-        ),
-    )
-    .unwrap();
-    (tmp, secret, policy, members, addrs)
+struct Pool {
+    tmp: tempfile::TempDir,
+    secret: PathBuf,
+    policy: PathBuf,
+    members: PathBuf,
+    addrs: [SocketAddr; 3],
+    probe: PathBuf,
+    /// The first probe port of this test's agents (tests in one process must not share them).
+    port_base: &'static str,
 }
 
-/// Each agent has written its record and listens on its peer port.
-fn wait_ready(agents: &[(&Agent, SocketAddr)]) {
-    for (agent, addr) in agents {
-        agent.wait_for("start-up write", |_| true);
-        common::wait_until("the peer port to listen", Duration::from_secs(30), || {
-            std::net::TcpStream::connect(addr).ok()
-        });
-    }
-}
-
-#[allow(clippy::too_many_arguments)]
-fn start_agent(
-    tmp: &Path,
-    name: &str,
-    listen: SocketAddr,
-    policy: &Path,
-    secret: &Path,
-    members: &Path,
-    probe: &Path,
-    port_base: &str,
-) -> Agent {
-    let dir = tmp.join(name);
-    std::fs::create_dir_all(&dir).unwrap();
-    let listen = listen.to_string();
-    Agent::start(
-        &dir,
-        &[
-            "--node-name",
-            name,
-            "--no-nvml",
-            "--no-ascend",
-            "--policy",
-            policy.to_str().unwrap(),
-            "--peer-secret-file",
-            secret.to_str().unwrap(),
-            "--peer-members",
-            members.to_str().unwrap(),
-            "--peer-listen",
-            &listen,
-            "--probe-bin",
-            probe.to_str().unwrap(),
-            "--probe-port-base",
+impl Pool {
+    fn new(port_base: &'static str) -> Pool {
+        let tmp = tempfile::tempdir().unwrap();
+        let secret = tmp.path().join("secret");
+        std::fs::write(&secret, "failover-test-secret-0123456789abcdef0123\n").unwrap();
+        let policy = tmp.path().join("policy.yaml");
+        std::fs::write(
+            &policy,
+            "peer:\n  enabled: false\n  bytes: 1048576\n  iterations: 2\n  check_timeout: 10s\n",
+        )
+        .unwrap();
+        let addrs = [
+            free_on("127.0.0.1"),
+            free_on("127.0.0.2"),
+            free_on("127.0.0.3"),
+        ];
+        let members = tmp.path().join("members");
+        std::fs::write(
+            &members,
+            format!(
+                "node-a {}\nnode-b {}\nnode-c {}\n",
+                addrs[0], addrs[1], addrs[2]
+            ),
+        )
+        .unwrap();
+        Pool {
+            tmp,
+            secret,
+            policy,
+            members,
+            addrs,
+            probe: probe_bin(),
             port_base,
-        ],
-    )
+        }
+    }
+
+    /// Member `i` (node-a, node-b, node-c), running `probe` (the real one when `None`).
+    fn start(&self, i: usize, probe: Option<&Path>) -> Agent {
+        let name = ["node-a", "node-b", "node-c"][i];
+        let dir = self.tmp.path().join(name);
+        std::fs::create_dir_all(&dir).unwrap();
+        let listen = self.addrs[i].to_string();
+        Agent::start(
+            &dir,
+            &[
+                "--node-name",
+                name,
+                "--no-nvml",
+                "--no-ascend",
+                "--policy",
+                self.policy.to_str().unwrap(),
+                "--peer-secret-file",
+                self.secret.to_str().unwrap(),
+                "--peer-members",
+                self.members.to_str().unwrap(),
+                "--peer-listen",
+                &listen,
+                "--probe-bin",
+                probe.unwrap_or(&self.probe).to_str().unwrap(),
+                "--probe-port-base",
+                self.port_base,
+            ],
+        )
+    }
+
+    /// Each agent has written its record and listens on its peer port.
+    fn wait_ready(&self, agents: [&Agent; 3]) {
+        for (agent, addr) in agents.into_iter().zip(self.addrs) {
+            agent.wait_for("start-up write", |_| true);
+            common::wait_until("the peer port to listen", Duration::from_secs(30), || {
+                std::net::TcpStream::connect(addr).ok()
+            });
+        }
+    }
+
+    fn check(&self, nodes: &str, timeout: &str) -> (i32, String, String) {
+        check(&self.members, &self.secret, nodes, timeout)
+    }
 }
 
 /// A node whose probe cannot run fails with every partner and is found faulty; its own record
@@ -136,26 +147,12 @@ fn start_agent(
 /// PEER_UNREACHABLE: its agent answered every call.
 #[test]
 fn a_probe_that_cannot_run_is_named_in_the_nodes_record() {
-    let (tmp, secret, policy, members, addrs) = pool();
-    let probe = probe_bin();
-    let missing = Path::new("/x/faultline-probe");
-    let start = |name: &str, listen: SocketAddr, probe: &Path| {
-        start_agent(
-            tmp.path(),
-            name,
-            listen,
-            &policy,
-            &secret,
-            &members,
-            probe,
-            "31470",
-        )
-    };
-    let a = start("node-a", addrs[0], &probe);
-    let b = start("node-b", addrs[1], &probe);
-    let c = start("node-c", addrs[2], missing);
-    wait_ready(&[(&a, addrs[0]), (&b, addrs[1]), (&c, addrs[2])]);
-    let (code, out, err) = check(&members, &secret, "node-a,node-b,node-c", "60s");
+    let pool = Pool::new("31470");
+    let a = pool.start(0, None);
+    let b = pool.start(1, None);
+    let c = pool.start(2, Some(Path::new("/x/faultline-probe")));
+    pool.wait_ready([&a, &b, &c]);
+    let (code, out, err) = pool.check("node-a,node-b,node-c", "60s");
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(out.contains("faulty node   node-c"), "{out}");
     let r = c.wait_for("the cause in node-c's record", |r| {
@@ -175,34 +172,21 @@ fn a_probe_that_cannot_run_is_named_in_the_nodes_record() {
 
 #[test]
 fn the_next_live_member_coordinates_when_the_first_freezes() {
-    let (tmp, secret, policy, members, addrs) = pool();
-    let probe = probe_bin();
-    let start = |name: &str, listen: SocketAddr| {
-        start_agent(
-            tmp.path(),
-            name,
-            listen,
-            &policy,
-            &secret,
-            &members,
-            &probe,
-            "31370",
-        )
-    };
-    let a = start("node-a", addrs[0]);
-    let b = start("node-b", addrs[1]);
-    let c = start("node-c", addrs[2]);
-    wait_ready(&[(&a, addrs[0]), (&b, addrs[1]), (&c, addrs[2])]);
+    let pool = Pool::new("31370");
+    let a = pool.start(0, None);
+    let b = pool.start(1, None);
+    let c = pool.start(2, None);
+    pool.wait_ready([&a, &b, &c]);
 
     // The first member coordinates.
-    let (code, out, err) = check(&members, &secret, "node-b,node-c", "60s");
+    let (code, out, err) = pool.check("node-b,node-c", "60s");
     assert_eq!(code, 0, "{out}\n{err}\n--- a:\n{}", a.log());
     assert_eq!(published(&a).unwrap().coordinator, "node-a");
 
     // Frozen: its port still accepts connections, and nothing answers.
     signal(&a, "-STOP");
     let asked = Instant::now();
-    let (code, out, err) = check(&members, &secret, "node-b,node-c", "90s");
+    let (code, out, err) = pool.check("node-b,node-c", "90s");
     let took = asked.elapsed();
     assert_eq!(
         code,
@@ -229,7 +213,7 @@ fn the_next_live_member_coordinates_when_the_first_freezes() {
         Duration::from_secs(40),
         || b.log().contains("no longer coordinating").then_some(()),
     );
-    let (code, out, err) = check(&members, &secret, "node-b,node-c", "60s");
+    let (code, out, err) = pool.check("node-b,node-c", "60s");
     assert_eq!(code, 0, "{out}\n{err}");
     let last = published(&a).unwrap();
     assert!(last.run_id != run.run_id && last.coordinator == "node-a");

@@ -60,6 +60,24 @@ fn forged_conclusion(
     })
 }
 
+/// No node but those in `except` has an active fault from the peer checks in its record.
+fn no_peer_faults_except(c: &Cluster, except: &[usize]) {
+    for (i, n) in c.nodes.iter().enumerate() {
+        if except.contains(&i) {
+            continue;
+        }
+        let r = n.record().unwrap();
+        assert!(
+            !r.faults
+                .iter()
+                .any(|f| f.active && f.source == faultline_core::record::Source::Peer),
+            "{} has a peer fault: {:?}",
+            n.name,
+            r.faults
+        );
+    }
+}
+
 #[test]
 #[ignore = "slow, needs root and network namespaces: .ci/run runs it with --ignored"]
 fn eight_agents_in_namespaces_find_exactly_the_injected_faults() {
@@ -160,20 +178,7 @@ fn eight_agents_in_namespaces_find_exactly_the_injected_faults() {
             .then_some(())
         },
     );
-    for (i, n) in c.nodes.iter().enumerate() {
-        if [cut_a, cut_b, slow, isolated].contains(&i) {
-            continue;
-        }
-        let r = n.record().unwrap();
-        assert!(
-            !r.faults
-                .iter()
-                .any(|f| f.active && f.source == faultline_core::record::Source::Peer),
-            "{} has a peer fault: {:?}",
-            n.name,
-            r.faults
-        );
-    }
+    no_peer_faults_except(&c, &[cut_a, cut_b, slow, isolated]);
 
     // 3. A client without the secret is refused, and changes nothing.
     let wrong = tmp.join("wrong");
@@ -437,18 +442,5 @@ fn the_coordinators_own_link_and_its_freezing_blame_nobody() {
     std::thread::sleep(Duration::from_secs(15));
     let last = published_key(emu, "finished.json").unwrap();
     assert_eq!(last.run_id, resumed.run_id, "the old run never finished");
-    for (i, n) in c.nodes.iter().enumerate() {
-        if i == coord {
-            continue;
-        }
-        let r = n.record().unwrap();
-        assert!(
-            !r.faults
-                .iter()
-                .any(|f| f.active && f.source == faultline_core::record::Source::Peer),
-            "{} has a peer fault: {:?}",
-            n.name,
-            r.faults
-        );
-    }
+    no_peer_faults_except(&c, &[coord]);
 }
