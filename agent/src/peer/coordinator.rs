@@ -825,18 +825,13 @@ impl Coordinator {
     /// Pings every member, each failed ping again up to `PING_ATTEMPTS` times: one lost ping
     /// does not make a member unreachable for the whole run.
     async fn ping_all(&self, members: &[Member]) -> Vec<Result<PingReply, String>> {
-        futures::future::join_all(members.iter().map(|m| async move {
-            let mut last = Err(String::new());
-            for attempt in 0..PING_ATTEMPTS {
-                if attempt > 0 {
-                    tokio::time::sleep(PING_RETRY_PAUSE).await;
-                }
-                last = self.transport.ping(m).await;
-                if last.is_ok() {
-                    break;
-                }
-            }
-            last
+        futures::future::join_all(members.iter().map(|m| {
+            super::retried(
+                PING_ATTEMPTS,
+                PING_RETRY_PAUSE,
+                |_| true,
+                || self.transport.ping(m),
+            )
         }))
         .await
     }
@@ -884,13 +879,13 @@ impl Coordinator {
         to: &Member,
         a: CheckAssignment,
     ) -> Result<CheckAccepted, String> {
-        match self.transport.assign(to, a.clone()).await {
-            Err(_) => {
-                tokio::time::sleep(PING_RETRY_PAUSE).await;
-                self.transport.assign(to, a).await
-            }
-            answered => answered,
-        }
+        super::retried(
+            2,
+            PING_RETRY_PAUSE,
+            |_| true,
+            || self.transport.assign(to, a.clone()),
+        )
+        .await
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -208,6 +208,30 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
     tasks
 }
 
+/// Calls `f` up to `attempts` times, `pause` apart, while it fails with an error `again` says
+/// may pass; returns the last result. (Pings, assignments, relayed pings and reports: one lost
+/// call on the control path is not an answer.)
+pub async fn retried<T, E, Fut>(
+    attempts: u32,
+    pause: Duration,
+    again: impl Fn(&E) -> bool,
+    mut f: impl FnMut() -> Fut,
+) -> Result<T, E>
+where
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let mut last = f().await;
+    for _ in 1..attempts.max(1) {
+        match &last {
+            Err(e) if again(e) => {}
+            _ => break,
+        }
+        tokio::time::sleep(pause).await;
+        last = f().await;
+    }
+    last
+}
+
 /// Waits `interval` plus or minus `jitter` of it.
 pub fn jittered(interval: Duration, jitter: f64) -> Duration {
     let unit = (wire::random_u64() >> 11) as f64 / (1u64 << 53) as f64; // [0, 1)
@@ -331,4 +355,44 @@ async fn run_once(
         .coordinator
         .run(members, missing, &spec, trigger, request_id)
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// Failures that may pass are tried again up to the count, a pause apart; an answer (a
+    /// success, or a failure `again` refuses) ends it at once.
+    #[tokio::test(start_paused = true)]
+    async fn retried_stops_at_an_answer_or_the_count() {
+        let calls = std::sync::atomic::AtomicU32::new(0);
+        let call = |fail_until: u32, kind: &'static str| {
+            let n = calls.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1;
+            async move {
+                if n <= fail_until {
+                    Err(kind)
+                } else {
+                    Ok(n)
+                }
+            }
+        };
+        let start = tokio::time::Instant::now();
+        let pause = Duration::from_millis(500);
+        assert_eq!(retried(3, pause, |_| true, || call(2, "lost")).await, Ok(3));
+        assert_eq!(start.elapsed(), pause * 2);
+        calls.store(0, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(
+            retried(3, pause, |_| true, || call(9, "lost")).await,
+            Err("lost")
+        );
+        assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 3);
+        calls.store(0, std::sync::atomic::Ordering::Relaxed);
+        let again = |e: &&str| *e == "lost";
+        assert_eq!(
+            retried(3, pause, again, || call(9, "refused")).await,
+            Err("refused")
+        );
+        assert_eq!(calls.load(std::sync::atomic::Ordering::Relaxed), 1);
+    }
 }

@@ -556,11 +556,13 @@ impl PeerService {
                     };
                 };
                 // Twice, like the coordinator's own pings: one lost ping says nothing.
-                let mut last = self.relay.ping(&m).await;
-                if last.is_err() {
-                    tokio::time::sleep(Duration::from_millis(200)).await;
-                    last = self.relay.ping(&m).await;
-                }
+                let last = super::retried(
+                    2,
+                    Duration::from_millis(200),
+                    |_| true,
+                    || self.relay.ping(&m),
+                )
+                .await;
                 Reached {
                     node,
                     answered: last.is_ok(),
@@ -676,13 +678,9 @@ impl PeerService {
     /// deadline for it). A refusal is an answer and is not repeated. Each attempt is signed
     /// anew: the coordinator refuses a nonce it has seen.
     async fn send_report(&self, coordinator: &str, report: CheckReport) {
-        let mut last = String::new();
-        for attempt in 0..REPORT_ATTEMPTS {
-            if attempt > 0 {
-                tokio::time::sleep(REPORT_RETRY_PAUSE).await;
-            }
+        let attempt = || {
             let signed = self.signer.sign(report.clone());
-            let result = async {
+            async move {
                 let ch = endpoint(coordinator)
                     .map_err(|e| (false, e))?
                     .connect()
@@ -703,18 +701,12 @@ impl PeerService {
                     Err(_) => Err((true, format!("no answer within {CALL_TIMEOUT:?}"))),
                 }
             }
-            .await;
-            match result {
-                Ok(()) => return,
-                Err((again, e)) => {
-                    last = e;
-                    if !again {
-                        break;
-                    }
-                }
-            }
+        };
+        // The error says whether it may pass (the coordinator unreachable) or is an answer.
+        let sent = super::retried(REPORT_ATTEMPTS, REPORT_RETRY_PAUSE, |e| e.0, attempt).await;
+        if let Err((_, e)) = sent {
+            warn!(coordinator, error = %e, "cannot send the check report");
         }
-        warn!(coordinator, error = %last, "cannot send the check report");
     }
 }
 
