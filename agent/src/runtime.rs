@@ -474,6 +474,30 @@ impl EngineLoop {
     }
 }
 
+/// A Healthy snapshot of node `n1` with no faults, for the sinks' unit tests: every call with
+/// any revision holds the same record (the sinks compare content, not revisions).
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+pub(crate) fn test_snapshot(revision: u64, marker: u64) -> Snapshot {
+    let record = r#"{"apiVersion":"faultline.io/v1","node":"n1","health":"Healthy","updateTime":"2026-11-22T01:02:03.000Z","checkCode":"x","faults":[],"agent":{"version":"0","policy":{"source":"builtin","checksum":"y"},"detectors":[]}}"#;
+    Snapshot {
+        revision,
+        record: Arc::new(serde_json::from_str(record).unwrap()),
+        labels: Default::default(),
+        taints: Vec::new(),
+        condition: faultline_core::engine::DesiredCondition {
+            status: true,
+            reason: "NoFaults".into(),
+            message: String::new(),
+        },
+        marker,
+        inventory: Default::default(),
+        recovering: Default::default(),
+        state: Arc::new(PersistedState::default()),
+        applied_at: std::time::Instant::now(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     //! The engine loop against an injected clock whose wall time can be stepped while the time

@@ -448,23 +448,7 @@ mod tests {
     }
 
     fn snapshot(revision: u64, marker: u64) -> Snapshot {
-        let record = r#"{"apiVersion":"faultline.io/v1","node":"n1","health":"Healthy","updateTime":"2026-11-22T01:02:03.000Z","checkCode":"x","faults":[],"agent":{"version":"0","policy":{"source":"builtin","checksum":"y"},"detectors":[]}}"#;
-        Snapshot {
-            revision,
-            record: Arc::new(serde_json::from_str(record).unwrap()),
-            labels: Default::default(),
-            taints: Vec::new(),
-            condition: faultline_core::engine::DesiredCondition {
-                status: true,
-                reason: "NoFaults".into(),
-                message: String::new(),
-            },
-            marker,
-            inventory: Default::default(),
-            recovering: Default::default(),
-            state: Arc::new(PersistedState::default()),
-            applied_at: Instant::now(),
-        }
+        crate::runtime::test_snapshot(revision, marker)
     }
 
     fn start(

@@ -67,11 +67,12 @@ pub async fn run(
     let mut versions = OwnVersions::default();
     let mut pacer = DriftPacer::default();
     let mut woke_by_own = false;
+    let mut settling = own::Settling::default();
     // A repair the pacer put off: counted when it is written.
     let mut repair = false;
     loop {
         let now = Instant::now();
-        // Only a new report of the watch counts (`own::changed` marked it seen): an old one
+        // Only a new report of the watch counts (`own::Settling` marked it seen): an old one
         // compared again would undo what the sink wrote since.
         if let Some(rx) = own.as_ref().filter(|_| woke_by_own) {
             let seen = rx.borrow().clone();
@@ -173,7 +174,7 @@ pub async fn run(
         woke_by_own = false;
         tokio::select! {
             going = super::changed_or_woken(&mut snapshots, wake) => if !going { break },
-            () = own::changed(&mut own) => woke_by_own = true,
+            () = settling.next(&mut own) => woke_by_own = true,
         }
     }
     // Stopping: the newest record, whatever the write budget says (one bounded attempt), so
@@ -377,6 +378,57 @@ mod tests {
             assert!(e.contains(expect), "{expect}: {e}");
         }
         assert!(emu.delete(&ResourceRef::config_map("faultline-system", "faultline-n1")));
+    }
+
+    /// The ConfigMap is deleted while snapshots with nothing new keep coming (a busy node: a
+    /// marker, a policy status, a repeat within the same content), one every 50 ms, each well
+    /// inside the watch's 300 ms settle. The deletion is still repaired: a snapshot that wins
+    /// the sink's `select!` during the settle used to drop the settle and the change with it, and
+    /// the ConfigMap stayed deleted until the record next changed.
+    #[tokio::test]
+    async fn a_deleted_configmap_is_written_again_while_snapshots_keep_coming() {
+        let emu = Emulator::start().await.unwrap();
+        emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "faultline-system"}}));
+        let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
+        let mut cfg = KubeSinkConfig::new("n1");
+        cfg.namespace = "faultline-system".into();
+        cfg.settle = Duration::ZERO;
+        let (snapshots, snap_rx) = watch::channel(None);
+        let (own_tx, own_rx) = watch::channel(Seen::Unknown);
+        let sink = tokio::spawn(run(
+            client,
+            cfg,
+            snap_rx,
+            Some(own_rx),
+            Arc::new(Metrics::new()),
+            CancellationToken::new(),
+        ));
+        let cm_ref = ResourceRef::config_map("faultline-system", "faultline-n1");
+        let mut revision = 1;
+        snapshots.send_replace(Some(crate::runtime::test_snapshot(revision, 0)));
+        let start = Instant::now();
+        while emu.get(&cm_ref).is_none() {
+            assert!(start.elapsed() < Duration::from_secs(20), "never written");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+
+        assert!(emu.delete(&cm_ref));
+        own_tx.send_replace(Seen::Absent);
+        let deleted = Instant::now();
+        while emu.get(&cm_ref).is_none() {
+            assert!(
+                deleted.elapsed() < Duration::from_secs(10),
+                "the deleted ConfigMap was not written again"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            revision += 1;
+            snapshots.send_replace(Some(crate::runtime::test_snapshot(revision, 0)));
+        }
+        drop(snapshots);
+        tokio::time::timeout(Duration::from_secs(10), sink)
+            .await
+            .unwrap()
+            .unwrap();
     }
 
     /// What the watch reports is compared by content and labels: a record whose labels were

@@ -143,7 +143,9 @@ pub(crate) async fn changed_or_woken<T>(
     }
 }
 
-/// Exponential backoff with jitter between failed attempts: 200 ms doubling to 30 s.
+/// Exponential backoff with jitter between failed attempts: 200 ms doubling to 30 s. The
+/// jitter adds up to the delay itself on top of it, so each delay is clamped to [`Retry::MAX`]
+/// (without the clamp a failing API was retried up to 60 s apart, twice what the docs say).
 #[derive(Debug)]
 pub(crate) struct Retry {
     current: ExponentialBackoff,
@@ -153,7 +155,7 @@ impl Retry {
     fn builder() -> ExponentialBuilder {
         ExponentialBuilder::default()
             .with_min_delay(Duration::from_millis(200))
-            .with_max_delay(Duration::from_secs(30))
+            .with_max_delay(Self::MAX)
             .with_factor(2.0)
             .with_jitter()
             .without_max_times()
@@ -163,8 +165,10 @@ impl Retry {
             current: Self::builder().build(),
         }
     }
+    pub(crate) const MAX: Duration = Duration::from_secs(30);
+
     pub(crate) fn next_delay(&mut self) -> Duration {
-        self.current.next().unwrap_or(Duration::from_secs(30))
+        self.current.next().map_or(Self::MAX, |d| d.min(Self::MAX))
     }
     pub(crate) fn reset(&mut self) {
         self.current = Self::builder().build();
@@ -279,4 +283,29 @@ pub(crate) async fn emulator_client(
     .await
     .unwrap();
     (client, dir)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The backoff starts at 200 ms (up to twice that with jitter), reaches its ceiling and
+    /// never passes 30 s, jitter included; a reset starts over.
+    #[test]
+    fn retry_delays_stay_within_200ms_and_30s() {
+        let mut r = Retry::new();
+        let first = r.next_delay();
+        assert!(
+            (Duration::from_millis(200)..=Duration::from_millis(400)).contains(&first),
+            "{first:?}"
+        );
+        let delays: Vec<Duration> = (0..200).map(|_| r.next_delay()).collect();
+        assert!(delays.iter().all(|d| *d <= Retry::MAX), "{delays:?}");
+        assert!(
+            delays.iter().filter(|d| **d == Retry::MAX).count() > 50,
+            "the ceiling is reached: {delays:?}"
+        );
+        r.reset();
+        assert!(r.next_delay() <= Duration::from_millis(400));
+    }
 }

@@ -95,6 +95,9 @@ pub struct NodeSink {
     started: Instant,
     /// The taints withheld at the last pass (to announce only changes).
     withheld: Vec<String>,
+    /// The announcement of `withheld` when the notice queue was full (the API unreachable for
+    /// long): sent again at every pass until it fits, dropped when the list changes.
+    unsent: Option<Notice>,
     /// Versions of the Node this sink wrote or read (their watch echoes are not drift).
     versions: OwnVersions,
     pacer: DriftPacer,
@@ -131,6 +134,7 @@ impl NodeSink {
             clock,
             started: Instant::now(),
             withheld,
+            unsent: None,
             versions: OwnVersions::default(),
             pacer: DriftPacer::default(),
         }
@@ -150,9 +154,11 @@ impl NodeSink {
         let mut wake: Option<Instant> = None;
         let mut retry = Retry::new();
         let mut woke_by_own = false;
+        let mut settling = own::Settling::default();
         // A repair the pacer put off: counted when it is written.
         let mut repair_pending = false;
         loop {
+            self.send_unsent();
             let snap = snapshots.borrow_and_update().clone();
             if let Some(snap) = snap {
                 let desired = Desired::of(&snap);
@@ -219,7 +225,7 @@ impl NodeSink {
             woke_by_own = false;
             tokio::select! {
                 going = super::changed_or_woken(&mut snapshots, wake) => if !going { break },
-                () = own::changed(&mut own) => woke_by_own = true,
+                () = settling.next(&mut own) => woke_by_own = true,
             }
         }
         // The engine stopped: push its final state if it differs, briefly.
@@ -382,6 +388,21 @@ impl NodeSink {
         })
     }
 
+    /// Queues the withheld taint's announcement if one is waiting; it waits on while the queue
+    /// is full (it is sent once per change of the list, so dropping it would lose it for good).
+    fn send_unsent(&mut self) {
+        let Some(n) = self.unsent.take() else { return };
+        match self.notices.try_send(n) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(n)) => {
+                debug!("the notice queue is full; the withheld taint's Event waits");
+                self.unsent = Some(n);
+            }
+            // The Event sink stopped: the agent is stopping.
+            Err(mpsc::error::TrySendError::Closed(_)) => {}
+        }
+    }
+
     /// Publishes a change in withheld taints: in the record, as a metric, and as one Event.
     fn note_withheld(&mut self, withheld: Option<(Vec<String>, u32, u32, u32)>) {
         let list = withheld.as_ref().map(|w| w.0.clone()).unwrap_or_default();
@@ -390,6 +411,7 @@ impl NodeSink {
             return;
         }
         self.withheld = list.clone();
+        self.unsent = None;
         match withheld {
             Some((taints, used, limit, nodes)) => {
                 warn!(
@@ -406,12 +428,13 @@ impl NodeSink {
                         since,
                     }),
                 });
-                let _ = self.notices.try_send(Notice::TaintWithheld {
+                self.unsent = Some(Notice::TaintWithheld {
                     taints,
                     used,
                     limit,
                     nodes,
                 });
+                self.send_unsent();
             }
             None => {
                 info!("no taint withheld any more");
@@ -502,6 +525,65 @@ mod tests {
 
     /// What counts as drift: only faultline's own label, taints and condition; a hard taint the
     /// budget withholds is not drift.
+    /// The withheld taint is announced once per change of the list, so a notice queue that is
+    /// full (the API unreachable long enough for 1,024 notices) must not drop it: it waits and
+    /// goes out once there is room; a list that changes meanwhile replaces it.
+    #[tokio::test]
+    async fn the_withheld_taint_notice_waits_for_room_in_a_full_queue() {
+        let emu = faultline_kube_emulator::Emulator::start().await.unwrap();
+        let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
+        let cfg = KubeSinkConfig::new("n1");
+        let budget = Budget::new(client.clone(), &cfg.namespace, "n1");
+        let (tx, mut rx) = mpsc::channel(1);
+        let (report, _report_rx) = watch::channel(SinkReport::default());
+        let mut sink = NodeSink::new(
+            client,
+            cfg,
+            budget,
+            tx.clone(),
+            report,
+            Arc::new(Metrics::new()),
+            Arc::new(crate::runtime::SystemClock),
+        );
+        let filler = || Notice::TaintWithheld {
+            taints: vec!["filler".into()],
+            used: 0,
+            limit: 0,
+            nodes: 0,
+        };
+        let withheld = |t: &str| Some((vec![t.to_string()], 1, 1, 10));
+        tx.try_send(filler()).unwrap();
+
+        sink.note_withheld(withheld("a"));
+        assert_eq!(rx.recv().await, Some(filler()));
+        assert!(rx.try_recv().is_err(), "nothing sent into the full queue");
+        sink.send_unsent();
+        let Ok(Notice::TaintWithheld { taints, .. }) = rx.try_recv() else {
+            panic!("the withheld taint was never announced");
+        };
+        assert_eq!(taints, ["a"]);
+        sink.send_unsent();
+        assert!(rx.try_recv().is_err(), "announced once");
+
+        // Full again; the list changes twice before there is room: only the newest goes out.
+        tx.try_send(filler()).unwrap();
+        sink.note_withheld(withheld("b"));
+        sink.note_withheld(withheld("c"));
+        assert_eq!(rx.recv().await, Some(filler()));
+        sink.send_unsent();
+        let Ok(Notice::TaintWithheld { taints, .. }) = rx.try_recv() else {
+            panic!("the newest list was never announced");
+        };
+        assert_eq!(taints, ["c"]);
+        // Withheld and then released while the queue is full: nothing stale is announced.
+        tx.try_send(filler()).unwrap();
+        sink.note_withheld(withheld("d"));
+        sink.note_withheld(None);
+        assert_eq!(rx.recv().await, Some(filler()));
+        sink.send_unsent();
+        assert!(rx.try_recv().is_err(), "a released list is not announced");
+    }
+
     #[test]
     fn drift_is_a_change_to_what_faultline_owns() {
         let now = Timestamp::UNIX_EPOCH;

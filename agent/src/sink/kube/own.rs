@@ -83,17 +83,37 @@ where
     (rx, tokio::spawn(task.instrument(span)))
 }
 
-/// Waits for the next change of a watch, then [`SETTLE`]; pending for ever once the watch is
-/// gone, so it can sit in a `select!` beside other wake-ups.
-pub async fn changed<K>(rx: &mut Option<watch::Receiver<Seen<K>>>) {
-    let Some(r) = rx.as_mut() else {
-        return std::future::pending().await;
-    };
-    if r.changed().await.is_err() {
-        *rx = None;
-        return std::future::pending().await;
+/// A watched change, then [`SETTLE`]: what a sink waits for in a `select!` beside its other
+/// wake-ups. The settle's deadline is kept here, not in the future: a change is marked seen when
+/// it arrives, so a future dropped during the settle (another branch of the `select!` won, say a
+/// snapshot with nothing new) would otherwise lose it, and a deleted ConfigMap on a quiet node
+/// would wait for the next change of the record.
+#[derive(Debug, Default)]
+pub struct Settling {
+    due: Option<tokio::time::Instant>,
+}
+
+impl Settling {
+    /// Returns [`SETTLE`] after the next change (or after the one already noted); pending for
+    /// ever once the watch is gone. Cancel-safe.
+    pub async fn next<K>(&mut self, rx: &mut Option<watch::Receiver<Seen<K>>>) {
+        loop {
+            if let Some(at) = self.due {
+                tokio::time::sleep_until(at).await;
+                self.due = None;
+                return;
+            }
+            let Some(r) = rx.as_mut() else {
+                return std::future::pending().await;
+            };
+            // `changed` is cancel-safe: a change not yet returned stays unseen.
+            if r.changed().await.is_err() {
+                *rx = None;
+                return std::future::pending().await;
+            }
+            self.due = Some(tokio::time::Instant::now() + SETTLE);
+        }
     }
-    tokio::time::sleep(SETTLE).await;
 }
 
 /// The resource versions a sink itself wrote or read last: the watch's echo of them is not
@@ -195,6 +215,44 @@ mod tests {
             Ok(()),
             "after a calm minute the wait is 1 s again"
         );
+    }
+
+    /// A wake-up of another branch during the settle (the old `changed` future was dropped
+    /// there, and the change with it) leaves the change due: it is reported when its settle ends.
+    #[tokio::test(start_paused = true)]
+    async fn a_change_survives_another_wake_up_during_its_settle() {
+        let (tx, rx) = watch::channel(Seen::<String>::Unknown);
+        let mut rx = Some(rx);
+        let mut settling = Settling::default();
+        let t0 = Instant::now();
+        tx.send_replace(Seen::Absent);
+        tokio::select! {
+            () = settling.next(&mut rx) => panic!("reported before its settle"),
+            () = tokio::time::sleep(Duration::from_millis(100)) => {}
+        }
+        tokio::time::timeout(Duration::from_secs(5), settling.next(&mut rx))
+            .await
+            .expect("the change was lost when the other branch won");
+        assert_eq!(t0.elapsed(), SETTLE, "reported when its settle ended");
+        // Nothing new: nothing more to report; a new change is reported after its own settle.
+        assert!(
+            tokio::time::timeout(Duration::from_secs(5), settling.next(&mut rx))
+                .await
+                .is_err(),
+            "no change, no report"
+        );
+        let t1 = Instant::now();
+        tx.send_replace(Seen::Absent);
+        settling.next(&mut rx).await;
+        assert_eq!(t1.elapsed(), SETTLE);
+        // The watch gone: pending for ever, not a busy loop.
+        drop(tx);
+        assert!(
+            tokio::time::timeout(Duration::from_secs(5), settling.next(&mut rx))
+                .await
+                .is_err()
+        );
+        assert!(rx.is_none());
     }
 
     #[test]
