@@ -881,14 +881,16 @@ impl Components {
     /// Kubernetes mode: a kubeconfig was given, or the agent runs in a pod. Anything failing here
     /// leaves the agent standalone; detection never waits for the API. Returns the expected GPU
     /// count from the Node's label, as a channel the NVML source reads.
-    async fn connect_kubernetes(&mut self) -> watch::Receiver<Option<u32>> {
-        let (label_tx, label_rx) = watch::channel(None);
+    async fn connect_kubernetes(&mut self) -> watch::Receiver<node::GpuCountLabel> {
+        // Standalone there is no label to wait for.
+        let (label_tx, label_rx) = watch::channel(node::GpuCountLabel::Read(None));
         if self.cfg.standalone || (self.cfg.kubeconfig.is_none() && !in_pod()) {
             return label_rx;
         }
         match crate::kube_client::clients(self.cfg.kubeconfig.as_deref(), &self.node).await {
             Ok(client) => {
                 info!(node = %self.node, namespace = %self.cfg.namespace, "Kubernetes mode");
+                label_tx.send_replace(node::GpuCountLabel::Unread);
                 let w = node::watch_gpu_count(
                     client.calls.clone(),
                     self.node.clone(),
@@ -905,7 +907,7 @@ impl Components {
     }
 
     /// NVML and the Ascend tools, unless disabled.
-    fn start_accelerators(&mut self, gpu_count_label: watch::Receiver<Option<u32>>) {
+    fn start_accelerators(&mut self, gpu_count_label: watch::Receiver<node::GpuCountLabel>) {
         if self.cfg.no_nvml {
             info!("NVML source disabled");
         } else {

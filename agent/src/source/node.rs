@@ -16,6 +16,17 @@ use tracing::{debug, info, warn};
 /// The label GPU feature discovery puts on GPU nodes.
 pub const GPU_COUNT_LABEL: &str = "nvidia.com/gpu.count";
 
+/// What the node's labels say of the expected GPU count.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GpuCountLabel {
+    /// The Node has not been read yet (Kubernetes mode, just started, or the API slow): no
+    /// expectation can be judged, so a GPU_MISSING restored from state is neither ended nor
+    /// raised again until it is read.
+    Unread,
+    /// The label's count; `None` when the node has no (usable) label, and always standalone.
+    Read(Option<u32>),
+}
+
 /// The expected GPU count a node's labels state, if any.
 pub fn gpu_count(labels: &BTreeMap<String, String>) -> Option<u32> {
     labels
@@ -27,7 +38,7 @@ pub fn gpu_count(labels: &BTreeMap<String, String>) -> Option<u32> {
 pub async fn watch_gpu_count(
     client: Client,
     node: String,
-    tx: watch::Sender<Option<u32>>,
+    tx: watch::Sender<GpuCountLabel>,
     every: Duration,
     shutdown: CancellationToken,
 ) {
@@ -46,7 +57,7 @@ pub async fn watch_gpu_count(
                     info!(node = %node, "reading the node works again");
                     failing = false;
                 }
-                let count = n.metadata.labels.as_ref().and_then(gpu_count);
+                let count = GpuCountLabel::Read(n.metadata.labels.as_ref().and_then(gpu_count));
                 debug!(node = %node, count = ?count, "node labels read");
                 tx.send_if_modified(|cur| {
                     let changed = *cur != count;

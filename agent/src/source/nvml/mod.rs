@@ -24,6 +24,7 @@ use tracing::{info, warn};
 
 use self::analyze::Analyzer;
 use self::readings::{CallTracker, DeviceReadings, Identity, NvmlBackend, NvmlEvent, Reading};
+use super::node::GpuCountLabel;
 use super::{Input, SourceContext};
 use faultline_core::engine::{DetectorState, Observation};
 use faultline_core::policy::LoadedPolicy;
@@ -55,11 +56,19 @@ async fn detector(ctx: &SourceContext, state: DetectorState, reason: Option<Stri
     ctx.tx.send(Input::Obs(obs)).await.is_ok()
 }
 
-/// The expected GPU count: the policy's `expected_gpus` when set, else the node label's.
-fn expected(policy: &LoadedPolicy, label: Option<u32>) -> u32 {
-    match policy.policy.expected_gpus {
-        0 => label.unwrap_or(0),
-        n => n,
+/// The expected GPU count: the policy's `expected_gpus` when set, else the node label's; 0 for
+/// no expectation. `None` while it cannot be known yet: the policy file is still loading (the
+/// built-in policy in force meanwhile sets none), or the policy leaves it to a node label not
+/// read yet. Judging then would end a GPU_MISSING restored from state, and raise and count it
+/// again once the expectation arrives.
+fn expected(policy: &LoadedPolicy, label: GpuCountLabel) -> Option<u32> {
+    if policy.status.loading.is_some() {
+        return None;
+    }
+    match (policy.policy.expected_gpus, label) {
+        (0, GpuCountLabel::Unread) => None,
+        (0, GpuCountLabel::Read(n)) => Some(n.unwrap_or(0)),
+        (n, _) => Some(n),
     }
 }
 
@@ -68,7 +77,7 @@ fn expected(policy: &LoadedPolicy, label: Option<u32>) -> u32 {
 pub async fn run(
     cfg: NvmlConfig,
     policy: watch::Receiver<LoadedPolicy>,
-    label_count: watch::Receiver<Option<u32>>,
+    label_count: watch::Receiver<GpuCountLabel>,
     ctx: SourceContext,
 ) {
     let mut retry = Duration::from_secs(60);
@@ -141,7 +150,7 @@ fn nap(total: Duration, ctx: &SourceContext) {
 pub async fn run_with(
     backend: Arc<dyn NvmlBackend>,
     mut policy: watch::Receiver<LoadedPolicy>,
-    mut label_count: watch::Receiver<Option<u32>>,
+    mut label_count: watch::Receiver<GpuCountLabel>,
     ctx: SourceContext,
 ) {
     let interval_ms = Arc::new(AtomicU64::new(
@@ -393,6 +402,94 @@ mod tests {
         out
     }
 
+    /// Seven GPUs that read fine.
+    struct Seven;
+
+    impl NvmlBackend for Seven {
+        fn device_count(&self, _: &CallTracker) -> Reading<u32> {
+            Ok(7)
+        }
+        fn identity(&self, index: u32, _: &CallTracker) -> Reading<Identity> {
+            Ok(Identity {
+                index,
+                ..Default::default()
+            })
+        }
+        fn read(&self, index: u32, _: &CallTracker) -> DeviceReadings {
+            DeviceReadings::all_failed(index, CallError::NotSupported)
+        }
+        fn events(&self) -> Reading<Box<dyn EventWaiter>> {
+            Err(CallError::NotSupported)
+        }
+    }
+
+    /// The GPU_MISSING levels sent so far: for each, whether the fault is present.
+    fn missing_levels(rx: &mut mpsc::Receiver<Input>) -> Vec<bool> {
+        let mut out = Vec::new();
+        while let Ok(i) = rx.try_recv() {
+            if let Input::Obs(Observation::Level {
+                domain, present, ..
+            }) = i
+            {
+                if Some(domain.as_str()) == faultline_core::catalog::nvml::domain("GPU_MISSING") {
+                    out.push(!present.is_empty());
+                }
+            }
+        }
+        out
+    }
+
+    /// Right after a start the expected GPU count can be unknown: the node label not read yet,
+    /// or the policy file still loading. Nothing is judged then (a level saying "nothing
+    /// missing" would end a GPU_MISSING restored from state, and its return would be counted
+    /// again); once the label is read, 7 of 8 is judged missing; a policy still loading
+    /// judges nothing even with the label read.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_gpu_count_is_judged_only_once_the_expectation_is_known() {
+        let (tx, mut rx) = mpsc::channel(4096);
+        let ctx = SourceContext {
+            tx,
+            metrics: Arc::new(Metrics::default()),
+            shutdown: CancellationToken::new(),
+        };
+        let mut loaded = LoadedPolicy::builtin();
+        let mut p = (*loaded.policy).clone();
+        p.nvml.poll_interval = Duration::from_millis(50);
+        loaded.policy = Arc::new(p);
+        let (ptx, prx) = watch::channel(loaded.clone());
+        let (ltx, lrx) = watch::channel(GpuCountLabel::Unread);
+        let task = tokio::spawn(run_with(Arc::new(Seven), prx, lrx, ctx.clone()));
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        assert_eq!(
+            missing_levels(&mut rx),
+            Vec::<bool>::new(),
+            "judged before the label was read"
+        );
+
+        ltx.send_replace(GpuCountLabel::Read(Some(8)));
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let seen = missing_levels(&mut rx);
+        assert!(!seen.is_empty() && seen.iter().all(|m| *m), "{seen:?}");
+
+        let mut loading = loaded.clone();
+        loading.status.loading = Some("/etc/faultline/policy.yaml".into());
+        ptx.send_replace(loading);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        missing_levels(&mut rx);
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(
+            missing_levels(&mut rx),
+            Vec::<bool>::new(),
+            "judged while the policy was loading"
+        );
+        ptx.send_replace(loaded);
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let seen = missing_levels(&mut rx);
+        assert!(!seen.is_empty() && seen.iter().all(|m| *m), "{seen:?}");
+        ctx.shutdown.cancel();
+        let _ = task.await;
+    }
+
     /// A GPU thread that dies marks the detector Down with the reason, and it stays Down (the
     /// hung-call watchdog does not report Running while a thread is gone); the other GPU is
     /// still polled.
@@ -409,7 +506,7 @@ mod tests {
         p.nvml.poll_interval = Duration::from_millis(50);
         loaded.policy = Arc::new(p);
         let (_ptx, prx) = watch::channel(loaded);
-        let (_ltx, lrx) = watch::channel(None);
+        let (_ltx, lrx) = watch::channel(GpuCountLabel::Read(None));
         let task = tokio::spawn(run_with(Arc::new(Panicky), prx, lrx, ctx.clone()));
         tokio::time::sleep(Duration::from_millis(2500)).await;
         let seen = detectors(&mut rx);
