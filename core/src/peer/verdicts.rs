@@ -8,7 +8,8 @@
 //!
 //! The observations are `Level`s (domain `peer`), so a later run that finds the node fine clears
 //! them. A run that could not tell (the node is `unknown`) or did not include the node changes
-//! nothing.
+//! nothing; nor does a run change the link to a partner it did not judge (not a member of the run,
+//! as in a job's pre-flight check of a few nodes, or `unknown` in it).
 
 use std::collections::BTreeSet;
 
@@ -25,13 +26,16 @@ pub fn link_device(partner: &str) -> String {
     format!("link:{partner}")
 }
 
-/// The `Level` domain of this node's peer links: one level per run covers all of them.
+/// The `Level` domain of this node's peer links: one level per link, on `link:<partner>`.
 pub const LINK_DOMAIN: &str = "peer-link";
 
 /// A run's observations for this node (`me`, an index into `members`). No memory between runs:
-/// every run states the node's whole peer status (one level for the node, one for all its
-/// links), so links restored from saved state after a restart heal on the next clean run like
-/// any other (a tracker of the links reported before did not survive a restart).
+/// every run states what it judged of the node (one level for the node, one for each link to a
+/// partner it judged), so links restored from saved state after a restart heal on the next
+/// clean run like any other (a tracker of the links reported before did not survive a restart).
+/// A link to a node outside the run, or `unknown` in it, is left as it is: a job's check of two
+/// nodes says nothing of their links to a third. (A link to a node that has left the cluster
+/// for good is cleared with `faultline clear --device link:<node>`.)
 pub fn observe(
     members: &[String],
     me: NodeId,
@@ -76,36 +80,42 @@ pub fn observe(
             format!("peer check {run_id}: {my_name} is {ratio:.2}x slower than the median, in two measurements"),
         ));
     }
-    let partners: BTreeSet<String> = verdicts
+    let broken: BTreeSet<NodeId> = verdicts
         .broken_links
         .iter()
         .filter(|l| l.has(me))
-        .map(|l| name(l.other(me)))
+        .map(|l| l.other(me))
         .collect();
-    let links = partners
-        .iter()
-        .map(|partner| {
-            signal(
+    // The partners whose link to this node the run judged: broken, or fine because both ends
+    // were judged and no broken link between them was found.
+    let judged = (0..members.len())
+        .filter(|p| *p != me && (broken.contains(p) || !verdicts.unknown.contains_key(p)));
+    let mut out = vec![Observation::Level {
+        source: Source::Peer,
+        device: Some(DeviceRef::named("node")),
+        domain: DOMAIN.into(),
+        present: node,
+    }];
+    for p in judged {
+        let partner = name(p);
+        let device = link_device(&partner);
+        let present = if broken.contains(&p) {
+            vec![signal(
                 "PEER_LINK_FAILED",
-                &link_device(partner),
+                &device,
                 format!("peer check {run_id}: the path between {my_name} and {partner} fails while both pass with others"),
-            )
-        })
-        .collect();
-    vec![
-        Observation::Level {
+            )]
+        } else {
+            Vec::new()
+        };
+        out.push(Observation::Level {
             source: Source::Peer,
-            device: Some(DeviceRef::named("node")),
-            domain: DOMAIN.into(),
-            present: node,
-        },
-        Observation::Level {
-            source: Source::Peer,
-            device: None,
+            device: Some(DeviceRef::named(&device)),
             domain: LINK_DOMAIN.into(),
-            present: links,
-        },
-    ]
+            present,
+        });
+    }
+    out
 }
 
 #[cfg(test)]
@@ -296,6 +306,51 @@ mod tests {
             "without the upgrade the old fault never heals"
         );
         assert!(active(&upgraded, policy).is_empty());
+    }
+
+    /// A run judges only the links to its own members: a job's pre-flight check of gpu-4 and
+    /// gpu-5 leaves gpu-4's broken link to gpu-6 alone, and so does a run in which gpu-6 is
+    /// `unknown`; a run that judges gpu-6 ends it. (A single level over all links ended it on
+    /// the two-node run.)
+    #[test]
+    fn a_run_ends_only_the_links_it_judged() {
+        let (policy, ctx) = ctx();
+        let m = members(8);
+        let mut e = Engine::new();
+        let v = Verdicts {
+            broken_links: BTreeSet::from([Pair::new(4, 6)]),
+            ..Default::default()
+        };
+        for o in observe(&m, 4, &v, "run-1", None) {
+            e.step(ctx, o, t(0));
+        }
+        assert_eq!(active(&e, policy), ["PEER_LINK_FAILED@link:gpu-6"]);
+
+        let pair = vec!["gpu-4".to_string(), "gpu-5".to_string()];
+        for o in observe(&pair, 0, &Verdicts::default(), "job", None) {
+            e.step(ctx, o, t(60));
+        }
+        assert_eq!(
+            active(&e, policy),
+            ["PEER_LINK_FAILED@link:gpu-6"],
+            "a run without gpu-6 says nothing of the link to it"
+        );
+
+        let mut unsure = Verdicts::default();
+        unsure.unknown.insert(6, "did not answer".into());
+        for o in observe(&m, 4, &unsure, "run-2", None) {
+            e.step(ctx, o, t(1800));
+        }
+        assert_eq!(
+            active(&e, policy),
+            ["PEER_LINK_FAILED@link:gpu-6"],
+            "gpu-6 unknown: the link is not judged"
+        );
+
+        for o in observe(&m, 4, &Verdicts::default(), "run-3", None) {
+            e.step(ctx, o, t(3600));
+        }
+        assert!(active(&e, policy).is_empty());
     }
 
     #[test]
