@@ -28,12 +28,19 @@ pub enum OperatorFileError {
 
 /// Reads `path` as text: a regular file of at most `max` bytes.
 pub fn read_text(path: &Path, max: u64) -> Result<String, OperatorFileError> {
+    String::from_utf8(read_bytes(path, max)?).map_err(|_| OperatorFileError::NotText)
+}
+
+/// Reads `path`: a regular file of at most `max` bytes, opened without blocking. Also for the
+/// agent's own files read back at start (`state.json`, `faults.json`): whatever was put in
+/// their place cannot hang or exhaust the agent.
+pub fn read_bytes(path: &Path, max: u64) -> Result<Vec<u8>, OperatorFileError> {
     let nonblock = rustix::fs::OFlags::NONBLOCK.bits() as i32;
     let file = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(nonblock)
         .open(path)?;
-    String::from_utf8(read_opened(file, max)?).map_err(|_| OperatorFileError::NotText)
+    read_opened(file, max)
 }
 
 /// Reads an opened file: a regular file of at most `max` bytes (however it was opened: the

@@ -31,11 +31,20 @@ pub enum ReadError {
     Invalid(String, String),
 }
 
+/// Largest record file read: the agent's own record is far smaller (a ConfigMap holds it in
+/// 1 MiB); the cap keeps a file put in its place from exhausting the reader.
+pub const MAX_RECORD_BYTES: u64 = 32 << 20;
+
+/// Reads a record file: a regular file of at most [`MAX_RECORD_BYTES`], opened without blocking
+/// (the agent reads it back at every start; a FIFO or `/dev/zero` there is refused, not read).
 pub fn read_record(path: &Path) -> Result<NodeRecord, ReadError> {
+    use crate::operator_file::{read_bytes, OperatorFileError};
     let p = path.display().to_string();
-    let bytes = std::fs::read(path).map_err(|e| match e.kind() {
-        std::io::ErrorKind::NotFound => ReadError::Missing(p.clone()),
-        _ => ReadError::Io(p.clone(), e.to_string()),
+    let bytes = read_bytes(path, MAX_RECORD_BYTES).map_err(|e| match e {
+        OperatorFileError::Io(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            ReadError::Missing(p.clone())
+        }
+        e => ReadError::Io(p.clone(), e.to_string()),
     })?;
     serde_json::from_slice(&bytes).map_err(|e| ReadError::Invalid(p, e.to_string()))
 }
@@ -302,6 +311,46 @@ mod tests {
         let p = d.path().join("faults.json");
         std::fs::write(&p, body).unwrap();
         (d, p)
+    }
+
+    /// The record file is read back by the agent at every start, and by the CLI: whatever sits
+    /// in its place is refused at once with the reason, never waited on (a FIFO with no
+    /// writer) or read whole (`/dev/zero`, a huge file).
+    #[test]
+    fn a_record_file_that_is_not_one_is_refused_without_being_read() {
+        let d = tempfile::tempdir().unwrap();
+        let fifo = d.path().join("fifo.json");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        let zero = d.path().join("zero.json");
+        std::os::unix::fs::symlink("/dev/zero", &zero).unwrap();
+        let huge = d.path().join("huge.json");
+        std::fs::File::create(&huge)
+            .unwrap()
+            .set_len(MAX_RECORD_BYTES + 1)
+            .unwrap();
+        for (path, why) in [
+            (&fifo, "not a regular file"),
+            (&zero, "not a regular file"),
+            (&huge, "larger than"),
+        ] {
+            let e = read_record(path).unwrap_err();
+            assert!(
+                matches!(&e, ReadError::Io(_, m) if m.contains(why)),
+                "{}: {e}",
+                path.display()
+            );
+        }
+        assert!(matches!(
+            read_record(&d.path().join("none.json")),
+            Err(ReadError::Missing(_))
+        ));
     }
 
     /// A record as a live agent writes it: with a heartbeat of now.

@@ -166,20 +166,13 @@ pub fn read_state(dir: &Path) -> Result<Option<PersistedState>, StateReadError> 
         path: path.clone(),
         reason,
     };
-    let bytes = match std::fs::File::open(&path) {
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(unreadable(e.to_string())),
-        Ok(f) => {
-            use std::io::Read;
-            let mut bytes = Vec::new();
-            f.take(MAX_STATE_BYTES + 1)
-                .read_to_end(&mut bytes)
-                .map_err(|e| unreadable(e.to_string()))?;
-            if bytes.len() as u64 > MAX_STATE_BYTES {
-                return Err(unreadable(format!("larger than {MAX_STATE_BYTES} bytes")));
-            }
-            bytes
+    use crate::operator_file::{read_bytes, OperatorFileError};
+    let bytes = match read_bytes(&path, MAX_STATE_BYTES) {
+        Err(OperatorFileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => {
+            return Ok(None)
         }
+        Err(e) => return Err(unreadable(e.to_string())),
+        Ok(bytes) => bytes,
     };
     #[derive(serde::Deserialize)]
     struct Versioned {
