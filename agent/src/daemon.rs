@@ -814,13 +814,17 @@ impl Components {
             .expect("sources are started before the engine loop")
     }
 
+    /// Starts a source task; if it dies of a panic, `detectors` are reported Down
+    /// ([`watched_task`](crate::source::watched_task)).
     fn spawn_source(
         &mut self,
         name: &'static str,
+        detectors: &'static [&'static str],
         task: impl Future<Output = ()> + Send + 'static,
     ) {
+        let watched = crate::source::watched_task(name, detectors, self.ctx(), task);
         self.sources
-            .spawn(task.instrument(tracing::info_span!("source", name)));
+            .spawn(watched.instrument(tracing::info_span!("source", name)));
     }
 
     fn spawn_sink(&mut self, name: &'static str, task: impl Future<Output = ()> + Send + 'static) {
@@ -843,7 +847,7 @@ impl Components {
                 policy_watch::file_reader(),
                 pending,
             );
-            self.spawn_source("policy", watcher);
+            self.spawn_source("policy", &[], watcher);
         }
         let clears = control::run(
             self.cfg.state_dir.clone(),
@@ -851,7 +855,7 @@ impl Components {
             self.persisted.subscribe(),
             Duration::from_secs(1),
         );
-        self.spawn_source("control", clears);
+        self.spawn_source("control", &[], clears);
     }
 
     /// The kernel log, on its own thread: a read of /dev/kmsg cannot be cancelled, so the thread
@@ -898,7 +902,7 @@ impl Components {
                     Duration::from_secs(60),
                     self.source_shutdown.clone(),
                 );
-                self.spawn_source("node", w);
+                self.spawn_source("node", &[], w);
                 self.kube = Some(client);
             }
             Err(e) => warn!(error = %e, "cannot reach Kubernetes; running standalone"),
@@ -915,7 +919,7 @@ impl Components {
                 library: self.cfg.nvml_lib.clone(),
             };
             let source = nvml::run(ncfg, self.policy.clone(), gpu_count_label, self.ctx());
-            self.spawn_source("nvml", source);
+            self.spawn_source("nvml", &[nvml::DETECTOR], source);
         }
         if self.cfg.no_ascend {
             info!("Ascend source disabled");
@@ -926,7 +930,14 @@ impl Components {
             };
             let tools = Arc::new(ascend::tools::RealTools::new(paths));
             let source = ascend::run(tools, self.policy.clone(), self.ctx());
-            self.spawn_source("ascend", source);
+            self.spawn_source(
+                "ascend",
+                &[
+                    ascend::analyze::DETECTOR_NPU_SMI,
+                    ascend::analyze::DETECTOR_HCCN,
+                ],
+                source,
+            );
         }
     }
 

@@ -46,16 +46,51 @@ pub(crate) fn spawn_watched(
             let Err(panic) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)) else {
                 return;
             };
-            let msg = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "a panic".to_string());
+            let msg = panic_message(&*panic);
             tracing::error!(thread = %thread, panic = %msg, "a source thread died");
             if !shutdown.is_cancelled() {
                 on_death(format!("the {thread} thread stopped: {msg}"));
             }
         })
+}
+
+/// A panic's message, as `panic!` was given it.
+fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a panic".to_string())
+}
+
+/// The async counterpart of [`spawn_watched`], for sources that run as tasks (the NVML loop,
+/// the Ascend poller, the policy watcher, …): if `task` dies of a panic while the agent is not
+/// stopping, it is logged, and each of `detectors` is reported Down with the reason (`the nvml
+/// task stopped: <panic message>`), instead of the detector showing Running over a source that
+/// is gone.
+pub(crate) async fn watched_task(
+    name: &'static str,
+    detectors: &'static [&'static str],
+    ctx: SourceContext,
+    task: impl std::future::Future<Output = ()> + Send,
+) {
+    use futures::FutureExt;
+    let Err(panic) = std::panic::AssertUnwindSafe(task).catch_unwind().await else {
+        return;
+    };
+    let msg = panic_message(&*panic);
+    tracing::error!(source = name, panic = %msg, "a source task died");
+    if ctx.shutdown.is_cancelled() {
+        return;
+    }
+    for d in detectors {
+        let obs = Observation::Detector {
+            name: (*d).into(),
+            state: DetectorState::Down,
+            reason: Some(format!("the {name} task stopped: {msg}")),
+        };
+        let _ = ctx.tx.send(Input::Obs(obs)).await;
+    }
 }
 
 /// An `on_death` for [`spawn_watched`] that reports the detector `name` Down to the engine.
@@ -103,6 +138,46 @@ pub(crate) fn counter_growth(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A source task that panics is reported like a thread: each of its detectors goes Down
+    /// with the panic's text; one that ends normally reports nothing.
+    #[tokio::test]
+    async fn a_dead_task_reports_its_detectors_down() {
+        let (tx, mut rx) = mpsc::channel(4);
+        let ctx = SourceContext {
+            tx,
+            metrics: Arc::new(Metrics::default()),
+            shutdown: CancellationToken::new(),
+        };
+        let dies = async { panic!("called `Option::unwrap()` on a `None` value") };
+        watched_task("ascend", &["npu-smi", "hccn_tool"], ctx.clone(), dies).await;
+        let mut seen = Vec::new();
+        while let Ok(Input::Obs(Observation::Detector {
+            name,
+            state,
+            reason,
+        })) = rx.try_recv()
+        {
+            seen.push((name, state, reason.unwrap_or_default()));
+        }
+        let why = "the ascend task stopped: called `Option::unwrap()` on a `None` value";
+        assert_eq!(
+            seen,
+            [
+                ("npu-smi".to_string(), DetectorState::Down, why.to_string()),
+                (
+                    "hccn_tool".to_string(),
+                    DetectorState::Down,
+                    why.to_string()
+                ),
+            ]
+        );
+        watched_task("ascend", &["npu-smi"], ctx.clone(), async {}).await;
+        assert!(rx.try_recv().is_err(), "a normal end reports nothing");
+        ctx.shutdown.cancel();
+        watched_task("ascend", &["npu-smi"], ctx.clone(), async { panic!("x") }).await;
+        assert!(rx.try_recv().is_err(), "nothing at shutdown");
+    }
 
     /// A source thread that panics is reported: its detector goes Down with the panic's text.
     /// At shutdown, nothing is reported.
