@@ -644,20 +644,119 @@ fn rebuild_from_record(
 /// How long start-up waits for the cluster's copy of the record when nothing survived locally
 /// (trying again every second meanwhile).
 const CLUSTER_RESTORE_WAIT: Duration = Duration::from_secs(10);
+/// The fault an operator-held taint stands for, when nothing else is left of it: the code in
+/// the taint's value, if the policy in force holds that code for an operator
+/// (`ManuallySeparateNPU`). A taint of a fault that recovers by itself is not held: if the fault
+/// is still there, its source finds it again. The value is untrusted: anything but a code the
+/// policy holds is ignored.
+fn held_code(
+    value: &str,
+    policy: &faultline_core::policy::Policy,
+    catalog: &Catalog,
+) -> Option<faultline_core::catalog::FaultCode> {
+    use faultline_core::catalog::FaultCode;
+    use faultline_core::record::Handling;
+    let code = if let Some(n) = value.strip_prefix("SXid").and_then(|n| n.parse().ok()) {
+        FaultCode::Sxid {
+            code: n,
+            fatal: true,
+        }
+    } else if let Some(n) = value.strip_prefix("Xid").and_then(|n| n.parse().ok()) {
+        FaultCode::Xid(n)
+    } else if faultline_core::catalog::ascend::is_fault_code(value) {
+        FaultCode::Ascend {
+            code: value.to_string(),
+            network: false,
+            severe: true,
+        }
+    } else if !value.is_empty()
+        && value.len() <= 63
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        FaultCode::named(value)
+    } else {
+        return None;
+    };
+    (policy.classify(catalog, &code).handling == Handling::ManuallySeparateNPU).then_some(code)
+}
+
+/// When neither local state nor the fault ConfigMap is left, the node's own `faultline.io/`
+/// taints are the last trace of operator-held faults: each taint whose value is a code the
+/// policy holds for an operator becomes an active fault on `node` again (source `agent`, the
+/// message saying where it came from), so the node stays tainted until an operator runs
+/// `faultline clear`. `None` when the Node cannot be read or carries no such taint.
+async fn rebuild_from_taints(
+    client: kube::Client,
+    node: &str,
+    policy: &faultline_core::policy::Policy,
+    catalog: &Catalog,
+    now: faultline_core::time::Timestamp,
+) -> Option<faultline_core::engine::Engine> {
+    use faultline_core::engine::{DeviceRef, Engine, Signal};
+    let nodes: kube::Api<k8s_openapi::api::core::v1::Node> = kube::Api::all(client);
+    let n = match tokio::time::timeout(CLUSTER_RESTORE_WAIT, nodes.get(node)).await {
+        Ok(Ok(n)) => n,
+        Ok(Err(e)) => {
+            warn!(error = %e, "cannot read this node's taints; starting empty");
+            return None;
+        }
+        Err(_) => {
+            warn!("this node's taints were not read in time; starting empty");
+            return None;
+        }
+    };
+    let ctx = faultline_core::engine::Ctx { policy, catalog };
+    let mut engine = Engine::new();
+    for t in n.spec.and_then(|s| s.taints).unwrap_or_default() {
+        if !t.key.starts_with("faultline.io/") {
+            continue;
+        }
+        let value = t.value.unwrap_or_default();
+        let Some(code) = held_code(&value, policy, catalog) else {
+            continue;
+        };
+        let message = format!(
+            "rebuilt from the node's taint {}={value}:{}: no local state and no fault record were left; \
+             an operator must clear it (faultline clear --code {value}) once the node is repaired",
+            t.key, t.effect
+        );
+        let signal = Signal::new(
+            faultline_core::record::Source::Agent,
+            code,
+            Some(DeviceRef::named("node")),
+            message,
+        );
+        engine.step(ctx, Observation::Signal(signal), now);
+    }
+    let held = engine.faults().filter(|f| f.fault.active).count();
+    if held == 0 {
+        return None;
+    }
+    warn!(
+        faults = held,
+        "no local state and no fault record; operator-held faults rebuilt from the node's taints"
+    );
+    Some(engine)
+}
+
 /// A record dated further ahead of this host's clock than this is refused: its time would set
 /// how far the kernel log is skipped.
 const MAX_RECORD_SKEW: Duration = Duration::from_secs(300);
 
 /// When nothing survived locally (the state directory was lost, or a reboot emptied a tmpfs),
 /// the fault ConfigMap may still hold this node's last record: rebuild from it, so operator-held
-/// faults are not published as Healthy. Waits at most [`CLUSTER_RESTORE_WAIT`]; any failure
-/// means starting empty, as before.
+/// faults are not published as Healthy. Waits at most [`CLUSTER_RESTORE_WAIT`]. `Err` when the
+/// API did not answer in time (nothing else is asked then: detection has waited long enough);
+/// `Ok(None)` when it answered without a usable record (the node's taints are asked next,
+/// [`rebuild_from_taints`]).
 async fn rebuild_from_cluster(
     client: kube::Client,
     cfg: &AgentConfig,
     node: &str,
     catalog: &Catalog,
-) -> Option<(Rebuilt, NodeRecord)> {
+) -> Result<Option<(Rebuilt, NodeRecord)>, ()> {
     let cms: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
         kube::Api::namespaced(client, &cfg.namespace);
     use kube_sink::configmap::{read_back, ReadBackError};
@@ -666,10 +765,10 @@ async fn rebuild_from_cluster(
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         match tokio::time::timeout(left, read_back(&cms, node)).await {
             Ok(Ok(Some(r))) => break r,
-            Ok(Ok(None)) => return None,
+            Ok(Ok(None)) => return Ok(None),
             Ok(Err(e @ ReadBackError::Unreadable(_))) => {
-                warn!(error = %e, "no local state, and the cluster's record cannot be used; starting empty");
-                return None;
+                warn!(error = %e, "no local state, and the cluster's record cannot be used");
+                return Ok(None);
             }
             Ok(Err(e)) if !left.is_zero() => {
                 debug!(error = %e, "reading the cluster's record failed; trying again");
@@ -680,19 +779,19 @@ async fn rebuild_from_cluster(
                     waited_ms = CLUSTER_RESTORE_WAIT.as_millis() as u64,
                     "no local state, and the API did not give this node's record in time; starting empty"
                 );
-                return None;
+                return Err(());
             }
         }
     };
     let ahead =
         faultline_core::time::since(record.update_time, faultline_core::time::Timestamp::now());
     if ahead > faultline_core::time::signed(MAX_RECORD_SKEW) {
-        warn!(record_time = %record.update_time, "the cluster's record is dated in the future; not used, starting empty");
-        return None;
+        warn!(record_time = %record.update_time, "the cluster's record is dated in the future; not used");
+        return Ok(None);
     }
     let rebuilt = engine_from_record(&record, cfg, catalog);
     warn!(faults = rebuilt.0.faults().count(), record_time = %record.update_time, "no local state; faults rebuilt from the cluster's record");
-    Some((rebuilt, record))
+    Ok(Some((rebuilt, record)))
 }
 
 /// A record's active faults, minus what the next polls will report anyway, and minus
@@ -1212,13 +1311,20 @@ async fn run_node(
     if let (Origin::Empty, Some(client)) =
         (restored.origin, c.kube.as_ref().map(|k| k.calls.clone()))
     {
-        if let Some(((engine, skip), record)) =
-            rebuild_from_cluster(client, &c.cfg, &c.node, &catalog).await
-        {
+        let found = rebuild_from_cluster(client.clone(), &c.cfg, &c.node, &catalog).await;
+        if let Ok(Some(((engine, skip), record))) = found {
             restored.origin = Origin::Record;
             restored.engine = engine;
             restored.kmsg_skip_through = skip;
             restored.taint_budget = record.agent.taint_budget;
+        } else if found.is_ok() {
+            let policy = c.policy.borrow().policy.clone();
+            let now = timeline.at(c.clock.since_boot());
+            if let Some(engine) = rebuild_from_taints(client, &c.node, &policy, &catalog, now).await
+            {
+                restored.origin = Origin::Record;
+                restored.engine = engine;
+            }
         }
     }
     c.start_kmsg(restored.kmsg_cursor, restored.kmsg_skip_through, &timeline);
@@ -1240,6 +1346,27 @@ async fn run_node(
 mod tests {
     use super::*;
     use clap::Parser;
+
+    /// A taint's value is untrusted: only a code the policy in force holds for an operator
+    /// rebuilds a fault; other codes, and values that are no code, are ignored.
+    #[test]
+    fn only_operator_held_codes_are_rebuilt_from_taints() {
+        let catalog = Catalog::builtin().unwrap();
+        let builtin = faultline_core::policy::Policy::default();
+        let held = faultline_core::policy::Policy::parse(
+            "overrides:\n  Xid79: { handling: ManuallySeparateNPU }\n",
+        )
+        .unwrap();
+        assert!(held_code("Xid79", &held, &catalog).is_some());
+        assert_eq!(
+            held_code("Xid79", &builtin, &catalog),
+            None,
+            "Xid 79 recovers by itself under the built-in policy"
+        );
+        for value in ["", "Xid", "Xid79x", "../etc", "a b", &"X".repeat(64)] {
+            assert_eq!(held_code(value, &held, &catalog), None, "{value:?}");
+        }
+    }
 
     #[derive(Debug, Parser)]
     struct Flags {

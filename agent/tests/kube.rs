@@ -1044,6 +1044,65 @@ fn a_lost_state_directory_is_rebuilt_from_the_cluster_and_survives_a_reboot() {
     c.assert_calls_listed();
 }
 
+/// Nothing left but the taint: the state and data directories are lost and the fault ConfigMap
+/// was deleted, over a reboot. The node's own `faultline.io/` taint is the last trace of the
+/// operator-held Xid 79, so the agent rebuilds the fault from it and the node stays tainted past
+/// the settle time (before, it started empty and untainted the node after `--settle`), until
+/// an operator clears it with `faultline clear`.
+#[test]
+fn with_no_state_and_no_record_the_operator_held_taint_is_kept_until_cleared() {
+    let c = Cluster::new(&["node-a"]);
+    let dir = tempfile::tempdir().unwrap();
+    let policy = operator_held_xid79_policy(dir.path());
+    let extra = ["--policy", policy.to_str().unwrap()];
+    let agent = c.start_agent(dir.path(), "node-a", &extra);
+    agent.append(XID79);
+    c.wait("the operator-held Xid 79 tainted", Some(&agent), |c| {
+        c.taints("node-a")
+            .contains(&"faultline.io/unhealthy=Xid79:NoSchedule".to_string())
+            && c.record("node-a")
+                .is_some_and(|r| fault(&r, "Xid79").is_some())
+    });
+    let tainted = c.taints("node-a");
+    assert_eq!(agent.stop(), 0);
+
+    std::fs::remove_dir_all(dir.path().join("state")).unwrap();
+    std::fs::remove_dir_all(dir.path().join("data")).unwrap();
+    std::fs::write(dir.path().join("boot_id"), b"boot-2\n").unwrap();
+    std::fs::write(dir.path().join("kmsg"), b"").unwrap();
+    assert!(c
+        .emu
+        .delete(&ResourceRef::config_map(NS, "faultline-node-a")));
+    let agent = c.start_agent(dir.path(), "node-a", &extra);
+    let r = agent.wait_for("the fault rebuilt from the taint", |r| {
+        fault(r, "Xid79").is_some_and(|f| f.active)
+    });
+    let f = fault(&r, "Xid79").unwrap();
+    assert!(
+        f.message.contains("rebuilt from the node's taint") && f.device == "node",
+        "{f:?}"
+    );
+    assert_eq!(
+        f.fault_handling,
+        faultline_core::record::Handling::ManuallySeparateNPU
+    );
+    // Past the settle time (2 s): an empty start would have untainted the node by now.
+    std::thread::sleep(Duration::from_secs(4));
+    assert_eq!(c.taints("node-a"), tainted);
+    assert!(c
+        .record("node-a")
+        .is_some_and(|r| r.health == Health::Unhealthy && fault(&r, "Xid79").is_some()));
+
+    let (code, _, err) = common::cli(&["clear", "--code", "Xid79"], &agent.state());
+    assert_eq!(code, Some(0), "{err}");
+    c.wait("the node untainted once cleared", Some(&agent), |c| {
+        !c.taints("node-a")
+            .iter()
+            .any(|t| t.starts_with("faultline.io/"))
+    });
+    c.assert_calls_listed();
+}
+
 /// A reboot with the data directory kept (`/var/lib/faultline` on a node) and `/run` emptied:
 /// the operator-held fault comes back from the agent's own state, not from the cluster. Here
 /// the fault ConfigMap was deleted while the node was down, so only local durable state can

@@ -76,7 +76,7 @@ pub const API_CALLS: &[ApiCall] = &[
         "nodes",
         "get",
         Scope::Cluster,
-        "source::node (expected GPU count label), sink::kube::node (read before every change)",
+        "source::node (expected GPU count label), sink::kube::node (read before every change), daemon (at start with no local state and no fault ConfigMap: the taints that name operator-held faults)",
     ),
     call(
         "",
