@@ -143,9 +143,12 @@ pub(crate) async fn changed_or_woken<T>(
     }
 }
 
-/// Exponential backoff with jitter between failed attempts: 200 ms doubling to 30 s. The
-/// jitter adds up to the delay itself on top of it, so each delay is clamped to [`Retry::MAX`]
-/// (without the clamp a failing API was retried up to 60 s apart, twice what the docs say).
+/// Exponential backoff with jitter between failed attempts: 200 ms doubling, at most 30 s. The
+/// jitter adds up to the delay itself on top of it, so the delay before jitter stops at half of
+/// [`Retry::MAX`]: at the ceiling the delays spread over 15-30 s, and a DaemonSet whose API
+/// failed for all nodes at once does not retry in step (with a 30 s cap before jitter, delays
+/// reached 60 s, twice what the docs say; clamping them to 30 s would have put every node on
+/// the same 30 s period).
 #[derive(Debug)]
 pub(crate) struct Retry {
     current: ExponentialBackoff,
@@ -155,7 +158,7 @@ impl Retry {
     fn builder() -> ExponentialBuilder {
         ExponentialBuilder::default()
             .with_min_delay(Duration::from_millis(200))
-            .with_max_delay(Self::MAX)
+            .with_max_delay(Self::MAX / 2)
             .with_factor(2.0)
             .with_jitter()
             .without_max_times()
@@ -301,9 +304,16 @@ mod tests {
         );
         let delays: Vec<Duration> = (0..200).map(|_| r.next_delay()).collect();
         assert!(delays.iter().all(|d| *d <= Retry::MAX), "{delays:?}");
+        // At the ceiling (the last 100) the delays still spread: nodes do not retry in step.
+        let late = &delays[100..];
         assert!(
-            delays.iter().filter(|d| **d == Retry::MAX).count() > 50,
-            "the ceiling is reached: {delays:?}"
+            late.iter().all(|d| *d >= Retry::MAX / 2),
+            "the ceiling is reached: {late:?}"
+        );
+        let (lo, hi) = (late.iter().min().unwrap(), late.iter().max().unwrap());
+        assert!(
+            *hi - *lo > Duration::from_secs(5),
+            "jitter kept at the ceiling: {lo:?}..{hi:?}"
         );
         r.reset();
         assert!(r.next_delay() <= Duration::from_millis(400));

@@ -523,8 +523,6 @@ mod tests {
             .get_or_insert_default()
     }
 
-    /// What counts as drift: only faultline's own label, taints and condition; a hard taint the
-    /// budget withholds is not drift.
     /// The withheld taint is announced once per change of the list, so a notice queue that is
     /// full (the API unreachable long enough for 1,024 notices) must not drop it: it waits and
     /// goes out once there is room; a list that changes meanwhile replaces it.
@@ -584,6 +582,8 @@ mod tests {
         assert!(rx.try_recv().is_err(), "a released list is not announced");
     }
 
+    /// What counts as drift: only faultline's own label, taints and condition; a hard taint the
+    /// budget withholds is not drift.
     #[test]
     fn drift_is_a_change_to_what_faultline_owns() {
         let now = Timestamp::UNIX_EPOCH;

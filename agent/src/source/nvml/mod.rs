@@ -56,13 +56,17 @@ async fn detector(ctx: &SourceContext, state: DetectorState, reason: Option<Stri
     ctx.tx.send(Input::Obs(obs)).await.is_ok()
 }
 
+/// How long the GPU count waits for a policy file still loading at start; past it the policy in
+/// force (the built-in one) is used, so a hung file cannot stop GPU_MISSING for good.
+const LOADING_WAIT: Duration = Duration::from_secs(60);
+
 /// The expected GPU count: the policy's `expected_gpus` when set, else the node label's; 0 for
 /// no expectation. `None` while it cannot be known yet: the policy file is still loading (the
-/// built-in policy in force meanwhile sets none), or the policy leaves it to a node label not
-/// read yet. Judging then would end a GPU_MISSING restored from state, and raise and count it
-/// again once the expectation arrives.
-fn expected(policy: &LoadedPolicy, label: GpuCountLabel) -> Option<u32> {
-    if policy.status.loading.is_some() {
+/// built-in policy in force meanwhile sets none; for at most [`LOADING_WAIT`]: `waited` says it
+/// is over), or the policy leaves it to a node label not read yet. Judging then would end a
+/// GPU_MISSING restored from state, and raise and count it again once the expectation arrives.
+fn expected(policy: &LoadedPolicy, label: GpuCountLabel, waited: bool) -> Option<u32> {
+    if policy.status.loading.is_some() && !waited {
         return None;
     }
     match (policy.policy.expected_gpus, label) {
@@ -279,6 +283,8 @@ pub async fn run_with(
     drop(tx);
 
     let mut analyzer = Analyzer::new();
+    let started = tokio::time::Instant::now();
+    let waited = || started.elapsed() >= LOADING_WAIT;
     let mut last_count: Option<u32> = None;
     let mut hung = false;
     // A thread died: the detector stays down (nothing watches its GPU any more).
@@ -291,13 +297,13 @@ pub async fn run_with(
             Ok(()) = policy.changed() => {
                 let loaded = policy.borrow_and_update().clone();
                 interval_ms.store(loaded.policy.nvml.poll_interval.as_millis() as u64, Ordering::Relaxed);
-                let want = expected(&loaded, *label_count.borrow());
+                let want = expected(&loaded, *label_count.borrow(), waited());
                 last_count.map(|n| analyzer.inventory(n, want)).unwrap_or_default()
             }
             Ok(()) = label_count.changed() => {
                 let label = *label_count.borrow_and_update();
                 info!(count = ?label, "expected GPU count from the node label");
-                let want = expected(&policy.borrow(), label);
+                let want = expected(&policy.borrow(), label, waited());
                 last_count.map(|n| analyzer.inventory(n, want)).unwrap_or_default()
             }
             msg = rx.recv() => {
@@ -307,7 +313,7 @@ pub async fn run_with(
                     Msg::Identity(id) => analyzer.identity(id),
                     Msg::Count(Ok(n)) => {
                         last_count = Some(n);
-                        analyzer.inventory(n, expected(&loaded, *label_count.borrow()))
+                        analyzer.inventory(n, expected(&loaded, *label_count.borrow(), waited()))
                     }
                     Msg::Count(Err(e)) => {
                         warn!(error = ?e, "nvmlDeviceGetCount failed");
@@ -400,6 +406,29 @@ mod tests {
             }
         }
         out
+    }
+
+    /// The expectation table: the policy's count wins; a loading policy is waited for only
+    /// until [`LOADING_WAIT`] is over (a hung file must not stop GPU_MISSING for good).
+    #[test]
+    fn the_expected_count_table() {
+        let mut p = LoadedPolicy::builtin();
+        let read = |n| GpuCountLabel::Read(n);
+        assert_eq!(expected(&p, GpuCountLabel::Unread, false), None);
+        assert_eq!(expected(&p, read(None), false), Some(0));
+        assert_eq!(expected(&p, read(Some(8)), false), Some(8));
+        p.status.loading = Some("/etc/faultline/policy.yaml".into());
+        assert_eq!(expected(&p, read(Some(8)), false), None, "loading");
+        assert_eq!(
+            expected(&p, read(Some(8)), true),
+            Some(8),
+            "waited long enough"
+        );
+        p.status.loading = None;
+        let mut explicit = (*p.policy).clone();
+        explicit.expected_gpus = 4;
+        p.policy = Arc::new(explicit);
+        assert_eq!(expected(&p, GpuCountLabel::Unread, false), Some(4));
     }
 
     /// Seven GPUs that read fine.
