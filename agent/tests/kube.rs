@@ -861,6 +861,17 @@ fn deleted_or_replaced_own_objects_are_repaired_in_seconds_not_at_the_resync() {
         c.record("node-a")
             .is_some_and(|r| r.health == Health::Unhealthy && fault(&r, "Xid79").is_some())
     };
+    // Quiet first: every detector has reported, so no content change of the record is still on
+    // its way (an ordinary write of one would recreate the deleted ConfigMap before the watch's
+    // repair, and the repair would not be counted; CI saw that once).
+    c.wait("every detector in the ConfigMap", Some(&agent), |c| {
+        c.record("node-a").is_some_and(|r| {
+            ["kmsg", "nvml", "npu-smi", "hccn_tool", "record-file"]
+                .iter()
+                .all(|d| r.agent.detectors.iter().any(|x| x.name == *d))
+        })
+    });
+    std::thread::sleep(Duration::from_millis(500));
 
     // 1. The fault ConfigMap is deleted.
     assert!(c
