@@ -669,12 +669,7 @@ fn held_code(
             network: false,
             severe: true,
         }
-    } else if !value.is_empty()
-        && value.len() <= 63
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-    {
+    } else if faultline_core::policy::valid_code(value) {
         FaultCode::named(value)
     } else {
         return None;

@@ -273,9 +273,7 @@ fn a_reboot_keeps_operator_held_faults_and_escalation_counts() {
     assert_eq!(agent.stop(), 0);
 
     // The reboot.
-    std::fs::remove_dir_all(dir.path().join("state")).unwrap();
-    std::fs::write(dir.path().join("boot_id"), b"boot-2\n").unwrap();
-    std::fs::write(dir.path().join("kmsg"), b"6,1,100,-;Linux version 6.1.0\n").unwrap();
+    common::reboot(dir.path(), b"6,1,100,-;Linux version 6.1.0\n", false);
     let agent = Agent::start(dir.path(), &extra);
     let r = agent.wait_for("the record of the new boot", |r| {
         r.agent.detectors.iter().any(|d| d.name == "kmsg")

@@ -1004,10 +1004,7 @@ fn a_lost_state_directory_is_rebuilt_from_the_cluster_and_survives_a_reboot() {
     assert_eq!(agent.stop(), 0);
 
     // 2. A reboot: new boot id and boot time, the kernel log starts over, /run is empty.
-    std::fs::remove_dir_all(dir.path().join("state")).unwrap();
-    std::fs::remove_dir_all(dir.path().join("data")).unwrap();
-    std::fs::write(dir.path().join("boot_id"), b"boot-2\n").unwrap();
-    std::fs::write(dir.path().join("kmsg"), b"").unwrap();
+    common::reboot(dir.path(), b"", true);
     let later = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -1077,10 +1074,7 @@ fn with_no_state_and_no_record_the_operator_held_taint_is_kept_until_cleared() {
     let tainted = c.taints("node-a");
     assert_eq!(agent.stop(), 0);
 
-    std::fs::remove_dir_all(dir.path().join("state")).unwrap();
-    std::fs::remove_dir_all(dir.path().join("data")).unwrap();
-    std::fs::write(dir.path().join("boot_id"), b"boot-2\n").unwrap();
-    std::fs::write(dir.path().join("kmsg"), b"").unwrap();
+    common::reboot(dir.path(), b"", true);
     assert!(c
         .emu
         .delete(&ResourceRef::config_map(NS, "faultline-node-a")));
@@ -1143,9 +1137,7 @@ fn a_reboot_keeps_the_node_tainted_from_its_durable_state() {
 
     // The reboot: /run emptied, a new boot id, the kernel log starts over; /var/lib kept.
     // Meanwhile the fault ConfigMap is gone (deleted by hand, or a namespace recreated).
-    std::fs::remove_dir_all(dir.path().join("state")).unwrap();
-    std::fs::write(dir.path().join("boot_id"), b"boot-2\n").unwrap();
-    std::fs::write(dir.path().join("kmsg"), b"").unwrap();
+    common::reboot(dir.path(), b"", false);
     assert!(c
         .emu
         .delete(&ResourceRef::config_map(NS, "faultline-node-a")));
@@ -1517,9 +1509,7 @@ fn a_reboot_while_a_taint_is_withheld_announces_nothing_again() {
     assert_eq!(a1.stop(), 0);
 
     let dir = dirs[1].path();
-    std::fs::remove_dir_all(dir.join("state")).unwrap();
-    std::fs::write(dir.join("boot_id"), b"boot-2\n").unwrap();
-    std::fs::write(dir.join("kmsg"), b"").unwrap();
+    common::reboot(dir, b"", false);
     let a1 = c.start_agent(dir, "node-1", &args);
     a1.wait_for("the record of the new boot", |r| {
         r.agent.detectors.iter().any(|d| d.name == "kmsg")

@@ -893,7 +893,7 @@ impl Policy {
 }
 
 /// Fault codes are what Kubernetes accepts as a label/taint value: letters, digits, `_`, `-`.
-fn valid_code(c: &str) -> bool {
+pub fn valid_code(c: &str) -> bool {
     !c.is_empty()
         && c.len() <= 63
         && c.bytes()

@@ -379,6 +379,7 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runtime::test_snapshot;
 
     #[test]
     fn corrupt_state_is_reported_not_fatal() {
@@ -440,10 +441,6 @@ mod tests {
         assert!(err.contains("larger than"), "{err}");
     }
 
-    fn snapshot(revision: u64, marker: u64) -> Snapshot {
-        crate::runtime::test_snapshot(revision, marker)
-    }
-
     fn start(
         dir: PathBuf,
     ) -> (
@@ -499,7 +496,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let (tx, signals, shutdown, task) = start(tmp.path().to_path_buf());
         let mut status = signals.status.subscribe();
-        tx.send_replace(Some(snapshot(1, 7)));
+        tx.send_replace(Some(test_snapshot(1, 7)));
         let mut persisted = signals.persisted.subscribe();
         tokio::time::timeout(Duration::from_secs(5), persisted.wait_for(|m| *m == 7))
             .await
@@ -519,7 +516,7 @@ mod tests {
         std::fs::write(&not_a_dir, b"x").unwrap();
         let (tx, signals, shutdown, task) = start(not_a_dir);
         signals.status.send_replace(RecordStatus::Written);
-        tx.send_replace(Some(snapshot(1, 3)));
+        tx.send_replace(Some(test_snapshot(1, 3)));
         for _ in 0..100 {
             if !ready(&signals) {
                 break;
@@ -551,7 +548,7 @@ mod tests {
         std::fs::write(blocked.join("x"), b"x").unwrap();
         let (tx, signals, shutdown, task) =
             start_beating(tmp.path().to_path_buf(), Duration::from_millis(100));
-        tx.send_replace(Some(snapshot(1, 5)));
+        tx.send_replace(Some(test_snapshot(1, 5)));
         let mut status = signals.status.subscribe();
         let why = tokio::time::timeout(
             Duration::from_secs(5),
@@ -615,7 +612,7 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().to_path_buf();
         let (tx, signals, shutdown, task) = start_beating(dir.clone(), Duration::from_millis(100));
-        tx.send_replace(Some(snapshot(1, 0)));
+        tx.send_replace(Some(test_snapshot(1, 0)));
         let beats = || async {
             let mut seen = Vec::new();
             for _ in 0..200 {
@@ -708,7 +705,7 @@ mod tests {
             },
             shutdown.clone(),
         ));
-        tx.send_replace(Some(snapshot(1, 0)));
+        tx.send_replace(Some(test_snapshot(1, 0)));
         let mut first = signals.status.subscribe();
         tokio::time::timeout(Duration::from_secs(5), first.wait_for(|s| s.is_written()))
             .await
@@ -743,7 +740,7 @@ mod tests {
         let not_a_dir = tmp.path().join("plain-file");
         std::fs::write(&not_a_dir, b"x").unwrap();
         let (tx, _signals, shutdown, task) = start(not_a_dir);
-        tx.send_replace(Some(snapshot(1, 0)));
+        tx.send_replace(Some(test_snapshot(1, 0)));
         tokio::time::sleep(Duration::from_millis(300)).await;
         shutdown.cancel();
         let started = Instant::now();

@@ -246,6 +246,18 @@ impl Drop for Agent {
     }
 }
 
+/// What a reboot does to the directories of an agent started on `dir` ([`Agent::start`]): a new
+/// boot id, a kernel log that starts over with `kmsg`, and the state directory (`/run`) gone;
+/// with `lose_data`, the data directory (`/var/lib`) is gone too (a lost disk).
+pub fn reboot(dir: &Path, kmsg: &[u8], lose_data: bool) {
+    std::fs::remove_dir_all(dir.join("state")).unwrap();
+    if lose_data {
+        std::fs::remove_dir_all(dir.join("data")).unwrap();
+    }
+    std::fs::write(dir.join("boot_id"), b"boot-2\n").unwrap();
+    std::fs::write(dir.join("kmsg"), kmsg).unwrap();
+}
+
 /// Runs the `faultline` CLI against a state directory; returns (exit code, stdout, stderr).
 pub fn cli(args: &[&str], state: &Path) -> (Option<i32>, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_faultline"))

@@ -376,12 +376,16 @@ mod tests {
     use crate::metrics::Metrics;
     use tokio_util::sync::CancellationToken;
 
-    /// Two GPUs; reading GPU 1 panics (a bug in a reading, not an NVML error).
-    struct Panicky;
+    /// `count` GPUs whose readings are all unsupported (never a fault); reading GPU
+    /// `panics_on` panics (a bug in a reading, not an NVML error).
+    struct Fake {
+        count: u32,
+        panics_on: Option<u32>,
+    }
 
-    impl NvmlBackend for Panicky {
+    impl NvmlBackend for Fake {
         fn device_count(&self, _: &CallTracker) -> Reading<u32> {
-            Ok(2)
+            Ok(self.count)
         }
         fn identity(&self, index: u32, _: &CallTracker) -> Reading<Identity> {
             Ok(Identity {
@@ -390,7 +394,10 @@ mod tests {
             })
         }
         fn read(&self, index: u32, _: &CallTracker) -> DeviceReadings {
-            assert!(index != 1, "reading GPU {index} went wrong");
+            assert!(
+                self.panics_on != Some(index),
+                "reading GPU {index} went wrong"
+            );
             DeviceReadings::all_failed(index, CallError::NotSupported)
         }
         fn events(&self) -> Reading<Box<dyn EventWaiter>> {
@@ -431,27 +438,6 @@ mod tests {
         assert_eq!(expected(&p, GpuCountLabel::Unread, false), Some(4));
     }
 
-    /// Seven GPUs that read fine.
-    struct Seven;
-
-    impl NvmlBackend for Seven {
-        fn device_count(&self, _: &CallTracker) -> Reading<u32> {
-            Ok(7)
-        }
-        fn identity(&self, index: u32, _: &CallTracker) -> Reading<Identity> {
-            Ok(Identity {
-                index,
-                ..Default::default()
-            })
-        }
-        fn read(&self, index: u32, _: &CallTracker) -> DeviceReadings {
-            DeviceReadings::all_failed(index, CallError::NotSupported)
-        }
-        fn events(&self) -> Reading<Box<dyn EventWaiter>> {
-            Err(CallError::NotSupported)
-        }
-    }
-
     /// The GPU_MISSING levels sent so far: for each, whether the fault is present.
     fn missing_levels(rx: &mut mpsc::Receiver<Input>) -> Vec<bool> {
         let mut out = Vec::new();
@@ -487,7 +473,15 @@ mod tests {
         loaded.policy = Arc::new(p);
         let (ptx, prx) = watch::channel(loaded.clone());
         let (ltx, lrx) = watch::channel(GpuCountLabel::Unread);
-        let task = tokio::spawn(run_with(Arc::new(Seven), prx, lrx, ctx.clone()));
+        let task = tokio::spawn(run_with(
+            Arc::new(Fake {
+                count: 7,
+                panics_on: None,
+            }),
+            prx,
+            lrx,
+            ctx.clone(),
+        ));
         tokio::time::sleep(Duration::from_millis(600)).await;
         assert_eq!(
             missing_levels(&mut rx),
@@ -536,7 +530,15 @@ mod tests {
         loaded.policy = Arc::new(p);
         let (_ptx, prx) = watch::channel(loaded);
         let (_ltx, lrx) = watch::channel(GpuCountLabel::Read(None));
-        let task = tokio::spawn(run_with(Arc::new(Panicky), prx, lrx, ctx.clone()));
+        let task = tokio::spawn(run_with(
+            Arc::new(Fake {
+                count: 2,
+                panics_on: Some(1),
+            }),
+            prx,
+            lrx,
+            ctx.clone(),
+        ));
         tokio::time::sleep(Duration::from_millis(2500)).await;
         let seen = detectors(&mut rx);
         let down: Vec<_> = seen
