@@ -965,7 +965,7 @@ impl Components {
 
     /// The policy watcher (when a file is given; it finishes a slow start-up load) and the
     /// operator's clear requests.
-    fn start_policy_and_control(&mut self, pending: Option<policy_watch::PendingLoad>) {
+    fn start_policy_and_control(&mut self, pending: Option<policy_watch::FirstLoad>) {
         if let Some(path) = self.cfg.policy.clone() {
             let watcher = policy_watch::watch_policy(
                 path,
