@@ -1288,12 +1288,16 @@ async fn run_node(
     })?;
     // One agent per directory, before anything in them is read or written: a second agent
     // exits here, having changed nothing. Held until this function returns (the kernel
-    // releases it if the process dies).
-    let _locks = crate::lock::acquire_all(
-        &[&cfg.data_dir, &cfg.state_dir],
-        &crate::lock::Holder::this_process(&node),
-        crate::lock::PATIENCE,
-    )?;
+    // releases it if the process dies). On a blocking thread: it may wait out a reader's probe.
+    let (dirs, holder) = (
+        [cfg.data_dir.clone(), cfg.state_dir.clone()],
+        crate::lock::Holder::this_process(&node),
+    );
+    let _locks = tokio::task::spawn_blocking(move || {
+        crate::lock::acquire_all(&[&dirs[0], &dirs[1]], &holder, crate::lock::PATIENCE)
+    })
+    .await
+    .context("taking the directory locks")??;
     // Temporary files of writes a kill interrupted (only the agent writes here).
     match crate::atomic_file::remove_stale_temps(&cfg.state_dir) {
         Ok(0) => {}
