@@ -447,12 +447,12 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
     // faults.json, read once: the engine is rebuilt from it when state.json is unusable, and
     // the withheld taints come from it in every case.
     let record = crate::cli::read_record(&cfg.state_dir.join(file::FAULTS_FILE));
-    let (origin, mut persisted) = match read_durable_state(cfg) {
+    let (origin, mut persisted) = match read_durable_state(cfg, node) {
         Ok(Some(p)) => (Origin::State, p),
         // No usable state.json (deleted alone, or unreadable): the record is rebuilt.
         missing_or_bad => {
             let unreadable = missing_or_bad.err();
-            match rebuild_from_record(&record, cfg, catalog) {
+            match rebuild_from_record(&record, node, cfg, catalog) {
                 Some((engine, written)) => {
                     kmsg_skip_through = written;
                     let why = unreadable.as_deref().unwrap_or("no saved state");
@@ -494,17 +494,48 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
     }
 }
 
+/// Where a refused `state.json` is set aside: `state.json.v<N>` for another version,
+/// `state.json.node-<name>` for another node (the name kept to letters, digits, `.`, `-` and
+/// `_`: it comes from the file). `None` for a file that is merely unreadable.
+fn set_aside_name(e: &file::StateReadError) -> Option<(PathBuf, String)> {
+    match e {
+        file::StateReadError::UnknownVersion { path, found, .. } => {
+            Some((path.clone(), format!("{}.v{found}", file::STATE_FILE)))
+        }
+        file::StateReadError::OtherNode { path, found, .. } => {
+            let safe: String = found
+                .chars()
+                .take(200)
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_') {
+                        c
+                    } else {
+                        '_'
+                    }
+                })
+                .collect();
+            Some((path.clone(), format!("{}.node-{safe}", file::STATE_FILE)))
+        }
+        file::StateReadError::Unreadable { .. } => None,
+    }
+}
+
 /// `state.json` from the data directory. An agent from before `--data-dir` kept it in the state
 /// directory: found there and newer than the data directory's copy (or the only one), it is
-/// moved; older, it is removed. A file of another
-/// version is refused and set aside as `state.json.v<N>` (the agent that wrote it may come
-/// back after a rollback), never overwritten.
-fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::PersistedState>, String> {
+/// moved; older, it is removed. A file of another version is refused and set aside as
+/// `state.json.v<N>` (the agent that wrote it may come back after a rollback), a file of
+/// another node as `state.json.node-<name>`; neither is merged nor overwritten.
+fn read_durable_state(
+    cfg: &AgentConfig,
+    node: &str,
+) -> Result<Option<crate::runtime::PersistedState>, String> {
     let refused = |e: file::StateReadError| {
-        if let file::StateReadError::UnknownVersion { path, found, .. } = &e {
-            let aside = path.with_file_name(format!("{}.v{found}", file::STATE_FILE));
-            match std::fs::rename(path, &aside) {
-                Ok(()) => error!(error = %e, kept_as = %aside.display(), "saved state refused"),
+        if let Some((path, name)) = set_aside_name(&e) {
+            let aside = path.with_file_name(name);
+            match std::fs::rename(&path, &aside) {
+                Ok(()) => {
+                    error!(error = %e, kept_as = %aside.display(), "saved state refused and set aside; not restored")
+                }
                 Err(r) => {
                     error!(error = %e, rename_error = %r, "saved state refused, and it cannot be set aside: it will be overwritten")
                 }
@@ -513,7 +544,7 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
         e.to_string()
     };
     if cfg.data_dir == cfg.state_dir {
-        return file::read_state(&cfg.data_dir).map_err(refused);
+        return file::read_state(&cfg.data_dir, node).map_err(refused);
     }
     // A `state.json` in the state directory is an agent's from before `--data-dir` (or one rolled
     // back to such an agent, and forward again, in the same boot). The newer of the two copies
@@ -522,7 +553,7 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
     let to = cfg.data_dir.join(file::STATE_FILE);
     let legacy = legacy_copy(&from, &to);
     if legacy != Legacy::Newer {
-        let data = file::read_state(&cfg.data_dir);
+        let data = file::read_state(&cfg.data_dir, node);
         // Superseded, once the data directory's copy is known good: an agent rolled back to
         // would otherwise restore it.
         if matches!(data, Ok(Some(_))) && legacy == Legacy::Older {
@@ -537,7 +568,7 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
         }
         return data.map_err(refused);
     }
-    let legacy = match file::read_state(&cfg.state_dir) {
+    let legacy = match file::read_state(&cfg.state_dir, node) {
         Ok(Some(p)) => p,
         // Unreadable (set aside when of another version): the data directory's copy, if any,
         // is the better one.
@@ -545,7 +576,7 @@ fn read_durable_state(cfg: &AgentConfig) -> Result<Option<crate::runtime::Persis
             if let Err(e) = other {
                 let _ = refused(e);
             }
-            return file::read_state(&cfg.data_dir).map_err(refused);
+            return file::read_state(&cfg.data_dir, node).map_err(refused);
         }
         other => return other.map_err(refused),
     };
@@ -625,13 +656,18 @@ type Rebuilt = (
 );
 
 /// The engine from `faults.json`, when `state.json` cannot be read. `None` when the record is
-/// missing or unreadable too.
+/// missing or unreadable too, or is another node's (a state directory another agent used).
 fn rebuild_from_record(
     record: &Result<NodeRecord, crate::cli::ReadError>,
+    node: &str,
     cfg: &AgentConfig,
     catalog: &Catalog,
 ) -> Option<Rebuilt> {
     match record {
+        Ok(r) if r.node != node => {
+            error!(record_node = %r.node, "the record in the state directory is another node's; not restored");
+            None
+        }
         Ok(r) => Some(engine_from_record(r, cfg, catalog)),
         Err(crate::cli::ReadError::Missing(_)) => None,
         Err(e) => {
@@ -929,7 +965,7 @@ impl Components {
 
     /// The policy watcher (when a file is given; it finishes a slow start-up load) and the
     /// operator's clear requests.
-    fn start_policy_and_control(&mut self, pending: Option<policy_watch::PendingLoad>) {
+    fn start_policy_and_control(&mut self, pending: Option<policy_watch::FirstLoad>) {
         if let Some(path) = self.cfg.policy.clone() {
             let watcher = policy_watch::watch_policy(
                 path,
@@ -1242,6 +1278,26 @@ async fn run_node(
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("cannot create state directory {}", cfg.state_dir.display()))?;
+    std::fs::create_dir_all(&cfg.data_dir).with_context(|| {
+        format!(
+            "cannot create data directory {} (it holds the state a restart and a reboot need; \
+             not running as root, give --data-dir a directory you can write, on a disk that \
+             survives a reboot)",
+            cfg.data_dir.display()
+        )
+    })?;
+    // One agent per directory, before anything in them is read or written: a second agent
+    // exits here, having changed nothing. Held until this function returns (the kernel
+    // releases it if the process dies). On a blocking thread: it may wait out a reader's probe.
+    let (dirs, holder) = (
+        [cfg.data_dir.clone(), cfg.state_dir.clone()],
+        crate::lock::Holder::this_process(&node),
+    );
+    let _locks = tokio::task::spawn_blocking(move || {
+        crate::lock::acquire_all(&[&dirs[0], &dirs[1]], &holder, crate::lock::PATIENCE)
+    })
+    .await
+    .context("taking the directory locks")??;
     // Temporary files of writes a kill interrupted (only the agent writes here).
     match crate::atomic_file::remove_stale_temps(&cfg.state_dir) {
         Ok(0) => {}
@@ -1252,14 +1308,6 @@ async fn run_node(
         Err(e) => warn!(error = %e, "cannot clean temporary files in the state directory"),
     }
     std::fs::create_dir_all(cfg.state_dir.join(control::CLEAR_DIR)).ok();
-    std::fs::create_dir_all(&cfg.data_dir).with_context(|| {
-        format!(
-            "cannot create data directory {} (it holds the state a restart and a reboot need; \
-             not running as root, give --data-dir a directory you can write, on a disk that \
-             survives a reboot)",
-            cfg.data_dir.display()
-        )
-    })?;
     if cfg.data_dir != cfg.state_dir {
         match crate::atomic_file::remove_stale_temps(&cfg.data_dir) {
             Ok(_) => {}

@@ -13,6 +13,7 @@ pub mod daemon;
 pub mod http;
 pub mod kube_client;
 pub mod listen;
+pub mod lock;
 pub mod metrics;
 pub mod operator_file;
 pub mod pace;

@@ -1,8 +1,8 @@
 //! Reading files an operator controls (the policy and the Ascend tables it names): regular
-//! files only, opened without blocking (a FIFO put in their place is refused at once instead of
-//! hanging the reader and the agent's shutdown), and never more than a cap (a path pointing at
-//! `/dev/zero` or a huge file is refused, not read into memory). Symlinks are followed: a
-//! Kubernetes ConfigMap volume is a chain of them.
+//! files only, never opened otherwise (a FIFO put in their place is refused at once instead of
+//! hanging the reader and the agent's shutdown; a device is not touched), and never more than
+//! a cap (a path pointing at `/dev/zero` or a huge file is refused, not read into memory).
+//! Symlinks are followed: a Kubernetes ConfigMap volume is a chain of them.
 
 use std::io::Read;
 use std::os::unix::fs::OpenOptionsExt;
@@ -33,8 +33,13 @@ pub fn read_text(path: &Path, max: u64) -> Result<String, OperatorFileError> {
 
 /// Reads `path`: a regular file of at most `max` bytes, opened without blocking. Also for the
 /// agent's own files read back at start (`state.json`, `faults.json`): whatever was put in
-/// their place cannot hang or exhaust the agent.
+/// their place cannot hang or exhaust the agent. Anything but a regular file is refused before
+/// it is opened (opening a device can act on it); one swapped in between is still refused by
+/// the check of what was opened.
 pub fn read_bytes(path: &Path, max: u64) -> Result<Vec<u8>, OperatorFileError> {
+    if !std::fs::metadata(path)?.file_type().is_file() {
+        return Err(OperatorFileError::NotRegular);
+    }
     let nonblock = rustix::fs::OFlags::NONBLOCK.bits() as i32;
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -65,6 +70,50 @@ pub fn read_opened(file: std::fs::File, max: u64) -> Result<Vec<u8>, OperatorFil
 mod tests {
     use super::*;
     use std::os::unix::fs::symlink;
+
+    /// Anything but a regular file is refused before it is opened: opening a device can act on
+    /// it (a tape rewinds, a watchdog arms). Seen through the directory's own inotify events:
+    /// they are ordered, so the marker's creation arriving with no open before it means no open.
+    #[test]
+    fn a_file_that_is_not_regular_is_never_opened() {
+        use notify::event::AccessKind;
+        use notify::{EventKind, Watcher};
+        let dir = tempfile::tempdir().unwrap();
+        let fifo = dir.path().join("policy.yaml");
+        rustix::fs::mkfifoat(
+            rustix::fs::CWD,
+            &fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+        )
+        .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let mut w = notify::recommended_watcher(move |e: notify::Result<notify::Event>| {
+            let _ = tx.send(e.unwrap());
+        })
+        .unwrap();
+        w.watch(dir.path(), notify::RecursiveMode::NonRecursive)
+            .unwrap();
+        assert!(matches!(
+            read_text(&fifo, 100),
+            Err(OperatorFileError::NotRegular)
+        ));
+        let marker = dir.path().join("marker");
+        std::fs::write(&marker, b"").unwrap();
+        loop {
+            let e = rx
+                .recv_timeout(std::time::Duration::from_secs(10))
+                .expect("the marker's event");
+            if e.paths.contains(&fifo) {
+                assert!(
+                    !matches!(e.kind, EventKind::Access(AccessKind::Open(_))),
+                    "the FIFO was opened: {e:?}"
+                );
+            }
+            if e.paths.contains(&marker) {
+                break;
+            }
+        }
+    }
 
     #[test]
     fn only_small_regular_files_are_read() {

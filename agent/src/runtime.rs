@@ -67,6 +67,10 @@ pub struct PersistedState {
     /// reboot, which empties the record's directory, does not announce a withheld taint again.
     #[serde(default)]
     pub taint_budget: Option<TaintBudgetStatus>,
+    /// The node whose state this is. A state of another node (a data directory another agent
+    /// used) is set aside at start, never restored; absent in files from before it was written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
 }
 
 pub const STATE_VERSION: u32 = 1;
@@ -467,6 +471,7 @@ impl EngineLoop {
                 engine: self.engine.clone(),
                 timeline: Some(self.timeline.clone()),
                 taint_budget: report.taint_budget.clone(),
+                node: Some(self.node.clone()),
             }),
             applied_at: std::time::Instant::now(),
         };

@@ -151,6 +151,14 @@ pub enum StateReadError {
         found: u64,
         known: u32,
     },
+    /// Saved by the agent of another node (a data directory another agent used, or one copied
+    /// from another machine): its faults are not this node's.
+    #[error("{path} is the saved state of node {found:?}, not of this node {node:?} (a data directory another agent used?)")]
+    OtherNode {
+        path: PathBuf,
+        found: String,
+        node: String,
+    },
 }
 
 /// Largest `state.json` read. A node's state is a few hundred faults at most (well under a
@@ -159,8 +167,9 @@ pub const MAX_STATE_BYTES: u64 = 32 << 20;
 
 /// Reads `state.json`; a missing file is `Ok(None)`. The version is read first and must be
 /// [`STATE_VERSION`](crate::runtime::STATE_VERSION): a file of another version is refused,
-/// never read as if it were this one.
-pub fn read_state(dir: &Path) -> Result<Option<PersistedState>, StateReadError> {
+/// never read as if it were this one. A state that names another node than `node` is refused
+/// too; one that names none (written before the node was saved) is taken as this node's.
+pub fn read_state(dir: &Path, node: &str) -> Result<Option<PersistedState>, StateReadError> {
     let path = dir.join(STATE_FILE);
     let unreadable = |reason: String| StateReadError::Unreadable {
         path: path.clone(),
@@ -191,9 +200,16 @@ pub fn read_state(dir: &Path) -> Result<Option<PersistedState>, StateReadError> 
             None => return Err(unreadable(format!("cannot parse: \"version\" is {v}"))),
         },
     }
-    serde_json::from_slice(&bytes)
-        .map(Some)
-        .map_err(|e| unreadable(format!("cannot parse: {e}")))
+    let state: PersistedState =
+        serde_json::from_slice(&bytes).map_err(|e| unreadable(format!("cannot parse: {e}")))?;
+    match &state.node {
+        Some(found) if found != node => Err(StateReadError::OtherNode {
+            path,
+            found: found.clone(),
+            node: node.to_string(),
+        }),
+        _ => Ok(Some(state)),
+    }
 }
 
 /// After shutdown, how long the sink keeps trying to write the final snapshot. A disk that is
@@ -384,9 +400,9 @@ mod tests {
     #[test]
     fn corrupt_state_is_reported_not_fatal() {
         let dir = tempfile::tempdir().unwrap();
-        assert_eq!(read_state(dir.path()), Ok(None));
+        assert_eq!(read_state(dir.path(), "n1"), Ok(None));
         std::fs::write(dir.path().join(STATE_FILE), b"{not json").unwrap();
-        let err = read_state(dir.path()).unwrap_err().to_string();
+        let err = read_state(dir.path(), "n1").unwrap_err().to_string();
         assert!(
             err.contains("cannot parse") && err.contains("state.json"),
             "{err}"
@@ -406,12 +422,12 @@ mod tests {
         })
         .unwrap();
         std::fs::write(&path, ours.to_string()).unwrap();
-        assert!(matches!(read_state(dir.path()), Ok(Some(_))));
+        assert!(matches!(read_state(dir.path(), "n1"), Ok(Some(_))));
 
         let mut newer = ours.clone();
         newer["version"] = 2.into();
         std::fs::write(&path, newer.to_string()).unwrap();
-        let err = read_state(dir.path()).unwrap_err();
+        let err = read_state(dir.path(), "n1").unwrap_err();
         assert_eq!(
             err,
             StateReadError::UnknownVersion {
@@ -431,14 +447,42 @@ mod tests {
             (serde_json::json!({"version": -1}), "\"version\" is -1"),
         ] {
             std::fs::write(&path, doc.to_string()).unwrap();
-            let err = read_state(dir.path()).unwrap_err().to_string();
+            let err = read_state(dir.path(), "n1").unwrap_err().to_string();
             assert!(err.contains(why), "{doc}: {err}");
         }
         // Bounded: a huge file is not read whole.
         let f = std::fs::File::create(&path).unwrap();
         f.set_len(MAX_STATE_BYTES + 10).unwrap();
-        let err = read_state(dir.path()).unwrap_err().to_string();
+        let err = read_state(dir.path(), "n1").unwrap_err().to_string();
         assert!(err.contains("larger than"), "{err}");
+    }
+
+    /// A state that names another node is refused with both nodes named; one naming this node,
+    /// or none (written before the node was saved), is read.
+    #[test]
+    fn state_of_another_node_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join(STATE_FILE);
+        let write = |node: Option<&str>| {
+            let state = PersistedState {
+                version: crate::runtime::STATE_VERSION,
+                node: node.map(str::to_string),
+                ..Default::default()
+            };
+            std::fs::write(&path, serde_json::to_vec(&state).unwrap()).unwrap();
+        };
+        write(Some("n1"));
+        assert!(matches!(read_state(dir.path(), "n1"), Ok(Some(_))));
+        write(None);
+        assert!(matches!(read_state(dir.path(), "n1"), Ok(Some(_))));
+        write(Some("n2"));
+        let err = read_state(dir.path(), "n1").unwrap_err();
+        assert!(matches!(err, StateReadError::OtherNode { .. }));
+        assert!(
+            err.to_string()
+                .contains("saved state of node \"n2\", not of this node \"n1\""),
+            "{err}"
+        );
     }
 
     fn start(
