@@ -503,6 +503,7 @@ fn set_aside_name(e: &file::StateReadError) -> Option<(PathBuf, String)> {
             Some((path.clone(), format!("{}.v{found}", file::STATE_FILE)))
         }
         file::StateReadError::OtherNode { path, found, .. } => {
+            let found = if found.is_empty() { "none" } else { found };
             let safe: String = found
                 .chars()
                 .take(200)

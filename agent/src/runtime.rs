@@ -68,7 +68,8 @@ pub struct PersistedState {
     #[serde(default)]
     pub taint_budget: Option<TaintBudgetStatus>,
     /// The node whose state this is. A state of another node (a data directory another agent
-    /// used) is set aside at start, never restored; absent in files from before it was written.
+    /// used), or of none, is set aside at start, never restored. `None` only in a default value
+    /// that is never saved: the file sink always writes the node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
 }

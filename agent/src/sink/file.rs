@@ -153,12 +153,21 @@ pub enum StateReadError {
     },
     /// Saved by the agent of another node (a data directory another agent used, or one copied
     /// from another machine): its faults are not this node's.
-    #[error("{path} is the saved state of node {found:?}, not of this node {node:?} (a data directory another agent used?)")]
+    #[error("{path} is the saved state of {}, not of this node {node:?} (a data directory another agent used?)", saved_by(found))]
     OtherNode {
         path: PathBuf,
         found: String,
         node: String,
     },
+}
+
+/// The node a refused state names, for its error: `found` is empty when it names none.
+fn saved_by(found: &str) -> String {
+    if found.is_empty() {
+        "no node".to_string()
+    } else {
+        format!("node {found:?}")
+    }
 }
 
 /// Largest `state.json` read. A node's state is a few hundred faults at most (well under a
@@ -167,8 +176,8 @@ pub const MAX_STATE_BYTES: u64 = 32 << 20;
 
 /// Reads `state.json`; a missing file is `Ok(None)`. The version is read first and must be
 /// [`STATE_VERSION`](crate::runtime::STATE_VERSION): a file of another version is refused,
-/// never read as if it were this one. A state that names another node than `node` is refused
-/// too; one that names none (written before the node was saved) is taken as this node's.
+/// never read as if it were this one. A state that names another node than `node`, or none, is
+/// refused too: its faults cannot be told to be this node's.
 pub fn read_state(dir: &Path, node: &str) -> Result<Option<PersistedState>, StateReadError> {
     let path = dir.join(STATE_FILE);
     let unreadable = |reason: String| StateReadError::Unreadable {
@@ -202,13 +211,13 @@ pub fn read_state(dir: &Path, node: &str) -> Result<Option<PersistedState>, Stat
     }
     let state: PersistedState =
         serde_json::from_slice(&bytes).map_err(|e| unreadable(format!("cannot parse: {e}")))?;
-    match &state.node {
-        Some(found) if found != node => Err(StateReadError::OtherNode {
+    match state.node.as_deref() {
+        Some(found) if found == node => Ok(Some(state)),
+        found => Err(StateReadError::OtherNode {
             path,
-            found: found.clone(),
+            found: found.unwrap_or_default().to_string(),
             node: node.to_string(),
         }),
-        _ => Ok(Some(state)),
     }
 }
 
@@ -418,6 +427,7 @@ mod tests {
         let path = dir.path().join(STATE_FILE);
         let ours = serde_json::to_value(PersistedState {
             version: crate::runtime::STATE_VERSION,
+            node: Some("n1".into()),
             ..Default::default()
         })
         .unwrap();
@@ -457,8 +467,8 @@ mod tests {
         assert!(err.contains("larger than"), "{err}");
     }
 
-    /// A state that names another node is refused with both nodes named; one naming this node,
-    /// or none (written before the node was saved), is read.
+    /// A state that names another node, or none, is refused with both named; one naming this
+    /// node is read.
     #[test]
     fn state_of_another_node_is_refused() {
         let dir = tempfile::tempdir().unwrap();
@@ -474,7 +484,8 @@ mod tests {
         write(Some("n1"));
         assert!(matches!(read_state(dir.path(), "n1"), Ok(Some(_))));
         write(None);
-        assert!(matches!(read_state(dir.path(), "n1"), Ok(Some(_))));
+        let err = read_state(dir.path(), "n1").unwrap_err();
+        assert!(err.to_string().contains("saved state of no node"), "{err}");
         write(Some("n2"));
         let err = read_state(dir.path(), "n1").unwrap_err();
         assert!(matches!(err, StateReadError::OtherNode { .. }));
