@@ -51,6 +51,18 @@ fn a_dead_agent_with_a_heartbeat_in_the_future_is_not_alive() {
         "{doc}"
     );
     assert_eq!(doc["node"], "node-a");
+    // The document, notAlive and heartbeatBoot included, is what the published schema allows.
+    let schema: Value = serde_json::from_str(
+        &std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../docs/record.schema.json"
+        ))
+        .unwrap(),
+    )
+    .unwrap();
+    let validator = jsonschema::validator_for(&schema).unwrap();
+    let errors: Vec<String> = validator.iter_errors(&doc).map(|e| e.to_string()).collect();
+    assert!(errors.is_empty(), "{errors:?}");
 }
 
 /// `get` of a live agent's record: exit 0, nothing on stderr, no `notAlive`.
