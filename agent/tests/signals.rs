@@ -138,3 +138,24 @@ fn other_fatal_signals_are_ignored_and_lose_nothing() {
     assert_eq!(exited(&mut agent), Some(0), "{}", agent.log());
     assert_eq!(flushed(&agent), (3, 3, 3), "{}", agent.log());
 }
+
+/// The kernel sends SIGXCPU again every second past the soft limit: a repeat does not cut the
+/// flush short, while a second SIGTERM does (exit 130 at once). The flush is made slow by a
+/// record that cannot be written (the agent retries it for up to 5 s).
+#[test]
+fn a_repeated_sigxcpu_does_not_cut_the_flush_short() {
+    for (second, code) in [(Signal::XCPU, 152), (Signal::TERM, 130)] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut agent = start(dir.path());
+        replay(&agent, 1, 1);
+        std::fs::remove_file(agent.record_path()).unwrap();
+        std::fs::create_dir(agent.record_path()).unwrap();
+        send(&agent, Signal::XCPU.as_raw());
+        wait_until("the stop begun", Duration::from_secs(10), || {
+            agent.log().contains("shutting down").then_some(())
+        });
+        std::thread::sleep(Duration::from_millis(300));
+        send(&agent, second.as_raw());
+        assert_eq!(exited(&mut agent), Some(code), "{second:?}: {}", agent.log());
+    }
+}

@@ -47,7 +47,7 @@ fn main() -> std::process::ExitCode {
         let stop = shutdown.clone();
         let reload_tx = reload.clone();
         let signal_task = tokio::spawn(async move {
-            let mut stopping: Option<String> = None;
+            let mut stopping = false;
             while let Some(h) = signals.recv().await {
                 let name = h.name.as_str();
                 match h.action {
@@ -59,14 +59,14 @@ fn main() -> std::process::ExitCode {
                         signal = name,
                         "signal ignored (SIGTERM, SIGINT, SIGPWR or SIGXCPU stop the agent, SIGHUP re-reads the policy)"
                     ),
-                    // The kernel repeats SIGXCPU every second past the soft limit: only another
-                    // signal, sent by someone, cuts the flush short.
-                    Action::Stop { .. } if stopping.as_deref() == Some(name) && name == "SIGXCPU" => {}
+                    // The kernel sends SIGXCPU every second past the soft limit, whatever
+                    // started the stop: only a stop signal sent by someone cuts the flush short.
+                    Action::Stop { .. } if stopping && name == "SIGXCPU" => {}
                     // A second one: leave now.
-                    Action::Stop { .. } if stopping.is_some() => std::process::exit(130),
+                    Action::Stop { .. } if stopping => std::process::exit(130),
                     Action::Stop { exit } => {
                         tracing::info!(signal = name, "shutting down");
-                        stopping = Some(name.to_string());
+                        stopping = true;
                         exit_code.store(exit, std::sync::atomic::Ordering::SeqCst);
                         stop.cancel();
                     }

@@ -157,7 +157,8 @@ enum Command {
         #[arg(long, default_value_t = faultline_agent::daemon::DEFAULT_HTTP_PORT, requires = "members")]
         agent_port: u16,
         /// A member whose agent's last heartbeat is older than this is left out (with
-        /// --members; the agents' clocks are compared with this host's).
+        /// --members; the agents' clocks are compared with this host's, and may be off from it
+        /// by as much either way: a heartbeat dated further ahead is left out too).
         #[arg(long, default_value = "30s", value_parser = humantime::parse_duration, requires = "members")]
         stale_after: Duration,
         /// How long to wait for each member's agent (with --members).
