@@ -156,6 +156,11 @@ fn a_repeated_sigxcpu_does_not_cut_the_flush_short() {
         });
         std::thread::sleep(Duration::from_millis(300));
         send(&agent, second.as_raw());
-        assert_eq!(exited(&mut agent), Some(code), "{second:?}: {}", agent.log());
+        assert_eq!(
+            exited(&mut agent),
+            Some(code),
+            "{second:?}: {}",
+            agent.log()
+        );
     }
 }
