@@ -71,16 +71,16 @@ pub struct AgentConfig {
     #[arg(long, env = "FAULTLINE_KMSG_PATH", default_value = "/dev/kmsg")]
     pub kmsg_path: PathBuf,
     /// Do not read the kernel log at all.
-    #[arg(long)]
+    #[arg(long, env = "FAULTLINE_NO_KMSG", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_kmsg: bool,
     /// NVML library to load instead of the system's `libnvidia-ml.so.1`.
     #[arg(long, env = "FAULTLINE_NVML_LIB")]
     pub nvml_lib: Option<PathBuf>,
     /// Do not use NVML at all.
-    #[arg(long)]
+    #[arg(long, env = "FAULTLINE_NO_NVML", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_nvml: bool,
     /// Do not poll the Ascend tools (npu-smi, hccn_tool) at all.
-    #[arg(long)]
+    #[arg(long, env = "FAULTLINE_NO_ASCEND", value_parser = clap::builder::BoolishValueParser::new())]
     pub no_ascend: bool,
     /// The `npu-smi` to run (as root): a path, or a name looked up on the agent's PATH. Only
     /// a flag, never the policy: changing it takes a rollout.
@@ -93,7 +93,7 @@ pub struct AgentConfig {
     #[arg(long, env = "FAULTLINE_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
     /// Never talk to Kubernetes, even inside a cluster.
-    #[arg(long)]
+    #[arg(long, env = "FAULTLINE_STANDALONE", value_parser = clap::builder::BoolishValueParser::new())]
     pub standalone: bool,
     /// Kubernetes: the namespace of the fault ConfigMaps and the taint ledger.
     #[arg(long, env = "POD_NAMESPACE", default_value = crate::sink::kube::DEFAULT_NAMESPACE)]
@@ -103,36 +103,36 @@ pub struct AgentConfig {
     pub pod_name: Option<String>,
     /// Kubernetes: after start, changes that make the node look healthier wait this long (so a
     /// restarted agent re-detects standing faults before it untaints anything).
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "FAULTLINE_SETTLE", default_value = "30s", value_parser = humantime::parse_duration)]
     pub settle: Duration,
     /// Kubernetes: how often a withheld taint asks the taint budget again.
-    #[arg(long, default_value = "15s", value_parser = humantime::parse_duration, hide = true)]
+    #[arg(long, env = "FAULTLINE_BUDGET_RECHECK", default_value = "15s", value_parser = humantime::parse_duration, hide = true)]
     pub budget_recheck: Duration,
     /// Kubernetes: how often the agent looks at the taint budget's shared node count.
-    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration, hide = true)]
+    #[arg(long, env = "FAULTLINE_BUDGET_COUNT_CHECK", default_value = "5m", value_parser = humantime::parse_duration, hide = true)]
     pub budget_count_check: Duration,
     /// Kubernetes: how often the node is re-read to repair drift.
-    #[arg(long, default_value = "5m", value_parser = humantime::parse_duration, hide = true)]
+    #[arg(long, env = "FAULTLINE_RESYNC", default_value = "5m", value_parser = humantime::parse_duration, hide = true)]
     pub resync: Duration,
     /// Kubernetes: a change of the fault ConfigMap that only moves counts and last-seen times
     /// (a fault repeating) is written at most once per this interval, the newest count at the
     /// end of it; a change of health, handling or the set of faults is written at once.
     /// `0s` writes every change at once; at most 10m.
-    #[arg(long, default_value = "10s", value_parser = parse_kube_write_interval)]
+    #[arg(long, env = "FAULTLINE_KUBE_WRITE_INTERVAL", default_value = "10s", value_parser = parse_kube_write_interval)]
     pub kube_write_interval: Duration,
     /// Kubernetes: Events published per minute once the burst is spent (a token bucket);
     /// notices over the budget get no Event (counted in
     /// `faultline_kube_events_rate_limited_total`).
-    #[arg(long, default_value_t = crate::sink::kube::events::RATE_PER_MINUTE,
+    #[arg(long, env = "FAULTLINE_KUBE_EVENT_RATE", default_value_t = crate::sink::kube::events::RATE_PER_MINUTE,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub kube_event_rate: u32,
     /// Kubernetes: Events that may be published back to back (the token bucket's size).
-    #[arg(long, default_value_t = crate::sink::kube::events::BURST,
+    #[arg(long, env = "FAULTLINE_KUBE_EVENT_BURST", default_value_t = crate::sink::kube::events::BURST,
           value_parser = clap::value_parser!(u32).range(1..))]
     pub kube_event_burst: u32,
     /// How often the local record is rewritten when nothing changed, so that its
     /// `heartbeatTime` shows the agent alive (`faultline wait-healthy` checks it).
-    #[arg(long, default_value = "10s", value_parser = parse_heartbeat)]
+    #[arg(long, env = "FAULTLINE_HEARTBEAT_INTERVAL", default_value = "10s", value_parser = parse_heartbeat)]
     pub heartbeat_interval: Duration,
     /// Policy file (YAML or JSON); reloaded when it changes. Default: built-in policy.
     #[arg(long, env = "FAULTLINE_POLICY")]
@@ -143,12 +143,13 @@ pub struct AgentConfig {
     pub listen: Option<SocketAddr>,
     /// Local record writes: after a burst of `--write-burst` writes, at most one per this
     /// interval; changes in between are coalesced into the next write.
-    #[arg(long, default_value = "200ms", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "FAULTLINE_WRITE_INTERVAL", default_value = "200ms", value_parser = humantime::parse_duration)]
     pub write_interval: Duration,
-    #[arg(long, default_value_t = 3)]
+    /// Local record writes that may go out back to back before `--write-interval` applies.
+    #[arg(long, env = "FAULTLINE_WRITE_BURST", default_value_t = 3)]
     pub write_burst: u32,
     /// How often a kernel log file at its end is checked for growth.
-    #[arg(long, default_value = "10ms", value_parser = humantime::parse_duration)]
+    #[arg(long, env = "FAULTLINE_FOLLOW_INTERVAL", default_value = "10ms", value_parser = humantime::parse_duration)]
     pub follow_interval: Duration,
     /// Peer checks: the shared secret (a mounted Kubernetes Secret). Without it the agent takes
     /// no part in peer checks.
@@ -179,9 +180,19 @@ pub struct AgentConfig {
     /// First of the 32 ports the probes listen on during checks.
     #[arg(long, env = "FAULTLINE_PROBE_PORT_BASE", default_value_t = 20270)]
     pub probe_port_base: u16,
-    #[arg(long, default_value = "/proc/sys/kernel/random/boot_id", hide = true)]
+    #[arg(
+        long,
+        env = "FAULTLINE_BOOT_ID_PATH",
+        default_value = "/proc/sys/kernel/random/boot_id",
+        hide = true
+    )]
     pub boot_id_path: PathBuf,
-    #[arg(long, default_value = "/proc/stat", hide = true)]
+    #[arg(
+        long,
+        env = "FAULTLINE_PROC_STAT_PATH",
+        default_value = "/proc/stat",
+        hide = true
+    )]
     pub proc_stat_path: PathBuf,
 }
 

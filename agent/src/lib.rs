@@ -19,5 +19,6 @@ pub mod operator_file;
 pub mod pace;
 pub mod peer;
 pub mod runtime;
+pub mod signals;
 pub mod sink;
 pub mod source;

@@ -22,8 +22,8 @@ use faultline_core::engine::{
 };
 use faultline_core::policy::LoadedPolicy;
 use faultline_core::record::{
-    check_code, AgentStatus, DetectorStatus, Handling, Health, NodeRecord, TaintBudgetStatus,
-    API_VERSION,
+    check_code, AgentStatus, BootClock, DetectorStatus, Handling, Health, NodeRecord,
+    TaintBudgetStatus, API_VERSION,
 };
 
 /// Wall-clock time, injectable for tests.
@@ -33,7 +33,20 @@ pub trait Clock: Send + Sync + std::fmt::Debug {
     /// Time since boot (`CLOCK_BOOTTIME`: monotonic, counts suspend, unmoved by wall-clock
     /// steps): what windows, holds, durations and ages are measured with.
     fn since_boot(&self) -> Duration;
+    /// The boot that `since_boot` counts from (the kernel's boot id), if it can be read.
+    fn boot_id(&self) -> Option<String>;
+    /// `since_boot` with its boot: a reading that other processes on this node can compare
+    /// with theirs, whatever the wall clock did in between.
+    fn boot_clock(&self) -> Option<BootClock> {
+        Some(BootClock {
+            boot_id: self.boot_id()?,
+            since_boot_ms: u64::try_from(self.since_boot().as_millis()).unwrap_or(u64::MAX),
+        })
+    }
 }
+
+/// Where the kernel says which boot this is; a new random id at every boot.
+pub const KERNEL_BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
 
 /// The system clock.
 #[derive(Debug, Clone, Copy, Default)]
@@ -49,6 +62,19 @@ impl Clock for SystemClock {
             u64::try_from(t.tv_sec).unwrap_or(0),
             u32::try_from(t.tv_nsec).unwrap_or(0),
         )
+    }
+    /// The kernel's boot id, read once: it cannot change while this process lives. Always the
+    /// kernel's own file (not the agent's `--boot-id-path`, a test hook), because the boot
+    /// clock read beside it is the kernel's own.
+    fn boot_id(&self) -> Option<String> {
+        static ID: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+        ID.get_or_init(|| {
+            std::fs::read_to_string(KERNEL_BOOT_ID)
+                .ok()
+                .map(|s| s.trim().to_string())
+                .filter(|s| !s.is_empty())
+        })
+        .clone()
     }
 }
 
@@ -454,6 +480,7 @@ impl EngineLoop {
                 detectors,
                 taint_budget: report.taint_budget.clone(),
                 heartbeat_time: None,
+                heartbeat_boot: None,
             },
         };
         debug!(revision = self.engine.revision(), health = %record.health, "publishing snapshot");
@@ -513,36 +540,8 @@ mod tests {
     use faultline_core::catalog::FaultCode;
     use faultline_core::engine::{DeviceRef, Signal};
     use faultline_core::record::Source;
-    use std::sync::atomic::AtomicU64;
 
-    /// Wall time and time since boot, set by the test.
-    #[derive(Debug)]
-    struct FakeClock {
-        wall_ms: AtomicI64,
-        boot_ms: AtomicU64,
-    }
-
-    impl Clock for FakeClock {
-        fn now(&self) -> Timestamp {
-            Timestamp::from_millisecond(self.wall_ms.load(Ordering::SeqCst)).unwrap()
-        }
-        fn since_boot(&self) -> Duration {
-            Duration::from_millis(self.boot_ms.load(Ordering::SeqCst))
-        }
-    }
-
-    impl FakeClock {
-        /// Real time passing: both clocks move.
-        fn advance(&self, d: Duration) {
-            let ms = d.as_millis() as u64;
-            self.boot_ms.fetch_add(ms, Ordering::SeqCst);
-            self.wall_ms.fetch_add(ms as i64, Ordering::SeqCst);
-        }
-        /// A wall-clock step (NTP, `date -s`): only the wall clock moves.
-        fn step_wall(&self, secs: i64) {
-            self.wall_ms.fetch_add(secs * 1000, Ordering::SeqCst);
-        }
-    }
+    use crate::runtime::testing::FakeClock;
 
     const POLICY: &str = "\
 escalation:
@@ -562,10 +561,7 @@ recovery:
 
     impl Rig {
         fn start() -> Rig {
-            let clock = Arc::new(FakeClock {
-                wall_ms: AtomicI64::new(1_790_000_000_000),
-                boot_ms: AtomicU64::new(600_000),
-            });
+            let clock = Arc::new(FakeClock::new(1_790_000_000_000, 600_000));
             let policy = LoadedPolicy {
                 policy: Arc::new(faultline_core::policy::Policy::parse(POLICY).unwrap()),
                 status: LoadedPolicy::builtin().status,
@@ -842,10 +838,7 @@ recovery:
     /// engine look dead nor a dead one alive.
     #[test]
     fn the_heartbeat_age_ignores_wall_clock_steps() {
-        let clock = FakeClock {
-            wall_ms: AtomicI64::new(1_790_000_000_000),
-            boot_ms: AtomicU64::new(1_000),
-        };
+        let clock = FakeClock::new(1_790_000_000_000, 1_000);
         let h = Heartbeat::default();
         assert_eq!(h.age_ms(&clock), i64::MAX, "never beat");
         assert_eq!(h.last(), None);
@@ -894,5 +887,58 @@ recovery:
             (3..=14).contains(&publishes),
             "{publishes} snapshots for 1,000 repeats"
         );
+    }
+}
+
+/// An injected clock for tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    /// Wall time, time since boot and the boot id, set by the test.
+    #[derive(Debug)]
+    pub(crate) struct FakeClock {
+        wall_ms: AtomicI64,
+        boot_ms: AtomicU64,
+        boot_id: std::sync::Mutex<Option<String>>,
+    }
+
+    impl Clock for FakeClock {
+        fn now(&self) -> Timestamp {
+            Timestamp::from_millisecond(self.wall_ms.load(Ordering::SeqCst)).unwrap()
+        }
+        fn since_boot(&self) -> Duration {
+            Duration::from_millis(self.boot_ms.load(Ordering::SeqCst))
+        }
+        fn boot_id(&self) -> Option<String> {
+            self.boot_id.lock().unwrap().clone()
+        }
+    }
+
+    impl FakeClock {
+        /// At `wall_ms` (Unix milliseconds), `boot_ms` into boot `boot-1`.
+        pub(crate) fn new(wall_ms: i64, boot_ms: u64) -> FakeClock {
+            FakeClock {
+                wall_ms: AtomicI64::new(wall_ms),
+                boot_ms: AtomicU64::new(boot_ms),
+                boot_id: std::sync::Mutex::new(Some("boot-1".into())),
+            }
+        }
+        /// Real time passing: both clocks move.
+        pub(crate) fn advance(&self, d: Duration) {
+            let ms = d.as_millis() as u64;
+            self.boot_ms.fetch_add(ms, Ordering::SeqCst);
+            self.wall_ms.fetch_add(ms as i64, Ordering::SeqCst);
+        }
+        /// A wall-clock step (NTP, `date -s`): only the wall clock moves.
+        pub(crate) fn step_wall(&self, secs: i64) {
+            self.wall_ms.fetch_add(secs * 1000, Ordering::SeqCst);
+        }
+        /// A reboot `boot_ms` ago (the wall clock runs on), or a boot id that cannot be read.
+        pub(crate) fn reboot(&self, boot_id: Option<&str>, boot_ms: u64) {
+            *self.boot_id.lock().unwrap() = boot_id.map(str::to_string);
+            self.boot_ms.store(boot_ms, Ordering::SeqCst);
+        }
     }
 }

@@ -312,6 +312,22 @@ pub struct AgentStatus {
         with = "rfc3339::option"
     )]
     pub heartbeat_time: Option<Timestamp>,
+    /// Where the same heartbeat fell on the boot clock: what a reader on this node judges
+    /// liveness by, since no wall-clock step moves it (docs/record.md, "Alive"). Local file only,
+    /// absent when the agent could not read the boot id.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heartbeat_boot: Option<BootClock>,
+}
+
+/// A reading of the boot clock (`CLOCK_BOOTTIME`: monotonic, counting suspend, never stepped)
+/// with the boot it belongs to: two readings compare only when their boot ids are equal.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BootClock {
+    /// The kernel's boot id (`/proc/sys/kernel/random/boot_id`), new at every boot.
+    pub boot_id: String,
+    /// Milliseconds since that boot.
+    pub since_boot_ms: u64,
 }
 
 /// The whole record for one node.

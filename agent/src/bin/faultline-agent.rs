@@ -2,7 +2,7 @@
 //! writes `/run/faultline/faults.json`, serves metrics on :20260.
 
 use clap::Parser;
-use tokio::signal::unix::{signal, SignalKind};
+use faultline_agent::signals::Action;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Parser)]
@@ -35,44 +35,41 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
+    // The exit status a stop signal chose (0 unless SIGXCPU).
+    let exit = std::sync::Arc::new(std::sync::atomic::AtomicU8::new(0));
+    let exit_code = exit.clone();
     let result = rt.block_on(async move {
         let shutdown = CancellationToken::new();
-        // tokio's own signal handling (its `signal` feature), registered before anything starts,
-        // so a SIGTERM during start-up still flushes. A signal whose default action would kill
-        // the agent without a flush is handled: SIGHUP re-reads the policy; SIGUSR1, SIGUSR2
-        // and SIGQUIT are logged and otherwise ignored.
-        let mut term = signal(SignalKind::terminate())?;
-        let mut int = signal(SignalKind::interrupt())?;
-        let mut hup = signal(SignalKind::hangup())?;
-        let mut usr1 = signal(SignalKind::user_defined1())?;
-        let mut usr2 = signal(SignalKind::user_defined2())?;
-        let mut quit = signal(SignalKind::quit())?;
+        // Registered before anything starts, so a signal during start-up is handled too
+        // (faultline_agent::signals has the table and why each signal does what it does).
+        let mut signals = faultline_agent::signals::install()?;
         let reload = std::sync::Arc::new(tokio::sync::Notify::new());
         let stop = shutdown.clone();
         let reload_tx = reload.clone();
         let signal_task = tokio::spawn(async move {
             let mut stopping = false;
-            loop {
-                let name = tokio::select! {
-                    _ = term.recv() => "SIGTERM",
-                    _ = int.recv() => "SIGINT",
-                    _ = hup.recv() => {
-                        tracing::info!(signal = "SIGHUP", "re-reading the policy");
+            while let Some(h) = signals.recv().await {
+                let name = h.name.as_str();
+                match h.action {
+                    Action::Reload => {
+                        tracing::info!(signal = name, "re-reading the policy");
                         reload_tx.notify_one();
-                        continue;
                     }
-                    _ = usr1.recv() => "SIGUSR1",
-                    _ = usr2.recv() => "SIGUSR2",
-                    _ = quit.recv() => "SIGQUIT",
-                };
-                match name {
-                    "SIGTERM" | "SIGINT" if stopping => std::process::exit(130), // a second one: leave now
-                    "SIGTERM" | "SIGINT" => {
+                    Action::Ignore => tracing::info!(
+                        signal = name,
+                        "signal ignored (SIGTERM, SIGINT, SIGPWR or SIGXCPU stop the agent, SIGHUP re-reads the policy)"
+                    ),
+                    // The kernel sends SIGXCPU every second past the soft limit, whatever
+                    // started the stop: only a stop signal sent by someone cuts the flush short.
+                    Action::Stop { .. } if stopping && name == "SIGXCPU" => {}
+                    // A second one: leave now.
+                    Action::Stop { .. } if stopping => std::process::exit(130),
+                    Action::Stop { exit } => {
                         tracing::info!(signal = name, "shutting down");
                         stopping = true;
+                        exit_code.store(exit, std::sync::atomic::Ordering::SeqCst);
                         stop.cancel();
                     }
-                    _ => tracing::info!(signal = name, "signal ignored (SIGTERM or SIGINT stop the agent, SIGHUP re-reads the policy)"),
                 }
             }
         });
@@ -84,10 +81,50 @@ fn main() -> std::process::ExitCode {
     // must not hold the exit: what had to be flushed is flushed by now.
     rt.shutdown_timeout(std::time::Duration::from_secs(2));
     match result {
-        Ok(()) => std::process::ExitCode::SUCCESS,
+        Ok(()) => std::process::ExitCode::from(exit.load(std::sync::atomic::Ordering::SeqCst)),
         Err(e) => {
             eprintln!("faultline-agent: {e:#}");
             std::process::ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    /// Every flag can be set from the environment (README, "Configuration"), and the README's
+    /// table names each shown flag with its variable: a flag added without one fails here.
+    #[test]
+    fn every_flag_has_an_environment_variable_and_a_readme_row() {
+        let readme =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+        let rows: Vec<&str> = readme.lines().filter(|l| l.starts_with("| `--")).collect();
+        let cmd = Cli::command();
+        let mut checked = 0;
+        for arg in cmd.get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if matches!(long, "help" | "version") {
+                continue;
+            }
+            let env = arg.get_env().and_then(|e| e.to_str());
+            let Some(env) = env else {
+                panic!("--{long} has no environment variable");
+            };
+            checked += 1;
+            if arg.is_hide_set() {
+                continue;
+            }
+            let row = rows
+                .iter()
+                .find(|r| r.contains(&format!("`--{long}`")))
+                .unwrap_or_else(|| panic!("--{long} has no row in the README's flag table"));
+            assert!(
+                row.contains(&format!("`{env}`")),
+                "the README's row for --{long} does not name {env}: {row}"
+            );
+        }
+        assert!(checked > 30, "only {checked} flags seen");
     }
 }

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use faultline_agent::cli;
+use faultline_agent::runtime::SystemClock;
 use faultline_core::record::{Handling, Health};
 
 #[derive(Debug, Parser)]
@@ -80,6 +81,10 @@ enum Command {
         /// With --cluster: only nodes with an active fault of this code (e.g. Xid79).
         #[arg(long, requires = "cluster")]
         code: Option<String>,
+        /// The agent counts as not alive when the record's heartbeat is older than this: the
+        /// record is still printed, with a warning on stderr, and the exit status is 3.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration, conflicts_with = "cluster")]
+        stale_after: Duration,
     },
     /// Wait until this node is healthy: exit 0 healthy, 1 still unhealthy at the timeout,
     /// 2 when the record cannot be read, or the agent is not alive (its heartbeat is stale) at the
@@ -152,7 +157,8 @@ enum Command {
         #[arg(long, default_value_t = faultline_agent::daemon::DEFAULT_HTTP_PORT, requires = "members")]
         agent_port: u16,
         /// A member whose agent's last heartbeat is older than this is left out (with
-        /// --members; the agents' clocks are compared with this host's).
+        /// --members; the agents' clocks are compared with this host's, and may be off from it
+        /// by as much either way: a heartbeat dated further ahead is left out too).
         #[arg(long, default_value = "30s", value_parser = humantime::parse_duration, requires = "members")]
         stale_after: Duration,
         /// How long to wait for each member's agent (with --members).
@@ -265,7 +271,20 @@ fn on_runtime(run: impl std::future::Future<Output = cli::Outcome>) -> cli::Outc
 }
 
 fn main() -> std::process::ExitCode {
-    let cli = Cli::parse();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let cli = match Cli::try_parse_from(&args) {
+        Ok(cli) => cli,
+        // `-o json` promises one JSON document on stdout, argument errors included; clap
+        // failed before it parsed `-o`, so the raw arguments say whether it was asked for.
+        Err(e) if e.use_stderr() && cli::json_requested(args.iter().skip(1)) => {
+            let outcome = cli::usage_error(&e.render().to_string());
+            if let (Some(out), _) = cli::render(&outcome, true) {
+                println!("{out}");
+            }
+            return std::process::ExitCode::from(outcome.code);
+        }
+        Err(e) => e.exit(),
+    };
     let json = match &cli.command {
         Command::Get { output, .. }
         | Command::WaitHealthy { output, .. }
@@ -335,10 +354,17 @@ fn main() -> std::process::ExitCode {
             });
             cli::hosts(client, &namespace, slots, accept, pods).await
         }),
-        Command::Get { file, all, .. } => cli::get(
+        Command::Get {
+            file,
+            all,
+            stale_after,
+            ..
+        } => cli::get(
             &cli::record_path(file.as_deref(), &cli.state_dir),
             json,
             all,
+            &cli::Now::read(&SystemClock),
+            stale_after,
         ),
         Command::WaitHealthy {
             file,
@@ -354,6 +380,7 @@ fn main() -> std::process::ExitCode {
             interval,
             cli::Accept::from_flags(allow_degraded, max_handling),
             stale_after,
+            &SystemClock,
         ),
         Command::Check {
             nodes,

@@ -156,6 +156,7 @@ pub fn check_report(r: &faultline_proto::v1::RunResult, json: bool) -> Outcome {
         code,
         message,
         data: None,
+        warning: None,
     }
 }
 

@@ -5,12 +5,13 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use faultline_core::record::NodeRecord;
-use faultline_core::time::{signed, since, Timestamp};
+use faultline_core::record::{BootClock, NodeRecord};
+use faultline_core::time::{signed, since, SignedDuration, Timestamp};
 use serde_json::{json, Value};
 
 use super::{columns, Accept, Outcome};
 use crate::atomic_file::write as write_atomic;
+use crate::runtime::Clock;
 use crate::sink::file::FAULTS_FILE;
 use crate::source::control::{is_pending, is_rejected, ClearRequest, CLEAR_DIR};
 
@@ -153,28 +154,112 @@ pub fn table(r: &NodeRecord, all: bool) -> String {
     out
 }
 
-/// `faultline get`.
-pub fn get(path: &Path, json: bool, all: bool) -> Outcome {
-    match read_record(path) {
-        Ok(r) if json => Outcome::ok(serde_json::to_string_pretty(&r).unwrap_or_default()),
-        Ok(r) => Outcome::ok(table(&r, all).trim_end().to_string()),
-        Err(e) => Outcome::error(format!("error: {e}")),
+/// `faultline get`: the record, and when the agent behind it is not alive (docs/record.md,
+/// "Alive") a warning on stderr, a `notAlive` field in the JSON and exit 3: the verdict may be
+/// out of date, so a script must not take it for the node's state.
+pub fn get(path: &Path, json: bool, all: bool, now: &Now, stale_after: Duration) -> Outcome {
+    let r = match read_record(path) {
+        Ok(r) => r,
+        Err(e) => return Outcome::error(format!("error: {e}")),
+    };
+    let dead = not_alive(&r, now, stale_after);
+    let message = if json {
+        let mut doc = serde_json::to_value(&r).unwrap_or_default();
+        if let (Some(why), Some(obj)) = (&dead, doc.as_object_mut()) {
+            obj.insert(NOT_ALIVE_FIELD.into(), Value::String(why.clone()));
+        }
+        serde_json::to_string_pretty(&doc).unwrap_or_default()
+    } else {
+        table(&r, all).trim_end().to_string()
+    };
+    match dead {
+        None => Outcome::ok(message),
+        Some(why) => Outcome {
+            code: NOT_ALIVE_EXIT,
+            message,
+            data: None,
+            warning: Some(format!(
+                "warning: {why} (the record below may be out of date)"
+            )),
+        },
     }
 }
 
-/// Why a record does not show a live agent (docs/record.md, "Alive"): its heartbeat is missing
-/// or older than `stale_after` at `now`. A heartbeat in the future (the clock stepped back)
-/// counts as fresh.
-pub fn not_alive(r: &NodeRecord, now: Timestamp, stale_after: Duration) -> Option<String> {
+/// `faultline get`'s exit status when it printed a record whose agent is not alive.
+pub const NOT_ALIVE_EXIT: u8 = 3;
+/// The field `faultline get -o json` adds to the record when its agent is not alive: why.
+pub const NOT_ALIVE_FIELD: &str = "notAlive";
+
+/// The reader's clocks at one moment, to judge a heartbeat by (docs/record.md, "Alive").
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Now {
+    pub wall: Timestamp,
+    /// The boot clock, when the reader is on the node that wrote the record and can read the
+    /// boot id; `None` otherwise (a record fetched from another node).
+    pub boot: Option<BootClock>,
+    /// How far ahead of `wall` a heartbeat may be dated and still count.
+    pub ahead: Duration,
+}
+
+/// How far a heartbeat judged by the wall clock may be dated ahead of the reader's clock on the
+/// same node: the agent and the reader read one clock, so anything more means the clock was
+/// stepped back since the heartbeat, which then proves nothing about the agent running now.
+pub const AHEAD_TOLERANCE: Duration = Duration::from_secs(5);
+
+impl Now {
+    /// A reader on this node, on `clock`.
+    pub fn read(clock: &dyn Clock) -> Now {
+        Now {
+            wall: clock.now(),
+            boot: clock.boot_clock(),
+            ahead: AHEAD_TOLERANCE,
+        }
+    }
+
+    /// A reader of a record from another node, at `wall`: its clock may be off from this one
+    /// either way by as much as `tolerance`.
+    pub fn remote(wall: Timestamp, tolerance: Duration) -> Now {
+        Now {
+            wall,
+            boot: None,
+            ahead: tolerance,
+        }
+    }
+}
+
+/// Why a record does not show a live agent (docs/record.md, "Alive"): its heartbeat is missing,
+/// older than `stale_after`, or dated ahead of now. On the node that wrote it, with both boot
+/// clock readings at hand, the age is measured on the boot clock, which no wall-clock step
+/// moves, and a heartbeat of another boot is not alive; otherwise on the wall clock.
+pub fn not_alive(r: &NodeRecord, now: &Now, stale_after: Duration) -> Option<String> {
     let Some(beat) = r.agent.heartbeat_time else {
         return Some("the record has no heartbeat (not written by a running agent)".into());
     };
-    let age = since(now, beat);
-    (age > signed(stale_after)).then(|| {
-        format!(
+    let (age, clock) = match (&r.agent.heartbeat_boot, &now.boot) {
+        (Some(then), Some(at)) if then.boot_id != at.boot_id => {
+            return Some(format!(
+                "the agent is not alive: its last heartbeat was written in another boot (boot id {}); is the agent running?",
+                then.boot_id
+            ))
+        }
+        (Some(then), Some(at)) => {
+            let ms = i128::from(at.since_boot_ms) - i128::from(then.since_boot_ms);
+            let ms = i64::try_from(ms).unwrap_or(i64::MIN);
+            (SignedDuration::from_millis(ms), "this node's boot clock")
+        }
+        _ => (since(now.wall, beat), "this clock"),
+    };
+    if age > signed(stale_after) {
+        return Some(format!(
             "the agent is not alive: its last heartbeat is {}s old (stale after {}); is the agent running?",
             age.as_secs(),
             humantime::format_duration(stale_after)
+        ));
+    }
+    (-age > signed(now.ahead)).then(|| {
+        format!(
+            "the agent is not alive: its last heartbeat is dated {}s ahead of {clock} (the clock was stepped back since?); is the agent running?",
+            (-age).as_secs()
         )
     })
 }
@@ -189,13 +274,14 @@ pub fn wait_healthy(
     interval: Duration,
     accept: Accept,
     stale_after: Duration,
+    clock: &dyn Clock,
 ) -> Outcome {
     let deadline = Instant::now() + timeout;
     loop {
         let last = read_record(path);
         let mut dead = None;
         match &last {
-            Ok(r) => match not_alive(r, Timestamp::now(), stale_after) {
+            Ok(r) => match not_alive(r, &Now::read(clock), stale_after) {
                 Some(why) => dead = Some(why),
                 None if accept.accepts(r) => {
                     let msg = format!("healthy: {}", summary(r));
@@ -304,7 +390,9 @@ pub fn clear(
 mod tests {
     use super::super::test_records::{HEALTHY, UNHEALTHY};
     use super::*;
-    use crate::sink::file::STALE_AFTER;
+    use crate::runtime::testing::FakeClock;
+    use crate::runtime::SystemClock;
+    use crate::sink::file::{Beat, STALE_AFTER};
 
     fn file(body: &str) -> (tempfile::TempDir, PathBuf) {
         let d = tempfile::tempdir().unwrap();
@@ -364,13 +452,15 @@ mod tests {
         serde_json::to_string(&r).unwrap()
     }
 
-    /// A Healthy record left by a stopped agent no longer passes: without a heartbeat, or with
-    /// one older than the bound, it is exit 2 at the timeout with one line saying why. A
-    /// heartbeat ahead of the clock (stepped back) counts as fresh.
+    /// A Healthy record left by a stopped agent no longer passes: without a heartbeat, with
+    /// one older than the bound, or with one dated ahead of the clock (written before the clock
+    /// was stepped back), it is exit 2 at the timeout with one line saying why. These records
+    /// carry no boot clock reading: the wall clock judges them.
     #[test]
     fn wait_healthy_fails_when_the_agent_is_not_alive() {
-        let minutes_ago = Timestamp::now() - faultline_core::time::SignedDuration::from_secs(120);
-        let ahead = Timestamp::now() + faultline_core::time::SignedDuration::from_secs(3600);
+        let minutes_ago = Timestamp::now() - SignedDuration::from_secs(120);
+        let ahead = Timestamp::now() + SignedDuration::from_secs(3600);
+        let just_ahead = Timestamp::now() + SignedDuration::from_secs(2);
         for (beat, code, says) in [
             (None, 2, "no heartbeat"),
             (
@@ -378,7 +468,8 @@ mod tests {
                 2,
                 "is not alive: its last heartbeat is 12",
             ),
-            (Some(ahead), 0, "healthy"),
+            (Some(ahead), 2, "s ahead of this clock"),
+            (Some(just_ahead), 0, "healthy"),
         ] {
             let (_d, p) = file(&stamped(HEALTHY, beat));
             let o = wait(&p, Duration::from_millis(100), STALE_AFTER);
@@ -410,6 +501,7 @@ mod tests {
             Duration::from_millis(10),
             Accept::HEALTHY,
             stale_after,
+            &SystemClock,
         )
     }
 
@@ -448,6 +540,7 @@ mod tests {
             Duration::from_millis(20),
             Accept::HEALTHY,
             STALE_AFTER,
+            &SystemClock,
         );
         writer.join().unwrap();
         assert_eq!(o.code, 0, "{}", o.message);
@@ -455,9 +548,10 @@ mod tests {
 
     #[test]
     fn table_shows_faults_and_warnings() {
-        let (_d, p) = file(UNHEALTHY);
-        let o = get(&p, false, false);
+        let (_d, p) = file(&live(UNHEALTHY));
+        let o = get(&p, false, false, &Now::read(&SystemClock), STALE_AFTER);
         assert_eq!(o.code, 0);
+        assert_eq!(o.warning, None);
         assert!(
             o.message.contains("Xid79")
                 && o.message.contains("GPU-3")
@@ -467,9 +561,156 @@ mod tests {
         );
         assert!(o.message.contains("policy was rejected"), "{}", o.message);
         assert!(o.message.contains("detector kmsg is down"), "{}", o.message);
-        let j = get(&p, true, false);
+        let j = get(&p, true, false, &Now::read(&SystemClock), STALE_AFTER);
         let back: NodeRecord = serde_json::from_str(&j.message).unwrap();
         assert_eq!(back.faults.len(), 1);
+    }
+
+    const DAY: i64 = 86_400;
+
+    /// The agent writes its heartbeat on `clock` into a record in `dir`, as the file sink does.
+    fn beat(dir: &Path, clock: &FakeClock) -> PathBuf {
+        let dirs = crate::sink::file::Dirs::one(dir.to_path_buf());
+        let snap = crate::runtime::test_snapshot(1, 0);
+        crate::sink::file::write_snapshot(&dirs, &snap, &Beat::now(clock), false).unwrap();
+        dir.join(FAULTS_FILE)
+    }
+
+    /// An agent killed (SIGKILL) while its node's clock was a day off, then the clock is
+    /// corrected: its record is not alive for `wait-healthy` (exit 2) or `get` (exit 3 with a
+    /// warning), whichever way the clock was off. Before, a heartbeat dated a day ahead counted
+    /// as fresh for that whole day.
+    #[test]
+    fn a_dead_agent_is_not_alive_whichever_way_the_clock_stepped() {
+        for step in [DAY, -DAY] {
+            let d = tempfile::tempdir().unwrap();
+            let clock = FakeClock::new(1_790_000_000_000, 600_000);
+            clock.step_wall(step);
+            let p = beat(d.path(), &clock);
+            // Killed; a minute later the clock is stepped back to the right time.
+            clock.advance(Duration::from_secs(60));
+            clock.step_wall(-step);
+            let o = wait_healthy(
+                &p,
+                Duration::from_millis(30),
+                Duration::from_millis(10),
+                Accept::HEALTHY,
+                STALE_AFTER,
+                &clock,
+            );
+            assert_eq!(o.code, 2, "{step}: {}", o.message);
+            assert!(
+                o.message
+                    .contains("not alive: its last heartbeat is 60s old"),
+                "{step}: {}",
+                o.message
+            );
+            let o = get(&p, false, false, &Now::read(&clock), STALE_AFTER);
+            assert_eq!(o.code, NOT_ALIVE_EXIT, "{step}");
+            assert!(
+                o.message.contains("NODE"),
+                "the record is printed: {}",
+                o.message
+            );
+            assert!(
+                o.warning
+                    .as_deref()
+                    .is_some_and(|w| w.contains("not alive")),
+                "{:?}",
+                o.warning
+            );
+            let j = get(&p, true, false, &Now::read(&clock), STALE_AFTER);
+            assert_eq!(j.code, NOT_ALIVE_EXIT);
+            let doc: Value = serde_json::from_str(&j.message).unwrap();
+            assert!(doc[NOT_ALIVE_FIELD].as_str().unwrap().contains("60s old"));
+            assert_eq!(doc["health"], "Healthy", "still the record");
+        }
+    }
+
+    /// A live agent stays alive for its readers across a step of the wall clock either way:
+    /// just after the step (the heartbeat on disk was stamped before it) and after the next
+    /// heartbeat. Before, a forward step made it look dead until its next heartbeat.
+    #[test]
+    fn a_live_agent_stays_alive_across_a_clock_step() {
+        for step in [DAY, -DAY] {
+            let d = tempfile::tempdir().unwrap();
+            let clock = FakeClock::new(1_790_000_000_000, 600_000);
+            let p = beat(d.path(), &clock);
+            clock.advance(Duration::from_secs(5));
+            clock.step_wall(step);
+            let r = read_record(&p).unwrap();
+            assert_eq!(
+                not_alive(&r, &Now::read(&clock), STALE_AFTER),
+                None,
+                "{step}"
+            );
+            let o = wait_healthy(
+                &p,
+                Duration::from_millis(30),
+                Duration::from_millis(10),
+                Accept::HEALTHY,
+                STALE_AFTER,
+                &clock,
+            );
+            assert_eq!(o.code, 0, "{step}: {}", o.message);
+            clock.advance(Duration::from_secs(5));
+            beat(d.path(), &clock);
+            clock.advance(Duration::from_secs(29));
+            let o = get(&p, false, false, &Now::read(&clock), STALE_AFTER);
+            assert_eq!((o.code, o.warning), (0, None), "{step}");
+            clock.advance(Duration::from_secs(2));
+            let r = read_record(&p).unwrap();
+            assert!(
+                not_alive(&r, &Now::read(&clock), STALE_AFTER)
+                    .is_some_and(|w| w.contains("31s old")),
+                "then it stops beating"
+            );
+        }
+    }
+
+    /// The boot clock decides when both sides have it: a heartbeat of another boot is not
+    /// alive (whatever its wall time), a heartbeat ahead of this boot's clock is not alive; a
+    /// record without a boot clock reading (or a reader that cannot read the boot id) falls
+    /// back to the wall clock, ahead by at most [`AHEAD_TOLERANCE`].
+    #[test]
+    fn the_boot_clock_judges_when_both_sides_have_it() {
+        let d = tempfile::tempdir().unwrap();
+        let clock = FakeClock::new(1_790_000_000_000, 600_000);
+        let p = beat(d.path(), &clock);
+        let r = read_record(&p).unwrap();
+        assert_eq!(
+            r.agent.heartbeat_boot,
+            Some(BootClock {
+                boot_id: "boot-1".into(),
+                since_boot_ms: 600_000
+            })
+        );
+        let now = |c: &FakeClock| not_alive(&r, &Now::read(c), STALE_AFTER);
+        clock.advance(Duration::from_secs(60));
+        clock.reboot(Some("boot-2"), 60_000);
+        assert!(now(&clock).is_some_and(|w| w.contains("another boot (boot id boot-1)")));
+        // The reader cannot read the boot id: the wall clock (a minute later) judges.
+        clock.reboot(None, 60_000);
+        assert!(now(&clock).is_some_and(|w| w.contains("60s old")));
+        // The same boot, but the record's reading is later than this boot's clock.
+        clock.reboot(Some("boot-1"), 590_000);
+        assert!(now(&clock).is_some_and(|w| w.contains("10s ahead of this node's boot clock")));
+        clock.reboot(Some("boot-1"), 600_000 + 30_000);
+        assert_eq!(now(&clock), None, "30 s old: alive");
+
+        let mut no_boot = r.clone();
+        no_boot.agent.heartbeat_boot = None;
+        let at = |secs: i64| {
+            Now::remote(
+                r.agent.heartbeat_time.unwrap() + SignedDuration::from_secs(secs),
+                AHEAD_TOLERANCE,
+            )
+        };
+        assert_eq!(not_alive(&no_boot, &at(-5), STALE_AFTER), None);
+        assert!(not_alive(&no_boot, &at(-6), STALE_AFTER)
+            .is_some_and(|w| w.contains("6s ahead of this clock")));
+        assert_eq!(not_alive(&no_boot, &at(30), STALE_AFTER), None);
+        assert!(not_alive(&no_boot, &at(31), STALE_AFTER).is_some());
     }
 
     #[test]

@@ -14,7 +14,7 @@ use futures::StreamExt;
 use http_body_util::BodyExt;
 use serde_json::json;
 
-use super::{not_alive, Accept, Hosts, Outcome};
+use super::{not_alive, Accept, Hosts, Now, Outcome};
 use crate::peer::members::{parse_members, Member};
 
 /// The most of one agent's answer read (a record is at most about 1 MiB).
@@ -87,15 +87,17 @@ pub fn usable_members(
                 "its agent answers for node {:?}, not {:?}",
                 r.node, m.node
             )),
-            Answer::Record(r) => not_alive(r, now, stale_after).or_else(|| {
-                (!accept.accepts(r)).then(|| {
-                    format!(
-                        "the record says {}{}",
-                        r.health,
-                        r.handling.map(|h| format!(" ({h})")).unwrap_or_default()
-                    )
+            Answer::Record(r) => {
+                not_alive(r, &Now::remote(now, stale_after), stale_after).or_else(|| {
+                    (!accept.accepts(r)).then(|| {
+                        format!(
+                            "the record says {}{}",
+                            r.health,
+                            r.handling.map(|h| format!(" ({h})")).unwrap_or_default()
+                        )
+                    })
                 })
-            }),
+            }
         };
         match why {
             Some(w) => left_out.push((m.node.clone(), w)),

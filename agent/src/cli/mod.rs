@@ -16,7 +16,8 @@ pub use cluster::{
     cluster_records, cluster_table, get_cluster, hosts, hosts_lines, ClusterFilter, Hosts, PodQuery,
 };
 pub use local::{
-    clear, get, not_alive, read_record, record_path, summary, table, wait_healthy, ReadError,
+    clear, get, not_alive, read_record, record_path, summary, table, wait_healthy, Now, ReadError,
+    AHEAD_TOLERANCE, NOT_ALIVE_EXIT, NOT_ALIVE_FIELD,
 };
 
 use faultline_core::record::{Handling, Health, NodeRecord};
@@ -48,6 +49,9 @@ pub struct Outcome {
     /// The answer as JSON for `-o json`; `None` when `message` already is the JSON document
     /// (`get`, `check`) or there is none (an error: [`render`] makes one).
     pub data: Option<Value>,
+    /// A line for stderr whatever the exit status, beside the answer on stdout (`get` of a
+    /// record whose agent is not alive).
+    pub warning: Option<String>,
 }
 
 impl Outcome {
@@ -56,6 +60,7 @@ impl Outcome {
             code: 0,
             message: message.into(),
             data: None,
+            warning: None,
         }
     }
     fn unhealthy(message: impl Into<String>) -> Self {
@@ -63,6 +68,7 @@ impl Outcome {
             code: 1,
             message: message.into(),
             data: None,
+            warning: None,
         }
     }
     fn error(message: impl Into<String>) -> Self {
@@ -70,6 +76,7 @@ impl Outcome {
             code: 2,
             message: message.into(),
             data: None,
+            warning: None,
         }
     }
     /// Exit status 2: the command could not do its job.
@@ -86,8 +93,16 @@ impl Outcome {
 /// What a command prints: `(stdout, stderr)`. As text, the message goes to stdout on success
 /// and to stderr otherwise (nothing at all for an empty success: `hosts` with no usable node
 /// must not hand a launcher an empty line). With `-o json` everything a script reads is one
-/// JSON document on stdout, errors included: `{"error": "...", "exitCode": 2}`.
+/// JSON document on stdout, errors included: `{"error": "...", "exitCode": 2}`. A warning
+/// goes to stderr beside the answer, in either form.
 pub fn render(o: &Outcome, json: bool) -> (Option<String>, Option<String>) {
+    if let Some(w) = &o.warning {
+        let answer = match (&o.data, json) {
+            (Some(d), true) => serde_json::to_string_pretty(d).unwrap_or_default(),
+            _ => o.message.clone(),
+        };
+        return (Some(answer), Some(w.clone()));
+    }
     if json {
         let doc = match &o.data {
             Some(d) => serde_json::to_string_pretty(d).unwrap_or_default(),
@@ -104,6 +119,48 @@ pub fn render(o: &Outcome, json: bool) -> (Option<String>, Option<String>) {
         (0, false) => (Some(o.message.clone()), None),
         _ => (None, Some(o.message.clone())),
     }
+}
+
+/// Whether the command line (without the program name) asks for `-o json`, read from the raw
+/// arguments: an argument error stops clap before it has parsed `--output`. Every spelling
+/// clap accepts counts (`-o json`, `-ojson`, `-o=json`, `--output json`, `--output=json`), up
+/// to a `--` that ends the options.
+pub fn json_requested<S: AsRef<std::ffi::OsStr>>(args: impl IntoIterator<Item = S>) -> bool {
+    let is_json = |v: &str| v.eq_ignore_ascii_case("json");
+    let mut value_next = false;
+    for a in args {
+        let Some(a) = a.as_ref().to_str() else {
+            value_next = false;
+            continue;
+        };
+        if std::mem::take(&mut value_next) && is_json(a) {
+            return true;
+        }
+        if a == "--" {
+            return false;
+        }
+        if a == "-o" || a == "--output" {
+            value_next = true;
+        } else if let Some(v) = a.strip_prefix("--output=").or_else(|| a.strip_prefix("-o")) {
+            if is_json(v.strip_prefix('=').unwrap_or(v)) {
+                return true;
+            }
+        }
+    }
+    false
+}
+
+/// An argument error (clap's rendered text) as an outcome: exit 2, the error's first paragraph
+/// on one line as the reason (clap's usage line and hints are for people at a terminal).
+pub fn usage_error(rendered: &str) -> Outcome {
+    let first = rendered.trim().split("\n\n").next().unwrap_or_default();
+    let first = first.strip_prefix("error: ").unwrap_or(first);
+    let why: Vec<&str> = first
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect();
+    Outcome::error(format!("error: {}", why.join(" ")))
 }
 
 /// Which records a job script accepts as usable (`wait-healthy`, `hosts`; docs/record.md,

@@ -20,6 +20,7 @@ use crate::atomic_file::write as write_atomic;
 use crate::metrics::{Metrics, SinkLabel};
 use crate::pace::WriteBudget;
 use crate::runtime::{Clock, Heartbeat, PersistedState, Snapshot};
+use faultline_core::record::BootClock;
 use faultline_core::time::Timestamp;
 
 pub const FAULTS_FILE: &str = "faults.json";
@@ -88,7 +89,7 @@ impl Dirs {
 pub fn write_snapshot(
     dirs: &Dirs,
     snap: &Snapshot,
-    heartbeat: Timestamp,
+    heartbeat: &Beat,
     record_only: bool,
 ) -> Result<(), FileSinkError> {
     let mut state_err = None;
@@ -102,7 +103,8 @@ pub fn write_snapshot(
         }
     }
     let mut stamped = (*snap.record).clone();
-    stamped.agent.heartbeat_time = Some(heartbeat);
+    stamped.agent.heartbeat_time = Some(heartbeat.wall);
+    stamped.agent.heartbeat_boot = heartbeat.boot.clone();
     let mut record =
         serde_json::to_vec_pretty(&stamped).map_err(|source| FileSinkError::Encode {
             what: "record",
@@ -113,6 +115,24 @@ pub fn write_snapshot(
     match state_err {
         Some(e) => Err(FileSinkError::StateNotSaved(Box::new(e))),
         None => Ok(()),
+    }
+}
+
+/// One heartbeat as the record carries it: the wall-clock time people read, and the same moment
+/// on the boot clock, which readers on this node judge liveness by (a wall-clock step moves the
+/// first, never the second).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Beat {
+    pub wall: Timestamp,
+    pub boot: Option<BootClock>,
+}
+
+impl Beat {
+    pub fn now(clock: &dyn Clock) -> Beat {
+        Beat {
+            wall: clock.now(),
+            boot: clock.boot_clock(),
+        }
     }
 }
 
@@ -276,7 +296,7 @@ pub async fn run(
     let mut last_write = tokio::time::Instant::now();
     // The heartbeat last written: kept, not renewed, while the engine loop is not running (a
     // retry of a state that cannot be saved rewrites the record too).
-    let mut stamped: Option<Timestamp> = None;
+    let mut stamped: Option<Beat> = None;
     loop {
         let mut beat = false;
         let closed = tokio::select! {
@@ -308,12 +328,13 @@ pub async fn run(
             let d = dirs.clone();
             let started = Instant::now();
             let snap2 = snap.clone();
-            let now = match stamped {
-                Some(last) if !heartbeat.engine_alive() => last,
-                _ => heartbeat.clock.now(),
+            let now = match &stamped {
+                Some(last) if !heartbeat.engine_alive() => last.clone(),
+                _ => Beat::now(&*heartbeat.clock),
             };
+            let beat_written = now.clone();
             let result =
-                tokio::task::spawn_blocking(move || write_snapshot(&d, &snap2, now, record_only))
+                tokio::task::spawn_blocking(move || write_snapshot(&d, &snap2, &now, record_only))
                     .await
                     .unwrap_or_else(|e| {
                         Err(FileSinkError::Io {
@@ -334,7 +355,7 @@ pub async fn run(
                         "record written"
                     );
                     written = Some(snap.revision);
-                    stamped = Some(now);
+                    stamped = Some(beat_written);
                     last_write = tokio::time::Instant::now();
                     if !record_only {
                         budget.spend(tokio::time::Instant::now());
@@ -359,7 +380,7 @@ pub async fn run(
                     if e.record_written() {
                         // The heartbeat is fresh; the state is retried with the backoff.
                         last_write = tokio::time::Instant::now();
-                        stamped = Some(now);
+                        stamped = Some(beat_written);
                     }
                     // What is on disk (the record, or the state behind it) is now older than
                     // the agent's state: not ready, and say so in the record the agent serves.

@@ -228,6 +228,7 @@ mod tests {
                 detectors: Vec::new(),
                 taint_budget: None,
                 heartbeat_time: None,
+                heartbeat_boot: None,
             },
         };
         (e, record)

@@ -915,6 +915,7 @@ mod tests {
                 detectors: vec![],
                 taint_budget: None,
                 heartbeat_time: None,
+                heartbeat_boot: None,
             },
         }
     }
