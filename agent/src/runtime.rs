@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::metrics::{HandlingLabel, KindLabel, Metrics};
+use crate::source::control::{AppliedClears, ClearApplied, ClearResult};
 use crate::source::Input;
 use faultline_core::catalog::Catalog;
 use faultline_core::engine::{
@@ -67,6 +68,10 @@ pub struct PersistedState {
     /// reboot, which empties the record's directory, does not announce a withheld taint again.
     #[serde(default)]
     pub taint_budget: Option<TaintBudgetStatus>,
+    /// The clear requests applied lately, with what each did: a request found again after a
+    /// restart is answered from here, not applied again.
+    #[serde(default)]
+    pub clears: AppliedClears,
 }
 
 pub const STATE_VERSION: u32 = 1;
@@ -143,6 +148,11 @@ pub struct EngineLoop {
     pub kmsg_cursor: Option<u64>,
     /// The highest [`Input::Marker`] applied.
     pub marker: u64,
+    /// The clear requests applied lately (restored with the state).
+    pub clears: AppliedClears,
+    /// Where the report on each [`Input::Clear`] goes (the clear requests' source). Never
+    /// blocks; one report per request the source sent.
+    pub clear_results: mpsc::UnboundedSender<ClearApplied>,
     pub catalog: Arc<Catalog>,
     pub policy: watch::Receiver<LoadedPolicy>,
     pub inputs: mpsc::Receiver<Input>,
@@ -299,6 +309,42 @@ impl EngineLoop {
                 eventful
             }
             Input::Obs(obs) => self.step(loaded, obs),
+            Input::Clear {
+                request,
+                code,
+                device,
+                marker,
+            } => {
+                let (result, eventful) = match self.clears.get(&request) {
+                    Some(r) => {
+                        info!(
+                            request,
+                            cleared = r.cleared,
+                            "clear request already applied; answered, not applied again"
+                        );
+                        (r.clone(), false)
+                    }
+                    None => {
+                        let ctx = Ctx {
+                            policy: &loaded.policy,
+                            catalog: &self.catalog,
+                        };
+                        let events = self.engine.step(
+                            ctx,
+                            Observation::OperatorClear { code, device },
+                            self.engine_now(),
+                        );
+                        self.note(&events);
+                        let r = ClearResult::of(&events);
+                        self.clears.insert(request, r.clone());
+                        (r, !events.is_empty())
+                    }
+                };
+                self.marker = self.marker.max(marker);
+                // The source may be gone (shutting down): nothing waits for the report then.
+                let _ = self.clear_results.send(ClearApplied { marker, result });
+                eventful
+            }
         }
     }
 
@@ -467,6 +513,7 @@ impl EngineLoop {
                 engine: self.engine.clone(),
                 timeline: Some(self.timeline.clone()),
                 taint_budget: report.taint_budget.clone(),
+                clears: self.clears.clone(),
             }),
             applied_at: std::time::Instant::now(),
         };
@@ -552,30 +599,44 @@ recovery:
         snaps: watch::Receiver<Option<Snapshot>>,
         marker: u64,
         shutdown: CancellationToken,
+        results: mpsc::UnboundedReceiver<ClearApplied>,
+    }
+
+    /// `text` as the policy in force.
+    fn loaded(text: &str) -> LoadedPolicy {
+        LoadedPolicy {
+            policy: Arc::new(faultline_core::policy::Policy::parse(text).unwrap()),
+            status: LoadedPolicy::builtin().status,
+        }
     }
 
     impl Rig {
         fn start() -> Rig {
+            Rig::restored(Engine::default(), AppliedClears::default(), loaded(POLICY))
+        }
+
+        /// The loop on a restored engine and clear memory, under `policy`.
+        fn restored(engine: Engine, clears: AppliedClears, policy: LoadedPolicy) -> Rig {
             let clock = Arc::new(FakeClock {
                 wall_ms: AtomicI64::new(1_790_000_000_000),
                 boot_ms: AtomicU64::new(600_000),
             });
-            let policy = LoadedPolicy {
-                policy: Arc::new(faultline_core::policy::Policy::parse(POLICY).unwrap()),
-                status: LoadedPolicy::builtin().status,
-            };
+            let policy = watch::channel(policy).1;
+            let (results_tx, results) = mpsc::unbounded_channel();
             let (tx, inputs) = mpsc::channel(64);
             let (snap_tx, snaps) = watch::channel(None);
             let shutdown = CancellationToken::new();
             let timeline = Timeline::for_boot(None, Some("b1"), clock.now(), clock.since_boot());
             let engine_loop = EngineLoop {
                 node: "n1".into(),
-                engine: Engine::default(),
+                engine,
                 timeline,
                 kmsg_cursor: None,
                 marker: 0,
+                clears,
+                clear_results: results_tx,
                 catalog: Arc::new(Catalog::builtin().unwrap()),
-                policy: watch::channel(policy).1,
+                policy,
                 inputs,
                 snapshots: snap_tx,
                 metrics: Arc::new(Metrics::new()),
@@ -595,7 +656,28 @@ recovery:
                 snaps,
                 marker: 0,
                 shutdown,
+                results,
             }
+        }
+
+        /// Sends clear request `key` and returns the loop's report and the snapshot that has it.
+        async fn clear(&mut self, key: &str, code: Option<&str>) -> (ClearApplied, Snapshot) {
+            self.marker += 1;
+            let m = self.marker;
+            let clear = Input::Clear {
+                request: key.into(),
+                code: code.map(String::from),
+                device: None,
+                marker: m,
+            };
+            self.tx.send(clear).await.unwrap();
+            let report = self.results.recv().await.unwrap();
+            let snap = self
+                .snaps
+                .wait_for(|s| s.as_ref().is_some_and(|s| s.marker >= m))
+                .await
+                .unwrap();
+            (report, snap.clone().unwrap())
         }
 
         /// Applies `obs` (then a tick) and returns the snapshot that has it.
@@ -887,6 +969,62 @@ recovery:
         assert!(
             (3..=14).contains(&publishes),
             "{publishes} snapshots for 1,000 repeats"
+        );
+    }
+
+    /// A clear is reported with what it ended; the same request again (as a restart finds one
+    /// left behind by a kill) is answered from memory, not applied again, also by a new run on
+    /// the saved state.
+    #[tokio::test]
+    async fn a_clear_is_reported_and_applied_once() {
+        let mut r = Rig::restored(Engine::default(), AppliedClears::default(), loaded(""));
+        r.apply(Some(signal(FaultCode::Xid(79), Source::Kmsg)))
+            .await;
+        r.apply(Some(signal(FaultCode::Xid(13), Source::Kmsg)))
+            .await;
+        let (report, s) = r.clear("1.json@1", Some("Xid79")).await;
+        assert_eq!(report.marker, r.marker, "reported under its marker");
+        assert_eq!(report.result.cleared, 1);
+        assert_eq!(
+            report.result.faults,
+            [crate::source::control::ClearedFault {
+                code: "Xid79".into(),
+                device: "GPU-0".into()
+            }]
+        );
+        assert_eq!(handling(&s, "Xid79").map(|h| h.1), Some(false));
+        assert_eq!(s.state.clears.get("1.json@1"), Some(&report.result));
+        let (none, _) = r.clear("2.json@2", Some("Xid999")).await;
+        assert_eq!(none.result, ClearResult::default(), "nothing matched");
+
+        // Back, then the first request once more: answered as before, not applied.
+        let s = r
+            .apply(Some(signal(FaultCode::Xid(79), Source::Kmsg)))
+            .await;
+        assert_eq!(handling(&s, "Xid79").map(|h| h.1), Some(true));
+        let (again, s) = r.clear("1.json@1", Some("Xid79")).await;
+        assert_eq!(again.result, report.result);
+        assert_eq!(
+            handling(&s, "Xid79").map(|h| h.1),
+            Some(true),
+            "not cleared again"
+        );
+
+        // A new run on the saved state.
+        let saved = (*s.state).clone();
+        drop(r);
+        let mut r = Rig::restored(saved.engine, saved.clears, loaded(""));
+        let (again, s) = r.clear("1.json@1", Some("Xid79")).await;
+        assert_eq!(again.result, report.result);
+        assert_eq!(
+            handling(&s, "Xid79").map(|h| h.1),
+            Some(true),
+            "not cleared again"
+        );
+        let (other, _) = r.clear("1.json@3", Some("Xid79")).await;
+        assert_eq!(
+            other.result.cleared, 1,
+            "a new file under the same name is a new request"
         );
     }
 }
