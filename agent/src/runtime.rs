@@ -196,6 +196,16 @@ impl EngineLoop {
         let mut tick = tokio::time::interval(self.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut loaded = self.policy.borrow_and_update().clone();
+        // What was restored was classified under the policy of the run that saved it: it is
+        // classified again under the policy in force, as a reload does. Not while a policy file
+        // is still being read: the built-in policy stands in only for what is new meanwhile (a
+        // restored operator-held fault must not be judged by it), and the file's policy
+        // classifies everything once read, changed or not.
+        let mut restored_classified = false;
+        if loaded.status.loading.is_none() {
+            self.reclassify(&loaded);
+            restored_classified = true;
+        }
         let mut report = self.sink_report.borrow_and_update().clone();
         let mut offset = SignedDuration::ZERO;
         // An engine event since the last snapshot: publish at once.
@@ -232,10 +242,10 @@ impl EngineLoop {
                     let next = self.policy.borrow_and_update().clone();
                     let policy_changed = next.policy != loaded.policy;
                     loaded = next;
-                    if policy_changed {
-                        let ctx = Ctx { policy: &loaded.policy, catalog: &self.catalog };
-                        let events = self.engine.reclassify(ctx);
-                        self.note(&events);
+                    let first = !restored_classified && loaded.status.loading.is_none();
+                    if policy_changed || first {
+                        self.reclassify(&loaded);
+                        restored_classified |= first;
                         urgent = true;
                     }
                     published = u64::MAX; // the policy status is part of the record
@@ -346,6 +356,16 @@ impl EngineLoop {
                 eventful
             }
         }
+    }
+
+    /// Classifies every fault under `loaded`'s policy (a reload, or what was restored).
+    fn reclassify(&mut self, loaded: &LoadedPolicy) {
+        let ctx = Ctx {
+            policy: &loaded.policy,
+            catalog: &self.catalog,
+        };
+        let events = self.engine.reclassify(ctx);
+        self.note(&events);
     }
 
     fn step(&mut self, loaded: &LoadedPolicy, obs: Observation) -> bool {
@@ -599,6 +619,7 @@ recovery:
         snaps: watch::Receiver<Option<Snapshot>>,
         marker: u64,
         shutdown: CancellationToken,
+        policy: watch::Sender<LoadedPolicy>,
         results: mpsc::UnboundedReceiver<ClearApplied>,
     }
 
@@ -621,7 +642,7 @@ recovery:
                 wall_ms: AtomicI64::new(1_790_000_000_000),
                 boot_ms: AtomicU64::new(600_000),
             });
-            let policy = watch::channel(policy).1;
+            let (policy_tx, policy) = watch::channel(policy);
             let (results_tx, results) = mpsc::unbounded_channel();
             let (tx, inputs) = mpsc::channel(64);
             let (snap_tx, snaps) = watch::channel(None);
@@ -656,6 +677,7 @@ recovery:
                 snaps,
                 marker: 0,
                 shutdown,
+                policy: policy_tx,
                 results,
             }
         }
@@ -678,6 +700,12 @@ recovery:
                 .await
                 .unwrap();
             (report, snap.clone().unwrap())
+        }
+
+        /// The first snapshot (the restored state, before any input).
+        async fn first(&mut self) -> Snapshot {
+            let snap = self.snaps.wait_for(|s| s.is_some()).await.unwrap();
+            snap.clone().unwrap()
         }
 
         /// Applies `obs` (then a tick) and returns the snapshot that has it.
@@ -969,6 +997,74 @@ recovery:
         assert!(
             (3..=14).contains(&publishes),
             "{publishes} snapshots for 1,000 repeats"
+        );
+    }
+
+    /// An engine as a run under `policy` left it: one Xid 13 on GPU-0.
+    fn saved_under(policy: &str) -> Engine {
+        let policy = faultline_core::policy::Policy::parse(policy).unwrap();
+        let catalog = Catalog::builtin().unwrap();
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let mut e = Engine::default();
+        let at = Timestamp::from_second(1_790_000_000).unwrap();
+        e.step(ctx, signal(FaultCode::Xid(13), Source::Kmsg), at);
+        // Saved and read back, as state.json is.
+        serde_json::from_str(&serde_json::to_string(&e).unwrap()).unwrap()
+    }
+
+    const NOT_HANDLED: &str = "overrides:\n  Xid13: { handling: NotHandleFault }\n";
+
+    /// A fault saved under a policy that overrode its level is classified under the policy in
+    /// force when the agent starts, and stays so when it recurs; before, it kept the old level
+    /// for as long as it lived, while the same code on another device got the new one.
+    #[tokio::test]
+    async fn restored_faults_are_classified_under_the_policy_in_force() {
+        let engine = saved_under(NOT_HANDLED);
+        assert_eq!(
+            engine.faults().next().unwrap().fault.fault_handling,
+            Handling::NotHandleFault
+        );
+        let mut r = Rig::restored(engine, AppliedClears::default(), loaded(""));
+        let s = r.first().await;
+        assert_eq!(
+            handling(&s, "Xid13"),
+            Some((Handling::RestartBusiness, true))
+        );
+        assert_eq!(s.record.health, Health::Degraded, "{:?}", s.record.health);
+        r.clock.advance(Duration::from_secs(60));
+        let s = r
+            .apply(Some(signal(FaultCode::Xid(13), Source::Kmsg)))
+            .await;
+        assert_eq!(
+            handling(&s, "Xid13"),
+            Some((Handling::RestartBusiness, true)),
+            "recurred"
+        );
+    }
+
+    /// While the policy file is still being read, restored faults keep the level they were
+    /// saved with (the built-in policy only stands in); once it is read they are classified
+    /// under it, even when it is the same as the built-in policy (no change to react to).
+    #[tokio::test]
+    async fn restored_faults_wait_for_a_policy_file_still_loading() {
+        let mut loading = loaded("");
+        loading.status.loading = Some("/etc/faultline/policy.yaml".into());
+        let mut r = Rig::restored(saved_under(NOT_HANDLED), AppliedClears::default(), loading);
+        let s = r.first().await;
+        assert_eq!(
+            handling(&s, "Xid13"),
+            Some((Handling::NotHandleFault, true)),
+            "not judged by the stand-in"
+        );
+        r.policy.send_replace(loaded(""));
+        let s = r.tick().await;
+        assert_eq!(
+            handling(&s, "Xid13"),
+            Some((Handling::RestartBusiness, true)),
+            "the file's policy, read"
         );
     }
 

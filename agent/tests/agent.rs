@@ -823,6 +823,60 @@ fn a_null_clear_request_is_refused_not_read_as_clear_all() {
     agent.stop();
 }
 
+/// A fault raised under a policy that overrode its level, then restored by an agent started
+/// without that override, is classified under the policy in force: from the start, when it
+/// recurs, and like the same code on another device. Before, the restored Xid 13 stayed
+/// NotHandleFault (even after recurring) while a new one was RestartBusiness.
+#[test]
+fn restored_faults_are_classified_under_the_policy_in_force() {
+    let dir = tempfile::tempdir().unwrap();
+    let policy = dir.path().join("policy.yaml");
+    std::fs::write(
+        &policy,
+        "overrides:\n  Xid13: { handling: NotHandleFault }\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("kmsg"),
+        b"4,1,1000,-;NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=a, Graphics Exception\n",
+    )
+    .unwrap();
+    let agent = Agent::start(dir.path(), &["--policy", policy.to_str().unwrap()]);
+    let r = agent.wait_for("Xid 13", |r| fault(r, "Xid13").is_some());
+    assert_eq!(
+        fault(&r, "Xid13").unwrap().fault_handling,
+        Handling::NotHandleFault
+    );
+    assert_eq!(agent.stop(), 0);
+
+    // The same boot, without the override.
+    let agent = Agent::start(dir.path(), &[]);
+    let r = agent.wait_for("the new agent's record", |r| {
+        r.agent.policy.source == "builtin"
+    });
+    let x13 = fault(&r, "Xid13").expect("restored");
+    assert_eq!(x13.count, 1, "restored, not recounted");
+    assert_eq!(x13.fault_handling, Handling::RestartBusiness, "restored");
+    agent.append(
+        b"4,2,2000000,-;NVRM: Xid (PCI:0000:3b:00): 13, pid=1, name=a, Graphics Exception\n",
+    );
+    agent.append(
+        b"4,3,2000000,-;NVRM: Xid (PCI:0000:86:00): 13, pid=1, name=a, Graphics Exception\n",
+    );
+    let r = agent.wait_for("both", |r| {
+        r.faults
+            .iter()
+            .filter(|f| f.fault_code == "Xid13")
+            .map(|f| f.count)
+            .sum::<u64>()
+            == 3
+    });
+    for f in r.faults.iter().filter(|f| f.fault_code == "Xid13") {
+        assert_eq!(f.fault_handling, Handling::RestartBusiness, "{f:?}");
+    }
+    assert_eq!(agent.stop(), 0);
+}
+
 /// A live agent keeps its record's heartbeat fresh with nothing happening: wait-healthy with a
 /// bound of three heartbeats passes long after the last change.
 #[test]
