@@ -450,6 +450,8 @@ struct Restored {
     taint_budget: Option<faultline_core::record::TaintBudgetStatus>,
     /// The engine's timeline saved by the last run (kept when it is of this boot).
     saved_timeline: Option<faultline_core::time::Timeline>,
+    /// The clear requests the last run applied (from `state.json`).
+    clears: control::AppliedClears,
 }
 
 fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
@@ -490,6 +492,7 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
     info!(same_boot, resume_after = ?kmsg_cursor, faults = persisted.engine.faults().count(), "state restored");
     Restored {
         saved_timeline: persisted.timeline,
+        clears: persisted.clears,
         boot_id,
         origin,
         engine: persisted.engine,
@@ -875,6 +878,10 @@ struct Components {
     record_status: watch::Sender<file::RecordStatus>,
     /// The highest engine-loop marker the file sink has written (clear requests wait for it).
     persisted: watch::Sender<u64>,
+    /// The engine loop's reports on clear requests (the sender goes to the engine loop)...
+    clear_results: mpsc::UnboundedSender<control::ClearApplied>,
+    /// ... and the receiver to the clear requests' source, when it starts.
+    clear_reports: Option<mpsc::UnboundedReceiver<control::ClearApplied>>,
     /// Re-read the policy now (SIGHUP).
     reload: Arc<tokio::sync::Notify>,
     shutdown: CancellationToken,
@@ -916,6 +923,7 @@ impl Components {
         let (in_tx, inputs) = mpsc::channel::<Input>(8192);
         let (snap_tx, snapshots) = watch::channel(None);
         let source_shutdown = shutdown.child_token();
+        let (clear_results, clear_reports) = mpsc::unbounded_channel();
         let source_ctx = SourceContext {
             tx: in_tx,
             metrics: metrics.clone(),
@@ -929,6 +937,8 @@ impl Components {
             heartbeat: Arc::new(Heartbeat::default()),
             record_status: watch::channel(file::RecordStatus::NotYetWritten).0,
             persisted: watch::channel(0).0,
+            clear_results,
+            clear_reports: Some(clear_reports),
             reload,
             shutdown,
             source_shutdown,
@@ -991,10 +1001,15 @@ impl Components {
             );
             self.spawn_source("policy", &[], watcher);
         }
+        let reports = self
+            .clear_reports
+            .take()
+            .expect("the clear requests' source is started once");
         let clears = control::run(
             self.cfg.state_dir.clone(),
             self.ctx(),
             self.persisted.subscribe(),
+            reports,
             Duration::from_secs(1),
         );
         self.spawn_source("control", &[], clears);
@@ -1125,6 +1140,8 @@ impl Components {
             timeline,
             kmsg_cursor: restored.kmsg_cursor,
             marker: 0,
+            clears: restored.clears,
+            clear_results: self.clear_results.clone(),
             catalog,
             policy: self.policy.clone(),
             inputs: ends.inputs,

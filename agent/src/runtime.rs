@@ -15,6 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::metrics::{HandlingLabel, KindLabel, Metrics};
+use crate::source::control::{AppliedClears, ClearApplied, ClearResult};
 use crate::source::Input;
 use faultline_core::catalog::Catalog;
 use faultline_core::engine::{
@@ -98,6 +99,10 @@ pub struct PersistedState {
     /// that is never saved: the file sink always writes the node.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
+    /// The clear requests applied lately, with what each did: a request found again after a
+    /// restart is answered from here, not applied again.
+    #[serde(default)]
+    pub clears: AppliedClears,
 }
 
 pub const STATE_VERSION: u32 = 1;
@@ -174,6 +179,11 @@ pub struct EngineLoop {
     pub kmsg_cursor: Option<u64>,
     /// The highest [`Input::Marker`] applied.
     pub marker: u64,
+    /// The clear requests applied lately (restored with the state).
+    pub clears: AppliedClears,
+    /// Where the report on each [`Input::Clear`] goes (the clear requests' source). Never
+    /// blocks; one report per request the source sent.
+    pub clear_results: mpsc::UnboundedSender<ClearApplied>,
     pub catalog: Arc<Catalog>,
     pub policy: watch::Receiver<LoadedPolicy>,
     pub inputs: mpsc::Receiver<Input>,
@@ -217,6 +227,16 @@ impl EngineLoop {
         let mut tick = tokio::time::interval(self.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut loaded = self.policy.borrow_and_update().clone();
+        // What was restored was classified under the policy of the run that saved it: it is
+        // classified again under the policy in force, as a reload does. Not while a policy file
+        // is still being read: the built-in policy stands in only for what is new meanwhile (a
+        // restored operator-held fault must not be judged by it), and the file's policy
+        // classifies everything once read, changed or not.
+        let mut restored_classified = false;
+        if loaded.status.loading.is_none() {
+            self.reclassify(&loaded);
+            restored_classified = true;
+        }
         let mut report = self.sink_report.borrow_and_update().clone();
         let mut offset = SignedDuration::ZERO;
         // An engine event since the last snapshot: publish at once.
@@ -253,10 +273,10 @@ impl EngineLoop {
                     let next = self.policy.borrow_and_update().clone();
                     let policy_changed = next.policy != loaded.policy;
                     loaded = next;
-                    if policy_changed {
-                        let ctx = Ctx { policy: &loaded.policy, catalog: &self.catalog };
-                        let events = self.engine.reclassify(ctx);
-                        self.note(&events);
+                    let first = !restored_classified && loaded.status.loading.is_none();
+                    if policy_changed || first {
+                        self.reclassify(&loaded);
+                        restored_classified |= first;
                         urgent = true;
                     }
                     published = u64::MAX; // the policy status is part of the record
@@ -330,7 +350,53 @@ impl EngineLoop {
                 eventful
             }
             Input::Obs(obs) => self.step(loaded, obs),
+            Input::Clear {
+                request,
+                code,
+                device,
+                marker,
+            } => {
+                let (result, eventful) = match self.clears.get(&request) {
+                    Some(r) => {
+                        info!(
+                            request,
+                            cleared = r.cleared,
+                            "clear request already applied; answered, not applied again"
+                        );
+                        (r.clone(), false)
+                    }
+                    None => {
+                        let ctx = Ctx {
+                            policy: &loaded.policy,
+                            catalog: &self.catalog,
+                        };
+                        let events = self.engine.step(
+                            ctx,
+                            Observation::OperatorClear { code, device },
+                            self.engine_now(),
+                        );
+                        self.note(&events);
+                        let r = ClearResult::of(&events);
+                        self.clears.insert(request, r.clone());
+                        (r, !events.is_empty())
+                    }
+                };
+                self.marker = self.marker.max(marker);
+                // The source may be gone (shutting down): nothing waits for the report then.
+                let _ = self.clear_results.send(ClearApplied { marker, result });
+                eventful
+            }
         }
+    }
+
+    /// Classifies every fault under `loaded`'s policy (a reload, or what was restored).
+    fn reclassify(&mut self, loaded: &LoadedPolicy) {
+        let ctx = Ctx {
+            policy: &loaded.policy,
+            catalog: &self.catalog,
+        };
+        let events = self.engine.reclassify(ctx);
+        self.note(&events);
     }
 
     fn step(&mut self, loaded: &LoadedPolicy, obs: Observation) -> bool {
@@ -500,6 +566,7 @@ impl EngineLoop {
                 timeline: Some(self.timeline.clone()),
                 taint_budget: report.taint_budget.clone(),
                 node: Some(self.node.clone()),
+                clears: self.clears.clone(),
             }),
             applied_at: std::time::Instant::now(),
         };
@@ -557,27 +624,42 @@ recovery:
         snaps: watch::Receiver<Option<Snapshot>>,
         marker: u64,
         shutdown: CancellationToken,
+        policy: watch::Sender<LoadedPolicy>,
+        results: mpsc::UnboundedReceiver<ClearApplied>,
+    }
+
+    /// `text` as the policy in force.
+    fn loaded(text: &str) -> LoadedPolicy {
+        LoadedPolicy {
+            policy: Arc::new(faultline_core::policy::Policy::parse(text).unwrap()),
+            status: LoadedPolicy::builtin().status,
+        }
     }
 
     impl Rig {
         fn start() -> Rig {
+            Rig::restored(Engine::default(), AppliedClears::default(), loaded(POLICY))
+        }
+
+        /// The loop on a restored engine and clear memory, under `policy`.
+        fn restored(engine: Engine, clears: AppliedClears, policy: LoadedPolicy) -> Rig {
             let clock = Arc::new(FakeClock::new(1_790_000_000_000, 600_000));
-            let policy = LoadedPolicy {
-                policy: Arc::new(faultline_core::policy::Policy::parse(POLICY).unwrap()),
-                status: LoadedPolicy::builtin().status,
-            };
+            let (policy_tx, policy) = watch::channel(policy);
+            let (results_tx, results) = mpsc::unbounded_channel();
             let (tx, inputs) = mpsc::channel(64);
             let (snap_tx, snaps) = watch::channel(None);
             let shutdown = CancellationToken::new();
             let timeline = Timeline::for_boot(None, Some("b1"), clock.now(), clock.since_boot());
             let engine_loop = EngineLoop {
                 node: "n1".into(),
-                engine: Engine::default(),
+                engine,
                 timeline,
                 kmsg_cursor: None,
                 marker: 0,
+                clears,
+                clear_results: results_tx,
                 catalog: Arc::new(Catalog::builtin().unwrap()),
-                policy: watch::channel(policy).1,
+                policy,
                 inputs,
                 snapshots: snap_tx,
                 metrics: Arc::new(Metrics::new()),
@@ -597,7 +679,35 @@ recovery:
                 snaps,
                 marker: 0,
                 shutdown,
+                policy: policy_tx,
+                results,
             }
+        }
+
+        /// Sends clear request `key` and returns the loop's report and the snapshot that has it.
+        async fn clear(&mut self, key: &str, code: Option<&str>) -> (ClearApplied, Snapshot) {
+            self.marker += 1;
+            let m = self.marker;
+            let clear = Input::Clear {
+                request: key.into(),
+                code: code.map(String::from),
+                device: None,
+                marker: m,
+            };
+            self.tx.send(clear).await.unwrap();
+            let report = self.results.recv().await.unwrap();
+            let snap = self
+                .snaps
+                .wait_for(|s| s.as_ref().is_some_and(|s| s.marker >= m))
+                .await
+                .unwrap();
+            (report, snap.clone().unwrap())
+        }
+
+        /// The first snapshot (the restored state, before any input).
+        async fn first(&mut self) -> Snapshot {
+            let snap = self.snaps.wait_for(|s| s.is_some()).await.unwrap();
+            snap.clone().unwrap()
         }
 
         /// Applies `obs` (then a tick) and returns the snapshot that has it.
@@ -886,6 +996,130 @@ recovery:
         assert!(
             (3..=14).contains(&publishes),
             "{publishes} snapshots for 1,000 repeats"
+        );
+    }
+
+    /// An engine as a run under `policy` left it: one Xid 13 on GPU-0.
+    fn saved_under(policy: &str) -> Engine {
+        let policy = faultline_core::policy::Policy::parse(policy).unwrap();
+        let catalog = Catalog::builtin().unwrap();
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let mut e = Engine::default();
+        let at = Timestamp::from_second(1_790_000_000).unwrap();
+        e.step(ctx, signal(FaultCode::Xid(13), Source::Kmsg), at);
+        // Saved and read back, as state.json is.
+        serde_json::from_str(&serde_json::to_string(&e).unwrap()).unwrap()
+    }
+
+    const NOT_HANDLED: &str = "overrides:\n  Xid13: { handling: NotHandleFault }\n";
+
+    /// A fault saved under a policy that overrode its level is classified under the policy in
+    /// force when the agent starts, and stays so when it recurs; before, it kept the old level
+    /// for as long as it lived, while the same code on another device got the new one.
+    #[tokio::test]
+    async fn restored_faults_are_classified_under_the_policy_in_force() {
+        let engine = saved_under(NOT_HANDLED);
+        assert_eq!(
+            engine.faults().next().unwrap().fault.fault_handling,
+            Handling::NotHandleFault
+        );
+        let mut r = Rig::restored(engine, AppliedClears::default(), loaded(""));
+        let s = r.first().await;
+        assert_eq!(
+            handling(&s, "Xid13"),
+            Some((Handling::RestartBusiness, true))
+        );
+        assert_eq!(s.record.health, Health::Degraded, "{:?}", s.record.health);
+        r.clock.advance(Duration::from_secs(60));
+        let s = r
+            .apply(Some(signal(FaultCode::Xid(13), Source::Kmsg)))
+            .await;
+        assert_eq!(
+            handling(&s, "Xid13"),
+            Some((Handling::RestartBusiness, true)),
+            "recurred"
+        );
+    }
+
+    /// While the policy file is still being read, restored faults keep the level they were
+    /// saved with (the built-in policy only stands in); once it is read they are classified
+    /// under it, even when it is the same as the built-in policy (no change to react to).
+    #[tokio::test]
+    async fn restored_faults_wait_for_a_policy_file_still_loading() {
+        let mut loading = loaded("");
+        loading.status.loading = Some("/etc/faultline/policy.yaml".into());
+        let mut r = Rig::restored(saved_under(NOT_HANDLED), AppliedClears::default(), loading);
+        let s = r.first().await;
+        assert_eq!(
+            handling(&s, "Xid13"),
+            Some((Handling::NotHandleFault, true)),
+            "not judged by the stand-in"
+        );
+        r.policy.send_replace(loaded(""));
+        let s = r.tick().await;
+        assert_eq!(
+            handling(&s, "Xid13"),
+            Some((Handling::RestartBusiness, true)),
+            "the file's policy, read"
+        );
+    }
+
+    /// A clear is reported with what it ended; the same request again (as a restart finds one
+    /// left behind by a kill) is answered from memory, not applied again, also by a new run on
+    /// the saved state.
+    #[tokio::test]
+    async fn a_clear_is_reported_and_applied_once() {
+        let mut r = Rig::restored(Engine::default(), AppliedClears::default(), loaded(""));
+        r.apply(Some(signal(FaultCode::Xid(79), Source::Kmsg)))
+            .await;
+        r.apply(Some(signal(FaultCode::Xid(13), Source::Kmsg)))
+            .await;
+        let (report, s) = r.clear("1.json@1", Some("Xid79")).await;
+        assert_eq!(report.marker, r.marker, "reported under its marker");
+        assert_eq!(report.result.cleared, 1);
+        assert_eq!(
+            report.result.faults,
+            [crate::source::control::ClearedFault {
+                code: "Xid79".into(),
+                device: "GPU-0".into()
+            }]
+        );
+        assert_eq!(handling(&s, "Xid79").map(|h| h.1), Some(false));
+        assert_eq!(s.state.clears.get("1.json@1"), Some(&report.result));
+        let (none, _) = r.clear("2.json@2", Some("Xid999")).await;
+        assert_eq!(none.result, ClearResult::default(), "nothing matched");
+
+        // Back, then the first request once more: answered as before, not applied.
+        let s = r
+            .apply(Some(signal(FaultCode::Xid(79), Source::Kmsg)))
+            .await;
+        assert_eq!(handling(&s, "Xid79").map(|h| h.1), Some(true));
+        let (again, s) = r.clear("1.json@1", Some("Xid79")).await;
+        assert_eq!(again.result, report.result);
+        assert_eq!(
+            handling(&s, "Xid79").map(|h| h.1),
+            Some(true),
+            "not cleared again"
+        );
+
+        // A new run on the saved state.
+        let saved = (*s.state).clone();
+        drop(r);
+        let mut r = Rig::restored(saved.engine, saved.clears, loaded(""));
+        let (again, s) = r.clear("1.json@1", Some("Xid79")).await;
+        assert_eq!(again.result, report.result);
+        assert_eq!(
+            handling(&s, "Xid79").map(|h| h.1),
+            Some(true),
+            "not cleared again"
+        );
+        let (other, _) = r.clear("1.json@3", Some("Xid79")).await;
+        assert_eq!(
+            other.result.cleared, 1,
+            "a new file under the same name is a new request"
         );
     }
 }

@@ -750,7 +750,7 @@ mod tests {
                 *cursor = Some(seq);
             }
             Input::KmsgCursor(seq) => *cursor = Some(seq),
-            Input::Marker(_) => {}
+            Input::Marker(_) | Input::Clear { .. } => {}
         }
     }
 

@@ -218,12 +218,14 @@ enum Command {
         #[arg(short, long, value_enum, default_value = "table")]
         output: Output,
     },
-    /// Ask the agent to clear active faults (all, or by code and/or device) and wait until it
-    /// has taken the request: exit 0 taken, 2 refused or not taken within --wait.
+    /// Ask the agent to clear active faults (all, or by code and/or device) and wait for its
+    /// answer: exit 0 some cleared (it says which), 1 none matched (it says what is active), 2
+    /// refused or not answered within --wait.
     Clear {
         #[arg(long)]
         code: Option<String>,
-        /// Device name (GPU-3), UUID or PCI bus id.
+        /// The device as `faultline get` shows it (its DEVICE column: GPU-2, GPU-0000:3b:00.0,
+        /// Ascend910-1, node), its UUID, or its PCI bus id (3b:00.0, 0000:3b:00.0).
         #[arg(long)]
         device: Option<String>,
         #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]

@@ -13,7 +13,10 @@ use super::{columns, Accept, Outcome};
 use crate::atomic_file::write as write_atomic;
 use crate::runtime::Clock;
 use crate::sink::file::FAULTS_FILE;
-use crate::source::control::{is_pending, is_rejected, ClearRequest, CLEAR_DIR};
+use crate::source::control::{
+    is_pending, is_rejected, parse_request, read_result, remove_result, ClearRequest, ClearResult,
+    CLEAR_DIR,
+};
 
 /// Where the local record is.
 pub fn record_path(file: Option<&Path>, state_dir: &Path) -> PathBuf {
@@ -329,18 +332,25 @@ fn verdict_json(result: &str, code: u8, message: &str, r: Option<&NodeRecord>) -
     })
 }
 
-/// `faultline clear`: asks the agent to clear faults, and waits until it has taken the request.
+/// `faultline clear`: asks the agent to clear faults, waits for its answer, and says how many
+/// faults it cleared: 0 some, 1 none matched (the message names the active faults), 2 refused or
+/// not answered within `wait`.
 pub fn clear(
     state_dir: &Path,
     code: Option<String>,
     device: Option<String>,
     wait: Duration,
 ) -> Outcome {
+    let req = ClearRequest { code, device };
+    let body = serde_json::to_vec(&req).unwrap_or_default();
+    // What the agent would refuse is refused here, with the reason, before anything is written.
+    if let Err(e) = parse_request(&body) {
+        return Outcome::error(format!("error: the agent would reject this request: {e}"));
+    }
     let dir = state_dir.join(CLEAR_DIR);
     if let Err(e) = std::fs::create_dir_all(&dir) {
         return Outcome::error(format!("error: cannot create {}: {e}", dir.display()));
     }
-    let req = ClearRequest { code, device };
     let name = format!(
         "{}-{}.json",
         std::time::SystemTime::now()
@@ -350,32 +360,35 @@ pub fn clear(
         std::process::id()
     );
     let path = dir.join(&name);
-    let body = serde_json::to_vec(&req).unwrap_or_default();
     if let Err(e) = write_atomic(&path, &body) {
         return Outcome::error(format!("error: {e}"));
     }
     let deadline = Instant::now() + wait;
     while Instant::now() < deadline {
-        // Taken (renamed `*.applying`) and then removed once the clear is on the agent's disk.
         if is_rejected(&dir, &name) {
             return Outcome::error(format!(
                 "error: the agent rejected the request (its log says why): {}",
                 path.display()
             ));
         }
-        if !is_pending(&dir, &name) {
-            let data = json!({
-                "result": "cleared",
-                "exitCode": 0,
-                "code": req.code,
-                "device": req.device,
-            });
-            return Outcome::ok(format!(
-                "cleared {} on {}",
-                req.code.as_deref().unwrap_or("all faults"),
-                req.device.as_deref().unwrap_or("every device")
-            ))
-            .with_data(data);
+        // The agent answers (`*.done`) once the clear is on its disk, and removes the request
+        // after: the answer is looked for after the request is seen gone, so it is never missed.
+        let pending = is_pending(&dir, &name);
+        match read_result(&dir, &name) {
+            Some(Ok(result)) => {
+                let _ = remove_result(&dir, &name);
+                return cleared(state_dir, &req, &result);
+            }
+            Some(Err(e)) => {
+                return Outcome::error(format!("error: cannot read the agent's answer: {e}"))
+            }
+            None if !pending => {
+                let msg = "the agent applied the request but could not write its answer saying \
+                           what it cleared (its log says why); faultline get shows what is active";
+                let data = clear_json("applied", 0, msg, &req, None);
+                return Outcome::ok(msg).with_data(data);
+            }
+            None => {}
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -386,6 +399,95 @@ pub fn clear(
     ))
 }
 
+/// The outcome of an answered clear: what it cleared, or, when nothing matched, what is active.
+fn cleared(state_dir: &Path, req: &ClearRequest, result: &ClearResult) -> Outcome {
+    let listed = |faults: &mut dyn Iterator<Item = (&str, &str)>, total: usize| {
+        let shown: Vec<String> = faults
+            .take(MAX_SHOWN)
+            .map(|(code, device)| format!("{code} on {device}"))
+            .collect();
+        let mut s = shown.join(", ");
+        if total > shown.len() {
+            let _ = write!(s, " and {} more", total - shown.len());
+        }
+        s
+    };
+    if result.cleared > 0 {
+        let n = usize::try_from(result.cleared).unwrap_or(usize::MAX);
+        let mut faults = result
+            .faults
+            .iter()
+            .map(|f| (f.code.as_str(), f.device.as_str()));
+        let msg = format!(
+            "cleared {} {}: {}",
+            result.cleared,
+            if result.cleared == 1 {
+                "fault"
+            } else {
+                "faults"
+            },
+            listed(&mut faults, n)
+        );
+        let data = clear_json("cleared", 0, &msg, req, Some(result));
+        return Outcome::ok(msg).with_data(data);
+    }
+    let mut asked = Vec::new();
+    if let Some(c) = &req.code {
+        asked.push(format!("--code {c}"));
+    }
+    if let Some(d) = &req.device {
+        asked.push(format!("--device {d}"));
+    }
+    let asked = if asked.is_empty() {
+        "the request".to_string()
+    } else {
+        asked.join(" ")
+    };
+    let now = match read_record(&state_dir.join(FAULTS_FILE)) {
+        Ok(r) => {
+            let active: Vec<_> = r.faults.iter().filter(|f| f.active).collect();
+            if active.is_empty() {
+                "the node has no active fault".to_string()
+            } else {
+                let mut faults = active
+                    .iter()
+                    .map(|f| (f.fault_code.as_str(), f.device.as_str()));
+                format!(
+                    "active: {} (--device takes the DEVICE faultline get shows, a UUID or a PCI bus id)",
+                    listed(&mut faults, active.len())
+                )
+            }
+        }
+        Err(e) => format!("faultline get shows what is active ({e})"),
+    };
+    let msg = format!("nothing cleared: no active fault matches {asked}; {now}");
+    let data = clear_json("nothingCleared", 1, &msg, req, Some(result));
+    Outcome::unhealthy(msg).with_data(data)
+}
+
+/// Faults named in one line.
+const MAX_SHOWN: usize = 5;
+
+/// `clear -o json`: the result, the exit code, the line a person reads, the request, and what
+/// the agent cleared.
+fn clear_json(
+    result: &str,
+    code: u8,
+    message: &str,
+    req: &ClearRequest,
+    r: Option<&ClearResult>,
+) -> Value {
+    json!({
+        "result": result,
+        "exitCode": code,
+        "message": message,
+        "code": req.code,
+        "device": req.device,
+        "cleared": r.map(|r| r.cleared),
+        "faults": r.map(|r| &r.faults),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::test_records::{HEALTHY, UNHEALTHY};
@@ -393,6 +495,7 @@ mod tests {
     use crate::runtime::testing::FakeClock;
     use crate::runtime::SystemClock;
     use crate::sink::file::{Beat, STALE_AFTER};
+    use crate::source::control::ClearResult;
 
     fn file(body: &str) -> (tempfile::TempDir, PathBuf) {
         let d = tempfile::tempdir().unwrap();
@@ -731,5 +834,104 @@ mod tests {
             1,
             "the request stays for the agent to take later"
         );
+    }
+
+    /// A stand-in agent: takes the one request that appears in `state/clear.d`, and answers it
+    /// with `result` (`None`: removes it without an answer, as an agent that cannot write one does).
+    fn fake_agent(state: &Path, result: Option<ClearResult>) -> std::thread::JoinHandle<String> {
+        let dir = state.join(CLEAR_DIR);
+        std::thread::spawn(move || loop {
+            let found = std::fs::read_dir(&dir).ok().and_then(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .find(|n| n.ends_with(".json"))
+            });
+            if let Some(name) = found {
+                let body = std::fs::read_to_string(dir.join(&name)).unwrap();
+                if let Some(r) = &result {
+                    let done = dir.join(format!("{name}.done"));
+                    write_atomic(&done, &serde_json::to_vec(r).unwrap()).unwrap();
+                }
+                std::fs::remove_file(dir.join(&name)).unwrap();
+                return body;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        })
+    }
+
+    /// `clear` says how many faults the agent cleared and which; none is exit 1 with what is
+    /// active (the names `--device` takes); before, every answer was "cleared ... on every
+    /// device", exit 0, whatever matched.
+    #[test]
+    fn clear_says_what_the_agent_cleared() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join(FAULTS_FILE), UNHEALTHY).unwrap();
+        let wait = Duration::from_secs(30);
+
+        let none = fake_agent(d.path(), Some(ClearResult::default()));
+        let o = clear(d.path(), Some("Xid999".into()), None, wait);
+        assert_eq!(none.join().unwrap(), r#"{"code":"Xid999"}"#);
+        assert_eq!(o.code, 1, "{}", o.message);
+        assert!(
+            o.message
+                .starts_with("nothing cleared: no active fault matches --code Xid999;")
+                && o.message.contains("active: Xid79 on GPU-3"),
+            "{}",
+            o.message
+        );
+        assert_eq!(o.data.as_ref().unwrap()["cleared"], 0);
+        assert_eq!(o.data.as_ref().unwrap()["exitCode"], 1);
+
+        let two = ClearResult {
+            cleared: 2,
+            faults: vec![
+                crate::source::control::ClearedFault {
+                    code: "Xid79".into(),
+                    device: "GPU-0000:3b:00.0".into(),
+                },
+                crate::source::control::ClearedFault {
+                    code: "Xid13".into(),
+                    device: "GPU-0000:3b:00.0".into(),
+                },
+            ],
+        };
+        let agent = fake_agent(d.path(), Some(two));
+        let o = clear(d.path(), None, Some("3b:00.0".into()), wait);
+        assert_eq!(agent.join().unwrap(), r#"{"device":"3b:00.0"}"#);
+        assert_eq!(o.code, 0, "{}", o.message);
+        assert_eq!(
+            o.message,
+            "cleared 2 faults: Xid79 on GPU-0000:3b:00.0, Xid13 on GPU-0000:3b:00.0"
+        );
+        assert_eq!(o.data.as_ref().unwrap()["faults"][1]["code"], "Xid13");
+
+        // An agent that removes the request without an answer (older than this command).
+        let old = fake_agent(d.path(), None);
+        let o = clear(d.path(), Some("Xid79".into()), None, wait);
+        old.join().unwrap();
+        assert_eq!(o.code, 0, "{}", o.message);
+        assert!(o.message.contains("left no answer"), "{}", o.message);
+
+        let left: Vec<_> = std::fs::read_dir(d.path().join(CLEAR_DIR))
+            .unwrap()
+            .collect();
+        assert!(left.is_empty(), "answers read are removed: {left:?}");
+    }
+
+    /// What the agent would refuse is refused before anything is written.
+    #[test]
+    fn clear_refuses_what_the_agent_would_reject() {
+        let d = tempfile::tempdir().unwrap();
+        for (code, device, says) in [(Some(""), None, "`code`"), (None, Some(" "), "`device`")] {
+            let o = clear(
+                d.path(),
+                code.map(String::from),
+                device.map(String::from),
+                Duration::from_secs(30),
+            );
+            assert_eq!(o.code, 2);
+            assert!(o.message.contains(says), "{}", o.message);
+        }
+        assert!(!d.path().join(CLEAR_DIR).exists(), "nothing written");
     }
 }

@@ -1,5 +1,6 @@
 //! Operator requests: `faultline clear` drops a JSON request into `<state-dir>/clear.d/`; this
-//! source applies it and removes the file once the clear is on disk.
+//! source applies it and, once the clear is on disk, answers with what it cleared and removes
+//! the request.
 //!
 //! Files rather than an HTTP endpoint: whoever may clear faults must already be able to write
 //! into the node's state directory (root on the node, or `kubectl exec` into the agent).
@@ -10,8 +11,9 @@
 //!   directory swapped in meanwhile is never touched;
 //! - a request is opened with `O_NOFOLLOW | O_NONBLOCK` and must be a regular file (no symlink to
 //!   `/dev/zero`, no FIFO that blocks the read) of at most [`MAX_REQUEST_BYTES`];
-//! - its JSON must be an object with only `code` and `device`, each a non-empty short string
-//!   (`[]` or `["Xid79"]` is not read as "clear all"); `{}` clears every fault on purpose.
+//! - its JSON must be an object with only `code` and `device`, each at most once and a non-empty
+//!   short string (`[]`, `["Xid79"]` and `{"code": null}` are not read as "clear all"); `{}`
+//!   clears every fault on purpose.
 //!
 //! A request that fails any of this is renamed to `*.rejected` and the reason logged (the CLI
 //! reports the rejection). A request that cannot be read for a passing reason (out of memory or
@@ -21,16 +23,21 @@
 //! modification time) before it is acted on, and a file with a remembered identity is never
 //! read again in this run, whatever its name. So a request that cannot be renamed or removed
 //! (a read-only directory) is applied once and then left alone, not applied and logged every
-//! second; a new request, even under the same name, is a new file and is read.
+//! second; a new request, even under the same name, is a new file and is read. Across runs, the
+//! engine loop remembers the last [`REMEMBERED_CLEARS`] requests it applied (name and identity,
+//! [`AppliedClears`]) in the state it saves with the clear itself: a request found again after a
+//! restart is answered with what it did then, not applied again.
 //!
-//! Durability: a request is first renamed to `*.json.applying` (taken), then applied, then
-//! followed through the engine by a marker; it is removed as soon as the file sink reports that
-//! marker written to `state.json`, without holding up later requests. The CLI reports "cleared"
-//! when both names are gone. Only a kill in the second or so between applying and writing
-//! leaves `*.applying`, which the next start applies again (as it does a request it could not
-//! remove).
+//! Durability and the answer: a request is first renamed to `*.json.applying` (taken), then
+//! applied; the engine loop reports what it cleared ([`ClearApplied`]); once the file sink reports
+//! the clear written to `state.json`, the answer is written to `*.json.done` ([`ClearResult`],
+//! atomically) and only then is the request removed, without holding up later requests. The CLI
+//! reads the answer, removes it, and says how many faults were cleared. A kill before the clear
+//! was saved leaves `*.applying`, which the next start applies (it was never applied as far as
+//! the saved state goes); a kill after leaves it too, and the next start answers it from the
+//! saved state.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::ffi::CString;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -38,12 +45,12 @@ use std::time::Duration;
 
 use rustix::fs::{AtFlags, Mode, OFlags};
 use serde::{Deserialize, Serialize};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
 use super::{Input, SourceContext};
-use crate::operator_file::{read_opened, OperatorFileError};
-use faultline_core::engine::Observation;
+use crate::operator_file::{read_bytes, read_opened, OperatorFileError};
+use faultline_core::engine::EngineEvent;
 
 pub const CLEAR_DIR: &str = "clear.d";
 /// A request that is taken and being applied.
@@ -56,15 +63,104 @@ pub const MAX_REQUEST_BYTES: u64 = 4096;
 /// The longest `code` or `device` accepted.
 pub const MAX_FIELD_CHARS: usize = 256;
 
-/// One clear request; both fields absent clears every active fault.
+/// One clear request; both fields absent clears every active fault. A field that is present
+/// must be a string: `{"code": null}` (what `jq -n '{code: env.CODE}'` writes with `CODE` unset)
+/// is refused, never read as "any code".
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClearRequest {
-    #[serde(default)]
+    #[serde(
+        default,
+        deserialize_with = "present_string",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub code: Option<String>,
-    /// Device name (`GPU-3`), UUID or PCI bus id.
-    #[serde(default)]
+    /// Device as `faultline get` shows it (`GPU-3`, `GPU-0000:3b:00.0`, `Ascend910-1`, `node`),
+    /// its UUID or its PCI bus id.
+    #[serde(
+        default,
+        deserialize_with = "present_string",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub device: Option<String>,
+}
+
+/// A field that is present is a string (`null` is an error, not an absent field).
+fn present_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    String::deserialize(d).map(Some)
+}
+
+/// The suffix of a request's answer: `<name>.json.done`.
+pub const DONE_SUFFIX: &str = ".done";
+/// Most cleared faults an answer names (its count is always the whole number).
+pub const MAX_LISTED: usize = 20;
+/// The largest answer the CLI reads: [`MAX_LISTED`] faults of two fields of at most a few KiB.
+pub const MAX_RESULT_BYTES: u64 = 256 << 10;
+/// How many applied requests the saved state remembers (a restart finds at most the few requests
+/// that were in flight).
+pub const REMEMBERED_CLEARS: usize = 16;
+
+/// One fault a clear ended, as `faultline get` shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClearedFault {
+    pub code: String,
+    pub device: String,
+}
+
+/// What a request did: the answer the agent writes to `<name>.json.done` once the clear is on
+/// disk.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClearResult {
+    /// How many active faults it ended (0: none matched).
+    pub cleared: u64,
+    /// The first [`MAX_LISTED`] of them.
+    pub faults: Vec<ClearedFault>,
+}
+
+impl ClearResult {
+    /// The faults the engine step of a clear ended: its `Recovered` events.
+    pub fn of(events: &[EngineEvent]) -> ClearResult {
+        let mut r = ClearResult::default();
+        for e in events {
+            if let EngineEvent::Recovered { code, device, .. } = e {
+                r.cleared += 1;
+                if r.faults.len() < MAX_LISTED {
+                    r.faults.push(ClearedFault {
+                        code: code.clone(),
+                        device: device.clone(),
+                    });
+                }
+            }
+        }
+        r
+    }
+}
+
+/// The engine loop's report on one [`Input::Clear`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClearApplied {
+    pub marker: u64,
+    pub result: ClearResult,
+}
+
+/// The requests the engine loop applied lately, by identity (see [`Pending::key`]), with what each
+/// did; oldest first, at most [`REMEMBERED_CLEARS`]. Saved with the engine state.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AppliedClears(VecDeque<(String, ClearResult)>);
+
+impl AppliedClears {
+    /// What request `key` did, if it was applied.
+    pub fn get(&self, key: &str) -> Option<&ClearResult> {
+        self.0.iter().find(|(k, _)| k == key).map(|(_, r)| r)
+    }
+
+    /// Remembers that request `key` was applied, forgetting the oldest beyond the bound.
+    pub fn insert(&mut self, key: String, result: ClearResult) {
+        self.0.push_back((key, result));
+        while self.0.len() > REMEMBERED_CLEARS {
+            self.0.pop_front();
+        }
+    }
 }
 
 /// Why a request was not applied.
@@ -85,15 +181,18 @@ pub enum RequestError {
     Field(&'static str),
 }
 
-/// Parses a request: a JSON object with at most `code` and `device`.
+/// Parses a request: a JSON object with at most `code` and `device`, each at most once and a
+/// string.
 pub fn parse_request(bytes: &[u8]) -> Result<ClearRequest, RequestError> {
     let v: serde_json::Value =
         serde_json::from_slice(bytes).map_err(|e| RequestError::Schema(e.to_string()))?;
+    // A struct is read from an array too (`[]` would be `{}`).
     if !v.is_object() {
         return Err(RequestError::Schema(format!("found {}", kind(&v))));
     }
+    // Read from the bytes, not the map: a field given twice is an error, not the last one.
     let r: ClearRequest =
-        serde_json::from_value(v).map_err(|e| RequestError::Schema(e.to_string()))?;
+        serde_json::from_slice(bytes).map_err(|e| RequestError::Schema(e.to_string()))?;
     for (name, f) in [("code", &r.code), ("device", &r.device)] {
         if let Some(s) = f {
             if s.trim().is_empty() || s.chars().count() > MAX_FIELD_CHARS {
@@ -169,6 +268,29 @@ pub struct Pending {
     /// Its name now (`*.json.applying` once taken).
     pub name: String,
     pub request: ClearRequest,
+    /// Its identity across runs: its name as written (`*.json`) and its file's identity, which
+    /// a rename keeps and a new file under the same name does not have.
+    pub key: String,
+}
+
+impl Pending {
+    /// The request's name as written (`*.json`): its answer is `<that>.done`.
+    fn base(&self) -> &str {
+        self.name
+            .strip_suffix(APPLYING_SUFFIX)
+            .unwrap_or(&self.name)
+    }
+}
+
+/// The identity of request `name` (`*.json`) whose file is `id`.
+fn request_key(name: &str, id: Option<FileId>) -> String {
+    match id {
+        Some(id) => format!(
+            "{name}@{}:{}:{}.{:09}",
+            id.dev, id.ino, id.mtime.0, id.mtime.1
+        ),
+        None => name.to_string(),
+    }
 }
 
 impl RequestDir {
@@ -281,6 +403,37 @@ impl RequestDir {
         Ok(())
     }
 
+    /// Writes `bytes` to `name` atomically: a temporary file created afresh (never a file or
+    /// link someone put there), synced, renamed over `name`.
+    fn write(&self, name: &str, bytes: &[u8]) -> std::io::Result<()> {
+        use std::io::Write as _;
+        self.refuse_changes()?;
+        let tmp = cname(&format!("{}{name}", crate::atomic_file::TEMP_PREFIX))?;
+        // Left by a kill in the middle of an earlier write.
+        let _ = rustix::fs::unlinkat(&self.fd, &tmp, AtFlags::empty());
+        let flags =
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+        let fd = rustix::fs::openat(&self.fd, &tmp, flags, Mode::from_raw_mode(0o644))?;
+        let mut f = std::fs::File::from(fd);
+        f.write_all(bytes)?;
+        f.sync_data()?;
+        rustix::fs::renameat(&self.fd, &tmp, &self.fd, &cname(name)?)?;
+        Ok(())
+    }
+
+    /// Answers request `p` with `result` (`<name>.json.done`), then removes it. A request whose
+    /// answer cannot be written is removed all the same: the clear is on disk, and the CLI,
+    /// finding neither, says it was applied without an answer.
+    fn finish(&self, p: &Pending, result: &ClearResult) {
+        let body = serde_json::to_vec(result).unwrap_or_default();
+        if let Err(e) = self.write(&done_name(p.base()), &body) {
+            warn!(dir = %self.path.display(), request = p.name, error = %e, "cannot write the answer to a clear request");
+        }
+        if let Err(e) = self.remove(&p.name) {
+            warn!(dir = %self.path.display(), request = p.name, error = %e, "cannot remove an applied clear request (it is not applied again while the agent runs)");
+        }
+    }
+
     /// Takes every new request: `*.json` becomes `*.json.applying`; bad ones become
     /// `*.rejected`. Requests already `*.applying` (left by a run that was killed) are returned
     /// too. A file in `done` is skipped; every file acted on is added to it before it is
@@ -326,6 +479,7 @@ impl RequestDir {
                     if let Some(id) = id {
                         done.0.insert(id);
                     }
+                    let key = request_key(name.strip_suffix(APPLYING_SUFFIX).unwrap_or(&name), id);
                     let name = if taken == name {
                         name
                     } else {
@@ -337,7 +491,7 @@ impl RequestDir {
                             }
                         }
                     };
-                    out.push(Pending { name, request });
+                    out.push(Pending { name, request, key });
                 }
                 Err(e @ RequestError::Io(_)) => {
                     warn!(dir = %self.path.display(), name, error = %e, "cannot read a clear request now; trying again");
@@ -375,6 +529,27 @@ fn rejected_name(name: &str) -> String {
     format!("{}.rejected", name.trim_end_matches(".json"))
 }
 
+/// The name of the answer to request `name` (`*.json`).
+fn done_name(name: &str) -> String {
+    format!("{name}{DONE_SUFFIX}")
+}
+
+/// The agent's answer to the request named `name` (`*.json`) in `dir`, if it has answered: for
+/// the CLI. `Err` when the file there is not a readable answer.
+pub fn read_result(dir: &Path, name: &str) -> Option<Result<ClearResult, String>> {
+    let path = dir.join(done_name(name));
+    match read_bytes(&path, MAX_RESULT_BYTES) {
+        Err(OperatorFileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => Some(Err(format!("{}: {e}", path.display()))),
+        Ok(b) => Some(serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", path.display()))),
+    }
+}
+
+/// Removes the answer to the request named `name` once read: for the CLI.
+pub fn remove_result(dir: &Path, name: &str) -> std::io::Result<()> {
+    std::fs::remove_file(dir.join(done_name(name)))
+}
+
 /// Whether a request named `name` (`*.json`) is still pending in `dir`: for the CLI.
 pub fn is_pending(dir: &Path, name: &str) -> bool {
     dir.join(name).exists() || dir.join(applying_name(name)).exists()
@@ -385,20 +560,21 @@ pub fn is_rejected(dir: &Path, name: &str) -> bool {
     dir.join(rejected_name(name)).exists()
 }
 
-/// Polls the request directory until shutdown. `persisted` is the highest marker the file sink
-/// has written to disk.
+/// Polls the request directory until shutdown. `results` are the engine loop's reports on the
+/// requests sent to it; `persisted` is the highest marker the file sink has written to disk.
 pub async fn run(
     state_dir: PathBuf,
     ctx: SourceContext,
     mut persisted: watch::Receiver<u64>,
+    mut results: mpsc::UnboundedReceiver<ClearApplied>,
     every: Duration,
 ) {
     let dir = state_dir.join(CLEAR_DIR);
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut done = Done::default();
-    // Applied, waiting for their marker to reach the disk: (request, marker).
-    let mut awaiting: Vec<(String, u64)> = Vec::new();
+    // Sent to the engine loop, waiting for its report and for their marker to reach the disk.
+    let mut awaiting: Vec<(Pending, u64, Option<ClearResult>)> = Vec::new();
     let mut marker = 0u64;
     let mut rd: Option<RequestDir> = None;
     loop {
@@ -407,16 +583,21 @@ pub async fn run(
             _ = tick.tick() => {}
             Ok(()) = persisted.changed(), if !awaiting.is_empty() => {}
         }
+        // A report is sent before the snapshot that carries its marker: every request whose
+        // marker is on disk has its report here.
+        while let Ok(a) = results.try_recv() {
+            if let Some(w) = awaiting.iter_mut().find(|w| w.1 == a.marker) {
+                w.2 = Some(a.result);
+            }
+        }
         let on_disk = *persisted.borrow_and_update();
         if let Some(rd) = &rd {
-            awaiting.retain(|(name, m)| {
-                if *m > on_disk {
-                    return true;
+            awaiting.retain(|(p, m, result)| match result {
+                Some(result) if *m <= on_disk => {
+                    rd.finish(p, result);
+                    false
                 }
-                if let Err(e) = rd.remove(name) {
-                    warn!(request = name, error = %e, "cannot remove an applied clear request (it is not applied again while the agent runs)");
-                }
-                false
+                _ => true,
             });
         }
         // The directory is read on a blocking thread; `done` goes there and comes back.
@@ -444,18 +625,18 @@ pub async fn run(
             }
         };
         for p in requests {
-            info!(code = ?p.request.code, device = ?p.request.device, "operator clear");
-            let obs = Observation::OperatorClear {
+            info!(code = ?p.request.code, device = ?p.request.device, request = p.name, "operator clear");
+            marker += 1;
+            let clear = Input::Clear {
+                request: p.key.clone(),
                 code: p.request.code.clone(),
                 device: p.request.device.clone(),
+                marker,
             };
-            marker += 1;
-            let sent = ctx.tx.send(Input::Obs(obs)).await.is_ok()
-                && ctx.tx.send(Input::Marker(marker)).await.is_ok();
-            if !sent {
+            if ctx.tx.send(clear).await.is_err() {
                 return;
             }
-            awaiting.push((p.name, marker));
+            awaiting.push((p, marker, None));
         }
     }
 }
@@ -488,26 +669,28 @@ mod tests {
         write(d, "4.json", br#"[]"#);
         write(d, "5.json", br#"["Xid79"]"#);
         write(d, "6.json", br#"{"code":""}"#);
+        write(d, "7.json", br#"{"code":null}"#);
+        write(d, "8.json", br#"{"device":null}"#);
+        write(d, "9.json", br#"{"code":"Xid79","code":null}"#);
         write(d, ".faultline-tmp", br#"{}"#);
         let rd = RequestDir::open(d).unwrap();
         let mut done = Done::default();
         let got = rd.take(&mut done);
         assert_eq!(
-            got,
+            taken(&got),
             vec![
-                Pending {
-                    name: "1.json.applying".into(),
-                    request: ClearRequest {
+                (
+                    "1.json.applying",
+                    ClearRequest {
                         code: Some("Xid79".into()),
                         device: None
                     }
-                },
-                Pending {
-                    name: "3.json.applying".into(),
-                    request: ClearRequest::default()
-                },
+                ),
+                ("3.json.applying", ClearRequest::default()),
             ]
         );
+        assert!(got[0].key.starts_with("1.json@"), "{}", got[0].key);
+        assert_ne!(got[0].key, got[1].key);
         assert_eq!(
             names(d),
             [
@@ -517,19 +700,32 @@ mod tests {
                 "3.json.applying",
                 "4.rejected",
                 "5.rejected",
-                "6.rejected"
+                "6.rejected",
+                "7.rejected",
+                "8.rejected",
+                "9.rejected"
             ],
             "rejects kept for the operator to see; a writer's temporary file left alone"
         );
-        // Taken requests are not taken again in the same run, but are after a restart.
+        // Taken requests are not taken again in the same run, but are after a restart, under
+        // the identity they had (the engine loop answers them from the saved state).
         assert!(rd.take(&mut done).is_empty());
-        assert_eq!(rd.take(&mut Done::default()).len(), 2);
-        // A new request under a name taken before is a new file: it is read.
+        assert_eq!(rd.take(&mut Done::default()), got);
+        // A new request under a name taken before is a new file: it is read, and is another
+        // request.
         std::fs::remove_file(d.join("1.json.applying")).unwrap();
+        std::thread::sleep(Duration::from_millis(10));
         write(d, "1.json", br#"{"device":"GPU-1"}"#);
         let again = rd.take(&mut done);
         assert_eq!(again.len(), 1, "{again:?}");
         assert_eq!(again[0].request.device.as_deref(), Some("GPU-1"));
+        assert_ne!(again[0].key, got[0].key);
+    }
+
+    fn taken(p: &[Pending]) -> Vec<(&str, ClearRequest)> {
+        p.iter()
+            .map(|p| (p.name.as_str(), p.request.clone()))
+            .collect()
     }
 
     /// A request that cannot be renamed or removed (a read-only directory) is applied exactly
@@ -544,14 +740,14 @@ mod tests {
         let mut done = Done::default();
         let first = rd.take(&mut done);
         assert_eq!(
-            first,
-            vec![Pending {
-                name: "1.json".into(),
-                request: ClearRequest {
+            taken(&first),
+            vec![(
+                "1.json",
+                ClearRequest {
                     code: Some("Xid79".into()),
                     device: None
                 }
-            }],
+            )],
             "applied where it is"
         );
         for _ in 0..5 {
@@ -645,6 +841,57 @@ mod tests {
         assert_eq!(parse_request(b"{}"), Ok(ClearRequest::default()));
     }
 
+    /// The saved memory of applied requests is bounded: the oldest goes first.
+    #[test]
+    fn applied_clears_keep_the_newest() {
+        let mut a = AppliedClears::default();
+        for i in 0..=REMEMBERED_CLEARS as u64 {
+            a.insert(format!("{i}.json"), answer(i));
+        }
+        assert_eq!(a.get("0.json"), None, "forgotten");
+        assert_eq!(a.get("1.json"), Some(&answer(1)));
+        let last = format!("{REMEMBERED_CLEARS}.json");
+        assert_eq!(a.get(&last), Some(&answer(REMEMBERED_CLEARS as u64)));
+        assert_eq!(a.0.len(), REMEMBERED_CLEARS);
+    }
+
+    /// `null` is not "any": what `jq -n '{code: env.CODE}'` writes with `CODE` unset clears
+    /// nothing, and says why. Before, it read as `{}` and cleared every active fault.
+    #[test]
+    fn a_null_field_is_refused_not_read_as_any() {
+        for (body, says) in [
+            (&br#"{"code": null}"#[..], "invalid type: null"),
+            (br#"{"device": null}"#, "invalid type: null"),
+            (
+                br#"{"code": "Xid79", "device": null}"#,
+                "invalid type: null",
+            ),
+            (
+                br#"{"code": "Xid79", "code": "Xid13"}"#,
+                "duplicate field `code`",
+            ),
+            (br#"{"code": "Xid79", "all": true}"#, "unknown field `all`"),
+            (b"null", "found null"),
+            (br#""Xid79""#, "found a string"),
+        ] {
+            let e = parse_request(body).unwrap_err();
+            assert!(
+                matches!(&e, RequestError::Schema(m) if m.contains(says)),
+                "{}: {e}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        // What `faultline clear` writes: absent fields, never nulls.
+        let all = serde_json::to_vec(&ClearRequest::default()).unwrap();
+        assert_eq!(all, b"{}");
+        let one = ClearRequest {
+            code: Some("Xid79".into()),
+            device: None,
+        };
+        assert_eq!(serde_json::to_vec(&one).unwrap(), br#"{"code":"Xid79"}"#);
+        assert_eq!(parse_request(br#"{"code":"Xid79"}"#), Ok(one));
+    }
+
     fn ctx() -> (SourceContext, tokio::sync::mpsc::Receiver<Input>) {
         let (tx, rx) = tokio::sync::mpsc::channel(16);
         let ctx = SourceContext {
@@ -655,76 +902,134 @@ mod tests {
         (ctx, rx)
     }
 
-    /// The request file stays until the clear is written to disk, and only then goes.
+    /// The control source with a report channel: (task, inputs, report sender, persisted).
+    #[allow(clippy::type_complexity)]
+    fn start(
+        state: &Path,
+    ) -> (
+        SourceContext,
+        tokio::task::JoinHandle<()>,
+        tokio::sync::mpsc::Receiver<Input>,
+        mpsc::UnboundedSender<ClearApplied>,
+        watch::Sender<u64>,
+    ) {
+        let (ctx, rx) = ctx();
+        let (persist_tx, persist_rx) = watch::channel(0u64);
+        let (report_tx, report_rx) = mpsc::unbounded_channel();
+        let task = tokio::spawn(run(
+            state.to_path_buf(),
+            ctx.clone(),
+            persist_rx,
+            report_rx,
+            Duration::from_millis(10),
+        ));
+        (ctx, task, rx, report_tx, persist_tx)
+    }
+
+    /// The next clear sent to the engine loop: (code, device, marker).
+    async fn next_clear(
+        rx: &mut tokio::sync::mpsc::Receiver<Input>,
+    ) -> (Option<String>, Option<String>, u64) {
+        match rx.recv().await {
+            Some(Input::Clear {
+                code,
+                device,
+                marker,
+                ..
+            }) => (code, device, marker),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    async fn until(what: &str, f: impl Fn() -> bool) {
+        for _ in 0..500 {
+            if f() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("timed out waiting for {what}");
+    }
+
+    fn answer(n: u64) -> ClearResult {
+        ClearResult {
+            cleared: n,
+            faults: (0..n)
+                .map(|i| ClearedFault {
+                    code: "Xid79".into(),
+                    device: format!("GPU-{i}"),
+                })
+                .collect(),
+        }
+    }
+
+    /// The request file stays until the clear is written to disk; then the answer is written
+    /// and only then the request goes.
     #[tokio::test]
-    async fn a_clear_is_acknowledged_only_once_persisted() {
+    async fn a_clear_is_answered_only_once_persisted() {
         let state = tempfile::tempdir().unwrap();
         let d = state.path().join(CLEAR_DIR);
         std::fs::create_dir(&d).unwrap();
         write(&d, "1.json", br#"{"code":"Xid79"}"#);
-        let (ctx, mut rx) = ctx();
-        let (persist_tx, persist_rx) = watch::channel(0u64);
-        let task = tokio::spawn(run(
-            state.path().to_path_buf(),
-            ctx.clone(),
-            persist_rx,
-            Duration::from_millis(10),
-        ));
-        assert!(matches!(
-            rx.recv().await,
-            Some(Input::Obs(Observation::OperatorClear { .. }))
-        ));
-        assert_eq!(rx.recv().await, Some(Input::Marker(1)));
+        let (ctx, task, mut rx, reports, persist_tx) = start(state.path());
+        let (code, _, m1) = next_clear(&mut rx).await;
+        assert_eq!((code.as_deref(), m1), (Some("Xid79"), 1));
+        reports
+            .send(ClearApplied {
+                marker: 1,
+                result: answer(2),
+            })
+            .unwrap();
         // A second request is applied while the first waits for the disk.
         write(&d, "2.json", br#"{"device":"GPU-1"}"#);
-        assert!(matches!(
-            rx.recv().await,
-            Some(Input::Obs(Observation::OperatorClear { .. }))
-        ));
-        assert_eq!(rx.recv().await, Some(Input::Marker(2)));
+        let (_, device, m2) = next_clear(&mut rx).await;
+        assert_eq!((device.as_deref(), m2), (Some("GPU-1"), 2));
+        reports
+            .send(ClearApplied {
+                marker: 2,
+                result: answer(0),
+            })
+            .unwrap();
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(is_pending(&d, "1.json"), "not on disk yet: still pending");
+        assert!(read_result(&d, "1.json").is_none(), "and not answered");
         assert_eq!(names(&d), ["1.json.applying", "2.json.applying"]);
         persist_tx.send_replace(1);
-        for _ in 0..100 {
-            if !is_pending(&d, "1.json") {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert!(!is_pending(&d, "1.json"), "removed once persisted");
+        until("the first answered", || !is_pending(&d, "1.json")).await;
+        assert_eq!(read_result(&d, "1.json"), Some(Ok(answer(2))));
         assert!(is_pending(&d, "2.json"), "its marker is not on disk yet");
+        assert!(read_result(&d, "2.json").is_none());
         persist_tx.send_replace(2);
-        for _ in 0..100 {
-            if !is_pending(&d, "2.json") {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        assert!(!is_pending(&d, "2.json"));
+        until("the second answered", || !is_pending(&d, "2.json")).await;
+        assert_eq!(read_result(&d, "2.json"), Some(Ok(answer(0))));
+        remove_result(&d, "1.json").unwrap();
+        remove_result(&d, "2.json").unwrap();
+        assert_eq!(names(&d), Vec::<String>::new(), "nothing left behind");
         ctx.shutdown.cancel();
         task.await.unwrap();
     }
 
-    /// A request taken by a run that was killed before the clear reached the disk is applied
-    /// again by the next run.
+    /// A request left `*.applying` by a run that was killed is sent again by the next run, under
+    /// the identity it had, so the engine loop knows it (and answers it from the saved state if
+    /// the clear was saved).
     #[tokio::test]
-    async fn a_request_left_applying_is_applied_at_the_next_start() {
+    async fn a_request_left_applying_is_sent_again_at_the_next_start() {
         let state = tempfile::tempdir().unwrap();
         let d = state.path().join(CLEAR_DIR);
         std::fs::create_dir(&d).unwrap();
-        write(&d, "1.json.applying", br#"{"device":"GPU-3"}"#);
-        let (ctx, mut rx) = ctx();
-        let (_persist_tx, persist_rx) = watch::channel(0u64);
-        let task = tokio::spawn(run(
-            state.path().to_path_buf(),
-            ctx.clone(),
-            persist_rx,
-            Duration::from_millis(10),
-        ));
+        write(&d, "1.json", br#"{"device":"GPU-3"}"#);
+        let first = RequestDir::open(&d).unwrap().take(&mut Done::default());
+        assert_eq!(names(&d), ["1.json.applying"], "taken, then the kill");
+        let (ctx, task, mut rx, _reports, _persist) = start(state.path());
         match rx.recv().await {
-            Some(Input::Obs(Observation::OperatorClear { code, device })) => {
+            Some(Input::Clear {
+                request,
+                code,
+                device,
+                ..
+            }) => {
                 assert_eq!((code, device), (None, Some("GPU-3".into())));
+                assert_eq!(request, first[0].key);
             }
             other => panic!("{other:?}"),
         }

@@ -57,6 +57,16 @@ pub enum Input {
     /// in each snapshot, so a source can learn when its inputs are on disk (the file sink reports
     /// the markers it wrote).
     Marker(u64),
+    /// An operator's clear request: applied as [`Observation::OperatorClear`], then as
+    /// `Marker(marker)`. `request` is the request's identity, opaque to the engine: the engine
+    /// loop remembers the requests it applied with the state it saves, so a request seen again
+    /// (left behind by a kill) is answered with what it did, not applied a second time.
+    Clear {
+        request: String,
+        code: Option<String>,
+        device: Option<String>,
+        marker: u64,
+    },
 }
 
 /// Which device a signal is about. Every field is optional; the engine fills in what it knows.
@@ -456,12 +466,17 @@ impl Engine {
                 }
             }
             Observation::OperatorClear { code, device } => {
+                // A PCI bus id in any form the kernel log or NVML prints it (`3b:00.0`,
+                // `00000000:3B:00.0`) names the device of that normalized address.
+                let pci = device.as_deref().and_then(|d| d.parse::<PciAddr>().ok());
+                let pci = pci.map(|p| p.to_string());
                 for f in self.faults.values_mut() {
                     let code_ok = code.as_deref().is_none_or(|c| c == f.fault.fault_code);
                     let dev_ok = device.as_deref().is_none_or(|d| {
                         d == f.fault.device
                             || Some(d) == f.fault.device_uuid.as_deref()
                             || Some(d) == f.fault.pci_bus_id.as_deref()
+                            || (pci.is_some() && pci == f.fault.pci_bus_id)
                     });
                     if f.fault.active && code_ok && dev_ok {
                         recover(f, now, "cleared by operator".into(), &mut events);

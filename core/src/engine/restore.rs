@@ -304,4 +304,65 @@ mod tests {
         let e = Engine::from_record(&record, RestoreScope { same_boot: false }, ctx());
         assert!(codes(&e).contains(&"80E01801".to_string()));
     }
+
+    /// What the agent does with a restored engine before anything else (its engine loop,
+    /// `runtime.rs`): `reclassify` under the policy in force, as a reload does. Each row: the
+    /// policy the fault was raised under, the one in force at the restart, and the level the
+    /// restored fault, the same fault recurring and the same code on another device then have,
+    /// whether the engine came back from `state.json` or from the record.
+    #[test]
+    fn restored_faults_take_the_policy_in_force() {
+        use crate::engine::EngineEvent;
+        let not_handled = "overrides:\n  Xid13: { handling: NotHandleFault }\n";
+        let held = "overrides:\n  Xid13: { handling: ManuallySeparateNPU }\n";
+        let rows = [
+            (not_handled, "", Handling::RestartBusiness),
+            ("", not_handled, Handling::NotHandleFault),
+            (held, "", Handling::RestartBusiness),
+            ("", held, Handling::ManuallySeparateNPU),
+            (not_handled, not_handled, Handling::NotHandleFault),
+        ];
+        let catalog = Catalog::builtin().unwrap();
+        let gpu = |s: &str| Some(DeviceRef::pci(s.parse().unwrap()));
+        let xid13 =
+            |dev| Observation::Signal(Signal::new(Source::Kmsg, FaultCode::Xid(13), dev, "m"));
+        for (then, now, want) in rows {
+            let then = Policy::parse(then).unwrap();
+            let now = Policy::parse(now).unwrap();
+            let old = Ctx {
+                policy: &then,
+                catalog: &catalog,
+            };
+            let ctx = Ctx {
+                policy: &now,
+                catalog: &catalog,
+            };
+            let mut saved = Engine::new();
+            saved.step(old, xid13(gpu("0000:3b:00.0")), t(0));
+            let v = saved.view(&then);
+            let (_, mut record) = record();
+            record.faults = v.faults;
+            let from_state: Engine =
+                serde_json::from_str(&serde_json::to_string(&saved).unwrap()).unwrap();
+            let from_record = Engine::from_record(&record, RestoreScope { same_boot: true }, ctx);
+            for (how, mut e) in [("state", from_state), ("record", from_record)] {
+                let events = e.reclassify(ctx);
+                let level = |e: &Engine, pci: &str| {
+                    e.faults()
+                        .find(|f| f.fault.pci_bus_id.as_deref() == Some(pci))
+                        .map(|f| f.fault.fault_handling)
+                };
+                assert_eq!(level(&e, "0000:3b:00.0"), Some(want), "{how}: restored");
+                let moved = events
+                    .iter()
+                    .any(|ev| matches!(ev, EngineEvent::Reclassified { .. }));
+                let was = saved.faults().next().unwrap().fault.fault_handling;
+                assert_eq!(moved, was != want, "{how}: announced when it moved");
+                e.step(ctx, xid13(gpu("0000:3b:00.0")), t(60));
+                assert_eq!(level(&e, "0000:3b:00.0"), Some(want), "{how}: recurred");
+                e.step(ctx, xid13(gpu("0000:86:00.0")), t(60));
+                assert_eq!(level(&e, "0000:86:00.0"), Some(want), "{how}: a new one");
+            }
+        }
+    }
 }

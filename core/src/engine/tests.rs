@@ -331,6 +331,60 @@ fn operator_clear_by_code_and_device() {
     );
 }
 
+/// `--device` takes the names `faultline get` shows (the DEVICE column: `GPU-<index>` once NVML
+/// gave the index, `GPU-<pci>` for a device known only from the kernel log), the UUID, and the
+/// PCI bus id in any form the kernel log or NVML prints it. An index the engine does not know
+/// names nothing: `GPU-3` is not a kernel-log-only device's name.
+#[test]
+fn operator_clear_takes_the_device_names_get_shows() {
+    let rows: [(&str, &[&str]); 9] = [
+        ("GPU-0000:3b:00.0", &["0000:3b:00.0"]),
+        ("0000:3b:00.0", &["0000:3b:00.0"]),
+        ("3b:00.0", &["0000:3b:00.0"]),
+        ("00000000:3B:00.0", &["0000:3b:00.0"]),
+        ("PCI:0000:3b:00", &["0000:3b:00.0"]),
+        ("GPU-2", &["0000:86:00.0"]),
+        ("GPU-5c4a", &["0000:86:00.0"]),
+        ("GPU-3", &[]),
+        ("3b:00.1", &[]),
+    ];
+    for (device, want) in rows {
+        let mut r = Rig::new("");
+        r.at(
+            0,
+            Observation::DeviceSeen {
+                pci: pci("0000:86:00.0"),
+                uuid: Some("GPU-5c4a".into()),
+                index: Some(2),
+            },
+        );
+        r.at(0, xid(79, "0000:3b:00.0"));
+        r.at(0, xid(79, "0000:86:00.0"));
+        let shown: Vec<String> = r.view().faults.into_iter().map(|f| f.device).collect();
+        assert_eq!(shown, ["GPU-0000:3b:00.0", "GPU-2"], "what get shows");
+        let events = r.at(
+            1,
+            Observation::OperatorClear {
+                code: None,
+                device: Some(device.into()),
+            },
+        );
+        let cleared: Vec<String> = r
+            .view()
+            .faults
+            .into_iter()
+            .filter(|f| !f.active)
+            .map(|f| f.pci_bus_id.unwrap_or_default())
+            .collect();
+        assert_eq!(cleared, want, "--device {device}");
+        let recovered = events
+            .iter()
+            .filter(|e| matches!(e, EngineEvent::Recovered { .. }))
+            .count();
+        assert_eq!(recovered, want.len(), "one event per cleared fault");
+    }
+}
+
 #[test]
 fn quiet_recovery_rules() {
     // Defaults: KMSG_LOSS clears after 10 min quiet, app-level kernel faults after 1 h.
