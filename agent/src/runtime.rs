@@ -63,6 +63,9 @@ pub struct PersistedState {
     /// are in `engine` too (the cursor is a [`KmsgPosition`]).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub kmsg_unsequenced: u64,
+    /// With `kmsg_cursor`: the log it is in ([`KmsgPosition::log`]: a file's identity).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kmsg_log: Option<u64>,
     /// The boot time of the boot that wrote this (`/proc/stat` `btime`, seconds since the
     /// epoch): tells a restart within the boot when the boot id cannot be read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -90,6 +93,7 @@ impl PersistedState {
         let p = KmsgPosition {
             seq: self.kmsg_cursor,
             unsequenced: self.kmsg_unsequenced,
+            log: self.kmsg_log,
         };
         (!p.is_start()).then_some(p)
     }
@@ -491,6 +495,7 @@ impl EngineLoop {
                 version: STATE_VERSION,
                 kmsg_cursor: self.kmsg_cursor.and_then(|c| c.seq),
                 kmsg_unsequenced: self.kmsg_cursor.map_or(0, |c| c.unsequenced),
+                kmsg_log: self.kmsg_cursor.and_then(|c| c.log),
                 boot_time: self.boot_time,
                 engine: self.engine.clone(),
                 timeline: Some(self.timeline.clone()),

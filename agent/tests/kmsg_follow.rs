@@ -94,6 +94,37 @@ fn a_file_renamed_over_the_path_is_followed() {
     assert_eq!(xid79_counts(&r), [1, 2], "a restart counts nothing twice");
 }
 
+/// A file replaced while the agent was stopped is not the log the saved position was taken in:
+/// its records are new, though numbered at or below the position. Before, they were skipped as
+/// already counted.
+#[test]
+fn a_file_replaced_while_the_agent_was_stopped_is_read_as_new() {
+    let dir = tempfile::tempdir().unwrap();
+    let kmsg = dir.path().join("kmsg");
+    let mut first = noise(1);
+    first.extend(xid79(2, "3b"));
+    first.extend(noise(3));
+    std::fs::write(&kmsg, first).unwrap();
+    let r = run_until_read(dir.path(), &[], 3);
+    assert_eq!(xid79_counts(&r), [1]);
+
+    let mut second = xid79(1, "86");
+    second.extend(noise(2));
+    let new = dir.path().join("kmsg.new");
+    std::fs::write(&new, second).unwrap();
+    std::fs::rename(&new, &kmsg).unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    agent.wait_for("the fault in the new file", |r| xid79_counts(r) == [1, 1]);
+    assert!(
+        agent.log().contains("reading all of it as new"),
+        "{}",
+        agent.log()
+    );
+    assert_eq!(agent.stop(), 0);
+    let r = run_until_read(dir.path(), &[], 2);
+    assert_eq!(xid79_counts(&r), [1, 1], "and counted once");
+}
+
 /// A file cut below the offset read (truncated, then written again) is read from its
 /// beginning. Before, the agent went on reading at its old offset: what was written below it
 /// was lost.

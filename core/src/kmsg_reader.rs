@@ -80,12 +80,15 @@ impl ReaderCounters for Tally {
 /// cannot be right). Without `seq`: the first `unsequenced` records of the log.
 ///
 /// A record without a usable number can be told from the others only by its place, so its
-/// place is counted from the last record that had one. The order is that of the log: a later
-/// record is always at a greater position.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+/// place is counted from the last record that had one. Within a log, a later record is always at
+/// a greater `(seq, unsequenced)`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct KmsgPosition {
     pub seq: Option<u64>,
     pub unsequenced: u64,
+    /// Which log the position is in, as its reader names it (the agent: the file's device and
+    /// inode in file mode; none for `/dev/kmsg`). A position in another log resumes nothing.
+    pub log: Option<u64>,
 }
 
 impl KmsgPosition {
@@ -93,8 +96,13 @@ impl KmsgPosition {
     pub fn at_seq(seq: u64) -> Self {
         KmsgPosition {
             seq: Some(seq),
-            unsequenced: 0,
+            ..Default::default()
         }
+    }
+
+    /// The place in its log, in log order.
+    fn place(&self) -> (Option<u64>, u64) {
+        (self.seq, self.unsequenced)
     }
 
     /// Nothing read yet.
@@ -131,6 +139,8 @@ pub struct KmsgReader {
     last_seq: Option<u64>,
     /// Records without a usable sequence number read since that one (or since the start).
     unsequenced: u64,
+    /// The log being read ([`KmsgPosition::log`]).
+    log: Option<u64>,
     /// While the log is read again from its oldest record (a restart, a reopen): the position
     /// already counted. Records are placed as usual but not counted until the reader is there,
     /// so each record gets the place it had the first time.
@@ -166,6 +176,7 @@ impl KmsgReader {
         KmsgReader {
             last_seq: None,
             unsequenced: 0,
+            log: None,
             replay: resume.filter(|p| !p.is_start()),
             skip_through: None,
             boot_time,
@@ -184,6 +195,18 @@ impl KmsgReader {
         self
     }
 
+    /// Names the log read ([`KmsgPosition::log`]). A position saved in another log resumes
+    /// nothing: that log's records are not this one's (a file replaced while the agent was not
+    /// running), so every record here is new. Returns whether the resume position was dropped.
+    pub fn in_log(&mut self, log: Option<u64>) -> bool {
+        self.log = log;
+        let other = self.replay.is_some_and(|p| p.log != log);
+        if other {
+            self.replay = None;
+        }
+        other
+    }
+
     /// The log is being read again from its oldest record (the source reopened it): what was
     /// read already is expected again and skipped, not counted twice.
     pub fn reopened(&mut self) {
@@ -196,7 +219,8 @@ impl KmsgReader {
     /// The log at the path is a new one (the file was replaced or truncated): it is read from
     /// its beginning and every record in it is new. The position starts over, and is sent at
     /// the next [`Self::flush_cursor`] (a restart then resumes in the new log).
-    pub fn new_log(&mut self) {
+    pub fn new_log(&mut self, log: Option<u64>) {
+        self.log = log;
         self.replay = None;
         self.skip_through = None;
         self.last_seq = None;
@@ -215,6 +239,7 @@ impl KmsgReader {
         KmsgPosition {
             seq: self.last_seq,
             unsequenced: self.unsequenced,
+            log: self.log,
         }
     }
 
@@ -251,7 +276,7 @@ impl KmsgReader {
                 // Read before: placed, not counted.
                 self.advance(place);
                 self.counters.skipped();
-                if self.position() >= to {
+                if self.position().place() >= to.place() {
                     self.replay = None;
                 }
                 return;
@@ -361,7 +386,10 @@ impl KmsgReader {
         s.count = lost;
         out.push(Input::Kmsg {
             obs: Observation::Signal(s),
-            at: KmsgPosition::at_seq(seq - 1),
+            at: KmsgPosition {
+                log: self.log,
+                ..KmsgPosition::at_seq(seq - 1)
+            },
         });
     }
 
@@ -1021,7 +1049,8 @@ mod tests {
             pos,
             KmsgPosition {
                 seq: Some(12),
-                unsequenced: 5
+                unsequenced: 5,
+                log: None
             }
         );
         for restart in 1..=3 {
@@ -1044,7 +1073,8 @@ mod tests {
                 3,
                 KmsgPosition {
                     seq: None,
-                    unsequenced: 3
+                    unsequenced: 3,
+                    log: None
                 }
             )
         );
@@ -1062,14 +1092,24 @@ mod tests {
             &[b"6,10,100,-;a", format!("4,11,200,-;{XID}").as_bytes()],
         );
         assert_eq!(signals(&first), ["Xid79x1"]);
-        r.new_log();
+        r.new_log(Some(7));
         let mut out = Vec::new();
         r.flush_cursor(&mut out);
-        assert_eq!(out, [Input::KmsgCursor(KmsgPosition::default())]);
+        let start = KmsgPosition {
+            log: Some(7),
+            ..Default::default()
+        };
+        assert_eq!(out, [Input::KmsgCursor(start)]);
         let xid = format!("4,1,100,-;{XID}");
         let again = feed_all(&mut r, &[xid.as_bytes(), b"6,2,100,-;b"]);
         assert_eq!(signals(&again), ["Xid79x1"]);
-        assert_eq!(r.position(), KmsgPosition::at_seq(2));
+        assert_eq!(
+            r.position(),
+            KmsgPosition {
+                log: Some(7),
+                ..KmsgPosition::at_seq(2)
+            }
+        );
         assert_eq!(Tally::get(&tally.skipped), 0);
         assert_eq!(Tally::get(&tally.out_of_order), 0);
         assert_eq!(Tally::get(&tally.lost), 0);
@@ -1093,5 +1133,24 @@ mod tests {
         }
         assert!(signals(&out).is_empty(), "{out:?}");
         assert_eq!(r.position(), KmsgPosition::at_seq(6));
+    }
+
+    /// A position saved in another log (a file replaced while the agent was not running)
+    /// resumes nothing: the records there are new, even numbered at or below it. In the same
+    /// log, it resumes as usual.
+    #[test]
+    fn a_position_in_another_log_resumes_nothing() {
+        let saved = KmsgPosition {
+            log: Some(1),
+            ..KmsgPosition::at_seq(5)
+        };
+        let xid = format!("4,2,100,-;{XID}");
+        let (mut r, _) = reader_at(Some(saved));
+        assert!(r.in_log(Some(2)));
+        assert_eq!(signals(&feed_all(&mut r, &[xid.as_bytes()])), ["Xid79x1"]);
+        assert_eq!(r.position().log, Some(2));
+        let (mut r, _) = reader_at(Some(saved));
+        assert!(!r.in_log(Some(1)));
+        assert!(feed_all(&mut r, &[xid.as_bytes()]).is_empty());
     }
 }

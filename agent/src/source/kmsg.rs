@@ -223,10 +223,20 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
             )
             .skip_through(cfg.skip_through)
         });
+        let identity = meta
+            .as_ref()
+            .filter(|_| !is_device)
+            .map(|m| (m.dev(), m.ino()));
+        let log = identity.map(log_name);
         if std::mem::take(&mut new_file) {
-            r.new_log();
+            r.new_log(log);
         } else if reopened {
             r.reopened();
+        } else if r.in_log(log) {
+            warn!(
+                "the kernel-log file at the path is not the one the saved position was taken in \
+                 (replaced while the agent was not running); reading all of it as new"
+            );
         }
         if !detector(&ctx, DetectorState::Running, follow.reason(&cfg.path)) {
             return;
@@ -236,7 +246,6 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
         let result = if is_device {
             read_device(file, r, &ctx).map(|()| Ended::Stopped)
         } else {
-            let identity = meta.as_ref().map(|m| (m.dev(), m.ino()));
             let mut lines = Lines {
                 path: &cfg.path,
                 identity,
@@ -258,6 +267,11 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
             }
         }
     }
+}
+
+/// A file's name as a log ([`faultline_core::engine::KmsgPosition::log`]): its device and inode.
+fn log_name((dev, ino): (u64, u64)) -> u64 {
+    dev.rotate_left(32) ^ ino
 }
 
 /// Why the line reader stopped.
@@ -382,7 +396,7 @@ impl Lines<'_> {
                     }
                     if self.truncated(&mut reader)? {
                         line.clear();
-                        r.new_log();
+                        r.new_log(self.identity.map(log_name));
                         self.follow.truncated += 1;
                         ctx.metrics
                             .kmsg_new_files

@@ -15,6 +15,7 @@ fuzz_target!(|data: &[u8]| {
         .map(|b| KmsgPosition {
             seq: Some(b / 4),
             unsequenced: b % 4,
+            log: None,
         });
     let mut r = KmsgReader::new(resume, None, data.len() % 3 == 0, tally.clone());
     let mut out = Vec::new();
