@@ -44,7 +44,9 @@ fn noise(seq: u64) -> Vec<u8> {
 }
 
 /// Starts the agent on `dir` with `extra`, waits until it has read `lines` records (replayed
-/// ones included), stops it with SIGTERM (the record is flushed) and returns the record.
+/// ones included), stops it with SIGTERM (the record is flushed) and returns the record. The
+/// count goes up as a line is taken, before its fault is sent: the last line of a log given
+/// here holds no fault.
 fn run_until_read(dir: &Path, extra: &[&str], lines: u64) -> NodeRecord {
     let agent = Agent::start(dir, extra);
     wait_until("the whole log read", Duration::from_secs(30), || {
@@ -209,9 +211,15 @@ fn records_without_a_usable_number_count_once_across_restarts() {
         .append(true)
         .open(dir.path().join("kmsg"))
         .unwrap()
-        .write_all(format!("[    6.000000] {}\n", x("86")).as_bytes())
+        .write_all(
+            &[
+                format!("[    6.000000] {}\n", x("86")).into_bytes(),
+                noise(5),
+            ]
+            .concat(),
+        )
         .unwrap();
-    let r = run_until_read(dir.path(), &[], lines + 1);
+    let r = run_until_read(dir.path(), &[], lines + 2);
     assert_eq!(xid79_counts(&r), [1, 1, 2], "the appended line is new");
 }
 
@@ -223,18 +231,19 @@ fn an_unreadable_boot_id_still_resumes_after_the_cursor() {
     let dir = tempfile::tempdir().unwrap();
     let mut log = noise(1);
     log.extend(xid79(2, "3b"));
+    log.extend(noise(3));
     std::fs::write(dir.path().join("kmsg"), &log).unwrap();
     let no_id = ["--boot-id-path", "/nonexistent/boot_id"];
     for run in 1..=3 {
-        let r = run_until_read(dir.path(), &no_id, 2);
+        let r = run_until_read(dir.path(), &no_id, 3);
         assert_eq!(xid79_counts(&r), [1], "after run {run}");
     }
     std::fs::OpenOptions::new()
         .append(true)
         .open(dir.path().join("kmsg"))
         .unwrap()
-        .write_all(&xid79(3, "3b"))
+        .write_all(&[xid79(4, "3b"), noise(5)].concat())
         .unwrap();
-    let r = run_until_read(dir.path(), &no_id, 3);
+    let r = run_until_read(dir.path(), &no_id, 5);
     assert_eq!(xid79_counts(&r), [2], "the appended record is new");
 }
