@@ -440,7 +440,9 @@ struct Restored {
     origin: Origin,
     engine: faultline_core::engine::Engine,
     /// The saved cursor, when the boot is the same (a new boot's log starts over).
-    kmsg_cursor: Option<u64>,
+    kmsg_cursor: Option<faultline_core::engine::KmsgPosition>,
+    /// This boot's boot time (`/proc/stat` btime), saved with the state.
+    boot_time: Option<i64>,
     /// When the engine was rebuilt from the record: the record's time (kernel-log records up to
     /// it are in it already).
     kmsg_skip_through: Option<faultline_core::time::Timestamp>,
@@ -487,8 +489,12 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
     };
     // Faults saved by an older agent, brought under the current level domains.
     persisted.engine.upgrade();
-    let same_boot = boot_id.is_some() && persisted.engine.boot_id() == boot_id.as_deref();
-    let kmsg_cursor = persisted.kmsg_cursor.filter(|_| same_boot);
+    let boot_time = kmsg::boot_time(&cfg.proc_stat_path).map(|t| t.as_second());
+    let same_boot = same_boot(
+        (persisted.engine.boot_id(), persisted.boot_time),
+        (boot_id.as_deref(), boot_time),
+    );
+    let kmsg_cursor = persisted.kmsg_position().filter(|_| same_boot);
     info!(same_boot, resume_after = ?kmsg_cursor, faults = persisted.engine.faults().count(), "state restored");
     Restored {
         saved_timeline: persisted.timeline,
@@ -497,6 +503,7 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
         origin,
         engine: persisted.engine,
         kmsg_cursor,
+        boot_time,
         kmsg_skip_through,
         // Saved with the state (kept by a reboot); from the record for state from before.
         taint_budget: persisted.taint_budget.or_else(|| {
@@ -532,6 +539,19 @@ fn set_aside_name(e: &file::StateReadError) -> Option<(PathBuf, String)> {
             Some((path.clone(), format!("{}.node-{safe}", file::STATE_FILE)))
         }
         file::StateReadError::Unreadable { .. } => None,
+    }
+}
+
+/// Whether the saved state (its boot id and boot time) is of this boot (`now`): by the boot
+/// ids when both are known; else by the boot times (`/proc/stat` btime), which both runs
+/// saved. The boot time moves when the wall clock is stepped, so a step between two starts of
+/// one boot makes them look like two boots (the kernel log is counted again, as when nothing
+/// tells the boot); a new boot never has the boot time of the last one unless its clock
+/// starts where the last one's did, with no time source setting it.
+fn same_boot(saved: (Option<&str>, Option<i64>), now: (Option<&str>, Option<i64>)) -> bool {
+    match (saved.0, now.0) {
+        (Some(a), Some(b)) => a == b,
+        _ => saved.1.is_some() && saved.1 == now.1,
     }
 }
 
@@ -1019,7 +1039,7 @@ impl Components {
     /// is not joined; it stops at its next record after `source_shutdown`.
     fn start_kmsg(
         &mut self,
-        resume_after: Option<u64>,
+        resume_after: Option<faultline_core::engine::KmsgPosition>,
         skip_through: Option<faultline_core::time::Timestamp>,
         timeline: &faultline_core::time::Timeline,
     ) {
@@ -1139,6 +1159,7 @@ impl Components {
             engine: restored.engine,
             timeline,
             kmsg_cursor: restored.kmsg_cursor,
+            boot_time: restored.boot_time,
             marker: 0,
             clears: restored.clears,
             clear_results: self.clear_results.clone(),
@@ -1418,6 +1439,27 @@ async fn run_node(
 mod tests {
     use super::*;
     use clap::Parser;
+
+    /// The boot ids decide when both runs read one; else the boot times both runs saved. An
+    /// unknown boot is never the same boot.
+    #[test]
+    fn the_boot_is_told_by_its_id_else_its_boot_time() {
+        let (b1, b2) = (Some("b1"), Some("b2"));
+        let (t1, t2) = (Some(1_700_000_000), Some(1_700_086_400));
+        assert!(
+            same_boot((b1, t1), (b1, t2)),
+            "ids agree: a clock step is no reboot"
+        );
+        assert!(!same_boot((b1, t1), (b2, t1)), "ids differ");
+        // The boot id unreadable now, or when the state was saved: the boot times decide.
+        assert!(same_boot((b1, t1), (None, t1)));
+        assert!(same_boot((None, t1), (None, t1)));
+        assert!(same_boot((None, t1), (b1, t1)));
+        assert!(!same_boot((None, t1), (None, t2)), "a reboot");
+        // Nothing known (a state from before boot times were saved): a new boot.
+        assert!(!same_boot((None, None), (None, None)));
+        assert!(!same_boot((b1, None), (None, t1)));
+    }
 
     /// A taint's value is untrusted: only a code the policy in force holds for an operator
     /// rebuilds a fault; other codes, and values that are no code, are ignored.

@@ -67,6 +67,8 @@ pub struct Metrics {
     pub kmsg_truncated: Counter,
     pub kmsg_skipped: Counter,
     pub kmsg_matched: Family<KindLabel, Counter>,
+    /// A kernel-log file at the path replaced (`rotated`) or cut short (`truncated`).
+    pub kmsg_new_files: Family<KindLabel, Counter>,
     pub engine_events: Family<KindLabel, Counter>,
     pub engine_inputs: Counter,
     pub faults_active: Family<HandlingLabel, Gauge>,
@@ -109,6 +111,7 @@ impl Metrics {
             kmsg_truncated: Counter::default(),
             kmsg_skipped: Counter::default(),
             kmsg_matched: Family::default(),
+            kmsg_new_files: Family::default(),
             engine_events: Family::default(),
             engine_inputs: Counter::default(),
             faults_active: Family::default(),
@@ -169,6 +172,12 @@ impl Metrics {
             "faultline_kmsg_matched_records",
             "Kernel log records that matched a fault parser, by kind",
             m.kmsg_matched.clone(),
+        );
+        r.register(
+            "faultline_kmsg_new_files",
+            "Kernel-log files (--kmsg-path a file) replaced (kind=rotated) or truncated \
+             (kind=truncated), then read from their beginning",
+            m.kmsg_new_files.clone(),
         );
         r.register(
             "faultline_engine_events",

@@ -19,7 +19,8 @@ use crate::source::control::{AppliedClears, ClearApplied, ClearResult};
 use crate::source::Input;
 use faultline_core::catalog::Catalog;
 use faultline_core::engine::{
-    Ctx, DesiredCondition, DesiredTaint, DetectorState, Engine, EngineEvent, Observation,
+    Ctx, DesiredCondition, DesiredTaint, DetectorState, Engine, EngineEvent, KmsgPosition,
+    Observation,
 };
 use faultline_core::policy::LoadedPolicy;
 use faultline_core::record::{
@@ -85,6 +86,17 @@ pub struct PersistedState {
     pub version: u32,
     /// The last kernel log record whose effects are in `engine` (same boot only).
     pub kmsg_cursor: Option<u64>,
+    /// With `kmsg_cursor`: how many records after that one without a usable sequence number
+    /// are in `engine` too (the cursor is a [`KmsgPosition`]).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub kmsg_unsequenced: u64,
+    /// With `kmsg_cursor`: the log it is in ([`KmsgPosition::log`]: a file's identity).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kmsg_log: Option<u64>,
+    /// The boot time of the boot that wrote this (`/proc/stat` `btime`, seconds since the
+    /// epoch): tells a restart within the boot when the boot id cannot be read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub boot_time: Option<i64>,
     pub engine: Engine,
     /// The engine's timeline in the boot that wrote this (a restart in the same boot goes on
     /// with it). Absent in files from before it existed: a new one is anchored.
@@ -106,6 +118,22 @@ pub struct PersistedState {
 }
 
 pub const STATE_VERSION: u32 = 1;
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl PersistedState {
+    /// Where the kernel-log reader was: every record in it is in `engine`.
+    pub fn kmsg_position(&self) -> Option<KmsgPosition> {
+        let p = KmsgPosition {
+            seq: self.kmsg_cursor,
+            unsequenced: self.kmsg_unsequenced,
+            log: self.kmsg_log,
+        };
+        (!p.is_start()).then_some(p)
+    }
+}
 
 /// What sinks see.
 #[derive(Debug, Clone)]
@@ -176,7 +204,9 @@ pub struct EngineLoop {
     pub engine: Engine,
     /// The engine's time: `timeline.at(clock.since_boot())`.
     pub timeline: Timeline,
-    pub kmsg_cursor: Option<u64>,
+    pub kmsg_cursor: Option<KmsgPosition>,
+    /// Saved with the state: [`PersistedState::boot_time`].
+    pub boot_time: Option<i64>,
     /// The highest [`Input::Marker`] applied.
     pub marker: u64,
     /// The clear requests applied lately (restored with the state).
@@ -335,18 +365,18 @@ impl EngineLoop {
     fn apply(&mut self, loaded: &LoadedPolicy, input: Input) -> bool {
         self.metrics.engine_inputs.inc();
         match input {
-            Input::KmsgCursor(seq) => {
-                self.kmsg_cursor = Some(seq);
+            Input::KmsgCursor(at) => {
+                self.kmsg_cursor = Some(at);
                 false
             }
             Input::Marker(m) => {
                 self.marker = self.marker.max(m);
                 false
             }
-            Input::Kmsg { obs, seq } => {
+            Input::Kmsg { obs, at } => {
                 // One step: no snapshot can hold this fault without the cursor covering it.
                 let eventful = self.step(loaded, obs);
-                self.kmsg_cursor = Some(seq);
+                self.kmsg_cursor = Some(at);
                 eventful
             }
             Input::Obs(obs) => self.step(loaded, obs),
@@ -561,7 +591,10 @@ impl EngineLoop {
             recovering: Arc::new(view.recovering),
             state: Arc::new(PersistedState {
                 version: STATE_VERSION,
-                kmsg_cursor: self.kmsg_cursor,
+                kmsg_cursor: self.kmsg_cursor.and_then(|c| c.seq),
+                kmsg_unsequenced: self.kmsg_cursor.map_or(0, |c| c.unsequenced),
+                kmsg_log: self.kmsg_cursor.and_then(|c| c.log),
+                boot_time: self.boot_time,
                 engine: self.engine.clone(),
                 timeline: Some(self.timeline.clone()),
                 taint_budget: report.taint_budget.clone(),
@@ -655,6 +688,7 @@ recovery:
                 engine,
                 timeline,
                 kmsg_cursor: None,
+                boot_time: None,
                 marker: 0,
                 clears,
                 clear_results: results_tx,

@@ -74,13 +74,77 @@ impl ReaderCounters for Tally {
     }
 }
 
+/// Where the reader is in the log, saved with the engine so that a restart resumes after it:
+/// every record up to sequence number `seq`, and the first `unsequenced` records after that one
+/// that carry no usable sequence number (a malformed header, a dmesg-format line, a number that
+/// cannot be right). Without `seq`: the first `unsequenced` records of the log.
+///
+/// A record without a usable number can be told from the others only by its place, so its
+/// place is counted from the last record that had one. Within a log, a later record is always at
+/// a greater `(seq, unsequenced)`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KmsgPosition {
+    pub seq: Option<u64>,
+    pub unsequenced: u64,
+    /// Which log the position is in, as its reader names it (the agent: the file's device and
+    /// inode in file mode; none for `/dev/kmsg`). A position in another log resumes nothing.
+    pub log: Option<u64>,
+}
+
+impl KmsgPosition {
+    /// Just after the record numbered `seq`.
+    pub fn at_seq(seq: u64) -> Self {
+        KmsgPosition {
+            seq: Some(seq),
+            ..Default::default()
+        }
+    }
+
+    /// The place in its log, in log order.
+    fn place(&self) -> (Option<u64>, u64) {
+        (self.seq, self.unsequenced)
+    }
+
+    /// Nothing read yet.
+    pub fn is_start(&self) -> bool {
+        self.seq.is_none() && self.unsequenced == 0
+    }
+}
+
+/// A record's number as read.
+#[derive(Debug, Clone, Copy)]
+enum Number {
+    /// From a well-formed header.
+    Header(u64),
+    /// From a header that is otherwise broken: believed only when it is the next one expected
+    /// (a truncated number could be anything).
+    Damaged(u64),
+    None,
+}
+
+/// What a record does to the position.
+#[derive(Debug, Clone, Copy)]
+enum Place {
+    /// The next numbered record, after `lost` missing ones.
+    Next { seq: u64, lost: u64 },
+    /// No usable number; `out_of_order` is `(seq, last)` for a number that cannot be right
+    /// (backwards, or implausibly far ahead of `last`).
+    Unsequenced { out_of_order: Option<(u64, u64)> },
+}
+
 /// The pure core: bytes in, engine inputs out.
 #[derive(Debug)]
 pub struct KmsgReader {
+    /// The last record with a usable sequence number.
     last_seq: Option<u64>,
-    /// The cursor of the previous run: records up to it are expected again (the device is read
-    /// from the oldest record) and skipped without complaint.
-    resume_after: Option<u64>,
+    /// Records without a usable sequence number read since that one (or since the start).
+    unsequenced: u64,
+    /// The log being read ([`KmsgPosition::log`]).
+    log: Option<u64>,
+    /// While the log is read again from its oldest record (a restart, a reopen): the position
+    /// already counted. Records are placed as usual but not counted until the reader is there,
+    /// so each record gets the place it had the first time.
+    replay: Option<KmsgPosition>,
     /// Records dated at or before this were already seen (the engine was rebuilt from a record
     /// written then, and the cursor was lost); skipped like replayed ones.
     skip_through: Option<Timestamp>,
@@ -101,15 +165,19 @@ pub struct KmsgReader {
 pub const SXID_COMPANION_WITHIN: u64 = 8;
 
 impl KmsgReader {
+    /// A reader of a log read from its oldest record; with `resume`, the position the previous
+    /// run saved (same boot): records up to it are skipped as already counted.
     pub fn new(
-        resume_after: Option<u64>,
+        resume: Option<KmsgPosition>,
         boot_time: Option<Timestamp>,
         use_record_time: bool,
         counters: Arc<dyn ReaderCounters>,
     ) -> Self {
         KmsgReader {
-            last_seq: resume_after,
-            resume_after,
+            last_seq: None,
+            unsequenced: 0,
+            log: None,
+            replay: resume.filter(|p| !p.is_start()),
             skip_through: None,
             boot_time,
             use_record_time,
@@ -127,15 +195,52 @@ impl KmsgReader {
         self
     }
 
+    /// Names the log read ([`KmsgPosition::log`]). A position saved in another log resumes
+    /// nothing: that log's records are not this one's (a file replaced while the agent was not
+    /// running), so every record here is new. Returns whether the resume position was dropped.
+    pub fn in_log(&mut self, log: Option<u64>) -> bool {
+        self.log = log;
+        let other = self.replay.is_some_and(|p| p.log != log);
+        if other {
+            self.replay = None;
+        }
+        other
+    }
+
     /// The log is being read again from its oldest record (the source reopened it): what was
     /// read already is expected again and skipped, not counted twice.
     pub fn reopened(&mut self) {
-        self.resume_after = self.resume_after.max(self.last_seq);
+        let to = self.replay.unwrap_or(self.position());
+        self.replay = Some(to).filter(|p| !p.is_start());
+        self.last_seq = None;
+        self.unsequenced = 0;
+    }
+
+    /// The log at the path is a new one (the file was replaced or truncated): it is read from
+    /// its beginning and every record in it is new. The position starts over, and is sent at
+    /// the next [`Self::flush_cursor`] (a restart then resumes in the new log).
+    pub fn new_log(&mut self, log: Option<u64>) {
+        self.log = log;
+        self.replay = None;
+        self.skip_through = None;
+        self.last_seq = None;
+        self.unsequenced = 0;
+        self.recent_sxid.clear();
+        self.unsent_cursor = true;
     }
 
     /// The highest sequence number read so far.
     pub fn last_seq(&self) -> Option<u64> {
         self.last_seq
+    }
+
+    /// Where the reader is: what a restart resumes after once it is saved.
+    pub fn position(&self) -> KmsgPosition {
+        KmsgPosition {
+            seq: self.last_seq,
+            unsequenced: self.unsequenced,
+            log: self.log,
+        }
     }
 
     /// Handles one record (device mode) or one line (file mode).
@@ -144,76 +249,107 @@ impl KmsgReader {
             return; // continuation line of the previous record (file mode)
         }
         self.counters.record();
-        match parse_record(raw) {
-            Ok(rec) => {
-                let at = self.record_time(rec.usec);
-                if self.resume_after.is_none()
-                    && at.is_some_and(|t| self.skip_through.is_some_and(|s| t <= s))
-                {
-                    // Already in the record the engine was rebuilt from; the cursor follows so
-                    // the next restart resumes after it.
-                    self.counters.skipped();
-                    self.last_seq = Some(self.last_seq.map_or(rec.seq, |l| l.max(rec.seq)));
-                    self.unsent_cursor = true;
-                    return;
-                }
-                if let Some(last) = self.last_seq {
-                    let replayed = self.resume_after.is_some_and(|r| rec.seq <= r);
-                    if rec.seq <= last && replayed {
-                        self.counters.skipped();
-                        return;
-                    }
-                    if rec.seq <= last || rec.seq - last - 1 > MAX_PLAUSIBLE_GAP {
-                        // Not where a sequence number can be: report it, keep the fault, and
-                        // leave the cursor where it is.
-                        self.counters.out_of_order(rec.seq, last);
-                        if let Some(obs) = self.scan(&rec.message, at) {
-                            out.push(Input::Obs(obs));
-                        }
-                        return;
-                    }
-                    let lost = rec.seq - last - 1;
-                    if lost > 0 {
-                        self.report_loss(lost, rec.seq, out);
-                    }
-                }
-                self.last_seq = Some(rec.seq);
-                match self.scan(&rec.message, at) {
-                    Some(obs) => {
-                        out.push(Input::Kmsg { obs, seq: rec.seq });
-                        self.unsent_cursor = false;
-                    }
-                    None => self.unsent_cursor = true,
-                }
-            }
+        let parsed = parse_record(raw);
+        let lossy;
+        let (number, message, at) = match &parsed {
+            Ok(rec) => (
+                Number::Header(rec.seq),
+                rec.message.as_ref(),
+                self.record_time(rec.usec),
+            ),
             Err(e) => {
-                let text = String::from_utf8_lossy(raw);
-                let mut trusted = None;
-                if looks_like_header(raw) {
-                    // A truncated or corrupt record: say so, and still scan what is there. Its
-                    // sequence number is believed only when it is the next one expected (a
-                    // truncated number could be anything).
-                    self.counters.malformed(&e, truncate(&text, 120));
-                    trusted = match (header_seq(raw), self.last_seq) {
-                        (Some(seq), Some(last)) if last.checked_add(1) == Some(seq) => Some(seq),
-                        _ => None,
-                    };
-                    if let Some(seq) = trusted {
-                        self.last_seq = Some(seq);
-                        self.unsent_cursor = true;
-                    }
+                lossy = String::from_utf8_lossy(raw);
+                let number = if looks_like_header(raw) {
+                    // A truncated or corrupt record: say so, and still scan what is there.
+                    self.counters.malformed(e, truncate(&lossy, 120));
+                    header_seq(raw).map_or(Number::None, Number::Damaged)
+                } else {
+                    Number::None // a dmesg-format line
+                };
+                (number, strip_dmesg_time(lossy.trim_end_matches('\n')), None)
+            }
+        };
+        let mut place = self.place(number);
+        if let Some(to) = self.replay {
+            let beyond = matches!(place, Place::Next { seq, .. } if Some(seq) > to.seq);
+            if !beyond {
+                // Read before: placed, not counted.
+                self.advance(place);
+                self.counters.skipped();
+                if self.position().place() >= to.place() {
+                    self.replay = None;
                 }
-                if let Some(obs) = self.scan(strip_dmesg_time(text.trim_end_matches('\n')), None) {
-                    match trusted {
-                        // A fault and the cursor covering it, in one input.
-                        Some(seq) => {
-                            out.push(Input::Kmsg { obs, seq });
-                            self.unsent_cursor = false;
-                        }
-                        None => out.push(Input::Obs(obs)),
+                return;
+            }
+            // Past the saved position without meeting it (records the ring overwrote, or a log
+            // that changed): go on from the saved position; the gap is loss.
+            self.replay = None;
+            self.last_seq = to.seq;
+            self.unsequenced = to.unsequenced;
+            place = self.place(number);
+        }
+        if at.is_some_and(|t| self.skip_through.is_some_and(|s| t <= s)) {
+            // Already in the record the engine was rebuilt from; the cursor follows so the next
+            // restart resumes after it.
+            self.counters.skipped();
+            self.advance(place);
+            self.unsent_cursor = true;
+            return;
+        }
+        match place {
+            Place::Next { seq, lost } if lost > 0 => self.report_loss(lost, seq, out),
+            Place::Unsequenced {
+                out_of_order: Some((seq, last)),
+            } => {
+                // Not where a sequence number can be: report it, keep the fault; the record is
+                // placed as one without a number.
+                self.counters.out_of_order(seq, last);
+            }
+            _ => {}
+        }
+        self.advance(place);
+        match self.scan(message, at) {
+            Some(obs) => {
+                // A fault and the cursor covering it, in one input.
+                out.push(Input::Kmsg {
+                    obs,
+                    at: self.position(),
+                });
+                self.unsent_cursor = false;
+            }
+            None => self.unsent_cursor = true,
+        }
+    }
+
+    /// Where a record with this number goes, from the last numbered record.
+    fn place(&self, number: Number) -> Place {
+        let unsequenced = |out_of_order| Place::Unsequenced { out_of_order };
+        match (number, self.last_seq) {
+            (Number::Header(seq), None) => Place::Next { seq, lost: 0 },
+            (Number::Header(seq), Some(last)) => {
+                if seq > last && seq - last - 1 <= MAX_PLAUSIBLE_GAP {
+                    Place::Next {
+                        seq,
+                        lost: seq - last - 1,
                     }
+                } else {
+                    unsequenced(Some((seq, last)))
                 }
             }
+            (Number::Damaged(seq), Some(last)) if last.checked_add(1) == Some(seq) => {
+                Place::Next { seq, lost: 0 }
+            }
+            _ => unsequenced(None),
+        }
+    }
+
+    fn advance(&mut self, place: Place) {
+        match place {
+            Place::Next { seq, .. } => {
+                self.last_seq = Some(seq);
+                self.unsequenced = 0;
+            }
+            Place::Unsequenced { .. } => self.unsequenced += 1,
         }
     }
 
@@ -230,9 +366,7 @@ impl KmsgReader {
     /// A cursor marker for records read since the last marker, if any.
     pub fn flush_cursor(&mut self, out: &mut Vec<Input>) {
         if self.unsent_cursor {
-            if let Some(seq) = self.last_seq {
-                out.push(Input::KmsgCursor(seq));
-            }
+            out.push(Input::KmsgCursor(self.position()));
             self.unsent_cursor = false;
         }
     }
@@ -252,7 +386,10 @@ impl KmsgReader {
         s.count = lost;
         out.push(Input::Kmsg {
             obs: Observation::Signal(s),
-            seq: seq - 1,
+            at: KmsgPosition {
+                log: self.log,
+                ..KmsgPosition::at_seq(seq - 1)
+            },
         });
     }
 
@@ -407,6 +544,10 @@ mod tests {
     use super::*;
 
     fn reader(resume: Option<u64>) -> (KmsgReader, Arc<Tally>) {
+        reader_at(resume.map(KmsgPosition::at_seq))
+    }
+
+    fn reader_at(resume: Option<KmsgPosition>) -> (KmsgReader, Arc<Tally>) {
         let tally = Arc::new(Tally::default());
         (KmsgReader::new(resume, None, false, tally.clone()), tally)
     }
@@ -445,7 +586,7 @@ mod tests {
         );
         assert_eq!(signals(&out), vec!["Xid79x1"]);
         assert!(
-            matches!(out.last(), Some(Input::Kmsg { seq: 11, .. })),
+            matches!(out.last(), Some(Input::Kmsg { at, .. }) if *at == KmsgPosition::at_seq(11)),
             "the fault carries its record's cursor: {out:?}"
         );
     }
@@ -645,7 +786,7 @@ mod tests {
     fn cursors(out: &[Input]) -> Vec<u64> {
         out.iter()
             .filter_map(|i| match i {
-                Input::KmsgCursor(c) | Input::Kmsg { seq: c, .. } => Some(*c),
+                Input::KmsgCursor(c) | Input::Kmsg { at: c, .. } => c.seq,
                 _ => None,
             })
             .collect()
@@ -736,7 +877,7 @@ mod tests {
     /// and the cursor saved with it.
     fn apply(
         e: &mut crate::engine::Engine,
-        cursor: &mut Option<u64>,
+        cursor: &mut Option<KmsgPosition>,
         ctx: crate::engine::Ctx<'_>,
         input: Input,
     ) {
@@ -745,11 +886,11 @@ mod tests {
             Input::Obs(o) => {
                 e.step(ctx, o, now);
             }
-            Input::Kmsg { obs, seq } => {
+            Input::Kmsg { obs, at } => {
                 e.step(ctx, obs, now);
-                *cursor = Some(seq);
+                *cursor = Some(at);
             }
-            Input::KmsgCursor(seq) => *cursor = Some(seq),
+            Input::KmsgCursor(at) => *cursor = Some(at),
             Input::Marker(_) | Input::Clear { .. } => {}
         }
     }
@@ -774,8 +915,9 @@ mod tests {
             policy: &policy,
             catalog: &catalog,
         };
-        // Records 1..=14 with 7 missing (a gap), a fault every third record.
-        let log: Vec<String> = (1..=14u64)
+        // Records 1..=14 with 7 missing (a gap), a fault every third record; faults in lines
+        // without a usable sequence number before the first record and among the others.
+        let mut log: Vec<String> = (1..=14u64)
             .filter(|i| *i != 7)
             .map(|i| {
                 if i % 3 == 0 {
@@ -785,8 +927,15 @@ mod tests {
                 }
             })
             .collect();
-        let read = |resume: Option<u64>| {
-            let (mut r, _) = reader(resume);
+        let unsequenced = unsequenced_faults();
+        log.insert(0, unsequenced[0].clone());
+        log.insert(5, unsequenced[1].clone());
+        log.insert(9, unsequenced[2].clone());
+        log.insert(10, "[    9.000000] noise without a number".into());
+        log.insert(12, unsequenced[3].clone());
+        log.insert(13, unsequenced[4].clone());
+        let read = |resume: Option<KmsgPosition>| {
+            let (mut r, _) = reader_at(resume);
             let mut out = Vec::new();
             for l in &log {
                 r.feed(l.as_bytes(), &mut out);
@@ -803,7 +952,7 @@ mod tests {
         let want = counts(&whole);
         assert_eq!(
             want,
-            [("KMSG_LOSS".to_string(), 1), ("Xid79".to_string(), 4)]
+            [("KMSG_LOSS".to_string(), 1), ("Xid79".to_string(), 9)]
         );
         for cut in 0..=inputs.len() {
             let mut e = crate::engine::Engine::new();
@@ -859,5 +1008,149 @@ mod tests {
         );
         assert_eq!(Tally::get(&tally.skipped), 1);
         assert_eq!(r.last_seq(), Some(2));
+    }
+
+    /// Lines with a fault and no usable sequence number: a dmesg-format line, a malformed
+    /// number, a number implausibly far ahead, a number going backwards, another dmesg line.
+    fn unsequenced_faults() -> Vec<String> {
+        vec![
+            format!("[    0.500000] {XID}"),
+            format!("4,12x,400,-;{XID}"),
+            format!("4,{},500,-;{XID}", 1u64 << 41),
+            format!("4,2,600,-;{XID}"),
+            format!("[   11.000000] {XID}"),
+        ]
+    }
+
+    /// Records without a usable sequence number are counted once across restarts: each
+    /// restart reads the log again from the saved position, three times over, and a line
+    /// appended after a restart is counted (issue 25 §4: they were counted again at every
+    /// restart, 1, 2, 3).
+    #[test]
+    fn records_without_a_usable_number_count_once_across_restarts() {
+        let mut log: Vec<String> = vec![
+            "6,10,100,-;a".into(),
+            format!("4,11,200,-;{XID}"),
+            "6,12,300,-;b".into(),
+        ];
+        log.extend(unsequenced_faults());
+        let run = |log: &[String], resume: Option<KmsgPosition>| {
+            let (mut r, tally) = reader_at(resume);
+            let mut out = Vec::new();
+            for l in log {
+                r.feed(l.as_bytes(), &mut out);
+            }
+            r.flush_cursor(&mut out);
+            (signals(&out).len(), r.position(), tally)
+        };
+        let (faults, mut pos, _) = run(&log, None);
+        assert_eq!(faults, 6);
+        assert_eq!(
+            pos,
+            KmsgPosition {
+                seq: Some(12),
+                unsequenced: 5,
+                log: None
+            }
+        );
+        for restart in 1..=3 {
+            let (faults, again, tally) = run(&log, Some(pos));
+            assert_eq!(faults, 0, "restart {restart} counted a record again");
+            assert_eq!(Tally::get(&tally.skipped), log.len() as u64);
+            assert_eq!(again, pos);
+            pos = again;
+        }
+        log.push(format!("[   12.000000] {XID}"));
+        let (faults, after, _) = run(&log, Some(pos));
+        assert_eq!(faults, 1, "the appended line is new");
+        assert_eq!(after.unsequenced, 6);
+        // A log of dmesg lines only: the position is a count of lines from its start.
+        let dmesg: Vec<String> = (0..3).map(|i| format!("[ {i}.0] {XID}")).collect();
+        let (faults, pos, _) = run(&dmesg, None);
+        assert_eq!(
+            (faults, pos),
+            (
+                3,
+                KmsgPosition {
+                    seq: None,
+                    unsequenced: 3,
+                    log: None
+                }
+            )
+        );
+        assert_eq!(run(&dmesg, Some(pos)).0, 0);
+    }
+
+    /// A new log at the path (a replaced or truncated file) is read from its beginning: its
+    /// records count even when their numbers are at or below the old log's, and the position
+    /// starts over and is sent at once, so a restart resumes in the new log.
+    #[test]
+    fn a_new_log_starts_over() {
+        let (mut r, tally) = reader(None);
+        let first = feed_all(
+            &mut r,
+            &[b"6,10,100,-;a", format!("4,11,200,-;{XID}").as_bytes()],
+        );
+        assert_eq!(signals(&first), ["Xid79x1"]);
+        r.new_log(Some(7));
+        let mut out = Vec::new();
+        r.flush_cursor(&mut out);
+        let start = KmsgPosition {
+            log: Some(7),
+            ..Default::default()
+        };
+        assert_eq!(out, [Input::KmsgCursor(start)]);
+        let xid = format!("4,1,100,-;{XID}");
+        let again = feed_all(&mut r, &[xid.as_bytes(), b"6,2,100,-;b"]);
+        assert_eq!(signals(&again), ["Xid79x1"]);
+        assert_eq!(
+            r.position(),
+            KmsgPosition {
+                log: Some(7),
+                ..KmsgPosition::at_seq(2)
+            }
+        );
+        assert_eq!(Tally::get(&tally.skipped), 0);
+        assert_eq!(Tally::get(&tally.out_of_order), 0);
+        assert_eq!(Tally::get(&tally.lost), 0);
+    }
+
+    /// A reopen in the middle of a replay keeps the replay's target: what the previous run
+    /// counted is still skipped.
+    #[test]
+    fn a_reopen_during_a_replay_keeps_its_target() {
+        let log = [
+            format!("[ 0.1] {XID}"),
+            format!("4,5,100,-;{XID}"),
+            format!("4,6,100,-;{XID}"),
+        ];
+        let (mut r, _) = reader_at(Some(KmsgPosition::at_seq(6)));
+        let mut out = Vec::new();
+        r.feed(log[0].as_bytes(), &mut out);
+        r.reopened();
+        for l in &log {
+            r.feed(l.as_bytes(), &mut out);
+        }
+        assert!(signals(&out).is_empty(), "{out:?}");
+        assert_eq!(r.position(), KmsgPosition::at_seq(6));
+    }
+
+    /// A position saved in another log (a file replaced while the agent was not running)
+    /// resumes nothing: the records there are new, even numbered at or below it. In the same
+    /// log, it resumes as usual.
+    #[test]
+    fn a_position_in_another_log_resumes_nothing() {
+        let saved = KmsgPosition {
+            log: Some(1),
+            ..KmsgPosition::at_seq(5)
+        };
+        let xid = format!("4,2,100,-;{XID}");
+        let (mut r, _) = reader_at(Some(saved));
+        assert!(r.in_log(Some(2)));
+        assert_eq!(signals(&feed_all(&mut r, &[xid.as_bytes()])), ["Xid79x1"]);
+        assert_eq!(r.position().log, Some(2));
+        let (mut r, _) = reader_at(Some(saved));
+        assert!(!r.in_log(Some(1)));
+        assert!(feed_all(&mut r, &[xid.as_bytes()]).is_empty());
     }
 }

@@ -253,7 +253,8 @@ pub struct Fault {
 #[serde(rename_all = "camelCase")]
 pub struct DetectorStatus {
     pub name: String,
-    /// `Running`, `Idle` (nothing to watch on this machine) or `Down`.
+    /// `Running`, `Starting` (set up, not watching yet: a kernel-log FIFO without a writer),
+    /// `Idle` (nothing to watch on this machine) or `Down`.
     pub state: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,

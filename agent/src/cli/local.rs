@@ -146,10 +146,16 @@ pub fn table(r: &NodeRecord, all: bool) -> String {
             "\nwarning: the policy file {path} is still being read; the built-in policy is in force"
         );
     }
-    for d in r.agent.detectors.iter().filter(|d| d.state == "Down") {
+    for d in r.agent.detectors.iter() {
+        // Down, or not watching yet (a kernel-log FIFO without a writer): nothing is detected.
+        let what = match d.state.as_str() {
+            "Down" => "is down",
+            "Starting" => "is not watching yet",
+            _ => continue,
+        };
         let _ = writeln!(
             out,
-            "warning: detector {} is down: {}",
+            "warning: detector {} {what}: {}",
             d.name,
             d.reason.as_deref().unwrap_or("unknown reason")
         );
@@ -664,6 +670,18 @@ mod tests {
         );
         assert!(o.message.contains("policy was rejected"), "{}", o.message);
         assert!(o.message.contains("detector kmsg is down"), "{}", o.message);
+        let starting = UNHEALTHY.replace(
+            r#""state":"Down","reason":"cannot open""#,
+            r#""state":"Starting","reason":"waiting for a writer""#,
+        );
+        let (_d2, p2) = file(&starting);
+        let o = get(&p2, false, false, &Now::read(&SystemClock), STALE_AFTER);
+        assert!(
+            o.message
+                .contains("detector kmsg is not watching yet: waiting for a writer"),
+            "{}",
+            o.message
+        );
         let j = get(&p, true, false, &Now::read(&SystemClock), STALE_AFTER);
         let back: NodeRecord = serde_json::from_str(&j.message).unwrap();
         assert_eq!(back.faults.len(), 1);

@@ -2,14 +2,14 @@
 //!
 //! `/dev/kmsg` returns one record per `read()`; a reader that falls behind gets `EPIPE` once
 //! and continues at the oldest record, so the sequence gap is the number of records lost. A file
-//! or FIFO is read line by line and followed like `tail -f`; its lines may be kmsg records or
-//! plain `dmesg` text. The I/O loop runs on a dedicated thread; the pure core that turns records
+//! or FIFO is read line by line and followed like `tail -F` (a replaced or truncated file is
+//! read anew from its beginning); its lines may be kmsg records or plain `dmesg` text. The I/O loop runs on a dedicated thread; the pure core that turns records
 //! into engine inputs is `faultline_core::kmsg_reader::KmsgReader`, which reports what it reads
 //! through [`ReaderCounters`], implemented here by the agent's metrics and logs.
 
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, Read};
-use std::os::unix::fs::FileTypeExt;
+use std::io::{self, BufRead, BufReader, Read, Seek};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::Duration;
@@ -120,8 +120,8 @@ pub const MAX_LINE: usize = 64 * 1024;
 #[derive(Debug, Clone)]
 pub struct KmsgConfig {
     pub path: PathBuf,
-    /// Skip records with a sequence number up to this one (same boot, already counted).
-    pub resume_after: Option<u64>,
+    /// Skip records up to this position (same boot, already counted).
+    pub resume_after: Option<faultline_core::engine::KmsgPosition>,
     /// Wall-clock time of boot, to date records from their monotonic timestamps.
     pub boot_time: Option<Timestamp>,
     /// Records dated at or before this are skipped: the engine was rebuilt from a record written
@@ -175,7 +175,24 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
     let _span = tracing::info_span!("source", name = "kmsg", path = %cfg.path.display()).entered();
     let mut reader: Option<KmsgReader> = None;
     let mut retry = Duration::from_millis(500);
+    let mut follow = Follow::default();
+    // Why the path is opened again: a read error (the same log, read again from its oldest
+    // record) or a new file at the path (read from its beginning, all new).
+    let mut new_file = false;
     while !ctx.shutdown.is_cancelled() {
+        let fifo = std::fs::metadata(&cfg.path).is_ok_and(|m| m.file_type().is_fifo());
+        if fifo {
+            // Opening a FIFO for reading blocks until a writer opens it: say so first, so the
+            // record shows the detector and why it sees nothing.
+            let why = format!(
+                "waiting for a writer to open the FIFO {}",
+                cfg.path.display()
+            );
+            info!("{why}");
+            if !detector(&ctx, DetectorState::Starting, Some(why)) {
+                return;
+            }
+        }
         let file = match File::open(&cfg.path) {
             Ok(f) => f,
             Err(e) => {
@@ -192,10 +209,10 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
                 continue;
             }
         };
-        let is_device = file
-            .metadata()
-            .map(|m| m.file_type().is_char_device())
-            .unwrap_or(false);
+        let meta = file.metadata().ok();
+        let is_device = meta
+            .as_ref()
+            .is_some_and(|m| m.file_type().is_char_device());
         let reopened = reader.is_some();
         let r = reader.get_or_insert_with(|| {
             KmsgReader::new(
@@ -206,21 +223,41 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
             )
             .skip_through(cfg.skip_through)
         });
-        if reopened {
+        let identity = meta
+            .as_ref()
+            .filter(|_| !is_device)
+            .map(|m| (m.dev(), m.ino()));
+        let log = identity.map(log_name);
+        if std::mem::take(&mut new_file) {
+            r.new_log(log);
+        } else if reopened {
             r.reopened();
+        } else if r.in_log(log) {
+            warn!(
+                "the kernel-log file at the path is not the one the saved position was taken in \
+                 (replaced while the agent was not running); reading all of it as new"
+            );
         }
-        if !detector(&ctx, DetectorState::Running, None) {
+        if !detector(&ctx, DetectorState::Running, follow.reason(&cfg.path)) {
             return;
         }
         info!(device = is_device, resume_after = ?cfg.resume_after, "reading the kernel log");
         retry = Duration::from_millis(500);
         let result = if is_device {
-            read_device(file, r, &ctx)
+            read_device(file, r, &ctx).map(|()| Ended::Stopped)
         } else {
-            read_lines(file, r, &ctx, cfg.follow_interval)
+            let mut lines = Lines {
+                path: &cfg.path,
+                identity,
+                regular: meta.as_ref().is_some_and(|m| m.is_file()),
+                follow: &mut follow,
+                interval: cfg.follow_interval,
+            };
+            lines.read(file, r, &ctx)
         };
         match result {
-            Ok(()) => return, // shutdown or the engine is gone
+            Ok(Ended::Stopped) => return, // shutdown or the engine is gone
+            Ok(Ended::Replaced) => new_file = true,
             Err(e) => {
                 warn!(error = %e, "kernel log read failed; reopening");
                 if !detector(&ctx, DetectorState::Down, Some(format!("read failed: {e}"))) {
@@ -229,6 +266,41 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
                 std::thread::sleep(retry);
             }
         }
+    }
+}
+
+/// A file's name as a log ([`faultline_core::engine::KmsgPosition::log`]): its device and inode.
+fn log_name((dev, ino): (u64, u64)) -> u64 {
+    dev.rotate_left(32) ^ ino
+}
+
+/// Why the line reader stopped.
+enum Ended {
+    /// Shutdown, or the engine is gone.
+    Stopped,
+    /// Another file is at the path now (the old one was renamed away or removed, and the new
+    /// one put in its place): the old one was read to its end.
+    Replaced,
+}
+
+/// How often the followed file was replaced or cut short, for the detector's reason.
+#[derive(Debug, Default)]
+struct Follow {
+    rotated: u64,
+    truncated: u64,
+}
+
+impl Follow {
+    fn reason(&self, path: &Path) -> Option<String> {
+        (self.rotated + self.truncated > 0).then(|| {
+            format!(
+                "following {}: replaced {} times, truncated {} times; each new file was read \
+                 from its beginning",
+                path.display(),
+                self.rotated,
+                self.truncated
+            )
+        })
     }
 }
 
@@ -272,43 +344,122 @@ fn read_device(mut file: File, r: &mut KmsgReader, ctx: &SourceContext) -> io::R
     Ok(())
 }
 
-/// A file or FIFO: bounded lines, followed at its end.
-fn read_lines(
-    file: File,
-    r: &mut KmsgReader,
-    ctx: &SourceContext,
-    follow: Duration,
-) -> io::Result<()> {
-    let mut reader = BufReader::with_capacity(64 * 1024, file);
-    let mut line = Vec::with_capacity(1024);
-    let mut out = Vec::new();
-    while !ctx.shutdown.is_cancelled() {
-        match read_bounded_line(&mut reader, &mut line, MAX_LINE)? {
-            // At the end (possibly mid-line: the rest stays pending): wait for growth.
-            LineRead::Eof | LineRead::Partial => {
-                r.flush_cursor(&mut out);
-                if !send_all(ctx, &mut out) {
-                    return Ok(());
+/// A file or FIFO read line by line and followed at its end like `tail -F`: a file replaced at
+/// the path (a new inode there: rotation) is noticed and the new one read from its beginning,
+/// after the old one was read to its end; a file cut below the read offset (truncation) is read
+/// again from its beginning. Both say so in the detector's reason, the log and
+/// `faultline_kmsg_new_files_total`. (GNU coreutils `tail.c`, `tail_forever` and
+/// `recheck`: a changed device/inode at the name is a new file, a size below the offset is a
+/// truncation; both are read from their start.)
+struct Lines<'a> {
+    path: &'a Path,
+    /// Device and inode of the open file.
+    identity: Option<(u64, u64)>,
+    /// A regular file (a FIFO has no size to check for truncation).
+    regular: bool,
+    follow: &'a mut Follow,
+    interval: Duration,
+}
+
+impl Lines<'_> {
+    fn read(&mut self, file: File, r: &mut KmsgReader, ctx: &SourceContext) -> io::Result<Ended> {
+        let mut reader = BufReader::with_capacity(64 * 1024, file);
+        let mut line = Vec::with_capacity(1024);
+        let mut out = Vec::new();
+        // Set once another file is at the path: the old one is read to its end first.
+        let mut replaced = false;
+        while !ctx.shutdown.is_cancelled() {
+            match read_bounded_line(&mut reader, &mut line, MAX_LINE)? {
+                // At the end (possibly mid-line: the rest stays pending): wait for growth.
+                LineRead::Eof | LineRead::Partial => {
+                    if replaced {
+                        // The writer moved on to the new file: a last unfinished line is whole.
+                        if !line.is_empty() {
+                            r.feed(&line, &mut out);
+                        }
+                        r.flush_cursor(&mut out);
+                        send_all(ctx, &mut out);
+                        return Ok(Ended::Replaced);
+                    }
+                    if self.replaced_at_path() {
+                        replaced = true;
+                        self.follow.rotated += 1;
+                        ctx.metrics
+                            .kmsg_new_files
+                            .get_or_create(&KindLabel { kind: "rotated" })
+                            .inc();
+                        warn!(
+                            "another file is at the kernel-log path (rotated); reading the old \
+                             one to its end, then the new one from its beginning"
+                        );
+                        continue;
+                    }
+                    if self.truncated(&mut reader)? {
+                        line.clear();
+                        r.new_log(self.identity.map(log_name));
+                        self.follow.truncated += 1;
+                        ctx.metrics
+                            .kmsg_new_files
+                            .get_or_create(&KindLabel { kind: "truncated" })
+                            .inc();
+                        warn!("the kernel-log file was truncated; reading it from its beginning");
+                        r.flush_cursor(&mut out);
+                        if !send_all(ctx, &mut out)
+                            || !detector(ctx, DetectorState::Running, self.follow.reason(self.path))
+                        {
+                            return Ok(Ended::Stopped);
+                        }
+                        continue;
+                    }
+                    r.flush_cursor(&mut out);
+                    if !send_all(ctx, &mut out) {
+                        return Ok(Ended::Stopped);
+                    }
+                    std::thread::sleep(self.interval);
                 }
-                std::thread::sleep(follow);
-            }
-            LineRead::Line { truncated } => {
-                if truncated {
-                    ctx.metrics.kmsg_truncated.inc();
-                    debug!(
-                        kept = MAX_LINE,
-                        "kernel log line longer than the limit; kept its start"
-                    );
-                }
-                r.feed(&line, &mut out);
-                line.clear();
-                if !send_all(ctx, &mut out) {
-                    return Ok(());
+                LineRead::Line { truncated } => {
+                    if truncated {
+                        ctx.metrics.kmsg_truncated.inc();
+                        debug!(
+                            kept = MAX_LINE,
+                            "kernel log line longer than the limit; kept its start"
+                        );
+                    }
+                    r.feed(&line, &mut out);
+                    line.clear();
+                    if !send_all(ctx, &mut out) {
+                        return Ok(Ended::Stopped);
+                    }
                 }
             }
         }
+        Ok(Ended::Stopped)
     }
-    Ok(())
+
+    /// Another file is at the path: its device or inode differs from the open file's. A path
+    /// that names nothing for now (renamed away, the new file not there yet) is not a new
+    /// file: the open one is followed until one appears.
+    fn replaced_at_path(&self) -> bool {
+        match std::fs::metadata(self.path) {
+            Ok(m) => self.identity.is_some_and(|id| id != (m.dev(), m.ino())),
+            Err(_) => false,
+        }
+    }
+
+    /// The file is shorter than what was read of it: cut short, and (by the caller) read again
+    /// from its beginning.
+    fn truncated(&self, reader: &mut BufReader<File>) -> io::Result<bool> {
+        if !self.regular {
+            return Ok(false);
+        }
+        let size = reader.get_ref().metadata()?.len();
+        let offset = reader.stream_position()?;
+        if size >= offset {
+            return Ok(false);
+        }
+        reader.seek(io::SeekFrom::Start(0))?;
+        Ok(true)
+    }
 }
 
 enum LineRead {

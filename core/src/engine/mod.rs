@@ -21,6 +21,7 @@ use crate::time::{signed, since};
 use serde::{Deserialize, Serialize};
 
 use crate::catalog::{Catalog, FaultCode};
+pub use crate::kmsg_reader::KmsgPosition;
 use crate::parse::PciAddr;
 use crate::policy::{Policy, TaintEffect};
 use crate::record::{Fault, Handling, Health, Source};
@@ -42,16 +43,16 @@ mod tests;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Input {
     Obs(Observation),
-    /// Every kernel log record up to and including this sequence number has been sent. The
-    /// engine loop persists it with the engine state so a restart neither skips nor recounts.
-    KmsgCursor(u64),
-    /// An observation from the kernel log record `seq` (or, for a loss report, the records up
-    /// to `seq`): the engine loop applies it and moves the cursor in one step, so no saved state
+    /// Every kernel log record up to and including this position has been sent. The engine
+    /// loop persists it with the engine state so a restart neither skips nor recounts.
+    KmsgCursor(KmsgPosition),
+    /// An observation from the kernel log record at `at` (or, for a loss report, the records
+    /// up to it): the engine loop applies it and moves the cursor in one step, so no saved state
     /// holds the fault without the cursor that covers it (a kill between the two would count
     /// the record again after the restart).
     Kmsg {
         obs: Observation,
-        seq: u64,
+        at: KmsgPosition,
     },
     /// Everything sent before this has been applied. The engine loop carries the highest marker
     /// in each snapshot, so a source can learn when its inputs are on disk (the file sink reports
@@ -130,6 +131,9 @@ impl Signal {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum DetectorState {
     Running,
+    /// Set up but not watching yet (a kernel-log FIFO no writer has opened): shown so a reader
+    /// of the record knows the detector exists and why it sees nothing; no fault.
+    Starting,
     /// Nothing to watch on this machine (no NVML on a CPU node): normal, no fault.
     Idle,
     Down,
@@ -139,6 +143,7 @@ impl DetectorState {
     pub fn as_str(self) -> &'static str {
         match self {
             DetectorState::Running => "Running",
+            DetectorState::Starting => "Starting",
             DetectorState::Idle => "Idle",
             DetectorState::Down => "Down",
         }
@@ -678,7 +683,7 @@ impl Engine {
                     self.signal(ctx, s, now, events);
                 }
             }
-            DetectorState::Running | DetectorState::Idle => {
+            DetectorState::Running | DetectorState::Starting | DetectorState::Idle => {
                 let key = self.fault_key(&code, Some(&device));
                 if let Some(f) = self.faults.get_mut(&key) {
                     if f.fault.active {

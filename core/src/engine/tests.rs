@@ -542,6 +542,29 @@ fn detector_down_and_back() {
     assert_eq!(r.view().faults.len(), 1, "idle is normal: no fault");
 }
 
+/// A detector set up but not watching yet (a kernel-log FIFO without a writer) is shown as
+/// Starting with its reason; it is no fault, and a Down before it recovers.
+#[test]
+fn a_starting_detector_is_shown_and_is_no_fault() {
+    let mut r = Rig::new("");
+    let obs = |state, reason: &str| Observation::Detector {
+        name: "kmsg".into(),
+        state,
+        reason: Some(reason.into()),
+    };
+    r.at(0, obs(DetectorState::Starting, "waiting for a writer"));
+    assert!(r.view().faults.is_empty());
+    let d = &r.engine.detectors()["kmsg"];
+    assert_eq!(
+        (d.state.as_str(), d.reason.as_deref()),
+        ("Starting", Some("waiting for a writer"))
+    );
+    r.at(1, obs(DetectorState::Down, "cannot open"));
+    assert!(r.only().active);
+    r.at(2, obs(DetectorState::Starting, "waiting for a writer"));
+    assert!(!r.only().active, "no longer down");
+}
+
 #[test]
 fn policy_reload_reclassifies_and_keeps_escalations() {
     let mut r = Rig::new("");
