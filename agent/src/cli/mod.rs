@@ -17,6 +17,7 @@ pub use cluster::{
 };
 pub use local::{
     clear, get, not_alive, read_record, record_path, summary, table, wait_healthy, ReadError,
+    MAX_RECORD_BYTES,
 };
 
 use faultline_core::record::{Handling, Health, NodeRecord};

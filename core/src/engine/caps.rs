@@ -89,6 +89,10 @@ pub(super) fn clamp(obs: &mut Observation) {
         Observation::DeviceSeen {
             uuid: Some(uuid), ..
         } => clamp_json(uuid, MAX_NAME_JSON),
+        Observation::Detector {
+            reason: Some(reason),
+            ..
+        } => clamp_json(reason, MAX_MESSAGE_JSON),
         _ => {}
     }
 }
