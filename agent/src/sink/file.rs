@@ -470,7 +470,7 @@ mod tests {
         let mut engine = Engine::new();
         let mut now = faultline_core::time::Timestamp::from_second(1_700_000_000).unwrap();
         let mut step = |engine: &mut Engine, obs| {
-            now = now + faultline_core::time::SignedDuration::from_millis(1_001);
+            now += faultline_core::time::SignedDuration::from_millis(1_001);
             engine.step(ctx, obs, now);
         };
         // Cut once here as the engine cuts them, so the loop below does not repeat the work.
@@ -599,6 +599,8 @@ mod tests {
             faults <= crate::cli::MAX_RECORD_BYTES / 2,
             "faults.json {faults} bytes"
         );
+        // `/v1/record` serves the same document: `faultline hosts --members` reads it whole.
+        assert!(faults <= crate::cli::members::MAX_ANSWER_BYTES as u64);
         let back = read_state(dir.path()).unwrap().expect("read back");
         assert!(back == *snap.state, "state.json reads back as written");
         let mut stamped = (*snap.record).clone();
