@@ -2,9 +2,9 @@
 //! loop is alive), `/readyz` (the newest record is on disk), `/v1/record` (the latest
 //! record as JSON).
 //!
-//! `/v1/record` is serialized once per published snapshot and heartbeat ([`RecordBody`]) and the
-//! same bytes are shared by every request, with their `Content-Length`: concurrent readers cost
-//! no memory beyond the one body. A response cut by the deadline below ends with a reset of the
+//! `/v1/record` is serialized at most once a second ([`RecordBody`]) and the same bytes are
+//! shared by every request, with their `Content-Length`: concurrent readers cost no memory
+//! beyond the one body. A response cut by the deadline below ends with a reset of the
 //! connection, short of its `Content-Length`: an error to every client, never a whole record.
 //!
 //! Whoever can reach the port can hold connections, so every connection is bounded
@@ -47,8 +47,14 @@ pub struct HttpState {
 }
 
 /// The body `/v1/record` serves: the newest snapshot's record stamped with the engine loop's
-/// heartbeat, serialized once for each (snapshot, heartbeat) and shared. Requests that arrive
+/// heartbeat, serialized at most once per [`RecordBody::FRESH`] and shared. Requests that arrive
 /// while it is being serialized wait for that one serialization instead of making their own.
+///
+/// The engine loop beats after every batch of inputs and publishes up to ten snapshots a second
+/// in a storm: a body per (snapshot, heartbeat) would still be one per request then. A body
+/// younger than `FRESH` is served as it is (its heartbeat and content at most that old, far
+/// inside the 30 s after which a reader calls an agent dead), so at most one serialization a
+/// second, and at most `request deadline / FRESH` (15) bodies alive, whatever the requests.
 #[derive(Debug, Default)]
 pub struct RecordBody {
     cached: tokio::sync::Mutex<Option<CachedBody>>,
@@ -60,19 +66,26 @@ pub struct RecordBody {
 struct CachedBody {
     revision: u64,
     heartbeat: Option<faultline_core::time::Timestamp>,
+    at: std::time::Instant,
     bytes: Bytes,
 }
 
 impl RecordBody {
-    /// The body for `snap` stamped with `heartbeat`: the shared bytes when they are of both.
+    /// How long a serialized body is served to requests of newer snapshots or heartbeats.
+    pub const FRESH: Duration = Duration::from_secs(1);
+
+    /// The body for `snap` stamped with `heartbeat` at `now`: the shared bytes when they are of
+    /// both, or younger than [`RecordBody::FRESH`].
     async fn get(
         &self,
         snap: &Snapshot,
         heartbeat: Option<faultline_core::time::Timestamp>,
+        now: std::time::Instant,
     ) -> Result<Bytes, serde_json::Error> {
         let mut cached = self.cached.lock().await;
         if let Some(c) = cached.as_ref() {
-            if c.revision == snap.revision && c.heartbeat == heartbeat {
+            let same = c.revision == snap.revision && c.heartbeat == heartbeat;
+            if same || now.saturating_duration_since(c.at) < Self::FRESH {
                 return Ok(c.bytes.clone());
             }
         }
@@ -86,6 +99,7 @@ impl RecordBody {
         *cached = Some(CachedBody {
             revision: snap.revision,
             heartbeat,
+            at: now,
             bytes: bytes.clone(),
         });
         Ok(bytes)
@@ -155,7 +169,11 @@ async fn record(State(s): State<HttpState>) -> Response {
     let Some(snap) = snap else {
         return (StatusCode::SERVICE_UNAVAILABLE, "no record yet\n").into_response();
     };
-    match s.record_body.get(&snap, s.heartbeat.last()).await {
+    match s
+        .record_body
+        .get(&snap, s.heartbeat.last(), std::time::Instant::now())
+        .await
+    {
         Ok(bytes) => Response::builder()
             .header(header::CONTENT_TYPE, "application/json")
             .header(header::CONTENT_LENGTH, bytes.len())
@@ -468,11 +486,11 @@ mod tests {
     }
 
     /// Sixteen concurrent requests get the same whole body with its `Content-Length`, from one
-    /// serialization; a new snapshot is serialized once more. Before, each request cloned and
-    /// serialized the record for itself (16 requests of a large record took 1.3 GiB).
+    /// serialization. Before, each request cloned and serialized the record for itself (16
+    /// requests of a large record took 1.3 GiB).
     #[tokio::test]
     async fn concurrent_requests_share_one_body_with_its_length() {
-        let (addr, shutdown, body, tx) = record_server(LIMITS, big_snapshot(1, 2000)).await;
+        let (addr, shutdown, body, _tx) = record_server(LIMITS, big_snapshot(1, 2000)).await;
         let requests = (0..16).map(|_| async move {
             let mut c = TcpStream::connect(addr).await.unwrap();
             get_record(&mut c).await
@@ -490,14 +508,36 @@ mod tests {
         assert!(r.agent.heartbeat_time.is_some());
         assert_eq!(body.serialized(), 1, "serialized once for all");
 
-        tx.send_replace(Some(big_snapshot(2, 10)));
-        let mut c = TcpStream::connect(addr).await.unwrap();
-        let (_, length, bytes) = get_record(&mut c).await;
-        assert_eq!(length, Some(bytes.len()));
-        let r: faultline_core::record::NodeRecord = serde_json::from_slice(&bytes).unwrap();
-        assert_eq!(r.faults.len(), 10);
-        assert_eq!(body.serialized(), 2);
         shutdown.cancel();
+    }
+
+    /// The body is serialized again for a new snapshot or heartbeat only once the last one is
+    /// [`RecordBody::FRESH`] old; until then the last one is served.
+    #[tokio::test]
+    async fn a_new_body_at_most_once_a_second() {
+        let body = RecordBody::default();
+        let t0 = std::time::Instant::now();
+        let beat = |s| Some(faultline_core::time::Timestamp::from_second(s).unwrap());
+        let faults = |b: Bytes| {
+            serde_json::from_slice::<faultline_core::record::NodeRecord>(&b)
+                .unwrap()
+                .faults
+                .len()
+        };
+        let first = body.get(&big_snapshot(1, 1), beat(1), t0).await.unwrap();
+        assert_eq!(faults(first), 1);
+        let young = t0 + RecordBody::FRESH / 2;
+        let same = body.get(&big_snapshot(2, 2), beat(2), young).await.unwrap();
+        assert_eq!(faults(same), 1, "younger than FRESH: the last body");
+        assert_eq!(body.serialized(), 1);
+        let later = t0 + RecordBody::FRESH;
+        let new = body.get(&big_snapshot(2, 2), beat(2), later).await.unwrap();
+        assert_eq!(faults(new), 2);
+        assert_eq!(body.serialized(), 2);
+        // The same snapshot and heartbeat later still: nothing to serialize.
+        let again = later + RecordBody::FRESH * 10;
+        body.get(&big_snapshot(2, 2), beat(2), again).await.unwrap();
+        assert_eq!(body.serialized(), 2);
     }
 
     /// A reader too slow to take the body within the deadline gets a response that ends short
