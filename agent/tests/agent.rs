@@ -1044,7 +1044,10 @@ fn hosts_from_the_members_file() {
         });
     };
     fake("127.0.0.5", record.into_bytes());
-    fake("127.0.0.6", vec![b' '; 3 << 20]);
+    fake(
+        "127.0.0.6",
+        vec![b' '; faultline_agent::cli::members::MAX_ANSWER_BYTES + (1 << 20)],
+    );
     let members = d1.path().join("members");
     std::fs::write(
         &members,
