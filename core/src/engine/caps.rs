@@ -125,8 +125,8 @@ struct Target {
 impl Engine {
     /// Where a signal that would add an active fault on `device_key` must be folded, if a cap is
     /// reached; `None`: there is room. The device's overflow fault counts toward the node's cap
-    /// (so at most `max_active` active faults besides the node's overflow fault and the agent's
-    /// own); the device's cap does not count it.
+    /// (so at most `max_active` active faults besides the node's overflow fault, plus the
+    /// agent's own, which count but are never folded); the device's cap does not count it.
     fn fold_target(
         &self,
         ctx: Ctx<'_>,
@@ -171,7 +171,6 @@ impl Engine {
 
     /// Folds `s` (which would add an active fault on `device_key`) into an overflow fault if a
     /// cap is reached. Returns whether it did.
-    #[allow(clippy::too_many_arguments)]
     pub(super) fn fold_if_capped(
         &mut self,
         ctx: Ctx<'_>,
