@@ -1290,6 +1290,7 @@ impl Components {
             clock: self.clock.clone(),
             record: self.record_status.subscribe(),
             snapshots: self.snapshots.clone(),
+            record_body: Default::default(),
         };
         let shutdown = self.shutdown.clone();
         self.spawn_sink("http", async move {

@@ -2,6 +2,11 @@
 //! loop is alive), `/readyz` (the newest record is on disk), `/v1/record` (the latest
 //! record as JSON).
 //!
+//! `/v1/record` is serialized at most once a second ([`RecordBody`]) and the same bytes are
+//! shared by every request, with their `Content-Length`: concurrent readers cost no memory
+//! beyond the one body. A response cut by the deadline below ends with a reset of the
+//! connection, short of its `Content-Length`: an error to every client, never a whole record.
+//!
 //! Whoever can reach the port can hold connections, so every connection is bounded
 //! ([`ServeLimits`]): the connection caps and idle timeout of `crate::listen`, a deadline on
 //! reading a request's headers, and a deadline on the whole request (one request per
@@ -12,6 +17,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::body::{Body, Bytes};
 use axum::extract::State;
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -36,6 +42,73 @@ pub struct HttpState {
     /// `/readyz` is 200 while the newest record is on disk.
     pub record: watch::Receiver<crate::sink::file::RecordStatus>,
     pub snapshots: watch::Receiver<Option<Snapshot>>,
+    /// `/v1/record`'s body, shared by every request.
+    pub record_body: Arc<RecordBody>,
+}
+
+/// The body `/v1/record` serves: the newest snapshot's record stamped with the engine loop's
+/// heartbeat, serialized at most once per [`RecordBody::FRESH`] and shared. Requests that arrive
+/// while it is being serialized wait for that one serialization instead of making their own.
+///
+/// The engine loop beats after every batch of inputs and publishes up to ten snapshots a second
+/// in a storm: a body per (snapshot, heartbeat) would still be one per request then. A body
+/// younger than `FRESH` is served as it is (its heartbeat and content at most that old, far
+/// inside the 30 s after which a reader calls an agent dead), so at most one serialization a
+/// second, and at most `request deadline / FRESH` (15) bodies alive, whatever the requests.
+#[derive(Debug, Default)]
+pub struct RecordBody {
+    cached: tokio::sync::Mutex<Option<CachedBody>>,
+    /// How many times a body was serialized (tests).
+    serialized: std::sync::atomic::AtomicU64,
+}
+
+#[derive(Debug)]
+struct CachedBody {
+    revision: u64,
+    heartbeat: Option<faultline_core::time::Timestamp>,
+    at: std::time::Instant,
+    bytes: Bytes,
+}
+
+impl RecordBody {
+    /// How long a serialized body is served to requests of newer snapshots or heartbeats.
+    pub const FRESH: Duration = Duration::from_secs(1);
+
+    /// The body for `snap` stamped with `heartbeat` at `now`: the shared bytes when they are of
+    /// both, or younger than [`RecordBody::FRESH`].
+    async fn get(
+        &self,
+        snap: &Snapshot,
+        heartbeat: Option<faultline_core::time::Timestamp>,
+        now: std::time::Instant,
+    ) -> Result<Bytes, serde_json::Error> {
+        let mut cached = self.cached.lock().await;
+        if let Some(c) = cached.as_ref() {
+            let same = c.revision == snap.revision && c.heartbeat == heartbeat;
+            if same || now.saturating_duration_since(c.at) < Self::FRESH {
+                return Ok(c.bytes.clone());
+            }
+        }
+        // Dropped first: while this one is serialized, only requests still sending it hold it.
+        *cached = None;
+        let mut r = (*snap.record).clone();
+        r.agent.heartbeat_time = heartbeat;
+        let bytes = Bytes::from(serde_json::to_vec_pretty(&r)?);
+        self.serialized
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        *cached = Some(CachedBody {
+            revision: snap.revision,
+            heartbeat,
+            at: now,
+            bytes: bytes.clone(),
+        });
+        Ok(bytes)
+    }
+
+    #[cfg(test)]
+    fn serialized(&self) -> u64 {
+        self.serialized.load(std::sync::atomic::Ordering::Relaxed)
+    }
 }
 
 pub fn router(state: HttpState) -> Router {
@@ -86,19 +159,33 @@ async fn readyz(State(s): State<HttpState>) -> Response {
 /// The latest record, its `heartbeatTime` the engine loop's last beat (what `/healthz` reads),
 /// so a reader elsewhere (`faultline hosts --members`) can tell a live agent as the local file's
 /// heartbeat tells it.
+///
+/// The body is the shared one of [`RecordBody`], sent with its `Content-Length`: a body cut by
+/// the connection's deadline ends the connection short of that length, which a client reports
+/// as an error. Before, every request serialized its own copy (16 concurrent requests of a large
+/// record took 1.3 GiB), and a record that could not be encoded was an empty 200.
 async fn record(State(s): State<HttpState>) -> Response {
     let snap = s.snapshots.borrow().clone();
-    match snap {
-        Some(snap) => {
-            let mut r = (*snap.record).clone();
-            r.agent.heartbeat_time = s.heartbeat.last();
-            (
-                [(header::CONTENT_TYPE, "application/json")],
-                serde_json::to_string_pretty(&r).unwrap_or_default(),
-            )
-                .into_response()
-        }
-        None => (StatusCode::SERVICE_UNAVAILABLE, "no record yet\n").into_response(),
+    let Some(snap) = snap else {
+        return (StatusCode::SERVICE_UNAVAILABLE, "no record yet\n").into_response();
+    };
+    match s
+        .record_body
+        .get(&snap, s.heartbeat.last(), std::time::Instant::now())
+        .await
+    {
+        Ok(bytes) => Response::builder()
+            .header(header::CONTENT_TYPE, "application/json")
+            .header(header::CONTENT_LENGTH, bytes.len())
+            .body(Body::from(bytes))
+            .unwrap_or_else(|e| {
+                (StatusCode::INTERNAL_SERVER_ERROR, format!("{e}\n")).into_response()
+            }),
+        Err(e) => (
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot encode the record: {e}\n"),
+        )
+            .into_response(),
     }
 }
 
@@ -116,7 +203,8 @@ pub struct ServeLimits {
 
 /// The limits of the agent's endpoints. A probe or a scrape is one small request answered at
 /// once; 5 s for the headers and 15 s in all are far beyond what either needs, even for the
-/// record (at most about 1 MiB) on a slow link.
+/// record on a slow link (about 1 MiB at the default caps, 6 MB at the largest the policy
+/// allows: docs/operations.md, "Limits").
 pub const LIMITS: ServeLimits = ServeLimits {
     connections: crate::listen::HTTP_LIMITS,
     header_read: Duration::from_secs(5),
@@ -160,6 +248,9 @@ pub async fn serve_with(
         };
         let svc = hyper_util::service::TowerToHyperService::new(app.clone());
         let shutdown = shutdown.clone();
+        // A second descriptor of the socket, closed after the connection's own (declared
+        // first, dropped last): the close that ends the socket.
+        let last_close = rustix::io::dup(&io).ok();
         tokio::spawn(async move {
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
@@ -170,7 +261,13 @@ pub async fn serve_with(
             tokio::select! {
                 done = tokio::time::timeout(limits.request, conn.as_mut()) => {
                     if done.is_err() {
-                        debug!(deadline_ms = limits.request.as_millis() as u64, "HTTP request past its deadline; connection closed");
+                        // A response cut here must read as a failure to any client, also one
+                        // that does not compare the body with its Content-Length: the socket
+                        // is reset (SO_LINGER 0 at the last close), not ended like a whole body.
+                        if let Some(fd) = &last_close {
+                            let _ = rustix::net::sockopt::set_socket_linger(fd, Some(Duration::ZERO));
+                        }
+                        debug!(deadline_ms = limits.request.as_millis() as u64, "HTTP request past its deadline; connection reset");
                     }
                 }
                 _ = shutdown.cancelled() => {
@@ -209,6 +306,7 @@ mod tests {
             clock,
             record: watch::channel(crate::sink::file::RecordStatus::Written).1,
             snapshots: watch::channel(None).1,
+            record_body: Default::default(),
         };
         let shutdown = CancellationToken::new();
         tokio::spawn(serve_with(listener, state, shutdown.clone(), limits));
@@ -285,6 +383,191 @@ mod tests {
         let took = closed_within(&mut slow, Duration::from_secs(5)).await;
         assert!(started.elapsed() >= Duration::from_millis(400), "{took:?}");
         assert!(took < Duration::from_secs(3), "{took:?}");
+        shutdown.cancel();
+    }
+
+    /// An agent's endpoints serving `snap` as the newest snapshot (the heartbeat beats once, at
+    /// start): its address, shutdown, the shared body and the snapshot channel.
+    async fn record_server(
+        limits: ServeLimits,
+        snap: Snapshot,
+    ) -> (
+        SocketAddr,
+        CancellationToken,
+        Arc<RecordBody>,
+        watch::Sender<Option<Snapshot>>,
+    ) {
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let clock: Arc<dyn Clock> = Arc::new(SystemClock);
+        let heartbeat = Arc::new(Heartbeat::default());
+        heartbeat.beat(&*clock);
+        let (tx, rx) = watch::channel(Some(snap));
+        let body = Arc::new(RecordBody::default());
+        let state = HttpState {
+            metrics: Arc::new(Metrics::new()),
+            heartbeat,
+            clock,
+            record: watch::channel(crate::sink::file::RecordStatus::Written).1,
+            snapshots: rx,
+            record_body: body.clone(),
+        };
+        let shutdown = CancellationToken::new();
+        tokio::spawn(serve_with(listener, state, shutdown.clone(), limits));
+        (addr, shutdown, body, tx)
+    }
+
+    /// A snapshot whose record holds `n` faults with 1 KiB messages.
+    fn big_snapshot(revision: u64, n: usize) -> Snapshot {
+        let mut snap = crate::runtime::test_snapshot(revision, 0);
+        let mut record = (*snap.record).clone();
+        let at = faultline_core::time::Timestamp::from_second(1_700_000_000).unwrap();
+        record.faults = (0..n)
+            .map(|i| faultline_core::record::Fault {
+                fault_type: faultline_core::record::FaultType::CardUnhealthy,
+                fault_code: format!("Xid{i}"),
+                fault_handling: faultline_core::record::Handling::RestartBusiness,
+                fault_level: faultline_core::record::Handling::RestartBusiness,
+                large_model_fault_level: faultline_core::record::Handling::RestartBusiness,
+                device: format!("GPU-{i}"),
+                device_uuid: None,
+                pci_bus_id: None,
+                source: faultline_core::record::Source::Kmsg,
+                also_seen_by: Vec::new(),
+                message: "m".repeat(1024),
+                first_seen: at,
+                last_seen: at,
+                count: 1,
+                active: true,
+                recovered_at: None,
+                escalated_from: None,
+            })
+            .collect();
+        snap.record = Arc::new(record);
+        snap
+    }
+
+    /// Sends one request for the record and reads the whole answer ([`read_answer`]).
+    async fn get_record(c: &mut TcpStream) -> (String, Option<usize>, Vec<u8>) {
+        c.write_all(b"GET /v1/record HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let (status, length, body, end) = read_answer(c).await;
+        assert!(end.is_none(), "{end:?}");
+        (status, length, body)
+    }
+
+    /// Reads until the server closes or resets: the status line, the `Content-Length`, the
+    /// body bytes received and the error that ended the connection (`None`: an end of stream).
+    async fn read_answer(
+        c: &mut TcpStream,
+    ) -> (String, Option<usize>, Vec<u8>, Option<std::io::Error>) {
+        let mut out = Vec::new();
+        let mut buf = vec![0u8; 64 << 10];
+        let end_err = loop {
+            match tokio::time::timeout(Duration::from_secs(10), c.read(&mut buf)).await {
+                Ok(Ok(0)) => break None,
+                Ok(Err(e)) => break Some(e),
+                Ok(Ok(n)) => out.extend_from_slice(&buf[..n]),
+                Err(_) => panic!("the server neither finished nor closed"),
+            }
+        };
+        let end = out
+            .windows(4)
+            .position(|w| w == b"\r\n\r\n")
+            .expect("headers");
+        let head = String::from_utf8_lossy(&out[..end]).to_ascii_lowercase();
+        let status = head.lines().next().unwrap_or_default().to_string();
+        let length = head
+            .lines()
+            .find_map(|l| l.strip_prefix("content-length:"))
+            .map(|v| v.trim().parse().unwrap());
+        (status, length, out[end + 4..].to_vec(), end_err)
+    }
+
+    /// Sixteen concurrent requests get the same whole body with its `Content-Length`, from one
+    /// serialization. Before, each request cloned and serialized the record for itself (16
+    /// requests of a large record took 1.3 GiB).
+    #[tokio::test]
+    async fn concurrent_requests_share_one_body_with_its_length() {
+        let (addr, shutdown, body, _tx) = record_server(LIMITS, big_snapshot(1, 2000)).await;
+        let requests = (0..16).map(|_| async move {
+            let mut c = TcpStream::connect(addr).await.unwrap();
+            get_record(&mut c).await
+        });
+        let answers = futures::future::join_all(requests).await;
+        let first = &answers[0];
+        assert!(first.0.starts_with("http/1.1 200"), "{}", first.0);
+        assert!(first.2.len() > 2 << 20, "{}", first.2.len());
+        for a in &answers {
+            assert_eq!(a.1, Some(a.2.len()), "the Content-Length is the body's");
+            assert!(a.2 == first.2, "every request gets the same body");
+        }
+        let r: faultline_core::record::NodeRecord = serde_json::from_slice(&first.2).unwrap();
+        assert_eq!(r.faults.len(), 2000);
+        assert!(r.agent.heartbeat_time.is_some());
+        assert_eq!(body.serialized(), 1, "serialized once for all");
+
+        shutdown.cancel();
+    }
+
+    /// The body is serialized again for a new snapshot or heartbeat only once the last one is
+    /// [`RecordBody::FRESH`] old; until then the last one is served.
+    #[tokio::test]
+    async fn a_new_body_at_most_once_a_second() {
+        let body = RecordBody::default();
+        let t0 = std::time::Instant::now();
+        let beat = |s| Some(faultline_core::time::Timestamp::from_second(s).unwrap());
+        let faults = |b: Bytes| {
+            serde_json::from_slice::<faultline_core::record::NodeRecord>(&b)
+                .unwrap()
+                .faults
+                .len()
+        };
+        let first = body.get(&big_snapshot(1, 1), beat(1), t0).await.unwrap();
+        assert_eq!(faults(first), 1);
+        let young = t0 + RecordBody::FRESH / 2;
+        let same = body.get(&big_snapshot(2, 2), beat(2), young).await.unwrap();
+        assert_eq!(faults(same), 1, "younger than FRESH: the last body");
+        assert_eq!(body.serialized(), 1);
+        let later = t0 + RecordBody::FRESH;
+        let new = body.get(&big_snapshot(2, 2), beat(2), later).await.unwrap();
+        assert_eq!(faults(new), 2);
+        assert_eq!(body.serialized(), 2);
+        // The same snapshot and heartbeat later still: nothing to serialize.
+        let again = later + RecordBody::FRESH * 10;
+        body.get(&big_snapshot(2, 2), beat(2), again).await.unwrap();
+        assert_eq!(body.serialized(), 2);
+    }
+
+    /// A reader too slow to take the body within the deadline gets a response that ends short
+    /// of its `Content-Length` (every HTTP client reports that as an error), never a shorter
+    /// body presented as whole.
+    #[tokio::test]
+    async fn a_body_cut_at_the_deadline_is_short_of_its_length() {
+        let (addr, shutdown, _, _tx) = record_server(
+            limits(Duration::from_secs(5), Duration::from_millis(300)),
+            big_snapshot(1, 16_000),
+        )
+        .await;
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut c = socket.connect(addr).await.unwrap();
+        c.write_all(b"GET /v1/record HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        // Read nothing past the deadline, then everything there is.
+        tokio::time::sleep(Duration::from_millis(800)).await;
+        let (status, length, body, end) = read_answer(&mut c).await;
+        assert!(status.starts_with("http/1.1 200"), "{status}");
+        let length = length.expect("a Content-Length");
+        assert!(length > 16 << 20, "{length}");
+        assert!(body.len() < length, "cut: {} of {length}", body.len());
+        assert_eq!(
+            end.map(|e| e.kind()),
+            Some(std::io::ErrorKind::ConnectionReset),
+            "the cut reads as an error, not as the end of the body"
+        );
         shutdown.cancel();
     }
 

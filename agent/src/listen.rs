@@ -191,6 +191,12 @@ fn idle_error() -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, "connection idle")
 }
 
+impl std::os::fd::AsFd for Guarded {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.inner.as_fd()
+    }
+}
+
 impl AsyncRead for Guarded {
     fn poll_read(
         mut self: Pin<&mut Self>,

@@ -618,6 +618,87 @@ fn a_record_that_cannot_be_written_is_visible_and_recovers() {
 /// A corrupt, truncated or empty state.json no longer means starting Healthy: the faults of
 /// the intact faults.json are rebuilt (this boot's kernel-log faults included), and the node
 /// stays Unhealthy. Before, four active SeparateNPU faults vanished this way.
+/// A kernel log with more distinct faults than the default caps (80 distinct Xids on each of 20
+/// GPUs, then an Xid 79 on a 21st): each GPU keeps 64 and folds the rest into its overflow fault,
+/// the node keeps 1,024 and folds the rest, the Xid 79 included, into its own, which makes the
+/// node Unhealthy. After a restart the agent reads back exactly the faults it wrote. Before the
+/// caps nothing bounded them: 100,000 distinct faults made a state.json that the next start
+/// refused as too large, losing every fault.
+#[test]
+fn faults_at_the_caps_are_read_back_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut log = Vec::new();
+    let mut seq = 0u64;
+    for gpu in 0..20u32 {
+        for x in 1000..1080u32 {
+            seq += 1;
+            log.extend_from_slice(
+                format!(
+                    "4,{seq},{},-;NVRM: Xid (PCI:0000:{:02x}:00): {x}, pid=1, name=a, test\n",
+                    seq * 100,
+                    0x10 + gpu
+                )
+                .as_bytes(),
+            );
+        }
+    }
+    log.extend_from_slice(&xid79(seq + 1, "f0"));
+    std::fs::write(dir.path().join("kmsg"), &log).unwrap();
+    let active = |r: &faultline_core::record::NodeRecord| {
+        let mut v: Vec<(String, String, Handling, u64)> = r
+            .faults
+            .iter()
+            .filter(|f| f.active)
+            .map(|f| {
+                (
+                    f.fault_code.clone(),
+                    f.device.clone(),
+                    f.fault_handling,
+                    f.count,
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let folded_79 = |r: &faultline_core::record::NodeRecord| {
+        r.faults.iter().any(|f| {
+            f.active
+                && f.fault_code == "FAULTS_FOLDED"
+                && f.device == "node"
+                && f.fault_handling == Handling::SeparateNPU
+        })
+    };
+    let agent = Agent::start(dir.path(), &[]);
+    let before = agent.wait_for("the whole log, the Xid 79 folded", folded_79);
+    assert_eq!(agent.stop(), 0);
+    let faults = active(&before);
+    assert_eq!(before.health, Health::Unhealthy);
+    // 1,024 kept (16 GPUs' overflow faults among them), and the node's overflow fault.
+    assert_eq!(faults.len(), 1025, "{faults:?}");
+    let per_gpu = |bus: &str| {
+        faults
+            .iter()
+            .filter(|f| f.1 == format!("GPU-0000:{bus}:00.0"))
+            .count()
+    };
+    assert_eq!(per_gpu("10"), 65);
+    let node = faults.iter().find(|f| f.1 == "node").unwrap();
+    // 20 x 80 reports, 1,024 kept or folded into a GPU's overflow fault, the rest here.
+    let on_gpus: u64 = faults.iter().filter(|f| f.1 != "node").map(|f| f.3).sum();
+    assert_eq!(on_gpus + node.3, 20 * 80 + 1);
+
+    let agent = Agent::start(dir.path(), &[]);
+    let after = agent.wait_for("a record written by the restarted agent", |r| {
+        r.agent.heartbeat_time > before.agent.heartbeat_time
+            && agent.log().contains("state restored")
+    });
+    assert_eq!(active(&after), faults, "the same faults after the restart");
+    assert_eq!(after.health, Health::Unhealthy);
+    assert!(!agent.log().contains("unreadable"), "{}", agent.log());
+    assert_eq!(agent.stop(), 0);
+}
+
 #[test]
 fn a_lost_state_file_is_rebuilt_from_the_record() {
     let dir = tempfile::tempdir().unwrap();
@@ -1080,7 +1161,10 @@ fn hosts_from_the_members_file() {
         });
     };
     fake("127.0.0.5", record.into_bytes());
-    fake("127.0.0.6", vec![b' '; 3 << 20]);
+    fake(
+        "127.0.0.6",
+        vec![b' '; faultline_agent::cli::members::MAX_ANSWER_BYTES + (1 << 20)],
+    );
     let members = d1.path().join("members");
     std::fs::write(
         &members,

@@ -333,6 +333,12 @@ pub struct Policy {
     pub recovered_retention: Duration,
     /// At most this many recovered faults are kept (oldest dropped first).
     pub max_recovered: usize,
+    /// At most this many active faults per device; a new one past it is folded into the
+    /// device's `FAULTS_FOLDED` fault (docs/policy.md, "Caps").
+    pub max_active_per_device: usize,
+    /// At most this many active faults on the node, all devices together; a new one past it is
+    /// folded into the node's `FAULTS_FOLDED` fault.
+    pub max_active: usize,
     /// Expected number of GPUs on this node (0: do not check). Used by the NVML source.
     pub expected_gpus: u32,
     pub nvml: NvmlPolicy,
@@ -354,6 +360,8 @@ impl Default for Policy {
             burst_window: Duration::from_secs(5),
             recovered_retention: Duration::from_secs(24 * 3600),
             max_recovered: 100,
+            max_active_per_device: DEFAULT_MAX_ACTIVE_PER_DEVICE,
+            max_active: DEFAULT_MAX_ACTIVE,
             expected_gpus: 0,
             nvml: NvmlPolicy::default(),
             ascend: AscendPolicy::default(),
@@ -363,6 +371,20 @@ impl Default for Policy {
         }
     }
 }
+
+/// Default cap of active faults per device. A GPU shows a handful of distinct faults when it
+/// breaks (an Xid or two, ECC, a link, PCIe); 64 distinct codes on one device is no real failure
+/// any more but a flood, and the count of what is folded says as much as more entries would.
+pub const DEFAULT_MAX_ACTIVE_PER_DEVICE: usize = 64;
+/// Default cap of active faults per node: 8 GPUs, 6 NVSwitches, NICs and the node itself, each
+/// at its device cap, stay under it (15 x 64 = 960).
+pub const DEFAULT_MAX_ACTIVE: usize = 1024;
+/// Largest `max_active` and `max_recovered` a policy may set: with them, and every fault at its
+/// largest size, `state.json` and `faults.json` stay well under what the agent reads back at
+/// start (`agent/src/sink/file.rs`, the worst-case test there).
+pub const MAX_ACTIVE_LIMIT: usize = 2048;
+/// See [`MAX_ACTIVE_LIMIT`].
+pub const MAX_RECOVERED_LIMIT: usize = 1000;
 
 /// The default recovery rules (docs/policy.md explains them).
 fn default_recovery() -> Vec<RecoveryRule> {
@@ -687,7 +709,19 @@ impl Policy {
                 "max_recovered".into(),
                 self.max_recovered as u64,
                 0,
-                100_000,
+                MAX_RECOVERED_LIMIT as u64,
+            ),
+            (
+                "max_active".into(),
+                self.max_active as u64,
+                1,
+                MAX_ACTIVE_LIMIT as u64,
+            ),
+            (
+                "max_active_per_device".into(),
+                self.max_active_per_device as u64,
+                1,
+                MAX_ACTIVE_LIMIT as u64,
             ),
             (
                 "expected_gpus".into(),
@@ -1006,6 +1040,10 @@ expected_gpus: 8
             ("recovered_retention: 21y\n", &["recovered_retention"]),
             ("expected_gpus: 100000\n", &["expected_gpus", "between 0 and 1024"]),
             ("max_recovered: 10000000\n", &["max_recovered"]),
+            ("max_recovered: 1001\n", &["max_recovered", "between 0 and 1000"]),
+            ("max_active: 0\n", &["max_active", "between 1 and 2048"]),
+            ("max_active: 2049\n", &["max_active", "between 1 and 2048"]),
+            ("max_active_per_device: 0\n", &["max_active_per_device", "between 1 and 2048"]),
             ("escalation:\n  - codes: [Xid13]\n    count: 2\n    window: 1000y\n    handling: SeparateNPU\n", &["escalation[0].window"]),
             ("escalation:\n  - codes: [Xid13]\n    count: 100000000\n    window: 1h\n    handling: SeparateNPU\n", &["escalation[0].count"]),
             // More occurrences than the engine remembers could never be counted.

@@ -17,7 +17,7 @@ pub use cluster::{
 };
 pub use local::{
     clear, get, not_alive, read_record, record_path, summary, table, wait_healthy, Now, ReadError,
-    AHEAD_TOLERANCE, NOT_ALIVE_EXIT, NOT_ALIVE_FIELD,
+    AHEAD_TOLERANCE, MAX_RECORD_BYTES, NOT_ALIVE_EXIT, NOT_ALIVE_FIELD,
 };
 
 use faultline_core::record::{Handling, Health, NodeRecord};

@@ -517,6 +517,186 @@ mod tests {
         );
     }
 
+    /// The largest files the caps allow are read back whole at the next start, with room to
+    /// spare: `max_active` and `max_recovered` at their largest, plus the node's overflow fault
+    /// and every detector down, each fault at its largest (the longest code the policy accepts,
+    /// a message, device name and UUID of control characters, which JSON writes six bytes
+    /// each, 100 occurrences, every source, escalated); 1,024 device identities. Before the
+    /// caps nothing bounded them: 100,000 distinct faults made a 57 MiB state.json that the
+    /// next start refused, losing every fault.
+    #[test]
+    fn the_largest_state_the_caps_allow_is_read_back() {
+        use faultline_core::catalog::{Catalog, FaultCode};
+        use faultline_core::engine::{Ctx, DetectorState, DeviceRef, Engine, Observation, Signal};
+        use faultline_core::policy::{Policy, MAX_ACTIVE_LIMIT, MAX_RECOVERED_LIMIT};
+        use faultline_core::record::{AgentStatus, NodeRecord, PolicyStatus, Source};
+
+        let code = "C".repeat(63);
+        let policy = Policy::parse(&format!(
+            "max_active: {MAX_ACTIVE_LIMIT}\nmax_active_per_device: {MAX_ACTIVE_LIMIT}\n\
+             max_recovered: {MAX_RECOVERED_LIMIT}\nrecovered_retention: 10y\nburst_window: 0s\n\
+             escalation:\n  - codes: [{code}]\n    count: 2\n    window: 366d\n    handling: ManuallySeparateNPU\n"
+        ))
+        .unwrap();
+        let catalog = Catalog::builtin().unwrap();
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let mut engine = Engine::new();
+        let mut now = faultline_core::time::Timestamp::from_second(1_700_000_000).unwrap();
+        let mut step = |engine: &mut Engine, obs| {
+            now += faultline_core::time::SignedDuration::from_millis(1_001);
+            engine.step(ctx, obs, now);
+        };
+        // Cut once here as the engine cuts them, so the loop below does not repeat the work.
+        let cut = |mut s: String, max| {
+            faultline_core::engine::clamp_json(&mut s, max);
+            s
+        };
+        let wide = |i: usize| {
+            cut(
+                format!("{i:05}{}", "\u{1}".repeat(300)),
+                faultline_core::engine::MAX_NAME_JSON,
+            )
+        };
+        let message = cut(
+            "\u{1}".repeat(300),
+            faultline_core::engine::MAX_MESSAGE_JSON,
+        );
+        let sources = [Source::Kmsg, Source::Nvml, Source::Ascend, Source::Peer];
+        let fill =
+            |engine: &mut Engine, step: &mut dyn FnMut(&mut Engine, Observation), from, to| {
+                for i in from..to {
+                    let device = DeviceRef {
+                        name: Some(wide(i)),
+                        uuid: Some(wide(i)),
+                        ..Default::default()
+                    };
+                    for n in 0..faultline_core::engine::MAX_OCCURRENCES {
+                        let mut s = Signal::new(
+                            sources[n % sources.len()],
+                            FaultCode::named(&code),
+                            Some(device.clone()),
+                            message.clone(),
+                        );
+                        s.count = u64::MAX / 2;
+                        step(engine, Observation::Signal(s));
+                    }
+                }
+            };
+        // The history first (cleared by an operator), then the active faults and one more.
+        fill(&mut engine, &mut step, 0, MAX_RECOVERED_LIMIT);
+        step(
+            &mut engine,
+            Observation::OperatorClear {
+                code: None,
+                device: None,
+            },
+        );
+        let end = MAX_RECOVERED_LIMIT + MAX_ACTIVE_LIMIT + 1;
+        fill(&mut engine, &mut step, MAX_RECOVERED_LIMIT, end);
+        for name in [
+            "kmsg",
+            "nvml",
+            "ascend-npu",
+            "ascend-net",
+            "peer",
+            "policy",
+            "record-file",
+            "kube-node",
+            "kube-faults",
+            "mindcluster",
+            "public-faults",
+            "boot-id",
+        ] {
+            step(
+                &mut engine,
+                Observation::Detector {
+                    name: name.into(),
+                    state: DetectorState::Down,
+                    reason: Some("\u{1}".repeat(300)),
+                },
+            );
+        }
+        for i in 0..faultline_core::engine::MAX_DEVICES + 10 {
+            let pci = format!("{:04x}:{:02x}:{:02x}.0", i >> 8, i & 0xff, i % 32);
+            step(
+                &mut engine,
+                Observation::DeviceSeen {
+                    pci: pci.parse().unwrap(),
+                    uuid: Some(wide(i)),
+                    index: Some(i as u32),
+                },
+            );
+        }
+        let view = engine.view(&policy);
+        let active = view.faults.iter().filter(|f| f.active).count();
+        assert_eq!(active, MAX_ACTIVE_LIMIT + 1 + 12, "the cap holds");
+        assert_eq!(view.faults.len(), active + MAX_RECOVERED_LIMIT);
+        let record = NodeRecord {
+            api_version: faultline_core::record::API_VERSION.into(),
+            node: "n".repeat(253),
+            health: view.health,
+            handling: view.handling,
+            update_time: now,
+            check_code: faultline_core::record::check_code(&view.faults),
+            faults: view.faults,
+            dropped_faults: u64::MAX,
+            agent: AgentStatus {
+                version: "0".into(),
+                policy: PolicyStatus {
+                    source: "p".repeat(4096),
+                    checksum: "0".repeat(64),
+                    error: Some("e".repeat(4096)),
+                    loading: None,
+                },
+                detectors: Vec::new(),
+                taint_budget: None,
+                heartbeat_time: None,
+                heartbeat_boot: None,
+            },
+        };
+        let mut snap = test_snapshot(1, 0);
+        snap.record = Arc::new(record);
+        snap.state = Arc::new(PersistedState {
+            version: crate::runtime::STATE_VERSION,
+            kmsg_cursor: Some(u64::MAX),
+            kmsg_unsequenced: u64::MAX,
+            kmsg_log: Some(u64::MAX),
+            boot_time: Some(i64::MIN),
+            engine,
+            node: Some("n".repeat(253)),
+            ..Default::default()
+        });
+        let dir = tempfile::tempdir().unwrap();
+        let beat = Beat {
+            wall: now,
+            boot: Some(faultline_core::record::BootClock {
+                boot_id: "b".repeat(36),
+                since_boot_ms: u64::MAX,
+            }),
+        };
+        write_snapshot(&Dirs::one(dir.path().to_path_buf()), &snap, &beat, false).unwrap();
+        let size = |f: &str| std::fs::metadata(dir.path().join(f)).unwrap().len();
+        let (state, faults) = (size(STATE_FILE), size(FAULTS_FILE));
+        eprintln!("largest state.json {state} bytes, faults.json {faults} bytes");
+        assert!(state <= MAX_STATE_BYTES / 2, "state.json {state} bytes");
+        assert!(
+            faults <= crate::cli::MAX_RECORD_BYTES / 2,
+            "faults.json {faults} bytes"
+        );
+        // `/v1/record` serves the same document: `faultline hosts --members` reads it whole.
+        assert!(faults <= crate::cli::members::MAX_ANSWER_BYTES as u64);
+        let back = read_state(dir.path(), &"n".repeat(253)).unwrap().expect("read back");
+        assert!(back == *snap.state, "state.json reads back as written");
+        let mut stamped = (*snap.record).clone();
+        stamped.agent.heartbeat_time = Some(now);
+        stamped.agent.heartbeat_boot = beat.boot;
+        let record = crate::cli::read_record(&dir.path().join(FAULTS_FILE)).unwrap();
+        assert!(record == stamped, "faults.json reads back as written");
+    }
+
     fn start(
         dir: PathBuf,
     ) -> (

@@ -8,6 +8,10 @@ use crate::parse::PciAddr;
 
 impl Engine {
     pub(super) fn device_seen(&mut self, pci: PciAddr, uuid: Option<String>, index: Option<u32>) {
+        // Bounded: a device past the limit is not remembered (its faults keep its PCI address).
+        if self.devices.len() >= super::MAX_DEVICES && !self.devices.contains_key(&pci) {
+            return;
+        }
         let info = self.devices.entry(pci).or_default();
         let mut changed = false;
         if uuid.is_some() && info.uuid != uuid {

@@ -28,12 +28,14 @@ use crate::record::{Fault, Handling, Health, Source};
 use escalation::{escalate, sticky};
 use recovery::{recover, resolve};
 
+mod caps;
 mod escalation;
 mod identity;
 mod recovery;
 mod restore;
 mod view;
 
+pub use caps::{clamp_json, Folded, FOLDED_CODE, MAX_DEVICES, MAX_MESSAGE_JSON, MAX_NAME_JSON};
 pub use restore::RestoreScope;
 
 #[cfg(test)]
@@ -261,6 +263,9 @@ pub struct FaultState {
     /// Since when the condition has been gone while the recovery hold runs.
     #[serde(default)]
     pub resolving_since: Option<Timestamp>,
+    /// Set on an overflow fault (`FAULTS_FOLDED`): the worst of what it holds ([`caps`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub folded: Option<Folded>,
 }
 
 /// `FaultCode` in a serializable form (for the persisted state).
@@ -450,7 +455,8 @@ impl Engine {
     /// step that caused an event (only a new, escalated, reclassified or recovered fault can
     /// move it). Before that cache, two full passes over the faults per kernel-log record made
     /// a storm with 450 standing faults 4.5x slower per record than with 20.
-    pub fn step(&mut self, ctx: Ctx<'_>, obs: Observation, now: Timestamp) -> Vec<EngineEvent> {
+    pub fn step(&mut self, ctx: Ctx<'_>, mut obs: Observation, now: Timestamp) -> Vec<EngineEvent> {
+        caps::clamp(&mut obs);
         let before = self.cached_health(ctx.policy);
         let mut events = Vec::new();
         let tick = obs == Observation::Tick;
@@ -545,7 +551,14 @@ impl Engine {
             let from = f.fault.fault_handling;
             f.base = c.handling;
             f.fault.fault_type = c.fault_type;
-            let to = f.escalated.map_or(f.base, |e| e.max(f.base));
+            let mut to = f.escalated.map_or(f.base, |e| e.max(f.base));
+            // An overflow fault keeps the worst of what it holds (not kept, so not judged again).
+            if let Some(folded) = &f.folded {
+                to = to.max(folded.worst);
+                if folded.worst >= f.base {
+                    f.fault.fault_type = folded.fault_type;
+                }
+            }
             set_handling(&mut f.fault, to);
             if from != to && f.fault.active {
                 events.push(EngineEvent::Reclassified {
@@ -565,6 +578,19 @@ impl Engine {
         let count = s.count.max(1);
         let (dkey, dname, uuid, pci) = self.resolve_device(s.device.as_ref());
         let key = format!("{}/{}", s.code, dkey);
+        let adds = self.faults.get(&key).is_none_or(|f| !f.fault.active);
+        if adds
+            && self.fold_if_capped(
+                ctx,
+                &s,
+                &dkey,
+                (&dname, uuid.as_ref(), pci.as_ref()),
+                now,
+                events,
+            )
+        {
+            return;
+        }
         let burst = signed(ctx.policy.burst_window);
         match self.faults.get_mut(&key) {
             Some(f) => {
@@ -640,6 +666,7 @@ impl Engine {
                     active_since: at,
                     domain: None,
                     resolving_since: None,
+                    folded: None,
                 };
                 events.push(EngineEvent::NewFault {
                     code: f.fault.fault_code.clone(),

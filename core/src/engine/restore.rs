@@ -71,6 +71,7 @@ impl Engine {
                 active_since: f.first_seen,
                 domain: level_domain(f),
                 resolving_since: None,
+                folded: super::caps::folded_from_record(f),
             };
             e.faults.insert(key, state);
         }

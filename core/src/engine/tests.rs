@@ -686,7 +686,7 @@ fn arb_obs() -> impl Strategy<Value = (i64, Observation)> {
 }
 
 // History is kept long enough that nothing is pruned (pruning has its own test).
-const POLICY: &str = "recovered_retention: 100000h\nmax_recovered: 100000\nescalation:\n  - codes: [Xid13, Xid31]\n    count: 2\n    window: 1h\n    handling: SeparateNPU\n  - codes: [NVLINK_DOWN]\n    duration: 30s\n    handling: SeparateNPU\n";
+const POLICY: &str = "recovered_retention: 100000h\nmax_recovered: 1000\nescalation:\n  - codes: [Xid13, Xid31]\n    count: 2\n    window: 1h\n    handling: SeparateNPU\n  - codes: [NVLINK_DOWN]\n    duration: 30s\n    handling: SeparateNPU\n";
 
 fn run(obs: &[(i64, Observation)]) -> (Engine, Vec<Vec<EngineEvent>>) {
     let mut r = Rig::new(POLICY);
