@@ -67,6 +67,7 @@ pub struct Metrics {
     pub kmsg_truncated: Counter,
     pub kmsg_skipped: Counter,
     pub kmsg_matched: Family<KindLabel, Counter>,
+    pub kmsg_user: Counter,
     pub engine_events: Family<KindLabel, Counter>,
     pub engine_inputs: Counter,
     pub faults_active: Family<HandlingLabel, Gauge>,
@@ -109,6 +110,7 @@ impl Metrics {
             kmsg_truncated: Counter::default(),
             kmsg_skipped: Counter::default(),
             kmsg_matched: Family::default(),
+            kmsg_user: Counter::default(),
             engine_events: Family::default(),
             engine_inputs: Counter::default(),
             faults_active: Family::default(),
@@ -169,6 +171,11 @@ impl Metrics {
             "faultline_kmsg_matched_records",
             "Kernel log records that matched a fault parser, by kind",
             m.kmsg_matched.clone(),
+        );
+        r.register(
+            "faultline_kmsg_user_records",
+            "Kernel log records user space wrote (facility not 0), never scanned for faults",
+            m.kmsg_user.clone(),
         );
         r.register(
             "faultline_engine_events",
