@@ -10,7 +10,7 @@ use jiff::{SignedDuration, Timestamp};
 
 use crate::catalog::FaultCode;
 use crate::engine::{DeviceRef, Input, Observation, Signal};
-use crate::parse::kmsg::{facility_of, strip_dmesg_time, RecordError};
+use crate::parse::kmsg::{facility_of, strip_dmesg_time, strip_syslog_pri, RecordError};
 use crate::parse::{parse_message, parse_record, KernelEvent};
 use crate::record::Source;
 
@@ -211,14 +211,16 @@ impl KmsgReader {
                     }
                 }
                 // A broken header still says who wrote the record when its first field reads,
-                // and its message follows the `;`; a dmesg line says neither, and is taken as
-                // the kernel's (see `scan`).
-                let facility = header_pri(raw).map_or(KERNEL_FACILITY, facility_of);
+                // and its message follows the `;`. A `dmesg -r` line starts with its `<pri>`; a
+                // plain dmesg line says nothing, and is taken as the kernel's (see `scan`).
                 let first = text.split('\n').next().unwrap_or_default();
-                let msg = if looks_like_header(raw) {
-                    first.split_once(';').map_or(first, |(_, m)| m)
+                let (facility, msg) = if looks_like_header(raw) {
+                    let f = header_pri(raw).map_or(KERNEL_FACILITY, facility_of);
+                    (f, first.split_once(';').map_or(first, |(_, m)| m))
+                } else if let Some((pri, rest)) = strip_syslog_pri(first) {
+                    (facility_of(pri), strip_dmesg_time(rest))
                 } else {
-                    strip_dmesg_time(first)
+                    (KERNEL_FACILITY, strip_dmesg_time(first))
                 };
                 if let Some(obs) = self.scan(msg, facility, None) {
                     match trusted {
@@ -900,10 +902,12 @@ mod tests {
         assert_eq!(Tally::get(&tally.skipped), 1);
         assert_eq!(r.last_seq(), Some(2));
     }
+
     /// Issue 25 §1: a record user space wrote (facility not 0) is never scanned, though its
     /// text is a driver's line; the cursor still moves past it. A record whose header is broken
-    /// is judged by its first field when that reads; a dmesg line has no facility and is
-    /// scanned (file mode: the file's writer decides everything in it anyway).
+    /// is judged by its first field when that reads, a `dmesg -r` line by its `<pri>`; a plain
+    /// dmesg line has no facility and is scanned (file mode: the file's writer decides
+    /// everything in it anyway).
     #[test]
     fn only_records_the_kernel_wrote_are_scanned() {
         let (mut r, tally) = reader(None);
@@ -917,13 +921,15 @@ mod tests {
             format!("12,6,100;{xid}"),             // broken header, user's pri
             format!("4,7,100,-;{xid}"),            // the kernel's
             format!("[   1.000000] {xid}"),        // dmesg line
+            format!("<14>[   1.000000] {xid}"),    // `dmesg -r`, user.info
+            format!("<4>[   1.000000] {xid}"),     // `dmesg -r`, the kernel's
         ]
         .into();
         let raw: Vec<&[u8]> = lines.iter().map(|l| l.as_bytes()).collect();
         let mut out = feed_all(&mut r, &raw);
-        assert_eq!(signals(&out), ["Xid79x1", "Xid79x1"]);
-        assert_eq!(Tally::get(&tally.user_records), 6);
-        assert_eq!(Tally::get(&tally.matched), 2);
+        assert_eq!(signals(&out), ["Xid79x1", "Xid79x1", "Xid79x1"]);
+        assert_eq!(Tally::get(&tally.user_records), 7);
+        assert_eq!(Tally::get(&tally.matched), 3);
         r.flush_cursor(&mut out);
         assert_eq!(r.last_seq(), Some(7), "the cursor moved past every record");
     }

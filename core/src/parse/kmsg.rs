@@ -108,6 +108,15 @@ pub fn facility_of(pri: u64) -> u32 {
     u32::try_from(pri >> 3).unwrap_or(u32::MAX)
 }
 
+/// Splits the `<pri>` that `dmesg -r` prints before each line (`<4>[   12.345678] text`) from
+/// the rest of the line.
+pub fn strip_syslog_pri(line: &str) -> Option<(u64, &str)> {
+    let rest = line.strip_prefix('<')?;
+    let end = rest.find('>').filter(|&e| (1..=10).contains(&e))?;
+    let pri = rest[..end].parse().ok()?;
+    Some((pri, &rest[end + 1..]))
+}
+
 /// Strips a `dmesg`-style `[ 1234.567890] ` timestamp from a plain log line, and the caller id
 /// that follows it on kernels built with `CONFIG_PRINTK_CALLER` (`[  T123] `, `[    C2] `): the
 /// message parsers look for a driver's prefix at the start of the message.
@@ -180,6 +189,17 @@ mod tests {
         );
         let e = parse_record(b"6,x9,1,-;x").unwrap_err().to_string();
         assert!(e.contains("seq") && e.contains("x9"), "{e}");
+    }
+
+    #[test]
+    fn dmesg_raw_priority_is_split_off() {
+        assert_eq!(
+            strip_syslog_pri("<14>[ 1.5] NVRM: x"),
+            Some((14, "[ 1.5] NVRM: x"))
+        );
+        assert_eq!(strip_syslog_pri("<x>[ 1.5] y"), None);
+        assert_eq!(strip_syslog_pri("<>y"), None);
+        assert_eq!(strip_syslog_pri("[ 1.5] y"), None);
     }
 
     #[test]
