@@ -69,6 +69,7 @@ pub struct Metrics {
     pub kmsg_matched: Family<KindLabel, Counter>,
     /// A kernel-log file at the path replaced (`rotated`) or cut short (`truncated`).
     pub kmsg_new_files: Family<KindLabel, Counter>,
+    pub kmsg_user: Counter,
     pub engine_events: Family<KindLabel, Counter>,
     pub engine_inputs: Counter,
     pub faults_active: Family<HandlingLabel, Gauge>,
@@ -112,6 +113,7 @@ impl Metrics {
             kmsg_skipped: Counter::default(),
             kmsg_matched: Family::default(),
             kmsg_new_files: Family::default(),
+            kmsg_user: Counter::default(),
             engine_events: Family::default(),
             engine_inputs: Counter::default(),
             faults_active: Family::default(),
@@ -178,6 +180,11 @@ impl Metrics {
             "Kernel-log files (--kmsg-path a file) replaced (kind=rotated) or truncated \
              (kind=truncated), then read from their beginning",
             m.kmsg_new_files.clone(),
+        );
+        r.register(
+            "faultline_kmsg_user_records",
+            "Kernel log records user space wrote (facility not 0), never scanned for faults",
+            m.kmsg_user.clone(),
         );
         r.register(
             "faultline_engine_events",

@@ -10,7 +10,7 @@ use jiff::{SignedDuration, Timestamp};
 
 use crate::catalog::FaultCode;
 use crate::engine::{DeviceRef, Input, Observation, Signal};
-use crate::parse::kmsg::{strip_dmesg_time, RecordError};
+use crate::parse::kmsg::{facility_of, strip_dmesg_time, strip_syslog_pri, RecordError};
 use crate::parse::{parse_message, parse_record, KernelEvent};
 use crate::record::Source;
 
@@ -27,6 +27,9 @@ pub trait ReaderCounters: Send + Sync + fmt::Debug {
     fn lost(&self, lost: u64, next_seq: u64);
     /// A message matched a parser; `kind` is [`KernelEvent::kind`].
     fn matched(&self, kind: &'static str);
+    /// A record the kernel did not write (its facility is not 0: user space wrote it to
+    /// `/dev/kmsg`); its message was not scanned.
+    fn user_record(&self);
     /// A record whose sequence number is not where it can be (`seq`, after `last`): backwards
     /// after the reader caught up, or implausibly far ahead. Its message was still scanned.
     fn out_of_order(&self, seq: u64, last: u64);
@@ -45,6 +48,7 @@ pub struct Tally {
     pub lost: AtomicU64,
     pub matched: AtomicU64,
     pub out_of_order: AtomicU64,
+    pub user_records: AtomicU64,
 }
 
 impl Tally {
@@ -71,6 +75,9 @@ impl ReaderCounters for Tally {
     }
     fn out_of_order(&self, _: u64, _: u64) {
         self.out_of_order.fetch_add(1, Ordering::Relaxed);
+    }
+    fn user_record(&self) {
+        self.user_records.fetch_add(1, Ordering::Relaxed);
     }
 }
 
@@ -251,22 +258,34 @@ impl KmsgReader {
         self.counters.record();
         let parsed = parse_record(raw);
         let lossy;
-        let (number, message, at) = match &parsed {
+        let (number, message, facility, at) = match &parsed {
             Ok(rec) => (
                 Number::Header(rec.seq),
                 rec.message.as_ref(),
+                rec.facility,
                 self.record_time(rec.usec),
             ),
             Err(e) => {
                 lossy = String::from_utf8_lossy(raw);
-                let number = if looks_like_header(raw) {
-                    // A truncated or corrupt record: say so, and still scan what is there.
+                let first = lossy.split('\n').next().unwrap_or_default();
+                if looks_like_header(raw) {
+                    // A truncated or corrupt record: say so, and still scan what is there. A
+                    // broken header still says who wrote the record when its first field
+                    // reads, and its message follows the `;`.
                     self.counters.malformed(e, truncate(&lossy, 120));
-                    header_seq(raw).map_or(Number::None, Number::Damaged)
+                    (
+                        header_seq(raw).map_or(Number::None, Number::Damaged),
+                        first.split_once(';').map_or(first, |(_, m)| m),
+                        header_pri(raw).map_or(KERNEL_FACILITY, facility_of),
+                        None,
+                    )
+                } else if let Some((pri, rest)) = strip_syslog_pri(first) {
+                    // A `dmesg -r` line starts with its `<pri>`.
+                    (Number::None, strip_dmesg_time(rest), facility_of(pri), None)
                 } else {
-                    Number::None // a dmesg-format line
-                };
-                (number, strip_dmesg_time(lossy.trim_end_matches('\n')), None)
+                    // A plain dmesg line says nothing, and is taken as the kernel's (see `scan`).
+                    (Number::None, strip_dmesg_time(first), KERNEL_FACILITY, None)
+                }
             }
         };
         let mut place = self.place(number);
@@ -308,7 +327,7 @@ impl KmsgReader {
             _ => {}
         }
         self.advance(place);
-        match self.scan(message, at) {
+        match self.scan(message, facility, at) {
             Some(obs) => {
                 // A fault and the cursor covering it, in one input.
                 out.push(Input::Kmsg {
@@ -393,8 +412,22 @@ impl KmsgReader {
         });
     }
 
-    /// Parses a message into its observation, if it is one the parsers know.
-    fn scan(&mut self, msg: &str, at: Option<Timestamp>) -> Option<Observation> {
+    /// Parses a message into its observation, if it is one the parsers know and the kernel
+    /// wrote it.
+    ///
+    /// Only the kernel writes facility 0 (`LOG_KERN`). A record written to `/dev/kmsg` from
+    /// user space gets `LOG_USER` (1) unless its `<N>` prefix names another non-zero facility:
+    /// Linux `kernel/printk/printk.c`, `devkmsg_write` (`facility = 1; /* LOG_USER */`, and a
+    /// prefix changes it only `if (LOG_FACILITY(u) != 0)`), as the kernel's
+    /// `Documentation/ABI/testing/dev-kmsg` states ("Injecting messages with the facility
+    /// number LOG_KERN (0) is not possible"). So whoever may write `/dev/kmsg` can put any text
+    /// in the log, never a facility-0 record. A dmesg-format line (file mode) carries no
+    /// facility: it is scanned, since the file's writer already decides everything in it.
+    fn scan(&mut self, msg: &str, facility: u32, at: Option<Timestamp>) -> Option<Observation> {
+        if facility != KERNEL_FACILITY {
+            self.counters.user_record();
+            return None;
+        }
         self.scanned += 1;
         let ev = parse_message(msg)?;
         self.counters.matched(ev.kind());
@@ -419,6 +452,15 @@ impl KmsgReader {
         }
         Some(to_observation(ev, at))
     }
+}
+
+/// The syslog facility of the records the kernel itself writes (`LOG_KERN`).
+pub const KERNEL_FACILITY: u32 = 0;
+
+/// The `pri` field of a record whose header is otherwise broken.
+fn header_pri(raw: &[u8]) -> Option<u64> {
+    let digits = raw.iter().take_while(|c| c.is_ascii_digit()).count();
+    std::str::from_utf8(&raw[..digits]).ok()?.parse().ok()
 }
 
 fn looks_like_header(raw: &[u8]) -> bool {
@@ -1152,5 +1194,57 @@ mod tests {
         let (mut r, _) = reader_at(Some(saved));
         assert!(!r.in_log(Some(1)));
         assert!(feed_all(&mut r, &[xid.as_bytes()]).is_empty());
+    }
+
+    /// Issue 25 §1: a record user space wrote (facility not 0) is never scanned, though its
+    /// text is a driver's line; the cursor still moves past it. A record whose header is broken
+    /// is judged by its first field when that reads, a `dmesg -r` line by its `<pri>`; a plain
+    /// dmesg line has no facility and is scanned (file mode: the file's writer decides
+    /// everything in it anyway).
+    #[test]
+    fn only_records_the_kernel_wrote_are_scanned() {
+        let (mut r, tally) = reader(None);
+        let xid = "NVRM: Xid (PCI:0000:3b:00): 79, GPU has fallen off the bus.";
+        let lines: Vec<String> = [
+            format!("12,1,100,-;{xid}"),           // <4> from user space
+            format!("8,2,100,-;{xid}"),            // <0> or <8>
+            format!("30,3,100,-,caller=T1;{xid}"), // <30>, daemon
+            format!("2047,4,100,-;{xid}"),         // facility 255
+            format!("34359738372,5,100,-;{xid}"),  // a pri past u32: not facility 0
+            format!("12,6,100;{xid}"),             // broken header, user's pri
+            format!("4,7,100,-;{xid}"),            // the kernel's
+            format!("[   1.000000] {xid}"),        // dmesg line
+            format!("<14>[   1.000000] {xid}"),    // `dmesg -r`, user.info
+            format!("<4>[   1.000000] {xid}"),     // `dmesg -r`, the kernel's
+        ]
+        .into();
+        let raw: Vec<&[u8]> = lines.iter().map(|l| l.as_bytes()).collect();
+        let mut out = feed_all(&mut r, &raw);
+        assert_eq!(signals(&out), ["Xid79x1", "Xid79x1", "Xid79x1"]);
+        assert_eq!(Tally::get(&tally.user_records), 7);
+        assert_eq!(Tally::get(&tally.matched), 3);
+        r.flush_cursor(&mut out);
+        assert_eq!(r.last_seq(), Some(7), "the cursor moved past every record");
+    }
+
+    /// A device record's signal is dated by its kernel timestamp (boot time + its
+    /// microseconds), which no user-space line can check end to end any more.
+    #[test]
+    fn a_device_record_is_dated_by_its_kernel_timestamp() {
+        let boot = Timestamp::from_second(1_790_000_000).unwrap();
+        let mut r = KmsgReader::new(None, Some(boot), true, Arc::new(Tally::default()));
+        let mut out = Vec::new();
+        r.feed(format!("4,1,2500000,-;{XID}").as_bytes(), &mut out);
+        let Some(Input::Kmsg {
+            obs: Observation::Signal(s),
+            ..
+        }) = out.first()
+        else {
+            panic!("{out:?}")
+        };
+        assert_eq!(
+            s.at,
+            Some(boot.checked_add(SignedDuration::from_millis(2500)).unwrap())
+        );
     }
 }

@@ -80,6 +80,9 @@ impl ReaderCounters for Counters {
     fn out_of_order(&self, seq: u64, last: u64) {
         self.metrics.out_of_order(seq, last);
     }
+    fn user_record(&self) {
+        self.metrics.user_record();
+    }
 }
 
 impl ReaderCounters for Metrics {
@@ -102,6 +105,9 @@ impl ReaderCounters for Metrics {
     }
     fn matched(&self, kind: &'static str) {
         self.kmsg_matched.get_or_create(&KindLabel { kind }).inc();
+    }
+    fn user_record(&self) {
+        self.kmsg_user.inc();
     }
     fn out_of_order(&self, seq: u64, last: u64) {
         // Counted with the malformed records: a sequence number that cannot be right.

@@ -1,11 +1,12 @@
 //! Kernel message parsers: NVIDIA Xid and SXid, the PCI-to-UUID line, "fallen off the bus",
-//! PCIe AER uncorrectable errors and machine checks.
+//! PCIe AER uncorrectable errors, machine checks and EDAC memory errors.
 //!
 //! `parse_message` takes the message text of one kernel log record (what follows `;` in
-//! `/dev/kmsg`, or a `dmesg` line without its timestamp) and returns at most one event. A cheap
-//! byte search rejects the vast majority of lines before any parsing; the parsers themselves are
-//! small hand-written cursors rather than regular expressions because the formats are fixed
-//! and the parser is on the hot path (see docs/benchmarks.md).
+//! `/dev/kmsg`, or a `dmesg` line without its timestamp) and returns at most one event. Each
+//! signal is recognized only by the prefix its driver prints at the start of the message, so a
+//! few byte comparisons reject the vast majority of lines before any parsing; the parsers
+//! themselves are small hand-written cursors rather than regular expressions because the
+//! formats are fixed and the parser is on the hot path (see docs/benchmarks.md).
 
 use memchr::memmem;
 use serde::Serialize;
@@ -94,56 +95,51 @@ impl KernelEvent {
     }
 }
 
-/// Substring searchers built once: building one per call costs more than the search itself on
-/// short lines.
-struct Finders {
-    sxid: memmem::Finder<'static>,
-    xid: memmem::Finder<'static>,
-    nvrm: memmem::Finder<'static>,
-    uncorrect: memmem::Finder<'static>,
-    hw_error: memmem::Finder<'static>,
-    edac: memmem::Finder<'static>,
-    mem_error: memmem::Finder<'static>,
+/// Parses one kernel message. Returns `None` for every line that is not a fault signal.
+///
+/// Every signal is recognized only where and how its driver prints it: at the start of the
+/// message, with the driver's own prefix, and with a full PCI address (domain included) where
+/// the driver prints one. Text that merely contains a driver line is not one: the kernel
+/// prints names user space chooses (a process's `comm`, up to 15 bytes, at the start of a
+/// segfault or OOM line; a mapped file's name in the middle), and a module may quote another
+/// driver's line. Every prefix matched here is longer than 15 bytes before any field a user
+/// could name, or demands text after it that no kernel line starting with a `comm` has (see
+/// `parse_edac`), so a renamed process cannot forge one. Whether the record came from the
+/// kernel at all is the reader's check (facility 0, `kmsg_reader.rs`).
+pub fn parse_message(msg: &str) -> Option<KernelEvent> {
+    if let Some(rest) = msg.strip_prefix("NVRM: ") {
+        return parse_nvrm(rest);
+    }
+    if let Some(e) = msg.strip_prefix("nvidia-nvswitch").and_then(parse_sxid) {
+        return Some(e);
+    }
+    if let Some(rest) = msg.strip_prefix("mce: ") {
+        if let Some(rest) = rest.strip_prefix("[Hardware Error]: ") {
+            return parse_mce(msg, rest);
+        }
+        return rest
+            .starts_with("Uncorrected hardware memory error in user-access at ")
+            .then(|| machine_check(msg, false));
+    }
+    if let Some(rest) = msg.strip_prefix("[Hardware Error]: ") {
+        // Kernels before `pr_fmt("mce: ")` print the header bare.
+        return parse_mce(msg, rest);
+    }
+    if let Some(rest) = msg.strip_prefix("EDAC MC") {
+        return parse_edac(msg, rest);
+    }
+    parse_aer(msg)
 }
 
-static FINDERS: std::sync::LazyLock<Finders> = std::sync::LazyLock::new(|| Finders {
-    sxid: memmem::Finder::new("SXid ("),
-    xid: memmem::Finder::new("Xid ("),
-    nvrm: memmem::Finder::new("NVRM:"),
-    uncorrect: memmem::Finder::new("Uncorrect"),
-    hw_error: memmem::Finder::new("Hardware Error]"),
-    edac: memmem::Finder::new("EDAC MC"),
-    mem_error: memmem::Finder::new("hardware memory error"),
-});
-
-/// Parses one kernel message. Returns `None` for every line that is not a fault signal.
-pub fn parse_message(msg: &str) -> Option<KernelEvent> {
-    let b = msg.as_bytes();
-    let f = &*FINDERS;
-    if let Some(i) = f.sxid.find(b) {
-        return parse_sxid(msg, i);
+/// `NVRM: ` lines: an Xid, the PCI-to-UUID line, or one of the fallen-off-the-bus forms.
+fn parse_nvrm(rest: &str) -> Option<KernelEvent> {
+    if let Some(r) = rest.strip_prefix("Xid (") {
+        return parse_xid(r);
     }
-    if let Some(i) = f.xid.find(b) {
-        return parse_xid(msg, i);
+    if let Some(r) = rest.strip_prefix("GPU at ") {
+        return parse_uuid(r);
     }
-    if f.nvrm.find(b).is_some() {
-        if let Some(i) = memmem::find(b, b"GPU at PCI:") {
-            return parse_uuid(msg, i);
-        }
-        if memmem::find(b, b"fallen off the bus").is_some() {
-            return parse_fallen(msg);
-        }
-        return None;
-    }
-    if f.uncorrect.find(b).is_some() {
-        if let Some(e) = parse_aer(msg) {
-            return Some(e);
-        }
-    }
-    if f.hw_error.find(b).is_some() || f.edac.find(b).is_some() || f.mem_error.find(b).is_some() {
-        return parse_mce(msg);
-    }
-    None
+    parse_fallen(rest)
 }
 
 /// Parses a decimal number at the start of `s`; returns it and the bytes consumed.
@@ -155,9 +151,21 @@ fn decimal(s: &str) -> Option<(u32, usize)> {
     s[..n].parse().ok().map(|v| (v, n))
 }
 
-/// Parses `(ADDR): CODE` starting just after the opening parenthesis.
+/// A PCI address at the start of `s` as drivers print it: with its domain (`0000:3b:00`,
+/// `PCI:0000:3b:00`, `0000:3b:00.0`, `10000:01:00.0`), never the short `3b:00` that
+/// [`PciAddr::parse_prefix`] also takes.
+fn driver_pci(s: &str) -> Option<(PciAddr, usize)> {
+    let (a, n) = PciAddr::parse_prefix(s)?;
+    let body = s[..n]
+        .get(..4)
+        .filter(|p| p.eq_ignore_ascii_case("PCI:"))
+        .map_or(&s[..n], |_| &s[4..n]);
+    (body.bytes().filter(|c| *c == b':').count() == 2).then_some((a, n))
+}
+
+/// Parses `ADDR): CODE` (what follows the opening parenthesis).
 fn addr_and_code(rest: &str) -> Option<(PciAddr, u32, &str)> {
-    let (pci, n) = PciAddr::parse_prefix(rest)?;
+    let (pci, n) = driver_pci(rest)?;
     // MIG adds ` GPU-I:05` before the parenthesis closes.
     let close = rest[n..].find(')').filter(|&i| i <= 16)?;
     let rest = rest[n + close..].strip_prefix("):")?;
@@ -184,8 +192,9 @@ fn number_after(s: &str, word: &str) -> Option<u32> {
     None
 }
 
-fn parse_xid(msg: &str, at: usize) -> Option<KernelEvent> {
-    let (pci, xid, rest) = addr_and_code(&msg[at + "Xid (".len()..])?;
+/// `NVRM: Xid (PCI:0000:3b:00): 79, pid=…, name=…, text`; `rest` follows `Xid (`.
+fn parse_xid(rest: &str) -> Option<KernelEvent> {
+    let (pci, xid, rest) = addr_and_code(rest)?;
     let mut rest = rest.strip_prefix(',').unwrap_or(rest).trim_start();
     let mut pid = None;
     let mut process = None;
@@ -221,14 +230,15 @@ fn parse_xid(msg: &str, at: usize) -> Option<KernelEvent> {
     })
 }
 
-fn parse_sxid(msg: &str, at: usize) -> Option<KernelEvent> {
-    let (pci, sxid, rest) = addr_and_code(&msg[at + "SXid (".len()..])?;
+/// `nvidia-nvswitch3: SXid (PCI:0000:86:00.0): 12028, Non-fatal, Link 32 …`: the NVSwitch
+/// driver names the switch (`nvswitchN`) before the SXid; `rest` follows `nvidia-nvswitch`.
+fn parse_sxid(rest: &str) -> Option<KernelEvent> {
+    let (switch, n) = decimal(rest)?;
+    let rest = rest[n..].strip_prefix(": SXid (")?;
+    let switch = Some(switch);
+    let (pci, sxid, rest) = addr_and_code(rest)?;
     let rest = rest.strip_prefix(',').unwrap_or(rest).trim_start();
     let lower = rest.get(..9).unwrap_or(rest).to_ascii_lowercase();
-    let switch = || {
-        memmem::find(msg.as_bytes(), b"nvswitch")
-            .and_then(|i| decimal(&msg[i + "nvswitch".len()..]).map(|(v, _)| v))
-    };
     // `Data {…}` lines follow the report and only add detail. `Severity N Engine instance …`
     // lines follow it too, but some drivers print one with no report before it: the reader
     // decides (kmsg_reader.rs). Its number is not the Fatal/Non-fatal word and is not read as
@@ -240,7 +250,7 @@ fn parse_sxid(msg: &str, at: usize) -> Option<KernelEvent> {
         return Some(KernelEvent::SxidSeverity {
             pci,
             sxid,
-            switch: switch(),
+            switch,
             message: rest.trim_end().to_string(),
         });
     }
@@ -262,15 +272,18 @@ fn parse_sxid(msg: &str, at: usize) -> Option<KernelEvent> {
         pci,
         sxid,
         fatal,
-        switch: switch(),
+        switch,
         link: number_after(text, "link "),
         message: text.to_string(),
     })
 }
 
-fn parse_uuid(msg: &str, at: usize) -> Option<KernelEvent> {
-    let rest = &msg[at + "GPU at ".len()..];
-    let (pci, n) = PciAddr::parse_prefix(rest)?;
+/// `NVRM: GPU at PCI:0000:3b:00: GPU-<uuid>`; `rest` follows `GPU at `.
+fn parse_uuid(rest: &str) -> Option<KernelEvent> {
+    if !rest.starts_with("PCI:") {
+        return None;
+    }
+    let (pci, n) = driver_pci(rest)?;
     let rest = rest[n..].strip_prefix(':')?.trim_start();
     let uuid: &str = rest.split_whitespace().next()?;
     let uuid = uuid.trim_end_matches(['.', ',']);
@@ -283,106 +296,151 @@ fn parse_uuid(msg: &str, at: usize) -> Option<KernelEvent> {
     })
 }
 
-/// Returns the first PCI address that stands as a whole word in `s`.
-fn first_pci_word(s: &str) -> Option<PciAddr> {
-    // `\x0a` is how /dev/kmsg escapes the newlines of a multi-line message.
-    s.split(|c: char| c.is_whitespace() || c == '(' || c == ',' || c == '\\')
-        .find_map(|w| {
-            let w = w.trim_end_matches(':');
-            let (a, n) = PciAddr::parse_prefix(w)?;
-            // Require a domain or function so that e.g. `10de:20b0` (a PCI ID) never matches.
-            (n == w.len() && w.matches(':').count() + usize::from(w.contains('.')) >= 2)
-                .then_some(a)
-        })
-}
-
-fn parse_fallen(msg: &str) -> Option<KernelEvent> {
-    let after = &msg[memmem::find(msg.as_bytes(), b"NVRM:")? + "NVRM:".len()..];
-    let pci = first_pci_word(after);
-    if pci.is_none() && !after.trim_start().starts_with("GPU has fallen off the bus") {
-        return None;
+/// The three forms the driver prints (`rest` follows `NVRM: `):
+/// `GPU 0000:3b:00.0: GPU has fallen off the bus.` (`NV_DEV_PRINTF`), the probe path's
+/// `The NVIDIA GPU 0000:3b:00.0 (PCI ID: …) installed in this system has … fallen off the bus
+/// …` (one record, its lines joined by `\x0a`), and the oldest drivers' address-less
+/// `GPU has fallen off the bus.`
+fn parse_fallen(rest: &str) -> Option<KernelEvent> {
+    const FALLEN: &str = "GPU has fallen off the bus";
+    if rest.starts_with(FALLEN) {
+        return Some(KernelEvent::FallenOffBus { pci: None });
     }
-    Some(KernelEvent::FallenOffBus { pci })
+    if let Some(r) = rest.strip_prefix("GPU ") {
+        let (pci, n) = driver_pci(r)?;
+        return r[n..]
+            .strip_prefix(": ")?
+            .starts_with(FALLEN)
+            .then_some(KernelEvent::FallenOffBus { pci: Some(pci) });
+    }
+    let r = rest.strip_prefix("The NVIDIA GPU ")?;
+    let (pci, n) = driver_pci(r)?;
+    memmem::find(&r.as_bytes()[n..], b"fallen off the bus")
+        .map(|_| KernelEvent::FallenOffBus { pci: Some(pci) })
 }
 
+/// `Uncorrected (Fatal)` / `Uncorrectable (Non-Fatal)` (kernels renamed the word in 2023) at
+/// the start of `s`: whether fatal, and the text after the parenthesis.
+fn uncorrectable(s: &str) -> Option<(bool, &str)> {
+    let s = s
+        .strip_prefix("Uncorrected ")
+        .or_else(|| s.strip_prefix("Uncorrectable "))?;
+    if let Some(r) = s.strip_prefix("(Fatal)") {
+        Some((true, r))
+    } else {
+        s.strip_prefix("(Non-Fatal)").map(|r| (false, r))
+    }
+}
+
+/// An uncorrectable PCIe error, as `drivers/pci/pcie/aer.c` prints it through `pci_err`: the
+/// `dev_printk` prefix (the reporting device's driver, or the bus name `pci`, and its address),
+/// then an optional `AER: ` and either the report header
+/// (`[Multiple ]Uncorrected (Fatal) error received: <dev>`, `… error message received from
+/// <dev>`, or `… received: id=0018` on old kernels, where only the reporting port is known) or
+/// the detail line (`PCIe Bus Error: severity=Uncorrected (Fatal), type=…`, about the
+/// reporting device itself).
 fn parse_aer(msg: &str) -> Option<KernelEvent> {
-    let b = msg.as_bytes();
-    // Kernels print `Uncorrected` or `Uncorrectable`.
-    let fatal = if memmem::find(b, b" (Fatal)").is_some() {
-        true
-    } else if memmem::find(b, b" (Non-Fatal)").is_some() {
-        false
-    } else {
-        return None;
-    };
-    if let Some(i) =
-        memmem::find(b, b"error received").or_else(|| memmem::find(b, b"error message received"))
+    let sp = memchr::memchr(b' ', msg.as_bytes().get(..33).unwrap_or(msg.as_bytes()))?;
+    let driver = &msg.as_bytes()[..sp];
+    if driver.is_empty()
+        || !driver
+            .iter()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'-' | b'.'))
     {
-        // `pcieport <port>: AER: Uncorrected (Fatal) error received: <dev>` (or `… from <dev>`,
-        // or `id=0018` on old kernels, where only the reporting port is known).
-        let tail = &msg[i..];
-        let after = tail
-            .find("received:")
-            .map(|j| &tail[j + "received:".len()..])
-            .or_else(|| {
-                tail.find("received from ")
-                    .map(|j| &tail[j + "received from ".len()..])
-            });
-        let dev = after.and_then(first_pci_word);
-        let pci = dev.or_else(|| first_pci_word(&msg[..i]))?;
-        return Some(KernelEvent::PcieAer {
-            pci,
-            fatal,
-            message: msg.trim().to_string(),
-        });
+        return None;
     }
-    if let Some(i) = memmem::find(b, b"PCIe Bus Error: severity=") {
-        // `<driver> <dev>: [AER: ]PCIe Bus Error: severity=Uncorrected (Fatal), type=…`
-        let pci = first_pci_word(&msg[..i])?;
-        return Some(KernelEvent::PcieAer {
-            pci,
-            fatal,
-            message: msg.trim().to_string(),
-        });
-    }
-    None
+    let after = &msg[sp + 1..];
+    let (port, n) = driver_pci(after)?;
+    let body = after[n..].strip_prefix(": ")?;
+    let body = body.strip_prefix("AER: ").unwrap_or(body);
+    let (fatal, pci) = if let Some(sev) = body.strip_prefix("PCIe Bus Error: severity=") {
+        let (fatal, r) = uncorrectable(sev)?;
+        r.starts_with(',').then_some((fatal, port))?
+    } else {
+        let (fatal, r) = uncorrectable(body.strip_prefix("Multiple ").unwrap_or(body))?;
+        let r = r.strip_prefix(" error ")?;
+        let r = r.strip_prefix("message ").unwrap_or(r);
+        let r = r.strip_prefix("received")?;
+        let dev = r
+            .strip_prefix(": ")
+            .or_else(|| r.strip_prefix(" from "))
+            .and_then(driver_pci)
+            .map(|(d, _)| d);
+        (fatal, dev.unwrap_or(port))
+    };
+    Some(KernelEvent::PcieAer {
+        pci,
+        fatal,
+        message: msg.trim().to_string(),
+    })
 }
 
-fn parse_mce(msg: &str) -> Option<KernelEvent> {
-    let b = msg.as_bytes();
-    let cpu = number_after(msg, "cpu ");
-    let bank = number_after(msg, "bank ");
-    let corrected = if memmem::find(b, b"Machine check events logged").is_some() {
+fn machine_check(msg: &str, corrected: bool) -> KernelEvent {
+    KernelEvent::MachineCheck {
+        corrected,
+        cpu: number_after(msg, "cpu "),
+        bank: number_after(msg, "bank "),
+        message: msg.trim().to_string(),
+    }
+}
+
+/// A machine check, as `arch/x86/kernel/cpu/mce/core.c` prints it after `[Hardware Error]: `
+/// (`rest`): `Machine check events logged` (corrected errors were logged),
+/// `CPU 3: Machine Check[ Exception]: 0 Bank 7: <status>` (a record's header) or
+/// `Machine check: <reason>` (the kernel's severity verdict, `Processor context corrupt`).
+fn parse_mce(msg: &str, rest: &str) -> Option<KernelEvent> {
+    if rest.starts_with("Machine check events logged") {
+        return Some(machine_check(msg, true));
+    }
+    if rest.starts_with("Machine check: ") {
+        return Some(machine_check(msg, false));
+    }
+    let r = rest.strip_prefix("CPU ")?;
+    let (_, n) = decimal(r)?;
+    let r = r[n..].strip_prefix(": Machine Check")?;
+    if r.starts_with(" Exception: ") {
+        return Some(machine_check(msg, false));
+    }
+    // Bit 61 of the bank status (UC) says whether the error was corrected.
+    r.strip_prefix(": ")?;
+    let status = msg.rsplit(": ").next()?.trim();
+    let status = u64::from_str_radix(status.split_whitespace().next()?, 16).ok()?;
+    Some(machine_check(msg, status & (1 << 61) == 0))
+}
+
+/// An EDAC memory controller's error report (`rest` follows `EDAC MC`), as
+/// `drivers/edac/edac_mc.c` prints it (`edac_ce_error` / `edac_ue_error`):
+/// `EDAC MC0: 1 UE <msg> on <label> (<location> page:0x… offset:0x… grain:…)`, or before 3.6
+/// `EDAC MC0: UE page 0x…, offset 0x…, grain 8, …`.
+///
+/// `EDAC MC0: 1 UE ` is only 15 bytes, short enough for a process name, and the kernel
+/// starts lines with one (`<comm>[pid]: segfault at …`, `<comm> invoked oom-killer: …`). So
+/// the text after `UE `/`CE ` must start with a letter (the kernel's `[`, ` (` or `:` after a
+/// name does not) and hold the report's `page` and `grain` fields, which no line that starts
+/// with a name has.
+fn parse_edac(msg: &str, rest: &str) -> Option<KernelEvent> {
+    let (_, n) = decimal(rest)?;
+    let r = rest[n..].strip_prefix(": ")?;
+    let r = match decimal(r) {
+        Some((_, n)) => r[n..].strip_prefix(' ')?,
+        None => r,
+    };
+    let corrected = if r.starts_with("CE ") {
         true
-    } else if memmem::find(b, b"Machine Check Exception").is_some()
-        || memmem::find(b, b"Uncorrected hardware memory error").is_some()
-        || memmem::find(b, b"Machine check: ").is_some()
-    {
-        // The last form is the kernel's severity verdict (`Processor context corrupt`).
+    } else if r.starts_with("UE ") {
         false
-    } else if let Some(i) = memmem::find(b, b"EDAC MC") {
-        // `EDAC MC0: 1 CE memory read error …` / `… UE …`
-        let tail = &msg[i..];
-        if tail.contains(" UE ") {
-            false
-        } else if tail.contains(" CE ") {
-            true
-        } else {
-            return None;
-        }
-    } else if let Some(i) = memmem::find(b, b"Machine Check:") {
-        // A decoded record: `CPU 3: Machine Check: 0 Bank 7: cc0000c000010091`. Bit 61 of
-        // the bank status (UC) says whether the error was corrected.
-        let status = msg[i..].rsplit(": ").next()?.trim();
-        let status = u64::from_str_radix(status.split_whitespace().next()?, 16).ok()?;
-        status & (1 << 61) == 0
     } else {
         return None;
     };
-    Some(KernelEvent::MachineCheck {
+    let tail = &r[3..];
+    let b = tail.as_bytes();
+    let report = b.first().is_some_and(u8::is_ascii_alphabetic)
+        && memmem::find(b, b"page").is_some()
+        && memmem::find(b, b"grain").is_some();
+    report.then(|| KernelEvent::MachineCheck {
         corrected,
-        cpu,
-        bank,
+        cpu: None,
+        bank: None,
         message: msg.trim().to_string(),
     })
 }

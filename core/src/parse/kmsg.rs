@@ -92,7 +92,7 @@ pub fn parse_record(raw: &[u8]) -> Result<KmsgRecord<'_>, RecordError> {
         })
         .collect();
     Ok(KmsgRecord {
-        facility: (pri >> 3) as u32,
+        facility: facility_of(pri),
         level: (pri & 7) as u8,
         seq,
         usec,
@@ -102,21 +102,43 @@ pub fn parse_record(raw: &[u8]) -> Result<KmsgRecord<'_>, RecordError> {
     })
 }
 
-/// Strips a `dmesg`-style `[ 1234.567890] ` timestamp from a plain log line.
+/// The facility of a `pri` field (`pri >> 3`); one too large for a `u32` is `u32::MAX`, never
+/// cut down to a small number (such as the kernel's 0).
+pub fn facility_of(pri: u64) -> u32 {
+    u32::try_from(pri >> 3).unwrap_or(u32::MAX)
+}
+
+/// Splits the `<pri>` that `dmesg -r` prints before each line (`<4>[   12.345678] text`) from
+/// the rest of the line.
+pub fn strip_syslog_pri(line: &str) -> Option<(u64, &str)> {
+    let rest = line.strip_prefix('<')?;
+    let end = rest.find('>').filter(|&e| (1..=10).contains(&e))?;
+    let pri = rest[..end].parse().ok()?;
+    Some((pri, &rest[end + 1..]))
+}
+
+/// Strips a `dmesg`-style `[ 1234.567890] ` timestamp from a plain log line, and the caller id
+/// that follows it on kernels built with `CONFIG_PRINTK_CALLER` (`[  T123] `, `[    C2] `): the
+/// message parsers look for a driver's prefix at the start of the message.
 pub fn strip_dmesg_time(line: &str) -> &str {
-    let t = line.trim_start();
-    if let Some(rest) = t.strip_prefix('[') {
-        if let Some(end) = rest.find(']') {
-            if rest[..end]
-                .trim()
-                .bytes()
-                .all(|c| c.is_ascii_digit() || c == b'.')
-            {
-                return rest[end + 1..].trim_start();
-            }
-        }
-    }
-    line
+    let Some(rest) = bracketed(line.trim_start(), |s| {
+        !s.is_empty() && s.bytes().all(|c| c.is_ascii_digit() || c == b'.')
+    }) else {
+        return line;
+    };
+    bracketed(rest, |s| {
+        s.len() > 1
+            && matches!(s.as_bytes()[0], b'T' | b'C')
+            && s[1..].bytes().all(|c| c.is_ascii_digit())
+    })
+    .unwrap_or(rest)
+}
+
+/// The text after a leading `[…] ` whose trimmed content passes `ok`.
+fn bracketed(s: &str, ok: impl Fn(&str) -> bool) -> Option<&str> {
+    let rest = s.strip_prefix('[')?;
+    let end = rest.find(']')?;
+    ok(rest[..end].trim()).then(|| rest[end + 1..].trim_start())
 }
 
 #[cfg(test)]
@@ -170,9 +192,30 @@ mod tests {
     }
 
     #[test]
+    fn dmesg_raw_priority_is_split_off() {
+        assert_eq!(
+            strip_syslog_pri("<14>[ 1.5] NVRM: x"),
+            Some((14, "[ 1.5] NVRM: x"))
+        );
+        assert_eq!(strip_syslog_pri("<x>[ 1.5] y"), None);
+        assert_eq!(strip_syslog_pri("<>y"), None);
+        assert_eq!(strip_syslog_pri("[ 1.5] y"), None);
+    }
+
+    #[test]
     fn dmesg_time_is_stripped() {
         assert_eq!(strip_dmesg_time("[  12.345678] NVRM: x"), "NVRM: x");
         assert_eq!(strip_dmesg_time("[not time] x"), "[not time] x");
+        assert_eq!(
+            strip_dmesg_time("[  12.345678] [  T4711] NVRM: x"),
+            "NVRM: x"
+        );
+        assert_eq!(strip_dmesg_time("[ 1.5][    C3] mce: x"), "mce: x");
+        // Only a caller id goes: the MCE prefix is a bracket too.
+        assert_eq!(
+            strip_dmesg_time("[ 1.5] [Hardware Error]: Machine check events logged"),
+            "[Hardware Error]: Machine check events logged"
+        );
     }
 
     proptest! {
