@@ -928,7 +928,11 @@ mod tests {
         let o = clear(d.path(), Some("Xid79".into()), None, wait);
         old.join().unwrap();
         assert_eq!(o.code, 0, "{}", o.message);
-        assert!(o.message.contains("could not write its answer"), "{}", o.message);
+        assert!(
+            o.message.contains("could not write its answer"),
+            "{}",
+            o.message
+        );
 
         let left: Vec<_> = std::fs::read_dir(d.path().join(CLEAR_DIR))
             .unwrap()

@@ -688,7 +688,9 @@ mod tests {
         );
         // `/v1/record` serves the same document: `faultline hosts --members` reads it whole.
         assert!(faults <= crate::cli::members::MAX_ANSWER_BYTES as u64);
-        let back = read_state(dir.path(), &"n".repeat(253)).unwrap().expect("read back");
+        let back = read_state(dir.path(), &"n".repeat(253))
+            .unwrap()
+            .expect("read back");
         assert!(back == *snap.state, "state.json reads back as written");
         let mut stamped = (*snap.record).clone();
         stamped.agent.heartbeat_time = Some(now);
