@@ -417,13 +417,15 @@ fn parse_mce(msg: &str, rest: &str) -> Option<KernelEvent> {
 /// starts lines with one (`<comm>[pid]: segfault at …`, `<comm> invoked oom-killer: …`). So
 /// the text after `UE `/`CE ` must start with a letter (the kernel's `[`, ` (` or `:` after a
 /// name does not) and hold the report's `page` and `grain` fields, which no line that starts
-/// with a name has.
+/// with a name has. The form without a count is shorter still (`EDAC MC0: UE ` is 13 bytes,
+/// leaving a name two letters of its own), so there the text must start as that driver's
+/// does, `page 0x`: 20 bytes in all, more than any process name holds.
 fn parse_edac(msg: &str, rest: &str) -> Option<KernelEvent> {
     let (_, n) = decimal(rest)?;
     let r = rest[n..].strip_prefix(": ")?;
-    let r = match decimal(r) {
-        Some((_, n)) => r[n..].strip_prefix(' ')?,
-        None => r,
+    let (counted, r) = match decimal(r) {
+        Some((_, n)) => (true, r[n..].strip_prefix(' ')?),
+        None => (false, r),
     };
     let corrected = if r.starts_with("CE ") {
         true
@@ -434,7 +436,12 @@ fn parse_edac(msg: &str, rest: &str) -> Option<KernelEvent> {
     };
     let tail = &r[3..];
     let b = tail.as_bytes();
-    let report = b.first().is_some_and(u8::is_ascii_alphabetic)
+    let start = if counted {
+        b.first().is_some_and(u8::is_ascii_alphabetic)
+    } else {
+        tail.starts_with("page 0x")
+    };
+    let report = start
         && memmem::find(b, b"page").is_some()
         && memmem::find(b, b"grain").is_some();
     report.then(|| KernelEvent::MachineCheck {
