@@ -14,8 +14,8 @@ use crate::atomic_file::write as write_atomic;
 use crate::runtime::Clock;
 use crate::sink::file::FAULTS_FILE;
 use crate::source::control::{
-    is_pending, is_rejected, parse_request, read_result, remove_result, ClearRequest, ClearResult,
-    CLEAR_DIR,
+    is_pending, is_rejected, is_taken, parse_request, read_result, remove_result, withdraw,
+    ClearRequest, ClearResult, CLEAR_DIR,
 };
 
 /// Where the local record is.
@@ -398,11 +398,42 @@ pub fn clear(
         }
         std::thread::sleep(Duration::from_millis(50));
     }
-    Outcome::error(format!(
-        "error: the agent did not take {} within {} (is it running?)",
-        path.display(),
-        humantime::format_duration(wait)
-    ))
+    let waited = humantime::format_duration(wait);
+    // Past the wait, a request the agent has not taken is withdrawn: left behind, it would clear
+    // faults whenever an agent next started, long after this command said it did not.
+    match withdraw(&dir, &name) {
+        Ok(()) => Outcome::error(format!(
+            "error: the agent did not take {} within {waited} (is it running?); the request is \
+             withdrawn and will not be applied later",
+            path.display()
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            if let Some(Ok(result)) = read_result(&dir, &name) {
+                let _ = remove_result(&dir, &name);
+                return cleared(state_dir, &req, &result);
+            }
+            if is_taken(&dir, &name) {
+                Outcome::error(format!(
+                    "error: the agent took the request and cleared what it matches, but has not \
+                     saved the clear within {waited} (it cannot write its state: its log says \
+                     why); it answers once the clear is saved, and a restart before then applies \
+                     the request again; faultline get shows what is active: {}",
+                    dir.join(format!("{name}.applying")).display()
+                ))
+            } else {
+                Outcome::error(format!(
+                    "error: the agent took {} just as this command stopped waiting ({waited}); \
+                     faultline get shows what is active",
+                    path.display()
+                ))
+            }
+        }
+        Err(e) => Outcome::error(format!(
+            "error: the agent did not take {} within {waited} (is it running?), and the request \
+             cannot be withdrawn ({e}): remove it, or an agent will apply it when it starts",
+            path.display()
+        )),
+    }
 }
 
 /// The outcome of an answered clear: what it cleared, or, when nothing matched, what is active.
@@ -834,8 +865,10 @@ mod tests {
         assert!(not_alive(&no_boot, &at(31), STALE_AFTER).is_some());
     }
 
+    /// Without an agent, the request is withdrawn when the wait is over: left behind, it would
+    /// clear faults whenever an agent next started, after this command said it did not.
     #[test]
-    fn clear_times_out_without_an_agent() {
+    fn clear_times_out_without_an_agent_and_withdraws_the_request() {
         let d = tempfile::tempdir().unwrap();
         let o = clear(
             d.path(),
@@ -844,13 +877,53 @@ mod tests {
             Duration::from_millis(50),
         );
         assert_eq!(o.code, 2);
+        assert!(
+            o.message.contains("did not take") && o.message.contains("withdrawn"),
+            "{}",
+            o.message
+        );
         let left: Vec<_> = std::fs::read_dir(d.path().join(CLEAR_DIR))
             .unwrap()
             .collect();
-        assert_eq!(
-            left.len(),
-            1,
-            "the request stays for the agent to take later"
+        assert!(left.is_empty(), "withdrawn: {left:?}");
+    }
+
+    /// An agent that took the request but cannot save the clear (a full or read-only data
+    /// directory) is said to have taken it, not to be absent; the request stays with it.
+    #[test]
+    fn clear_taken_but_not_saved_says_so() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join(CLEAR_DIR);
+        let taker = {
+            let dir = dir.clone();
+            std::thread::spawn(move || loop {
+                let found = std::fs::read_dir(&dir).ok().and_then(|d| {
+                    d.filter_map(|e| e.ok())
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .find(|n| n.ends_with(".json"))
+                });
+                if let Some(name) = found {
+                    std::fs::rename(dir.join(&name), dir.join(format!("{name}.applying"))).unwrap();
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            })
+        };
+        let o = clear(d.path(), None, None, Duration::from_millis(500));
+        taker.join().unwrap();
+        assert_eq!(o.code, 2);
+        assert!(
+            o.message.contains("took the request") && o.message.contains("not saved"),
+            "{}",
+            o.message
+        );
+        let left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        assert!(
+            left.len() == 1 && left[0].ends_with(".json.applying"),
+            "{left:?}"
         );
     }
 

@@ -555,6 +555,19 @@ pub fn is_pending(dir: &Path, name: &str) -> bool {
     dir.join(name).exists() || dir.join(applying_name(name)).exists()
 }
 
+/// Whether the agent has taken the request named `name` (`*.json`) and not yet answered it (it
+/// is `*.json.applying`): for the CLI.
+pub fn is_taken(dir: &Path, name: &str) -> bool {
+    dir.join(applying_name(name)).exists()
+}
+
+/// Withdraws the request named `name` (`*.json`) that the agent has not taken: for the CLI, once
+/// it stops waiting. The agent takes a request by renaming it, so exactly one of the two
+/// succeeds; `NotFound` means the agent took it first (or it was never there).
+pub fn withdraw(dir: &Path, name: &str) -> std::io::Result<()> {
+    std::fs::remove_file(dir.join(name))
+}
+
 /// Whether the agent rejected the request named `name` (`*.json`): for the CLI.
 pub fn is_rejected(dir: &Path, name: &str) -> bool {
     dir.join(rejected_name(name)).exists()

@@ -441,9 +441,7 @@ fn parse_edac(msg: &str, rest: &str) -> Option<KernelEvent> {
     } else {
         tail.starts_with("page 0x")
     };
-    let report = start
-        && memmem::find(b, b"page").is_some()
-        && memmem::find(b, b"grain").is_some();
+    let report = start && memmem::find(b, b"page").is_some() && memmem::find(b, b"grain").is_some();
     report.then(|| KernelEvent::MachineCheck {
         corrected,
         cpu: None,
