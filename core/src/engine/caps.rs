@@ -351,13 +351,9 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
-    use crate::catalog::Catalog;
+    use crate::engine::tests::{t, Rig};
     use crate::policy::Policy;
     use crate::record::Health;
-
-    fn t(s: i64) -> Timestamp {
-        Timestamp::from_second(1_700_000_000 + s).expect("valid time")
-    }
 
     const GPUS: [&str; 4] = [
         "0000:3b:00.0",
@@ -375,27 +371,7 @@ mod tests {
         ))
     }
 
-    struct Rig {
-        engine: Engine,
-        policy: Policy,
-        catalog: Catalog,
-    }
-
     impl Rig {
-        fn new(policy: &str) -> Rig {
-            Rig {
-                engine: Engine::new(),
-                policy: Policy::parse(policy).expect("policy"),
-                catalog: Catalog::builtin().expect("catalog"),
-            }
-        }
-        fn at(&mut self, s: i64, obs: Observation) -> Vec<EngineEvent> {
-            let ctx = Ctx {
-                policy: &self.policy,
-                catalog: &self.catalog,
-            };
-            self.engine.step(ctx, obs, t(s))
-        }
         /// Active faults as `code@device:handling xcount`, worst first.
         fn active(&self) -> Vec<String> {
             self.engine

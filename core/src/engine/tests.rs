@@ -8,7 +8,7 @@ use super::*;
 use crate::policy::Policy;
 use crate::record::FaultType;
 
-fn t(s: i64) -> Timestamp {
+pub(super) fn t(s: i64) -> Timestamp {
     Timestamp::from_second(1_700_000_000 + s).expect("valid time")
 }
 
@@ -29,21 +29,23 @@ fn named(code: &str, source: Source) -> Observation {
     Observation::Signal(Signal::new(source, FaultCode::named(code), None, code))
 }
 
-struct Rig {
-    engine: Engine,
-    policy: Policy,
-    catalog: Catalog,
+/// An engine with its policy and the built-in catalog, stepped at `t(s)` (shared with the
+/// caps tests).
+pub(super) struct Rig {
+    pub(super) engine: Engine,
+    pub(super) policy: Policy,
+    pub(super) catalog: Catalog,
 }
 
 impl Rig {
-    fn new(policy: &str) -> Rig {
+    pub(super) fn new(policy: &str) -> Rig {
         Rig {
             engine: Engine::new(),
             policy: Policy::parse(policy).expect("policy"),
             catalog: Catalog::builtin().expect("catalog"),
         }
     }
-    fn at(&mut self, s: i64, obs: Observation) -> Vec<EngineEvent> {
+    pub(super) fn at(&mut self, s: i64, obs: Observation) -> Vec<EngineEvent> {
         let ctx = Ctx {
             policy: &self.policy,
             catalog: &self.catalog,
