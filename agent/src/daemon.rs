@@ -1327,9 +1327,15 @@ async fn run_node(
     shutdown: CancellationToken,
     reload: Arc<tokio::sync::Notify>,
 ) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&cfg.state_dir)
+    // 0755 whatever the umask (a user's 0002 would make them group-writable, which the lock
+    // refuses): only the agent writes there; jobs read the record as other users.
+    use std::os::unix::fs::DirBuilderExt;
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true).mode(0o755);
+    builder
+        .create(&cfg.state_dir)
         .with_context(|| format!("cannot create state directory {}", cfg.state_dir.display()))?;
-    std::fs::create_dir_all(&cfg.data_dir).with_context(|| {
+    builder.create(&cfg.data_dir).with_context(|| {
         format!(
             "cannot create data directory {} (it holds the state a restart and a reboot need; \
              not running as root, give --data-dir a directory you can write, on a disk that \
@@ -1339,13 +1345,13 @@ async fn run_node(
     })?;
     // One agent per directory, before anything in them is read or written: a second agent
     // exits here, having changed nothing. Held until this function returns (the kernel
-    // releases it if the process dies). On a blocking thread: it may wait out a reader's probe.
+    // releases it if the process dies). On a blocking thread: file system calls.
     let (dirs, holder) = (
         [cfg.data_dir.clone(), cfg.state_dir.clone()],
         crate::lock::Holder::this_process(&node),
     );
     let _locks = tokio::task::spawn_blocking(move || {
-        crate::lock::acquire_all(&[&dirs[0], &dirs[1]], &holder, crate::lock::PATIENCE)
+        crate::lock::acquire_all(&[&dirs[0], &dirs[1]], &holder)
     })
     .await
     .context("taking the directory locks")??;

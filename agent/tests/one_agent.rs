@@ -151,6 +151,123 @@ fn a_second_agent_exits_at_once_names_the_first_and_changes_nothing() {
     assert_eq!(again.stop(), 0, "{log}");
 }
 
+/// The lock cannot be taken from the agent by another user, and a lock held by something else
+/// is not blamed on a dead agent. The agent's lock files are 0600: after it is SIGKILLed, uid
+/// 65534 cannot open them to take the lock (needs root and `setpriv`; skipped otherwise), where
+/// before `flock -x agent.lock sleep infinity` as any user kept every later agent from starting.
+/// When a process that is not an agent holds the lock (here this test, as root can) while the
+/// file still names the dead agent's pid, the next agent exits non-zero and says the holder is
+/// not an agent it can name, not "another faultline agent holds ... (pid N)". A data directory
+/// others can write is refused at start.
+#[test]
+fn a_lock_held_by_another_process_is_not_blamed_on_a_dead_agent() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let dir = tempfile::tempdir().unwrap();
+    // Reachable by other users, as /var/lib and /run are.
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut first = Agent::start(dir.path(), &[]);
+    first.addr();
+    let lock = first.data().join("agent.lock");
+    for d in [first.data(), first.state()] {
+        let m = std::fs::metadata(d.join("agent.lock")).unwrap().mode() & 0o777;
+        assert_eq!(m, 0o600, "{}", d.display());
+    }
+    let dead = first.child.id();
+    first.child.kill().unwrap();
+    first.child.wait().unwrap();
+
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped another user's attempt: not root");
+    } else if let Ok(out) = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .args(["flock", "-n", "-x"])
+        .arg(&lock)
+        .arg("true")
+        .output()
+    {
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "uid 65534 took the free lock");
+        assert!(said.contains("Permission denied"), "{said}");
+    } else {
+        eprintln!("skipped another user's attempt: no setpriv");
+    }
+
+    let held = std::fs::File::open(&lock).unwrap();
+    rustix::fs::flock(&held, rustix::fs::FlockOperation::NonBlockingLockExclusive).unwrap();
+    let other = tempfile::tempdir().unwrap();
+    let log = other.path().join("second.log");
+    let mut second = second_agent(&first, &first.state(), &first.data(), &log);
+    let code = exit_within(&mut second, Duration::from_secs(10));
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(code.is_some_and(|c| c != 0), "{code:?}\n{said}");
+    assert!(
+        said.contains(&format!(
+            "held by another process (not a faultline agent we can name: the file names pid \
+             {dead}, which is not running it)"
+        )),
+        "{said}"
+    );
+    assert!(!said.contains("another faultline agent"), "{said}");
+    drop(held);
+
+    let open = other.path().join("data");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let log = other.path().join("third.log");
+    let mut third = second_agent(&first, &other.path().join("state"), &open, &log);
+    let code = exit_within(&mut third, Duration::from_secs(10));
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(code.is_some_and(|c| c != 0), "{code:?}\n{said}");
+    assert!(
+        said.contains("writable by its group or by others (mode 777)"),
+        "{said}"
+    );
+    assert!(!open.join("agent.lock").exists());
+}
+
+/// The directories the agent creates are 0755 whatever the umask: under a user's usual 0002
+/// they would be group-writable, and the agent would refuse the directories it made itself.
+#[test]
+fn the_directories_the_agent_creates_are_0755_under_any_umask() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (kmsg, state, data) = (
+        dir.path().join("kmsg"),
+        dir.path().join("a/state"),
+        dir.path().join("b/data"),
+    );
+    std::fs::write(&kmsg, b"").unwrap();
+    let log = dir.path().join("agent.log");
+    let mut agent = Command::new("sh")
+        .args(["-c", "umask 0002 && exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_faultline-agent"))
+        .arg("--kmsg-path")
+        .arg(&kmsg)
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--data-dir")
+        .arg(&data)
+        .args(["--no-nvml", "--no-ascend", "--node-name", "node-a"])
+        .args(["--listen", "127.0.0.1:0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+        .spawn()
+        .unwrap();
+    let started = wait_until("listen.addr", Duration::from_secs(30), || {
+        if agent.try_wait().unwrap().is_some() {
+            return Some(false);
+        }
+        state.join("listen.addr").is_file().then_some(true)
+    });
+    let _ = agent.kill();
+    let _ = agent.wait();
+    assert!(started, "{}", std::fs::read_to_string(&log).unwrap());
+    for d in [&state, &data, &dir.path().join("a"), &dir.path().join("b")] {
+        let mode = std::fs::metadata(d).unwrap().permissions().mode() & 0o7777;
+        assert_eq!(mode, 0o755, "{}", d.display());
+    }
+}
+
 /// The README's first command on a machine whose default directories another agent (another
 /// node's name) had used: its saved state is set aside as `state.json.node-<name>`, untouched,
 /// with a message naming both nodes, and none of its faults enters this node's record (the
@@ -230,12 +347,12 @@ fn a_read_only_or_full_data_directory_does_not_stop_the_agent() {
     let cases = [
         (
             "read-only",
-            "mount -t tmpfs -o ro none \"$D\"",
+            "mount -t tmpfs -o ro,mode=0755 none \"$D\"",
             "running without its lock",
         ),
         (
             "full",
-            "mount -t tmpfs -o size=16k none \"$D\" && { head -c 1000000 /dev/zero > \"$D/fill\" 2>/dev/null; true; }",
+            "mount -t tmpfs -o size=16k,mode=0755 none \"$D\" && { head -c 1000000 /dev/zero > \"$D/fill\" 2>/dev/null; true; }",
             "cannot name its holder",
         ),
     ];
