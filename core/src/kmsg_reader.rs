@@ -152,6 +152,8 @@ pub struct KmsgReader {
     /// already counted. Records are placed as usual but not counted until the reader is there,
     /// so each record gets the place it had the first time.
     replay: Option<KmsgPosition>,
+    /// The log is a stream ([`Self::stream`]): nothing in it is read twice, so nothing replays.
+    stream: bool,
     /// Records dated at or before this were already seen (the engine was rebuilt from a record
     /// written then, and the cursor was lost); skipped like replayed ones.
     skip_through: Option<Timestamp>,
@@ -185,6 +187,7 @@ impl KmsgReader {
             unsequenced: 0,
             log: None,
             replay: resume.filter(|p| !p.is_start()),
+            stream: false,
             skip_through: None,
             boot_time,
             use_record_time,
@@ -214,9 +217,25 @@ impl KmsgReader {
         other
     }
 
+    /// The log is a stream, a FIFO: a pipe hands each byte it holds to one read only, so what
+    /// is read from it was never read before, by this run or an earlier one. Nothing in it is
+    /// skipped: the saved position resumes nothing and a reopen replays nothing. (A writer that
+    /// sends its old lines again, `journalctl -kf`'s last ten, is counted again: its lines have
+    /// no identity the reader could trust; even the sequence numbers are whatever the writer
+    /// copied, so skipping by them could hide faults from another log.) Returns whether a
+    /// resume position was dropped.
+    pub fn stream(&mut self) -> bool {
+        self.stream = true;
+        self.replay.take().is_some()
+    }
+
     /// The log is being read again from its oldest record (the source reopened it): what was
-    /// read already is expected again and skipped, not counted twice.
+    /// read already is expected again and skipped, not counted twice. A stream is not read
+    /// again: it goes on where it was.
     pub fn reopened(&mut self) {
+        if self.stream {
+            return;
+        }
         let to = self.replay.unwrap_or(self.position());
         self.replay = Some(to).filter(|p| !p.is_start());
         self.last_seq = None;
@@ -229,6 +248,7 @@ impl KmsgReader {
     pub fn new_log(&mut self, log: Option<u64>) {
         self.log = log;
         self.replay = None;
+        self.stream = false;
         self.skip_through = None;
         self.last_seq = None;
         self.unsequenced = 0;
@@ -1194,6 +1214,42 @@ mod tests {
         let (mut r, _) = reader_at(Some(saved));
         assert!(!r.in_log(Some(1)));
         assert!(feed_all(&mut r, &[xid.as_bytes()]).is_empty());
+    }
+
+    /// A stream (a FIFO) skips nothing: a saved position in it resumes nothing, whether it
+    /// counts lines without a number or numbered records, and a reopen replays nothing. Each
+    /// line a pipe hands over is new (before, the lines after a restart were skipped as the
+    /// replay of the saved count, which a FIFO never replays).
+    #[test]
+    fn a_stream_skips_nothing() {
+        let line = format!("[    1.000000] {XID}");
+        for saved in [
+            KmsgPosition {
+                seq: None,
+                unsequenced: 1,
+                log: Some(1),
+            },
+            KmsgPosition {
+                log: Some(1),
+                ..KmsgPosition::at_seq(5)
+            },
+        ] {
+            let (mut r, tally) = reader_at(Some(saved));
+            assert!(!r.in_log(Some(1)));
+            assert!(r.stream(), "the saved position is dropped");
+            let numbered = format!("4,2,100,-;{XID}");
+            let out = feed_all(&mut r, &[line.as_bytes(), numbered.as_bytes()]);
+            assert_eq!(signals(&out), ["Xid79x1", "Xid79x1"], "{saved:?}");
+            r.reopened();
+            let out = feed_all(&mut r, &[line.as_bytes()]);
+            assert_eq!(
+                signals(&out),
+                ["Xid79x1"],
+                "a reopened stream replays nothing"
+            );
+            assert_eq!(Tally::get(&tally.skipped), 0);
+            assert!(!r.stream(), "nothing left to drop");
+        }
     }
 
     /// Issue 25 §1: a record user space wrote (facility not 0) is never scanned, though its

@@ -3,7 +3,9 @@
 //! `/dev/kmsg` returns one record per `read()`; a reader that falls behind gets `EPIPE` once
 //! and continues at the oldest record, so the sequence gap is the number of records lost. A file
 //! or FIFO is read line by line and followed like `tail -F` (a replaced or truncated file is
-//! read anew from its beginning); its lines may be kmsg records or plain `dmesg` text. The I/O loop runs on a dedicated thread; the pure core that turns records
+//! read anew from its beginning); its lines may be kmsg records or plain `dmesg` text. A FIFO
+//! is a stream: nothing read from it is read again, so nothing in it is skipped as already
+//! counted. The I/O loop runs on a dedicated thread; the pure core that turns records
 //! into engine inputs is `faultline_core::kmsg_reader::KmsgReader`, which reports what it reads
 //! through [`ReaderCounters`], implemented here by the agent's metrics and logs.
 
@@ -242,6 +244,17 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
             warn!(
                 "the kernel-log file at the path is not the one the saved position was taken in \
                  (replaced while the agent was not running); reading all of it as new"
+            );
+        }
+        // Anything but the device or a regular file (a FIFO) is a stream: read once, never
+        // replayed, so nothing read from it is skipped.
+        let stream = meta
+            .as_ref()
+            .is_some_and(|m| !m.is_file() && !m.file_type().is_char_device());
+        if stream && r.stream() {
+            info!(
+                "the kernel log is a FIFO: it replays nothing, so the saved position resumes \
+                 nothing; every line read from it is new"
             );
         }
         if !detector(&ctx, DetectorState::Running, follow.reason(&cfg.path)) {
