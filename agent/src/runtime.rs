@@ -93,6 +93,12 @@ pub struct PersistedState {
     /// With `kmsg_cursor`: the log it is in ([`KmsgPosition::log`]: a file's identity).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kmsg_log: Option<u64>,
+    /// With `kmsg_cursor`, in a regular file: how many bytes of it were read, and a hash of
+    /// them ([`KmsgPosition::read`]): a file that no longer starts with them is another log.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kmsg_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kmsg_hash: Option<u64>,
     /// The boot time of the boot that wrote this (`/proc/stat` `btime`, seconds since the
     /// epoch): tells a restart within the boot when the boot id cannot be read.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -130,6 +136,10 @@ impl PersistedState {
             seq: self.kmsg_cursor,
             unsequenced: self.kmsg_unsequenced,
             log: self.kmsg_log,
+            read: self
+                .kmsg_bytes
+                .zip(self.kmsg_hash)
+                .map(|(bytes, hash)| faultline_core::kmsg_reader::Extent { bytes, hash }),
         };
         (!p.is_start()).then_some(p)
     }
@@ -594,6 +604,8 @@ impl EngineLoop {
                 kmsg_cursor: self.kmsg_cursor.and_then(|c| c.seq),
                 kmsg_unsequenced: self.kmsg_cursor.map_or(0, |c| c.unsequenced),
                 kmsg_log: self.kmsg_cursor.and_then(|c| c.log),
+                kmsg_bytes: self.kmsg_cursor.and_then(|c| c.read).map(|r| r.bytes),
+                kmsg_hash: self.kmsg_cursor.and_then(|c| c.read).map(|r| r.hash),
                 boot_time: self.boot_time,
                 engine: self.engine.clone(),
                 timeline: Some(self.timeline.clone()),

@@ -8,6 +8,7 @@
 mod common;
 
 use std::io::Write;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::time::Duration;
 
@@ -168,12 +169,7 @@ fn a_truncated_file_is_read_from_its_beginning() {
 fn a_fifo_without_a_writer_shows_its_detector_starting() {
     let dir = tempfile::tempdir().unwrap();
     let fifo = dir.path().join("kmsg");
-    rustix::fs::mkfifoat(
-        rustix::fs::CWD,
-        &fifo,
-        rustix::fs::Mode::from_raw_mode(0o600),
-    )
-    .unwrap();
+    mkfifo(&fifo);
     let agent = Agent::start(dir.path(), &[]);
     let r = agent.wait_for("the kmsg detector", |r| kmsg_detector(r).is_some());
     let (state, reason) = kmsg_detector(&r).unwrap();
@@ -246,4 +242,88 @@ fn an_unreadable_boot_id_still_resumes_after_the_cursor() {
         .unwrap();
     let r = run_until_read(dir.path(), &no_id, 5);
     assert_eq!(xid79_counts(&r), [2], "the appended record is new");
+}
+
+/// Makes a FIFO at `path`.
+fn mkfifo(path: &Path) {
+    rustix::fs::mkfifoat(
+        rustix::fs::CWD,
+        path,
+        rustix::fs::Mode::from_raw_mode(0o600),
+    )
+    .unwrap();
+}
+
+/// The operations guide's FIFO flow, restarted: a line without a sequence number is read, the
+/// agent is stopped (the position saved: one line counted) and started again, and the next line
+/// a writer sends is a new fault. A FIFO replays nothing, so nothing read from it is skipped.
+/// Before, the saved count was taken as a replay to skip: the Xid 48 after the restart was
+/// skipped (`faultline_kmsg_skipped_records_total` 1) and no fault appeared.
+#[test]
+fn a_fifo_restarted_skips_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("kmsg");
+    mkfifo(&fifo);
+    let write = |line: &str| {
+        let mut w = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+        w.write_all(line.as_bytes()).unwrap();
+    };
+    let agent = Agent::start(dir.path(), &[]);
+    write("NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=a, GPU has fallen off the bus.\n");
+    agent.wait_for("the Xid 79", |r| xid79_counts(r) == [1]);
+    assert_eq!(agent.stop(), 0);
+
+    let agent = Agent::start(dir.path(), &[]);
+    write("NVRM: Xid (PCI:0000:3b:00): 48, pid=1, name=a, DBE (double bit error)\n");
+    let r = agent.wait_for("the Xid 48 after the restart", |r| {
+        r.faults.iter().any(|f| f.fault_code == "Xid48")
+    });
+    assert_eq!(xid79_counts(&r), [1]);
+    assert_eq!(agent.metric("faultline_kmsg_skipped_records_total"), 0.0);
+    assert!(agent.log().contains("replays nothing"), "{}", agent.log());
+    assert_eq!(agent.stop(), 0);
+}
+
+/// A file rewritten in place while the agent was stopped (`dmesg > replay.log` again: `O_TRUNC`
+/// keeps the inode), with other lines of the same or a greater length, is another log: all of it
+/// is read as new, and counted once. Before, its first lines were skipped as the ones counted
+/// before the restart (the Xid 79 on 86 and the one on af never counted). A file that only grew
+/// resumes where it was (`records_without_a_usable_number_count_once_across_restarts`).
+#[test]
+fn a_file_rewritten_in_place_while_the_agent_was_stopped_is_read_as_new() {
+    let dir = tempfile::tempdir().unwrap();
+    let kmsg = dir.path().join("kmsg");
+    let x = |bus: &str| {
+        format!("NVRM: Xid (PCI:0000:{bus}:00): 79, pid=1, name=a, GPU has fallen off the bus.")
+    };
+    let mut first = noise(1);
+    first.extend(xid79(2, "3b"));
+    first.extend(format!("[    5.000000] {}\n", x("3b")).bytes());
+    first.extend(noise(3));
+    std::fs::write(&kmsg, &first).unwrap();
+    let r = run_until_read(dir.path(), &[], 4);
+    assert_eq!(xid79_counts(&r), [2]);
+    let inode = std::fs::metadata(&kmsg).unwrap().ino();
+
+    // The same shape, other buses, one more line; written over the same inode.
+    let mut second = noise(1);
+    second.extend(xid79(2, "86"));
+    second.extend(format!("[    5.000000] {}\n", x("af")).bytes());
+    second.extend(noise(3));
+    second.extend(noise(4));
+    assert!(second.len() > first.len());
+    std::fs::write(&kmsg, &second).unwrap();
+    assert_eq!(std::fs::metadata(&kmsg).unwrap().ino(), inode);
+    let agent = Agent::start(dir.path(), &[]);
+    agent.wait_for("the faults in the rewritten file", |r| {
+        xid79_counts(r) == [1, 1, 2]
+    });
+    assert!(
+        agent.log().contains("no longer starts with"),
+        "{}",
+        agent.log()
+    );
+    assert_eq!(agent.stop(), 0);
+    let r = run_until_read(dir.path(), &[], 5);
+    assert_eq!(xid79_counts(&r), [1, 1, 2], "and counted once");
 }

@@ -96,6 +96,19 @@ pub struct KmsgPosition {
     /// Which log the position is in, as its reader names it (the agent: the file's device and
     /// inode in file mode; none for `/dev/kmsg`). A position in another log resumes nothing.
     pub log: Option<u64>,
+    /// In a regular file: the bytes read up to here ([`KmsgReader::read_to`]). A file that no
+    /// longer starts with them (rewritten in place, or a new file with the old inode number)
+    /// is another log. `None`: not a regular file, or not known (a loss report's cut before the
+    /// first line, a state saved before this existed).
+    pub read: Option<Extent>,
+}
+
+/// The start of a regular file read so far: how many bytes, and a hash of them (the agent's:
+/// the first 8 bytes of their SHA-256).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Extent {
+    pub bytes: u64,
+    pub hash: u64,
 }
 
 impl KmsgPosition {
@@ -148,10 +161,16 @@ pub struct KmsgReader {
     unsequenced: u64,
     /// The log being read ([`KmsgPosition::log`]).
     log: Option<u64>,
+    /// How much of a regular file is read with the current record, and with the one before it
+    /// ([`KmsgPosition::read`]).
+    read: Option<Extent>,
+    read_before: Option<Extent>,
     /// While the log is read again from its oldest record (a restart, a reopen): the position
     /// already counted. Records are placed as usual but not counted until the reader is there,
     /// so each record gets the place it had the first time.
     replay: Option<KmsgPosition>,
+    /// The log is a stream ([`Self::stream`]): nothing in it is read twice, so nothing replays.
+    stream: bool,
     /// Records dated at or before this were already seen (the engine was rebuilt from a record
     /// written then, and the cursor was lost); skipped like replayed ones.
     skip_through: Option<Timestamp>,
@@ -184,7 +203,10 @@ impl KmsgReader {
             last_seq: None,
             unsequenced: 0,
             log: None,
+            read: None,
+            read_before: None,
             replay: resume.filter(|p| !p.is_start()),
+            stream: false,
             skip_through: None,
             boot_time,
             use_record_time,
@@ -214,13 +236,37 @@ impl KmsgReader {
         other
     }
 
+    /// The log is a stream, a FIFO: a pipe hands each byte it holds to one read only, so what
+    /// is read from it was never read before, by this run or an earlier one. Nothing in it is
+    /// skipped: the saved position resumes nothing and a reopen replays nothing. (A writer that
+    /// sends its old lines again, `journalctl -kf`'s last ten, is counted again: its lines have
+    /// no identity the reader could trust; even the sequence numbers are whatever the writer
+    /// copied, so skipping by them could hide faults from another log.) Returns whether a
+    /// resume position was dropped.
+    pub fn stream(&mut self) -> bool {
+        self.stream = true;
+        self.replay.take().is_some()
+    }
+
     /// The log is being read again from its oldest record (the source reopened it): what was
-    /// read already is expected again and skipped, not counted twice.
+    /// read already is expected again and skipped, not counted twice. A stream is not read
+    /// again: it goes on where it was.
     pub fn reopened(&mut self) {
+        if self.stream {
+            return;
+        }
         let to = self.replay.unwrap_or(self.position());
         self.replay = Some(to).filter(|p| !p.is_start());
         self.last_seq = None;
         self.unsequenced = 0;
+        self.read = None;
+        self.read_before = None;
+    }
+
+    /// The next record fed ends where `read` ends in a regular file: positions from it on carry
+    /// it ([`KmsgPosition::read`]).
+    pub fn read_to(&mut self, read: Extent) {
+        self.read_before = self.read.replace(read);
     }
 
     /// The log at the path is a new one (the file was replaced or truncated): it is read from
@@ -229,6 +275,9 @@ impl KmsgReader {
     pub fn new_log(&mut self, log: Option<u64>) {
         self.log = log;
         self.replay = None;
+        self.stream = false;
+        self.read = None;
+        self.read_before = None;
         self.skip_through = None;
         self.last_seq = None;
         self.unsequenced = 0;
@@ -247,6 +296,7 @@ impl KmsgReader {
             seq: self.last_seq,
             unsequenced: self.unsequenced,
             log: self.log,
+            read: self.read,
         }
     }
 
@@ -407,6 +457,7 @@ impl KmsgReader {
             obs: Observation::Signal(s),
             at: KmsgPosition {
                 log: self.log,
+                read: self.read_before,
                 ..KmsgPosition::at_seq(seq - 1)
             },
         });
@@ -1092,7 +1143,8 @@ mod tests {
             KmsgPosition {
                 seq: Some(12),
                 unsequenced: 5,
-                log: None
+                log: None,
+                read: None
             }
         );
         for restart in 1..=3 {
@@ -1116,7 +1168,8 @@ mod tests {
                 KmsgPosition {
                     seq: None,
                     unsequenced: 3,
-                    log: None
+                    log: None,
+                    read: None
                 }
             )
         );
@@ -1194,6 +1247,70 @@ mod tests {
         let (mut r, _) = reader_at(Some(saved));
         assert!(!r.in_log(Some(1)));
         assert!(feed_all(&mut r, &[xid.as_bytes()]).is_empty());
+    }
+
+    /// In a file, a position carries how much of the file is read with its record; a loss
+    /// report's (the position just before the record after the gap), how much before it.
+    #[test]
+    fn positions_carry_how_much_of_the_file_is_read() {
+        let (mut r, _) = reader(None);
+        let e = |bytes| Extent {
+            bytes,
+            hash: !bytes,
+        };
+        let mut out = Vec::new();
+        r.read_to(e(10));
+        r.feed(b"6,1,100,-;a", &mut out);
+        r.read_to(e(20));
+        r.feed(format!("4,3,200,-;{XID}").as_bytes(), &mut out);
+        let at: Vec<_> = out
+            .iter()
+            .filter_map(|i| match i {
+                Input::Kmsg { at, .. } => Some((at.seq, at.read)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(at, [(Some(2), Some(e(10))), (Some(3), Some(e(20)))]);
+        assert_eq!(r.position().read, Some(e(20)));
+        r.new_log(None);
+        assert_eq!(r.position().read, None, "a new log starts over");
+    }
+
+    /// A stream (a FIFO) skips nothing: a saved position in it resumes nothing, whether it
+    /// counts lines without a number or numbered records, and a reopen replays nothing. Each
+    /// line a pipe hands over is new (before, the lines after a restart were skipped as the
+    /// replay of the saved count, which a FIFO never replays).
+    #[test]
+    fn a_stream_skips_nothing() {
+        let line = format!("[    1.000000] {XID}");
+        for saved in [
+            KmsgPosition {
+                seq: None,
+                unsequenced: 1,
+                log: Some(1),
+                read: None,
+            },
+            KmsgPosition {
+                log: Some(1),
+                ..KmsgPosition::at_seq(5)
+            },
+        ] {
+            let (mut r, tally) = reader_at(Some(saved));
+            assert!(!r.in_log(Some(1)));
+            assert!(r.stream(), "the saved position is dropped");
+            let numbered = format!("4,2,100,-;{XID}");
+            let out = feed_all(&mut r, &[line.as_bytes(), numbered.as_bytes()]);
+            assert_eq!(signals(&out), ["Xid79x1", "Xid79x1"], "{saved:?}");
+            r.reopened();
+            let out = feed_all(&mut r, &[line.as_bytes()]);
+            assert_eq!(
+                signals(&out),
+                ["Xid79x1"],
+                "a reopened stream replays nothing"
+            );
+            assert_eq!(Tally::get(&tally.skipped), 0);
+            assert!(!r.stream(), "nothing left to drop");
+        }
     }
 
     /// Issue 25 §1: a record user space wrote (facility not 0) is never scanned, though its

@@ -664,6 +664,8 @@ mod tests {
             kmsg_cursor: Some(u64::MAX),
             kmsg_unsequenced: u64::MAX,
             kmsg_log: Some(u64::MAX),
+            kmsg_bytes: Some(u64::MAX),
+            kmsg_hash: Some(u64::MAX),
             boot_time: Some(i64::MIN),
             engine,
             node: Some("n".repeat(253)),

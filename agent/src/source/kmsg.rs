@@ -3,12 +3,14 @@
 //! `/dev/kmsg` returns one record per `read()`; a reader that falls behind gets `EPIPE` once
 //! and continues at the oldest record, so the sequence gap is the number of records lost. A file
 //! or FIFO is read line by line and followed like `tail -F` (a replaced or truncated file is
-//! read anew from its beginning); its lines may be kmsg records or plain `dmesg` text. The I/O loop runs on a dedicated thread; the pure core that turns records
+//! read anew from its beginning); its lines may be kmsg records or plain `dmesg` text. A FIFO
+//! is a stream: nothing read from it is read again, so nothing in it is skipped as already
+//! counted. The I/O loop runs on a dedicated thread; the pure core that turns records
 //! into engine inputs is `faultline_core::kmsg_reader::KmsgReader`, which reports what it reads
 //! through [`ReaderCounters`], implemented here by the agent's metrics and logs.
 
 use std::fs::File;
-use std::io::{self, BufRead, BufReader, Read, Seek};
+use std::io::{self, BufRead, BufReader, Read, Seek, Write};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
@@ -20,8 +22,9 @@ use faultline_core::time::Timestamp;
 use tracing::{debug, info, warn};
 
 use faultline_core::engine::{DetectorState, Observation};
-pub use faultline_core::kmsg_reader::{to_observation, KmsgReader, ReaderCounters};
+pub use faultline_core::kmsg_reader::{to_observation, Extent, KmsgReader, ReaderCounters};
 use faultline_core::parse::kmsg::RecordError;
+use sha2::{Digest, Sha256};
 
 use super::{Input, SourceContext};
 use crate::metrics::{KindLabel, Metrics};
@@ -243,6 +246,29 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
                 "the kernel-log file at the path is not the one the saved position was taken in \
                  (replaced while the agent was not running); reading all of it as new"
             );
+        } else if let Some(read) = cfg.resume_after.and_then(|p| p.read) {
+            // Same device and inode, other bytes: a file rewritten in place (`O_TRUNC` keeps the
+            // inode), or a new one given the old inode number. (A read error here is the read
+            // loop's to report.)
+            if starts_with(&file, read).is_ok_and(|same| !same) {
+                r.new_log(log);
+                warn!(
+                    "the kernel-log file at the path no longer starts with what the saved \
+                     position was taken after (rewritten while the agent was not running); \
+                     reading all of it as new"
+                );
+            }
+        }
+        // Anything but the device or a regular file (a FIFO) is a stream: read once, never
+        // replayed, so nothing read from it is skipped.
+        let stream = meta
+            .as_ref()
+            .is_some_and(|m| !m.is_file() && !m.file_type().is_char_device());
+        if stream && r.stream() {
+            info!(
+                "the kernel log is a FIFO: it replays nothing, so the saved position resumes \
+                 nothing; every line read from it is new"
+            );
         }
         if !detector(&ctx, DetectorState::Running, follow.reason(&cfg.path)) {
             return;
@@ -278,6 +304,45 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
 /// A file's name as a log ([`faultline_core::engine::KmsgPosition::log`]): its device and inode.
 fn log_name((dev, ino): (u64, u64)) -> u64 {
     dev.rotate_left(32) ^ ino
+}
+
+/// Whether the file starts with the bytes `read` describes; reads them, then rewinds.
+fn starts_with(file: &File, read: Extent) -> io::Result<bool> {
+    let mut prefix = Prefix::default();
+    let copied = io::copy(&mut file.take(read.bytes), &mut prefix)?;
+    (&*file).rewind()?;
+    Ok(copied == read.bytes && prefix.extent() == read)
+}
+
+/// The bytes of a file read so far, counted and hashed (SHA-256: the same in every build, so a
+/// saved [`Extent`] still compares after an upgrade).
+#[derive(Default)]
+struct Prefix {
+    bytes: u64,
+    hash: Sha256,
+}
+
+impl Prefix {
+    fn extent(&self) -> Extent {
+        let digest = self.hash.clone().finalize();
+        let mut first = [0u8; 8];
+        first.copy_from_slice(&digest[..8]);
+        Extent {
+            bytes: self.bytes,
+            hash: u64::from_be_bytes(first),
+        }
+    }
+}
+
+impl Write for Prefix {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.bytes += buf.len() as u64;
+        self.hash.update(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 /// Why the line reader stopped.
@@ -372,15 +437,18 @@ impl Lines<'_> {
         let mut reader = BufReader::with_capacity(64 * 1024, file);
         let mut line = Vec::with_capacity(1024);
         let mut out = Vec::new();
+        // What was taken from the file (a regular one: its records' positions carry it).
+        let mut prefix = Prefix::default();
         // Set once another file is at the path: the old one is read to its end first.
         let mut replaced = false;
         while !ctx.shutdown.is_cancelled() {
-            match read_bounded_line(&mut reader, &mut line, MAX_LINE)? {
+            match read_bounded_line(&mut reader, &mut line, MAX_LINE, &mut prefix)? {
                 // At the end (possibly mid-line: the rest stays pending): wait for growth.
                 LineRead::Eof | LineRead::Partial => {
                     if replaced {
                         // The writer moved on to the new file: a last unfinished line is whole.
                         if !line.is_empty() {
+                            self.read_to(r, &prefix);
                             r.feed(&line, &mut out);
                         }
                         r.flush_cursor(&mut out);
@@ -402,6 +470,7 @@ impl Lines<'_> {
                     }
                     if self.truncated(&mut reader)? {
                         line.clear();
+                        prefix = Prefix::default();
                         r.new_log(self.identity.map(log_name));
                         self.follow.truncated += 1;
                         ctx.metrics
@@ -431,6 +500,7 @@ impl Lines<'_> {
                             "kernel log line longer than the limit; kept its start"
                         );
                     }
+                    self.read_to(r, &prefix);
                     r.feed(&line, &mut out);
                     line.clear();
                     if !send_all(ctx, &mut out) {
@@ -440,6 +510,13 @@ impl Lines<'_> {
             }
         }
         Ok(Ended::Stopped)
+    }
+
+    /// Tells the reader how much of a regular file is read with the line it is fed next.
+    fn read_to(&self, r: &mut KmsgReader, prefix: &Prefix) {
+        if self.regular {
+            r.read_to(prefix.extent());
+        }
     }
 
     /// Another file is at the path: its device or inode differs from the open file's. A path
@@ -478,11 +555,13 @@ enum LineRead {
 }
 
 /// Appends up to `max` bytes of the next line to `line`; bytes past `max` up to the newline are
-/// dropped. A line without its newline at the end of the input stays pending in `line`.
+/// dropped. A line without its newline at the end of the input stays pending in `line`. Every
+/// byte taken from `r` is added to `taken`.
 fn read_bounded_line<R: BufRead>(
     r: &mut R,
     line: &mut Vec<u8>,
     max: usize,
+    taken: &mut Prefix,
 ) -> io::Result<LineRead> {
     let mut truncated = line.len() > max;
     loop {
@@ -508,6 +587,8 @@ fn read_bounded_line<R: BufRead>(
         }
         line.extend_from_slice(&chunk[..chunk.len().min(room)]);
         let used = done.unwrap_or(buf.len());
+        taken.hash.update(&buf[..used]);
+        taken.bytes += used as u64;
         r.consume(used);
         if done.is_some() {
             return Ok(LineRead::Line { truncated });
@@ -529,20 +610,21 @@ mod tests {
         data.extend_from_slice(b"\nshort\npartial");
         let mut rd = BufReader::with_capacity(8, &data[..]);
         let mut line = Vec::new();
+        let mut taken = Prefix::default();
         assert!(matches!(
-            read_bounded_line(&mut rd, &mut line, 10).unwrap(),
+            read_bounded_line(&mut rd, &mut line, 10, &mut taken).unwrap(),
             LineRead::Line { truncated: true }
         ));
         assert_eq!(line.len(), 10);
         line.clear();
         assert!(matches!(
-            read_bounded_line(&mut rd, &mut line, 10).unwrap(),
+            read_bounded_line(&mut rd, &mut line, 10, &mut taken).unwrap(),
             LineRead::Line { truncated: false }
         ));
         assert_eq!(line, b"short");
         line.clear();
         assert!(matches!(
-            read_bounded_line(&mut rd, &mut line, 10).unwrap(),
+            read_bounded_line(&mut rd, &mut line, 10, &mut taken).unwrap(),
             LineRead::Partial
         ));
         assert_eq!(
@@ -550,9 +632,17 @@ mod tests {
             "a line without newline waits for the rest"
         );
         assert!(matches!(
-            read_bounded_line(&mut rd, &mut line, 10).unwrap(),
+            read_bounded_line(&mut rd, &mut line, 10, &mut taken).unwrap(),
             LineRead::Partial
         ));
+        let mut whole = Prefix::default();
+        whole.write_all(&data).unwrap();
+        assert_eq!(
+            taken.extent(),
+            whole.extent(),
+            "every byte taken, dropped ones too"
+        );
+        assert_eq!(taken.extent().bytes, data.len() as u64);
     }
 
     #[test]
