@@ -338,6 +338,11 @@ fn verdict_json(result: &str, code: u8, message: &str, r: Option<&NodeRecord>) -
     })
 }
 
+/// After `--wait`, how much longer `faultline clear` waits for the answer to a request the agent
+/// turns out to have taken (it could not be withdrawn): the answer follows the save, which takes
+/// milliseconds unless the state cannot be written.
+const TAKEN_GRACE: Duration = Duration::from_secs(2);
+
 /// `faultline clear`: asks the agent to clear faults, waits for its answer, and says how many
 /// faults it cleared: 0 some, 1 none matched (the message names the active faults), 2 refused or
 /// not answered within `wait`.
@@ -408,21 +413,41 @@ pub fn clear(
             path.display()
         )),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            if let Some(Ok(result)) = read_result(&dir, &name) {
-                let _ = remove_result(&dir, &name);
-                return cleared(state_dir, &req, &result);
+            // The agent took it first, maybe at the last moment: its answer follows as soon as
+            // the clear is saved, so wait a little longer for it before saying anything.
+            let grace = Instant::now() + TAKEN_GRACE;
+            loop {
+                if is_rejected(&dir, &name) {
+                    return Outcome::error(format!(
+                        "error: the agent rejected the request (its log says why): {}",
+                        path.display()
+                    ));
+                }
+                match read_result(&dir, &name) {
+                    Some(Ok(result)) => {
+                        let _ = remove_result(&dir, &name);
+                        return cleared(state_dir, &req, &result);
+                    }
+                    Some(Err(e)) => {
+                        return Outcome::error(format!(
+                            "error: cannot read the agent's answer: {e}"
+                        ))
+                    }
+                    None if Instant::now() >= grace => break,
+                    None => std::thread::sleep(Duration::from_millis(50)),
+                }
             }
             if is_taken(&dir, &name) {
                 Outcome::error(format!(
-                    "error: the agent took the request and cleared what it matches, but has not \
-                     saved the clear within {waited} (it cannot write its state: its log says \
-                     why); it answers once the clear is saved, and a restart before then applies \
-                     the request again; faultline get shows what is active: {}",
+                    "error: the agent took the request but has not answered within {waited}: it \
+                     answers once the clear is saved (if it cannot write its state, its log says \
+                     why, and a restart before then applies the request again); faultline get \
+                     shows what is active: {}",
                     dir.join(format!("{name}.applying")).display()
                 ))
             } else {
                 Outcome::error(format!(
-                    "error: the agent took {} just as this command stopped waiting ({waited}); \
+                    "error: the request {} is gone without an answer (removed by hand?); \
                      faultline get shows what is active",
                     path.display()
                 ))
@@ -913,7 +938,7 @@ mod tests {
         taker.join().unwrap();
         assert_eq!(o.code, 2);
         assert!(
-            o.message.contains("took the request") && o.message.contains("not saved"),
+            o.message.contains("took the request") && o.message.contains("not answered"),
             "{}",
             o.message
         );
@@ -925,6 +950,52 @@ mod tests {
             left.len() == 1 && left[0].ends_with(".json.applying"),
             "{left:?}"
         );
+    }
+
+    /// A request the agent takes just before the wait ends is not withdrawn; its answer, which
+    /// follows the save, is waited for and reported.
+    #[test]
+    fn clear_taken_at_the_deadline_reports_the_answer() {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join(FAULTS_FILE), UNHEALTHY).unwrap();
+        let dir = d.path().join(CLEAR_DIR);
+        let slow = {
+            let dir = dir.clone();
+            std::thread::spawn(move || loop {
+                let found = std::fs::read_dir(&dir).ok().and_then(|d| {
+                    d.filter_map(|e| e.ok())
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .find(|n| n.ends_with(".json"))
+                });
+                if let Some(name) = found {
+                    let taken = dir.join(format!("{name}.applying"));
+                    std::fs::rename(dir.join(&name), &taken).unwrap();
+                    // Saved well after the CLI's wait is over.
+                    std::thread::sleep(Duration::from_millis(600));
+                    let result = ClearResult {
+                        cleared: 1,
+                        faults: vec![crate::source::control::ClearedFault {
+                            code: "Xid79".into(),
+                            device: "GPU-3".into(),
+                        }],
+                    };
+                    let done = dir.join(format!("{name}.done"));
+                    write_atomic(&done, &serde_json::to_vec(&result).unwrap()).unwrap();
+                    std::fs::remove_file(taken).unwrap();
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            })
+        };
+        let o = clear(
+            d.path(),
+            Some("Xid79".into()),
+            None,
+            Duration::from_millis(200),
+        );
+        slow.join().unwrap();
+        assert_eq!(o.code, 0, "{}", o.message);
+        assert_eq!(o.message, "cleared 1 fault: Xid79 on GPU-3");
     }
 
     /// A stand-in agent: takes the one request that appears in `state/clear.d`, and answers it

@@ -392,6 +392,28 @@ impl RequestDir {
         Ok(())
     }
 
+    /// Takes request `name` by renaming it to `taken` (`*.json.applying`); the name to apply it
+    /// under, or `None` when it is gone. The CLI withdraws a request it stopped waiting for by
+    /// removing it, so a rename that finds no file means the request was withdrawn after it was
+    /// read: it is not applied, and exactly one of the agent and the CLI wins. Any other failure
+    /// (a read-only `clear.d`) applies it once where it is.
+    fn claim(&self, name: String, taken: String) -> Option<String> {
+        if taken == name {
+            return Some(name);
+        }
+        match self.rename(&name, &taken) {
+            Ok(()) => Some(taken),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                info!(dir = %self.path.display(), name, "a clear request was withdrawn before it was taken; not applied");
+                None
+            }
+            Err(e) => {
+                warn!(dir = %self.path.display(), name, error = %e, "cannot rename a clear request; applying it once where it is (it is not applied again while the agent runs, but again after a restart if it is still there)");
+                Some(name)
+            }
+        }
+    }
+
     fn exists(&self, name: &str) -> bool {
         cname(name)
             .is_ok_and(|c| rustix::fs::statat(&self.fd, &c, AtFlags::SYMLINK_NOFOLLOW).is_ok())
@@ -480,18 +502,9 @@ impl RequestDir {
                         done.0.insert(id);
                     }
                     let key = request_key(name.strip_suffix(APPLYING_SUFFIX).unwrap_or(&name), id);
-                    let name = if taken == name {
-                        name
-                    } else {
-                        match self.rename(&name, &taken) {
-                            Ok(()) => taken,
-                            Err(e) => {
-                                warn!(dir = %self.path.display(), name, error = %e, "cannot rename a clear request; applying it once where it is (it is not applied again while the agent runs, but again after a restart if it is still there)");
-                                name
-                            }
-                        }
-                    };
-                    out.push(Pending { name, request, key });
+                    if let Some(name) = self.claim(name, taken) {
+                        out.push(Pending { name, request, key });
+                    }
                 }
                 Err(e @ RequestError::Io(_)) => {
                     warn!(dir = %self.path.display(), name, error = %e, "cannot read a clear request now; trying again");
@@ -670,6 +683,25 @@ mod tests {
             .collect();
         v.sort();
         v
+    }
+
+    /// A request the CLI withdrew (removed) after the agent read it and before it renamed it
+    /// is not applied; one the agent cannot rename (a read-only directory) is applied where it
+    /// is; otherwise it is taken as `*.applying`.
+    #[test]
+    fn a_request_withdrawn_before_it_is_taken_is_not_applied() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let claim = |rd: &RequestDir| rd.claim("1.json".into(), "1.json.applying".into());
+        let rd = RequestDir::open(d).unwrap();
+        assert_eq!(claim(&rd), None, "withdrawn");
+        write(d, "1.json", b"{}");
+        assert_eq!(
+            claim(&RequestDir::open(d).unwrap().immutable()).as_deref(),
+            Some("1.json")
+        );
+        assert_eq!(claim(&rd).as_deref(), Some("1.json.applying"));
+        assert_eq!(names(d), ["1.json.applying"]);
     }
 
     #[test]
