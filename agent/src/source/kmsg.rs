@@ -246,10 +246,15 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
                 "the kernel-log file at the path is not the one the saved position was taken in \
                  (replaced while the agent was not running); reading all of it as new"
             );
-        } else if let Some(read) = cfg.resume_after.and_then(|p| p.read) {
+        } else if let Some(read) = cfg
+            .resume_after
+            .and_then(|p| p.read)
+            .filter(|_| meta.as_ref().is_some_and(|m| m.is_file()))
+        {
             // Same device and inode, other bytes: a file rewritten in place (`O_TRUNC` keeps the
-            // inode), or a new one given the old inode number. (A read error here is the read
-            // loop's to report.)
+            // inode), or a new one given the old inode number. A regular file only: reading a
+            // FIFO that took the old inode number would consume lines no one then parses. (A
+            // read error here is the read loop's to report.)
             if starts_with(&file, read).is_ok_and(|same| !same) {
                 r.new_log(log);
                 warn!(
