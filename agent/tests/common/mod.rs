@@ -187,17 +187,21 @@ impl Agent {
         }
     }
 
-    /// One HTTP GET on loopback; returns (status, body).
+    /// One HTTP GET on loopback; returns (status, body). A connection the server refused (it
+    /// closes one over its connection cap at once, which resets it when the request was already
+    /// sent) is status 0 with the error as the body, so a caller waiting for an answer can retry.
     pub fn get(&self, path: &str) -> (u16, String) {
         use std::io::Read;
         let mut s = std::net::TcpStream::connect(self.addr()).unwrap();
-        write!(
+        let mut out = String::new();
+        let sent = write!(
             s,
             "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
         )
-        .unwrap();
-        let mut out = String::new();
-        s.read_to_string(&mut out).unwrap();
+        .and_then(|()| s.read_to_string(&mut out));
+        if let Err(e) = sent {
+            return (0, format!("connection failed: {e}"));
+        }
         let status = out
             .split_whitespace()
             .nth(1)
