@@ -271,17 +271,23 @@ pub fn acquire(dir: &Path, holder: &Holder) -> Result<Option<DirLock>, LockError
     Ok(Some(DirLock { _file: file, path }))
 }
 
-/// Takes the locks of every directory in `dirs`, in order; a directory named twice (or by two
-/// paths) is locked once.
+/// Takes the locks of every directory in `dirs`, in order; a directory named twice (by two
+/// paths, a link, or two mounts of one host directory) is locked once: directories are told
+/// apart by device and inode, since a second lock of the same file by this process would
+/// conflict with the first.
 pub fn acquire_all(dirs: &[&Path], holder: &Holder) -> Result<Vec<DirLock>, LockError> {
+    use std::os::unix::fs::MetadataExt;
     let mut seen = Vec::new();
     let mut locks = Vec::new();
     for dir in dirs {
-        let real = std::fs::canonicalize(dir).map_err(|source| LockError::Io {
+        let io = |source| LockError::Io {
             path: dir.join(LOCK_FILE),
             source,
-        })?;
-        if seen.contains(&real) {
+        };
+        let real = std::fs::canonicalize(dir).map_err(io)?;
+        let meta = std::fs::metadata(&real).map_err(io)?;
+        let id = (meta.dev(), meta.ino());
+        if seen.contains(&id) {
             continue;
         }
         match acquire(&real, holder)? {
@@ -290,7 +296,7 @@ pub fn acquire_all(dirs: &[&Path], holder: &Holder) -> Result<Vec<DirLock>, Lock
                 warn!(dir = %real.display(), "cannot create the lock file: this agent cannot write the directory (nor overwrite anything in it); running without its lock")
             }
         }
-        seen.push(real);
+        seen.push(id);
     }
     Ok(locks)
 }

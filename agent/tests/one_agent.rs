@@ -405,3 +405,62 @@ fn a_read_only_or_full_data_directory_does_not_stop_the_agent() {
         let _ = child.wait();
     }
 }
+
+/// One host directory given as both the state and the data directory through two mounts (two
+/// hostPath volumes of one path, a bind mount) is locked once: the agent runs. Before, the two
+/// paths were told apart by name, the second lock of the same file by the same agent conflicted
+/// with the first, and the agent refused to start blaming itself ("another faultline agent
+/// holds …"), for ever. Needs root and a mount namespace (`unshare -m`): skipped elsewhere.
+#[test]
+fn one_directory_behind_two_mounts_is_locked_once() {
+    let private = Command::new("unshare")
+        .args(["-m", "true"])
+        .stderr(Stdio::null())
+        .status();
+    if !private.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: no mount namespace here (unshare -m)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (kmsg, data, state, log) = (
+        dir.path().join("kmsg"),
+        dir.path().join("data"),
+        dir.path().join("state"),
+        dir.path().join("agent.log"),
+    );
+    std::fs::write(&kmsg, xid79(1, "3b")).unwrap();
+    std::fs::create_dir(&data).unwrap();
+    std::fs::create_dir(&state).unwrap();
+    let script = "mount --bind \"$1\" \"$2\" && shift 2 && exec \"$0\" \"$@\"";
+    let mut child = Command::new("unshare")
+        .args(["-m", "sh", "-c", script])
+        .arg(env!("CARGO_BIN_EXE_faultline-agent"))
+        .arg(&data)
+        .arg(&state)
+        .arg("--kmsg-path")
+        .arg(&kmsg)
+        .arg("--state-dir")
+        .arg(&state)
+        .arg("--data-dir")
+        .arg(&data)
+        .args(["--no-nvml", "--no-ascend", "--node-name", "node-a"])
+        .args(["--listen", "127.0.0.1:0", "--follow-interval", "5ms"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(&log).unwrap()))
+        .spawn()
+        .unwrap();
+    // The record appears in the data directory: the state directory is the same one.
+    let record = data.join("faults.json");
+    let found = wait_until("the record", Duration::from_secs(30), || {
+        if child.try_wait().unwrap().is_some() {
+            return Some(false);
+        }
+        let r: faultline_core::record::NodeRecord =
+            serde_json::from_slice(&std::fs::read(&record).ok()?).ok()?;
+        fault(&r, "Xid79").map(|_| true)
+    });
+    let text = std::fs::read_to_string(&log).unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(found, "the agent stopped:\n{text}");
+}
