@@ -16,6 +16,7 @@ fuzz_target!(|data: &[u8]| {
             seq: Some(b / 4),
             unsequenced: b % 4,
             log: None,
+            read: None,
         });
     let mut r = KmsgReader::new(resume, None, data.len() % 3 == 0, tally.clone());
     let mut out = Vec::new();
