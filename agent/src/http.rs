@@ -120,13 +120,13 @@ pub fn router(state: HttpState) -> Router {
         .with_state(state)
 }
 
-async fn metrics(State(s): State<HttpState>) -> Response {
+/// `/metrics` in the format the scraper's `Accept` asks for, under that format's content type.
+async fn metrics(State(s): State<HttpState>, headers: axum::http::HeaderMap) -> Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let format = crate::metrics::Format::negotiate(accept);
     (
-        [(
-            header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        s.metrics.encode(),
+        [(header::CONTENT_TYPE, format.content_type())],
+        s.metrics.encode_as(format),
     )
         .into_response()
 }

@@ -279,18 +279,162 @@ impl Metrics {
         Metrics { registry, ..m }
     }
 
-    /// The text exposition format.
+    /// The OpenMetrics text format (what the registry writes).
     pub fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
     }
+
+    /// The metrics in the exposition `format` a scraper asked for.
+    pub fn encode_as(&self, format: Format) -> String {
+        match format {
+            Format::OpenMetrics => self.encode(),
+            Format::Text004 => text_004(&self.encode()),
+        }
+    }
+}
+
+/// The two exposition formats `/metrics` serves, each under its own content type: the body
+/// and its type must agree, or a scraper rejects the target (Prometheus 2.42 reading an
+/// OpenMetrics body as `text/plain; version=0.0.4` fails on `# TYPE faultline_build info`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    OpenMetrics,
+    Text004,
+}
+
+impl Format {
+    /// The format for an `Accept` header: OpenMetrics when the client names
+    /// `application/openmetrics-text` with a weight above 0 (Prometheus does, ahead of
+    /// `text/plain`), else the Prometheus text format 0.0.4, which every scraper reads
+    /// (also when there is no `Accept`, or it is `*/*`, as for curl).
+    pub fn negotiate(accept: Option<&str>) -> Format {
+        let openmetrics = accept.is_some_and(|a| {
+            a.split(',').any(|range| {
+                let mut parts = range.split(';').map(str::trim);
+                let media = parts.next().unwrap_or_default();
+                let q = parts
+                    .filter_map(|p| p.strip_prefix("q="))
+                    .find_map(|q| q.parse::<f32>().ok())
+                    .unwrap_or(1.0);
+                media.eq_ignore_ascii_case("application/openmetrics-text") && q > 0.0
+            })
+        });
+        if openmetrics {
+            Format::OpenMetrics
+        } else {
+            Format::Text004
+        }
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            Format::Text004 => "text/plain; version=0.0.4; charset=utf-8",
+        }
+    }
+}
+
+/// The Prometheus text format 0.0.4 from the registry's OpenMetrics text. The samples are the
+/// same lines; what differs is the metadata (prometheus.io "Exposition formats", and the
+/// OpenMetrics specification): 0.0.4 has no `# EOF` and no `# UNIT`, names a family by its
+/// samples' name (a counter `x` of sample `x_total` is the family `x_total`; an info `x` of
+/// sample `x_info` is the gauge `x_info`), and knows only counter, gauge, histogram, summary
+/// and untyped. No OpenMetrics-only syntax reaches the samples here: the registry writes no
+/// exemplars and no `_created` lines for these metrics.
+fn text_004(openmetrics: &str) -> String {
+    // The family renames, from the TYPE lines (a family's HELP comes before its TYPE).
+    let mut renamed = std::collections::HashMap::new();
+    for line in openmetrics.lines() {
+        if let Some((name, kind)) = line
+            .strip_prefix("# TYPE ")
+            .and_then(|rest| rest.split_once(' '))
+        {
+            let (suffix, kind) = match kind {
+                "counter" => ("_total", "counter"),
+                "info" => ("_info", "gauge"),
+                "stateset" => ("", "gauge"),
+                "gaugehistogram" => ("", "histogram"),
+                "unknown" => ("", "untyped"),
+                other => ("", other),
+            };
+            renamed.insert(name, (format!("{name}{suffix}"), kind));
+        }
+    }
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let meta = ["# HELP ", "# TYPE "]
+            .into_iter()
+            .find_map(|p| line.strip_prefix(p).map(|rest| (p, rest)));
+        match meta.and_then(|(p, rest)| {
+            let (name, text) = rest.split_once(' ').unwrap_or((rest, ""));
+            renamed.get(name).map(|r| (p, r, text))
+        }) {
+            Some(("# TYPE ", (name, kind), _)) => out.push_str(&format!("# TYPE {name} {kind}")),
+            Some((p, (name, _), text)) => out.push_str(&format!("{p}{name} {text}")),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The format each `Accept` gets: OpenMetrics only when named with a weight above 0.
+    #[test]
+    fn formats_by_accept() {
+        use Format::{OpenMetrics, Text004};
+        for (accept, want) in [
+            (None, Text004),
+            (Some("*/*"), Text004),
+            (Some("text/plain;version=0.0.4"), Text004),
+            (
+                Some("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"),
+                OpenMetrics,
+            ),
+            (Some("text/plain, Application/OpenMetrics-Text; q=0.3"), OpenMetrics),
+            (Some("application/openmetrics-text;q=0"), Text004),
+            (Some("application/openmetrics-text;q=x"), OpenMetrics),
+        ] {
+            assert_eq!(Format::negotiate(accept), want, "{accept:?}");
+        }
+    }
+
+    /// 0.0.4 names a counter and an info by their samples, has no `# EOF` or `# UNIT`, and keeps
+    /// every sample line as it was.
+    #[test]
+    fn text_004_renames_families_and_keeps_samples() {
+        let om = "# HELP a_seconds A.\n# TYPE a_seconds counter\n# UNIT a_seconds seconds\n\
+                  a_seconds_total 3\n# HELP b B.\n# TYPE b info\nb_info{v=\"1\"} 1\n\
+                  # HELP c C.\n# TYPE c gauge\nc{x=\"# TYPE c counter\"} 2\n# EOF\n";
+        assert_eq!(
+            text_004(om),
+            "# HELP a_seconds_total A.\n# TYPE a_seconds_total counter\na_seconds_total 3\n\
+             # HELP b_info B.\n# TYPE b_info gauge\nb_info{v=\"1\"} 1\n\
+             # HELP c C.\n# TYPE c gauge\nc{x=\"# TYPE c counter\"} 2\n"
+        );
+        let m = Metrics::new();
+        m.kmsg_records.inc();
+        let om = m.encode();
+        let text = m.encode_as(Format::Text004);
+        let samples = |s: &str| -> Vec<String> {
+            s.lines()
+                .filter(|l| !l.starts_with('#'))
+                .map(String::from)
+                .collect()
+        };
+        assert_eq!(samples(&om), samples(&text));
+        assert!(text.contains("# TYPE faultline_kmsg_records_total counter\n"));
+        assert!(!text.contains("# EOF") && !text.contains(" info\n"));
+    }
 
     #[test]
     fn names_follow_the_rules() {
