@@ -27,6 +27,13 @@ pub struct DetectorLabel {
 }
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DetectorStateLabel {
+    pub detector: String,
+    /// `running`, `starting`, `idle` or `down`.
+    pub state: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SinkLabel {
     pub sink: &'static str,
 }
@@ -83,6 +90,8 @@ pub struct Metrics {
     pub policy_reloads: Family<ReloadLabel, Counter>,
     pub policy_valid: Gauge,
     pub detector_up: Family<DetectorLabel, Gauge>,
+    /// 1 for each detector's current state, 0 for its other states.
+    pub detector_state: Family<DetectorStateLabel, Gauge>,
     /// Engine events the Kubernetes Event sink could not take (its queue was full).
     pub events_dropped: Counter,
     /// Notices the Kubernetes Event sink published no Event for: its token bucket was empty.
@@ -130,6 +139,7 @@ impl Metrics {
             policy_reloads: Family::default(),
             policy_valid: Gauge::default(),
             detector_up: Family::default(),
+            detector_state: Family::default(),
             events_dropped: Counter::default(),
             events_rate_limited: Counter::default(),
             taints_withheld: Gauge::default(),
@@ -243,8 +253,14 @@ impl Metrics {
         );
         r.register(
             "faultline_detector_up",
-            "1 when a detector is running, 0 when down or idle",
+            "1 when a detector is running, 0 when down, idle or starting",
             m.detector_up.clone(),
+        );
+        r.register(
+            "faultline_detector_state",
+            "1 for a detector's current state (running, starting, idle: nothing to watch here, \
+             down), 0 for its other states",
+            m.detector_state.clone(),
         );
         r.register(
             "faultline_tool_calls",

@@ -563,13 +563,29 @@ impl EngineLoop {
             Health::Unhealthy => 2,
         });
         for (name, d) in self.engine.detectors() {
-            let up = i64::from(d.state == faultline_core::engine::DetectorState::Running);
+            use faultline_core::engine::DetectorState;
+            let up = i64::from(d.state == DetectorState::Running);
             self.metrics
                 .detector_up
                 .get_or_create(&crate::metrics::DetectorLabel {
                     detector: name.clone(),
                 })
                 .set(up);
+            // Idle (nothing to watch here) and down both read 0 above; this tells them apart.
+            for (state, label) in [
+                (DetectorState::Running, "running"),
+                (DetectorState::Starting, "starting"),
+                (DetectorState::Idle, "idle"),
+                (DetectorState::Down, "down"),
+            ] {
+                self.metrics
+                    .detector_state
+                    .get_or_create(&crate::metrics::DetectorStateLabel {
+                        detector: name.clone(),
+                        state: label,
+                    })
+                    .set(i64::from(d.state == state));
+            }
         }
         let record = NodeRecord {
             api_version: API_VERSION.to_string(),

@@ -492,6 +492,22 @@ fn no_ascend_tools_is_idle() {
     assert!(r.faults.is_empty(), "{:?}", r.faults);
     assert_eq!(r.health, Health::Healthy);
     assert!(!rig.agent.state().join("deviceinfo.json").exists());
+    // A tool that is not installed is no failed call (issue 26 §2: before, every node without
+    // NPUs counted failed npu-smi calls for ever), and the detector reads idle, not down.
+    let m = |name: &str| rig.agent.metric(name);
+    assert!(m("faultline_tool_calls_total{tool=\"npu-smi\",result=\"absent\"}") >= 1.0);
+    assert_eq!(
+        m("faultline_tool_calls_total{tool=\"npu-smi\",result=\"failed\"}"),
+        0.0
+    );
+    assert_eq!(
+        m("faultline_detector_state{detector=\"npu-smi\",state=\"idle\"}"),
+        1.0
+    );
+    assert_eq!(
+        m("faultline_detector_state{detector=\"npu-smi\",state=\"down\"}"),
+        0.0
+    );
     rig.agent.stop();
 }
 
@@ -514,6 +530,17 @@ fn a_policy_naming_a_tool_that_the_flags_do_not_give_is_down_not_idle() {
     assert!(
         reason.contains("--npu-smi") && reason.contains("/usr/local/sbin/npu-smi"),
         "{reason}"
+    );
+    // Down and idle both read 0 as detector_up; the state tells them apart.
+    assert_eq!(
+        rig.agent
+            .metric("faultline_detector_state{detector=\"npu-smi\",state=\"down\"}"),
+        1.0
+    );
+    assert_eq!(
+        rig.agent
+            .metric("faultline_detector_state{detector=\"npu-smi\",state=\"idle\"}"),
+        0.0
     );
     rig.agent.stop();
 }

@@ -40,7 +40,8 @@ async fn call<T: Tools, R>(
     let shown = format!("{} {}", tool.as_str(), args.join(" "));
     let result = match tools.run(tool, &args, policy.call_timeout).await {
         Ok(out) => parse(&out).map_err(|e| ("garbage", CallError::Other(format!("{shown}: {e}")))),
-        Err(ToolError::NotFound(n)) => Err(("failed", CallError::Absent(n))),
+        // Not installed (a node without Ascend NPUs) is no failed call.
+        Err(ToolError::NotFound(n)) => Err(("absent", CallError::Absent(n))),
         Err(e @ ToolError::Timeout(_)) => {
             Err(("timeout", CallError::Hung(format!("{shown}: {e}"))))
         }
