@@ -921,17 +921,9 @@ mod tests {
         let dir = d.path().join(CLEAR_DIR);
         let taker = {
             let dir = dir.clone();
-            std::thread::spawn(move || loop {
-                let found = std::fs::read_dir(&dir).ok().and_then(|d| {
-                    d.filter_map(|e| e.ok())
-                        .map(|e| e.file_name().to_string_lossy().into_owned())
-                        .find(|n| n.ends_with(".json"))
-                });
-                if let Some(name) = found {
-                    std::fs::rename(dir.join(&name), dir.join(format!("{name}.applying"))).unwrap();
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(5));
+            std::thread::spawn(move || {
+                let name = next_request(&dir);
+                std::fs::rename(dir.join(&name), dir.join(format!("{name}.applying"))).unwrap();
             })
         };
         let o = clear(d.path(), None, None, Duration::from_millis(500));
@@ -961,30 +953,22 @@ mod tests {
         let dir = d.path().join(CLEAR_DIR);
         let slow = {
             let dir = dir.clone();
-            std::thread::spawn(move || loop {
-                let found = std::fs::read_dir(&dir).ok().and_then(|d| {
-                    d.filter_map(|e| e.ok())
-                        .map(|e| e.file_name().to_string_lossy().into_owned())
-                        .find(|n| n.ends_with(".json"))
-                });
-                if let Some(name) = found {
-                    let taken = dir.join(format!("{name}.applying"));
-                    std::fs::rename(dir.join(&name), &taken).unwrap();
-                    // Saved well after the CLI's wait is over.
-                    std::thread::sleep(Duration::from_millis(600));
-                    let result = ClearResult {
-                        cleared: 1,
-                        faults: vec![crate::source::control::ClearedFault {
-                            code: "Xid79".into(),
-                            device: "GPU-3".into(),
-                        }],
-                    };
-                    let done = dir.join(format!("{name}.done"));
-                    write_atomic(&done, &serde_json::to_vec(&result).unwrap()).unwrap();
-                    std::fs::remove_file(taken).unwrap();
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(5));
+            std::thread::spawn(move || {
+                let name = next_request(&dir);
+                let taken = dir.join(format!("{name}.applying"));
+                std::fs::rename(dir.join(&name), &taken).unwrap();
+                // Saved well after the CLI's wait is over.
+                std::thread::sleep(Duration::from_millis(600));
+                let result = ClearResult {
+                    cleared: 1,
+                    faults: vec![crate::source::control::ClearedFault {
+                        code: "Xid79".into(),
+                        device: "GPU-3".into(),
+                    }],
+                };
+                let done = dir.join(format!("{name}.done"));
+                write_atomic(&done, &serde_json::to_vec(&result).unwrap()).unwrap();
+                std::fs::remove_file(taken).unwrap();
             })
         };
         let o = clear(
@@ -1002,23 +986,32 @@ mod tests {
     /// with `result` (`None`: removes it without an answer, as an agent that cannot write one does).
     fn fake_agent(state: &Path, result: Option<ClearResult>) -> std::thread::JoinHandle<String> {
         let dir = state.join(CLEAR_DIR);
-        std::thread::spawn(move || loop {
-            let found = std::fs::read_dir(&dir).ok().and_then(|d| {
+        std::thread::spawn(move || {
+            let name = next_request(&dir);
+            let body = std::fs::read_to_string(dir.join(&name)).unwrap();
+            if let Some(r) = &result {
+                let done = dir.join(format!("{name}.done"));
+                write_atomic(&done, &serde_json::to_vec(r).unwrap()).unwrap();
+            }
+            std::fs::remove_file(dir.join(&name)).unwrap();
+            body
+        })
+    }
+
+    /// Waits for a request (`*.json`) to appear in `dir`, as an agent polling `clear.d` does;
+    /// its name.
+    fn next_request(dir: &Path) -> String {
+        loop {
+            let found = std::fs::read_dir(dir).ok().and_then(|d| {
                 d.filter_map(|e| e.ok())
                     .map(|e| e.file_name().to_string_lossy().into_owned())
                     .find(|n| n.ends_with(".json"))
             });
             if let Some(name) = found {
-                let body = std::fs::read_to_string(dir.join(&name)).unwrap();
-                if let Some(r) = &result {
-                    let done = dir.join(format!("{name}.done"));
-                    write_atomic(&done, &serde_json::to_vec(r).unwrap()).unwrap();
-                }
-                std::fs::remove_file(dir.join(&name)).unwrap();
-                return body;
+                return name;
             }
             std::thread::sleep(Duration::from_millis(5));
-        })
+        }
     }
 
     /// `clear` says how many faults the agent cleared and which; none is exit 1 with what is
