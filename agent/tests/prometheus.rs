@@ -1,39 +1,18 @@
 //! The metrics as Prometheus itself reads them: `promtool check metrics` on what a scraper
 //! without OpenMetrics gets, and a real Prometheus server scraping a running agent (`up` is 1
-//! and the agent's series are stored). Needs Debian's `prometheus` package (`prometheus` and
-//! `promtool` on the PATH): `.ci/run` installs it, and under `CI` a missing one fails the test;
-//! elsewhere the test says it was skipped.
+//! and the agent's series are stored). Needs Debian's `prometheus` package
+//! (common/prometheus.rs).
 
 #![allow(clippy::unwrap_used)] // test code: a panic is the failure report
 
 mod common;
 
 use std::io::{Read, Write};
-use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use common::prometheus::{query, start_prometheus, tools_present};
 use common::{wait_until, xid79, Agent};
-
-/// Whether the Prometheus tools are here; under CI they must be.
-fn tools_present() -> bool {
-    let found = ["prometheus", "promtool"].iter().all(|t| {
-        Command::new(t)
-            .arg("--version")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    });
-    assert!(
-        found || std::env::var_os("CI").is_none(),
-        "CI must have Debian's prometheus package (prometheus, promtool): .ci/run installs it"
-    );
-    if !found {
-        eprintln!("skipped: prometheus and promtool are not installed (Debian's prometheus)");
-    }
-    found
-}
 
 /// One HTTP/1.0 GET to `addr` with optional `Accept`; returns (head, body).
 fn fetch(addr: &str, path: &str, accept: Option<&str>) -> (String, String) {
@@ -46,70 +25,6 @@ fn fetch(addr: &str, path: &str, accept: Option<&str>) -> (String, String) {
     s.read_to_string(&mut out).unwrap();
     let (head, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
     (head.to_ascii_lowercase(), body.to_string())
-}
-
-/// The Prometheus server, stopped when dropped.
-struct Server(Child);
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
-fn start_prometheus(dir: &Path, target: &str) -> (Server, String) {
-    let config = dir.join("prometheus.yml");
-    std::fs::write(
-        &config,
-        format!(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
-             scrape_configs:\n  - job_name: faultline\n    static_configs:\n      - targets: ['{target}']\n"
-        ),
-    )
-    .unwrap();
-    let web = format!("127.0.0.1:{}", free_port());
-    let child = Command::new("prometheus")
-        .arg(format!("--config.file={}", config.display()))
-        .arg(format!(
-            "--storage.tsdb.path={}",
-            dir.join("tsdb").display()
-        ))
-        .arg(format!("--web.listen-address={web}"))
-        .stdout(Stdio::null())
-        .stderr(Stdio::from(
-            std::fs::File::create(dir.join("prometheus.log")).unwrap(),
-        ))
-        .spawn()
-        .unwrap();
-    (Server(child), web)
-}
-
-/// The result vector of an instant query, empty when Prometheus is not answering yet.
-fn query(web: &str, q: &str) -> Vec<serde_json::Value> {
-    let Ok(mut s) = std::net::TcpStream::connect(web) else {
-        return Vec::new();
-    };
-    let q: String = q
-        .bytes()
-        .map(|b| match b {
-            b'a'..=b'z' | b'A'..=b'Z' | b'0'..=b'9' | b'_' => (b as char).to_string(),
-            _ => format!("%{b:02X}"),
-        })
-        .collect();
-    let _ = write!(s, "GET /api/v1/query?query={q} HTTP/1.0\r\nHost: x\r\n\r\n");
-    let mut out = String::new();
-    let _ = s.read_to_string(&mut out);
-    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b);
-    serde_json::from_str::<serde_json::Value>(body)
-        .ok()
-        .and_then(|v| v["data"]["result"].as_array().cloned())
-        .unwrap_or_default()
 }
 
 /// Each format under its own content type; what a scraper without OpenMetrics gets (no

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod prometheus;
 
 use std::io::Write;
 use std::path::{Path, PathBuf};
