@@ -9,6 +9,7 @@ mod examples;
 mod image;
 mod kustomize;
 mod memory;
+mod monitoring;
 mod networkpolicy;
 mod policy;
 mod rbac;

@@ -5,7 +5,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use k8s_openapi::api::apps::v1::DaemonSet;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, PodTemplateSpec, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, Namespace, PodTemplateSpec, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding, Role, RoleBinding};
 use serde::de::DeserializeOwned;
@@ -26,6 +26,7 @@ fn check_doc(doc: &Doc) -> Result<(), String> {
         ("v1", "Namespace") => check::<Namespace>(v),
         ("v1", "ServiceAccount") => check::<ServiceAccount>(v),
         ("v1", "ConfigMap") => check::<ConfigMap>(v),
+        ("v1", "Service") => check::<Service>(v),
         ("rbac.authorization.k8s.io/v1", "ClusterRole") => check::<ClusterRole>(v),
         ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding") => check::<ClusterRoleBinding>(v),
         ("rbac.authorization.k8s.io/v1", "Role") => check::<Role>(v),
@@ -40,6 +41,8 @@ fn check_doc(doc: &Doc) -> Result<(), String> {
             check::<ValidatingAdmissionPolicyBinding>(v)
         }
         ("kubeflow.org/v1", "PyTorchJob") => check_pytorchjob(v),
+        ("monitoring.coreos.com/v1", "ServiceMonitor") => check_servicemonitor(v),
+        ("monitoring.coreos.com/v1", "PrometheusRule") => check_prometheusrule(v),
         ("kubeflow.org/v2beta1", "MPIJob") => check_mpijob(v),
         ("kustomize.config.k8s.io/v1beta1", "Kustomization") => {
             if doc.file.ends_with("kustomization.yaml") {
@@ -59,6 +62,124 @@ fn check_doc(doc: &Doc) -> Result<(), String> {
             "unknown kind {a:?} {k:?}: teach schema.rs about it"
         )),
     }
+}
+
+/// Keys of `v` (an object) outside `known`, as errors naming `at`.
+fn only_keys(v: &Value, at: &str, known: &[&str]) -> Result<(), String> {
+    let map = v.as_object().ok_or(format!("{at}: not a map"))?;
+    match map.keys().find(|k| !known.contains(&k.as_str())) {
+        Some(k) => Err(format!("{at}.{k}: not a field here")),
+        None => Ok(()),
+    }
+}
+
+/// A ServiceMonitor (prometheus-operator's custom resource, monitoring.coreos.com/v1): the
+/// fields of its spec, endpoints and relabelings (prometheus-operator
+/// pkg/apis/monitoring/v1/servicemonitor_types.go, `ServiceMonitorSpec`, and types.go,
+/// `Endpoint`, `RelabelConfig`), the selector a strict `LabelSelector`.
+fn check_servicemonitor(v: &Value) -> Result<(), String> {
+    only_keys(v, "", &["apiVersion", "kind", "metadata", "spec"])?;
+    let spec = &v["spec"];
+    only_keys(
+        spec,
+        "spec",
+        &[
+            "jobLabel",
+            "targetLabels",
+            "podTargetLabels",
+            "endpoints",
+            "selector",
+            "namespaceSelector",
+            "sampleLimit",
+            "targetLimit",
+            "labelLimit",
+            "labelNameLengthLimit",
+            "labelValueLengthLimit",
+            "attachMetadata",
+        ],
+    )?;
+    strict::<k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector>(&spec["selector"])
+        .map_err(|e| format!("spec.selector: {e}"))?;
+    only_keys(
+        &spec["namespaceSelector"],
+        "spec.namespaceSelector",
+        &["any", "matchNames"],
+    )?;
+    let endpoints = spec["endpoints"].as_array().ok_or("no spec.endpoints")?;
+    for (i, ep) in endpoints.iter().enumerate() {
+        let at = format!("spec.endpoints[{i}]");
+        only_keys(
+            ep,
+            &at,
+            &[
+                "port",
+                "targetPort",
+                "path",
+                "scheme",
+                "params",
+                "interval",
+                "scrapeTimeout",
+                "tlsConfig",
+                "bearerTokenSecret",
+                "authorization",
+                "honorLabels",
+                "honorTimestamps",
+                "basicAuth",
+                "oauth2",
+                "metricRelabelings",
+                "relabelings",
+                "proxyUrl",
+                "followRedirects",
+                "enableHttp2",
+                "filterRunning",
+            ],
+        )?;
+        for key in ["relabelings", "metricRelabelings"] {
+            for (j, r) in ep[key].as_array().into_iter().flatten().enumerate() {
+                only_keys(
+                    r,
+                    &format!("{at}.{key}[{j}]"),
+                    &[
+                        "sourceLabels",
+                        "separator",
+                        "targetLabel",
+                        "regex",
+                        "modulus",
+                        "replacement",
+                        "action",
+                    ],
+                )?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A PrometheusRule (prometheus-operator's custom resource): its spec has only `groups`, each a
+/// Prometheus rule group (the rules themselves are checked by `promtool check rules`, which
+/// rejects unknown fields: monitoring.rs).
+fn check_prometheusrule(v: &Value) -> Result<(), String> {
+    only_keys(v, "", &["apiVersion", "kind", "metadata", "spec"])?;
+    only_keys(&v["spec"], "spec", &["groups"])?;
+    for (i, g) in v["spec"]["groups"]
+        .as_array()
+        .ok_or("no spec.groups")?
+        .iter()
+        .enumerate()
+    {
+        only_keys(
+            g,
+            &format!("spec.groups[{i}]"),
+            &[
+                "name",
+                "interval",
+                "rules",
+                "partial_response_strategy",
+                "limit",
+            ],
+        )?;
+    }
+    Ok(())
 }
 
 /// A PyTorchJob (a custom resource): the known top-level shape, and every replica's pod
@@ -171,6 +292,9 @@ fn every_document_is_a_faithful_instance_of_its_type() {
         "ValidatingAdmissionPolicyBinding",
         "Job",
         "PyTorchJob",
+        "Service",
+        "ServiceMonitor",
+        "PrometheusRule",
     ] {
         assert!(kinds.contains(k), "no {k} under manifests/");
     }
