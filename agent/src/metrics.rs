@@ -1,7 +1,10 @@
 //! Every metric the agent exports, defined in one place.
 //!
-//! Naming (docs/metrics.md): `faultline_<what>_<unit>`; counters get `_total` from the encoder;
-//! label values are bounded sets (kinds, sources, levels), never fault messages or devices.
+//! Naming (docs/metrics.md): `faultline_<what>_<unit>`; counters get `_total` from the encoder.
+//! Every label value comes from a bounded set: a fixed one (kinds, sinks, levels, results,
+//! detectors), or, for the fault labels, one that only the catalog, the policy file and the
+//! node's inventory define ([`code_label`], [`device_label`]); anything else is `other`. Never
+//! a message, and never a value a kernel-log line can invent.
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
@@ -10,6 +13,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::AtomicU64;
+use std::sync::Mutex;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
@@ -52,6 +58,112 @@ pub struct ToolLabel {
     pub result: &'static str,
 }
 
+/// A fault code and device, bounded ([`code_label`], [`device_label`]).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct FaultLabel {
+    pub code: String,
+    pub device: String,
+}
+
+/// [`FaultLabel`] with the fault's handling level.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ActiveFaultLabel {
+    pub code: String,
+    pub device: String,
+    pub handling: &'static str,
+}
+
+/// How a peer check this agent took part in ended, for this agent ([`PeerCheckResult`]).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PeerCheckLabel {
+    pub result: PeerCheckResult,
+}
+
+/// A peer check as this agent, one of its pair, saw it: its own probe's outcome, or why it ran
+/// none.
+#[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
+#[allow(non_camel_case_types)]
+pub enum PeerCheckResult {
+    /// The probe finished its allgather with the partner.
+    passed,
+    /// The probe failed: its own error, a kill at the deadline, unreadable output.
+    failed,
+    /// The probe's deadline passed after the pair connected (too slow, not an error).
+    timeout,
+    /// The probe could not start on this node (missing or not executable).
+    cannot_run,
+    /// The coordinator cancelled the check before the probe ended.
+    cancelled,
+    /// This agent refused the coordinator's assignment (not a member of the check, addresses
+    /// or sizes outside what it accepts, too many checks running): no probe ran.
+    refused,
+}
+
+/// The value of a fault label that is not in its bounded set.
+pub const OTHER: &str = "other";
+
+/// The detectors, the devices of `DETECTOR_DOWN` faults: a fixed set.
+pub const DETECTORS: [&str; 5] = [
+    "kmsg",
+    crate::source::nvml::DETECTOR,
+    crate::source::ascend::analyze::DETECTOR_NPU_SMI,
+    crate::source::ascend::analyze::DETECTOR_HCCN,
+    crate::sink::file::RECORD_DETECTOR,
+];
+
+/// NVSwitches named `nvswitch<N>` below this are label values. The number comes from the
+/// driver's SXid lines (facility 0: the kernel's, no process can write one into /dev/kmsg);
+/// NVML does not list switches, so this bound stands in for an inventory: HGX and DGX boards
+/// carry 2 to 6.
+pub const MAX_NVSWITCHES: u32 = 16;
+
+/// The `code` label of a record's `fault_code`: the code when the catalog lists it or the
+/// policy names it (`defined`: [`faultline_core::policy::Policy::defines`]), else `other`.
+pub fn code_label(code: &str, defined: bool) -> String {
+    if defined { code } else { OTHER }.to_string()
+}
+
+/// The `device` label of a record's `device` (of a fault with `code`): `node`; a device of the
+/// node's inventory (`in_inventory`: [`faultline_core::engine::Engine::in_inventory`]: an NVML
+/// GPU as `GPU-<index>` or `pci-<address>`, an Ascend chip); `nvswitch<N>` below
+/// [`MAX_NVSWITCHES`]; a detector of [`DETECTORS`] for `DETECTOR_DOWN`; else `other` (a GPU the
+/// kernel log alone names, `GPU-<pci bus id>`; a PCI address; a peer link `link:<node>`).
+pub fn device_label(code: &str, device: &str, in_inventory: bool) -> String {
+    let nvswitch = device
+        .strip_prefix("nvswitch")
+        .and_then(|n| n.parse::<u32>().ok().filter(|i| i.to_string() == n))
+        .is_some_and(|n| n < MAX_NVSWITCHES);
+    let detector = code == "DETECTOR_DOWN" && DETECTORS.contains(&device);
+    if device == "node" || in_inventory || nvswitch || detector {
+        device
+    } else {
+        OTHER
+    }
+    .to_string()
+}
+
+/// The number of active faults by bounded labels: a series is removed when no active fault
+/// has its labels any more (the family alone would keep it at its last value).
+#[derive(Debug, Default)]
+pub struct ActiveFaults {
+    family: Family<ActiveFaultLabel, Gauge>,
+    shown: Mutex<HashSet<ActiveFaultLabel>>,
+}
+
+impl ActiveFaults {
+    /// Sets every series to `counts`; the series not in it are removed.
+    pub fn set_all(&self, counts: HashMap<ActiveFaultLabel, i64>) {
+        let mut shown = self.shown.lock().unwrap_or_else(|p| p.into_inner());
+        for (labels, n) in &counts {
+            self.family.get_or_create(labels).set(*n);
+        }
+        for gone in shown.iter().filter(|l| !counts.contains_key(*l)) {
+            self.family.remove(gone);
+        }
+        *shown = counts.into_keys().collect();
+    }
+}
+
 #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq, EncodeLabelValue)]
 pub enum ReloadResult {
     Ok,
@@ -80,6 +192,14 @@ pub struct Metrics {
     pub engine_events: Family<KindLabel, Counter>,
     pub engine_inputs: Counter,
     pub faults_active: Family<HandlingLabel, Gauge>,
+    /// Active faults by bounded code, device and handling level.
+    pub fault_active: ActiveFaults,
+    /// Reports of faults the engine took, by bounded code and device.
+    pub fault_occurrences: Family<FaultLabel, Counter>,
+    /// Unix time (wall clock, seconds) of the heartbeat last written into the local record.
+    pub heartbeat: Gauge<f64, AtomicU64>,
+    /// Peer checks this agent took part in, by result.
+    pub peer_checks: Family<PeerCheckLabel, Counter>,
     pub node_health: Gauge,
     pub sink_writes: Family<SinkLabel, Counter>,
     pub sink_errors: Family<SinkLabel, Counter>,
@@ -126,6 +246,10 @@ impl Metrics {
             engine_events: Family::default(),
             engine_inputs: Counter::default(),
             faults_active: Family::default(),
+            fault_active: ActiveFaults::default(),
+            fault_occurrences: Family::default(),
+            heartbeat: Gauge::default(),
+            peer_checks: Family::default(),
             node_health: Gauge::default(),
             sink_writes: Family::default(),
             sink_errors: Family::default(),
@@ -210,6 +334,29 @@ impl Metrics {
             "faultline_faults_active",
             "Active faults by handling level",
             m.faults_active.clone(),
+        );
+        r.register(
+            "faultline_fault_active",
+            "Active faults (one per fault code and device) by code (catalog or policy, else \
+             other), device (inventory, node, nvswitch<N>, a detector, else other) and handling",
+            m.fault_active.family.clone(),
+        );
+        r.register(
+            "faultline_fault_occurrences",
+            "Reports of faults the engine took (the first and every repeat, as the record's \
+             count), by code and device (bounded as in faultline_fault_active)",
+            m.fault_occurrences.clone(),
+        );
+        r.register(
+            "faultline_heartbeat_timestamp_seconds",
+            "Unix time of the heartbeat last written into the local record (agent.heartbeatTime): \
+             renewed while the engine loop runs and the record can be written",
+            m.heartbeat.clone(),
+        );
+        r.register(
+            "faultline_peer_checks",
+            "Peer checks this agent took part in as one of a pair, by its own result",
+            m.peer_checks.clone(),
         );
         r.register(
             "faultline_node_health",
@@ -450,6 +597,162 @@ mod tests {
         assert_eq!(samples(&om), samples(&text));
         assert!(text.contains("# TYPE faultline_kmsg_records_total counter\n"));
         assert!(!text.contains("# EOF") && !text.contains(" info\n"));
+    }
+
+    /// The fault labels' bounds: a code only when defined; a device only when the inventory,
+    /// the node, a switch number below the bound or a detector (of `DETECTOR_DOWN`) names it.
+    #[test]
+    fn fault_labels_are_bounded() {
+        assert_eq!(code_label("Xid79", true), "Xid79");
+        assert_eq!(code_label("Xid123456", false), OTHER);
+        for (code, device, inventory, want) in [
+            ("Xid79", "GPU-0", true, "GPU-0"),
+            ("Xid79", "GPU-0000:3b:00.0", false, OTHER),
+            ("PCIE_AER_FATAL", "pci-0000:3b:00.0", false, OTHER),
+            (
+                "PCIE_AER_FATAL",
+                "pci-0000:3b:00.0",
+                true,
+                "pci-0000:3b:00.0",
+            ),
+            ("KMSG_LOSS", "node", false, "node"),
+            ("SXid12028", "nvswitch0", false, "nvswitch0"),
+            ("SXid12028", "nvswitch15", false, "nvswitch15"),
+            ("SXid12028", "nvswitch16", false, OTHER),
+            ("SXid12028", "nvswitch03", false, OTHER),
+            ("SXid12028", "nvswitch-0000:86:00.0", false, OTHER),
+            ("DETECTOR_DOWN", "kmsg", false, "kmsg"),
+            ("DETECTOR_DOWN", "record-file", false, "record-file"),
+            ("DETECTOR_DOWN", "made-up", false, OTHER),
+            ("Xid79", "kmsg", false, OTHER),
+            ("PEER_LINK_FAILED", "link:node-b", false, OTHER),
+            ("NPU_UNHEALTHY", "Ascend910-3", true, "Ascend910-3"),
+        ] {
+            assert_eq!(
+                device_label(code, device, inventory),
+                want,
+                "{code} {device}"
+            );
+        }
+    }
+
+    /// A series of `faultline_fault_active` goes when no active fault has its labels any more.
+    #[test]
+    fn active_fault_series_go_with_their_last_fault() {
+        let m = Metrics::new();
+        let l = |code: &str| ActiveFaultLabel {
+            code: code.into(),
+            device: "node".into(),
+            handling: "SeparateNPU",
+        };
+        m.fault_active
+            .set_all(HashMap::from([(l("Xid79"), 2), (l("KMSG_LOSS"), 1)]));
+        let text = m.encode();
+        assert!(text.contains(
+            "faultline_fault_active{code=\"Xid79\",device=\"node\",handling=\"SeparateNPU\"} 2\n"
+        ));
+        m.fault_active.set_all(HashMap::from([(l("KMSG_LOSS"), 1)]));
+        let text = m.encode();
+        assert!(!text.contains("Xid79"), "{text}");
+        assert!(text.contains("code=\"KMSG_LOSS\""), "{text}");
+    }
+
+    /// docs/metrics.md lists every metric the agent exports, under the name a scraper of the
+    /// text format sees.
+    #[test]
+    fn the_docs_list_every_metric() {
+        let docs = include_str!("../../docs/metrics.md");
+        let m = Metrics::new();
+        // A family shows only once it has a series: one in each. Every field is named, so a
+        // new metric cannot be left out of this test.
+        let Metrics {
+            registry: _,
+            kmsg_records: _,
+            kmsg_lost: _,
+            kmsg_overruns: _,
+            kmsg_malformed: _,
+            kmsg_truncated: _,
+            kmsg_skipped: _,
+            kmsg_matched,
+            kmsg_new_files,
+            kmsg_user: _,
+            engine_events,
+            engine_inputs: _,
+            faults_active,
+            fault_active,
+            fault_occurrences,
+            node_health: _,
+            heartbeat: _,
+            sink_writes,
+            sink_errors,
+            drift_repairs,
+            connections_refused,
+            sink_write_seconds,
+            policy_reloads,
+            policy_valid: _,
+            detector_up,
+            detector_state,
+            events_dropped: _,
+            events_rate_limited: _,
+            taints_withheld: _,
+            kube_publish_seconds: _,
+            tool_calls,
+            peer_checks,
+        } = &m;
+        let kind = KindLabel { kind: "x" };
+        let sink = SinkLabel { sink: "x" };
+        let detector = DetectorLabel {
+            detector: "x".into(),
+        };
+        let fault = FaultLabel {
+            code: "x".into(),
+            device: "x".into(),
+        };
+        for f in [kmsg_matched, kmsg_new_files, engine_events] {
+            f.get_or_create(&kind).inc();
+        }
+        for f in [sink_writes, sink_errors, drift_repairs] {
+            f.get_or_create(&sink).inc();
+        }
+        sink_write_seconds.get_or_create(&sink).observe(1.0);
+        let _ = faults_active.get_or_create(&HandlingLabel { handling: "x" });
+        fault_active.set_all(HashMap::from([(
+            ActiveFaultLabel {
+                code: "x".into(),
+                device: "x".into(),
+                handling: "x",
+            },
+            1,
+        )]));
+        fault_occurrences.get_or_create(&fault).inc();
+        let _ = connections_refused.get_or_create(&ServerLabel { server: "x" });
+        let _ = policy_reloads.get_or_create(&ReloadLabel {
+            result: ReloadResult::Ok,
+        });
+        let _ = detector_up.get_or_create(&detector);
+        let _ = detector_state.get_or_create(&DetectorStateLabel {
+            detector: "x".into(),
+            state: "x",
+        });
+        let _ = tool_calls.get_or_create(&ToolLabel {
+            tool: "x",
+            result: "x",
+        });
+        let _ = peer_checks.get_or_create(&PeerCheckLabel {
+            result: PeerCheckResult::passed,
+        });
+        let text = m.encode_as(Format::Text004);
+        let names: Vec<&str> = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next())
+            .collect();
+        assert!(names.len() >= 30, "{names:?}");
+        for name in names {
+            assert!(
+                docs.contains(&format!("| `{name}` |")),
+                "{name} is not in docs/metrics.md"
+            );
+        }
     }
 
     #[test]

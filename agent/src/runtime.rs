@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
-use crate::metrics::{HandlingLabel, KindLabel, Metrics};
+use crate::metrics::{ActiveFaultLabel, FaultLabel, HandlingLabel, KindLabel, Metrics};
 use crate::source::control::{AppliedClears, ClearApplied, ClearResult};
 use crate::source::Input;
 use faultline_core::catalog::Catalog;
@@ -446,7 +446,27 @@ impl EngineLoop {
         };
         let events = self.engine.step(ctx, obs, self.engine_now());
         self.note(&events);
+        for r in self.engine.reports() {
+            self.metrics
+                .fault_occurrences
+                .get_or_create(&self.fault_label(&loaded.policy, &r.code, &r.device))
+                .inc_by(r.count);
+        }
         !events.is_empty()
+    }
+
+    /// A fault's bounded labels: its code when the catalog or the policy defines it, its device
+    /// when the node's inventory (or the fixed sets) has it, else `other` (docs/metrics.md).
+    fn fault_label(
+        &self,
+        policy: &faultline_core::policy::Policy,
+        code: &str,
+        device: &str,
+    ) -> FaultLabel {
+        FaultLabel {
+            code: crate::metrics::code_label(code, policy.defines(&self.catalog, code)),
+            device: crate::metrics::device_label(code, device, self.engine.in_inventory(device)),
+        }
     }
 
     /// The engine's time: on the boot's timeline, unmoved by wall-clock steps.
@@ -557,6 +577,20 @@ impl EngineLoop {
                 })
                 .set(n as i64);
         }
+        let mut active: std::collections::HashMap<ActiveFaultLabel, i64> = Default::default();
+        for f in view.faults.iter().filter(|f| f.active) {
+            let FaultLabel { code, device } =
+                self.fault_label(&loaded.policy, &f.fault_code, &f.device);
+            let handling = f.fault_handling.as_str();
+            *active
+                .entry(ActiveFaultLabel {
+                    code,
+                    device,
+                    handling,
+                })
+                .or_default() += 1;
+        }
+        self.metrics.fault_active.set_all(active);
         self.metrics.node_health.set(match view.health {
             Health::Healthy => 0,
             Health::Degraded => 1,
@@ -687,6 +721,7 @@ recovery:
         shutdown: CancellationToken,
         policy: watch::Sender<LoadedPolicy>,
         results: mpsc::UnboundedReceiver<ClearApplied>,
+        metrics: Arc<Metrics>,
     }
 
     /// `text` as the policy in force.
@@ -711,6 +746,7 @@ recovery:
             let (snap_tx, snaps) = watch::channel(None);
             let shutdown = CancellationToken::new();
             let timeline = Timeline::for_boot(None, Some("b1"), clock.now(), clock.since_boot());
+            let metrics = Arc::new(Metrics::new());
             let engine_loop = EngineLoop {
                 node: "n1".into(),
                 engine,
@@ -724,7 +760,7 @@ recovery:
                 policy,
                 inputs,
                 snapshots: snap_tx,
-                metrics: Arc::new(Metrics::new()),
+                metrics: metrics.clone(),
                 clock: clock.clone(),
                 heartbeat: Arc::new(Heartbeat::default()),
                 // Ticks are sent by the test, at the times it chooses.
@@ -743,6 +779,7 @@ recovery:
                 shutdown,
                 policy: policy_tx,
                 results,
+                metrics,
             }
         }
 
@@ -814,6 +851,197 @@ recovery:
     }
 
     const STEPS: [i64; 3] = [0, 3600, -3600];
+
+    /// The samples of `metric` in `text`: each series' labels and value.
+    fn series(text: &str, metric: &str) -> Vec<(BTreeMap<String, String>, f64)> {
+        text.lines()
+            .filter_map(|l| {
+                let rest = l.strip_prefix(metric)?.strip_prefix('{')?;
+                let (labels, value) = rest.rsplit_once("} ")?;
+                let labels = labels
+                    .split(',')
+                    .filter_map(|kv| {
+                        let (k, v) = kv.split_once('=')?;
+                        Some((k.to_string(), v.trim_matches('"').to_string()))
+                    })
+                    .collect();
+                Some((labels, value.parse().ok()?))
+            })
+            .collect()
+    }
+
+    /// `(code, device)` of each series of `metric`, with the values of those series summed.
+    fn by_code_device(text: &str, metric: &str) -> BTreeMap<(String, String), f64> {
+        let mut out = BTreeMap::new();
+        for (l, v) in series(text, metric) {
+            *out.entry((l["code"].clone(), l["device"].clone()))
+                .or_insert(0.0) += v;
+        }
+        out
+    }
+
+    /// Issue 26 §2: the faults by code and device, bounded. Hundreds of faults with crafted
+    /// codes and devices (unlisted Xids, GPUs and PCI addresses NVML does not list, switch
+    /// numbers, names) make a few dozen series, everything unlisted under `other`; what the
+    /// catalog, the policy and the inventory name keeps its name. A reload that names a code
+    /// makes it a label value; a series goes when its last fault does.
+    #[tokio::test]
+    async fn fault_metrics_are_labelled_by_bounded_code_and_device() {
+        use faultline_core::parse::PciAddr;
+        let mut r = Rig::restored(Engine::default(), AppliedClears::default(), loaded(""));
+        let pci = |bus: u32| -> PciAddr { format!("0000:{bus:02x}:00.0").parse().unwrap() };
+        let on = |code: FaultCode, device: DeviceRef| {
+            Input::Obs(Observation::Signal(Signal::new(
+                Source::Kmsg,
+                code,
+                Some(device),
+                "crafted",
+            )))
+        };
+        let mut inputs = vec![
+            // NVML's GPU 0; the kernel log's UUID line for a GPU NVML does not list.
+            Input::Obs(Observation::DeviceSeen {
+                pci: pci(0x3b),
+                uuid: Some("GPU-aaaa".into()),
+                index: Some(0),
+            }),
+            Input::Obs(Observation::DeviceSeen {
+                pci: pci(0x3c),
+                uuid: Some("GPU-bbbb".into()),
+                index: None,
+            }),
+            Input::Obs(Observation::Inventory {
+                kind: "Ascend910".into(),
+                names: vec!["Ascend910-0".into()],
+            }),
+            on(FaultCode::Xid(79), DeviceRef::pci(pci(0x3b))),
+            on(FaultCode::Xid(79), DeviceRef::pci(pci(0x3b))),
+            on(FaultCode::Xid(79), DeviceRef::pci(pci(0x3c))),
+            on(
+                FaultCode::named("NVLINK_DOWN"),
+                DeviceRef::named("Ascend910-0"),
+            ),
+            on(
+                FaultCode::named("NVLINK_DOWN"),
+                DeviceRef::named("Ascend910-7"),
+            ),
+            on(
+                FaultCode::named("NVLINK_DOWN"),
+                DeviceRef::named("link:node-b"),
+            ),
+            Input::Obs(Observation::Detector {
+                name: "kmsg".into(),
+                state: faultline_core::engine::DetectorState::Down,
+                reason: None,
+            }),
+            Input::Obs(Observation::Detector {
+                name: "made-up".into(),
+                state: faultline_core::engine::DetectorState::Down,
+                reason: None,
+            }),
+        ];
+        for i in 0..200u32 {
+            let at: PciAddr = format!("0001:{:02x}:{:02x}.0", i / 32, i % 32)
+                .parse()
+                .unwrap();
+            inputs.push(on(FaultCode::Xid(100_000 + i), DeviceRef::pci(at)));
+            inputs.push(on(
+                FaultCode::named(&format!("CRAFTED_{i}")),
+                DeviceRef::named(&format!("dev{i}")),
+            ));
+        }
+        for n in 0..40u32 {
+            let device = DeviceRef {
+                pci: Some(pci(n)),
+                name: Some(format!("nvswitch{n}")),
+                ..Default::default()
+            };
+            let sxid = FaultCode::Sxid {
+                code: 12028,
+                fatal: true,
+            };
+            inputs.push(on(sxid, device));
+        }
+        let mut loss = Signal::new(Source::Kmsg, FaultCode::named("KMSG_LOSS"), None, "lost");
+        loss.count = 40;
+        inputs.push(Input::Obs(Observation::Signal(loss)));
+        for i in inputs {
+            r.tx.send(i).await.unwrap();
+        }
+        let s = r.tick().await;
+        let active_faults = s.record.faults.iter().filter(|f| f.active).count();
+        assert!(active_faults > 400, "{active_faults}");
+
+        let text = r.metrics.encode();
+        let active = by_code_device(&text, "faultline_fault_active");
+        let s = |a: &str, b: &str| (a.to_string(), b.to_string());
+        let mut want: BTreeMap<(String, String), f64> = [
+            (s("Xid79", "GPU-0"), 1.0),
+            (s("Xid79", "other"), 1.0),
+            (s("NVLINK_DOWN", "Ascend910-0"), 1.0),
+            (s("NVLINK_DOWN", "other"), 2.0),
+            (s("DETECTOR_DOWN", "kmsg"), 1.0),
+            (s("DETECTOR_DOWN", "other"), 1.0),
+            (s("other", "other"), 400.0),
+            (s("SXid12028", "other"), 24.0),
+            (s("KMSG_LOSS", "node"), 1.0),
+        ]
+        .into_iter()
+        .collect();
+        for n in 0..16 {
+            want.insert(s("SXid12028", &format!("nvswitch{n}")), 1.0);
+        }
+        assert_eq!(active, want, "{text}");
+        let values: f64 = series(&text, "faultline_fault_active")
+            .iter()
+            .map(|x| x.1)
+            .sum();
+        assert_eq!(values as usize, active_faults);
+        assert!(series(&text, "faultline_fault_active").len() <= want.len() * 2);
+        let occurred = by_code_device(&text, "faultline_fault_occurrences_total");
+        assert_eq!(
+            occurred[&s("Xid79", "GPU-0")],
+            2.0,
+            "the first and the repeat"
+        );
+        assert_eq!(
+            occurred[&s("KMSG_LOSS", "node")],
+            40.0,
+            "as the record counts"
+        );
+        assert_eq!(occurred[&s("other", "other")], 400.0);
+        assert_eq!(occurred.len(), want.len(), "{occurred:?}");
+
+        // A reload that names Xid100000 makes it a label value, for what is active and for what
+        // is reported next.
+        r.policy.send_replace(loaded(
+            "overrides:\n  Xid100000: { handling: NotHandleFault }\n",
+        ));
+        r.tick().await;
+        let first: PciAddr = "0001:00:00.0".parse().unwrap();
+        r.tx.send(on(FaultCode::Xid(100_000), DeviceRef::pci(first)))
+            .await
+            .unwrap();
+        r.tick().await;
+        let text = r.metrics.encode();
+        let active = by_code_device(&text, "faultline_fault_active");
+        assert_eq!(active[&s("other", "other")], 399.0);
+        assert_eq!(active[&s("Xid100000", "other")], 1.0, "{text}");
+        assert!(text.contains(
+            "faultline_fault_active{code=\"Xid100000\",device=\"other\",handling=\"NotHandleFault\"} 1\n"
+        ));
+        let occurred = by_code_device(&text, "faultline_fault_occurrences_total");
+        assert_eq!(occurred[&s("Xid100000", "other")], 1.0);
+
+        // Cleared: its series goes (it would stay at its last value otherwise).
+        r.clear("c1", Some("Xid79")).await;
+        let text = r.metrics.encode();
+        let active = by_code_device(&text, "faultline_fault_active");
+        assert!(!active.contains_key(&s("Xid79", "GPU-0")), "{text}");
+        assert!(!active.contains_key(&s("Xid79", "other")), "{text}");
+        let occurred = by_code_device(&text, "faultline_fault_occurrences_total");
+        assert_eq!(occurred[&s("Xid79", "GPU-0")], 2.0, "a counter stays");
+    }
 
     /// Two Xid 13 five minutes apart are two in the 10-minute window, whatever the wall clock
     /// did between them; eleven minutes apart they are not.

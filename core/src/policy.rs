@@ -910,6 +910,28 @@ impl Policy {
         c
     }
 
+    /// Whether `code` (a record's `fault_code`) is one the catalog lists or this policy names:
+    /// an override, an escalation or recovery rule (the Ascend customization's included), the
+    /// operator's Ascend fault code table. A bounded set: what a source reports cannot add to
+    /// it, only the catalog and the policy file can (the metrics' `code` label,
+    /// docs/metrics.md).
+    pub fn defines(&self, catalog: &Catalog, code: &str) -> bool {
+        catalog.lists(code)
+            || self.overrides.contains_key(code)
+            || self
+                .escalation_rules()
+                .any(|r| r.codes.iter().any(|c| c == code))
+            || self
+                .recovery
+                .iter()
+                .any(|r| r.codes.iter().any(|c| c == code))
+            || self
+                .ascend_tables
+                .codes
+                .as_deref()
+                .is_some_and(|t| crate::catalog::ascend_listed(t, code))
+    }
+
     /// The node health a level maps to; unlike [`Policy::node_action`], allocates nothing.
     pub fn health_of(&self, h: Handling) -> Health {
         self.node_actions
@@ -965,6 +987,42 @@ impl LoadedPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The codes a policy defines are the catalog's plus what it names (overrides, rules, its
+    /// Ascend table); an unlisted code is not, until a policy names it.
+    #[test]
+    fn defines_the_catalog_codes_and_the_policys_own() {
+        let catalog = Catalog::builtin().unwrap();
+        let base = Policy::default();
+        assert!(base.defines(&catalog, "Xid79"));
+        assert!(base.defines(&catalog, "KMSG_LOSS"));
+        for code in ["Xid99999", "MY_CODE", "RULE_CODE", "QUIET_CODE", "ABCD0001"] {
+            assert!(!base.defines(&catalog, code), "{code}");
+        }
+        let p = Policy::parse(
+            "overrides:\n  Xid99999: { handling: NotHandleFault }\n  MY_CODE: { handling: NotHandleFault }\n\
+             escalation:\n  - { name: r, codes: [RULE_CODE], count: 2, window: 1m, handling: SeparateNPU }\n\
+             recovery:\n  - { codes: [QUIET_CODE], clear_after: 10m }\n",
+        )
+        .unwrap()
+        .with_ascend_files(Some(("codes.json", r#"{"SeparateNPUCodes": ["abcd0001"]}"#)), None)
+        .unwrap();
+        for code in [
+            "Xid79",
+            "Xid99999",
+            "MY_CODE",
+            "RULE_CODE",
+            "QUIET_CODE",
+            "ABCD0001",
+        ] {
+            assert!(p.defines(&catalog, code), "{code}");
+        }
+        assert!(
+            !p.defines(&catalog, "abcd0001"),
+            "only the records' spelling"
+        );
+        assert!(!p.defines(&catalog, "Xid99998"));
+    }
 
     #[test]
     fn empty_text_is_the_default() {

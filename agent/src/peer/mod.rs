@@ -163,6 +163,7 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
                 ..s.probe_port_base.saturating_add(coordinator::PROBE_PORTS),
             requesters: s.requesters,
         },
+        s.metrics.clone(),
     )));
     let mut tasks = Vec::new();
     let shutdown = s.shutdown.clone();

@@ -37,6 +37,7 @@ use super::coordinator::{self, Coordinator, RunSpec, Transport, Trigger};
 use super::members::{Member, Members};
 use super::runner::{self, ProbeOutcome, ProbeSpec};
 use super::wire::{self, Signer};
+use crate::metrics::{PeerCheckLabel, PeerCheckResult};
 use crate::source::Input;
 use faultline_core::peer::pairing::PairingConfig;
 use faultline_core::policy::PeerPolicy;
@@ -162,9 +163,11 @@ pub struct PeerService {
     probe_ports: std::ops::Range<u16>,
     view: MemberView,
     refusals: Mutex<crate::pace::LogPacer>,
+    metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl PeerService {
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         node: String,
         signer: Signer,
@@ -173,8 +176,10 @@ impl PeerService {
         inputs: mpsc::Sender<Input>,
         leadership: Leadership,
         authz: Authz,
+        metrics: Arc<crate::metrics::Metrics>,
     ) -> PeerService {
         PeerService {
+            metrics,
             view: MemberView::new(Arc::clone(&leadership.members)),
             verifier: Mutex::new(authz.agents),
             who: authz.who,
@@ -389,6 +394,7 @@ impl PeerCheck for PeerHandle {
         let refuse = |reason: String| {
             let reason = format!("{}: {reason}", self.node);
             debug!(from = %sender, reason, "assignment refused");
+            self.count_check(PeerCheckResult::refused);
             Ok(Response::new(CheckAccepted {
                 accepted: false,
                 reason,
@@ -603,9 +609,16 @@ impl PeerService {
             o = runner::run_probe(&spec) => o,
             _ = cancel.cancelled() => {
                 debug!("check cancelled by the coordinator");
+                self.count_check(PeerCheckResult::cancelled);
                 return None; // the probe child is killed as its future is dropped
             }
         };
+        self.count_check(match &outcome {
+            ProbeOutcome::Passed(_) => PeerCheckResult::passed,
+            ProbeOutcome::Failed(_) => PeerCheckResult::failed,
+            ProbeOutcome::TimedOut(_) => PeerCheckResult::timeout,
+            ProbeOutcome::CannotRun(_) => PeerCheckResult::cannot_run,
+        });
         let mut report = CheckReport {
             auth: None,
             protocol: PROTOCOL,
@@ -645,6 +658,14 @@ impl PeerService {
             }
         }
         Some(report)
+    }
+
+    /// `faultline_peer_checks_total`: one check this agent was assigned, by how it ended here.
+    fn count_check(&self, result: PeerCheckResult) {
+        self.metrics
+            .peer_checks
+            .get_or_create(&PeerCheckLabel { result })
+            .inc();
     }
 
     /// Remembers a failed check of this node in `run_id`: its probe could not start (`cause`),
@@ -1073,6 +1094,25 @@ mod tests {
         requesters: Option<Arc<dyn authz::Requesters>>,
         leader: bool,
     ) -> (PeerHandle, Signer, mpsc::Receiver<Input>) {
+        service_on(
+            who,
+            requesters,
+            leader,
+            "10.0.0",
+            "/nonexistent/faultline-probe".into(),
+            Arc::new(crate::metrics::Metrics::new()),
+        )
+    }
+
+    /// The service of n1 with members n0, n1, n2 at `<net>.1`, `.2`, `.3`, running `probe`.
+    fn service_on(
+        who: Arc<dyn WhoCoordinates>,
+        requesters: Option<Arc<dyn authz::Requesters>>,
+        leader: bool,
+        net: &str,
+        probe: PathBuf,
+        metrics: Arc<crate::metrics::Metrics>,
+    ) -> (PeerHandle, Signer, mpsc::Receiver<Input>) {
         let key = Key::new(SECRET).unwrap();
         let signer = Signer {
             key: key.clone(),
@@ -1080,7 +1120,7 @@ mod tests {
         };
         let coordinator = Arc::new(Coordinator::new(
             "n1".into(),
-            "10.0.0.2:20261".into(),
+            format!("{net}.2:20261"),
             20270,
             Arc::new(GrpcTransport::new(signer.clone())),
             Arc::new(MemoryPublisher::default()),
@@ -1092,9 +1132,9 @@ mod tests {
             coordinator,
             leader: watch::channel(leader).1,
             members: Arc::new(Fixed(vec![
-                member("n0", "10.0.0.1"),
-                member("n1", "10.0.0.2"),
-                member("n2", "10.0.0.3"),
+                member("n0", &format!("{net}.1")),
+                member("n1", &format!("{net}.2")),
+                member("n2", &format!("{net}.3")),
             ])),
             policy: watch::channel(PeerPolicy::default()).1,
         };
@@ -1106,7 +1146,7 @@ mod tests {
                 sender: "n1".into(),
             },
             ProbeSetup {
-                bin: "/nonexistent/faultline-probe".into(),
+                bin: probe,
                 gpu: false,
             },
             Arc::new(NeverBusy),
@@ -1122,11 +1162,123 @@ mod tests {
                 probe_ports: 20270..20302,
                 requesters,
             },
+            metrics,
         );
         (PeerHandle(Arc::new(svc)), signer, rx)
     }
 
     type Edit = Box<dyn Fn(&mut CheckAssignment)>;
+
+    /// Issue 26 §2 (`faultline_peer_checks_total{result}`): every check this agent is assigned
+    /// counts once, by how it ended here: its probe passed, failed, ran out of time or could not
+    /// start, the coordinator cancelled it, or the agent refused the assignment. The members
+    /// are on loopback, the probe is a script.
+    #[tokio::test]
+    async fn each_assigned_check_counts_by_its_result() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let script = |name: &str, body: &str| -> PathBuf {
+            let p = dir.path().join(name);
+            std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+            p
+        };
+        let report = r#"{"world":2,"rank":1,"median_seconds":0.001,"busbw_gbps":1.0}"#;
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let count = |result: &str| -> u64 {
+            let line = format!("faultline_peer_checks_total{{result=\"{result}\"}} ");
+            metrics
+                .encode()
+                .lines()
+                .find_map(|l| l.strip_prefix(line.as_str())?.parse().ok())
+                .unwrap_or(0)
+        };
+        let on_loopback = |m: &mut CheckAssignment| {
+            for w in [m.a.as_mut().unwrap(), m.b.as_mut().unwrap()] {
+                w.address = w.address.replace("10.0.0.", "127.0.0.");
+            }
+            for a in [&mut m.probe_a, &mut m.probe_b, &mut m.coordinator] {
+                *a = a.replace("10.0.0.", "127.0.0.");
+            }
+        };
+        let service = |probe: PathBuf| {
+            let who = watch::channel(Some(authz::CoordinatorId {
+                node: "n0".into(),
+                address: Some("127.0.0.1:20261".into()),
+            }))
+            .1;
+            let (svc, signer, inputs) = service_on(
+                Arc::new(who),
+                None,
+                false,
+                "127.0.0",
+                probe,
+                metrics.clone(),
+            );
+            std::mem::forget(inputs);
+            (svc, signer)
+        };
+        let cases = [
+            (script("pass", &format!("echo '{report}'")), "passed"),
+            (script("fail", "echo broken >&2; exit 1"), "failed"),
+            (script("slow", "echo too slow >&2; exit 3"), "timeout"),
+            (dir.path().join("missing"), "cannot_run"),
+        ];
+        for (i, (probe, result)) in cases.into_iter().enumerate() {
+            let (svc, signer) = service(probe);
+            let mut a = assignment();
+            on_loopback(&mut a);
+            a.run_id = format!("r{i}");
+            let r = svc.assign(Request::new(signer.sign(a))).await.unwrap();
+            assert!(r.get_ref().accepted, "{result}: {r:?}");
+            let counted = tokio::time::timeout(Duration::from_secs(20), async {
+                while count(result) == 0 {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+            .await;
+            assert!(
+                counted.is_ok(),
+                "{result} not counted: {}",
+                metrics.encode()
+            );
+        }
+
+        let (svc, signer) = service(script("hang", "exec sleep 60"));
+        let mut a = assignment();
+        on_loopback(&mut a);
+        let r = svc
+            .assign(Request::new(signer.sign(a.clone())))
+            .await
+            .unwrap();
+        assert!(r.get_ref().accepted, "{r:?}");
+        let r = svc
+            .cancel(Request::new(signer.sign(a.clone())))
+            .await
+            .unwrap();
+        assert!(r.get_ref().accepted, "{r:?}");
+        let counted = tokio::time::timeout(Duration::from_secs(20), async {
+            while count("cancelled") == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(counted.is_ok(), "cancelled not counted");
+
+        a.probe_b = "127.0.0.9:20270".into();
+        let r = svc.assign(Request::new(signer.sign(a))).await.unwrap();
+        assert!(!r.get_ref().accepted, "{r:?}");
+        for result in [
+            "passed",
+            "failed",
+            "timeout",
+            "cannot_run",
+            "cancelled",
+            "refused",
+        ] {
+            assert_eq!(count(result), 1, "{result}: {}", metrics.encode());
+        }
+    }
 
     fn assignment() -> CheckAssignment {
         let m = |n: &str, a: &str| WireMember {

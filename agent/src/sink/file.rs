@@ -136,6 +136,15 @@ impl Beat {
     }
 }
 
+/// `faultline_heartbeat_timestamp_seconds`: the heartbeat just written into the record, as
+/// Unix seconds (the same `heartbeatTime`, so an alert on its age and a reader of the record
+/// agree).
+fn set_heartbeat(metrics: &Metrics, beat: &Beat) {
+    metrics
+        .heartbeat
+        .set(beat.wall.as_millisecond() as f64 / 1000.0);
+}
+
 /// How often the record is rewritten when nothing changed, so its `heartbeatTime` says the
 /// agent is alive (readers call an agent dead after [`STALE_AFTER`]).
 pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
@@ -355,6 +364,7 @@ pub async fn run(
                         "record written"
                     );
                     written = Some(snap.revision);
+                    set_heartbeat(&metrics, &beat_written);
                     stamped = Some(beat_written);
                     last_write = tokio::time::Instant::now();
                     if !record_only {
@@ -380,6 +390,7 @@ pub async fn run(
                     if e.record_written() {
                         // The heartbeat is fresh; the state is retried with the backoff.
                         last_write = tokio::time::Instant::now();
+                        set_heartbeat(&metrics, &beat_written);
                         stamped = Some(beat_written);
                     }
                     // What is on disk (the record, or the state behind it) is now older than
@@ -862,6 +873,71 @@ mod tests {
             .ok()?
             .agent
             .heartbeat_time
+    }
+
+    /// Issue 26 §2: `faultline_heartbeat_timestamp_seconds` is the heartbeat written into the
+    /// record (the injected clock's wall time, in seconds), renewed with it, and left at its last
+    /// value while the engine loop does not run: an alert on its age sees the agent dead when a
+    /// reader of the record does.
+    #[tokio::test]
+    async fn the_heartbeat_metric_is_the_records_heartbeat() {
+        use crate::runtime::testing::FakeClock;
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
+        let clock = Arc::new(FakeClock::new(1_790_000_000_500, 1_000));
+        let engine = Arc::new(Heartbeat::default());
+        engine.beat(&*clock);
+        let metrics = Arc::new(Metrics::new());
+        let (tx, rx) = watch::channel(None);
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(run(
+            Dirs::one(dir.clone()),
+            rx,
+            metrics.clone(),
+            WriteBudget::new(Duration::from_millis(10), 3, tokio::time::Instant::now()),
+            FileSinkSignals {
+                status: watch::channel(RecordStatus::NotYetWritten).0,
+                persisted: watch::channel(0).0,
+            },
+            HeartbeatConfig {
+                every: Duration::from_millis(20),
+                clock: clock.clone(),
+                engine: engine.clone(),
+            },
+            shutdown.clone(),
+        ));
+        tx.send_replace(Some(test_snapshot(1, 0)));
+        let beat_at = |wall: Timestamp| {
+            let (dir, metrics) = (dir.clone(), metrics.clone());
+            async move {
+                tokio::time::timeout(Duration::from_secs(10), async {
+                    while heartbeat_of(&dir) != Some(wall)
+                        || metrics.heartbeat.get() != wall.as_millisecond() as f64 / 1000.0
+                    {
+                        tokio::time::sleep(Duration::from_millis(5)).await;
+                    }
+                })
+                .await
+                .is_ok()
+            }
+        };
+        assert!(beat_at(clock.now()).await, "the first write");
+        assert_eq!(metrics.heartbeat.get(), 1_790_000_000.5);
+        clock.advance(Duration::from_secs(5));
+        engine.beat(&*clock);
+        assert!(beat_at(clock.now()).await, "renewed with the record");
+        assert_eq!(metrics.heartbeat.get(), 1_790_000_005.5);
+        // The engine loop stops beating: 40 s later neither the record nor the metric moves.
+        clock.advance(Duration::from_secs(40));
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        assert_eq!(metrics.heartbeat.get(), 1_790_000_005.5);
+        assert_eq!(
+            heartbeat_of(tmp.path()).map(|t| t.as_millisecond()),
+            Some(1_790_000_005_500)
+        );
+        shutdown.cancel();
+        drop(tx);
+        task.await.unwrap();
     }
 
     /// With nothing changing, the record is rewritten every interval with a newer heartbeat

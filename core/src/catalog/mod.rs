@@ -337,6 +337,20 @@ impl Catalog {
         self.xid_actions.get(&xid).map(String::as_str)
     }
 
+    /// Whether a record's `fault_code` is one the built-in tables list (an Xid or SXid of the
+    /// NVIDIA catalog, a named code, an Ascend chip or network code), in the spelling records
+    /// use: a bounded set, whatever a source reports.
+    pub fn lists(&self, code: &str) -> bool {
+        let number = |rest: &str| rest.parse::<u32>().ok().filter(|n| n.to_string() == rest);
+        if let Some(n) = code.strip_prefix("SXid").and_then(number) {
+            return self.sxid.contains_key(&n);
+        }
+        if let Some(n) = code.strip_prefix("Xid").and_then(number) {
+            return self.xid.contains_key(&n);
+        }
+        self.named.contains_key(code) || ascend_listed(&self.ascend, code)
+    }
+
     /// Whether `code` names one of faultline's own conditions.
     pub fn is_named(&self, code: &str) -> bool {
         self.named.contains_key(code)
@@ -346,6 +360,12 @@ impl Catalog {
     pub fn len(&self) -> (usize, usize, usize) {
         (self.xid.len(), self.sxid.len(), self.named.len())
     }
+}
+
+/// Whether `table` lists `code` (in its normalized spelling) as a chip or a network code.
+pub(crate) fn ascend_listed(table: &ascend::AscendTable, code: &str) -> bool {
+    ascend::normalize_code(code).is_some_and(|n| n == code)
+        && (table.lookup(code, false).is_some() || table.lookup(code, true).is_some())
 }
 
 #[cfg(test)]
@@ -362,6 +382,35 @@ mod tests {
         assert!(x >= 40, "only {x} Xids");
         assert!(s >= 1, "no SXids");
         assert!(n >= 15, "only {n} named codes");
+    }
+
+    /// The codes the tables list, in the records' spelling, and nothing else: not an unlisted
+    /// Xid, not another spelling of a listed one.
+    #[test]
+    fn lists_the_tables_codes_only() {
+        let c = cat();
+        for code in [
+            "Xid79",
+            "Xid13",
+            "SXid12028",
+            "NVLINK_DOWN",
+            "KMSG_LOSS",
+            "80E01801",
+        ] {
+            assert!(c.lists(code), "{code}");
+        }
+        for code in [
+            "Xid99999",
+            "Xid079",
+            "Xid",
+            "SXid",
+            "xid79",
+            "80e01801",
+            "0x80E01801",
+            "",
+        ] {
+            assert!(!c.lists(code), "{code}");
+        }
     }
 
     #[test]

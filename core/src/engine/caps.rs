@@ -302,8 +302,15 @@ impl Engine {
                     handling,
                     message: f.fault.message.clone(),
                 });
-                self.faults.insert(key, f);
+                self.faults.insert(key.clone(), f);
             }
+        }
+        if let Some(f) = self.faults.get(&key) {
+            self.reports.0.push(super::Report {
+                code: f.fault.fault_code.clone(),
+                device: f.fault.device.clone(),
+                count,
+            });
         }
         self.revision += 1;
         true

@@ -366,7 +366,38 @@ pub struct Engine {
     /// the last step that caused an event. Not saved: derived again after a load.
     #[serde(skip)]
     health_cache: HealthCache,
+    /// The reports the last step took ([`Engine::reports`]). Not saved.
+    #[serde(skip)]
+    reports: Reports,
 }
+
+/// One report of a fault that a step took: the fault it went into (`code`, `device` as the
+/// record has them: after the merge into one fault per code and device, or the device's
+/// `FAULTS_FOLDED` when a cap folded it) and how many occurrences it stood for (what the
+/// fault's `count` grew by). A level source's condition that is still there is no new report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Report {
+    pub code: String,
+    pub device: String,
+    pub count: u64,
+}
+
+/// Scratch: two engines are equal, and a clone starts empty, whatever it holds.
+#[derive(Debug, Default)]
+struct Reports(Vec<Report>);
+
+impl Clone for Reports {
+    fn clone(&self) -> Self {
+        Reports::default()
+    }
+}
+
+impl PartialEq for Reports {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+impl Eq for Reports {}
 
 /// A derived value: two engines with the same state are equal whatever their caches hold.
 #[derive(Debug, Clone, Copy, Default)]
@@ -448,6 +479,32 @@ impl Engine {
         self.faults.values()
     }
 
+    /// The reports of faults the last [`Engine::step`] took, in order (for counting them: the
+    /// engine's own account, not a second reading of the input).
+    pub fn reports(&self) -> &[Report] {
+        &self.reports.0
+    }
+
+    /// Whether a record's `device` is one of the node's inventory: `GPU-<index>` of a GPU
+    /// whose index a polled source (NVML) reported, `pci-<address>` of such a GPU, or a name a
+    /// source listed in an [`Observation::Inventory`] (Ascend chips). The kernel log never adds
+    /// to it: its lines name PCI addresses and UUIDs, not indices, and no inventory.
+    pub fn in_inventory(&self, device: &str) -> bool {
+        if let Some(i) = device
+            .strip_prefix("GPU-")
+            .and_then(|n| n.parse::<u32>().ok().filter(|i| i.to_string() == n))
+        {
+            return self.devices.values().any(|d| d.index == Some(i));
+        }
+        if let Some(pci) = device
+            .strip_prefix("pci-")
+            .and_then(|a| a.parse::<PciAddr>().ok().filter(|p| p.to_string() == a))
+        {
+            return self.devices.get(&pci).is_some_and(|d| d.index.is_some());
+        }
+        self.inventory.values().any(|names| names.contains(device))
+    }
+
     /// Applies one observation. Returns the events it caused.
     ///
     /// The cost of a step does not grow with the number of standing faults on the hot path (a
@@ -457,6 +514,7 @@ impl Engine {
     /// a storm with 450 standing faults 4.5x slower per record than with 20.
     pub fn step(&mut self, ctx: Ctx<'_>, mut obs: Observation, now: Timestamp) -> Vec<EngineEvent> {
         caps::clamp(&mut obs);
+        self.reports.0.clear();
         let before = self.cached_health(ctx.policy);
         let mut events = Vec::new();
         let tick = obs == Observation::Tick;
@@ -628,6 +686,11 @@ impl Engine {
                     });
                 }
                 escalate(ctx.policy, f, now, events);
+                self.reports.0.push(Report {
+                    code: f.fault.fault_code.clone(),
+                    device: f.fault.device.clone(),
+                    count,
+                });
                 // Even a counters-only change shows in the record.
                 self.revision += 1;
             }
@@ -675,6 +738,11 @@ impl Engine {
                     message: f.fault.message.clone(),
                 });
                 escalate(ctx.policy, &mut f, now, events);
+                self.reports.0.push(Report {
+                    code: f.fault.fault_code.clone(),
+                    device: f.fault.device.clone(),
+                    count,
+                });
                 self.faults.insert(key, f);
                 self.revision += 1;
             }

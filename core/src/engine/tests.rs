@@ -1072,3 +1072,101 @@ fn an_index_alone_finds_the_known_device() {
         .faults()
         .any(|f| f.fault.pci_bus_id.is_none() && f.fault.device == "GPU-1"));
 }
+
+/// Each step reports the faults it took, as the record counts them: the first report and every
+/// repeat, with the count it stood for; a level still present, a tick, a clear take none; a
+/// report past a cap is the overflow fault's.
+#[test]
+fn steps_report_the_faults_they_took() {
+    let mut r = Rig::new("max_active_per_device: 2\n");
+    let took = |r: &Rig| -> Vec<(String, String, u64)> {
+        r.engine
+            .reports()
+            .iter()
+            .map(|p| (p.code.clone(), p.device.clone(), p.count))
+            .collect()
+    };
+    let gpu = "GPU-0000:3b:00.0".to_string();
+    r.at(0, xid(13, "3b:00.0"));
+    assert_eq!(took(&r), [("Xid13".into(), gpu.clone(), 1)]);
+    r.at(1, xid(13, "3b:00.0"));
+    assert_eq!(took(&r), [("Xid13".into(), gpu.clone(), 1)], "a repeat");
+    let mut loss = Signal::new(Source::Kmsg, FaultCode::named("KMSG_LOSS"), None, "lost");
+    loss.count = 40;
+    r.at(2, Observation::Signal(loss));
+    assert_eq!(took(&r), [("KMSG_LOSS".into(), "node".into(), 40)]);
+    r.at(3, Observation::Tick);
+    assert!(took(&r).is_empty(), "a tick");
+    let link = || Observation::Level {
+        source: Source::Nvml,
+        device: Some(DeviceRef::named("GPU-1")),
+        domain: "nvml-nvlink".into(),
+        present: vec![Signal::new(
+            Source::Nvml,
+            FaultCode::named("NVLINK_DOWN"),
+            None,
+            "down",
+        )],
+    };
+    r.at(4, link());
+    assert_eq!(took(&r), [("NVLINK_DOWN".into(), "GPU-1".into(), 1)]);
+    r.at(5, link());
+    assert!(took(&r).is_empty(), "a level still present");
+    r.at(6, xid(31, "3b:00.0"));
+    r.at(7, xid(43, "3b:00.0"));
+    assert_eq!(took(&r), [(FOLDED_CODE.into(), gpu.clone(), 1)], "folded");
+    r.at(
+        8,
+        Observation::OperatorClear {
+            code: None,
+            device: None,
+        },
+    );
+    assert!(took(&r).is_empty(), "a clear");
+}
+
+/// The inventory is what the polled sources reported: GPUs with an index (and their PCI
+/// addresses), listed devices; not a GPU the kernel log alone named.
+#[test]
+fn the_inventory_is_what_polled_sources_reported() {
+    let mut r = Rig::new("");
+    r.at(
+        0,
+        Observation::DeviceSeen {
+            pci: pci("3b:00.0"),
+            uuid: Some("GPU-aaaa".into()),
+            index: Some(0),
+        },
+    );
+    r.at(
+        0,
+        Observation::DeviceSeen {
+            pci: pci("86:00.0"),
+            uuid: Some("GPU-bbbb".into()),
+            index: None,
+        },
+    );
+    r.at(
+        0,
+        Observation::Inventory {
+            kind: "Ascend910".into(),
+            names: vec!["Ascend910-0".into(), "Ascend910-1".into()],
+        },
+    );
+    for d in ["GPU-0", "pci-0000:3b:00.0", "Ascend910-0", "Ascend910-1"] {
+        assert!(r.engine.in_inventory(d), "{d}");
+    }
+    for d in [
+        "GPU-1",
+        "GPU-00",
+        "GPU-0000:86:00.0",
+        "pci-0000:86:00.0",
+        "pci-3b:00.0",
+        "Ascend910-2",
+        "node",
+        "nvswitch0",
+        "",
+    ] {
+        assert!(!r.engine.in_inventory(d), "{d}");
+    }
+}
