@@ -16,7 +16,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::cluster::probe_bin;
-use common::prometheus::{api, query, start_prometheus_with_labels, tools_present};
+use common::prometheus::{api, query, start_prometheus_with, tools_present};
 use common::{wait_until, xid79, Agent};
 
 /// What one PromQL expression reads.
@@ -354,7 +354,8 @@ fn promql_uses_reads_metrics_and_labels() {
 /// A real Prometheus scrapes an agent that has an active fault (an Xid in its kernel log) and
 /// has taken part in a peer check with a second agent (so the labelled series exist); every
 /// metric and label the shipped alerts and dashboard use is among what Prometheus stored. The
-/// check is shown to catch a name the agent does not export.
+/// check is shown to catch a name the agent does not export. The same server evaluates the
+/// alerts: no rule errs, and only the node's Unhealthy alert is active.
 #[test]
 fn the_alerts_and_the_dashboard_use_only_exported_metrics() {
     if !tools_present() {
@@ -432,9 +433,18 @@ fn the_alerts_and_the_dashboard_use_only_exported_metrics() {
     agent.append(&xid79(1, "3b"));
     agent.wait_for("the Xid", |r| common::fault(r, "Xid79").is_some());
 
-    // `node` as the ServiceMonitor's relabeling gives it (components/monitoring).
-    let (server, web) =
-        start_prometheus_with_labels(tmp.path(), &agent.addr(), &[("node", "node-a")]);
+    // `node` as the ServiceMonitor's relabeling gives it (components/monitoring), and the
+    // PrometheusRule's `spec` as the rule file.
+    let text = std::fs::read_to_string(monitoring_dir().join("prometheusrule.yaml")).unwrap();
+    let rule: serde_json::Value = serde_saphyr::from_str(&text).unwrap();
+    let rule_file = tmp.path().join("faultline-rules.json");
+    std::fs::write(&rule_file, rule["spec"].to_string()).unwrap();
+    let (server, web) = start_prometheus_with(
+        tmp.path(),
+        &agent.addr(),
+        &[("node", "node-a")],
+        Some(&rule_file),
+    );
     let log = || std::fs::read_to_string(tmp.path().join("prometheus.log")).unwrap_or_default();
     let wanted: BTreeSet<String> = uses
         .iter()
@@ -470,6 +480,48 @@ fn the_alerts_and_the_dashboard_use_only_exported_metrics() {
             labels.extend(s.as_object().unwrap().keys().cloned());
         }
     }
+
+    // The alerts as the server evaluates them on this agent: every rule evaluates without error
+    // (promtool's unit tests cannot show that for data they do not have), and the one alert
+    // active is the node's Unhealthy verdict from the Xid 79, pending for its minute.
+    let active = wait_until(
+        "FaultlineNodeUnhealthy pending",
+        Duration::from_secs(30),
+        || {
+            let alerts = query(&web, "ALERTS");
+            alerts
+                .iter()
+                .any(|a| a["metric"]["alertname"] == "FaultlineNodeUnhealthy")
+                .then_some(alerts)
+        },
+    );
+    let active: BTreeSet<(String, String, String)> = active
+        .iter()
+        .map(|a| {
+            let l = |k: &str| a["metric"][k].as_str().unwrap_or("").to_string();
+            (l("alertname"), l("alertstate"), l("node"))
+        })
+        .collect();
+    assert_eq!(
+        active,
+        BTreeSet::from([(
+            "FaultlineNodeUnhealthy".to_string(),
+            "pending".to_string(),
+            "node-a".to_string()
+        )])
+    );
+    let groups = api(&web, "/api/v1/rules", &[]).unwrap();
+    let mut evaluated = 0;
+    for g in groups["groups"].as_array().unwrap() {
+        for r in g["rules"].as_array().unwrap() {
+            assert_eq!(r["health"], "ok", "{}: {}", r["name"], r["lastError"]);
+            evaluated += 1;
+        }
+    }
+    assert_eq!(
+        evaluated,
+        uses.iter().filter(|u| u.at.starts_with("alert ")).count()
+    );
     drop(server);
 
     let found = problems(&uses, &stored);

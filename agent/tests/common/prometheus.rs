@@ -45,15 +45,17 @@ fn free_port() -> u16 {
 /// Starts Prometheus in `dir`, scraping `target` every second as job `faultline`; returns the
 /// server and its web address. Its log is `dir/prometheus.log`.
 pub fn start_prometheus(dir: &Path, target: &str) -> (Server, String) {
-    start_prometheus_with_labels(dir, target, &[])
+    start_prometheus_with(dir, target, &[], None)
 }
 
 /// [`start_prometheus`], the target carrying `labels` as well (as a Kubernetes scrape
-/// configuration's relabeling gives the ServiceMonitor's targets `node`).
-pub fn start_prometheus_with_labels(
+/// configuration's relabeling gives the ServiceMonitor's targets `node`), and, with
+/// `rule_file`, its rules evaluated every second.
+pub fn start_prometheus_with(
     dir: &Path,
     target: &str,
     labels: &[(&str, &str)],
+    rule_file: Option<&Path>,
 ) -> (Server, String) {
     let config = dir.join("prometheus.yml");
     let mut labels: String = labels
@@ -63,10 +65,18 @@ pub fn start_prometheus_with_labels(
     if !labels.is_empty() {
         labels.insert_str(0, "        labels:\n");
     }
+    let rules = rule_file
+        .map(|f| {
+            format!(
+                "  evaluation_interval: 1s\nrule_files: ['{}']\n",
+                f.display()
+            )
+        })
+        .unwrap_or_default();
     std::fs::write(
         &config,
         format!(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n\
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n{rules}\
              scrape_configs:\n  - job_name: faultline\n    static_configs:\n      - targets: ['{target}']\n{labels}"
         ),
     )
