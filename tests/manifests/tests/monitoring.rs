@@ -325,9 +325,9 @@ fn the_servicemonitor_scrapes_the_agents_as_job_faultline_with_their_node() {
     {
         assert_eq!(&svc.value["metadata"]["labels"][k], v, "{k}");
     }
-    assert!(spec["namespaceSelector"]["matchNames"]
-        .as_array()
-        .is_some_and(|n| n.iter().any(|n| n == NAMESPACE)));
+    // Without a namespaceSelector it looks in its own namespace: the Service's.
+    assert!(spec.get("namespaceSelector").is_none());
+    assert_eq!(sm.namespace(), svc.namespace());
     // jobLabel: the job is the value of this Service label.
     let job_label = spec["jobLabel"].as_str().expect("jobLabel");
     assert_eq!(svc.value["metadata"]["labels"][job_label], "faultline");

@@ -100,11 +100,9 @@ fn check_servicemonitor(v: &Value) -> Result<(), String> {
     )?;
     strict::<k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector>(&spec["selector"])
         .map_err(|e| format!("spec.selector: {e}"))?;
-    only_keys(
-        &spec["namespaceSelector"],
-        "spec.namespaceSelector",
-        &["any", "matchNames"],
-    )?;
+    if let Some(ns) = spec.get("namespaceSelector") {
+        only_keys(ns, "spec.namespaceSelector", &["any", "matchNames"])?;
+    }
     let endpoints = spec["endpoints"].as_array().ok_or("no spec.endpoints")?;
     for (i, ep) in endpoints.iter().enumerate() {
         let at = format!("spec.endpoints[{i}]");
