@@ -7,11 +7,12 @@
 //!   ports, the memory limit), on a docker network of their own. They peer-check each other
 //!   (an allgather at the policy's size); an Xid written to one node's FIFO appears in its
 //!   `faults.json` on the host; `faultline get` and `faultline wait-healthy` run in the
-//!   container (`docker exec`) with the exit codes the README gives.
+//!   container (`docker exec`) with the exit codes the README gives; the image's probe has its
+//!   GPU backends and says in one line that no CUDA library is there.
 //! - `the_daemonset_and_the_image_agree`: from `docker image inspect`, the image's files and the
 //!   image's own `faultline-agent --help`: every command the manifests run exists in the image
-//!   and runs, the probe is where the agent looks for it, the environment, the ports, the mounts
-//!   and the user agree.
+//!   and runs (the job examples' shell scripts' tools too), the probe is where the agent looks
+//!   for it, the environment, the ports, the mounts and the user agree.
 //!
 //! Both need docker and the built image (the image the rendered DaemonSet names, or
 //! `FAULTLINE_TEST_IMAGE`); `.ci/run` builds it and runs these with `--ignored`. Without docker
@@ -789,6 +790,15 @@ fn the_image_runs_as_the_daemonset_runs_it() {
         assert_eq!(st, "running=true oomkilled=false exit=0", "{}", n.container);
     }
 
+    // The image's probe has its GPU backends, and no CUDA library to load (docs/kubernetes.md,
+    // "The image"): a GPU subcommand is one line saying so, not a crash and not "built without".
+    let (code, out, err) = nodes[0].exec(&["faultline-probe", "gemm", "--backend", "cublas"]);
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(
+        err.contains("backend cublas unavailable: cannot load libcuda") && err.lines().count() == 1,
+        "{err}"
+    );
+
     // An Xid as the kernel writes it into /dev/kmsg, into node-a's FIFO.
     fifos[0].write_all(&common::xid79(1, "3b")).unwrap();
     let record = common::wait_until(
@@ -864,10 +874,12 @@ fn help_default(help: &str, flag: &str) -> Option<String> {
     Some(d[..d.find(']')?].to_string())
 }
 
-/// Every container of every pod template in `docs` that runs the image `name` (any tag), with
-/// where it was found.
-fn containers_of(docs: &[(String, Value)], name: &str) -> Vec<(String, Value)> {
-    fn walk(v: &Value, at: &str, name: &str, out: &mut Vec<(String, Value)>) {
+/// A container that runs the image: where it was found, the container, its pod's volumes.
+type User = (String, Value, Value);
+
+/// Every container of every pod template in `docs` that runs the image `name` (any tag).
+fn containers_of(docs: &[(String, Value)], name: &str) -> Vec<User> {
+    fn walk(v: &Value, at: &str, name: &str, out: &mut Vec<User>) {
         match v {
             Value::Object(m) => {
                 for key in ["containers", "initContainers"] {
@@ -877,6 +889,7 @@ fn containers_of(docs: &[(String, Value)], name: &str) -> Vec<(String, Value)> {
                             out.push((
                                 format!("{at} {}", c["name"].as_str().unwrap_or("")),
                                 c.clone(),
+                                m.get("volumes").cloned().unwrap_or(Value::Null),
                             ));
                         }
                     }
@@ -893,7 +906,71 @@ fn containers_of(docs: &[(String, Value)], name: &str) -> Vec<(String, Value)> {
     for (at, d) in docs {
         walk(d, at, name, &mut out);
     }
-    out.dedup_by(|a, b| a.0 == b.0 && a.1 == b.1);
+    out
+}
+
+/// The commands a short shell script runs by name: the first word of each simple command,
+/// leaving out the shell's keywords and the builtins of the image's shell (busybox ash),
+/// assignments and case patterns. A heuristic for the examples' few lines, not a shell parser.
+fn script_commands(script: &str) -> Vec<String> {
+    const SHELL: &[&str] = &[
+        "case", "do", "done", "elif", "else", "esac", "fi", "for", "if", "in", "then", "until",
+        "while", "break", "cd", "command", "continue", "echo", "eval", "exec", "exit", "export",
+        "false", "local", "printf", "read", "return", "set", "shift", "test", "trap", "true",
+        "unset", "wait",
+    ];
+    let text = script.replace("\\\n", " ");
+    text.split(['\n', ';', '|', '&'])
+        .flat_map(|p| p.split("$("))
+        .filter_map(|piece| {
+            let w = piece
+                .split_whitespace()
+                .find(|w| !matches!(*w, "do" | "then" | "else" | "while" | "if" | "until" | "!"))?;
+            let plain = w.starts_with(|c: char| c.is_ascii_lowercase())
+                && w.chars()
+                    .all(|c| c.is_ascii_alphanumeric() || "_.-".contains(c));
+            (plain && !SHELL.contains(&w)).then(|| w.to_string())
+        })
+        .collect()
+}
+
+/// The scripts a container's `sh -c` runs: its own, and each `*.sh` file it names that one of
+/// its ConfigMap volumes provides (from the same file of `docs`).
+fn container_scripts(user: &User, docs: &[(String, Value)]) -> Vec<(String, String)> {
+    let (at, c, volumes) = user;
+    let cmd = strings(&c["command"]);
+    let Some(script) = (cmd.len() == 3 && cmd[0] == "sh" && cmd[1] == "-c").then(|| cmd[2].clone())
+    else {
+        return Vec::new();
+    };
+    let mut out = vec![("sh -c".to_string(), script.clone())];
+    for path in script
+        .split_whitespace()
+        .map(|w| w.trim_end_matches(';'))
+        .filter(|w| w.starts_with('/') && w.ends_with(".sh"))
+    {
+        let (dir, file) = path.rsplit_once('/').unwrap();
+        let mount = c["volumeMounts"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|m| m["mountPath"] == dir);
+        let cm = mount.and_then(|m| {
+            volumes
+                .as_array()?
+                .iter()
+                .find(|v| v["name"] == m["name"])?["configMap"]["name"]
+                .as_str()
+        });
+        let text = cm.and_then(|cm| {
+            docs.iter()
+                .filter(|(f, _)| at.starts_with(f.as_str()))
+                .find(|(_, d)| d["kind"] == "ConfigMap" && d["metadata"]["name"] == cm)
+                .and_then(|(_, d)| d["data"][file].as_str())
+        });
+        let text = text.unwrap_or_else(|| panic!("{at}: {path} is not from a ConfigMap here"));
+        out.push((path.to_string(), text.to_string()));
+    }
     out
 }
 
@@ -956,7 +1033,21 @@ fn the_daemonset_and_the_image_agree() {
         "the DaemonSet and the job examples: {users:?}"
     );
     let mut commands: BTreeSet<String> = BTreeSet::new();
-    for (at, c) in &users {
+    for user in &users {
+        for (name, script) in container_scripts(user, &all) {
+            let used = script_commands(&script);
+            eprintln!("{} {name}: runs {used:?}", user.0);
+            for word in used {
+                if resolve(&word, &path, &files).is_none() {
+                    problems.push(format!(
+                        "{} {name}: runs {word}, which is not in the image (PATH {path:?})",
+                        user.0
+                    ));
+                }
+            }
+        }
+    }
+    for (at, c, _) in &users {
         let cmd = strings(&c["command"])
             .first()
             .cloned()
