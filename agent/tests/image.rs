@@ -461,7 +461,7 @@ fn field_value(agent: &Agent, node: &str, ip: Ipv4Addr, field: &str) -> String {
 }
 
 /// The `docker run` arguments for `node`, derived from the DaemonSet, plus [`ADDED_ARGS`].
-/// Makes the host side of every volume under `dir`.
+/// Makes the host side of every volume (`node.dirs`, the FIFO) on the way.
 fn run_args(
     agent: &Agent,
     image: &str,
