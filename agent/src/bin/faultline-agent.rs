@@ -1,5 +1,14 @@
 //! `faultline-agent`: the node daemon. With no flags it runs standalone: reads the kernel log,
 //! writes `/run/faultline/faults.json`, serves metrics on :20260.
+//!
+//! Called by the name `faultline` (argv[0]'s file name), it is the CLI: the image ships this
+//! one binary under both names (`faultline` is a symlink to it), since the two share nearly
+//! all their code and two copies would not fit its size budget (manifests/build-image.sh,
+//! docs/benchmarks.md "Image size"). `cargo build` still builds the CLI as its own binary too.
+
+/// The CLI (`src/bin/faultline.rs`), compiled into this binary as well.
+#[path = "faultline.rs"]
+mod faultline_cli;
 
 use clap::Parser;
 use faultline_agent::signals::Action;
@@ -20,7 +29,17 @@ struct Cli {
     log_format: String,
 }
 
+/// Whether this process was started as the CLI (`faultline`), by argv[0]'s file name.
+fn called_as_cli(argv0: Option<&std::ffi::OsStr>) -> bool {
+    argv0
+        .and_then(|a| std::path::Path::new(a).file_name())
+        .is_some_and(|n| n == "faultline")
+}
+
 fn main() -> std::process::ExitCode {
+    if called_as_cli(std::env::args_os().next().as_deref()) {
+        return faultline_cli::main();
+    }
     let cli = Cli::parse();
     faultline_agent::cli::init_tracing(&cli.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -93,6 +112,25 @@ fn main() -> std::process::ExitCode {
 mod tests {
     use super::*;
     use clap::CommandFactory;
+
+    /// Only the name `faultline` is the CLI: any other name, a path to it, or none at all is
+    /// the agent.
+    #[test]
+    fn the_cli_is_the_binary_called_faultline() {
+        use std::ffi::OsStr;
+        for cli in ["faultline", "/usr/local/bin/faultline", "./faultline"] {
+            assert!(called_as_cli(Some(OsStr::new(cli))), "{cli}");
+        }
+        for agent in [
+            "faultline-agent",
+            "/usr/local/bin/faultline-agent",
+            "faultline2",
+            "/faultline/x",
+        ] {
+            assert!(!called_as_cli(Some(OsStr::new(agent))), "{agent}");
+        }
+        assert!(!called_as_cli(None));
+    }
 
     /// Every flag can be set from the environment (README, "Configuration"), and the README's
     /// table names each shown flag with its variable: a flag added without one fails here.

@@ -272,7 +272,8 @@ fn on_runtime(run: impl std::future::Future<Output = cli::Outcome>) -> cli::Outc
     }
 }
 
-fn main() -> std::process::ExitCode {
+// `pub(crate)`: the faultline-agent binary runs it too, when called by the name `faultline`.
+pub(crate) fn main() -> std::process::ExitCode {
     let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let cli = match Cli::try_parse_from(&args) {
         Ok(cli) => cli,

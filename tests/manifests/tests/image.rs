@@ -1,18 +1,23 @@
-//! The image build (`manifests/Dockerfile`): it ships the `dist` build, whose debug info is
-//! stripped, not the release build with its line tables (92 MiB against 23 MiB for the agent).
+//! The image build (`manifests/build-image.sh`, `manifests/Dockerfile`): it ships the `dist`
+//! build, whose debug info and symbols are stripped, not the release build with its line tables
+//! (92 MiB against 23 MiB for the agent), and pulls nothing from a registry. Running the image
+//! against the DaemonSet is `agent/tests/image.rs` (docker; `.ci/run`).
 
 use crate::common::repo_root;
 
 #[test]
 fn the_image_ships_the_stripped_dist_build() {
-    let docker = std::fs::read_to_string(repo_root().join("manifests/Dockerfile")).unwrap();
-    let build = docker
+    let script = std::fs::read_to_string(repo_root().join("manifests/build-image.sh")).unwrap();
+    let build = script
         .lines()
-        .find(|l| l.contains("cargo build"))
-        .expect("a cargo build line");
+        .skip_while(|l| !l.starts_with("cargo build"))
+        .take_while(|l| !l.trim().is_empty())
+        .collect::<Vec<_>>()
+        .join(" ");
     assert!(build.contains("--profile dist"), "{build}");
+    assert!(build.contains("--locked"), "{build}");
     assert!(
-        docker.contains("target/dist/faultline-agent") && !docker.contains("target/release/"),
+        script.contains("\"target/dist/$b\"") && !script.contains("target/release/"),
         "the installed binaries come from the dist build"
     );
     // The profile's own lines (the workspace has no TOML parser among the test's dependencies).
@@ -26,8 +31,25 @@ fn the_image_ships_the_stripped_dist_build() {
         .collect();
     assert!(dist.contains(&"inherits = \"release\""), "{dist:?}");
     assert!(dist.contains(&"debug = false"), "{dist:?}");
+    assert!(dist.contains(&"strip = \"symbols\""), "{dist:?}");
+}
+
+/// Nothing a registry serves: no base image, no BuildKit frontend (`# syntax=`), no second
+/// build stage; the image is the directory the script assembles.
+#[test]
+fn the_dockerfile_pulls_nothing() {
+    let docker = std::fs::read_to_string(repo_root().join("manifests/Dockerfile")).unwrap();
+    let froms: Vec<&str> = docker
+        .lines()
+        .map(str::trim)
+        .filter(|l| l.to_ascii_uppercase().starts_with("FROM "))
+        .collect();
+    assert_eq!(froms, ["FROM scratch"], "{docker}");
     assert!(
-        dist.contains(&"strip = \"debuginfo\"") || dist.contains(&"strip = \"symbols\""),
-        "{dist:?}"
+        !docker
+            .lines()
+            .any(|l| l.trim_start().to_ascii_lowercase().starts_with("# syntax")),
+        "a frontend image is pulled from a registry"
     );
+    assert!(!docker.contains("RUN "), "FROM scratch has nothing to run");
 }
