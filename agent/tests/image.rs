@@ -31,6 +31,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
+use common::prometheus::{query, start_prometheus, tools_present};
 use faultline_agent::peer::coordinator::RunState;
 use faultline_core::record::NodeRecord;
 use serde_json::Value;
@@ -819,6 +820,27 @@ fn the_image_runs_as_the_daemonset_runs_it() {
     assert_eq!(code, 0, "{err}");
     let r: NodeRecord = serde_json::from_str(&out).unwrap();
     assert!(common::fault(&r, "Xid79").is_some(), "{out}");
+    // A real Prometheus scrapes the container's metrics port (the pod annotations' port and
+    // path): the target is up and the fault is a series with its code and device.
+    if tools_present() {
+        let target = format!("127.0.0.1:{}", published_port(&nodes[0].container, http));
+        let (_prometheus, web) = start_prometheus(tmp.path(), &target);
+        common::wait_until(
+            "Prometheus scrapes the container",
+            Duration::from_secs(60),
+            || {
+                query(&web, "up{job=\"faultline\"} == 1")
+                    .len()
+                    .eq(&1)
+                    .then_some(())
+            },
+        );
+        common::wait_until(
+            "the container's Xid 79 in Prometheus",
+            Duration::from_secs(30),
+            || (!query(&web, "faultline_fault_active{code=\"Xid79\"}").is_empty()).then_some(()),
+        );
+    }
     // Xid 79 (the GPU fell off the bus) makes the node unusable: exit 1 at the timeout.
     let (code, out, err) = nodes[0].exec(&[CLI, "wait-healthy", "--timeout", "2s"]);
     assert_eq!(code, 1, "wait-healthy on a node with Xid 79\n{out}\n{err}");
