@@ -122,6 +122,9 @@ struct Rec {
 
 /// The first sequence number of a timeline: the boot's earlier records came before it.
 const FIRST_SEQ: u64 = 1000;
+/// The record every timeline starts with (the driver's load banner, not a fault).
+const BANNER: &str =
+    "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 22:23:56 UTC 2024";
 
 fn load_incidents(dir: &Path) -> Vec<NodeTimeline> {
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
@@ -159,8 +162,19 @@ fn load_incidents(dir: &Path) -> Vec<NodeTimeline> {
                         _ => panic!("{}: an event has a line or a restart", path.display()),
                     }
                 }
-                // Print order: by time, then as written (a stable sort).
+                // Print order: by time, then as written (a stable sort). First, a record the
+                // agent read before the timeline starts (it has been running since boot): a
+                // loss at the very start is a gap after it, as on a node that runs.
                 recs.sort_by_key(|r| r.t);
+                recs.insert(
+                    0,
+                    Rec {
+                        t: 0,
+                        seq: 0,
+                        msg: BANNER.into(),
+                        lost: false,
+                    },
+                );
                 for (k, r) in recs.iter_mut().enumerate() {
                     r.seq = FIRST_SEQ + k as u64;
                 }
