@@ -867,3 +867,46 @@ async fn detection_quality_is_at_least_the_documented_table() {
         bad.join("\n")
     );
 }
+
+/// The comparison with the documented table, on made-up rows: equal passes; a documented
+/// figure better than the computed one in any column fails, as does an n/a that became a number.
+#[test]
+fn a_documented_figure_better_than_the_code_fails() {
+    let row = |cells: [&str; 9]| cells.map(String::from);
+    let now = [row([
+        "app",
+        "10",
+        "2",
+        "0.50 (1/2)",
+        "0.50 (1/2)",
+        "n/a",
+        "1.00 (2/2)",
+        "5 / 4000",
+        "1 of 8",
+    ])];
+    let docs = |k: usize, cell: &str| {
+        let mut d: Vec<String> = now[0].to_vec();
+        d[k] = cell.into();
+        vec![d]
+    };
+    assert!(regressions(&now, &docs(0, "app")).is_empty());
+    for (k, cell) in [
+        (1, "11"),
+        (3, "0.60 (1/2)"),
+        (3, "0.50 (0/0)"),
+        (4, "0.75 (3/4)"),
+        (5, "0.10 (1/10)"),
+        (6, "n/a"),
+        (7, "4 / 4000"),
+        (7, "5 / 3999"),
+        (8, "0 of 8"),
+    ] {
+        assert!(
+            !regressions(&now, &docs(k, cell)).is_empty(),
+            "documented {cell:?} in column {k} passed"
+        );
+    }
+    // Better now than documented: passes.
+    assert!(regressions(&now, &docs(4, "0.25 (1/4)")).is_empty());
+    assert!(regressions(&now, &docs(7, "9 / 5000")).is_empty());
+}
