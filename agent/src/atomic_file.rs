@@ -30,6 +30,8 @@ pub fn write(path: &Path, bytes: &[u8]) -> Result<(), WriteError> {
         .tempfile_in(dir)
         .map_err(io)?;
     tmp.write_all(bytes).map_err(io)?;
+    #[cfg(test)]
+    hooks::before_sync(path);
     tmp.as_file().sync_data().map_err(io)?;
     {
         use std::os::unix::fs::PermissionsExt;
@@ -61,6 +63,50 @@ pub fn remove_stale_temps(dir: &Path) -> std::io::Result<usize> {
         }
     }
     Ok(n)
+}
+
+/// Tests' stand-in for a slow disk: a hook that runs in [`write`] before the new file is synced,
+/// for files under one directory (the tests of the crate run in parallel, each in its own).
+#[cfg(test)]
+pub(crate) mod hooks {
+    use std::path::{Path, PathBuf};
+    use std::sync::{Arc, Mutex};
+
+    type Hook = Arc<dyn Fn(&Path) + Send + Sync>;
+
+    static HOOKS: Mutex<Vec<(u64, PathBuf, Hook)>> = Mutex::new(Vec::new());
+
+    /// Runs `hook` with the target's path before each file under `dir` is synced, until the
+    /// returned guard is dropped.
+    pub(crate) fn on_sync(dir: &Path, hook: impl Fn(&Path) + Send + Sync + 'static) -> Guard {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let id = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut hooks = HOOKS.lock().unwrap_or_else(|e| e.into_inner());
+        hooks.push((id, dir.to_path_buf(), Arc::new(hook)));
+        Guard(id)
+    }
+
+    pub(crate) struct Guard(u64);
+
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            let mut hooks = HOOKS.lock().unwrap_or_else(|e| e.into_inner());
+            hooks.retain(|(id, _, _)| *id != self.0);
+        }
+    }
+
+    pub(super) fn before_sync(path: &Path) {
+        let due: Vec<Hook> = HOOKS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(_, dir, _)| path.starts_with(dir))
+            .map(|(_, _, hook)| hook.clone())
+            .collect();
+        for hook in due {
+            hook(path);
+        }
+    }
 }
 
 #[cfg(test)]

@@ -161,6 +161,13 @@ pub struct Snapshot {
     /// Active faults waiting out a recovery hold, as `(device, fault_code)` (the engine's view).
     pub recovering: Arc<BTreeSet<(String, String)>>,
     pub state: Arc<PersistedState>,
+    /// The newest revision (this one or an earlier one; 0: none in this run) holding a change
+    /// that a restart would not make again: anything but a record of a kernel log that replays
+    /// (an operator's clear, a policy reload, a polled source's report, a sink's report). The
+    /// file sink writes a record that holds such a change only after the state that holds it
+    /// ([`crate::sink::file`]); a record whose changes since the last saved state all come from
+    /// the kernel log goes first, and its state right after.
+    pub save_first: u64,
     /// When the newest input in this snapshot was applied (for latency metrics).
     pub applied_at: std::time::Instant,
 }
@@ -243,6 +250,17 @@ pub struct EngineLoop {
     pub shutdown: CancellationToken,
 }
 
+/// Whether the changes not yet published could be made again by a restart (see
+/// [`Snapshot::save_first`]).
+#[derive(Debug, Default)]
+struct Replay {
+    /// The kernel log read now replays ([`Input::KmsgReplays`]); until the source says so, its
+    /// records count as not replayed.
+    kmsg: bool,
+    /// A change since the last snapshot that a restart would not make again.
+    unreplayed: bool,
+}
+
 /// Most inputs applied before a snapshot is published.
 const BATCH: usize = 4096;
 
@@ -264,6 +282,9 @@ impl EngineLoop {
         let mut published = u64::MAX;
         let mut published_marker = self.marker;
         let mut seq = 0u64;
+        let mut replay = Replay::default();
+        // The newest snapshot with a change a restart would not make again.
+        let mut save_first = 0u64;
         let mut tick = tokio::time::interval(self.tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut loaded = self.policy.borrow_and_update().clone();
@@ -277,6 +298,8 @@ impl EngineLoop {
             self.reclassify(&loaded);
             restored_classified = true;
         }
+        // What was restored and how it is classified now: saved before it is shown.
+        replay.unreplayed = true;
         let mut report = self.sink_report.borrow_and_update().clone();
         let mut offset = SignedDuration::ZERO;
         // An engine event since the last snapshot: publish at once.
@@ -294,6 +317,7 @@ impl EngineLoop {
                     if next != report {
                         report = next;
                         published = u64::MAX;
+                        replay.unreplayed = true; // the withheld taints are saved
                     }
                 }
                 Ok(()) = self.record_writer.changed() => {
@@ -306,7 +330,7 @@ impl EngineLoop {
                     if let Some((state, reason)) = detector {
                         let name = crate::sink::file::RECORD_DETECTOR.into();
                         let obs = Observation::Detector { name, state, reason };
-                        urgent |= self.apply(&loaded, Input::Obs(obs));
+                        urgent |= self.apply(&loaded, Input::Obs(obs), &mut replay);
                     }
                 }
                 Ok(()) = self.policy.changed() => {
@@ -318,21 +342,24 @@ impl EngineLoop {
                         self.reclassify(&loaded);
                         restored_classified |= first;
                         urgent = true;
+                        replay.unreplayed = true;
                     }
                     published = u64::MAX; // the policy status is part of the record
                 }
                 input = self.inputs.recv() => {
                     let Some(first) = input else { break };
-                    urgent |= self.apply(&loaded, first);
+                    urgent |= self.apply(&loaded, first, &mut replay);
                     let mut n = 1;
                     while n < BATCH {
                         match self.inputs.try_recv() {
-                            Ok(i) => { urgent |= self.apply(&loaded, i); n += 1; }
+                            Ok(i) => { urgent |= self.apply(&loaded, i, &mut replay); n += 1; }
                             Err(_) => break,
                         }
                     }
                 }
-                _ = tick.tick() => urgent |= self.apply(&loaded, Input::Obs(Observation::Tick)),
+                _ = tick.tick() => {
+                    urgent |= self.apply(&loaded, Input::Obs(Observation::Tick), &mut replay);
+                }
             }
             self.heartbeat.beat(&*self.clock);
             // A wall-clock step moves the faults' dates: publish them even if nothing else
@@ -354,7 +381,10 @@ impl EngineLoop {
                     published = self.engine.revision();
                     published_marker = self.marker;
                     seq += 1;
-                    self.publish(&loaded, &report, seq, offset);
+                    if std::mem::take(&mut replay.unreplayed) {
+                        save_first = seq;
+                    }
+                    self.publish(&loaded, &report, seq, offset, save_first);
                     last_publish = now;
                     urgent = false;
                     pending = false;
@@ -365,16 +395,36 @@ impl EngineLoop {
         }
         // Shutdown: nothing queued is dropped.
         while let Ok(i) = self.inputs.try_recv() {
-            self.apply(&loaded, i);
+            self.apply(&loaded, i, &mut replay);
         }
-        self.publish(&loaded, &report, seq + 1, offset);
+        if replay.unreplayed {
+            save_first = seq + 1;
+        }
+        self.publish(&loaded, &report, seq + 1, offset, save_first);
         info!(revision = self.engine.revision(), "engine stopped");
     }
 
-    /// Applies one input; true when it caused an engine event (worth publishing at once).
-    fn apply(&mut self, loaded: &LoadedPolicy, input: Input) -> bool {
+    /// Applies one input; true when it caused an engine event (worth publishing at once). Notes
+    /// in `replay` a change that a restart would not make again.
+    fn apply(&mut self, loaded: &LoadedPolicy, input: Input, replay: &mut Replay) -> bool {
         self.metrics.engine_inputs.inc();
+        let revision = self.engine.revision();
+        // A record of a kernel log that replays is read again by a restart past the saved
+        // cursor (the cursor only moves with the state that holds the record's effect).
+        let replays = matches!(input, Input::Kmsg { .. } | Input::KmsgCursor(_)) && replay.kmsg;
+        let eventful = self.apply_input(loaded, input, replay);
+        if !replays && self.engine.revision() != revision {
+            replay.unreplayed = true;
+        }
+        eventful
+    }
+
+    fn apply_input(&mut self, loaded: &LoadedPolicy, input: Input, replay: &mut Replay) -> bool {
         match input {
+            Input::KmsgReplays(replays) => {
+                replay.kmsg = replays;
+                false
+            }
             Input::KmsgCursor(at) => {
                 self.kmsg_cursor = Some(at);
                 false
@@ -418,6 +468,9 @@ impl EngineLoop {
                         self.note(&events);
                         let r = ClearResult::of(&events);
                         self.clears.insert(request, r.clone());
+                        // Saved before it is shown, even when it cleared nothing: its answer
+                        // waits for the save, and a restart must find it applied.
+                        replay.unreplayed = true;
                         (r, !events.is_empty())
                     }
                 };
@@ -544,6 +597,7 @@ impl EngineLoop {
         report: &SinkReport,
         seq: u64,
         offset: SignedDuration,
+        save_first: u64,
     ) {
         let mut view = self.engine.view(&loaded.policy);
         if !offset.is_zero() {
@@ -663,6 +717,7 @@ impl EngineLoop {
                 node: Some(self.node.clone()),
                 clears: self.clears.clone(),
             }),
+            save_first,
             applied_at: std::time::Instant::now(),
         };
         self.snapshots.send_replace(Some(snap));
@@ -689,6 +744,8 @@ pub(crate) fn test_snapshot(revision: u64, marker: u64) -> Snapshot {
         inventory: Default::default(),
         recovering: Default::default(),
         state: Arc::new(PersistedState::default()),
+        // Saved first, as every snapshot was before kernel-log changes went ahead.
+        save_first: revision,
         applied_at: std::time::Instant::now(),
     }
 }
@@ -1411,6 +1468,80 @@ recovery:
             other.result.cleared, 1,
             "a new file under the same name is a new request"
         );
+    }
+
+    /// Issue 27 §1: what the file sink may show before it is saved. A record of a kernel log
+    /// that replays (the device, a regular file) goes ahead: a restart reads it again past the
+    /// saved cursor. The restored state, a record read from a FIFO (nothing reads it again),
+    /// another source's report and an operator's clear are marked to be saved first, and the
+    /// mark stays on later snapshots (the sink compares it with what it saved).
+    #[tokio::test]
+    async fn only_what_a_restart_makes_again_goes_ahead_of_the_save() {
+        let mut r = Rig::start();
+        let first = r.first().await;
+        assert_eq!(first.save_first, first.revision, "the restored state");
+        let xid79 = |seq| Input::Kmsg {
+            obs: signal(FaultCode::Xid(79), Source::Kmsg),
+            at: KmsgPosition::at_seq(seq),
+        };
+        let send = |r: &mut Rig, inputs: Vec<Input>| {
+            r.marker += 1;
+            let (tx, m) = (r.tx.clone(), r.marker);
+            let mut snaps = r.snaps.clone();
+            async move {
+                for i in inputs {
+                    tx.send(i).await.unwrap();
+                }
+                tx.send(Input::Marker(m)).await.unwrap();
+                let s = snaps
+                    .wait_for(|s| s.as_ref().is_some_and(|s| s.marker >= m))
+                    .await
+                    .unwrap();
+                s.clone().unwrap()
+            }
+        };
+        let count = |s: &Snapshot| {
+            s.record
+                .faults
+                .iter()
+                .find(|f| f.fault_code == "Xid79")
+                .map(|f| f.count)
+        };
+
+        let device = send(&mut r, vec![Input::KmsgReplays(true), xid79(1)]).await;
+        assert_eq!(count(&device), Some(1));
+        assert!(device.revision > first.revision);
+        assert_eq!(
+            device.save_first, first.revision,
+            "the device's record goes ahead"
+        );
+
+        let fifo = send(&mut r, vec![Input::KmsgReplays(false), xid79(2)]).await;
+        assert_eq!(count(&fifo), Some(2));
+        assert_eq!(
+            fifo.save_first, fifo.revision,
+            "a FIFO's record is saved first"
+        );
+
+        let again = send(&mut r, vec![Input::KmsgReplays(true), xid79(3)]).await;
+        assert_eq!(count(&again), Some(3));
+        assert_eq!(
+            again.save_first, fifo.revision,
+            "still held for the FIFO's record until the sink saved it"
+        );
+
+        let nvml = r
+            .apply(Some(signal(FaultCode::Xid(48), Source::Nvml)))
+            .await;
+        assert_eq!(nvml.save_first, nvml.revision, "another source's report");
+
+        let (_, cleared) = r.clear("1.json@1", Some("Xid79")).await;
+        assert!(cleared.revision > nvml.revision);
+        assert_eq!(cleared.save_first, cleared.revision, "an operator's clear");
+
+        // Kernel-log records with no fault move the cursor only: nothing to hold.
+        let quiet = send(&mut r, vec![Input::KmsgCursor(KmsgPosition::at_seq(9))]).await;
+        assert_eq!(quiet.save_first, cleared.revision);
     }
 }
 

@@ -457,6 +457,32 @@ fn sigterm_flushes_the_latest_state() {
     assert_eq!(after.health, Health::Unhealthy);
 }
 
+/// Issue 27 §1: a kernel-log fault reaches `faults.json` before `state.json` is saved. A kill
+/// (SIGKILL) as soon as the record shows it, whether the state was saved by then or not, loses
+/// nothing and counts nothing twice: the restart reads the record again past the saved cursor.
+/// Five kills in a row, so that some come between the two writes. (A guard: the old order, the
+/// state first, passes it too.)
+#[test]
+fn a_kill_as_soon_as_the_record_shows_a_fault_loses_nothing_and_counts_nothing_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    for n in 1..=5u64 {
+        let mut agent = Agent::start(dir.path(), &[]);
+        let since = faultline_core::time::Timestamp::now();
+        agent.append(&xid79(n, "3b"));
+        agent.wait_for("the fault", |r| {
+            r.update_time > since && fault(r, "Xid79").is_some_and(|f| f.count >= n)
+        });
+        agent.child.kill().unwrap();
+        agent.child.wait().unwrap();
+    }
+    let agent = Agent::start(dir.path(), &[]);
+    // Read after the five records: once it is in, so are they.
+    agent.append(b"4,6,600,-;NVRM: Xid (PCI:0000:86:00): 13, pid=1, name=a, Graphics Exception\n");
+    let r = agent.wait_for("the last record", |r| fault(r, "Xid13").is_some());
+    assert_eq!(fault(&r, "Xid79").map(|f| f.count), Some(5));
+    assert_eq!(agent.stop(), 0);
+}
+
 /// SIGHUP, SIGUSR1, SIGUSR2 and SIGQUIT would end an agent without a flush by their default
 /// action: they are handled (SIGHUP re-reads the policy, the others are logged), and the agent
 /// keeps running and still flushes on SIGTERM.

@@ -984,7 +984,7 @@ mod tests {
                 *cursor = Some(at);
             }
             Input::KmsgCursor(at) => *cursor = Some(at),
-            Input::Marker(_) | Input::Clear { .. } => {}
+            Input::Marker(_) | Input::Clear { .. } | Input::KmsgReplays(_) => {}
         }
     }
 

@@ -749,7 +749,14 @@ mod tests {
     fn beat(dir: &Path, clock: &FakeClock) -> PathBuf {
         let dirs = crate::sink::file::Dirs::one(dir.to_path_buf());
         let snap = crate::runtime::test_snapshot(1, 0);
-        crate::sink::file::write_snapshot(&dirs, &snap, &Beat::now(clock), false).unwrap();
+        crate::sink::file::write_snapshot(
+            &dirs,
+            &snap,
+            &Beat::now(clock),
+            false,
+            crate::sink::file::Order::StateFirst,
+        )
+        .unwrap();
         dir.join(FAULTS_FILE)
     }
 

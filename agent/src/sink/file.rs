@@ -78,30 +78,75 @@ impl Dirs {
     }
 }
 
-/// Writes one snapshot: the state first (so that, normally, the record is never ahead of what a
-/// restart restores), then the record stamped with `heartbeat`. With `record_only` (a heartbeat,
-/// the state unchanged since the last write) only the record is written.
+/// Which of the two files of a snapshot goes first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Order {
+    /// The state, then the record: the snapshot holds a change that a restart would not make
+    /// again ([`Snapshot::save_first`]), so no reader sees it before it is saved.
+    StateFirst,
+    /// The record, then the state: every change since the last saved state comes from a kernel
+    /// log that a restart reads again past the saved cursor, so a kill before the save loses
+    /// nothing (the restart finds the record again), and the record does not wait for the
+    /// fsyncs of the data directory.
+    RecordFirst,
+}
+
+impl Order {
+    /// The order for `snap` when the newest state saved in this run is that of revision
+    /// `saved` (0: none yet).
+    pub(crate) fn of(snap: &Snapshot, saved: u64) -> Order {
+        if snap.save_first > saved {
+            Order::StateFirst
+        } else {
+            Order::RecordFirst
+        }
+    }
+}
+
+/// Writes one snapshot in `order`: the state and the record stamped with `heartbeat`. With
+/// `record_only` (a heartbeat, the state unchanged since the last write) only the record is
+/// written.
 ///
 /// A state that cannot be written (the data directory full or read-only) does not stop the
 /// record: readers keep a current record and a live heartbeat, and the error
 /// ([`FileSinkError::StateNotSaved`]) says the state is behind. Before, a failed state write
-/// skipped the record too, so a broken `/var/lib` looked like a dead agent.
+/// skipped the record too, so a broken `/var/lib` looked like a dead agent. Likewise a record
+/// that cannot be written does not stop the state.
 pub fn write_snapshot(
     dirs: &Dirs,
     snap: &Snapshot,
     heartbeat: &Beat,
     record_only: bool,
+    order: Order,
 ) -> Result<(), FileSinkError> {
     let mut state_err = None;
-    if !record_only {
-        let state = serde_json::to_vec(&*snap.state).map_err(|source| FileSinkError::Encode {
-            what: "state",
-            source,
-        })?;
-        if let Err(e) = write_atomic(&dirs.data.join(STATE_FILE), &state) {
-            state_err = Some(FileSinkError::from(e));
-        }
+    if !record_only && order == Order::StateFirst {
+        state_err = save_state(dirs, snap)?;
     }
+    let record = write_record(dirs, snap, heartbeat);
+    if !record_only && order == Order::RecordFirst {
+        state_err = save_state(dirs, snap)?;
+    }
+    record?;
+    match state_err {
+        Some(e) => Err(FileSinkError::StateNotSaved(Box::new(e))),
+        None => Ok(()),
+    }
+}
+
+/// Writes `state.json`; `Ok(Some(_))` when it could not be written.
+fn save_state(dirs: &Dirs, snap: &Snapshot) -> Result<Option<FileSinkError>, FileSinkError> {
+    let state = serde_json::to_vec(&*snap.state).map_err(|source| FileSinkError::Encode {
+        what: "state",
+        source,
+    })?;
+    Ok(write_atomic(&dirs.data.join(STATE_FILE), &state)
+        .err()
+        .map(FileSinkError::from))
+}
+
+/// Writes `faults.json`, stamped with `heartbeat`.
+fn write_record(dirs: &Dirs, snap: &Snapshot, heartbeat: &Beat) -> Result<(), FileSinkError> {
     let mut stamped = (*snap.record).clone();
     stamped.agent.heartbeat_time = Some(heartbeat.wall);
     stamped.agent.heartbeat_boot = heartbeat.boot.clone();
@@ -112,10 +157,7 @@ pub fn write_snapshot(
         })?;
     record.push(b'\n');
     write_atomic(&dirs.record.join(FAULTS_FILE), &record)?;
-    match state_err {
-        Some(e) => Err(FileSinkError::StateNotSaved(Box::new(e))),
-        None => Ok(()),
-    }
+    Ok(())
 }
 
 /// One heartbeat as the record carries it: the wall-clock time people read, and the same moment
@@ -300,6 +342,8 @@ pub async fn run(
 ) {
     let label = SinkLabel { sink: "file" };
     let mut written: Option<u64> = None;
+    // The revision whose state was saved last in this run.
+    let mut saved = 0u64;
     let mut backoff = Duration::from_millis(100);
     let mut flush_until: Option<Instant> = None;
     let mut last_write = tokio::time::Instant::now();
@@ -342,15 +386,17 @@ pub async fn run(
                 _ => Beat::now(&*heartbeat.clock),
             };
             let beat_written = now.clone();
-            let result =
-                tokio::task::spawn_blocking(move || write_snapshot(&d, &snap2, &now, record_only))
-                    .await
-                    .unwrap_or_else(|e| {
-                        Err(FileSinkError::Io {
-                            path: dirs.record.clone(),
-                            source: std::io::Error::other(e.to_string()),
-                        })
-                    });
+            let order = Order::of(&snap, saved);
+            let result = tokio::task::spawn_blocking(move || {
+                write_snapshot(&d, &snap2, &now, record_only, order)
+            })
+            .await
+            .unwrap_or_else(|e| {
+                Err(FileSinkError::Io {
+                    path: dirs.record.clone(),
+                    source: std::io::Error::other(e.to_string()),
+                })
+            });
             match result {
                 Ok(()) => {
                     metrics.sink_writes.get_or_create(&label).inc();
@@ -364,6 +410,9 @@ pub async fn run(
                         "record written"
                     );
                     written = Some(snap.revision);
+                    if !record_only {
+                        saved = snap.revision;
+                    }
                     set_heartbeat(&metrics, &beat_written);
                     stamped = Some(beat_written);
                     last_write = tokio::time::Instant::now();
@@ -690,7 +739,14 @@ mod tests {
                 since_boot_ms: u64::MAX,
             }),
         };
-        write_snapshot(&Dirs::one(dir.path().to_path_buf()), &snap, &beat, false).unwrap();
+        write_snapshot(
+            &Dirs::one(dir.path().to_path_buf()),
+            &snap,
+            &beat,
+            false,
+            Order::StateFirst,
+        )
+        .unwrap();
         let size = |f: &str| std::fs::metadata(dir.path().join(f)).unwrap().len();
         let (state, faults) = (size(STATE_FILE), size(FAULTS_FILE));
         eprintln!("largest state.json {state} bytes, faults.json {faults} bytes");
@@ -851,6 +907,126 @@ mod tests {
             .unwrap();
         assert!(blocked.is_file());
         assert!(signals.status.borrow().is_written());
+        shutdown.cancel();
+        drop(tx);
+        task.await.unwrap();
+    }
+
+    /// `test_snapshot` with its record dated `revision` seconds after the epoch (so the records
+    /// in the file can be told apart), its marker `revision`, saved first from `save_first`.
+    fn dated(revision: u64, save_first: u64) -> Snapshot {
+        let mut snap = test_snapshot(revision, revision);
+        let mut record = (*snap.record).clone();
+        record.update_time = Timestamp::from_second(revision as i64).unwrap();
+        snap.record = Arc::new(record);
+        snap.save_first = save_first;
+        snap
+    }
+
+    /// The date of the record in `dir`, in seconds.
+    fn record_date(dir: &Path) -> Option<i64> {
+        let text = std::fs::read_to_string(dir.join(FAULTS_FILE)).ok()?;
+        serde_json::from_str::<faultline_core::record::NodeRecord>(&text)
+            .ok()
+            .map(|r| r.update_time.as_second())
+    }
+
+    /// Issue 27 §1: with a slow data disk (here its fsync waits until the test lets it go), a
+    /// record whose changes a restart makes again (kernel-log records past the saved cursor) is
+    /// in `faults.json` while its state is still being saved; a record holding a change a
+    /// restart would not make again (the restored state, an operator's clear) waits for its
+    /// state, as before. Before, every record waited for the fsyncs of `state.json` and of the
+    /// data directory.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_record_a_restart_makes_again_does_not_wait_for_a_slow_state() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dirs = Dirs {
+            record: tmp.path().join("run"),
+            data: tmp.path().join("data"),
+        };
+        std::fs::create_dir(&dirs.record).unwrap();
+        std::fs::create_dir(&dirs.data).unwrap();
+        let (syncing_tx, syncing) = std::sync::mpsc::channel::<PathBuf>();
+        let (release, released) = std::sync::mpsc::channel::<()>();
+        let released = std::sync::Mutex::new(released);
+        let slow = crate::atomic_file::hooks::on_sync(&dirs.data, move |path| {
+            let _ = syncing_tx.send(path.to_path_buf());
+            // Bounded, so that a failing test ends instead of holding its runtime.
+            let _ = released
+                .lock()
+                .unwrap()
+                .recv_timeout(Duration::from_secs(30));
+        });
+        let state_syncing = || {
+            let path =
+                tokio::task::block_in_place(|| syncing.recv_timeout(Duration::from_secs(10)))
+                    .expect("the state is being saved");
+            assert_eq!(path, dirs.data.join(STATE_FILE));
+        };
+        let (tx, rx) = watch::channel(None);
+        let signals = FileSinkSignals {
+            status: watch::channel(RecordStatus::NotYetWritten).0,
+            persisted: watch::channel(0).0,
+        };
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(run(
+            dirs.clone(),
+            rx,
+            Arc::new(Metrics::new()),
+            WriteBudget::new(Duration::from_millis(10), 3, tokio::time::Instant::now()),
+            signals.clone(),
+            HeartbeatConfig {
+                every: HEARTBEAT_INTERVAL,
+                clock: Arc::new(crate::runtime::SystemClock),
+                engine: engine_beating(),
+            },
+            shutdown.clone(),
+        ));
+        let saved = |m: u64| {
+            let mut persisted = signals.persisted.subscribe();
+            async move {
+                tokio::time::timeout(Duration::from_secs(10), persisted.wait_for(|p| *p >= m))
+                    .await
+                    .expect("saved")
+                    .unwrap();
+            }
+        };
+
+        // The restored state: saved first.
+        tx.send_replace(Some(dated(1, 1)));
+        state_syncing();
+        assert_eq!(record_date(&dirs.record), None, "shown before it is saved");
+        release.send(()).unwrap();
+        saved(1).await;
+        assert_eq!(record_date(&dirs.record), Some(1));
+
+        // A kernel-log record: in the file while its state is still being synced.
+        tx.send_replace(Some(dated(2, 1)));
+        let shown = tokio::time::timeout(Duration::from_secs(10), async {
+            while record_date(&dirs.record) != Some(2) {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+        assert!(shown.is_ok(), "the record waited for the state");
+        state_syncing();
+        assert_eq!(*signals.persisted.borrow(), 1, "not saved yet");
+        release.send(()).unwrap();
+        saved(2).await;
+
+        // An operator's clear: saved first.
+        tx.send_replace(Some(dated(3, 3)));
+        state_syncing();
+        assert_eq!(
+            record_date(&dirs.record),
+            Some(2),
+            "the clear is shown before it is saved"
+        );
+        release.send(()).unwrap();
+        saved(3).await;
+        assert_eq!(record_date(&dirs.record), Some(3));
+
+        drop(slow);
         shutdown.cancel();
         drop(tx);
         task.await.unwrap();

@@ -275,7 +275,11 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
                  nothing; every line read from it is new"
             );
         }
-        if !detector(&ctx, DetectorState::Running, follow.reason(&cfg.path)) {
+        // In band, before this log's first record: whether a restart reads its records again
+        // (the engine loop publishes those before it saves them; a FIFO's it saves first).
+        if ctx.tx.blocking_send(Input::KmsgReplays(!stream)).is_err()
+            || !detector(&ctx, DetectorState::Running, follow.reason(&cfg.path))
+        {
             return;
         }
         info!(device = is_device, resume_after = ?cfg.resume_after, "reading the kernel log");

@@ -56,6 +56,13 @@ pub enum Input {
         obs: Observation,
         at: KmsgPosition,
     },
+    /// Whether a restart reads the kernel log's records from here on again, past the saved
+    /// cursor: `true` for the device (its ring) and a regular file, `false` for a FIFO (a
+    /// stream hands each line to one read). The kernel-log source says so each time it opens
+    /// the log, before its first record. The engine loop publishes a change from a log that
+    /// replays before the change is saved (a kill is made good by reading the record again),
+    /// and saves any other change first.
+    KmsgReplays(bool),
     /// Everything sent before this has been applied. The engine loop carries the highest marker
     /// in each snapshot, so a source can learn when its inputs are on disk (the file sink reports
     /// the markers it wrote).
