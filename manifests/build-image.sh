@@ -6,7 +6,8 @@
 #      called by that name, which keeps the image under 30 MB; docs/benchmarks.md, "Image
 #      size") and `faultline-probe`; exactly the shared libraries they load (read from the
 #      binaries with ldd, so the list cannot go stale); /bin/busybox (Debian's busybox-static)
-#      as sh, cat, mv and sleep for the job examples' scripts; /tmp; /etc/passwd and /etc/group;
+#      as sh, cat, mv and sleep for the job examples' scripts; /tmp; /etc/passwd, /etc/group and
+#      /etc/debian_version (where the NVIDIA runtime puts the driver's libraries);
 #   3. `docker build` builds manifests/Dockerfile (FROM scratch) from that directory only, so
 #      the build context is a few megabytes, never the repository or target/.
 #
@@ -46,8 +47,10 @@ done
 
 # A shell and the few tools the job examples' scripts call (manifests/examples: the PyTorchJob's
 # peer-check init container, the Horovod discovery sidecar): Debian's busybox-static, one
-# static file (2 MB); any other applet runs as `busybox <applet>`. /tmp for those scripts (the
-# DaemonSet's root is read-only, and the agent writes only to its mounts).
+# static file (2 MB). Its shell runs every applet it has by bare name (Debian builds it with
+# FEATURE_SH_STANDALONE), whatever the four links: nsenter, mount and the rest are there for
+# anyone who can exec into the container, which is privileged anyway. /tmp for those scripts
+# (the DaemonSet's root is read-only, and the agent writes only to its mounts).
 busybox=/bin/busybox
 if [ ! -x "$busybox" ] || ldd "$busybox" >/dev/null 2>&1; then
     echo "build-image: needs a static $busybox: apt-get install busybox-static" >&2
@@ -65,6 +68,12 @@ mkdir -m 1777 "$ctx/rootfs/tmp"
 # operator may run with `kubectl exec`.
 echo 'root:x:0:0:root:/:/bin/sh' >"$ctx/rootfs/etc/passwd"
 echo 'root:x:0:' >"$ctx/rootfs/etc/group"
+# The libraries above are Debian's, at Debian's multiarch paths, and the NVIDIA container
+# runtime puts the driver's libraries (libnvidia-ml for the NVML source) where the image's
+# distribution keeps them: /usr/lib/x86_64-linux-gnu when the image has /etc/debian_version,
+# else /usr/lib64 (libnvidia-container, src/nvc_container.c, copy_config), which this loader
+# does not search. Without this file NVML could not be loaded on a GPU node.
+cp /etc/debian_version "$ctx/rootfs/etc/debian_version"
 
 echo "image contents:"
 (cd "$ctx/rootfs" && find . ! -type d -printf '  %10s  /%P %l\n' | sort -k2)

@@ -1028,6 +1028,21 @@ fn the_daemonset_and_the_image_agree() {
     let path = env.get("PATH").cloned().unwrap_or_default();
     let mut problems: Vec<String> = Vec::new();
 
+    // The DaemonSet asks the NVIDIA container runtime for the driver's libraries. It puts them
+    // in /usr/lib/x86_64-linux-gnu only in an image with /etc/debian_version, else in
+    // /usr/lib64 (libnvidia-container, src/nvc_container.c, copy_config), which the image's
+    // loader (Debian's, at the multiarch paths) never searches: NVML would not load.
+    if agent.env.iter().any(|(k, _)| k == "NVIDIA_VISIBLE_DEVICES")
+        && !files.contains("/etc/debian_version")
+    {
+        problems.push(
+            "the DaemonSet asks the NVIDIA runtime for libnvidia-ml, and the image has no \
+             /etc/debian_version: the runtime would put it in /usr/lib64, where the loader \
+             does not look"
+                .into(),
+        );
+    }
+
     // Binaries: every command the manifests run with this image exists in it and runs (which
     // also proves the libraries it loads are there); the agent's probe is where it looks.
     let mut all: Vec<(String, Value)> = docs

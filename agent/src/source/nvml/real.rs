@@ -57,8 +57,20 @@ pub struct RealNvml {
     nvml: &'static Nvml,
 }
 
+/// The NVIDIA kernel driver's own file: it exists while the driver is loaded, in a container
+/// too (procfs shows the host's driver).
+const DRIVER_LOADED: &str = "/proc/driver/nvidia/version";
+
 /// Loads NVML from `lib` (default: the system's `libnvidia-ml.so.1`) and initializes it.
 pub fn open(lib: Option<&Path>) -> Result<RealNvml, OpenError> {
+    open_with(lib, Path::new(DRIVER_LOADED))
+}
+
+/// [`open`], with the driver's file at `driver_loaded`. A library that cannot be loaded is a
+/// CPU node (absent) only where no NVIDIA driver is loaded; beside a loaded driver it is a
+/// broken install (the container runtime did not inject the library, or put it where the
+/// loader does not look), which must show as a detector down, not idle.
+fn open_with(lib: Option<&Path>, driver_loaded: &Path) -> Result<RealNvml, OpenError> {
     let mut builder = Nvml::builder();
     if let Some(p) = lib {
         builder.lib_path(p.as_os_str());
@@ -68,6 +80,12 @@ pub fn open(lib: Option<&Path>) -> Result<RealNvml, OpenError> {
             // One NVML per process, for the life of the process.
             nvml: Box::leak(Box::new(n)),
         }),
+        Err(NvmlError::LibloadingError(e)) if driver_loaded.exists() => {
+            Err(OpenError::Broken(format!(
+                "the NVIDIA driver is loaded ({}) but NVML cannot be loaded: {e}",
+                driver_loaded.display()
+            )))
+        }
         Err(NvmlError::LibloadingError(e)) => {
             Err(OpenError::Absent(format!("cannot load NVML: {e}")))
         }
@@ -311,6 +329,32 @@ impl EventWaiter for Events {
             }
             Err(NvmlError::Timeout) => Ok(None),
             Err(e) => Err(call_error(e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// No library and no driver is a CPU node; no library beside a loaded driver is broken
+    /// (an image where the runtime's libnvidia-ml is not found would otherwise look idle).
+    #[test]
+    fn a_missing_library_is_absent_only_without_a_driver() {
+        let dir = tempfile::tempdir().unwrap();
+        let lib = dir.path().join("libnvidia-ml.so.1");
+        let marker = dir.path().join("version");
+        match open_with(Some(&lib), &marker) {
+            Err(OpenError::Absent(why)) => assert!(why.contains("cannot load NVML"), "{why}"),
+            other => panic!("no driver: {:?}", other.err()),
+        }
+        std::fs::write(&marker, "NVRM version: 580.159.04\n").unwrap();
+        match open_with(Some(&lib), &marker) {
+            Err(OpenError::Broken(why)) => {
+                assert!(why.contains("driver is loaded"), "{why}")
+            }
+            other => panic!("a driver: {:?}", other.err()),
         }
     }
 }
