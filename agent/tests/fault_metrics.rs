@@ -8,8 +8,6 @@
 mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Write;
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{wait_until, xid79, Agent};
@@ -183,24 +181,7 @@ fn promtool_accepts(body: &str) {
     if !common::prometheus::tools_present() {
         return;
     }
-    let mut check = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    check
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(body.as_bytes())
-        .unwrap();
-    let out = check.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool check metrics:\n{}{}\n{body}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    if let Err(e) = common::prometheus::promtool_check_metrics(body) {
+        panic!("promtool check metrics:\n{e}");
+    }
 }

@@ -8,10 +8,9 @@
 mod common;
 
 use std::io::{Read, Write};
-use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::prometheus::{query, start_prometheus, tools_present};
+use common::prometheus::{promtool_check_metrics, query, start_prometheus, tools_present};
 use common::{wait_until, xid79, Agent};
 
 /// One HTTP/1.0 GET to `addr` with optional `Accept`; returns (head, body).
@@ -47,26 +46,9 @@ fn promtool_checks_the_text_format() {
             head.contains("content-type: text/plain; version=0.0.4"),
             "{head}"
         );
-        let mut check = Command::new("promtool")
-            .args(["check", "metrics"])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        check
-            .stdin
-            .take()
-            .unwrap()
-            .write_all(body.as_bytes())
-            .unwrap();
-        let out = check.wait_with_output().unwrap();
-        assert!(
-            out.status.success(),
-            "promtool check metrics ({accept:?}):\n{}{}\n{body}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
+        if let Err(e) = promtool_check_metrics(&body) {
+            panic!("promtool check metrics ({accept:?}):\n{e}");
+        }
     }
     let (head, body) = fetch(
         &addr,

@@ -135,3 +135,30 @@ pub fn query(web: &str, q: &str) -> Vec<serde_json::Value> {
         .and_then(|d| d["result"].as_array().cloned())
         .unwrap_or_default()
 }
+
+/// `promtool check metrics` on an exposition `body`: `Err` with promtool's own words (and the
+/// body) when it rejects it.
+pub fn promtool_check_metrics(body: &str) -> Result<(), String> {
+    let mut check = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    check
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let out = check.wait_with_output().unwrap();
+    if out.status.success() {
+        return Ok(());
+    }
+    Err(format!(
+        "{}{}\n{body}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    ))
+}
