@@ -659,7 +659,7 @@ impl DirWatch {
                 Err(_) => true,
             };
             if let Ok(e) = &e {
-                if super::policy_watch::is_change(&e.kind) && e.paths.iter().any(|p| *p == inside) {
+                if super::policy_watch::is_change(&e.kind) && e.paths.contains(&inside) {
                     moved_tx.store(true, std::sync::atomic::Ordering::SeqCst);
                 }
             }
