@@ -1030,6 +1030,7 @@ impl Components {
             self.ctx(),
             self.persisted.subscribe(),
             reports,
+            // Read again after a passing failure; read on changes (inotify) otherwise.
             Duration::from_secs(1),
         );
         self.spawn_source("control", &[], clears);
@@ -1170,7 +1171,7 @@ impl Components {
             metrics: self.metrics.clone(),
             clock: self.clock.clone(),
             heartbeat: self.heartbeat.clone(),
-            tick: Duration::from_secs(1),
+            liveness: crate::runtime::LIVENESS,
             events: self.kube.is_some().then_some(events_tx),
             sink_report: report_rx,
             record_writer: self.record_status.subscribe(),

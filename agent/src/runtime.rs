@@ -45,7 +45,25 @@ pub trait Clock: Send + Sync + std::fmt::Debug {
             since_boot_ms: u64::try_from(self.since_boot().as_millis()).unwrap_or(u64::MAX),
         })
     }
+    /// Waits until `since_boot` reaches `at`: the engine loop's timer for the engine's next
+    /// deadline, on this clock (a test's clock moves only when the test moves it).
+    fn sleep_until_boot(&self, at: Duration) -> BoxSleep<'_> {
+        Box::pin(async move {
+            loop {
+                let left = at.saturating_sub(self.since_boot());
+                if left.is_zero() {
+                    return;
+                }
+                // Tokio's timers run on CLOCK_MONOTONIC, which stands still during a suspend
+                // while this clock runs on: a wake-up after one finds the time left shorter.
+                tokio::time::sleep(left).await;
+            }
+        })
+    }
 }
+
+/// What [`Clock::sleep_until_boot`] returns.
+pub type BoxSleep<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + 'a>>;
 
 /// Where the kernel says which boot this is; a new random id at every boot.
 pub const KERNEL_BOOT_ID: &str = "/proc/sys/kernel/random/boot_id";
@@ -238,7 +256,10 @@ pub struct EngineLoop {
     pub metrics: Arc<Metrics>,
     pub clock: Arc<dyn Clock>,
     pub heartbeat: Arc<Heartbeat>,
-    pub tick: Duration,
+    /// How often the loop beats ([`Heartbeat`], what `/healthz` and the record's heartbeat
+    /// read) when nothing else wakes it. The engine itself is ticked only at its next deadline
+    /// ([`Engine::next_deadline`]), never on this beat.
+    pub liveness: Duration,
     /// Engine events for the Kubernetes Event sink (Kubernetes mode only). Never blocks: when
     /// the sink is far behind, events are dropped and counted.
     pub events: Option<mpsc::Sender<EngineEvent>>,
@@ -260,6 +281,27 @@ struct Replay {
     /// A change since the last snapshot that a restart would not make again.
     unreplayed: bool,
 }
+
+/// Whether applying `input` can bring the engine's next deadline forward even when it causes no
+/// event: anything but a repeat of a fault (which only moves deadlines later) and the loop's
+/// own bookkeeping. See [`Engine::next_deadline`].
+fn moves_deadline(input: &Input) -> bool {
+    match input {
+        Input::Obs(Observation::Signal(_))
+        | Input::Kmsg {
+            obs: Observation::Signal(_),
+            ..
+        }
+        | Input::Marker(_)
+        | Input::KmsgCursor(_)
+        | Input::KmsgReplays(_) => false,
+        Input::Obs(_) | Input::Kmsg { .. } | Input::Clear { .. } => true,
+    }
+}
+
+/// How often an idle engine loop beats: three beats within the [`crate::http::STALE_MS`] that
+/// `/healthz` allows, as the record's heartbeat fits three in its readers' 30 s.
+pub const LIVENESS: Duration = Duration::from_millis(crate::http::STALE_MS as u64 / 3);
 
 /// Most inputs applied before a snapshot is published.
 const BATCH: usize = 4096;
@@ -285,8 +327,6 @@ impl EngineLoop {
         let mut replay = Replay::default();
         // The newest snapshot with a change a restart would not make again.
         let mut save_first = 0u64;
-        let mut tick = tokio::time::interval(self.tick);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut loaded = self.policy.borrow_and_update().clone();
         // What was restored was classified under the policy of the run that saved it: it is
         // classified again under the policy in force, as a reload does. Not while a policy file
@@ -307,7 +347,25 @@ impl EngineLoop {
         let mut last_publish = tokio::time::Instant::now();
         // A count-only change waits for `last_publish + PUBLISH_EVERY`.
         let mut pending = false;
+        // When time alone next changes the engine, as time since boot; computed again only
+        // after what can bring it forward (see `moves_deadline`).
+        let mut deadline: Option<Duration> = None;
+        let mut replan = true;
+        let clock = self.clock.clone();
+        // The first pass publishes what was restored at once, whatever else happens.
+        let mut first = true;
         loop {
+            if replan {
+                deadline = self.next_deadline(&loaded);
+                replan = false;
+            }
+            let (next, clock) = (deadline, &clock);
+            let due = async move {
+                match next {
+                    Some(at) => clock.sleep_until_boot(at).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 biased;
                 _ = self.shutdown.cancelled() => break,
@@ -330,10 +388,12 @@ impl EngineLoop {
                     if let Some((state, reason)) = detector {
                         let name = crate::sink::file::RECORD_DETECTOR.into();
                         let obs = Observation::Detector { name, state, reason };
+                        replan = true;
                         urgent |= self.apply(&loaded, Input::Obs(obs), &mut replay);
                     }
                 }
                 Ok(()) = self.policy.changed() => {
+                    replan = true;
                     let next = self.policy.borrow_and_update().clone();
                     let policy_changed = next.policy != loaded.policy;
                     loaded = next;
@@ -348,19 +408,33 @@ impl EngineLoop {
                 }
                 input = self.inputs.recv() => {
                     let Some(first) = input else { break };
-                    urgent |= self.apply(&loaded, first, &mut replay);
+                    replan |= moves_deadline(&first);
+                    let eventful = self.apply(&loaded, first, &mut replay);
+                    replan |= eventful;
+                    urgent |= eventful;
                     let mut n = 1;
                     while n < BATCH {
                         match self.inputs.try_recv() {
-                            Ok(i) => { urgent |= self.apply(&loaded, i, &mut replay); n += 1; }
+                            Ok(i) => {
+                                replan |= moves_deadline(&i);
+                                let eventful = self.apply(&loaded, i, &mut replay);
+                                replan |= eventful;
+                                urgent |= eventful;
+                                n += 1;
+                            }
                             Err(_) => break,
                         }
                     }
                 }
-                _ = tick.tick() => {
+                () = due => {
+                    replan = true;
                     urgent |= self.apply(&loaded, Input::Obs(Observation::Tick), &mut replay);
                 }
+                // Nothing else happened for a while: beat (below) and look at the wall clock.
+                () = tokio::time::sleep(self.liveness) => {}
+                () = std::future::ready(()), if first => {}
             }
+            first = false;
             self.heartbeat.beat(&*self.clock);
             // A wall-clock step moves the faults' dates: publish them even if nothing else
             // changed, and save the offset for the next boot's timeline.
@@ -520,6 +594,16 @@ impl EngineLoop {
             code: crate::metrics::code_label(code, policy.defines(&self.catalog, code)),
             device: crate::metrics::device_label(code, device, self.engine.in_inventory(device)),
         }
+    }
+
+    /// When the engine next needs a tick ([`Engine::next_deadline`]), as time since boot.
+    fn next_deadline(&self, loaded: &LoadedPolicy) -> Option<Duration> {
+        let at = self
+            .engine
+            .next_deadline(&loaded.policy, self.engine_now())?;
+        // The timeline's time is its anchor plus the time since boot; before boot is now.
+        let since_boot = faultline_core::time::since(at, self.timeline.anchor);
+        Some(Duration::try_from(since_boot).unwrap_or(Duration::ZERO))
     }
 
     /// The engine's time: on the boot's timeline, unmoved by wall-clock steps.
@@ -794,8 +878,29 @@ recovery:
             Rig::restored(Engine::default(), AppliedClears::default(), loaded(POLICY))
         }
 
+        /// [`Rig::start`], beating every `liveness` when idle (as the agent does).
+        fn with_liveness(liveness: Duration) -> Rig {
+            Rig::with(
+                Engine::default(),
+                AppliedClears::default(),
+                loaded(POLICY),
+                liveness,
+            )
+        }
+
         /// The loop on a restored engine and clear memory, under `policy`.
         fn restored(engine: Engine, clears: AppliedClears, policy: LoadedPolicy) -> Rig {
+            // Beats do not matter here; the engine is ticked at its deadlines, on the fake
+            // clock, and by the test (`Rig::tick`) at the times it chooses.
+            Rig::with(engine, clears, policy, Duration::from_secs(3600))
+        }
+
+        fn with(
+            engine: Engine,
+            clears: AppliedClears,
+            policy: LoadedPolicy,
+            liveness: Duration,
+        ) -> Rig {
             let clock = Arc::new(FakeClock::new(1_790_000_000_000, 600_000));
             let (policy_tx, policy) = watch::channel(policy);
             let (results_tx, results) = mpsc::unbounded_channel();
@@ -820,8 +925,7 @@ recovery:
                 metrics: metrics.clone(),
                 clock: clock.clone(),
                 heartbeat: Arc::new(Heartbeat::default()),
-                // Ticks are sent by the test, at the times it chooses.
-                tick: Duration::from_secs(3600),
+                liveness,
                 events: None,
                 sink_report: watch::channel(SinkReport::default()).1,
                 record_writer: watch::channel(crate::sink::file::RecordStatus::Written).1,
@@ -1291,6 +1395,47 @@ recovery:
         assert_eq!(saved.wall_offset_ms, 3_600_000);
     }
 
+    /// Issue 27 §2: an idle engine loop applies nothing; the engine is ticked at its deadline
+    /// (here a 10-minute quiet time), on the injected clock, whichever way the wall clock was
+    /// stepped meanwhile. Before, the loop ticked the engine every second whatever it held:
+    /// 60 inputs a minute on an idle node.
+    #[tokio::test(start_paused = true)]
+    async fn the_engine_is_ticked_at_its_deadline_only() {
+        for step in STEPS {
+            let mut r = Rig::with_liveness(LIVENESS);
+            let loss = || signal(FaultCode::named("KMSG_LOSS"), Source::Kmsg);
+            r.apply(Some(loss())).await;
+            let inputs = r.metrics.engine_inputs.get();
+            // Ten minutes pass on tokio's clock: beats only (the fake clock has not moved).
+            tokio::time::sleep(Duration::from_secs(600)).await;
+            assert_eq!(r.metrics.engine_inputs.get(), inputs, "step {step}: idle");
+            r.clock.step_wall(step);
+            r.clock.advance(Duration::from_secs(599));
+            tokio::time::sleep(LIVENESS * 2).await;
+            assert_eq!(
+                r.metrics.engine_inputs.get(),
+                inputs,
+                "step {step}: 1 s before the deadline"
+            );
+            let snap = r.snaps.borrow().clone().unwrap();
+            assert_eq!(handling(&snap, "KMSG_LOSS").map(|h| h.1), Some(true));
+            // At the deadline: one tick, sent by nobody but the loop's timer.
+            r.clock.advance(Duration::from_secs(1));
+            let quiet = |s: &Option<Snapshot>| {
+                s.as_ref()
+                    .is_some_and(|s| handling(s, "KMSG_LOSS").map(|h| h.1) == Some(false))
+            };
+            tokio::time::timeout(Duration::from_secs(3600), r.snaps.wait_for(quiet))
+                .await
+                .expect("recovered at the deadline")
+                .unwrap();
+            assert_eq!(r.metrics.engine_inputs.get(), inputs + 1, "step {step}");
+            // Nothing timed is left but the history's end (the policy's default retention).
+            tokio::time::sleep(Duration::from_secs(600)).await;
+            assert_eq!(r.metrics.engine_inputs.get(), inputs + 1, "step {step}");
+        }
+    }
+
     /// `/healthz`'s age is measured since boot: a wall-clock step neither makes a beating
     /// engine look dead nor a dead one alive.
     #[test]
@@ -1557,6 +1702,8 @@ pub(crate) mod testing {
         wall_ms: AtomicI64,
         boot_ms: AtomicU64,
         boot_id: std::sync::Mutex<Option<String>>,
+        /// Wakes the sleepers of `sleep_until_boot` when the time since boot moves.
+        moved: tokio::sync::Notify,
     }
 
     impl Clock for FakeClock {
@@ -1569,6 +1716,20 @@ pub(crate) mod testing {
         fn boot_id(&self) -> Option<String> {
             self.boot_id.lock().unwrap().clone()
         }
+        /// Wakes when the test has moved the time since boot to `at`; never on tokio's clock.
+        fn sleep_until_boot(&self, at: Duration) -> BoxSleep<'_> {
+            Box::pin(async move {
+                loop {
+                    let moved = self.moved.notified();
+                    tokio::pin!(moved);
+                    moved.as_mut().enable();
+                    if self.since_boot() >= at {
+                        return;
+                    }
+                    moved.await;
+                }
+            })
+        }
     }
 
     impl FakeClock {
@@ -1578,6 +1739,7 @@ pub(crate) mod testing {
                 wall_ms: AtomicI64::new(wall_ms),
                 boot_ms: AtomicU64::new(boot_ms),
                 boot_id: std::sync::Mutex::new(Some("boot-1".into())),
+                moved: tokio::sync::Notify::new(),
             }
         }
         /// Real time passing: both clocks move.
@@ -1585,6 +1747,7 @@ pub(crate) mod testing {
             let ms = d.as_millis() as u64;
             self.boot_ms.fetch_add(ms, Ordering::SeqCst);
             self.wall_ms.fetch_add(ms as i64, Ordering::SeqCst);
+            self.moved.notify_waiters();
         }
         /// A wall-clock step (NTP, `date -s`): only the wall clock moves.
         pub(crate) fn step_wall(&self, secs: i64) {
@@ -1594,6 +1757,7 @@ pub(crate) mod testing {
         pub(crate) fn reboot(&self, boot_id: Option<&str>, boot_ms: u64) {
             *self.boot_id.lock().unwrap() = boot_id.map(str::to_string);
             self.boot_ms.store(boot_ms, Ordering::SeqCst);
+            self.moved.notify_waiters();
         }
     }
 }

@@ -280,8 +280,10 @@ impl Agent {
             metrics: Arc::new(Metrics::new()),
             clock: clock.clone(),
             heartbeat: Arc::new(Heartbeat::default()),
-            // The harness sends the ticks, at timeline times.
-            tick: Duration::from_secs(365 * 24 * 3600),
+            // The harness sends the ticks, at timeline times. The loop's own, at the engine's
+            // deadlines, wait on this clock's real-time sleep: one comes only when a deadline is
+            // already due at the clock's time, the same tick the harness sends. No beat.
+            liveness: Duration::from_secs(365 * 24 * 3600),
             events: None,
             sink_report: watch::channel(SinkReport::default()).1,
             record_writer: watch::channel(RecordStatus::Written).1,

@@ -44,6 +44,11 @@ fn main() -> std::process::ExitCode {
     faultline_agent::cli::init_tracing(&cli.log_format);
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
+        // The file sink's heartbeat writes on a blocking thread every 10 s; with tokio's default
+        // keep-alive (10 s) that thread had just exited each time, and an idle agent started a
+        // new one every heartbeat (5 a minute: strace, issue 27 §2). A parked thread costs
+        // nothing while it waits.
+        .thread_keep_alive(std::time::Duration::from_secs(60))
         .thread_name("faultline")
         .enable_all()
         .build()

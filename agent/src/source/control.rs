@@ -17,7 +17,16 @@
 //!
 //! A request that fails any of this is renamed to `*.rejected` and the reason logged (the CLI
 //! reports the rejection). A request that cannot be read for a passing reason (out of memory or
-//! descriptors) stays and is read again at the next tick.
+//! descriptors) stays and is read again after the retry interval (1 s).
+//!
+//! Watched, not polled: the directory is read when inotify says it changed (a request written,
+//! renamed into it, removed), never on a timer while nothing happens. The watch is on the
+//! directory `clear.d` is now: when it goes (removed, renamed, replaced by the CLI's
+//! `create_dir_all`) the state directory is watched until it is back, and a new `clear.d` is
+//! watched anew and read. Whatever inotify reports that is not a plain change (a queue
+//! overflow, an error) makes a full read, which is what every wake-up does anyway. Without
+//! inotify (its instances used up on the node) the directory is read every retry interval, as
+//! it was before. The checks above are the same: inotify only says when to read.
 //!
 //! Once: every request read is remembered by its file's identity ([`FileId`]: device, inode,
 //! modification time) before it is acted on, and a file with a remembered identity is never
@@ -321,6 +330,15 @@ impl RequestDir {
         Ok(())
     }
 
+    /// The directory's identity (device, inode): a directory put in its place has another.
+    // The field types of `stat` differ between architectures; these casts widen or keep them.
+    #[allow(clippy::unnecessary_cast)]
+    fn identity(&self) -> Option<(u64, u64)> {
+        rustix::fs::fstat(&self.fd)
+            .ok()
+            .map(|st| (st.st_dev as u64, st.st_ino as u64))
+    }
+
     fn names(&self) -> std::io::Result<Vec<String>> {
         let mut out = Vec::new();
         for entry in rustix::fs::Dir::read_from(&self.fd)? {
@@ -461,13 +479,20 @@ impl RequestDir {
     /// too. A file in `done` is skipped; every file acted on is added to it before it is
     /// returned, and `done` forgets files no longer in the directory. Oldest name first.
     pub fn take(&self, done: &mut Done) -> Vec<Pending> {
+        self.scan(done).0
+    }
+
+    /// [`RequestDir::take`], and whether something could not be read for a passing reason (the
+    /// directory is read again after the retry interval: no inotify event says when).
+    fn scan(&self, done: &mut Done) -> (Vec<Pending>, bool) {
         let names = match self.names() {
             Ok(n) => n,
             Err(e) => {
                 warn!(dir = %self.path.display(), error = %e, "cannot list clear requests");
-                return Vec::new();
+                return (Vec::new(), true);
             }
         };
+        let mut passing = false;
         let mut present = HashSet::new();
         let mut out = Vec::new();
         for name in names {
@@ -508,6 +533,7 @@ impl RequestDir {
                 }
                 Err(e @ RequestError::Io(_)) => {
                     warn!(dir = %self.path.display(), name, error = %e, "cannot read a clear request now; trying again");
+                    passing = true;
                 }
                 Err(e) => {
                     warn!(dir = %self.path.display(), name, error = %e, "rejected a clear request");
@@ -524,7 +550,7 @@ impl RequestDir {
             }
         }
         done.0.retain(|id| present.contains(id));
-        out
+        (out, passing)
     }
 }
 
@@ -586,27 +612,157 @@ pub fn is_rejected(dir: &Path, name: &str) -> bool {
     dir.join(rejected_name(name)).exists()
 }
 
-/// Polls the request directory until shutdown. `results` are the engine loop's reports on the
-/// requests sent to it; `persisted` is the highest marker the file sink has written to disk.
+/// How long after a change in the directory it is read (see [`run`]).
+const SETTLE: Duration = Duration::from_millis(100);
+
+/// What the inotify watch is on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Watched {
+    Nothing,
+    /// `clear.d`, the directory of this identity.
+    Dir((u64, u64)),
+    /// The state directory, while `clear.d` cannot be opened: its coming back is seen.
+    Parent,
+}
+
+/// Wakes the request loop when the request directory changes ([`run`]).
+struct DirWatch {
+    /// `None`: inotify could not be used; the directory is read every retry interval.
+    watcher: Option<notify::RecommendedWatcher>,
+    watched: Watched,
+    /// Set when the request directory itself changed (removed, renamed, created): the watch is
+    /// set again even when the directory found has the same identity (a new directory can get
+    /// the inode number of the one just removed, whose watch the kernel has ended).
+    moved: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    dir: PathBuf,
+    parent: PathBuf,
+}
+
+impl DirWatch {
+    /// A watcher that wakes `wake` on any change in `dir` or of `dir` itself, and on anything
+    /// inotify reports that is not a plain change (an overflow, an error): a full read follows
+    /// each wake-up, so nothing it could have missed stays unread.
+    fn new(dir: &Path, wake: std::sync::Arc<tokio::sync::Notify>) -> DirWatch {
+        let inside = dir.to_path_buf();
+        let moved = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let moved_tx = moved.clone();
+        let watcher = notify::recommended_watcher(move |e: notify::Result<notify::Event>| {
+            // The state directory's own files (the record rewritten every heartbeat) are not
+            // requests: only paths in (or of) the request directory wake the loop; and not
+            // opens and reads (the loop's own reads of the directory would wake it again).
+            let wanted = match &e {
+                Ok(e) => {
+                    e.need_rescan()
+                        || (super::policy_watch::is_change(&e.kind)
+                            && e.paths.iter().any(|p| p.starts_with(&inside)))
+                }
+                Err(_) => true,
+            };
+            if let Ok(e) = &e {
+                if super::policy_watch::is_change(&e.kind) && e.paths.contains(&inside) {
+                    moved_tx.store(true, std::sync::atomic::Ordering::SeqCst);
+                }
+            }
+            if wanted {
+                wake.notify_one();
+            }
+        });
+        let watcher = match watcher {
+            Ok(w) => Some(w),
+            Err(e) => {
+                warn!(dir = %dir.display(), error = %e, "cannot watch the clear request directory (inotify); reading it every second instead");
+                None
+            }
+        };
+        DirWatch {
+            watcher,
+            watched: Watched::Nothing,
+            moved,
+            dir: dir.to_path_buf(),
+            parent: dir.parent().map(Path::to_path_buf).unwrap_or_default(),
+        }
+    }
+
+    /// Watches what the last read found: `clear.d` of identity `id`, or (`None`: it could not
+    /// be opened) the state directory. True when the watch moved: what changed before it was
+    /// in place is read again.
+    fn follow(&mut self, id: Option<(u64, u64)>) -> bool {
+        use notify::{RecursiveMode, Watcher};
+        let want = id.map_or(Watched::Parent, Watched::Dir);
+        let Some(w) = self.watcher.as_mut() else {
+            return false;
+        };
+        let moved = self.moved.swap(false, std::sync::atomic::Ordering::SeqCst);
+        if want == self.watched && !moved {
+            return false;
+        }
+        // The old watch may be gone already (its directory removed): nothing to undo then.
+        match self.watched {
+            Watched::Dir(_) => drop(w.unwatch(&self.dir)),
+            Watched::Parent => drop(w.unwatch(&self.parent)),
+            Watched::Nothing => {}
+        }
+        let path = match want {
+            Watched::Parent => &self.parent,
+            _ => &self.dir,
+        };
+        match w.watch(path, RecursiveMode::NonRecursive) {
+            Ok(()) => self.watched = want,
+            Err(e) => {
+                warn!(dir = %path.display(), error = %e, "cannot watch the clear request directory (inotify); reading it every second until it can be");
+                self.watched = Watched::Nothing;
+            }
+        }
+        true
+    }
+
+    /// Whether changes are seen without reading the directory on a timer.
+    fn watching(&self) -> bool {
+        self.watcher.is_some() && self.watched != Watched::Nothing
+    }
+}
+
+impl std::fmt::Debug for DirWatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirWatch")
+            .field("watched", &self.watched)
+            .field("dir", &self.dir)
+            .finish()
+    }
+}
+
+/// Reads the request directory whenever it changes, until shutdown. `results` are the engine
+/// loop's reports on the requests sent to it; `persisted` is the highest marker the file sink
+/// has written to disk. `retry`: how soon a read that met a passing failure is tried again
+/// (and how often the directory is read when inotify cannot be used).
 pub async fn run(
     state_dir: PathBuf,
     ctx: SourceContext,
     mut persisted: watch::Receiver<u64>,
     mut results: mpsc::UnboundedReceiver<ClearApplied>,
-    every: Duration,
+    retry: Duration,
 ) {
     let dir = state_dir.join(CLEAR_DIR);
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let wake = std::sync::Arc::new(tokio::sync::Notify::new());
+    let mut watch = DirWatch::new(&dir, wake.clone());
+    // The first read, at once.
+    wake.notify_one();
+    let mut again: Option<tokio::time::Instant> = None;
     let mut done = Done::default();
     // Sent to the engine loop, waiting for its report and for their marker to reach the disk.
     let mut awaiting: Vec<(Pending, u64, Option<ClearResult>)> = Vec::new();
     let mut marker = 0u64;
     let mut rd: Option<RequestDir> = None;
     loop {
+        let retry_at = again.unwrap_or_else(tokio::time::Instant::now);
         tokio::select! {
             _ = ctx.shutdown.cancelled() => return,
-            _ = tick.tick() => {}
+            () = wake.notified() => {
+                // A request written in place (not renamed in) is created before it is written:
+                // its writer gets this long to finish before it is read.
+                tokio::time::sleep(SETTLE).await;
+            }
+            () = tokio::time::sleep_until(retry_at), if again.is_some() => {}
             Ok(()) = persisted.changed(), if !awaiting.is_empty() => {}
         }
         // A report is sent before the snapshot that carries its marker: every request whose
@@ -630,26 +786,34 @@ pub async fn run(
         let d = dir.clone();
         let mut remembered = std::mem::take(&mut done);
         let taken = tokio::task::spawn_blocking(move || {
-            let opened = RequestDir::open(&d).map(|rd| (rd.take(&mut remembered), rd));
+            let opened = RequestDir::open(&d).map(|rd| (rd.scan(&mut remembered), rd));
             (opened, remembered)
         })
         .await;
         // A panicked task (it cannot, short of a bug) loses what it remembered, not the loop.
         let Ok((opened, remembered)) = taken else {
+            again = Some(tokio::time::Instant::now() + retry);
             continue;
         };
         done = remembered;
-        let requests = match opened {
-            Ok((requests, opened)) => {
+        let (requests, passing, id) = match opened {
+            Ok(((requests, passing), opened)) => {
+                let id = opened.identity();
                 rd = Some(opened);
-                requests
+                (requests, passing, id)
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            // Not there (yet): its creation is seen in the state directory.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => (Vec::new(), false, None),
             Err(e) => {
                 warn!(dir = %dir.display(), error = %e, "cannot open the clear request directory (a symlink or not a directory is refused)");
-                continue;
+                (Vec::new(), true, None)
             }
         };
+        if watch.follow(id) {
+            wake.notify_one();
+        }
+        let retry_after = passing || !watch.watching();
+        again = retry_after.then(|| tokio::time::Instant::now() + retry);
         for p in requests {
             info!(code = ?p.request.code, device = ?p.request.device, request = p.name, "operator clear");
             marker += 1;
@@ -958,6 +1122,21 @@ mod tests {
         mpsc::UnboundedSender<ClearApplied>,
         watch::Sender<u64>,
     ) {
+        start_with(state, Duration::from_millis(10))
+    }
+
+    /// [`start`] with the retry interval `retry`.
+    #[allow(clippy::type_complexity)]
+    fn start_with(
+        state: &Path,
+        retry: Duration,
+    ) -> (
+        SourceContext,
+        tokio::task::JoinHandle<()>,
+        tokio::sync::mpsc::Receiver<Input>,
+        mpsc::UnboundedSender<ClearApplied>,
+        watch::Sender<u64>,
+    ) {
         let (ctx, rx) = ctx();
         let (persist_tx, persist_rx) = watch::channel(0u64);
         let (report_tx, report_rx) = mpsc::unbounded_channel();
@@ -966,7 +1145,7 @@ mod tests {
             ctx.clone(),
             persist_rx,
             report_rx,
-            Duration::from_millis(10),
+            retry,
         ));
         (ctx, task, rx, report_tx, persist_tx)
     }
@@ -1078,6 +1257,69 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+        ctx.shutdown.cancel();
+        task.await.unwrap();
+    }
+
+    /// A request as the CLI writes it: a temporary file renamed into place.
+    fn drop_request(dir: &Path, name: &str, body: &[u8]) {
+        let tmp = dir.join(format!(".faultline-tmp-{name}"));
+        std::fs::write(&tmp, body).unwrap();
+        std::fs::rename(&tmp, dir.join(name)).unwrap();
+    }
+
+    /// The next clear, failing the test if none comes within a minute (a guard against a hang,
+    /// not a measurement: the source reacts within its 100 ms settle).
+    async fn soon(rx: &mut tokio::sync::mpsc::Receiver<Input>, what: &str) -> Option<String> {
+        let next = tokio::time::timeout(Duration::from_secs(60), next_clear(rx));
+        next.await.unwrap_or_else(|_| panic!("{what}: not read")).0
+    }
+
+    /// Issue 27 §2: a request is read when it arrives, not at the next poll: with a retry
+    /// interval of an hour, requests dropped in one after the other (renamed in, as the CLI
+    /// does, and written in place by hand) are each read. Before, the directory was read on a
+    /// timer only (every second in the agent), so this waited an hour.
+    #[tokio::test]
+    async fn a_request_is_read_when_it_arrives() {
+        let state = tempfile::tempdir().unwrap();
+        let d = state.path().join(CLEAR_DIR);
+        std::fs::create_dir(&d).unwrap();
+        let (ctx, task, mut rx, _reports, _persist) =
+            start_with(state.path(), Duration::from_secs(3600));
+        drop_request(&d, "1.json", br#"{"code":"Xid79"}"#);
+        assert_eq!(soon(&mut rx, "renamed in").await.as_deref(), Some("Xid79"));
+        write(&d, "2.json", br#"{"code":"Xid48"}"#);
+        assert_eq!(
+            soon(&mut rx, "written in place").await.as_deref(),
+            Some("Xid48")
+        );
+        ctx.shutdown.cancel();
+        task.await.unwrap();
+    }
+
+    /// The watch follows the directory: one missing at start is read once it is created, and
+    /// one removed and created again (as `faultline clear` does with `create_dir_all`) is
+    /// watched anew.
+    #[tokio::test]
+    async fn a_request_directory_created_or_replaced_is_watched_anew() {
+        let state = tempfile::tempdir().unwrap();
+        let d = state.path().join(CLEAR_DIR);
+        let (ctx, task, mut rx, _reports, _persist) =
+            start_with(state.path(), Duration::from_secs(3600));
+        // The record beside it changes every heartbeat: not a reason to read the directory.
+        std::fs::write(state.path().join("faults.json"), b"{}").unwrap();
+        std::fs::create_dir(&d).unwrap();
+        drop_request(&d, "1.json", br#"{"code":"Xid79"}"#);
+        assert_eq!(soon(&mut rx, "created").await.as_deref(), Some("Xid79"));
+        std::fs::remove_dir_all(&d).unwrap();
+        std::fs::create_dir(&d).unwrap();
+        drop_request(&d, "2.json", br#"{"code":"Xid48"}"#);
+        assert_eq!(soon(&mut rx, "replaced").await.as_deref(), Some("Xid48"));
+        // Renamed away and another put in its place.
+        std::fs::rename(&d, state.path().join("old")).unwrap();
+        std::fs::create_dir(&d).unwrap();
+        drop_request(&d, "3.json", br#"{"code":"Xid95"}"#);
+        assert_eq!(soon(&mut rx, "renamed").await.as_deref(), Some("Xid95"));
         ctx.shutdown.cancel();
         task.await.unwrap();
     }

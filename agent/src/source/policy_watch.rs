@@ -171,7 +171,7 @@ fn read_and_parse(
 /// Whether a notify event can mean a changed file. The watcher's own reads fire open and
 /// close-without-write events on the directory; answering them with a read made it reload an
 /// unchanged policy about ten times a second, for ever.
-fn is_change(kind: &EventKind) -> bool {
+pub(crate) fn is_change(kind: &EventKind) -> bool {
     match kind {
         EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
         EventKind::Access(_) => false,

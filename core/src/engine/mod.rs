@@ -11,7 +11,8 @@
 //!
 //! This module holds the types and the observation handlers (`step`); `identity` resolves
 //! devices to fault keys, `escalation` raises levels by rule, `recovery` ends faults and prunes
-//! history, `view` derives the verdict and the desired node state.
+//! history, `view` derives the verdict and the desired node state, `deadline` says when time
+//! alone can next change the engine (when the agent must tick it).
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
@@ -29,6 +30,7 @@ use escalation::{escalate, sticky};
 use recovery::{recover, resolve};
 
 mod caps;
+mod deadline;
 mod escalation;
 mod identity;
 mod recovery;

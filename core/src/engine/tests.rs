@@ -656,7 +656,7 @@ fn state_round_trips_through_json() {
 
 // ---- properties ----
 
-fn arb_obs() -> impl Strategy<Value = (i64, Observation)> {
+pub(super) fn arb_obs() -> impl Strategy<Value = (i64, Observation)> {
     let gpu = prop::sample::select(vec!["0000:3b:00.0", "0000:86:00.0", "0001:c5:00.0"]);
     let xids = prop::sample::select(vec![13u32, 31, 43, 48, 63, 74, 79, 95, 119, 99_999]);
     let codes = prop::sample::select(vec![
