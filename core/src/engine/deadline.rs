@@ -11,7 +11,7 @@ use jiff::Timestamp;
 use super::escalation::sticky;
 use super::{Engine, FaultState};
 use crate::policy::Policy;
-use crate::time::{signed, since};
+use crate::time::signed;
 
 impl Engine {
     /// The earliest time at or after which a `Tick` can change the engine, given that it is
@@ -68,37 +68,13 @@ impl Engine {
     }
 }
 
-/// When an escalation rule that would raise `f` (active) can next hit: a duration rule when the
-/// fault has lasted its duration; a frequency rule only now (time passing only takes
-/// occurrences out of its window, so one that does not hit now never will by itself).
+/// When an escalation rule that would raise `f` (active) can next hit
+/// ([`super::escalation::rule_due`], the rule's one reading).
 fn escalation_due(policy: &Policy, f: &FaultState, now: Timestamp) -> Option<Timestamp> {
-    let mut next: Option<Timestamp> = None;
-    for r in policy.escalation_rules() {
-        if r.handling <= f.fault.fault_handling || !r.codes.contains(&f.fault.fault_code) {
-            continue;
-        }
-        let due = match (r.count, r.window, r.duration) {
-            (Some(n), Some(w), _) => {
-                let w = signed(w);
-                let recent = f
-                    .occurrences
-                    .iter()
-                    .filter(|t| since(now, **t) <= w)
-                    .count();
-                (recent >= n as usize).then_some(now)
-            }
-            (_, _, Some(d)) => match f.resolving_since {
-                // The clock stopped when the condition went: it hits now or never.
-                Some(until) => (since(until, f.active_since) >= signed(d)).then_some(now),
-                None => f.active_since.checked_add(signed(d)).ok(),
-            },
-            _ => None,
-        };
-        if let Some(t) = due {
-            next = Some(next.map_or(t, |n| n.min(t)));
-        }
-    }
-    next
+    policy
+        .escalation_rules()
+        .filter_map(|r| super::escalation::rule_due(r, f, now))
+        .min()
 }
 
 #[cfg(test)]
