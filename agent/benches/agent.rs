@@ -12,10 +12,17 @@
 //!   (kernel log FIFO, parser, engine loop, snapshots, file sink), the three from one run;
 //! - idle: RSS (resident, anonymous and file-backed apart) and CPU of the agent over 60 s with
 //!   nothing happening, then again after a burst of faults has paged in the code that handles
-//!   them.
+//!   them;
+//! - loss (named only: needs root, sets `kernel.printk_devkmsg=on` for the run and fills this
+//!   machine's kernel log): records written to the real `/dev/kmsg` at 20,000 a second while
+//!   two busy processes per core compete for the CPU; records lost (overwritten in the ring
+//!   before they were read) by the agent and by a plain reader of `/dev/kmsg` in the same run.
 //!
-//! `cargo bench -p faultline-agent --bench agent [-- latency|storm|standing|idle] [--events N]
-//!  [--idle-secs S] [--standing-lines N]`
+//! `FAULTLINE_BENCH_AGENT=PATH` measures another build of the agent (before and after).
+//!
+//! `cargo bench -p faultline-agent --bench agent [-- latency|storm|standing|idle|loss]
+//!  [--events N] [--idle-secs S] [--standing-lines N] [--loss-records N] [--loss-rate N]
+//!  [--loss-runs N]`
 
 #![allow(clippy::unwrap_used)] // benchmark harness: a panic is the failure report
 
@@ -79,7 +86,7 @@ impl Agent {
 
     fn spawn(run: &Path, log: &Path, disk: &Path, extra: &[&str]) -> Child {
         std::fs::write(run.join("boot_id"), "bench\n").unwrap();
-        Command::new(env!("CARGO_BIN_EXE_faultline-agent"))
+        Command::new(agent_binary())
             .arg("--kmsg-path")
             .arg(log)
             .arg("--state-dir")
@@ -140,15 +147,29 @@ impl Agent {
 
     /// utime + stime in clock ticks.
     fn cpu_ticks(&self) -> u64 {
-        let s = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).unwrap();
-        let after = &s[s.rfind(')').unwrap() + 2..];
-        let f: Vec<&str> = after.split_whitespace().collect();
-        f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+        cpu_ticks(self.child.id())
     }
 
     fn write(&mut self, bytes: &[u8]) {
         self.fifo.write_all(bytes).unwrap();
     }
+}
+
+/// The agent binary measured: this build's, or `FAULTLINE_BENCH_AGENT` (another build, for a
+/// before-and-after table from the same bench).
+fn agent_binary() -> PathBuf {
+    std::env::var_os("FAULTLINE_BENCH_AGENT").map_or_else(
+        || env!("CARGO_BIN_EXE_faultline-agent").into(),
+        PathBuf::from,
+    )
+}
+
+/// utime + stime of process `pid` in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &s[s.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = after.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
 }
 
 impl Drop for Agent {
@@ -478,14 +499,228 @@ fn idle(secs: u64) {
         mib(after[0]),
         mib(after[1]),
         mib(after[2]),
-        std::fs::metadata(env!("CARGO_BIN_EXE_faultline-agent"))
+        std::fs::metadata(agent_binary())
             .map(|m| m.len() as f64 / 1048576.0)
             .unwrap_or(0.0)
     );
 }
 
+/// The marker of the records `loss` writes, and of its last one.
+const LOSS_TAG: &str = "faultline-bench-load:";
+const LOSS_END: &str = "faultline-bench-load: end";
+
+/// The floor of `loss`: reads `/dev/kmsg` from its end one record per `read()` and counts the
+/// records it never saw (the sequence gaps after an overrun) until the bench's end record, then
+/// writes that count and its own CPU ticks to `out`. Nothing else: no parsing beyond the sequence number.
+fn plain_kmsg(out: &Path) {
+    use std::io::{Read, Seek, SeekFrom};
+    let mut f = std::fs::File::open("/dev/kmsg").expect("open /dev/kmsg");
+    f.seek(SeekFrom::End(0)).expect("seek to the end");
+    std::fs::write(out.with_extension("ready"), b"").unwrap();
+    let mut buf = vec![0u8; 16 * 1024];
+    let (mut last, mut lost) = (None::<u64>, 0u64);
+    loop {
+        let n = match f.read(&mut buf) {
+            Ok(n) => n,
+            Err(e) if e.raw_os_error() == Some(32) => continue, // EPIPE: overrun
+            Err(e) => panic!("read /dev/kmsg: {e}"),
+        };
+        let rec = &buf[..n];
+        let seq: u64 = std::str::from_utf8(rec)
+            .ok()
+            .and_then(|r| r.split(',').nth(1))
+            .and_then(|s| s.parse().ok())
+            .expect("a record's sequence number");
+        if let Some(l) = last {
+            lost += seq.saturating_sub(l + 1);
+        }
+        last = Some(seq);
+        if rec
+            .windows(LOSS_END.len())
+            .any(|w| w == LOSS_END.as_bytes())
+        {
+            let cpu = cpu_ticks(std::process::id());
+            std::fs::write(out, format!("{lost} {cpu}")).unwrap();
+            return;
+        }
+    }
+}
+
+/// One busy process of `loss`'s load.
+fn spin() {
+    let mut x = 0u64;
+    loop {
+        x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
+    }
+}
+
+/// Restores `kernel.printk_devkmsg` when `loss` ends, however it ends.
+struct Devkmsg(String);
+
+impl Devkmsg {
+    const PATH: &'static str = "/proc/sys/kernel/printk_devkmsg";
+
+    /// `on`: user-space writes to `/dev/kmsg` are not rate-limited (the default, `ratelimit`,
+    /// lets 10 through per 5 s). None where this process may not change it.
+    fn on() -> Option<Devkmsg> {
+        let old = std::fs::read_to_string(Self::PATH).ok()?;
+        std::fs::write(Self::PATH, "on\n").ok()?;
+        if std::fs::read_to_string(Self::PATH).ok()?.trim() != "on" {
+            return None;
+        }
+        Some(Devkmsg(old.trim().to_string()))
+    }
+}
+
+impl Drop for Devkmsg {
+    fn drop(&mut self) {
+        let _ = std::fs::write(Self::PATH, format!("{}\n", self.0));
+    }
+}
+
+/// One run of `loss`.
+fn loss_run(records: u64, rate: u64) -> Loss {
+    let run = tempfile::tempdir_in(tmpfs()).unwrap();
+    let disk = tempfile::tempdir().unwrap();
+    let a = Agent::following(run.path(), disk.path(), Path::new("/dev/kmsg"), FOLLOW);
+    // The agent reads the ring from its oldest record at first start: wait until it is done.
+    let mut last = -1.0;
+    loop {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = a.metric("faultline_kmsg_records_total");
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    let lost0 = a.metric("faultline_kmsg_lost_records_total");
+    let read0 = a.metric("faultline_kmsg_records_total");
+    let out = run.path().join("plain-lost");
+    let _reader = Reader(
+        Command::new(std::env::current_exe().unwrap())
+            .arg("plain-kmsg")
+            .arg(&out)
+            .spawn()
+            .expect("the plain reader"),
+    );
+    while !out.with_extension("ready").exists() {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let load: Vec<Reader> = (0..2 * cores)
+        .map(|_| {
+            Reader(
+                Command::new(std::env::current_exe().unwrap())
+                    .arg("spin")
+                    .spawn()
+                    .expect("a busy process"),
+            )
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let cpu0 = (a.cpu_ticks(), cpu_ticks(_reader.0.id()));
+    let mut kmsg = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/kmsg")
+        .unwrap();
+    let start = Instant::now();
+    let mut i = 0u64;
+    while i < records {
+        let due = ((start.elapsed().as_secs_f64() * rate as f64) as u64).min(records);
+        if i >= due {
+            std::thread::sleep(Duration::from_micros(500));
+            continue;
+        }
+        while i < due {
+            // One write is one record (<12>: facility user, level warning).
+            kmsg.write_all(format!("<12>{LOSS_TAG} {i}\n").as_bytes())
+                .unwrap();
+            i += 1;
+        }
+    }
+    let took = start.elapsed().as_secs_f64();
+    kmsg.write_all(format!("<12>{LOSS_END}\n").as_bytes())
+        .unwrap();
+    drop(load);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !out.exists() {
+        assert!(Instant::now() < deadline, "the plain reader did not finish");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // The agent has read everything once its count of records stops moving.
+    let mut last = -1.0;
+    loop {
+        std::thread::sleep(Duration::from_millis(500));
+        let now = a.metric("faultline_kmsg_records_total");
+        if now == last {
+            break;
+        }
+        last = now;
+    }
+    let agent_lost = (a.metric("faultline_kmsg_lost_records_total") - lost0) as u64;
+    let agent_read = (a.metric("faultline_kmsg_records_total") - read0) as u64;
+    let agent_cpu = a.cpu_ticks() - cpu0.0;
+    let plain = std::fs::read_to_string(&out).unwrap();
+    let (plain_lost, plain_cpu) = plain.split_once(' ').unwrap();
+    let (plain_lost, plain_cpu): (u64, u64) =
+        (plain_lost.parse().unwrap(), plain_cpu.parse().unwrap());
+    Loss {
+        records,
+        took,
+        agent_lost,
+        agent_read,
+        plain_lost,
+        agent_cpu,
+        plain_cpu: plain_cpu - cpu0.1,
+    }
+}
+
+/// What one run of `loss` saw.
+struct Loss {
+    records: u64,
+    /// Seconds the writes took.
+    took: f64,
+    agent_lost: u64,
+    /// Records the agent read in the run (the bench's, its end record, and any the kernel wrote
+    /// meanwhile).
+    agent_read: u64,
+    plain_lost: u64,
+    /// CPU ticks (10 ms) of the agent and of the plain reader in the run.
+    agent_cpu: u64,
+    plain_cpu: u64,
+}
+
+fn loss(records: u64, rate: u64, runs: u64) {
+    let Some(_devkmsg) = Devkmsg::on() else {
+        println!("loss: skipped: needs root (kernel.printk_devkmsg must be set to on)");
+        return;
+    };
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    for k in 1..=runs {
+        let l = loss_run(records, rate);
+        println!(
+            "loss: run {k}: {} records in {:.1} s ({:.0}/s), {} busy processes on {cores} cores: faultline read {} and lost {} (CPU {:.2} s), the plain reader lost {} (CPU {:.2} s) (goal: none where the plain reader loses none: {})",
+            l.records,
+            l.took,
+            l.records as f64 / l.took,
+            2 * cores,
+            l.agent_read,
+            l.agent_lost,
+            l.agent_cpu as f64 / 100.0,
+            l.plain_lost,
+            l.plain_cpu as f64 / 100.0,
+            if l.agent_lost == 0 || l.plain_lost > 0 { "met" } else { "NOT met" }
+        );
+    }
+}
+
 fn main() {
     let argv: Vec<String> = std::env::args().collect();
+    match argv.get(1).map(String::as_str) {
+        Some("plain-kmsg") => return plain_kmsg(Path::new(&argv[2])),
+        Some("spin") => spin(),
+        _ => {}
+    }
     if argv.get(1).map(String::as_str) == Some("plain-reader") {
         let us = argv[4].parse().expect("microseconds");
         plain_reader(
@@ -496,7 +731,7 @@ fn main() {
         return;
     }
     let args = common::Args::from_env();
-    let parts = ["latency", "storm", "standing", "idle"];
+    let parts = ["latency", "storm", "standing", "idle", "loss"];
     if args.wants(&parts, "storm") {
         storm();
     }
@@ -508,5 +743,13 @@ fn main() {
     }
     if args.wants(&parts, "idle") {
         idle(args.flag("--idle-secs", 60));
+    }
+    // Named only: it changes a sysctl and fills this machine's kernel log.
+    if args.named("loss") {
+        loss(
+            args.flag("--loss-records", 200_000),
+            args.flag("--loss-rate", 20_000),
+            args.flag("--loss-runs", 3),
+        );
     }
 }

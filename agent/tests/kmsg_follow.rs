@@ -359,3 +359,57 @@ fn a_file_rewritten_in_place_while_the_agent_was_stopped_is_read_as_new() {
     let r = run_until_read(dir.path(), &[], 5);
     assert_eq!(xid79_counts(&r), [1, 1, 2], "and counted once");
 }
+
+/// The nice value of each thread of `pid` named `name`.
+fn thread_nice(pid: u32, name: &str) -> Vec<i64> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let task = task.unwrap().path();
+        let comm = std::fs::read_to_string(task.join("comm")).unwrap_or_default();
+        if comm.trim() != name {
+            continue;
+        }
+        let stat = std::fs::read_to_string(task.join("stat")).unwrap();
+        // Fields after the command's closing parenthesis start at the 3rd (state); the nice
+        // value is the 19th (proc(5)).
+        let after = &stat[stat.rfind(')').unwrap() + 2..];
+        out.push(after.split_whitespace().nth(16).unwrap().parse().unwrap());
+    }
+    out
+}
+
+/// Issue 27 §2: the kernel-log reader's thread runs at `--kmsg-nice` (a reader starved of CPU
+/// loses records the ring overwrites), the agent's other threads at their own; without
+/// CAP_SYS_NICE the agent says so and reads at its own priority, losing nothing else. Before,
+/// the reader ran at the agent's priority and the flag did not exist.
+#[test]
+fn the_reader_thread_runs_at_its_nice_value_and_reads_without_the_right_to_set_it() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("kmsg"), xid79(1, "3b")).unwrap();
+    let agent = Agent::start(dir.path(), &["--kmsg-nice", "-7"]);
+    agent.wait_for("the fault", |r| xid79_counts(r) == [1]);
+    let pid = agent.child.id();
+    assert_eq!(thread_nice(pid, "kmsg"), [-7], "{}", agent.log());
+    assert_eq!(
+        thread_nice(pid, "faultline-agent"),
+        [0],
+        "the main thread keeps the agent's priority"
+    );
+    assert_eq!(agent.stop(), 0);
+
+    // setpriv (util-linux) execs the agent without CAP_SYS_NICE in its bounding set.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("kmsg"), xid79(1, "3b")).unwrap();
+    let agent = Agent::start_under(dir.path(), &[], &["setpriv", "--bounding-set", "-sys_nice"]);
+    agent.wait_for("the fault, read without the right to be nicer", |r| {
+        xid79_counts(r) == [1]
+    });
+    wait_until("the warning", Duration::from_secs(10), || {
+        agent
+            .log()
+            .contains("cannot set the kernel-log reader thread's nice value")
+            .then_some(())
+    });
+    assert_eq!(thread_nice(agent.child.id(), "kmsg"), [0]);
+    assert_eq!(agent.stop(), 0);
+}

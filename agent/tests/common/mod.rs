@@ -57,15 +57,23 @@ impl Agent {
 
     /// Like `start`, with extra environment variables for the agent process.
     pub fn start_env(dir: &Path, extra: &[&str], env: &[(&str, &Path)]) -> Agent {
-        Agent::spawn(dir, extra, env, None)
+        Agent::spawn(dir, extra, env, &[])
     }
 
     /// Like `start`, under an open-file limit (soft and hard, so the agent cannot raise it).
     pub fn start_with_file_limit(dir: &Path, extra: &[&str], nofile: u64) -> Agent {
-        Agent::spawn(dir, extra, &[], Some(nofile))
+        // The shell execs the agent: same pid, so signals reach it.
+        let ulimit = format!("ulimit -n {nofile} && exec \"$0\" \"$@\"");
+        Agent::spawn(dir, extra, &[], &["sh", "-c", &ulimit])
     }
 
-    fn spawn(dir: &Path, extra: &[&str], env: &[(&str, &Path)], nofile: Option<u64>) -> Agent {
+    /// Like `start`, run through `wrapper` (a program that execs the rest of its arguments, such
+    /// as `setpriv`): same pid, so signals reach the agent.
+    pub fn start_under(dir: &Path, extra: &[&str], wrapper: &[&str]) -> Agent {
+        Agent::spawn(dir, extra, &[], wrapper)
+    }
+
+    fn spawn(dir: &Path, extra: &[&str], env: &[(&str, &Path)], wrapper: &[&str]) -> Agent {
         let kmsg = dir.join("kmsg");
         let boot_id = dir.join("boot_id");
         if !kmsg.exists() {
@@ -77,12 +85,11 @@ impl Agent {
         // The previous agent in this directory removed it on exit; make sure of it.
         let _ = std::fs::remove_file(dir.join("state").join("listen.addr"));
         let agent = env!("CARGO_BIN_EXE_faultline-agent");
-        let mut cmd = match nofile {
-            None => Command::new(agent),
-            Some(n) => {
-                // The shell execs the agent: same pid, so signals reach it.
-                let mut c = Command::new("sh");
-                c.args(["-c", &format!("ulimit -n {n} && exec \"$0\" \"$@\""), agent]);
+        let mut cmd = match wrapper {
+            [] => Command::new(agent),
+            [program, args @ ..] => {
+                let mut c = Command::new(program);
+                c.args(args).arg(agent);
                 c
             }
         };

@@ -42,10 +42,20 @@ fn text(b: &[u8]) -> Cow<'_, str> {
     String::from_utf8_lossy(b)
 }
 
+/// A header field as `u64`: what `str::parse::<u64>` accepts (an optional `+`, then decimal
+/// digits, no overflow), read straight from the bytes: every record's three numbers go through
+/// here, on the reader's thread.
 fn number(field: &'static str, b: &[u8]) -> Result<u64, RecordError> {
-    std::str::from_utf8(b)
-        .ok()
-        .and_then(|s| s.parse().ok())
+    let digits = b.strip_prefix(b"+").unwrap_or(b);
+    (!digits.is_empty())
+        .then_some(digits)
+        .and_then(|d| {
+            d.iter().try_fold(0u64, |n, &c| {
+                c.is_ascii_digit()
+                    .then_some(())
+                    .and_then(|()| n.checked_mul(10)?.checked_add(u64::from(c - b'0')))
+            })
+        })
         .ok_or_else(|| RecordError::BadField {
             field,
             value: String::from_utf8_lossy(b).into_owned(),
@@ -232,5 +242,38 @@ mod tests {
             prop_assert_eq!(r.usec, usec);
             prop_assert_eq!(r.message.as_ref(), msg.as_str());
         }
+
+        /// A header field is read as `str::parse::<u64>` reads it: the same number or the same
+        /// refusal, for digits, signs, overflow and bytes that are not text.
+        #[test]
+        fn header_numbers_read_as_str_parse_reads_them(
+            field in prop_oneof![
+                "[+-]?[0-9]{0,21}",
+                "[0-9 +x-]{0,4}",
+                proptest::collection::vec(any::<u8>(), 0..6)
+                    .prop_map(|b| String::from_utf8_lossy(&b).into_owned()),
+            ]
+        ) {
+            let want = field.parse::<u64>().ok();
+            prop_assert_eq!(number("seq", field.as_bytes()).ok(), want);
+        }
+    }
+
+    #[test]
+    fn header_numbers_at_the_edges() {
+        for (field, want) in [
+            ("18446744073709551615", Some(u64::MAX)),
+            ("18446744073709551616", None),
+            ("+7", Some(7)),
+            ("+", None),
+            ("", None),
+            ("-0", None),
+            ("007", Some(7)),
+        ] {
+            assert_eq!(number("seq", field.as_bytes()).ok(), want, "{field:?}");
+            assert_eq!(field.parse::<u64>().ok(), want, "{field:?}");
+        }
+        // Not text: refused, as from_utf8 refused it before parse.
+        assert!(number("seq", b"1\xff").is_err());
     }
 }

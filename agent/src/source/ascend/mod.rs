@@ -3,7 +3,8 @@
 //! analyzer makes of it to the engine.
 //!
 //! No `npu-smi` on the node is normal (not an Ascend node): the detector is `Idle` and the
-//! source keeps looking, cheaply, in case the driver is installed later. A tool that hangs is
+//! source looks again every [`ABSENT_RECHECK`] (and at once when the policy changes), in case
+//! the driver is installed later. A tool that hangs is
 //! killed at `ascend.call_timeout`; a tool that fails or prints something unparseable marks its
 //! detector `Down` with the reason. Neither stops the agent nor loses a fault already known.
 
@@ -217,6 +218,12 @@ pub async fn poll_once<T: Tools>(
     Ok(poll)
 }
 
+/// How often a node without `npu-smi` is looked at again. Each look is a search of the tool's
+/// `PATH` (11 `stat` calls with the DaemonSet's); at the poll interval (10 s) that was the idle
+/// agent's most frequent wake-up on every node without NPUs (issue 27 §2). A driver installed
+/// on a running node is seen within this, or at once with a policy change or a restart.
+pub const ABSENT_RECHECK: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// Runs the source until shutdown.
 pub async fn run<T: Tools>(
     tools: Arc<T>,
@@ -283,10 +290,80 @@ pub async fn run<T: Tools>(
                 return;
             }
         }
+        let next = if absent_reported {
+            ABSENT_RECHECK
+        } else {
+            p.poll_interval
+        };
         tokio::select! {
             _ = ctx.shutdown.cancelled() => return,
-            _ = tokio::time::sleep(p.poll_interval) => {}
+            _ = tokio::time::sleep(next) => {}
             changed = policy.changed() => if changed.is_err() { return },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::ascend::tools::{Tool, ToolError};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+    use tokio_util::sync::CancellationToken;
+
+    /// Tools that are not installed, counting how often they were looked for.
+    #[derive(Debug, Default)]
+    struct Absent(AtomicUsize);
+
+    impl Tools for Absent {
+        async fn run(
+            &self,
+            tool: Tool,
+            _args: &[String],
+            _timeout: Duration,
+        ) -> Result<String, ToolError> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Err(ToolError::NotFound(format!("{tool:?}")))
+        }
+    }
+
+    /// Issue 27 §2: on a node without `npu-smi` the source looks for it every
+    /// [`ABSENT_RECHECK`], not every poll interval (before: every 10 s, 60 times in 10 minutes),
+    /// reports the detector idle once, and looks at once when the policy changes.
+    #[tokio::test(start_paused = true)]
+    async fn a_node_without_npu_smi_is_looked_at_rarely() {
+        let tools = Arc::new(Absent::default());
+        let (policy_tx, policy) = watch::channel(LoadedPolicy::builtin());
+        let (tx, mut rx) = tokio::sync::mpsc::channel(16);
+        let shutdown = CancellationToken::new();
+        let ctx = SourceContext {
+            tx,
+            metrics: Arc::new(Metrics::new()),
+            shutdown: shutdown.clone(),
+        };
+        let task = tokio::spawn(run(tools.clone(), policy, ctx));
+        tokio::time::sleep(Duration::from_secs(600) + Duration::from_millis(1)).await;
+        // At 0 s, 300 s and 600 s.
+        assert_eq!(tools.0.load(Ordering::SeqCst), 3);
+        let mut idle = 0;
+        while let Ok(input) = rx.try_recv() {
+            match input {
+                Input::Obs(Observation::Detector { state, .. }) => {
+                    assert_eq!(state, DetectorState::Idle);
+                    idle += 1;
+                }
+                other => panic!("unexpected input {other:?}"),
+            }
+        }
+        assert_eq!(idle, 2, "npu-smi and hccn_tool reported idle once");
+        policy_tx.send_modify(|_| {});
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(
+            tools.0.load(Ordering::SeqCst),
+            4,
+            "a policy change looks at once"
+        );
+        shutdown.cancel();
+        task.await.unwrap();
     }
 }
