@@ -546,8 +546,10 @@ fn plain_kmsg(out: &Path) {
     }
 }
 
-/// One busy process of `loss`'s load.
+/// One busy process of `loss`'s load. It dies with the bench, however the bench ends.
 fn spin() {
+    rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
+        .expect("PR_SET_PDEATHSIG");
     let mut x = 0u64;
     loop {
         x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
@@ -561,14 +563,13 @@ impl Devkmsg {
     const PATH: &'static str = "/proc/sys/kernel/printk_devkmsg";
 
     /// `on`: user-space writes to `/dev/kmsg` are not rate-limited (the default, `ratelimit`,
-    /// lets 10 through per 5 s). None where this process may not change it.
+    /// lets 10 through per 5 s). None where this process may not change it. A bench killed by
+    /// a signal leaves it `on`: `sysctl kernel.printk_devkmsg=ratelimit` puts it back.
     fn on() -> Option<Devkmsg> {
-        let old = std::fs::read_to_string(Self::PATH).ok()?;
+        let old = Devkmsg(std::fs::read_to_string(Self::PATH).ok()?.trim().to_string());
         std::fs::write(Self::PATH, "on\n").ok()?;
-        if std::fs::read_to_string(Self::PATH).ok()?.trim() != "on" {
-            return None;
-        }
-        Some(Devkmsg(old.trim().to_string()))
+        // Dropped (the old value written back) if it did not take.
+        (std::fs::read_to_string(Self::PATH).ok()?.trim() == "on").then_some(old)
     }
 }
 

@@ -18,27 +18,8 @@ pub struct WriteError {
     pub source: std::io::Error,
 }
 
-/// Whether a replacement must reach the disk before [`write_with`] returns.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Durability {
-    /// The new file's data and the directory entry are synced: the bytes survive a power loss
-    /// once written.
-    Synced,
-    /// Only the atomic rename: readers see the old bytes or the new ones, but a power loss may
-    /// lose the new ones. For a rewrite that carries no news (the record's heartbeat), whose
-    /// loss costs nothing: the agent rewrites it at start.
-    Volatile,
-}
-
-/// Replaces `path` with `bytes` atomically and durably; the file is readable by everyone (job
-/// scripts).
+/// Replaces `path` with `bytes` atomically; the file is readable by everyone (job scripts).
 pub fn write(path: &Path, bytes: &[u8]) -> Result<(), WriteError> {
-    write_with(path, bytes, Durability::Synced)
-}
-
-/// Replaces `path` with `bytes` atomically, synced as `durability` says.
-pub fn write_with(path: &Path, bytes: &[u8], durability: Durability) -> Result<(), WriteError> {
-    let synced = durability == Durability::Synced;
     let io = |source| WriteError {
         path: path.to_path_buf(),
         source,
@@ -49,11 +30,9 @@ pub fn write_with(path: &Path, bytes: &[u8], durability: Durability) -> Result<(
         .tempfile_in(dir)
         .map_err(io)?;
     tmp.write_all(bytes).map_err(io)?;
-    if synced {
-        #[cfg(test)]
-        hooks::before_sync(path);
-        tmp.as_file().sync_data().map_err(io)?;
-    }
+    #[cfg(test)]
+    hooks::before_sync(path);
+    tmp.as_file().sync_data().map_err(io)?;
     {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(tmp.path(), std::fs::Permissions::from_mode(0o644)).map_err(io)?;
@@ -61,11 +40,9 @@ pub fn write_with(path: &Path, bytes: &[u8], durability: Durability) -> Result<(
     tmp.persist(path).map_err(|e| io(e.error))?;
     // The rename is durable only once the directory is: whoever acts on "written" (a clear
     // request removed once persisted) must not be ahead of the disk after a power loss.
-    if synced {
-        std::fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io)?;
-    }
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io)?;
     Ok(())
 }
 

@@ -1098,6 +1098,10 @@ fn forged_kernel_lines_are_no_fault() {
     assert_eq!(agent.stop(), 0);
 }
 
+/// The tests that write into the machine's kernel log run one at a time: each reads the whole
+/// ring and waits for what it wrote.
+static REAL_KMSG: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// What the test reads back from the machine's kernel log: (facility, seq, message) of every
 /// record in the ring now.
 fn kernel_ring() -> Vec<(u32, u64, String)> {
@@ -1175,6 +1179,7 @@ fn real_dev_kmsg_forgeries_are_ignored() {
         eprintln!("skipped: set FAULTLINE_TEST_WRITE_KMSG=1 (as root, on a machine whose kernel log may take test lines)");
         return;
     }
+    let _ring = REAL_KMSG.lock().unwrap_or_else(|e| e.into_inner());
     const NOBODY: [&str; 4] = [
         "setpriv",
         "--reuid=65534",
@@ -1367,6 +1372,70 @@ fn real_dev_kmsg_forgeries_are_ignored() {
     );
     agent.stop();
     eprintln!("segfault lines the kernel logged and the agent ignored: {logged} of 2");
+}
+
+/// Issue 27 §2 (review): reading the real `/dev/kmsg`, the agent tells its engine how far it got
+/// once the ring has been quiet a moment, so a stop after a quiet spell saves the last record
+/// read: a restart reads nothing again, and a ring that wraps while the agent is down shows no
+/// loss that did not happen. Before, the position was sent every 256 records (then every 4,096):
+/// up to that many records behind, which a wrapped ring turned into `KMSG_LOSS` after a rollout.
+/// Opt-in like `real_dev_kmsg_forgeries_are_ignored` (it writes three lines into the machine's
+/// kernel log). The one real-time wait: the kernel's ring has no clock to inject.
+#[test]
+fn real_dev_kmsg_position_is_saved_once_the_log_is_quiet() {
+    use std::io::Write;
+    if std::env::var("FAULTLINE_TEST_WRITE_KMSG").as_deref() != Ok("1") {
+        eprintln!("skipped: set FAULTLINE_TEST_WRITE_KMSG=1 (as root, on a machine whose kernel log may take test lines)");
+        return;
+    }
+    let _ring = REAL_KMSG.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tempfile::tempdir().unwrap();
+    let args = [
+        "--kmsg-path",
+        "/dev/kmsg",
+        "--boot-id-path",
+        "/proc/sys/kernel/random/boot_id",
+    ];
+    let agent = Agent::start(dir.path(), &args);
+    let ring = kernel_ring().len() as f64;
+    wait_until(
+        "the agent to read the ring",
+        Duration::from_secs(30),
+        || (agent.metric("faultline_kmsg_records_total") >= ring).then_some(()),
+    );
+    let marker = format!("faultline-test-quiet-{}", std::process::id());
+    let read_before = agent.metric("faultline_kmsg_records_total");
+    // Three lines: within the default rate limit of user-space writes (10 per 5 s).
+    for i in 0..3 {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/kmsg")
+            .unwrap()
+            .write_all(format!("<12>{marker} {i}\n").as_bytes())
+            .unwrap();
+    }
+    let last = kernel_ring()
+        .iter()
+        .filter(|(_, _, m)| m.starts_with(&marker))
+        .map(|(_, seq, _)| *seq)
+        .max()
+        .expect("our lines are in the kernel log");
+    wait_until(
+        "the agent to read our lines",
+        Duration::from_secs(30),
+        || (agent.metric("faultline_kmsg_records_total") >= read_before + 3.0).then_some(()),
+    );
+    // Quiet for 20 times the reader's wait (50 ms) before the stop.
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(agent.stop(), 0);
+    let state: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path().join("data/state.json")).unwrap())
+            .unwrap();
+    let saved = state["kmsg_cursor"].as_u64().expect("a saved position");
+    assert!(
+        saved >= last,
+        "the saved position {saved} is behind the last record read {last}"
+    );
 }
 
 /// `faultline hosts --members FILE` without Kubernetes: each member's agent is asked for its

@@ -87,13 +87,13 @@ impl Args {
             .unwrap_or(default)
     }
 
-    /// Whether to run the part `name` out of `parts`: named on the command line, or none named.
     /// Whether `name` is among the arguments (a part that runs only when asked for).
     #[allow(dead_code)] // not every bench has such a part
     pub fn named(&self, name: &str) -> bool {
         self.0.iter().any(|a| a == name)
     }
 
+    /// Whether to run the part `name` out of `parts`: named on the command line, or none named.
     pub fn wants(&self, parts: &[&str], name: &str) -> bool {
         let named: Vec<&String> = self
             .0

@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::atomic_file::{self, write as write_atomic, Durability};
+use crate::atomic_file::write as write_atomic;
 use crate::metrics::{Metrics, SinkLabel};
 use crate::pace::WriteBudget;
 use crate::runtime::{Clock, Heartbeat, PersistedState, Snapshot};
@@ -123,15 +123,7 @@ pub fn write_snapshot(
     if !record_only && order == Order::StateFirst {
         state_err = save_state(dirs, snap)?;
     }
-    // A heartbeat-only rewrite carries no news: it is not synced (issue 27 §2: no disk sync
-    // per interval). The state a restart needs is in state.json; the record is rewritten at
-    // start, and a reader after a reboot judges the heartbeat by its boot id anyway.
-    let durability = if record_only {
-        Durability::Volatile
-    } else {
-        Durability::Synced
-    };
-    let record = write_record(dirs, snap, heartbeat, durability);
+    let record = write_record(dirs, snap, heartbeat);
     if !record_only && order == Order::RecordFirst {
         state_err = save_state(dirs, snap)?;
     }
@@ -154,12 +146,7 @@ fn save_state(dirs: &Dirs, snap: &Snapshot) -> Result<Option<FileSinkError>, Fil
 }
 
 /// Writes `faults.json`, stamped with `heartbeat`.
-fn write_record(
-    dirs: &Dirs,
-    snap: &Snapshot,
-    heartbeat: &Beat,
-    durability: Durability,
-) -> Result<(), FileSinkError> {
+fn write_record(dirs: &Dirs, snap: &Snapshot, heartbeat: &Beat) -> Result<(), FileSinkError> {
     let mut stamped = (*snap.record).clone();
     stamped.agent.heartbeat_time = Some(heartbeat.wall);
     stamped.agent.heartbeat_boot = heartbeat.boot.clone();
@@ -169,7 +156,7 @@ fn write_record(
             source,
         })?;
     record.push(b'\n');
-    atomic_file::write_with(&dirs.record.join(FAULTS_FILE), &record, durability)?;
+    write_atomic(&dirs.record.join(FAULTS_FILE), &record)?;
     Ok(())
 }
 
@@ -1127,44 +1114,6 @@ mod tests {
         shutdown.cancel();
         drop(tx);
         task.await.unwrap();
-    }
-
-    /// Issue 27 §2: a rewrite that only renews the heartbeat is not synced (no data sync, no
-    /// directory sync: nothing per interval that carries no news reaches the disk on its own);
-    /// a write with news syncs the record and the state. Before, the heartbeat synced both the
-    /// record and its directory every 10 s.
-    #[test]
-    fn only_writes_with_news_are_synced() {
-        let tmp = tempfile::tempdir().unwrap();
-        let dirs = Dirs {
-            record: tmp.path().join("run"),
-            data: tmp.path().join("data"),
-        };
-        std::fs::create_dir(&dirs.record).unwrap();
-        std::fs::create_dir(&dirs.data).unwrap();
-        let synced = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let seen = synced.clone();
-        let _hook = crate::atomic_file::hooks::on_sync(tmp.path(), move |p| {
-            seen.lock().unwrap().push(p.to_path_buf())
-        });
-        let clock = crate::runtime::SystemClock;
-        let snap = test_snapshot(1, 0);
-        write_snapshot(&dirs, &snap, &Beat::now(&clock), false, Order::StateFirst).unwrap();
-        let mut files = synced.lock().unwrap().clone();
-        files.sort();
-        assert_eq!(
-            files,
-            vec![dirs.data.join(STATE_FILE), dirs.record.join(FAULTS_FILE)],
-            "news: the state and the record are synced"
-        );
-        let before = heartbeat_of(&dirs.record).unwrap();
-        std::thread::sleep(Duration::from_millis(5));
-        write_snapshot(&dirs, &snap, &Beat::now(&clock), true, Order::StateFirst).unwrap();
-        assert_eq!(synced.lock().unwrap().len(), 2, "a heartbeat is not synced");
-        assert!(
-            heartbeat_of(&dirs.record).unwrap() > before,
-            "the heartbeat was written"
-        );
     }
 
     /// With nothing changing, the record is rewritten every interval with a newer heartbeat

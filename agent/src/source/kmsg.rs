@@ -406,38 +406,64 @@ impl Follow {
     }
 }
 
-/// How many records without a fault the device reader reads before it tells the engine how far
-/// it got (a fault carries its own position). Each message wakes the engine loop, and at a high
-/// record rate those wake-ups take the CPU the reader needs to keep up with the ring (issue 27
-/// §2: at 256, 700 wake-ups a second at 180,000 records a second, and records lost where a plain
-/// reader lost none). The cost of a larger number: a restart reads again at most this many
-/// records, which were not faults.
+/// How many records without a fault the device reader reads, at most, before it tells the
+/// engine how far it got (a fault carries its own position). Each message wakes the engine loop,
+/// and at a high record rate those wake-ups take the CPU the reader needs to keep up with the
+/// ring (issue 27 §2: at one per 256 records, 700 wake-ups a second at 180,000 records a
+/// second, and records lost where a plain reader lost none).
 const CURSOR_EVERY: u32 = 4096;
 
-/// `/dev/kmsg`: one record per read. The loop does no more per record than parse it: shutdown
-/// is checked with the cursor (a blocked read is not interrupted by it anyway).
+/// Once the reader has caught up with the ring, how long it waits for more before it tells the
+/// engine its position anyway. So the saved position is the last record read whenever the log
+/// has been quiet this long: a restart reads nothing again, and a ring that wrapped while the
+/// agent was down shows no loss that did not happen (the gap from a position left behind would
+/// be counted as lost records).
+const CURSOR_QUIET: Duration = Duration::from_millis(50);
+
+/// Waits until `file` has a record to read, for at most `timeout` (`None`: as long as it takes).
+/// False when the time ran out.
+fn readable(file: &File, timeout: Option<Duration>) -> io::Result<bool> {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let timeout = timeout.map(|t| Timespec {
+        tv_sec: t.as_secs() as i64,
+        tv_nsec: i64::from(t.subsec_nanos()),
+    });
+    let mut fds = [PollFd::new(file, PollFlags::IN)];
+    loop {
+        match poll(&mut fds, timeout.as_ref()) {
+            Ok(n) => return Ok(n > 0),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// `/dev/kmsg`: one record per read, without blocking; at the ring's end the reader waits in
+/// `poll`. The loop does no more per record than parse it: the shutdown token (a lock) is
+/// checked with the position (a blocked wait is not interrupted by it anyway).
 fn read_device(mut file: File, r: &mut KmsgReader, ctx: &SourceContext) -> io::Result<()> {
+    rustix::fs::fcntl_setfl(&file, rustix::fs::OFlags::NONBLOCK)?;
     let mut buf = vec![0u8; 16 * 1024];
     let mut out = Vec::new();
     let mut since_marker = 0u32;
     let mut overruns = LogPacer::new(LOSS_LOG_EVERY);
     loop {
-        match file.read(&mut buf) {
-            Ok(0) if ctx.shutdown.is_cancelled() => return Ok(()),
-            Ok(0) => std::thread::sleep(Duration::from_millis(50)),
+        let flush = match file.read(&mut buf) {
+            // Not the kernel's device (another character device given as the path): nothing
+            // more will come; look again later rather than spin.
+            Ok(0) => {
+                std::thread::sleep(Duration::from_millis(50));
+                ctx.shutdown.is_cancelled()
+            }
             Ok(n) => {
                 r.feed(&buf[..n], &mut out);
                 since_marker += 1;
-                if since_marker >= CURSOR_EVERY {
-                    r.flush_cursor(&mut out);
-                    since_marker = 0;
-                    if ctx.shutdown.is_cancelled() {
-                        return Ok(());
-                    }
-                }
-                if !out.is_empty() && !send_all(ctx, &mut out) {
-                    return Ok(());
-                }
+                since_marker >= CURSOR_EVERY
+            }
+            // At the ring's end: the position goes out once the log has been quiet a moment.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let wait = (since_marker > 0).then_some(CURSOR_QUIET);
+                !readable(&file, wait)?
             }
             Err(e) if e.raw_os_error() == Some(32) => {
                 // EPIPE: the ring buffer overwrote records we had not read. The next read
@@ -451,9 +477,20 @@ fn read_device(mut file: File, r: &mut KmsgReader, ctx: &SourceContext) -> io::R
                          record (since the last such line)"
                     );
                 }
+                false
             }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => false,
             Err(e) => return Err(e),
+        };
+        if flush {
+            r.flush_cursor(&mut out);
+            since_marker = 0;
+            if ctx.shutdown.is_cancelled() {
+                return Ok(());
+            }
+        }
+        if !out.is_empty() && !send_all(ctx, &mut out) {
+            return Ok(());
         }
     }
 }
