@@ -22,10 +22,12 @@
 //!   (the lower median of the round's other reference times): slower by `straggler_ratio` and
 //!   by `straggler_mads` median absolute deviations;
 //! - **degraded link**: a pair whose exclusive checks were slow by the same test (the same
-//!   `straggler_ratio`, chosen above the slowest check measured under load: one slow check is
-//!   noise) in two rounds, the second a re-check planned for it, while neither node is a
+//!   `straggler_ratio`, chosen above the slowest check measured under load; one slow check
+//!   alone may still be noise) in two rounds, the second a re-check planned for it, while neither node is a
 //!   straggler and each has a check with another partner that was not slow. Neither node is
-//!   blamed. A pair slow once and normal when measured again gets nothing;
+//!   blamed. A pair slow once and normal when measured again gets nothing. A degraded link
+//!   between round-1 neighbours is named in 3 rounds (round 2 clears each node with a normal
+//!   partner, round 3 re-checks the pair); one no round-1 check used is not found by the run;
 //! - **unknown**: still unresolved when no informative pair is left, the round limit is
 //!   reached, or checks kept timing out under load, with the reason.
 //!
