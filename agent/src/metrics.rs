@@ -626,6 +626,7 @@ mod tests {
             ("DETECTOR_DOWN", "made-up", false, OTHER),
             ("Xid79", "kmsg", false, OTHER),
             ("PEER_LINK_FAILED", "link:node-b", false, OTHER),
+            ("PEER_LINK_DEGRADED", "link:node-b", false, OTHER),
             ("NPU_UNHEALTHY", "Ascend910-3", true, "Ascend910-3"),
         ] {
             assert_eq!(

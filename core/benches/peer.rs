@@ -1,6 +1,7 @@
 //! Localization rounds on the simulator: faultline's pairing against DLRover's two-round rule
 //! and against bisection (split the failing group in halves, all halves of a level in one
-//! round), for N = 8 ... 4096 with 1, 2 and N/8 faulty nodes placed at random.
+//! round), for N = 8 ... 4096 with 1, 2 and N/8 faulty nodes placed at random, a broken link, a
+//! straggler and a degraded link (a pair 2.5x slower, both nodes normal with others).
 //!
 //! `cargo bench -p faultline-core --bench peer [-- --trials N] [--noise-model]`;
 //! docs/benchmarks.md has the figures. `--noise-model`: faultline's checks under the property
@@ -12,7 +13,7 @@
 // A benchmark times itself: the purity rules are for the library.
 #![allow(clippy::disallowed_methods)]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
 
 use faultline_core::peer::pairing::{simulate, NodeId, Pair, PairingConfig, Truth};
@@ -46,12 +47,24 @@ fn group_fails(truth: &Truth, g: &[NodeId]) -> bool {
         })
 }
 
+/// The slowest degraded link among a group's members (1 when none): an allgather runs at the
+/// pace of its slowest path.
+fn group_link_slowdown(truth: &Truth, g: &[NodeId]) -> f64 {
+    truth
+        .degraded_links
+        .iter()
+        .filter(|(p, _)| g.contains(&p.a()) && g.contains(&p.b()))
+        .map(|(_, f)| *f)
+        .fold(1.0, f64::max)
+}
+
 /// What a method reports.
 #[derive(Default, PartialEq)]
 struct Found {
     faulty: BTreeSet<NodeId>,
     links: BTreeSet<Pair>,
     stragglers: BTreeSet<NodeId>,
+    degraded: BTreeSet<Pair>,
 }
 
 /// DLRover's rule (FACTS.md section 2): round 0 consecutive pairs (an odd node joins the last
@@ -73,7 +86,8 @@ fn dlrover(n: usize, truth: &Truth) -> (Found, usize, usize) {
             let slow = g
                 .iter()
                 .map(|m| truth.slow.get(m).copied().unwrap_or(1.0))
-                .fold(1.0, f64::max);
+                .fold(1.0, f64::max)
+                * group_link_slowdown(truth, g);
             let secs = if group_fails(truth, g) { 3600.0 } else { slow };
             for &m in g {
                 t[m] = secs;
@@ -117,6 +131,7 @@ fn dlrover(n: usize, truth: &Truth) -> (Found, usize, usize) {
         faulty: failed0.into_iter().filter(|&x| t1[x] >= 3600.0).collect(),
         links: BTreeSet::new(),
         stragglers: slow0.intersection(&slow1).copied().collect(),
+        degraded: BTreeSet::new(),
     };
     (found, 2, g0.len() + g1.len())
 }
@@ -220,7 +235,17 @@ fn scenarios(n: usize, rng: &mut Rng) -> Vec<(String, Truth)> {
     out.push((
         "1 straggler (3x)".into(),
         Truth {
-            slow: std::collections::BTreeMap::from([(two[0], 3.0)]),
+            slow: BTreeMap::from([(two[0], 3.0)]),
+            noise: 0.05,
+            ..Truth::default()
+        },
+    ));
+    // Issue 28's measured case: one pair 2.5x slower than every other, both nodes normal with
+    // other partners; between round-1 neighbours like the broken link.
+    out.push((
+        "1 degraded link (2.5x)".into(),
+        Truth {
+            degraded_links: BTreeMap::from([(link, 2.5)]),
             noise: 0.05,
             ..Truth::default()
         },
@@ -232,6 +257,7 @@ fn exact(found: &Found, truth: &Truth) -> bool {
     found.faulty == truth.faulty
         && found.links == truth.broken_links
         && found.stragglers == truth.slow.keys().copied().collect()
+        && found.degraded == truth.degraded_links.keys().copied().collect()
 }
 
 fn main() {
@@ -266,6 +292,7 @@ fn main() {
                     faulty: v.faulty.clone(),
                     links: v.broken_links.clone(),
                     stragglers: v.stragglers.keys().copied().collect(),
+                    degraded: v.degraded_links.keys().copied().collect(),
                 };
                 ours.add(r, c, exact(&found, &truth) && v.unknown.is_empty());
                 let (f, r, c) = dlrover(n, &truth);

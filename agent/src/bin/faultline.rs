@@ -165,8 +165,9 @@ enum Command {
         #[arg(long, default_value = "3s", value_parser = humantime::parse_duration, requires = "members")]
         agent_timeout: Duration,
     },
-    /// Run a peer check among these nodes now and print faulty nodes, broken links and
-    /// stragglers. Exit 0: none; 1: some; 3: some nodes could not be judged; 2: no run.
+    /// Run a peer check among these nodes now and print faulty nodes, broken and degraded
+    /// links and stragglers. Exit 0: none; 1: some; 3: some nodes could not be judged; 2: no
+    /// run.
     Check {
         /// Node names, comma separated.
         #[arg(

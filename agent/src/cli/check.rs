@@ -92,7 +92,7 @@ pub fn job_nodes_of(pods: &[k8s_openapi::api::core::v1::Pod]) -> (Vec<String>, V
 }
 
 /// The printed report of a run and its exit status: 0 nothing found, 1 a faulty node, broken
-/// link or straggler, 3 only nodes that could not be judged.
+/// or degraded link or straggler, 3 only nodes that could not be judged.
 pub fn check_report(r: &faultline_proto::v1::RunResult, json: bool) -> Outcome {
     use faultline_proto::v1::verdict::Kind;
     let kinds: Vec<Kind> = r.verdicts.iter().map(|v| v.kind()).collect();
@@ -137,6 +137,11 @@ pub fn check_report(r: &faultline_proto::v1::RunResult, json: bool) -> Outcome {
             let line = match v.kind() {
                 Kind::FaultyNode => format!("faulty node   {}", v.nodes.join(",")),
                 Kind::BrokenLink => format!("broken link   {}", v.nodes.join(" <-> ")),
+                Kind::DegradedLink => format!(
+                    "degraded link {} ({:.2}x the round)",
+                    v.nodes.join(" <-> "),
+                    v.slowdown
+                ),
                 Kind::Straggler => {
                     format!(
                         "straggler     {} ({:.2}x the median)",
@@ -457,6 +462,7 @@ mod tests {
             verdicts: vec![
                 v(Kind::FaultyNode, &["n5"], 0.0, ""),
                 v(Kind::BrokenLink, &["n2", "n3"], 0.0, ""),
+                v(Kind::DegradedLink, &["n7", "n8"], 2.48, ""),
                 v(Kind::Straggler, &["n6"], 4.0, ""),
                 v(Kind::Unknown, &["n9"], 0.0, "accelerators busy"),
             ],
@@ -465,12 +471,14 @@ mod tests {
         assert_eq!(o.code, 1);
         assert_eq!(
             o.message,
-            "run r2: 2 rounds\nfaulty node   n5\nbroken link   n2 <-> n3\nstraggler     n6 (4.00x the median)\nunknown       n9: accelerators busy"
+            "run r2: 2 rounds\nfaulty node   n5\nbroken link   n2 <-> n3\ndegraded link n7 <-> n8 (2.48x the round)\nstraggler     n6 (4.00x the median)\nunknown       n9: accelerators busy"
         );
         let j: serde_json::Value =
             serde_json::from_str(&check_report(&found, true).message).unwrap();
-        assert_eq!(j["verdicts"][2]["kind"], "straggler");
-        assert_eq!(j["verdicts"][2]["slowdown"], 4.0);
+        assert_eq!(j["verdicts"][2]["kind"], "degraded_link");
+        assert_eq!(j["verdicts"][2]["slowdown"], 2.48);
+        assert_eq!(j["verdicts"][3]["kind"], "straggler");
+        assert_eq!(j["verdicts"][3]["slowdown"], 4.0);
         assert_eq!(j["verdicts"][1]["nodes"][1], "n3");
         let unknown_only = RunResult {
             run_id: "r3".into(),

@@ -109,7 +109,8 @@ pub struct RoundState {
     pub checks: Vec<CheckState>,
 }
 
-/// A verdict as published (`kind`: faulty_node, broken_link, straggler, unknown).
+/// A verdict as published (`kind`: faulty_node, broken_link, degraded_link, straggler,
+/// unknown).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct VerdictState {
     pub kind: String,
@@ -307,6 +308,7 @@ pub fn kind_name(k: faultline_proto::v1::verdict::Kind) -> &'static str {
     match k {
         Kind::FaultyNode => "faulty_node",
         Kind::BrokenLink => "broken_link",
+        Kind::DegradedLink => "degraded_link",
         Kind::Straggler => "straggler",
         Kind::Unknown => "unknown",
         Kind::Unspecified => "unspecified",
@@ -319,6 +321,7 @@ pub fn kind_from_name(name: &str) -> faultline_proto::v1::verdict::Kind {
     [
         Kind::FaultyNode,
         Kind::BrokenLink,
+        Kind::DegradedLink,
         Kind::Straggler,
         Kind::Unknown,
     ]

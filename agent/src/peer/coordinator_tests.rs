@@ -25,6 +25,8 @@ struct Scenario {
     /// node -> slowdown
     slow: Vec<(String, f64)>,
     cut: Vec<(String, String)>,
+    /// (a, b, slowdown): checks between a and b are that much slower (a degraded link).
+    slow_links: Vec<(String, String, f64)>,
     /// The coordinator cannot reach these agents; other members can.
     coordinator_cut: BTreeSet<String>,
     /// The first ping to these is lost.
@@ -63,6 +65,13 @@ impl Fake {
             .cut
             .iter()
             .any(|(x, y)| (x == a && y == b) || (x == b && y == a))
+    }
+    fn link_slowdown(&self, a: &str, b: &str) -> f64 {
+        self.scenario
+            .slow_links
+            .iter()
+            .find(|(x, y, _)| (x == a && y == b) || (x == b && y == a))
+            .map_or(1.0, |l| l.2)
     }
 }
 
@@ -145,7 +154,8 @@ impl Transport for Fake {
         // cut: it fails at its deadline; else the slower of the two sets the pace.
         let fails =
             s.dead.contains(&partner) || s.hung.contains(&partner) || self.cut(&to.node, &partner);
-        let secs = self.seconds(&to.node).max(self.seconds(&partner));
+        let secs = self.seconds(&to.node).max(self.seconds(&partner))
+            * self.link_slowdown(&to.node, &partner);
         let took = if fails {
             timeout
         } else {
@@ -397,6 +407,66 @@ async fn straggler_with_its_slowdown() {
     assert!((3.5..=4.5).contains(&ratio), "{ratio}");
 }
 
+/// Issue 28: a pair 2.5x slower than every other pair, both nodes normal with other partners
+/// (a link flapping every 300 ms), gave no verdict at all, also when the link touched the
+/// coordinator's node (n0). Now it is published as a degraded link with its slowdown, and the
+/// conclusion each end receives records `PEER_LINK_DEGRADED` on the link to the other.
+#[tokio::test(start_paused = true)]
+async fn a_slow_link_is_a_degraded_link() {
+    for (a, b) in [("n2", "n3"), ("n0", "n1")] {
+        let sc = Scenario {
+            slow_links: vec![(a.into(), b.into(), 2.5)],
+            ..Default::default()
+        };
+        let (s, fake, _) = run(8, sc).await;
+        assert_eq!(
+            verdicts(&s),
+            vec![("degraded_link".to_string(), names(&[a, b]))],
+            "{a}-{b}"
+        );
+        let ratio = s.verdicts[0].slowdown.unwrap();
+        assert!((2.3..=2.7).contains(&ratio), "{ratio}");
+        assert_eq!(s.rounds.len(), 3);
+        // `faultline check` gets it back from the published run with its slowdown.
+        let r = crate::peer::service::result_of(&s);
+        assert_eq!(
+            r.verdicts[0].kind(),
+            faultline_proto::v1::verdict::Kind::DegradedLink
+        );
+        assert_eq!(r.verdicts[0].slowdown, ratio);
+        let told = fake.concluded.lock().unwrap().clone();
+        assert_eq!(told.len(), 8);
+        for (me, partner) in [(a, b), (b, a)] {
+            let (_, c) = told.iter().find(|(n, _)| n == me).unwrap();
+            let v = wire::from_proto(&c.members, &c.verdicts).unwrap();
+            let i = c.members.iter().position(|m| m == me).unwrap();
+            let obs = faultline_core::peer::verdicts::observe(&c.members, i, &v, &c.run_id, None);
+            let codes: Vec<(String, String)> = obs
+                .iter()
+                .filter_map(|o| match o {
+                    faultline_core::engine::Observation::Level { present, .. } => Some(present),
+                    _ => None,
+                })
+                .flatten()
+                .map(|sig| {
+                    (
+                        sig.code.to_string(),
+                        sig.device
+                            .as_ref()
+                            .and_then(|d| d.name.clone())
+                            .unwrap_or_default(),
+                    )
+                })
+                .collect();
+            assert_eq!(
+                codes,
+                [("PEER_LINK_DEGRADED".to_string(), format!("link:{partner}"))],
+                "{me}"
+            );
+        }
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn all_three_at_once_and_busy_nodes_skipped() {
     let sc = Scenario {
@@ -455,6 +525,7 @@ fn verdict_kind_names_round_trip() {
     for k in [
         Kind::FaultyNode,
         Kind::BrokenLink,
+        Kind::DegradedLink,
         Kind::Straggler,
         Kind::Unknown,
     ] {

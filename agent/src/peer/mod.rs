@@ -1,5 +1,5 @@
 //! Peer-paired collective checks: agents check each other in pairs and the coordinator locates
-//! faulty nodes, broken links and stragglers from the results.
+//! faulty nodes, broken and degraded links and stragglers from the results.
 //!
 //! - `pairing`: the pure core (the planner and its verdicts, plus a simulator);
 //! - `coordinator`: runs a run over a transport and publishes it; `lease` (Kubernetes) and
@@ -7,7 +7,8 @@
 //! - `service`: the gRPC service every agent serves, and the coordinator's client;
 //! - `members`: who takes part (agent pods, or a members file); `publish`: where runs go;
 //! - `runner`: the probe as a child process with a hard deadline; `verdicts`: a run's verdicts
-//!   as this node's fault record (`PEER_UNREACHABLE`, `PEER_LINK_FAILED`, `STRAGGLER`);
+//!   as this node's fault record (`PEER_UNREACHABLE`, `PEER_LINK_FAILED`,
+//!   `PEER_LINK_DEGRADED`, `STRAGGLER`);
 //! - `wire`: signing, the secret file, verdicts on the wire; `busy`: whether the GPUs run work;
 //! - `authz`: who may send what (the current coordinator, current members' addresses, this
 //!   agent's policy bounds).

@@ -90,6 +90,14 @@ pub fn to_proto(members: &[String], v: &Verdicts) -> Vec<Verdict> {
             ..Default::default()
         });
     }
+    for (l, &ratio) in &v.degraded_links {
+        out.push(Verdict {
+            kind: Kind::DegradedLink as i32,
+            nodes: vec![name(l.a()), name(l.b())],
+            slowdown: ratio,
+            ..Default::default()
+        });
+    }
     for (&n, &ratio) in &v.stragglers {
         out.push(Verdict {
             kind: Kind::Straggler as i32,
@@ -136,6 +144,19 @@ pub fn from_proto(members: &[String], verdicts: &[Verdict]) -> Result<Verdicts, 
                 }
                 _ => return Err("a broken link needs two distinct nodes".into()),
             },
+            Ok(Kind::DegradedLink) => match v.nodes.as_slice() {
+                [a, b] if a != b => {
+                    if !(v.slowdown.is_finite() && v.slowdown >= 1.0) {
+                        return Err(format!(
+                            "degraded link slowdown {} is not a ratio >= 1",
+                            v.slowdown
+                        ));
+                    }
+                    out.degraded_links
+                        .insert(Pair::new(id(a)?, id(b)?), v.slowdown);
+                }
+                _ => return Err("a degraded link needs two distinct nodes".into()),
+            },
             Ok(Kind::Straggler) => {
                 if !(v.slowdown.is_finite() && v.slowdown >= 1.0) {
                     return Err(format!(
@@ -166,9 +187,10 @@ mod tests {
         v.faulty.insert(0);
         v.broken_links.insert(Pair::new(2, 1));
         v.stragglers.insert(3, 2.5);
+        v.degraded_links.insert(Pair::new(3, 0), 2.4);
         v.unknown.insert(1, "round limit reached".into());
         let wire = to_proto(&members, &v);
-        assert_eq!(wire.len(), 4);
+        assert_eq!(wire.len(), 5);
         assert_eq!(from_proto(&members, &wire).unwrap(), v);
     }
 
@@ -186,6 +208,8 @@ mod tests {
             (v(Kind::FaultyNode, &["a", "b"], 0.0), "one node"),
             (v(Kind::BrokenLink, &["a", "a"], 0.0), "two distinct"),
             (v(Kind::Straggler, &["a"], f64::NAN), "ratio"),
+            (v(Kind::DegradedLink, &["a", "a"], 2.0), "two distinct"),
+            (v(Kind::DegradedLink, &["a", "b"], 0.0), "ratio"),
             (v(Kind::Unspecified, &["a"], 0.0), "not known"),
         ] {
             let e = from_proto(&members, &[bad]).unwrap_err();

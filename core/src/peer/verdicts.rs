@@ -4,6 +4,8 @@
 //!   `PEER_PROBE_FAILED` instead when the agent knows its own probe could not run, with the
 //!   cause (the agent answered every call: it is not unreachable);
 //! - `PEER_LINK_FAILED` on `link:<partner>` for each broken link it is an end of;
+//! - `PEER_LINK_DEGRADED` on `link:<partner>` for each degraded link it is an end of (slow in
+//!   two measurements while both nodes are normal with others), with the slowdown;
 //! - `STRAGGLER` on the node, with the slowdown in the message.
 //!
 //! The observations are `Level`s (domain `peer`), so a later run that finds the node fine clears
@@ -11,7 +13,7 @@
 //! nothing; nor does a run change the link to a partner it did not judge (not a member of the run,
 //! as in a job's pre-flight check of a few nodes, or `unknown` in it).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use super::pairing::{NodeId, Verdicts};
 use crate::catalog::FaultCode;
@@ -86,10 +88,18 @@ pub fn observe(
         .filter(|l| l.has(me))
         .map(|l| l.other(me))
         .collect();
-    // The partners whose link to this node the run judged: broken, or fine because both ends
-    // were judged and no broken link between them was found.
-    let judged = (0..members.len())
-        .filter(|p| *p != me && (broken.contains(p) || !verdicts.unknown.contains_key(p)));
+    let degraded: BTreeMap<NodeId, f64> = verdicts
+        .degraded_links
+        .iter()
+        .filter(|(l, _)| l.has(me))
+        .map(|(l, r)| (l.other(me), *r))
+        .collect();
+    // The partners whose link to this node the run judged: broken or degraded, or fine because
+    // both ends were judged and no broken or degraded link between them was found.
+    let judged = (0..members.len()).filter(|p| {
+        *p != me
+            && (broken.contains(p) || degraded.contains_key(p) || !verdicts.unknown.contains_key(p))
+    });
     let mut out = vec![Observation::Level {
         source: Source::Peer,
         device: Some(DeviceRef::named("node")),
@@ -104,6 +114,12 @@ pub fn observe(
                 "PEER_LINK_FAILED",
                 &device,
                 format!("peer check {run_id}: the path between {my_name} and {partner} fails while both pass with others"),
+            )]
+        } else if let Some(ratio) = degraded.get(&p) {
+            vec![signal(
+                "PEER_LINK_DEGRADED",
+                &device,
+                format!("peer check {run_id}: the path between {my_name} and {partner} is {ratio:.2}x slower than the round, in two measurements, while both are normal with others"),
             )]
         } else {
             Vec::new()
@@ -126,7 +142,6 @@ mod tests {
     use crate::peer::pairing::{simulate, Pair, PairingConfig, Truth};
     use crate::policy::Policy;
     use crate::record::{Handling, Health};
-    use std::collections::BTreeMap;
 
     fn members(n: usize) -> Vec<String> {
         (0..n).map(|i| format!("gpu-{i}")).collect()
@@ -235,6 +250,54 @@ mod tests {
                 "gpu-{i}: {:?}",
                 active(e, policy)
             );
+        }
+    }
+
+    /// Issue 28: a degraded link (a pair slow in two measurements, both nodes normal with
+    /// others) reaches both ends' records as `PEER_LINK_DEGRADED` on the link, with the
+    /// slowdown, sub-health only (the nodes stay Healthy, nothing else is blamed), and a later
+    /// clean run clears it.
+    #[test]
+    fn a_degraded_link_reaches_both_ends_and_clears() {
+        let (policy, ctx) = ctx();
+        let m = members(8);
+        let truth = Truth {
+            degraded_links: BTreeMap::from([(Pair::new(2, 3), 2.5)]),
+            noise: 0.02,
+            ..Truth::default()
+        };
+        let (v, _, _) = simulate((0..8).collect(), &truth, PairingConfig::default());
+        let mut engines: Vec<Engine> = (0..8).map(|_| Engine::new()).collect();
+        for (i, e) in engines.iter_mut().enumerate() {
+            for o in observe(&m, i, &v, "run-1", None) {
+                e.step(ctx, o, t(0));
+            }
+        }
+        assert_eq!(
+            active(&engines[2], policy),
+            ["PEER_LINK_DEGRADED@link:gpu-3"]
+        );
+        assert_eq!(
+            active(&engines[3], policy),
+            ["PEER_LINK_DEGRADED@link:gpu-2"]
+        );
+        let view = engines[2].view(policy);
+        let f = &view.faults[0];
+        assert!(
+            f.message.contains("2.5") || f.message.contains("2.4"),
+            "{}",
+            f.message
+        );
+        assert_eq!(f.fault_handling, Handling::SubHealthFault);
+        assert_eq!(view.health, Health::Healthy);
+        for i in [0, 1, 4, 5, 6, 7] {
+            assert!(active(&engines[i], policy).is_empty(), "gpu-{i}");
+        }
+        for (i, e) in engines.iter_mut().enumerate() {
+            for o in observe(&m, i, &Verdicts::default(), "run-2", None) {
+                e.step(ctx, o, t(1800));
+            }
+            assert!(active(e, policy).is_empty(), "gpu-{i}");
         }
     }
 

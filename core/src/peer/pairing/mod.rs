@@ -7,7 +7,8 @@
 //! takes part in two checks (that check's time is not used for straggler statistics). Later
 //! rounds pair every unresolved node with a distinct node that has passed a check and that it has
 //! not yet been paired with; with no such node, unresolved nodes are paired among themselves.
-//! Nodes with one slow check are measured again against a normal node, and a later round gets
+//! Nodes with one slow check are measured again against a normal node; a pair slow once whose
+//! nodes are both normal with other partners is measured again itself; and a later round gets
 //! up to 3 reference checks between normal nodes: its own yardstick for time and for load.
 //!
 //! What the evidence means (docs/peer-checks.md):
@@ -20,6 +21,13 @@
 //! - **straggler**: slow with at least two distinct partners, each check against its own round
 //!   (the lower median of the round's other reference times): slower by `straggler_ratio` and
 //!   by `straggler_mads` median absolute deviations;
+//! - **degraded link**: a pair whose exclusive checks were slow by the same test (the same
+//!   `straggler_ratio`, chosen above the slowest check measured under load; one slow check
+//!   alone may still be noise) in two rounds, the second a re-check planned for it, while neither node is a
+//!   straggler and each has a check with another partner that was not slow. Neither node is
+//!   blamed. A pair slow once and normal when measured again gets nothing. A degraded link
+//!   between round-1 neighbours is named in 3 rounds (round 2 clears each node with a normal
+//!   partner, round 3 re-checks the pair); one no round-1 check used is not found by the run;
 //! - **unknown**: still unresolved when no informative pair is left, the round limit is
 //!   reached, or checks kept timing out under load, with the reason.
 //!
@@ -122,6 +130,9 @@ pub struct Verdicts {
     /// Straggler -> its slowdown: over its comparable checks, each check's time over its own
     /// round's median; the lower median of those (one check slowed by noise does not inflate it).
     pub stragglers: BTreeMap<NodeId, f64>,
+    /// Degraded link -> its slowdown: the lower median of its exclusive checks' times over
+    /// their rounds' references (all of them slow, at least two).
+    pub degraded_links: BTreeMap<Pair, f64>,
     /// Unresolved nodes and why.
     pub unknown: BTreeMap<NodeId, String>,
 }
@@ -131,6 +142,7 @@ impl Verdicts {
         self.faulty.is_empty()
             && self.broken_links.is_empty()
             && self.stragglers.is_empty()
+            && self.degraded_links.is_empty()
             && self.unknown.is_empty()
     }
 }
@@ -145,6 +157,9 @@ enum Role {
     /// A node with one slow check, measured again against a normal node: the checks the round
     /// judges, never its reference.
     Remeasure,
+    /// A pair with one slow check whose nodes are both normal with other partners, measured
+    /// again: slow again is a degraded link. Judged, never a reference.
+    Relink,
     /// Two normal nodes: the round's reference, for time and for load.
     Reference,
 }
@@ -249,6 +264,10 @@ struct Evidence {
     slow_suspects: BTreeSet<NodeId>,
     /// Good nodes none of whose comparable checks was slow.
     normal: BTreeSet<NodeId>,
+    /// Pairs with one comparable check, slow, whose nodes are both normal with other partners:
+    /// need a second measurement of the pair.
+    link_suspects: BTreeSet<Pair>,
+    degraded: BTreeMap<Pair, f64>,
 }
 
 fn median(v: &mut [f64]) -> f64 {
@@ -496,6 +515,15 @@ impl Planner {
                 plan.push(exclusive(s, g, Role::Remeasure));
             }
         }
+        // A second measurement of a pair slow once whose nodes are normal with others.
+        for &p in &ev.link_suspects {
+            if used.contains(&p.a()) || used.contains(&p.b()) {
+                continue;
+            }
+            used.insert(p.a());
+            used.insert(p.b());
+            plan.push(exclusive(p.a(), p.b(), Role::Relink));
+        }
         if plan.is_empty() {
             if !ev.unresolved.is_empty() || !ev.slow_suspects.is_empty() {
                 self.stop_reason = Some("no untried partner left that could tell".into());
@@ -618,7 +646,7 @@ impl Planner {
 
     /// Whether a record belongs to its round's reference times.
     fn is_reference(r: &Record) -> bool {
-        r.check.exclusive && r.role != Role::Remeasure
+        r.check.exclusive && !matches!(r.role, Role::Remeasure | Role::Relink)
     }
 
     fn evidence(&self) -> Evidence {
@@ -729,6 +757,44 @@ impl Planner {
                 ev.slow_suspects.insert(n);
             }
         }
+        // Degraded links: pairs with a slow exclusive check whose nodes are both good, neither a
+        // straggler, and each normal in a check with another partner. Every exclusive check of
+        // the pair slow, at least two: a degraded link; exactly one (and the pair not checked
+        // again since, nor voided): measure the pair again.
+        let mut by_pair: BTreeMap<Pair, Vec<(f64, bool)>> = BTreeMap::new();
+        for r in self.history.iter().filter(|r| r.check.exclusive) {
+            if let Some(j) = judge(r) {
+                by_pair.entry(r.check.pair).or_default().push(j);
+            }
+        }
+        let normal_elsewhere = |n: NodeId, p: Pair| {
+            self.history
+                .iter()
+                .filter(|r| r.check.pair.has(n) && r.check.pair != p)
+                .any(|r| judge(r).is_some_and(|(_, slow)| !slow))
+        };
+        for (p, judged) in by_pair {
+            let (a, b) = (p.a(), p.b());
+            if !judged.iter().any(|x| x.1)
+                || !ev.good.contains(&a)
+                || !ev.good.contains(&b)
+                || ev.stragglers.contains_key(&a)
+                || ev.stragglers.contains_key(&b)
+                || !normal_elsewhere(a, p)
+                || !normal_elsewhere(b, p)
+            {
+                continue;
+            }
+            if judged.len() >= 2 && judged.iter().all(|x| x.1) {
+                let mut ratios: Vec<f64> = judged.iter().map(|x| x.0).collect();
+                ev.degraded.insert(p, lower_median(&mut ratios));
+            } else if judged.len() == 1
+                && !self.voided.contains(&p)
+                && self.history.iter().filter(|r| r.check.pair == p).count() == 1
+            {
+                ev.link_suspects.insert(p);
+            }
+        }
         ev
     }
 
@@ -759,6 +825,7 @@ impl Planner {
             faulty: ev.faulty,
             broken_links: ev.links,
             stragglers: ev.stragglers,
+            degraded_links: ev.degraded,
             unknown,
         }
     }
@@ -776,8 +843,8 @@ fn pass_time(o: Outcome) -> Option<f64> {
 /// come out. Every random draw is a hash of (pair, round), so a run is deterministic.
 ///
 /// The noise model (docs/peer-checks.md, "Guarantees"): a check's time is 1 s times the slower
-/// member's slowdown, times the round's slowdown (machine load: every check of a round slower
-/// by the same factor), times jitter, and one check per round (a check, not a node) is slower
+/// member's slowdown, times its link's slowdown (a degraded link), times the round's slowdown
+/// (machine load: every check of a round slower by the same factor), times jitter, and one check per round (a check, not a node) is slower
 /// again.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Truth {
@@ -785,6 +852,9 @@ pub struct Truth {
     pub broken_links: BTreeSet<Pair>,
     /// Node -> slowdown factor (2.0: its checks take twice as long).
     pub slow: BTreeMap<NodeId, f64>,
+    /// Degraded link -> slowdown factor of the checks between its two nodes (the nodes are
+    /// normal with everyone else).
+    pub degraded_links: BTreeMap<Pair, f64>,
     /// Relative jitter on check times (0.05: up to ±5 %).
     pub noise: f64,
     /// Every check of a round is slower by a factor drawn per round from 1 to this (3.0: up to
@@ -850,7 +920,8 @@ impl Truth {
         let r = round as u64;
         let jitter = 1.0 + self.noise * (2.0 * unit(p.a() as u64, p.b() as u64, r, 0) - 1.0);
         let load = up_to(self.round_slowdown, unit(0, 0, r, 1));
-        let seconds = 1.0 * slow(p.a()).max(slow(p.b())) * load * jitter * extra;
+        let link = self.degraded_links.get(&p).copied().unwrap_or(1.0);
+        let seconds = 1.0 * slow(p.a()).max(slow(p.b())) * link * load * jitter * extra;
         if self.deadline > 0.0 && seconds > self.deadline * deadline_factor {
             return Outcome::TimedOut;
         }

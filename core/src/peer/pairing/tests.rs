@@ -94,14 +94,15 @@ fn one_slow_check_then_a_slower_round_is_no_straggler() {
             seconds: t * wobble(r, p),
         }
     };
-    // At the old ratio 1.5 the first check is slow and 0 and 1 are measured again ...
+    // At the old ratio 1.5 the first check is slow: 0 and 1 are measured again with other
+    // partners (round 2), then the pair itself (round 3: a degraded link if slow again) ...
     let old = PairingConfig {
         straggler_ratio: 1.5,
         ..PairingConfig::default()
     };
     let (v, rounds) = drive(12, old, time);
     assert!(v.is_clean(), "{v:?}");
-    assert_eq!(rounds, 2);
+    assert_eq!(rounds, 3);
     // ... at the default (chosen from measured noise) 1.59x is not slow at all.
     let (v, rounds) = drive(12, PairingConfig::default(), time);
     assert!(v.is_clean(), "{v:?}");
@@ -207,6 +208,98 @@ fn a_straggler_is_found_with_its_slowdown() {
     assert!((2.7..3.3).contains(&ratio), "{ratio}");
     assert_eq!(v.stragglers.len(), 1);
     assert_eq!(rounds, 2);
+}
+
+/// Issue 28: a link flapping every 300 ms made one pair run 2.5x slower than every other pair
+/// while both nodes were normal with other partners, and the run gave no verdict at all (the
+/// two nodes were re-measured with normal partners, cleared, and the slow pair forgotten). Now
+/// the pair is measured again and named a degraded link, in 3 rounds, blaming neither node;
+/// also when the link is the first pair of round 1 (0-1).
+#[test]
+fn a_pair_slow_in_every_round_is_a_degraded_link() {
+    for (n, link) in [
+        (8, Pair::new(2, 3)),
+        (8, Pair::new(0, 1)),
+        (12, Pair::new(6, 7)),
+    ] {
+        let (v, rounds) = drive(n, PairingConfig::default(), |r, p| {
+            let slow = if p == link { 2.5 } else { 1.0 };
+            Outcome::Pass {
+                seconds: slow * wobble(r, p),
+            }
+        });
+        assert_eq!(
+            v.degraded_links.keys().copied().collect::<Vec<_>>(),
+            [link],
+            "{n} {link:?}: {v:?}"
+        );
+        let ratio = v.degraded_links[&link];
+        assert!((2.3..2.7).contains(&ratio), "{ratio}");
+        assert!(
+            v.faulty.is_empty()
+                && v.stragglers.is_empty()
+                && v.broken_links.is_empty()
+                && v.unknown.is_empty(),
+            "{v:?}"
+        );
+        assert_eq!(rounds, 3, "{n} {link:?}");
+    }
+    // The same on the simulator, with its noise model (whole rounds up to 5x slower, one check
+    // per round up to 1.6x).
+    let truth = noisy(Truth {
+        degraded_links: BTreeMap::from([(Pair::new(4, 5), 2.5)]),
+        ..Truth::default()
+    });
+    let (v, rounds, _) = run(12, &truth);
+    assert_eq!(
+        v.degraded_links.keys().copied().collect::<Vec<_>>(),
+        [Pair::new(4, 5)],
+        "{v:?}"
+    );
+    assert!(v.stragglers.is_empty() && v.faulty.is_empty() && v.unknown.is_empty());
+    assert_eq!(rounds, 3);
+}
+
+/// One slow check of a pair is noise until the pair is slow again: a pair 2.5x slow in round 1
+/// and normal when re-measured gets nothing, and neither node is blamed.
+#[test]
+fn a_pair_slow_once_and_normal_again_is_nothing() {
+    let link = Pair::new(2, 3);
+    let (v, rounds) = drive(8, PairingConfig::default(), |r, p| {
+        let slow = if p == link && r == 1 { 2.5 } else { 1.0 };
+        Outcome::Pass {
+            seconds: slow * wobble(r, p),
+        }
+    });
+    assert!(v.is_clean(), "{v:?}");
+    assert_eq!(
+        rounds, 3,
+        "round 2 clears both nodes, round 3 re-measures the pair"
+    );
+}
+
+/// A node slow with every partner is a straggler, not the end of a degraded link: its
+/// round-1 partner is cleared by its normal check elsewhere, and the pair is not re-measured.
+#[test]
+fn a_straggler_is_not_a_degraded_link() {
+    for slowdown in [2.5, 4.0] {
+        let (v, rounds) = drive(8, PairingConfig::default(), |r, p| {
+            let slow = if p.has(2) { slowdown } else { 1.0 };
+            Outcome::Pass {
+                seconds: slow * wobble(r, p),
+            }
+        });
+        assert_eq!(
+            v.stragglers.keys().copied().collect::<Vec<_>>(),
+            [2],
+            "{v:?}"
+        );
+        assert!(
+            v.degraded_links.is_empty() && v.faulty.is_empty() && v.unknown.is_empty(),
+            "{v:?}"
+        );
+        assert_eq!(rounds, 2);
+    }
 }
 
 /// An unjudged check (the coordinator could not assign it, a report was lost) is no evidence:
@@ -447,7 +540,7 @@ proptest! {
         let truth = noisy(faulty(&[f]));
         let (v, rounds, _) = simulate(shuffled(n, seed), &truth, PairingConfig::default());
         prop_assert_eq!(&v.faulty, &BTreeSet::from([f]));
-        prop_assert!(v.broken_links.is_empty() && v.stragglers.is_empty() && v.unknown.is_empty(), "{:?}", v);
+        prop_assert!(v.broken_links.is_empty() && v.stragglers.is_empty() && v.degraded_links.is_empty() && v.unknown.is_empty(), "{:?}", v);
         prop_assert!(rounds <= 2, "{} rounds", rounds);
     }
 
@@ -458,7 +551,7 @@ proptest! {
         let truth = noisy(Truth { faulty: pick(n, k, seed), ..Truth::default() });
         let (v, rounds, _) = simulate(shuffled(n, seed), &truth, PairingConfig::default());
         prop_assert_eq!(&v.faulty, &truth.faulty);
-        prop_assert!(v.broken_links.is_empty() && v.unknown.is_empty(), "{:?}", v);
+        prop_assert!(v.broken_links.is_empty() && v.degraded_links.is_empty() && v.unknown.is_empty(), "{:?}", v);
         prop_assert!(rounds <= 3, "{} rounds for {} of {}", rounds, k, n);
     }
 
@@ -511,7 +604,7 @@ proptest! {
         let truth = noisy(Truth { hung: pick(n, k, seed), ..Truth::default() });
         let (v, rounds, _) = simulate(shuffled(n, seed), &truth, PairingConfig::default());
         prop_assert_eq!(&v.faulty, &truth.hung);
-        prop_assert!(v.broken_links.is_empty() && v.stragglers.is_empty() && v.unknown.is_empty(), "{:?}", v);
+        prop_assert!(v.broken_links.is_empty() && v.stragglers.is_empty() && v.degraded_links.is_empty() && v.unknown.is_empty(), "{:?}", v);
         prop_assert!(rounds <= 3, "{} rounds for {} of {}", rounds, k, n);
     }
 
@@ -522,11 +615,33 @@ proptest! {
     fn overload_blames_nobody(n in 2usize..200, load in 1.0f64..8.0, deadline in 2.0f64..4.0, seed in any::<u64>()) {
         let truth = Truth { noise: 0.1, round_slowdown: load, slow_check: SLOW_CHECK, deadline, ..Truth::default() };
         let (v, rounds, _) = simulate(shuffled(n, seed), &truth, PairingConfig::default());
-        prop_assert!(v.faulty.is_empty() && v.broken_links.is_empty() && v.stragglers.is_empty(), "{:?}", v);
+        prop_assert!(v.faulty.is_empty() && v.broken_links.is_empty() && v.stragglers.is_empty() && v.degraded_links.is_empty(), "{:?}", v);
         for why in v.unknown.values() {
             prop_assert!(why.contains("timed out"), "{}", why);
         }
         prop_assert!(rounds <= 6);
+    }
+
+    /// One degraded link (2.25x to 10x slower, between round-1 neighbours: a link the run
+    /// exercises) among N >= 10 nodes under the noise model is found, exactly, with about its
+    /// slowdown, in at most 3 rounds, and nobody is blamed for it. (Below 10, round 1 has 2 to
+    /// 4 exclusive checks, and the model's one slow check of the round, up to 1.6x, can lift
+    /// the pair's reference or the round's MAD above it: at N = 6, 7 and 9 some placements go
+    /// unnamed, as stragglers would.)
+    #[test]
+    fn a_degraded_link_is_found_and_blames_nobody(n in 10usize..300, at in any::<prop::sample::Index>(), factor in 2.25f64..10.0, seed in any::<u64>()) {
+        let order = shuffled(n, seed);
+        // An exclusive round-1 pair: with an odd count the first pair shares its first node.
+        let first_exclusive = usize::from(n % 2 == 1);
+        let i = first_exclusive + at.index(n / 2 - first_exclusive);
+        let link = Pair::new(order[2 * i], order[2 * i + 1]);
+        let truth = noisy(Truth { degraded_links: BTreeMap::from([(link, factor)]), ..Truth::default() });
+        let (v, rounds, _) = simulate(order, &truth, PairingConfig::default());
+        prop_assert_eq!(v.degraded_links.keys().copied().collect::<Vec<_>>(), vec![link], "{:?}", v);
+        let r = v.degraded_links[&link];
+        prop_assert!(r / factor > 0.88 && r / factor < 1.12 * SLOW_CHECK, "ratio {} for {}x", r, factor);
+        prop_assert!(v.faulty.is_empty() && v.broken_links.is_empty() && v.stragglers.is_empty() && v.unknown.is_empty(), "{:?}", v);
+        prop_assert!(rounds <= 3, "{} rounds", rounds);
     }
 
     /// Stragglers (at most N/8, slowed 2.25x to 10x) are found with about their slowdown, and
@@ -543,7 +658,7 @@ proptest! {
         for r in v.stragglers.values() {
             prop_assert!(r / factor > 0.88 && r / factor < 1.12 * SLOW_CHECK, "ratio {} for {}x", r, factor);
         }
-        prop_assert!(v.faulty.is_empty() && v.broken_links.is_empty() && v.unknown.is_empty(), "{:?}", v);
+        prop_assert!(v.faulty.is_empty() && v.broken_links.is_empty() && v.degraded_links.is_empty() && v.unknown.is_empty(), "{:?}", v);
         prop_assert!(rounds <= 3, "{} rounds", rounds);
     }
 }
