@@ -18,7 +18,8 @@
 //!   two busy processes per core compete for the CPU; records lost (overwritten in the ring
 //!   before they were read) by the agent and by a plain reader of `/dev/kmsg` in the same run.
 //!
-//! `FAULTLINE_BENCH_AGENT=PATH` measures another build of the agent (before and after).
+//! `FAULTLINE_BENCH_AGENT=PATH` measures another build of the agent (before and after);
+//! `FAULTLINE_BENCH_BESIDE=PATH` runs `idle` with that build and this one side by side.
 //!
 //! `cargo bench -p faultline-agent --bench agent [-- latency|storm|standing|idle|loss]
 //!  [--events N] [--idle-secs S] [--standing-lines N] [--loss-records N] [--loss-rate N]
@@ -44,13 +45,18 @@ struct Agent {
 impl Agent {
     /// An agent reading a FIFO in `dir`, with its state and data directories there.
     fn start(dir: &Path) -> Agent {
+        Agent::start_bin(dir, &agent_binary())
+    }
+
+    /// [`Agent::start`] with the agent binary `bin`.
+    fn start_bin(dir: &Path, bin: &Path) -> Agent {
         let fifo_path = dir.join("kmsg");
         let st = Command::new("mkfifo")
             .arg(&fifo_path)
             .status()
             .expect("mkfifo");
         assert!(st.success());
-        let child = Agent::spawn(dir, &fifo_path, dir, &[]);
+        let child = Agent::spawn_bin(bin, dir, &fifo_path, dir, &[]);
         // Opening the write end blocks until the agent opens the read end.
         let fifo = std::fs::OpenOptions::new()
             .write(true)
@@ -85,8 +91,12 @@ impl Agent {
     }
 
     fn spawn(run: &Path, log: &Path, disk: &Path, extra: &[&str]) -> Child {
+        Agent::spawn_bin(&agent_binary(), run, log, disk, extra)
+    }
+
+    fn spawn_bin(bin: &Path, run: &Path, log: &Path, disk: &Path, extra: &[&str]) -> Child {
         std::fs::write(run.join("boot_id"), "bench\n").unwrap();
-        Command::new(agent_binary())
+        Command::new(bin)
             .arg("--kmsg-path")
             .arg(log)
             .arg("--state-dir")
@@ -134,6 +144,19 @@ impl Agent {
                     .and_then(|v| v.trim().parse().ok())
             })
             .unwrap_or(0.0)
+    }
+
+    /// Waits until the agent's count of kernel-log records read stays the same for `quiet`.
+    fn wait_read_settled(&self, quiet: Duration) {
+        let mut last = -1.0;
+        loop {
+            std::thread::sleep(quiet);
+            let now = self.metric("faultline_kmsg_records_total");
+            if now == last {
+                return;
+            }
+            last = now;
+        }
     }
 
     fn status(&self, key: &str) -> u64 {
@@ -472,7 +495,62 @@ fn sample(a: &Agent, secs: u64) -> ([u64; 3], f64) {
     (med, cpu)
 }
 
+/// `idle` with `FAULTLINE_BENCH_BESIDE=PATH`: that build and this one (or
+/// `FAULTLINE_BENCH_AGENT`) idle in the same minutes, sampled together: RSS medians, and CPU by
+/// clock ticks and by the threads' scheduler run time (`/proc/PID/task/*/schedstat`, in
+/// nanoseconds: finer than a tick).
+fn idle_beside(other: &Path, secs: u64) {
+    let bins = [other.to_path_buf(), agent_binary()];
+    let dirs: Vec<_> = bins.iter().map(|_| tempfile::tempdir().unwrap()).collect();
+    let agents: Vec<Agent> = bins
+        .iter()
+        .zip(&dirs)
+        .map(|(b, d)| Agent::start_bin(d.path(), b))
+        .collect();
+    std::thread::sleep(Duration::from_secs(5));
+    let run_ns = |a: &Agent| -> u64 {
+        std::fs::read_dir(format!("/proc/{}/task", a.child.id()))
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("schedstat")).ok())
+            .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            .sum()
+    };
+    let t0 = Instant::now();
+    let c0: Vec<_> = agents.iter().map(|a| (a.cpu_ticks(), run_ns(a))).collect();
+    let mut rss: Vec<[Vec<u64>; 3]> = agents.iter().map(|_| Default::default()).collect();
+    while t0.elapsed() < Duration::from_secs(secs) {
+        std::thread::sleep(Duration::from_secs(1));
+        for (a, v) in agents.iter().zip(&mut rss) {
+            for (k, key) in ["VmRSS:", "RssAnon:", "RssFile:"].iter().enumerate() {
+                v[k].push(a.status(key));
+            }
+        }
+    }
+    let el = t0.elapsed().as_secs_f64();
+    for ((a, (ticks0, ns0)), (bin, v)) in agents.iter().zip(&c0).zip(bins.iter().zip(rss)) {
+        let ticks = a.cpu_ticks() - ticks0;
+        let ns = run_ns(a) - ns0;
+        let med = v.map(|mut x| {
+            x.sort_unstable();
+            x[x.len() / 2] as f64 / 1024.0
+        });
+        println!(
+            "idle beside: {}: {secs} s: RSS median {:.1} MiB (anonymous {:.1}, file-backed {:.1}); CPU {ticks} ticks = {:.3} %, schedstat {:.3} %; binary {} bytes",
+            bin.display(),
+            med[0],
+            med[1],
+            med[2],
+            ticks as f64 / 100.0 / el * 100.0,
+            ns as f64 / 1e9 / el * 100.0,
+            std::fs::metadata(bin).map(|m| m.len()).unwrap_or(0)
+        );
+    }
+}
+
 fn idle(secs: u64) {
+    if let Some(other) = std::env::var_os("FAULTLINE_BENCH_BESIDE") {
+        return idle_beside(Path::new(&other), secs);
+    }
     let dir = tempfile::tempdir().unwrap();
     let mut a = Agent::start(dir.path());
     std::thread::sleep(Duration::from_secs(3));
@@ -585,15 +663,7 @@ fn loss_run(records: u64, rate: u64) -> Loss {
     let disk = tempfile::tempdir().unwrap();
     let a = Agent::following(run.path(), disk.path(), Path::new("/dev/kmsg"), FOLLOW);
     // The agent reads the ring from its oldest record at first start: wait until it is done.
-    let mut last = -1.0;
-    loop {
-        std::thread::sleep(Duration::from_millis(300));
-        let now = a.metric("faultline_kmsg_records_total");
-        if now == last {
-            break;
-        }
-        last = now;
-    }
+    a.wait_read_settled(Duration::from_millis(300));
     let lost0 = a.metric("faultline_kmsg_lost_records_total");
     let read0 = a.metric("faultline_kmsg_records_total");
     let out = run.path().join("plain-lost");
@@ -649,15 +719,7 @@ fn loss_run(records: u64, rate: u64) -> Loss {
         std::thread::sleep(Duration::from_millis(50));
     }
     // The agent has read everything once its count of records stops moving.
-    let mut last = -1.0;
-    loop {
-        std::thread::sleep(Duration::from_millis(500));
-        let now = a.metric("faultline_kmsg_records_total");
-        if now == last {
-            break;
-        }
-        last = now;
-    }
+    a.wait_read_settled(Duration::from_millis(500));
     let agent_lost = (a.metric("faultline_kmsg_lost_records_total") - lost0) as u64;
     let agent_read = (a.metric("faultline_kmsg_records_total") - read0) as u64;
     let agent_cpu = a.cpu_ticks() - cpu0.0;

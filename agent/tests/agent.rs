@@ -1102,6 +1102,14 @@ fn forged_kernel_lines_are_no_fault() {
 /// ring and waits for what it wrote.
 static REAL_KMSG: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// The agent's arguments for reading the machine's kernel log, as on a node.
+const REAL_KMSG_ARGS: [&str; 4] = [
+    "--kmsg-path",
+    "/dev/kmsg",
+    "--boot-id-path",
+    "/proc/sys/kernel/random/boot_id",
+];
+
 /// What the test reads back from the machine's kernel log: (facility, seq, message) of every
 /// record in the ring now.
 fn kernel_ring() -> Vec<(u32, u64, String)> {
@@ -1321,12 +1329,7 @@ fn real_dev_kmsg_forgeries_are_ignored() {
 
     // 3. The agent reads the whole ring; nothing of it is a fault of ours.
     let dir = tempfile::tempdir().unwrap();
-    let args = [
-        "--kmsg-path",
-        "/dev/kmsg",
-        "--boot-id-path",
-        "/proc/sys/kernel/random/boot_id",
-    ];
+    let args = REAL_KMSG_ARGS;
     // The agent reads the ring from its oldest record, in order: once it has read as many
     // records, and as many user-space ones, as the ring held up to the end line, it has read
     // that line and everything before it. (Skipped records after a restart are not scanned,
@@ -1390,12 +1393,7 @@ fn real_dev_kmsg_position_is_saved_once_the_log_is_quiet() {
     }
     let _ring = REAL_KMSG.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tempfile::tempdir().unwrap();
-    let args = [
-        "--kmsg-path",
-        "/dev/kmsg",
-        "--boot-id-path",
-        "/proc/sys/kernel/random/boot_id",
-    ];
+    let args = REAL_KMSG_ARGS;
     let agent = Agent::start(dir.path(), &args);
     let ring = kernel_ring().len() as f64;
     wait_until(

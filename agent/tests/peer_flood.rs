@@ -111,7 +111,7 @@ fn a_flood_at_the_peer_port_does_not_stop_a_check_or_detection() {
         coordinator.log()
     );
     assert!(
-        stdout.contains("no faulty node, broken link or straggler"),
+        stdout.contains("no faulty node, broken or degraded link, or straggler"),
         "{stdout}"
     );
     let r = coordinator.wait_for("the fault written during the flood", |r| {

@@ -245,7 +245,7 @@ fn eight_agents_in_namespaces_find_exactly_the_injected_faults() {
         (
             "launcher-token",
             0,
-            "no faulty node, broken link or straggler",
+            "no faulty node, broken or degraded link, or straggler",
         ),
         (
             "intruder-token",

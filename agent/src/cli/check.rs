@@ -131,7 +131,7 @@ pub fn check_report(r: &faultline_proto::v1::RunResult, json: bool) -> Outcome {
             if r.rounds == 1 { "" } else { "s" }
         );
         if r.verdicts.is_empty() {
-            out.push_str(", no faulty node, broken link or straggler");
+            out.push_str(", no faulty node, broken or degraded link, or straggler");
         }
         for v in &r.verdicts {
             let line = match v.kind() {
@@ -454,7 +454,7 @@ mod tests {
         assert_eq!(o.code, 0);
         assert_eq!(
             o.message,
-            "run r1: 1 round, no faulty node, broken link or straggler"
+            "run r1: 1 round, no faulty node, broken or degraded link, or straggler"
         );
         let found = RunResult {
             run_id: "r2".into(),

@@ -161,6 +161,19 @@ mod tests {
     }
 
     /// The built-in policy, and a context over it with the built-in catalog.
+    /// A simulated run of `truth` over the members, each node's observations stepped into its
+    /// own engine.
+    fn run_on_engines(m: &[String], truth: &Truth, ctx: Ctx<'_>) -> Vec<Engine> {
+        let (v, _, _) = simulate((0..m.len()).collect(), truth, PairingConfig::default());
+        let mut engines: Vec<Engine> = (0..m.len()).map(|_| Engine::new()).collect();
+        for (i, e) in engines.iter_mut().enumerate() {
+            for o in observe(m, i, &v, "run-1", None) {
+                e.step(ctx, o, t(0));
+            }
+        }
+        engines
+    }
+
     fn ctx() -> (&'static Policy, Ctx<'static>) {
         static P: std::sync::OnceLock<(Policy, Catalog)> = std::sync::OnceLock::new();
         let (policy, catalog) =
@@ -213,13 +226,7 @@ mod tests {
             noise: 0.02,
             ..Truth::default()
         };
-        let (v, _, _) = simulate((0..8).collect(), &truth, PairingConfig::default());
-        let mut engines: Vec<Engine> = (0..8).map(|_| Engine::new()).collect();
-        for (i, e) in engines.iter_mut().enumerate() {
-            for o in observe(&m, i, &v, "run-1", None) {
-                e.step(ctx, o, t(0));
-            }
-        }
+        let mut engines = run_on_engines(&m, &truth, ctx);
         assert_eq!(active(&engines[3], policy), ["PEER_UNREACHABLE@node"]);
         assert_eq!(engines[3].view(policy).health, Health::Degraded);
         assert_eq!(active(&engines[4], policy), ["PEER_LINK_FAILED@link:gpu-5"]);
@@ -266,13 +273,7 @@ mod tests {
             noise: 0.02,
             ..Truth::default()
         };
-        let (v, _, _) = simulate((0..8).collect(), &truth, PairingConfig::default());
-        let mut engines: Vec<Engine> = (0..8).map(|_| Engine::new()).collect();
-        for (i, e) in engines.iter_mut().enumerate() {
-            for o in observe(&m, i, &v, "run-1", None) {
-                e.step(ctx, o, t(0));
-            }
-        }
+        let mut engines = run_on_engines(&m, &truth, ctx);
         assert_eq!(
             active(&engines[2], policy),
             ["PEER_LINK_DEGRADED@link:gpu-3"]
