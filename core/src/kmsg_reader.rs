@@ -345,6 +345,7 @@ impl KmsgReader {
                 // Read before: placed, not counted.
                 self.advance(place);
                 self.counters.skipped();
+                self.remember(message, facility);
                 if self.position().place() >= to.place() {
                     self.replay = None;
                 }
@@ -362,6 +363,7 @@ impl KmsgReader {
             // restart resumes after it.
             self.counters.skipped();
             self.advance(place);
+            self.remember(message, facility);
             self.unsent_cursor = true;
             return;
         }
@@ -474,6 +476,27 @@ impl KmsgReader {
     /// number LOG_KERN (0) is not possible"). So whoever may write `/dev/kmsg` can put any text
     /// in the log, never a facility-0 record. A dmesg-format line (file mode) carries no
     /// facility: it is scanned, since the file's writer already decides everything in it.
+    /// A record skipped because it was counted before (a replay after a restart): nothing is
+    /// sent for it, but it still takes its place in what the next records are judged against,
+    /// so an SXid's `Severity …` line read after a restart merges into the report before it,
+    /// as it did the first time (it was counted once, with its report).
+    fn remember(&mut self, msg: &str, facility: u32) {
+        if facility != KERNEL_FACILITY {
+            return;
+        }
+        self.scanned += 1;
+        if let Some(KernelEvent::Sxid { pci, sxid, .. }) = parse_message(msg) {
+            self.note_sxid(pci, sxid);
+        }
+    }
+
+    fn note_sxid(&mut self, pci: crate::parse::PciAddr, sxid: u32) {
+        if self.recent_sxid.len() == SXID_COMPANION_WITHIN as usize {
+            self.recent_sxid.pop_front();
+        }
+        self.recent_sxid.push_back((pci, sxid, self.scanned));
+    }
+
     fn scan(&mut self, msg: &str, facility: u32, at: Option<Timestamp>) -> Option<Observation> {
         if facility != KERNEL_FACILITY {
             self.counters.user_record();
@@ -484,12 +507,7 @@ impl KmsgReader {
         self.counters.matched(ev.kind());
         let n = self.scanned;
         match &ev {
-            KernelEvent::Sxid { pci, sxid, .. } => {
-                if self.recent_sxid.len() == SXID_COMPANION_WITHIN as usize {
-                    self.recent_sxid.pop_front();
-                }
-                self.recent_sxid.push_back((*pci, *sxid, n));
-            }
+            KernelEvent::Sxid { pci, sxid, .. } => self.note_sxid(*pci, *sxid),
             KernelEvent::SxidSeverity { pci, sxid, .. } => {
                 let merged = self
                     .recent_sxid
@@ -813,6 +831,30 @@ mod tests {
             2,
             "{got:?}"
         );
+    }
+
+    /// A restart between an SXid's report and its `Severity …` line (the report counted and
+    /// saved, the severity line not yet): the replayed report is skipped, and the severity line
+    /// still merges into it. Before, the skipped report was not remembered and the severity line
+    /// became a second count of the SXid (found in the review of issue 27 §2).
+    #[test]
+    fn an_sxid_severity_line_after_a_restart_merges_into_its_replayed_report() {
+        let report = b"4,1,100,-;nvidia-nvswitch2: SXid (PCI:0000:07:00.0): 12028, Non-fatal, Link 62 egress non-posted PRIV error (First)".as_slice();
+        let sev = b"4,2,100,-;nvidia-nvswitch2: SXid (PCI:0000:07:00.0): 12028, Severity 0 Engine instance 62 Sub-engine instance 00".as_slice();
+        // The first run counted the report; its saved position is the report's.
+        let (mut first, _) = reader(None);
+        assert_eq!(
+            signals(&feed_all(&mut first, &[report])),
+            vec!["SXid12028x1"]
+        );
+        // The restart reads the ring again from its start.
+        let (mut again, tally) = reader(Some(1));
+        assert_eq!(
+            signals(&feed_all(&mut again, &[report, sev])),
+            Vec::<String>::new(),
+            "the severity line is the report's detail, counted with it before the restart"
+        );
+        assert_eq!(Tally::get(&tally.skipped), 1);
     }
 
     #[test]
