@@ -233,18 +233,19 @@ pub async fn run<T: Tools>(
     ctx: SourceContext,
 ) {
     let mut analyzer = Analyzer::default();
-    let mut absent_reported = false;
-    // While the tool is missing: how long until the next look.
-    let mut absent_wait = None;
+    // While the tool is missing (reported once): how long until the next look.
+    let mut absent_wait: Option<std::time::Duration> = None;
     loop {
         let p = policy.borrow_and_update().policy.ascend.clone();
         let started = Instant::now();
         let observations = match poll_once(&*tools, &p, &ctx.metrics).await {
             Err(NotInstalled(tool)) => {
-                if absent_reported {
+                let reported = absent_wait.is_some();
+                absent_wait =
+                    Some(absent_wait.map_or(p.poll_interval, |w| (w * 2).min(ABSENT_RECHECK)));
+                if reported {
                     Vec::new()
                 } else {
-                    absent_reported = true;
                     // A policy that still names the tool (the field is ignored since the tools
                     // became flags) says this node has NPUs: the tool missing there is the
                     // upgrade's mistake, not a node without Ascend hardware. Down, not Idle.
@@ -274,9 +275,8 @@ pub async fn run<T: Tools>(
                 }
             }
             Ok(poll) => {
-                if absent_reported {
+                if absent_wait.take().is_some() {
                     info!("npu-smi found; the Ascend source is running");
-                    absent_reported = false;
                 }
                 if let Err(why) = &poll.chips {
                     warn!(reason = %why, "npu-smi info failed");
@@ -294,11 +294,6 @@ pub async fn run<T: Tools>(
                 return;
             }
         }
-        absent_wait = absent_reported.then(|| {
-            absent_wait.map_or(p.poll_interval, |w: std::time::Duration| {
-                (w * 2).min(ABSENT_RECHECK)
-            })
-        });
         let next = absent_wait.unwrap_or(p.poll_interval);
         tokio::select! {
             _ = ctx.shutdown.cancelled() => return,
