@@ -475,39 +475,28 @@ fn standing(lines: u64) {
     );
 }
 
-/// Medians over `secs` of VmRSS, RssAnon and RssFile (KiB), and CPU (% of a core).
-fn sample(a: &Agent, secs: u64) -> ([u64; 3], f64) {
-    let ticks_per_s = 100.0; // USER_HZ on Linux
-    let c0 = a.cpu_ticks();
-    let t0 = Instant::now();
-    let mut v: [Vec<u64>; 3] = Default::default();
-    while t0.elapsed() < Duration::from_secs(secs) {
-        std::thread::sleep(Duration::from_secs(1));
-        for (k, key) in ["VmRSS:", "RssAnon:", "RssFile:"].iter().enumerate() {
-            v[k].push(a.status(key));
-        }
-    }
-    let cpu = (a.cpu_ticks() - c0) as f64 / ticks_per_s / t0.elapsed().as_secs_f64() * 100.0;
-    let med = v.map(|mut x| {
-        x.sort_unstable();
-        x[x.len() / 2]
-    });
-    (med, cpu)
+/// What [`sample`] measured of one agent over its window.
+struct Sampled {
+    /// Medians of VmRSS, RssAnon and RssFile (KiB), sampled every second.
+    rss: [u64; 3],
+    /// utime + stime over the window, in clock ticks (USER_HZ, 100 a second on Linux).
+    ticks: u64,
+    /// The threads' scheduler run time over the window (`/proc/PID/task/*/schedstat`, in
+    /// nanoseconds: finer than a tick).
+    run_ns: u64,
+    /// The window, in seconds.
+    secs: f64,
 }
 
-/// `idle` with `FAULTLINE_BENCH_BESIDE=PATH`: that build and this one (or
-/// `FAULTLINE_BENCH_AGENT`) idle in the same minutes, sampled together: RSS medians, and CPU by
-/// clock ticks and by the threads' scheduler run time (`/proc/PID/task/*/schedstat`, in
-/// nanoseconds: finer than a tick).
-fn idle_beside(other: &Path, secs: u64) {
-    let bins = [other.to_path_buf(), agent_binary()];
-    let dirs: Vec<_> = bins.iter().map(|_| tempfile::tempdir().unwrap()).collect();
-    let agents: Vec<Agent> = bins
-        .iter()
-        .zip(&dirs)
-        .map(|(b, d)| Agent::start_bin(d.path(), b))
-        .collect();
-    std::thread::sleep(Duration::from_secs(5));
+impl Sampled {
+    /// CPU by ticks, in % of a core.
+    fn cpu(&self) -> f64 {
+        self.ticks as f64 / 100.0 / self.secs * 100.0
+    }
+}
+
+/// The agents' memory and CPU over the same `secs`, sampled together.
+fn sample(agents: &[&Agent], secs: u64) -> Vec<Sampled> {
     let run_ns = |a: &Agent| -> u64 {
         std::fs::read_dir(format!("/proc/{}/task", a.child.id()))
             .unwrap()
@@ -526,22 +515,47 @@ fn idle_beside(other: &Path, secs: u64) {
             }
         }
     }
-    let el = t0.elapsed().as_secs_f64();
-    for ((a, (ticks0, ns0)), (bin, v)) in agents.iter().zip(&c0).zip(bins.iter().zip(rss)) {
-        let ticks = a.cpu_ticks() - ticks0;
-        let ns = run_ns(a) - ns0;
-        let med = v.map(|mut x| {
-            x.sort_unstable();
-            x[x.len() / 2] as f64 / 1024.0
-        });
+    let secs = t0.elapsed().as_secs_f64();
+    agents
+        .iter()
+        .zip(c0)
+        .zip(rss)
+        .map(|((a, (ticks0, ns0)), v)| Sampled {
+            rss: v.map(|mut x| {
+                x.sort_unstable();
+                x[x.len() / 2]
+            }),
+            ticks: a.cpu_ticks() - ticks0,
+            run_ns: run_ns(a) - ns0,
+            secs,
+        })
+        .collect()
+}
+
+/// `idle` with `FAULTLINE_BENCH_BESIDE=PATH`: that build and this one (or
+/// `FAULTLINE_BENCH_AGENT`) idle in the same minutes, sampled together: RSS medians, and CPU by
+/// clock ticks and by the threads' scheduler run time.
+fn idle_beside(other: &Path, secs: u64) {
+    let bins = [other.to_path_buf(), agent_binary()];
+    let dirs: Vec<_> = bins.iter().map(|_| tempfile::tempdir().unwrap()).collect();
+    let agents: Vec<Agent> = bins
+        .iter()
+        .zip(&dirs)
+        .map(|(b, d)| Agent::start_bin(d.path(), b))
+        .collect();
+    std::thread::sleep(Duration::from_secs(5));
+    let sampled = sample(&agents.iter().collect::<Vec<_>>(), secs);
+    for (bin, m) in bins.iter().zip(sampled) {
+        let mib = |k: u64| k as f64 / 1024.0;
         println!(
-            "idle beside: {}: {secs} s: RSS median {:.1} MiB (anonymous {:.1}, file-backed {:.1}); CPU {ticks} ticks = {:.3} %, schedstat {:.3} %; binary {} bytes",
+            "idle beside: {}: {secs} s: RSS median {:.1} MiB (anonymous {:.1}, file-backed {:.1}); CPU {} ticks = {:.3} %, schedstat {:.3} %; binary {} bytes",
             bin.display(),
-            med[0],
-            med[1],
-            med[2],
-            ticks as f64 / 100.0 / el * 100.0,
-            ns as f64 / 1e9 / el * 100.0,
+            mib(m.rss[0]),
+            mib(m.rss[1]),
+            mib(m.rss[2]),
+            m.ticks,
+            m.cpu(),
+            m.run_ns as f64 / 1e9 / m.secs * 100.0,
             std::fs::metadata(bin).map(|m| m.len()).unwrap_or(0)
         );
     }
@@ -555,7 +569,8 @@ fn idle(secs: u64) {
     let mut a = Agent::start(dir.path());
     std::thread::sleep(Duration::from_secs(3));
     let mib = |k: u64| k as f64 / 1024.0;
-    let (fresh, cpu) = sample(&a, secs);
+    let m = sample(&[&a], secs).remove(0);
+    let (fresh, cpu) = (m.rss, m.cpu());
     println!(
         "idle: {secs} s after start: RSS median {:.1} MiB (anonymous {:.1} MiB, file-backed {:.1} MiB); CPU {cpu:.3} % of a core (goals RSS < 15 MiB: {}, CPU < 0.2 %: {})",
         mib(fresh[0]),
@@ -571,7 +586,8 @@ fn idle(secs: u64) {
     }
     a.write(buf.as_bytes());
     std::thread::sleep(Duration::from_secs(3));
-    let (after, cpu) = sample(&a, secs.min(20));
+    let m = sample(&[&a], secs.min(20)).remove(0);
+    let (after, cpu) = (m.rss, m.cpu());
     println!(
         "idle: after a 10,000-line burst: RSS median {:.1} MiB (anonymous {:.1} MiB, file-backed {:.1} MiB); CPU {cpu:.3} % of a core; binary {:.1} MiB on disk",
         mib(after[0]),
