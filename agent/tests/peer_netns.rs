@@ -23,9 +23,10 @@ use common::cluster::{
 };
 
 /// A `Conclude` signed with the agents' secret as `sender`, naming `faulty` faulty, sent to the
-/// agent at `ip`: the refusal.
+/// agent of node `to` at `ip` (and signed for it): the refusal.
 fn forged_conclusion(
     ip: std::net::Ipv4Addr,
+    to: &str,
     sender: &str,
     members: &[String],
     faulty: &str,
@@ -36,18 +37,21 @@ fn forged_conclusion(
         key: faultline_proto::auth::Key::new(SECRET.as_bytes()).unwrap(),
         sender: sender.into(),
     };
-    let msg = signer.sign(RunConclusion {
-        auth: None,
-        protocol: faultline_proto::PROTOCOL,
-        run_id: "forged".into(),
-        members: members.to_vec(),
-        verdicts: vec![Verdict {
-            kind: Kind::FaultyNode as i32,
-            nodes: vec![faulty.into()],
-            slowdown: 0.0,
-            reason: String::new(),
-        }],
-    });
+    let msg = signer.sign(
+        RunConclusion {
+            auth: None,
+            protocol: faultline_proto::PROTOCOL,
+            run_id: "forged".into(),
+            members: members.to_vec(),
+            verdicts: vec![Verdict {
+                kind: Kind::FaultyNode as i32,
+                nodes: vec![faulty.into()],
+                slowdown: 0.0,
+                reason: String::new(),
+            }],
+        },
+        to,
+    );
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -196,6 +200,7 @@ fn eight_agents_in_namespaces_find_exactly_the_injected_faults() {
     let (victim, forger) = (healthy[0], healthy[1]);
     let denied = forged_conclusion(
         lab.nodes()[victim].ip,
+        &names[victim],
         &names[forger],
         &[names[victim].clone(), names[forger].clone()],
         &names[victim],

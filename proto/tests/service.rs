@@ -72,6 +72,7 @@ async fn signed_requests_are_served_and_others_refused() {
         verifier: Mutex::new(Verifier::new(
             Key::new(SECRET).unwrap(),
             Duration::from_secs(30),
+            "agent-1",
         )),
     };
     let server = PeerCheckServer::new(agent).max_decoding_message_size(MAX_MESSAGE_BYTES);
@@ -102,6 +103,7 @@ async fn signed_requests_are_served_and_others_refused() {
         &mut ok,
         &key,
         "coordinator-node",
+        "agent-1",
         now_ms(),
         [1; NONCE_BYTES],
     );
@@ -123,6 +125,7 @@ async fn signed_requests_are_served_and_others_refused() {
         &mut forged,
         &Key::new(b"somebody else's secret, 32 bytes").unwrap(),
         "coordinator-node",
+        "agent-1",
         now_ms(),
         [2; NONCE_BYTES],
     );
@@ -135,6 +138,7 @@ async fn signed_requests_are_served_and_others_refused() {
         &mut big,
         &key,
         "coordinator-node",
+        "agent-1",
         now_ms(),
         [3; NONCE_BYTES],
     );
@@ -148,6 +152,7 @@ async fn signed_requests_are_served_and_others_refused() {
         &mut older,
         &key,
         "coordinator-node",
+        "agent-1",
         now_ms(),
         [4; NONCE_BYTES],
     );
@@ -160,6 +165,7 @@ async fn signed_requests_are_served_and_others_refused() {
         &mut again,
         &key,
         "coordinator-node",
+        "agent-1",
         now_ms(),
         [5; NONCE_BYTES],
     );

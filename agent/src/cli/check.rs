@@ -268,14 +268,21 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 humantime::format_duration(args.timeout)
             ));
         }
+        // Where to ask, and the receiver to sign the request for: the coordinator's node name
+        // when it is known (members file, Lease holder), so no other agent would take the
+        // request; with only an address, the coordinator role (`auth::COORDINATOR_ROLE`).
         let address = match (&args.coordinator, &args.members) {
-            (Some(a), _) => Ok(a.clone()),
+            (Some(a), _) => Ok((
+                a.clone(),
+                faultline_proto::auth::COORDINATOR_ROLE.to_string(),
+            )),
             (None, Some(file)) => match std::fs::read_to_string(file) {
                 Ok(text) => {
                     match crate::peer::members::parse_members(&file.display().to_string(), &text) {
                         Ok(list) if !list.is_empty() => {
                             in_file = list.len();
-                            Ok(list[next_member % list.len()].address.clone())
+                            let m = &list[next_member % list.len()];
+                            Ok((m.address.clone(), m.node.clone()))
                         }
                         Ok(_) => {
                             return Outcome::error(format!(
@@ -306,8 +313,8 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 }
                 match &client_kube {
                     Some(c) => match crate::peer::lease::holder(c.clone(), &args.namespace).await {
-                        Ok(Some(id)) => crate::peer::lease::address_of(&id)
-                            .map(str::to_string)
+                        Ok(Some(id)) => crate::peer::authz::CoordinatorId::from_holder(&id)
+                            .and_then(|c| Some((c.address?, c.node)))
                             .ok_or_else(|| format!("Lease holder {id:?} names no address")),
                         Ok(None) => Err("no agent holds the coordinator Lease yet".to_string()),
                         Err(kube::Error::Api(s)) if s.code == 401 || s.code == 403 => {
@@ -324,9 +331,9 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 }
             }
         };
-        let asked = address.clone().ok();
+        let asked = address.as_ref().ok().map(|(a, _)| a.clone());
         let attempt = async {
-            let address = address?;
+            let (address, receiver) = address?;
             // HTTP/2 keep-alive: a coordinator that froze (SIGSTOP, a hung node) answers no
             // ping, and the call ends within seconds instead of at --timeout.
             let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
@@ -349,7 +356,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 request_id: request_id.clone(),
             };
             let mut request = match (&signer, &args.token_file) {
-                (Some(s), _) => tonic::Request::new(s.sign(req)),
+                (Some(s), _) => tonic::Request::new(s.sign(req, &receiver)),
                 (None, Some(path)) => {
                     let token = std::fs::read_to_string(path)
                         .map_err(|e| format!("cannot read the token {}: {e}", path.display()))?;

@@ -48,7 +48,7 @@ use crate::source::Input;
 use faultline_core::policy::LoadedPolicy;
 use faultline_core::policy::PeerPolicy;
 
-/// Requests signed longer ago (or later) than this are refused.
+/// Requests signed longer ago than this are refused (ahead of the clock: `auth::MAX_AHEAD`).
 pub const MAX_SKEW: Duration = Duration::from_secs(30);
 /// No request is served longer than this (a `Run` lasts its rounds; every other RPC bounds
 /// its own work to seconds). A client's shorter `grpc-timeout` is honoured.
@@ -157,9 +157,11 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
         s.inputs,
         leadership.clone(),
         service::Authz {
-            agents: Verifier::new(s.key, MAX_SKEW),
+            agents: Verifier::new(s.key, MAX_SKEW, s.node.clone()),
             who,
-            requester: s.requester_key.map(|k| Verifier::new(k, MAX_SKEW)),
+            requester: s
+                .requester_key
+                .map(|k| Verifier::new(k, MAX_SKEW, s.node.clone())),
             probe_ports: s.probe_port_base
                 ..s.probe_port_base.saturating_add(coordinator::PROBE_PORTS),
             requesters: s.requesters,

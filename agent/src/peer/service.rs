@@ -1,7 +1,9 @@
 //! The agent's peer-check gRPC service: `PeerCheck` (ping, assign, cancel, conclude) on every
 //! agent, `Coordinator` (report, run) answered by the Lease holder; and [`GrpcTransport`], the
 //! coordinator's client side. Every request is verified against the shared secret first; an
-//! unsigned, forged, stale or replayed one is refused with `UNAUTHENTICATED` and changes nothing.
+//! unsigned, forged, stale or replayed one, one addressed to another node (`Auth.receiver`: each
+//! request is signed for the node that serves it) or signed ahead of this node's clock is
+//! refused with `UNAUTHENTICATED` and changes nothing.
 //! Then it is authorized (`authz`): `Assign`, `Cancel` and `Conclude` only from the current
 //! coordinator (else `PERMISSION_DENIED`), an assignment only with current members' addresses
 //! and within this agent's policy; `Run` also with the requesters' own secret, which no other
@@ -16,7 +18,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use faultline_proto::auth::{Signed, Verifier};
+use faultline_proto::auth::{Signed, Verifier, COORDINATOR_ROLE};
 use faultline_proto::v1::coordinator_client::CoordinatorClient;
 use faultline_proto::v1::coordinator_server::Coordinator as CoordinatorRpc;
 use faultline_proto::v1::peer_check_client::PeerCheckClient;
@@ -214,14 +216,29 @@ impl PeerService {
         s
     }
 
-    /// Verifies an agents' request with the agents' secret; the authenticated sender.
+    /// Verifies an agents' request, addressed to this node, with the agents' secret; the
+    /// authenticated sender.
     fn verify<M: Signed>(&self, rpc: &str, msg: &M) -> Result<String, Status> {
+        self.verify_to(rpc, msg, None)
+    }
+
+    /// As `verify`, also accepting a request addressed to `role` instead of this node.
+    fn verify_to<M: Signed>(
+        &self,
+        rpc: &str,
+        msg: &M,
+        role: Option<&str>,
+    ) -> Result<String, Status> {
         let mut v = self
             .verifier
             .lock()
             .map_err(|_| Status::internal("verifier poisoned"))?;
-        v.verify(msg, wire::now_ms())
-            .map_err(|e| self.refused(rpc, Status::unauthenticated(e.to_string())))
+        let now = wire::now_ms();
+        match role {
+            Some(role) => v.verify_or_role(msg, now, role),
+            None => v.verify(msg, now),
+        }
+        .map_err(|e| self.refused(rpc, Status::unauthenticated(e.to_string())))
     }
 
     /// Authenticates and authorizes a `Run` by the requester's bearer token (Kubernetes).
@@ -248,20 +265,24 @@ impl PeerService {
         }
     }
 
-    /// Verifies a `Run`: with the requesters' secret, else the agents'.
+    /// Verifies a `Run`: with the requesters' secret, else the agents'. Addressed to this node,
+    /// or to `COORDINATOR_ROLE`: a requester may know only the coordinator's address
+    /// (`faultline check --coordinator ADDR`). Replayed, such a request is refused by every
+    /// agent but the coordinator, which takes it once (nonces); a coordinator that takes over
+    /// within the 30 s window could take it once more, as it takes the requester's own retry.
     fn verify_run(&self, msg: &RunRequest) -> Result<String, Status> {
         if let Some(r) = &self.requester {
             let mut v = r
                 .lock()
                 .map_err(|_| Status::internal("verifier poisoned"))?;
-            match v.verify(msg, wire::now_ms()) {
+            match v.verify_or_role(msg, wire::now_ms(), COORDINATOR_ROLE) {
                 Ok(sender) => return Ok(sender),
                 // Not the requesters' key: maybe the agents'.
                 Err(faultline_proto::auth::AuthError::BadMac { .. }) => {}
                 Err(e) => return Err(self.refused("Run", Status::unauthenticated(e.to_string()))),
             }
         }
-        self.verify("Run", msg)
+        self.verify_to("Run", msg, Some(COORDINATOR_ROLE))
     }
 
     /// Only the current coordinator may send `what`: `PERMISSION_DENIED` for anyone else, with
@@ -440,6 +461,8 @@ impl PeerCheck for PeerHandle {
         }
         debug!(run_id = %a.run_id, round = a.round, partner = %partner, rank, from = %sender, "check assigned");
         let me = Arc::clone(&self.0);
+        // The report goes to the coordinator that assigned the check, signed for its node.
+        let coordinator_node = sender.clone();
         let span = tracing::info_span!("peer_check", run_id = %a.run_id, round = a.round, partner = %partner);
         tokio::spawn(
             async move {
@@ -450,7 +473,8 @@ impl PeerCheck for PeerHandle {
                     r.remove(&key);
                 }
                 if let Some(report) = report {
-                    me.send_report(&a.coordinator, report).await;
+                    me.send_report(&a.coordinator, &coordinator_node, report)
+                        .await;
                 }
             }
             .instrument(span),
@@ -697,10 +721,11 @@ impl PeerService {
     /// Sends the report, up to `REPORT_ATTEMPTS` times while the coordinator cannot be reached
     /// (a lost report leaves the check unjudged; the coordinator waits `REPORT_SLACK` past the
     /// deadline for it). A refusal is an answer and is not repeated. Each attempt is signed
-    /// anew: the coordinator refuses a nonce it has seen.
-    async fn send_report(&self, coordinator: &str, report: CheckReport) {
+    /// anew, for the coordinator's node `to` (the sender of the assignment): the coordinator
+    /// refuses a nonce it has seen, every other agent a report not addressed to it.
+    async fn send_report(&self, coordinator: &str, to: &str, report: CheckReport) {
         let attempt = || {
-            let signed = self.signer.sign(report.clone());
+            let signed = self.signer.sign(report.clone(), to);
             async move {
                 let ch = endpoint(coordinator)
                     .map_err(|e| (false, e))?
@@ -941,34 +966,44 @@ const CONCLUDE_TIMEOUT: Duration = Duration::from_secs(5);
 #[async_trait::async_trait]
 impl coordinator::Transport for GrpcTransport {
     async fn ping(&self, to: &Member) -> Result<PingReply, String> {
-        let msg = self.signer.sign(PingRequest {
-            auth: None,
-            protocol: PROTOCOL,
-            reach: Vec::new(),
-            liveness_only: false,
-        });
+        let msg = self.signer.sign(
+            PingRequest {
+                auth: None,
+                protocol: PROTOCOL,
+                reach: Vec::new(),
+                liveness_only: false,
+            },
+            &to.node,
+        );
         let mut c = self.client(to)?;
         within(CALL_TIMEOUT, |t| c.ping(timed(msg, t))).await
     }
 
     async fn alive(&self, to: &Member) -> Result<PingReply, String> {
-        let msg = self.signer.sign(PingRequest {
-            auth: None,
-            protocol: PROTOCOL,
-            reach: Vec::new(),
-            liveness_only: true,
-        });
+        let msg = self.signer.sign(
+            PingRequest {
+                auth: None,
+                protocol: PROTOCOL,
+                reach: Vec::new(),
+                liveness_only: true,
+            },
+            &to.node,
+        );
         let mut c = self.client(to)?;
         within(CALL_TIMEOUT, |t| c.ping(timed(msg, t))).await
     }
 
     async fn reach(&self, via: &Member, targets: &[Member]) -> Result<Vec<Reached>, String> {
-        let msg = self.signer.sign(PingRequest {
-            auth: None,
-            protocol: PROTOCOL,
-            reach: targets.iter().map(wire_member).collect(),
-            liveness_only: false,
-        });
+        // For the relaying member; it signs its own pings to each target for that target.
+        let msg = self.signer.sign(
+            PingRequest {
+                auth: None,
+                protocol: PROTOCOL,
+                reach: targets.iter().map(wire_member).collect(),
+                liveness_only: false,
+            },
+            &via.node,
+        );
         let mut c = self.client(via)?;
         within(RELAY_TIMEOUT, |t| c.ping(timed(msg, t)))
             .await
@@ -976,20 +1011,20 @@ impl coordinator::Transport for GrpcTransport {
     }
 
     async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
-        let msg = self.signer.sign(a);
+        let msg = self.signer.sign(a, &to.node);
         let mut c = self.client(to)?;
         within(CALL_TIMEOUT, |t| c.assign(timed(msg, t))).await
     }
 
     async fn cancel(&self, to: &Member, a: CheckAssignment) {
-        let msg = self.signer.sign(a);
+        let msg = self.signer.sign(a, &to.node);
         if let Ok(mut c) = self.client(to) {
             let _ = within(CALL_TIMEOUT, |t| c.cancel(timed(msg, t))).await;
         }
     }
 
     async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String> {
-        let msg = self.signer.sign(c);
+        let msg = self.signer.sign(c, &to.node);
         let mut client = self.client(to)?;
         within(CONCLUDE_TIMEOUT, |t| client.conclude(timed(msg, t)))
             .await
@@ -1095,6 +1130,7 @@ mod tests {
         leader: bool,
     ) -> (PeerHandle, Signer, mpsc::Receiver<Input>) {
         service_on(
+            "n1",
             who,
             requesters,
             leader,
@@ -1104,8 +1140,10 @@ mod tests {
         )
     }
 
-    /// The service of n1 with members n0, n1, n2 at `<net>.1`, `.2`, `.3`, running `probe`.
+    /// The service of `me` (n1 or n2) with members n0, n1, n2 at `<net>.1`, `.2`, `.3`,
+    /// running `probe`; the signer returned signs as n0.
     fn service_on(
+        me: &str,
         who: Arc<dyn WhoCoordinates>,
         requesters: Option<Arc<dyn authz::Requesters>>,
         leader: bool,
@@ -1118,9 +1156,13 @@ mod tests {
             key: key.clone(),
             sender: "n0".into(),
         };
+        let at = match me {
+            "n1" => 2,
+            _ => 3,
+        };
         let coordinator = Arc::new(Coordinator::new(
-            "n1".into(),
-            format!("{net}.2:20261"),
+            me.into(),
+            format!("{net}.{at}:20261"),
             20270,
             Arc::new(GrpcTransport::new(signer.clone())),
             Arc::new(MemoryPublisher::default()),
@@ -1140,10 +1182,10 @@ mod tests {
         };
         let (tx, rx) = mpsc::channel(8);
         let svc = PeerService::new(
-            "n1".into(),
+            me.into(),
             Signer {
                 key: Key::new(SECRET).unwrap(),
-                sender: "n1".into(),
+                sender: me.into(),
             },
             ProbeSetup {
                 bin: probe,
@@ -1153,11 +1195,12 @@ mod tests {
             tx,
             leadership,
             Authz {
-                agents: Verifier::new(key, Duration::from_secs(30)),
+                agents: Verifier::new(key, Duration::from_secs(30), me),
                 who,
                 requester: Some(Verifier::new(
                     Key::new(REQUESTER).unwrap(),
                     Duration::from_secs(30),
+                    me,
                 )),
                 probe_ports: 20270..20302,
                 requesters,
@@ -1208,6 +1251,7 @@ mod tests {
             }))
             .1;
             let (svc, signer, inputs) = service_on(
+                "n1",
                 Arc::new(who),
                 None,
                 false,
@@ -1229,7 +1273,10 @@ mod tests {
             let mut a = assignment();
             on_loopback(&mut a);
             a.run_id = format!("r{i}");
-            let r = svc.assign(Request::new(signer.sign(a))).await.unwrap();
+            let r = svc
+                .assign(Request::new(signer.sign(a, "n1")))
+                .await
+                .unwrap();
             assert!(r.get_ref().accepted, "{result}: {r:?}");
             let counted = tokio::time::timeout(Duration::from_secs(20), async {
                 while count(result) == 0 {
@@ -1248,12 +1295,12 @@ mod tests {
         let mut a = assignment();
         on_loopback(&mut a);
         let r = svc
-            .assign(Request::new(signer.sign(a.clone())))
+            .assign(Request::new(signer.sign(a.clone(), "n1")))
             .await
             .unwrap();
         assert!(r.get_ref().accepted, "{r:?}");
         let r = svc
-            .cancel(Request::new(signer.sign(a.clone())))
+            .cancel(Request::new(signer.sign(a.clone(), "n1")))
             .await
             .unwrap();
         assert!(r.get_ref().accepted, "{r:?}");
@@ -1266,7 +1313,10 @@ mod tests {
         assert!(counted.is_ok(), "cancelled not counted");
 
         a.probe_b = "127.0.0.9:20270".into();
-        let r = svc.assign(Request::new(signer.sign(a))).await.unwrap();
+        let r = svc
+            .assign(Request::new(signer.sign(a, "n1")))
+            .await
+            .unwrap();
         assert!(!r.get_ref().accepted, "{r:?}");
         for result in [
             "passed",
@@ -1310,7 +1360,7 @@ mod tests {
         let (svc, signer) = service();
         let refused = |a: CheckAssignment| {
             let svc = svc.clone();
-            let a = signer.sign(a);
+            let a = signer.sign(a, "n1");
             async move { svc.assign(Request::new(a)).await.unwrap().into_inner() }
         };
         let cases: Vec<(Edit, &str)> = vec![
@@ -1348,7 +1398,7 @@ mod tests {
             sender: "n0".into(),
         };
         let s = svc
-            .assign(Request::new(other.sign(assignment())))
+            .assign(Request::new(other.sign(assignment(), "n1")))
             .await
             .unwrap_err();
         assert_eq!(s.code(), tonic::Code::Unauthenticated);
@@ -1356,40 +1406,52 @@ mod tests {
         // Another protocol version.
         let mut a = assignment();
         a.protocol = PROTOCOL + 1;
-        let s = svc.assign(Request::new(signer.sign(a))).await.unwrap_err();
+        let s = svc
+            .assign(Request::new(signer.sign(a, "n1")))
+            .await
+            .unwrap_err();
         assert_eq!(s.code(), tonic::Code::FailedPrecondition);
         // Not the Lease holder: no runs, no reports.
-        let run = signer.sign(RunRequest {
-            auth: None,
-            protocol: PROTOCOL,
-            nodes: vec!["n0".into()],
-            timeout_ms: 0,
-            request_id: String::new(),
-        });
+        let run = signer.sign(
+            RunRequest {
+                auth: None,
+                protocol: PROTOCOL,
+                nodes: vec!["n0".into()],
+                timeout_ms: 0,
+                request_id: String::new(),
+            },
+            "n1",
+        );
         let s = svc.run(Request::new(run)).await.unwrap_err();
         assert_eq!(s.code(), tonic::Code::FailedPrecondition);
         assert!(s.message().contains("not the peer-check coordinator"));
         // A report for someone else is refused even with the secret.
-        let report = signer.sign(CheckReport {
-            protocol: PROTOCOL,
-            node: "n5".into(),
-            ..Default::default()
-        });
+        let report = signer.sign(
+            CheckReport {
+                protocol: PROTOCOL,
+                node: "n5".into(),
+                ..Default::default()
+            },
+            "n1",
+        );
         let s = svc.report(Request::new(report)).await.unwrap_err();
         assert_eq!(s.code(), tonic::Code::PermissionDenied);
         // A conclusion naming a non-member is refused as a whole, and records nothing.
-        let c = signer.sign(RunConclusion {
-            auth: None,
-            protocol: PROTOCOL,
-            run_id: "r1".into(),
-            members: vec!["n0".into(), "n1".into()],
-            verdicts: vec![faultline_proto::v1::Verdict {
-                kind: faultline_proto::v1::verdict::Kind::FaultyNode as i32,
-                nodes: vec!["zz".into()],
-                slowdown: 0.0,
-                reason: String::new(),
-            }],
-        });
+        let c = signer.sign(
+            RunConclusion {
+                auth: None,
+                protocol: PROTOCOL,
+                run_id: "r1".into(),
+                members: vec!["n0".into(), "n1".into()],
+                verdicts: vec![faultline_proto::v1::Verdict {
+                    kind: faultline_proto::v1::verdict::Kind::FaultyNode as i32,
+                    nodes: vec!["zz".into()],
+                    slowdown: 0.0,
+                    reason: String::new(),
+                }],
+            },
+            "n1",
+        );
         let s = svc.conclude(Request::new(c)).await.unwrap_err();
         assert_eq!(s.code(), tonic::Code::InvalidArgument);
     }
@@ -1418,7 +1480,7 @@ mod tests {
         let n2 = agent("n2");
         let e = s
             .svc
-            .conclude(Request::new(n2.sign(conclusion("n1"))))
+            .conclude(Request::new(n2.sign(conclusion("n1"), "n1")))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
@@ -1433,18 +1495,22 @@ mod tests {
         a.coordinator = "10.0.0.3:20261".into();
         let e = s
             .svc
-            .assign(Request::new(n2.sign(a.clone())))
+            .assign(Request::new(n2.sign(a.clone(), "n1")))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
-        let e = s.svc.cancel(Request::new(n2.sign(a))).await.unwrap_err();
+        let e = s
+            .svc
+            .cancel(Request::new(n2.sign(a, "n1")))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
         assert!(s.svc.running.lock().unwrap().is_empty(), "nothing started");
         // Nobody coordinates: nobody is obeyed.
         s.who.send_replace(None);
         let e = s
             .svc
-            .conclude(Request::new(s.signer.sign(conclusion("n1"))))
+            .conclude(Request::new(s.signer.sign(conclusion("n1"), "n1")))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
@@ -1459,7 +1525,7 @@ mod tests {
             address: None,
         }));
         s.svc
-            .conclude(Request::new(s.signer.sign(conclusion("n1"))))
+            .conclude(Request::new(s.signer.sign(conclusion("n1"), "n1")))
             .await
             .unwrap();
         assert!(
@@ -1472,13 +1538,13 @@ mod tests {
         }));
         while s.inputs.try_recv().is_ok() {}
         s.svc
-            .conclude(Request::new(n2.sign(conclusion("n1"))))
+            .conclude(Request::new(n2.sign(conclusion("n1"), "n1")))
             .await
             .unwrap();
         assert!(s.inputs.try_recv().is_ok());
         let e = s
             .svc
-            .conclude(Request::new(s.signer.sign(conclusion("n1"))))
+            .conclude(Request::new(s.signer.sign(conclusion("n1"), "n1")))
             .await
             .unwrap_err();
         assert_eq!(
@@ -1486,6 +1552,108 @@ mod tests {
             tonic::Code::PermissionDenied,
             "the old one is not"
         );
+    }
+
+    /// Issue 28: a Conclude the coordinator signed for one agent, replayed verbatim to a
+    /// second, was accepted (each agent keeps its own nonces), so a verdict about n2 sent to n1
+    /// was recorded by n2 as well. Requests name their receiver now: n1 takes the conclusion,
+    /// n2 refuses the same bytes (`UNAUTHENTICATED`, "addressed to") and records nothing; an
+    /// assignment or a report signed for another node is refused likewise.
+    #[tokio::test]
+    async fn a_request_signed_for_one_agent_is_refused_by_another() {
+        let n0 = || {
+            Arc::new(
+                watch::channel(Some(authz::CoordinatorId {
+                    node: "n0".into(),
+                    address: Some("10.0.0.1:20261".into()),
+                }))
+                .1,
+            )
+        };
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let serve = |me: &str| {
+            let probe = "/nonexistent/faultline-probe".into();
+            service_on(me, n0(), None, false, "10.0.0", probe, metrics.clone())
+        };
+        let (n1, coordinator, _n1_inputs) = serve("n1");
+        let (n2, _, mut n2_inputs) = serve("n2");
+
+        let c = coordinator.sign(conclusion("n2"), "n1");
+        n1.conclude(Request::new(c.clone())).await.unwrap();
+        let e = n2.conclude(Request::new(c)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        assert!(
+            e.message()
+                .contains("addressed to \"n1\", not to this receiver (\"n2\")"),
+            "{}",
+            e.message()
+        );
+        assert!(n2_inputs.try_recv().is_err(), "n2 recorded nothing");
+
+        // An assignment of the pair n1-n2 meant for n1, and a report meant for the coordinator.
+        let mut a = assignment();
+        a.a = Some(wire_member(&member("n2", "10.0.0.3")));
+        a.probe_a = "10.0.0.3:20270".into();
+        let e = n2
+            .assign(Request::new(coordinator.sign(a, "n1")))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        assert!(n2.running.lock().unwrap().is_empty(), "nothing started");
+        let report = agent("n1").sign(
+            CheckReport {
+                protocol: PROTOCOL,
+                run_id: "r1".into(),
+                round: 1,
+                node: "n1".into(),
+                partner: "n0".into(),
+                passed: true,
+                seconds: 0.5,
+                ..Default::default()
+            },
+            "n0",
+        );
+        let e = n2.report(Request::new(report)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        assert!(
+            e.message().contains("addressed to \"n0\""),
+            "{}",
+            e.message()
+        );
+    }
+
+    /// Issue 28: a Conclude signed 25 s ahead of the agent's clock was accepted (30 s either
+    /// way). Now refused (`UNAUTHENTICATED`, "ahead") and nothing is recorded; one signed
+    /// 0.5 s ahead (well within `auth::MAX_AHEAD`) is taken.
+    #[tokio::test]
+    async fn a_request_signed_in_the_future_is_refused() {
+        let mut s = setup();
+        let ahead = |ms: i64, nonce: u8| {
+            let mut c = conclusion("n1");
+            faultline_proto::auth::sign(
+                &mut c,
+                &Key::new(SECRET).unwrap(),
+                "n0",
+                "n1",
+                wire::now_ms() + ms,
+                [nonce; faultline_proto::auth::NONCE_BYTES],
+            );
+            c
+        };
+        let e = s
+            .svc
+            .conclude(Request::new(ahead(25_000, 1)))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        assert!(
+            e.message().contains("ms ahead of this node's clock"),
+            "{}",
+            e.message()
+        );
+        assert!(s.inputs.try_recv().is_err(), "nothing recorded");
+        s.svc.conclude(Request::new(ahead(500, 2))).await.unwrap();
+        assert!(s.inputs.try_recv().is_ok(), "the verdict is recorded");
     }
 
     /// Issue 12 §5: an assignment from the coordinator itself that names a foreign address, a
@@ -1525,7 +1693,7 @@ mod tests {
             let mut a = assignment();
             edit(&mut a);
             let r = svc
-                .assign(Request::new(signer.sign(a)))
+                .assign(Request::new(signer.sign(a, "n1")))
                 .await
                 .unwrap()
                 .into_inner();
@@ -1537,7 +1705,7 @@ mod tests {
         let mut a = assignment();
         a.timeout_ms = u32::MAX;
         let r = svc
-            .assign(Request::new(signer.sign(a)))
+            .assign(Request::new(signer.sign(a, "n1")))
             .await
             .unwrap()
             .into_inner();
@@ -1551,17 +1719,17 @@ mod tests {
         let (svc, _) = service();
         let cli = requester();
         let e = svc
-            .assign(Request::new(cli.sign(assignment())))
+            .assign(Request::new(cli.sign(assignment(), "n1")))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         let e = svc
-            .cancel(Request::new(cli.sign(assignment())))
+            .cancel(Request::new(cli.sign(assignment(), "n1")))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         let e = svc
-            .conclude(Request::new(cli.sign(conclusion("n1"))))
+            .conclude(Request::new(cli.sign(conclusion("n1"), "n1")))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
@@ -1571,37 +1739,46 @@ mod tests {
             sender: "n0".into(),
         };
         let e = svc
-            .conclude(Request::new(as_n0.sign(conclusion("n1"))))
+            .conclude(Request::new(as_n0.sign(conclusion("n1"), "n1")))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        let report = as_n0.sign(CheckReport {
-            protocol: PROTOCOL,
-            node: "n0".into(),
-            ..Default::default()
-        });
+        let report = as_n0.sign(
+            CheckReport {
+                protocol: PROTOCOL,
+                node: "n0".into(),
+                ..Default::default()
+            },
+            "n1",
+        );
         let e = svc.report(Request::new(report)).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         let e = svc
-            .ping(Request::new(cli.sign(PingRequest {
-                auth: None,
-                protocol: PROTOCOL,
-                reach: vec![],
-                liveness_only: false,
-            })))
+            .ping(Request::new(cli.sign(
+                PingRequest {
+                    auth: None,
+                    protocol: PROTOCOL,
+                    reach: vec![],
+                    liveness_only: false,
+                },
+                "n1",
+            )))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated);
         // Run: authenticated with either secret (this agent then says it does not coordinate),
         // refused with any other.
         let run = |s: &Signer| {
-            s.sign(RunRequest {
-                auth: None,
-                protocol: PROTOCOL,
-                nodes: vec!["n0".into(), "n1".into()],
-                timeout_ms: 0,
-                request_id: String::new(),
-            })
+            s.sign(
+                RunRequest {
+                    auth: None,
+                    protocol: PROTOCOL,
+                    nodes: vec!["n0".into(), "n1".into()],
+                    timeout_ms: 0,
+                    request_id: String::new(),
+                },
+                "n1",
+            )
         };
         for s in [cli, agent("n2")] {
             let e = svc.run(Request::new(run(&s))).await.unwrap_err();

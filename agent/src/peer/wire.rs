@@ -64,10 +64,12 @@ pub struct Signer {
 }
 
 impl Signer {
-    pub fn sign<M: Signed>(&self, mut msg: M) -> M {
+    /// Signs `msg` for `receiver` (the node that serves it, or `auth::COORDINATOR_ROLE` on a
+    /// `Run` to an address only): every other receiver refuses it.
+    pub fn sign<M: Signed>(&self, mut msg: M, receiver: &str) -> M {
         let mut nonce = [0u8; NONCE_BYTES];
         let _ = getrandom::fill(&mut nonce);
-        sign(&mut msg, &self.key, &self.sender, now_ms(), nonce);
+        sign(&mut msg, &self.key, &self.sender, receiver, now_ms(), nonce);
         msg
     }
 }
