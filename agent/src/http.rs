@@ -228,9 +228,19 @@ pub async fn serve_with(
     shutdown: CancellationToken,
     limits: ServeLimits,
 ) -> std::io::Result<()> {
-    use futures::StreamExt;
     let metrics = state.metrics.clone();
-    let app = router(state);
+    serve_router(listener, router(state), metrics, shutdown, limits).await
+}
+
+/// Serves `app` until shutdown, as [`serve_with`] does (the coordinator's endpoints use it too).
+pub async fn serve_router(
+    listener: tokio::net::TcpListener,
+    app: Router,
+    metrics: Arc<Metrics>,
+    shutdown: CancellationToken,
+    limits: ServeLimits,
+) -> std::io::Result<()> {
+    use futures::StreamExt;
     let mut incoming = std::pin::pin!(crate::listen::incoming(
         listener,
         limits.connections,

@@ -1,0 +1,261 @@
+//! The coordinator's gRPC service: `Report` (an agent's side of one check, accepted only from
+//! the node it describes) and `Run` (a requester's run, accepted only on the active replica).
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use faultline_proto::auth::Verifier;
+use faultline_proto::v1::coordinator_server::Coordinator as CoordinatorRpc;
+use faultline_proto::v1::{CheckReport, ReportAck, RunRequest, RunResult};
+use faultline_proto::PROTOCOL;
+use tonic::{Request, Response, Status};
+use tracing::{debug, info, warn};
+
+use super::Leadership;
+use crate::peer::authz::{self, TokenRefusal};
+use crate::peer::coordinator::{self as runs, Trigger};
+use crate::peer::wire;
+
+/// At most one log line per this interval about refused requests (with the count).
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
+/// How long the token reviews of one request may take.
+const REVIEW_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Who may send what.
+#[derive(Debug)]
+pub struct Authz {
+    /// The agents' reports: each verified as the node it names (`agents::Agents`).
+    pub agents: Arc<dyn super::agents::Agents>,
+    /// The requesters' secret (`faultline check` signs `Run` with it), if any.
+    pub requester: Option<Verifier>,
+    /// Kubernetes: requesters' service-account tokens (`authorization: Bearer`), checked with
+    /// TokenReview and SubjectAccessReview.
+    pub requesters: Option<Arc<dyn authz::Requesters>>,
+}
+
+/// The served handle.
+#[derive(Debug, Clone)]
+pub struct CoordinatorService(Arc<Inner>);
+
+#[derive(Debug)]
+struct Inner {
+    leadership: Leadership,
+    agents: Arc<dyn super::agents::Agents>,
+    requester: Option<Mutex<Verifier>>,
+    requesters: Option<Arc<dyn authz::Requesters>>,
+    refusals: Mutex<crate::pace::LogPacer>,
+}
+
+impl CoordinatorService {
+    pub fn new(leadership: Leadership, authz: Authz) -> CoordinatorService {
+        CoordinatorService(Arc::new(Inner {
+            leadership,
+            agents: authz.agents,
+            requester: authz.requester.map(Mutex::new),
+            requesters: authz.requesters,
+            refusals: Mutex::new(crate::pace::LogPacer::new(REFUSAL_LOG_EVERY)),
+        }))
+    }
+
+    /// Logs a refusal (at most one line per `REFUSAL_LOG_EVERY`, with the count) and returns it.
+    fn refused(&self, rpc: &str, s: Status) -> Status {
+        let due = self
+            .0
+            .refusals
+            .lock()
+            .ok()
+            .and_then(|mut p| p.note(1, tokio::time::Instant::now()));
+        if let Some((since, total)) = due {
+            warn!(rpc, code = ?s.code(), reason = s.message(), refused_since_last_line = since.times, refused_total = total.times, "coordinator request refused");
+        }
+        s
+    }
+
+    fn check_protocol(p: u32) -> Result<(), Status> {
+        if p == PROTOCOL {
+            Ok(())
+        } else {
+            Err(Status::failed_precondition(format!(
+                "protocol {p}; this coordinator speaks {PROTOCOL}"
+            )))
+        }
+    }
+
+    fn active(&self) -> Result<&Leadership, Status> {
+        let l = &self.0.leadership;
+        if *l.leader.borrow() {
+            Ok(l)
+        } else {
+            Err(Status::failed_precondition(format!(
+                "{} is not the active coordinator (it does not hold the Lease)",
+                l.coordinator.node
+            )))
+        }
+    }
+
+    /// A requester's bearer token: its user name when it may request runs.
+    async fn check_token(&self, token: &str) -> Result<String, Status> {
+        let Some(r) = &self.0.requesters else {
+            return Err(self.refused(
+                "Run",
+                Status::unauthenticated(
+                    "this coordinator takes no service-account tokens (not on Kubernetes); sign with the requester secret",
+                ),
+            ));
+        };
+        match tokio::time::timeout(REVIEW_TIMEOUT, r.check(token)).await {
+            Ok(Ok(user)) => Ok(format!("user {user}")),
+            Ok(Err(e @ TokenRefusal::Unauthenticated(_))) => {
+                Err(self.refused("Run", Status::unauthenticated(e.to_string())))
+            }
+            Ok(Err(e @ TokenRefusal::Denied(_))) => {
+                Err(self.refused("Run", Status::permission_denied(e.to_string())))
+            }
+            Ok(Err(e @ TokenRefusal::Unavailable(_))) => Err(Status::unavailable(e.to_string())),
+            Err(_) => Err(Status::unavailable("the token reviews took too long")),
+        }
+    }
+
+    /// A `Run` signed with the requesters' secret: the signer's name.
+    fn verify_run(&self, msg: &RunRequest) -> Result<String, Status> {
+        let Some(r) = &self.0.requester else {
+            return Err(self.refused(
+                "Run",
+                Status::unauthenticated(
+                    "no requester secret is configured here: request runs with a service-account token",
+                ),
+            ));
+        };
+        let mut v = r
+            .lock()
+            .map_err(|_| Status::internal("verifier poisoned"))?;
+        v.verify_or_role(msg, wire::now_ms())
+            .map_err(|e| self.refused("Run", Status::unauthenticated(e.to_string())))
+    }
+}
+
+fn bearer<T>(r: &Request<T>) -> Option<String> {
+    r.metadata()
+        .get("authorization")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(|t| t.trim().to_string())
+}
+
+#[tonic::async_trait]
+impl CoordinatorRpc for CoordinatorService {
+    async fn report(&self, request: Request<CheckReport>) -> Result<Response<ReportAck>, Status> {
+        let token = bearer(&request);
+        let r = request.into_inner();
+        let node = match self.0.agents.verify(&r, token.as_deref()).await {
+            Ok(node) => node,
+            Err(e) => return Err(self.refused("Report", e.status())),
+        };
+        Self::check_protocol(r.protocol)?;
+        runs::validate_report(&r)
+            .map_err(|why| Status::invalid_argument(format!("report from {node}: {why}")))?;
+        if node != r.node {
+            return Err(self.refused(
+                "Report",
+                Status::permission_denied(format!("{node} cannot report for {}", r.node)),
+            ));
+        }
+        // Accepted by run id: a check of a run of this coordinator that waits for it takes it
+        // (a run that lost the role is being aborted and drops its checks). A report nothing
+        // waits for is refused by a replica that is not active.
+        if !self.0.leadership.coordinator.deliver(r) {
+            self.active()?;
+            debug!(from = %node, "report for no waiting check (late or duplicate)");
+        }
+        Ok(Response::new(ReportAck {}))
+    }
+
+    async fn run(&self, request: Request<RunRequest>) -> Result<Response<RunResult>, Status> {
+        let token = bearer(&request);
+        let req = request.into_inner();
+        let sender = match token {
+            Some(token) => {
+                // Only the active replica asks the API server.
+                self.active()?;
+                self.check_token(&token).await?
+            }
+            None => self.verify_run(&req)?,
+        };
+        Self::check_protocol(req.protocol)?;
+        let l = self.active()?.clone();
+        if req.nodes.is_empty() {
+            return Err(Status::invalid_argument("no nodes to check"));
+        }
+        if req.nodes.len() > 10_000 {
+            return Err(Status::invalid_argument("more than 10000 nodes"));
+        }
+        if req.request_id.len() > 64 {
+            return Err(Status::invalid_argument(
+                "request_id is longer than 64 bytes",
+            ));
+        }
+        let request_id = (!req.request_id.is_empty()).then(|| req.request_id.clone());
+        let aborted = |e: runs::Aborted| Status::unavailable(e.to_string());
+        // The same request again (the requester lost its coordinator and came here): the run
+        // resumed or still running for it, or its result.
+        if let Some(id) = &request_id {
+            if let Some(r) = l.coordinator.attach(id).await {
+                info!(from = %sender, request_id = %id, "peer-check request attached to its run");
+                return r.map(|s| Response::new(result_of(&s))).map_err(aborted);
+            }
+        }
+        let claim = match &request_id {
+            Some(id) => match l.coordinator.claim(id) {
+                Some(c) => Some(c),
+                None => {
+                    return match l.coordinator.attach(id).await {
+                        Some(r) => r.map(|s| Response::new(result_of(&s))).map_err(aborted),
+                        None => Err(Status::unavailable(
+                            "the same request is being started; ask again",
+                        )),
+                    }
+                }
+            },
+            None => None,
+        };
+        let all = l
+            .members
+            .list()
+            .await
+            .map_err(|e| Status::unavailable(format!("cannot list the members: {e}")))?;
+        let (members, missing) = runs::select(all, &req.nodes);
+        let policy = l.policy.borrow().clone();
+        let mut spec = super::run_spec(&policy, l.next_run());
+        if req.timeout_ms > 0 {
+            spec.check_timeout = spec
+                .check_timeout
+                .min(Duration::from_millis(u64::from(req.timeout_ms)));
+        }
+        info!(from = %sender, nodes = req.nodes.len(), "peer-check run requested");
+        let state = l
+            .coordinator
+            .run_detached(members, missing, spec, Trigger::Request, request_id, claim)
+            .await
+            .map_err(aborted)?;
+        Ok(Response::new(result_of(&state)))
+    }
+}
+
+/// The wire result of a finished run.
+pub fn result_of(state: &runs::RunState) -> RunResult {
+    use faultline_proto::v1::Verdict;
+    RunResult {
+        run_id: state.run_id.clone(),
+        rounds: state.rounds.len() as u32,
+        verdicts: state
+            .verdicts
+            .iter()
+            .map(|v| Verdict {
+                kind: runs::kind_from_name(&v.kind) as i32,
+                nodes: v.nodes.clone(),
+                slowdown: v.slowdown.unwrap_or(0.0),
+                reason: v.reason.clone().unwrap_or_default(),
+            })
+            .collect(),
+    }
+}
