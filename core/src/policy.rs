@@ -221,6 +221,16 @@ pub struct PeerPolicy {
     /// Deadline of one check (the probe is killed a little after it).
     #[serde(with = "humantime_serde")]
     pub check_timeout: Duration,
+    /// The longest deadline this agent gives its probe, whatever an assignment announces
+    /// (`check_timeout_ceiling`). A round after a timeout announces a longer deadline than
+    /// `check_timeout` (up to `pairing::MAX_DEADLINE_FACTOR` times it), and the probe gets it
+    /// up to this ceiling. Unset: that factor times `check_timeout`.
+    #[serde(
+        default,
+        with = "humantime_serde",
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub max_check_timeout: Option<Duration>,
     /// Also time a GEMM (reported; not used for verdicts).
     pub gemm: bool,
     /// GPU checks: NCCL allgather and cuBLAS GEMM instead of TCP and the CPU (needs a probe
@@ -241,6 +251,7 @@ impl Default for PeerPolicy {
             bytes: 64 << 20,
             iterations: 5,
             check_timeout: Duration::from_secs(10),
+            max_check_timeout: None,
             gemm: false,
             gpu: false,
             // Chosen from measured noise: core::peer::pairing::DEFAULT_STRAGGLER_RATIO.
@@ -252,6 +263,18 @@ impl Default for PeerPolicy {
 }
 
 impl Eq for PeerPolicy {}
+
+impl PeerPolicy {
+    /// The longest probe deadline this agent accepts from an assignment: `max_check_timeout`,
+    /// or by default as long as a later round may announce (`MAX_DEADLINE_FACTOR` times
+    /// `check_timeout`, after overloaded rounds).
+    pub fn check_timeout_ceiling(&self) -> Duration {
+        self.max_check_timeout.unwrap_or_else(|| {
+            self.check_timeout
+                .mul_f64(crate::peer::pairing::MAX_DEADLINE_FACTOR)
+        })
+    }
+}
 
 /// The Ascend tables in force: not part of the policy text but loaded from the files it names
 /// (or built in).
@@ -673,6 +696,12 @@ impl Policy {
                 10 * min,
             ),
             (
+                "peer.max_check_timeout".into(),
+                self.peer.check_timeout_ceiling(),
+                ms(100),
+                40 * min,
+            ),
+            (
                 "taint_budget.window".into(),
                 self.taint_budget.window,
                 s(1),
@@ -870,6 +899,12 @@ impl Policy {
         }
         if !(p.straggler_mads.is_finite() && p.straggler_mads >= 0.0) {
             return err("field peer.straggler_mads".into(), "must be 0 or more");
+        }
+        if p.check_timeout_ceiling() < p.check_timeout {
+            return err(
+                "field peer.max_check_timeout".into(),
+                "must be at least peer.check_timeout",
+            );
         }
         for (h, a) in &self.node_actions {
             if let Some(t) = &a.taint {
@@ -1237,10 +1272,24 @@ expected_gpus: 8
             ("peer: { straggler_ratio: 1.0 }", "peer.straggler_ratio"),
             ("peer: { straggler_mads: -1 }", "peer.straggler_mads"),
             ("peer: { max_rounds: 1 }", "peer.max_rounds"),
+            ("peer: { max_check_timeout: 1h }", "peer.max_check_timeout"),
+            (
+                "peer: { check_timeout: 20s, max_check_timeout: 15s }",
+                "peer.max_check_timeout",
+            ),
         ] {
             let e = Policy::parse(text).unwrap_err();
             assert!(e.location.contains(field), "{text}: {e}");
         }
+        // The ceiling on announced deadlines: by default what a later round may announce
+        // (4x the check timeout), or as set.
+        assert_eq!(p.peer.check_timeout_ceiling(), Duration::from_secs(12));
+        assert_eq!(
+            PeerPolicy::default().check_timeout_ceiling(),
+            Duration::from_secs(40)
+        );
+        let set = Policy::parse("peer: { max_check_timeout: 25s }").unwrap();
+        assert_eq!(set.peer.check_timeout_ceiling(), Duration::from_secs(25));
         let e = Policy::parse("peer: { rounds: 3 }").unwrap_err();
         assert!(e.to_string().contains("rounds"), "{e}");
     }

@@ -261,7 +261,7 @@ pub fn check_addresses(
 }
 
 /// An assignment's sizes within this agent's bounds: bytes and iterations as asked (they must
-/// match the partner's), the deadline clamped.
+/// match the partner's), the deadline as announced up to this agent's ceiling.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Admitted {
     pub bytes: u64,
@@ -279,9 +279,11 @@ pub const MAX_ITERATIONS: u32 = 1000;
 
 /// Admits an assignment under `policy`: bytes and iterations over `POLICY_SLACK` times the
 /// policy's (or over `MAX_BYTES` / `MAX_ITERATIONS`) are refused with the reason; both sides of
-/// a check must run the same transfer, so they are never silently changed. The deadline is
-/// clamped to the policy's `check_timeout` (a shorter probe deadline is always safe: the
-/// coordinator waits for its own).
+/// a check must run the same transfer, so they are never silently changed. The deadline is the
+/// announced one (a round after a timeout announces a longer one than `check_timeout`, and the
+/// probe must get it, or the retry times out as the first try did), clamped to the policy's
+/// `check_timeout_ceiling` (a shorter probe deadline is always safe: the coordinator waits for
+/// its own).
 pub fn admit(a: &CheckAssignment, policy: &PeerPolicy) -> Result<Admitted, String> {
     if a.timeout_ms == 0 || a.iterations == 0 || a.bytes == 0 {
         return Err("bytes, iterations and timeout must be set".into());
@@ -309,7 +311,7 @@ pub fn admit(a: &CheckAssignment, policy: &PeerPolicy) -> Result<Admitted, Strin
     Ok(Admitted {
         bytes: a.bytes,
         iterations: a.iterations,
-        timeout: Duration::from_millis(u64::from(a.timeout_ms)).min(policy.check_timeout),
+        timeout: Duration::from_millis(u64::from(a.timeout_ms)).min(policy.check_timeout_ceiling()),
     })
 }
 
@@ -554,7 +556,7 @@ mod tests {
         assert!(e.contains("iterations 4294967295 over"), "{e}");
         let mut a = assignment();
         a.timeout_ms = u32::MAX; // 49.7 days
-        assert_eq!(admit(&a, &p).unwrap().timeout, p.check_timeout);
+        assert_eq!(admit(&a, &p).unwrap().timeout, p.check_timeout_ceiling());
         for zero in [
             |a: &mut CheckAssignment| a.bytes = 0,
             |a: &mut CheckAssignment| a.iterations = 0,
@@ -572,6 +574,35 @@ mod tests {
         let mut a = assignment();
         a.bytes = MAX_BYTES + 1;
         assert!(admit(&a, &big).is_err());
+    }
+
+    /// Rounds 2 and 3 announce 20 s and 40 s for checks that timed out under load; each agent
+    /// clamped them to its 10 s `check_timeout`, so the probes stopped at 10 s again. The
+    /// announced deadline is now the probe's, up to the agent's ceiling.
+    #[test]
+    fn an_announced_deadline_is_the_probes_up_to_the_ceiling() {
+        let p = PeerPolicy::default();
+        assert_eq!(p.check_timeout, Duration::from_secs(10));
+        let with = |ms: u32, p: &PeerPolicy| {
+            let mut a = assignment();
+            a.timeout_ms = ms;
+            admit(&a, p).unwrap().timeout
+        };
+        assert_eq!(with(20_000, &p), Duration::from_secs(20));
+        assert_eq!(with(40_000, &p), Duration::from_secs(40));
+        assert_eq!(
+            with(3_000, &p),
+            Duration::from_secs(3),
+            "shorter: as announced"
+        );
+        // Above the ceiling (by default 4x check_timeout): clamped to it.
+        assert_eq!(with(41_000, &p), Duration::from_secs(40));
+        let low = PeerPolicy {
+            max_check_timeout: Some(Duration::from_secs(15)),
+            ..PeerPolicy::default()
+        };
+        assert_eq!(with(20_000, &low), Duration::from_secs(15));
+        assert_eq!(with(12_000, &low), Duration::from_secs(12));
     }
 
     #[test]

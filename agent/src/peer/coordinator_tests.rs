@@ -15,6 +15,7 @@ use faultline_proto::PROTOCOL;
 
 use super::*;
 use crate::peer::members::Member;
+use faultline_core::policy::PeerPolicy;
 
 #[derive(Debug, Default, Clone)]
 struct Scenario {
@@ -37,6 +38,9 @@ struct Scenario {
     report_lost: Vec<(String, u32)>,
     /// Rounds in which every probe hits its deadline mid-transfer (an overloaded machine).
     overloaded_rounds: BTreeSet<u32>,
+    /// Every check takes this long (a loaded machine): a probe whose deadline is shorter hits it
+    /// mid-transfer.
+    loaded_check: Option<Duration>,
 }
 
 #[derive(Debug, Default)]
@@ -45,7 +49,8 @@ struct Fake {
     coordinator: OnceLock<Weak<Coordinator>>,
     cancels: Mutex<Vec<String>>,
     concluded: Mutex<Vec<(String, RunConclusion)>>,
-    assigned: Mutex<Vec<(String, u32, u32)>>,
+    /// (node, round, announced deadline ms, the deadline its agent gave the probe).
+    assigned: Mutex<Vec<(String, u32, u32, Duration)>>,
     pings: Mutex<std::collections::HashMap<String, u32>>,
     relayed: Mutex<Vec<(String, Vec<String>)>>,
 }
@@ -121,10 +126,14 @@ impl Transport for Fake {
     }
 
     async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
+        // The deadline the member's agent gives its probe, by the agent's own rule and policy.
+        let timeout = crate::peer::authz::admit(&a, &PeerPolicy::default())
+            .unwrap()
+            .timeout;
         self.assigned
             .lock()
             .unwrap()
-            .push((to.node.clone(), a.round, a.timeout_ms));
+            .push((to.node.clone(), a.round, a.timeout_ms, timeout));
         if self.scenario.dead.contains(&to.node)
             || self.scenario.coordinator_cut.contains(&to.node)
             || self
@@ -149,7 +158,6 @@ impl Transport for Fake {
         let (ma, mb) = (a.a.clone().unwrap(), a.b.clone().unwrap());
         let partner = if ma.node == to.node { mb.node } else { ma.node };
         let s = &self.scenario;
-        let timeout = Duration::from_millis(u64::from(a.timeout_ms));
         // What this member's probe sees: the partner dead or hung (never connects), the link
         // cut: it fails at its deadline; else the slower of the two sets the pace.
         let fails =
@@ -182,12 +190,15 @@ impl Transport for Fake {
         };
         let mut report = report;
         let mut took = took;
-        if !fails && s.overloaded_rounds.contains(&a.round) {
+        let too_slow = s.loaded_check.is_some_and(|t| t > timeout);
+        if !fails && (s.overloaded_rounds.contains(&a.round) || too_slow) {
             report.passed = false;
             report.timed_out = true;
             report.seconds = 0.0;
             report.error = "deadline (10s) passed".into();
             took = timeout;
+        } else if let (false, Some(t)) = (fails, s.loaded_check) {
+            took = t;
         }
         let lost = self
             .scenario
@@ -878,6 +889,34 @@ async fn a_round_of_probe_deadlines_under_load_blames_nobody() {
         "retried with a longer deadline: {:?}",
         s.rounds.iter().map(|r| r.deadline_ms).collect::<Vec<_>>()
     );
+}
+
+/// Rounds 2-3 announce deadlines of 20 s and 40 s for checks that timed out under load, but
+/// each agent clamped the deadline to its own 10 s `check_timeout`, so the probes stopped at
+/// 10 s again and the run ended with every node unknown. Under a load that makes every check
+/// take 15 s, round 1 (10 s) times out, round 2 announces 20 s, the probes get 20 s, and the
+/// checks pass: nobody is blamed and nothing is left unknown.
+#[tokio::test(start_paused = true)]
+async fn a_longer_deadline_after_a_timeout_reaches_the_probe() {
+    let sc = Scenario {
+        loaded_check: Some(Duration::from_secs(15)),
+        ..Default::default()
+    };
+    let (s, fake, _) = run(8, sc).await;
+    assert!(s.verdicts.is_empty(), "{:?}", s.verdicts);
+    assert_eq!(s.rounds.len(), 2, "{:?}", s.rounds);
+    assert_eq!(s.rounds[1].deadline_ms, 20_000);
+    assert!(s.rounds[1].checks.iter().all(|c| c.passed == Some(true)));
+    let assigned = fake.assigned.lock().unwrap().clone();
+    let round2: Vec<_> = assigned.iter().filter(|x| x.1 == 2).collect();
+    assert!(!round2.is_empty());
+    for (node, _, announced, probe) in round2 {
+        assert_eq!(
+            (*announced, *probe),
+            (20_000, Duration::from_secs(20)),
+            "{node}"
+        );
+    }
 }
 
 /// A requester that goes away (its call dropped: keep-alive, Ctrl-C, the Lease moved) does not

@@ -258,13 +258,14 @@ async fn schedule(l: Leadership, shutdown: CancellationToken) {
         }
         info!("coordinating peer checks");
         // Until the last published run is read, no run starts for as long as any probe of a
-        // previous coordinator could still hold its port; then for as long as that run's last
-        // round says (nothing, when it finished).
+        // previous coordinator could still hold its port (a later round's deadline may be as
+        // long as the agents' ceiling, `check_timeout_ceiling`); then for as long as that run's
+        // last round says (nothing, when it finished).
         let took_over = tokio::time::Instant::now();
         let longest = l
             .policy
             .borrow()
-            .check_timeout
+            .check_timeout_ceiling()
             .min(Duration::from_secs(3600))
             + runner::PROBE_GRACE
             + coordinator::REPORT_SLACK;

@@ -1700,7 +1700,7 @@ mod tests {
             assert!(!r.accepted && r.reason.contains(why), "{why}: {r:?}");
         }
         assert!(svc.running.lock().unwrap().is_empty(), "nothing started");
-        // A 49-day deadline is accepted, clamped to the policy's (authz::admit's test); the
+        // A 49-day deadline is accepted, clamped to the policy's ceiling (authz::admit's test); the
         // well-formed assignment starts a check.
         let mut a = assignment();
         a.timeout_ms = u32::MAX;

@@ -180,8 +180,9 @@ const REFERENCE_CHECKS: usize = 3;
 const OWN_SPREAD_MIN: usize = 3;
 /// Overloaded rounds after which the run gives up on the nodes they left open.
 const OVERLOAD_RETRIES: usize = 2;
-/// The deadline factor doubles after each overloaded round, up to this.
-const MAX_DEADLINE_FACTOR: f64 = 4.0;
+/// The deadline factor doubles after each overloaded round, up to this (an agent's default
+/// ceiling on the deadlines it accepts is this times its check timeout: `PeerPolicy`).
+pub const MAX_DEADLINE_FACTOR: f64 = 4.0;
 
 /// The planner of one run.
 ///
