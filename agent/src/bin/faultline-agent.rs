@@ -9,6 +9,9 @@
 /// The CLI (`src/bin/faultline.rs`), compiled into this binary as well.
 #[path = "faultline.rs"]
 mod faultline_cli;
+/// The coordinator (`src/bin/faultline-coordinator.rs`), the same way.
+#[path = "faultline-coordinator.rs"]
+mod faultline_coordinator;
 
 use clap::Parser;
 use faultline_agent::signals::Action;
@@ -29,16 +32,32 @@ struct Cli {
     log_format: String,
 }
 
-/// Whether this process was started as the CLI (`faultline`), by argv[0]'s file name.
-fn called_as_cli(argv0: Option<&std::ffi::OsStr>) -> bool {
-    argv0
+/// What this process was started as, by argv[0]'s file name.
+#[derive(Debug, PartialEq, Eq)]
+enum Role {
+    Agent,
+    /// `faultline`
+    Cli,
+    /// `faultline-coordinator`
+    Coordinator,
+}
+
+fn called_as(argv0: Option<&std::ffi::OsStr>) -> Role {
+    match argv0
         .and_then(|a| std::path::Path::new(a).file_name())
-        .is_some_and(|n| n == "faultline")
+        .and_then(|n| n.to_str())
+    {
+        Some("faultline") => Role::Cli,
+        Some("faultline-coordinator") => Role::Coordinator,
+        _ => Role::Agent,
+    }
 }
 
 fn main() -> std::process::ExitCode {
-    if called_as_cli(std::env::args_os().next().as_deref()) {
-        return faultline_cli::main();
+    match called_as(std::env::args_os().next().as_deref()) {
+        Role::Cli => return faultline_cli::main(),
+        Role::Coordinator => return faultline_coordinator::main(),
+        Role::Agent => {}
     }
     let cli = Cli::parse();
     faultline_agent::cli::init_tracing(&cli.log_format);
@@ -118,23 +137,27 @@ mod tests {
     use super::*;
     use clap::CommandFactory;
 
-    /// Only the name `faultline` is the CLI: any other name, a path to it, or none at all is
-    /// the agent.
+    /// Only the name `faultline` is the CLI and only `faultline-coordinator` the coordinator:
+    /// any other name, a path to it, or none at all is the agent.
     #[test]
-    fn the_cli_is_the_binary_called_faultline() {
+    fn the_role_is_the_binarys_name() {
         use std::ffi::OsStr;
         for cli in ["faultline", "/usr/local/bin/faultline", "./faultline"] {
-            assert!(called_as_cli(Some(OsStr::new(cli))), "{cli}");
+            assert_eq!(called_as(Some(OsStr::new(cli))), Role::Cli, "{cli}");
+        }
+        for c in ["faultline-coordinator", "/usr/local/bin/faultline-coordinator"] {
+            assert_eq!(called_as(Some(OsStr::new(c))), Role::Coordinator, "{c}");
         }
         for agent in [
             "faultline-agent",
             "/usr/local/bin/faultline-agent",
             "faultline2",
             "/faultline/x",
+            "/faultline-coordinator/x",
         ] {
-            assert!(!called_as_cli(Some(OsStr::new(agent))), "{agent}");
+            assert_eq!(called_as(Some(OsStr::new(agent))), Role::Agent, "{agent}");
         }
-        assert!(!called_as_cli(None));
+        assert_eq!(called_as(None), Role::Agent);
     }
 
     /// Every flag can be set from the environment (README, "Configuration"), and the README's

@@ -68,10 +68,10 @@ pub struct CoordinatorConfig {
     #[arg(long, env = "FAULTLINE_PEER_MEMBERS")]
     pub members: Option<PathBuf>,
     /// Kubernetes: use this kubeconfig instead of the in-cluster service account.
-    #[arg(long)]
+    #[arg(long, env = "FAULTLINE_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
     /// Kubernetes: the namespace of the agents, the Lease and the published run.
-    #[arg(long, env = "FAULTLINE_NAMESPACE", default_value = "faultline-system")]
+    #[arg(long, env = "POD_NAMESPACE", default_value = crate::sink::kube::DEFAULT_NAMESPACE)]
     pub namespace: String,
     /// Kubernetes: label selector of the agent pods.
     #[arg(long, env = "FAULTLINE_PEER_SELECTOR", default_value = members::DEFAULT_SELECTOR)]

@@ -129,7 +129,7 @@ impl CoordinatorService {
         let mut v = r
             .lock()
             .map_err(|_| Status::internal("verifier poisoned"))?;
-        v.verify_or_role(msg, wire::now_ms())
+        v.verify_or_role(msg, wire::now_ms(), faultline_proto::auth::COORDINATOR_ROLE)
             .map_err(|e| self.refused("Run", Status::unauthenticated(e.to_string())))
     }
 }

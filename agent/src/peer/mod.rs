@@ -92,7 +92,7 @@ pub struct PeerSetup {
 }
 
 /// The peer-check policy, followed from the loaded policy.
-fn follow_policy(
+pub fn follow_policy(
     mut loaded: watch::Receiver<LoadedPolicy>,
     shutdown: CancellationToken,
 ) -> watch::Receiver<PeerPolicy> {
