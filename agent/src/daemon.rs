@@ -159,29 +159,22 @@ pub struct AgentConfig {
     #[arg(long, env = "FAULTLINE_KMSG_NICE", default_value_t = -5, allow_negative_numbers = true,
           value_parser = clap::value_parser!(i32).range(-20..=19))]
     pub kmsg_nice: i32,
-    /// Peer checks: the shared secret (a mounted Kubernetes Secret). Without it the agent takes
-    /// no part in peer checks.
-    #[arg(long, env = "FAULTLINE_PEER_SECRET_FILE")]
-    pub peer_secret_file: Option<PathBuf>,
-    /// Peer checks: the requesters' secret (`faultline check` signs with it). Accepted for
-    /// requesting a run only, never for the agents' own calls (assign, conclude, report); must
-    /// differ from the agents' secret. Without it only the agents' secret can request runs.
-    #[arg(long, env = "FAULTLINE_PEER_REQUESTER_SECRET_FILE")]
-    pub peer_requester_secret_file: Option<PathBuf>,
+    /// Peer checks in Kubernetes: this agent's projected service-account token (audience
+    /// `faultline-peer`): its reports to the coordinator carry it, and the coordinator takes
+    /// this node's name from it (TokenReview). Re-read for every report (the kubelet rotates it).
+    #[arg(long, env = "FAULTLINE_PEER_TOKEN_FILE")]
+    pub peer_token_file: Option<PathBuf>,
+    /// Peer checks without Kubernetes: this node's own key (`faultline keys node`); its reports
+    /// are signed with it, and no other node holds it.
+    #[arg(long, env = "FAULTLINE_PEER_NODE_KEY_FILE")]
+    pub peer_node_key_file: Option<PathBuf>,
+    /// Peer checks without Kubernetes: the coordinator's public key (`faultline keys
+    /// coordinator` prints it). Only messages it signed assign checks or conclude runs here.
+    #[arg(long, env = "FAULTLINE_PEER_COORDINATOR_KEY")]
+    pub peer_coordinator_key: Option<String>,
     /// Peer checks: where this agent's gRPC service listens.
     #[arg(long, env = "FAULTLINE_PEER_LISTEN", default_value = DEFAULT_PEER_LISTEN)]
     pub peer_listen: SocketAddr,
-    /// Peer checks: the address (ip or ip:port) other agents reach this one at. Default: the
-    /// pod IP (`POD_IP`), or this node's line of the members file.
-    #[arg(long, env = "FAULTLINE_PEER_ADDRESS")]
-    pub peer_address: Option<String>,
-    /// Peer checks without Kubernetes: the members file (`node ip:port [topology]` per line);
-    /// the first node listed coordinates.
-    #[arg(long, env = "FAULTLINE_PEER_MEMBERS")]
-    pub peer_members: Option<PathBuf>,
-    /// Peer checks in Kubernetes: label selector of the agent pods.
-    #[arg(long, env = "FAULTLINE_PEER_SELECTOR", default_value = crate::peer::members::DEFAULT_SELECTOR)]
-    pub peer_selector: String,
     /// The `faultline-probe` binary. Default: next to this binary, else on PATH.
     #[arg(long, env = "FAULTLINE_PROBE")]
     pub probe_bin: Option<PathBuf>,
@@ -258,143 +251,54 @@ fn probe_bin(flag: Option<&Path>) -> PathBuf {
 /// Everything peer checks need, or `None` when this agent cannot take part (said why).
 async fn peer_setup(
     cfg: &AgentConfig,
-    secret: &Path,
     node: &str,
     kube_client: Option<crate::kube_client::Clients>,
     policy: watch::Receiver<LoadedPolicy>,
     ctx: SourceContext,
 ) -> anyhow::Result<Option<crate::peer::PeerSetup>> {
-    use crate::peer::{self, members, publish, service};
-    let key = peer::wire::load_key(secret)?;
-    let requester_key = match &cfg.peer_requester_secret_file {
-        // An optional Secret not created: only the agents' secret requests runs.
-        Some(p) if !p.exists() => {
-            info!(path = %p.display(), "no requester secret; only the agents' secret can request peer-check runs");
-            None
-        }
-        Some(p) => {
-            let k = peer::wire::load_key(p)?;
-            anyhow::ensure!(
-                !k.same_secret(&key),
-                "the requester secret {} is the agents' secret: requesters must not hold the key that assigns checks and concludes runs",
-                p.display()
-            );
-            Some(k)
-        }
-        None => None,
-    };
-    let static_members = match &cfg.peer_members {
-        Some(p) => {
-            let text = std::fs::read_to_string(p)
-                .with_context(|| format!("cannot read {}", p.display()))?;
-            Some(members::parse_members(&p.display().to_string(), &text)?)
-        }
-        None => None,
-    };
-    let listener = tokio::net::TcpListener::bind(cfg.peer_listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", cfg.peer_listen))?;
-    let port = listener.local_addr()?.port();
-    let own_line = static_members
-        .as_ref()
-        .and_then(|m| m.iter().find(|m| m.node == node));
-    let address: SocketAddr = match (&cfg.peer_address, std::env::var("POD_IP").ok(), own_line) {
-        (Some(a), _, _) => match a.parse::<SocketAddr>() {
-            Ok(sa) => sa,
-            Err(_) => SocketAddr::new(
-                a.parse()
-                    .with_context(|| format!("--peer-address {a:?} is not an ip or ip:port"))?,
-                port,
-            ),
-        },
-        (None, Some(ip), _) => SocketAddr::new(
-            ip.parse()
-                .with_context(|| format!("POD_IP {ip:?} is not an ip"))?,
-            port,
-        ),
-        (None, None, Some(m)) => m.address.parse()?,
-        (None, None, None) if !cfg.peer_listen.ip().is_unspecified() => {
-            SocketAddr::new(cfg.peer_listen.ip(), port)
-        }
-        _ => anyhow::bail!(
-            "no address for other agents to reach this one: set --peer-address (or POD_IP)"
-        ),
-    };
-    /// Who the members are, who coordinates and whom this agent obeys, where runs go.
-    type Parts = (
-        Arc<dyn members::Members>,
-        peer::Election,
-        Arc<dyn peer::coordinator::Publisher>,
-        Option<Arc<dyn peer::authz::Requesters>>,
-    );
-    let (members, election, publisher, requesters): Parts = match (static_members, kube_client) {
-        (Some(_), _) => {
-            let path = cfg.peer_members.clone().unwrap_or_default();
-            let file: Arc<dyn members::Members> = Arc::new(members::StaticMembers { path });
-            (
-                file,
-                peer::Election::MembersFile,
-                Arc::new(publish::FilePublisher {
-                    dir: cfg.state_dir.clone(),
-                }),
-                None,
-            )
-        }
-        (None, Some(client)) => {
-            let topology_label = policy.borrow().policy.peer.topology_label.clone();
-            let identity = peer::lease::identity(node, &address.to_string());
-            let held = peer::lease::elect(
-                client.lease.clone(),
-                cfg.namespace.clone(),
-                identity.clone(),
-                ctx.shutdown.clone(),
-            );
-            let fence = peer::lease::LeaseFence {
-                held,
-                client: client.lease.clone(),
-                namespace: cfg.namespace.clone(),
-                identity,
-            };
-            (
-                Arc::new(members::KubeMembers {
-                    client: client.calls.clone(),
-                    namespace: cfg.namespace.clone(),
-                    selector: cfg.peer_selector.clone(),
-                    port,
-                    topology_label,
-                }),
-                peer::Election::Lease {
-                    fence,
-                    who: Arc::new(peer::authz::LeaseHolder::new(
+    use crate::peer::{self, authz, service, wire};
+    let (coordinator, credential): (Arc<dyn authz::WhoCoordinates>, wire::NodeCredential) =
+        match kube_client {
+            Some(client) => {
+                let Some(token) = cfg.peer_token_file.clone() else {
+                    info!("peer checks disabled (no --peer-token-file: the service-account token the coordinator knows this node by)");
+                    return Ok(None);
+                };
+                (
+                    Arc::new(authz::LeaseHolder::new(
                         client.calls.clone(),
                         cfg.namespace.clone(),
                     )),
-                },
-                Arc::new(publish::KubePublisher {
-                    client: client.calls.clone(),
-                    namespace: cfg.namespace.clone(),
-                }),
-                Some(Arc::new(peer::authz::KubeRequesters {
-                    client: client.calls,
-                    namespace: cfg.namespace.clone(),
-                })),
-            )
-        }
-        (None, None) => {
-            info!("peer checks disabled: neither Kubernetes nor --peer-members says who the peers are");
-            return Ok(None);
-        }
-    };
+                    wire::NodeCredential::Token(token),
+                )
+            }
+            None => match (&cfg.peer_node_key_file, &cfg.peer_coordinator_key) {
+                (Some(key), Some(public)) => (
+                    Arc::new(authz::FixedCoordinator::new(public.parse().with_context(
+                        || "--peer-coordinator-key is not the coordinator's public key",
+                    )?)),
+                    wire::NodeCredential::Key(wire::load_key(key)?),
+                ),
+                (None, None) => {
+                    info!("peer checks disabled (without Kubernetes they need --peer-node-key-file and --peer-coordinator-key)");
+                    return Ok(None);
+                }
+                _ => anyhow::bail!(
+                    "peer checks without Kubernetes need both --peer-node-key-file and --peer-coordinator-key"
+                ),
+            },
+        };
+    let listener = tokio::net::TcpListener::bind(cfg.peer_listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", cfg.peer_listen))?;
     let probe = service::ProbeSetup {
         bin: probe_bin(cfg.probe_bin.as_deref()),
         gpu: policy.borrow().policy.peer.gpu,
     };
-    info!(address = %address, probe = %probe.bin.display(), "peer checks enabled");
+    info!(listen = %cfg.peer_listen, probe = %probe.bin.display(), "peer checks enabled");
     Ok(Some(peer::PeerSetup {
         node: node.to_string(),
         listener,
-        address,
-        key,
         probe,
         probe_port_base: cfg.probe_port_base,
         busy: if cfg.no_nvml {
@@ -402,11 +306,8 @@ async fn peer_setup(
         } else {
             Arc::new(crate::peer::busy::NvmlBusy::new(cfg.nvml_lib.clone()))
         },
-        members,
-        publisher,
-        election,
-        requester_key,
-        requesters,
+        coordinator,
+        credential,
         policy,
         inputs: ctx.tx.clone(),
         metrics: ctx.metrics.clone(),
@@ -1128,15 +1029,10 @@ impl Components {
         }
     }
 
-    /// Peer checks, when a secret is given and the peers are known.
+    /// Peer checks, when this node has its credential and knows the coordinator's.
     async fn start_peer(&mut self) {
-        let Some(secret) = self.cfg.peer_secret_file.clone() else {
-            info!("peer checks disabled (no --peer-secret-file)");
-            return;
-        };
         let setup = peer_setup(
             &self.cfg,
-            &secret,
             &self.node,
             self.kube.clone(),
             self.policy.clone(),
