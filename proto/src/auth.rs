@@ -377,6 +377,12 @@ pub enum VerifyKey {
     Hmac(Key),
     /// The coordinator's public key: only its private key signs what this accepts.
     Coordinator(CoordinatorPublicKey),
+    /// The master of the nodes' keys (the coordinator's, without Kubernetes): a request is
+    /// checked with the key [`node_key`] derives for the sender it names.
+    Nodes(Key),
+    /// None of its own: each request is checked with the key given with it
+    /// ([`Verifier::verify_with`]); [`Verifier::verify`] refuses everything.
+    PerRequest,
 }
 
 impl From<Key> for VerifyKey {
@@ -435,8 +441,31 @@ impl Verifier {
         self.check(msg, now_ms, Some(role))
     }
 
+    /// As [`Verifier::verify`], with `key` instead of the verifier's own (the same receiver,
+    /// times and nonce memory): for a sender whose key is known only with its request (an
+    /// agent's report signed with its bearer token, checked by the API server).
+    pub fn verify_with<M: Signed>(
+        &mut self,
+        key: &VerifyKey,
+        msg: &M,
+        now_ms: i64,
+    ) -> Result<String, AuthError> {
+        self.check_with(key, msg, now_ms, None)
+    }
+
     fn check<M: Signed>(
         &mut self,
+        msg: &M,
+        now_ms: i64,
+        role: Option<&str>,
+    ) -> Result<String, AuthError> {
+        let key = self.key.clone();
+        self.check_with(&key, msg, now_ms, role)
+    }
+
+    fn check_with<M: Signed>(
+        &mut self,
+        key: &VerifyKey,
         msg: &M,
         now_ms: i64,
         role: Option<&str>,
@@ -448,14 +477,19 @@ impl Verifier {
             a.mac.clear();
         }
         let bytes = unsigned.encode_to_vec();
-        match &self.key {
-            VerifyKey::Hmac(key) => {
-                let mut m = key.mac();
-                m.update(&bytes);
-                m.verify_slice(&auth.mac).map_err(|_| AuthError::BadMac {
-                    sender: sender.clone(),
-                })?;
-            }
+        let hmac = |key: &Key| {
+            let mut m = key.mac();
+            m.update(&bytes);
+            m.verify_slice(&auth.mac).map_err(|_| AuthError::BadMac {
+                sender: sender.clone(),
+            })
+        };
+        match key {
+            VerifyKey::Hmac(key) => hmac(key)?,
+            // Each node's own key, derived from the master for the sender it names: a request
+            // verifies only under the key of the node it claims to come from.
+            VerifyKey::Nodes(master) => hmac(&node_key(master, &sender))?,
+            VerifyKey::PerRequest => return Err(AuthError::BadMac { sender }),
             VerifyKey::Coordinator(public) => {
                 if !public.verifies(&bytes, &auth.mac) {
                     return Err(AuthError::BadSignature { sender });

@@ -1,21 +1,29 @@
-//! Which node an agent's report comes from: the coordinator accepts a report only from the node
-//! it describes, proven by a credential bound to that node.
+//! Which node an agent's report comes from: the coordinator takes a report only from the node
+//! it describes, proven by a credential bound to that node and held by no other.
+//!
+//! - Kubernetes ([`Tokens`]): the report carries the agent's projected service-account token
+//!   (`authorization: Bearer`) and is signed with it; the API server names the token's node
+//!   (`tokens`).
+//! - Without Kubernetes ([`NodeKeys`]): the report is signed with the node's own key, which the
+//!   coordinator derives from its master for the node the report names (`auth::node_key`).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
-use faultline_proto::auth::Verifier;
+use faultline_proto::auth::{Key, VerifyKey, Verifier};
 use faultline_proto::v1::CheckReport;
 use tonic::Status;
 
+use super::tokens::AgentTokens;
+use crate::peer::authz::TokenRefusal;
 use crate::peer::wire;
 
 /// Why a report's sender was not accepted.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum Refusal {
-    /// No valid credential (`UNAUTHENTICATED`).
+    /// No valid credential for the node it names (`UNAUTHENTICATED`).
     #[error("{0}")]
     Unauthenticated(String),
-    /// The credential could not be checked now (`UNAVAILABLE`: the agent retries).
+    /// The credential could not be checked now (`UNAVAILABLE`: the agent tries again).
     #[error("{0}")]
     Unavailable(String),
 }
@@ -32,21 +40,84 @@ impl Refusal {
 /// Verifies a report's sender: the node whose credential it carries.
 #[async_trait::async_trait]
 pub trait Agents: Send + Sync + std::fmt::Debug {
+    /// The node the report comes from (its signature verified, addressed to this coordinator,
+    /// fresh and not seen before), or why it is refused.
     async fn verify(&self, report: &CheckReport, token: Option<&str>) -> Result<String, Refusal>;
 }
 
-/// The agents' shared secret: any holder may sign as any node.
+fn locked(v: &Mutex<Verifier>) -> Result<std::sync::MutexGuard<'_, Verifier>, Refusal> {
+    v.lock()
+        .map_err(|_| Refusal::Unavailable("verifier poisoned".into()))
+}
+
+/// Without Kubernetes: each node's own key, derived from the master.
 #[derive(Debug)]
-pub struct SharedKey(pub Mutex<Verifier>);
+pub struct NodeKeys(Mutex<Verifier>);
+
+impl NodeKeys {
+    /// Reports to `me` signed with the key `master` derives for their sender.
+    pub fn new(master: Key, me: &str) -> NodeKeys {
+        NodeKeys(Mutex::new(Verifier::new(
+            VerifyKey::Nodes(master),
+            crate::peer::MAX_SKEW,
+            me,
+        )))
+    }
+}
 
 #[async_trait::async_trait]
-impl Agents for SharedKey {
+impl Agents for NodeKeys {
     async fn verify(&self, report: &CheckReport, _token: Option<&str>) -> Result<String, Refusal> {
-        let mut v = self
-            .0
-            .lock()
-            .map_err(|_| Refusal::Unavailable("verifier poisoned".into()))?;
-        v.verify(report, wire::now_ms())
+        locked(&self.0)?
+            .verify(report, wire::now_ms())
             .map_err(|e| Refusal::Unauthenticated(e.to_string()))
+    }
+}
+
+/// Kubernetes: the agent's service-account token, reviewed by the API server; the report is
+/// signed with the token, so its fields are the token holder's.
+#[derive(Debug)]
+pub struct Tokens {
+    tokens: Arc<dyn AgentTokens>,
+    verifier: Mutex<Verifier>,
+}
+
+impl Tokens {
+    pub fn new(tokens: Arc<dyn AgentTokens>, me: &str) -> Tokens {
+        Tokens {
+            tokens,
+            verifier: Mutex::new(Verifier::new(
+                VerifyKey::PerRequest,
+                crate::peer::MAX_SKEW,
+                me,
+            )),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl Agents for Tokens {
+    async fn verify(&self, report: &CheckReport, token: Option<&str>) -> Result<String, Refusal> {
+        let Some(token) = token else {
+            return Err(Refusal::Unauthenticated(
+                "a report must carry the agent's service-account token (authorization: Bearer)"
+                    .into(),
+            ));
+        };
+        let key = Key::new(token.as_bytes())
+            .map_err(|e| Refusal::Unauthenticated(format!("the token: {e}")))?;
+        let node = self.tokens.node_of(token).await.map_err(|e| match e {
+            TokenRefusal::Unavailable(m) => Refusal::Unavailable(m),
+            e => Refusal::Unauthenticated(e.to_string()),
+        })?;
+        let sender = locked(&self.verifier)?
+            .verify_with(&VerifyKey::Hmac(key), report, wire::now_ms())
+            .map_err(|e| Refusal::Unauthenticated(e.to_string()))?;
+        if sender != node {
+            return Err(Refusal::Unauthenticated(format!(
+                "the report names {sender:?} as its sender, but its token is {node:?}'s agent's"
+            )));
+        }
+        Ok(node)
     }
 }

@@ -9,9 +9,10 @@
 //! members file.
 //!
 //! - `service`: the gRPC service (`Report` from agents, `Run` from requesters);
-//! - `agents`: which node a report comes from.
+//! - `agents`: which node a report comes from; `tokens`: an agent token's node (Kubernetes).
 
 pub mod agents;
+pub mod tokens;
 pub mod service;
 
 use std::net::SocketAddr;

@@ -16,7 +16,6 @@
 //! [`start`] wires them into the agent: the service on its own port, the election, and the
 //! schedule of runs while this agent coordinates.
 
-pub mod agents;
 pub mod authz;
 pub mod busy;
 pub mod coordinator;
