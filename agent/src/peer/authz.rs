@@ -9,6 +9,8 @@
 //! - [`MemberView`]: the current members, cached; every address an `Assign` names must be one
 //!   of theirs ([`check_addresses`]).
 //! - [`admit`]: an assignment's size, iterations and deadline against this agent's own policy.
+//! - [`forward_target`], [`ForwardRate`], [`MAX_FORWARDED_BYTES`]: what this agent forwards as
+//!   a relay (`Forward`): only to a current member, at a bounded rate and size.
 //!
 //! Requesters (`faultline check`) are authorized separately: their own secret (bare metal and
 //! Kubernetes alike), never accepted for the agents' RPCs (`service`); or, on Kubernetes, their
@@ -257,7 +259,84 @@ pub fn check_addresses(
             a.coordinator, c.address
         ));
     }
+    if let Some(via) = &a.report_via {
+        listed(via, members).map_err(|e| format!("report_via: {e}"))?;
+    }
     Ok(())
+}
+
+/// The current member `w` names, with exactly its listed address.
+fn listed(w: &faultline_proto::v1::Member, members: &[Member]) -> Result<Member, String> {
+    let m = members
+        .iter()
+        .find(|m| m.node == w.node)
+        .ok_or_else(|| format!("{:?} is not a current member", w.node))?;
+    if m.address != w.address {
+        return Err(format!(
+            "{:?}: address {:?} is not its listed {:?}",
+            w.node, w.address, m.address
+        ));
+    }
+    Ok(m.clone())
+}
+
+/// The largest assignment, cancel or report a relay forwards (a real one is under 6 KiB: names,
+/// addresses and a report's error of at most 4 KiB); a conclusion may be as large as any
+/// message (`MAX_MESSAGE_BYTES`: it lists the run's members).
+pub const MAX_FORWARDED_BYTES: usize = 16 * 1024;
+/// Forwards a relay makes per second, on average and in a burst: a member the coordinator
+/// reaches through it takes at most two checks a round (two assignments, two cancels, two
+/// reports), so this covers dozens of such members at once and bounds what a key holder can
+/// make a relay send.
+pub const FORWARD_RATE: f64 = 64.0;
+pub const FORWARD_BURST: f64 = 256.0;
+
+/// Where a relay may forward the coordinator's message: a current member (node and listed
+/// address) other than the relay itself.
+pub fn forward_target(
+    to: Option<&faultline_proto::v1::Member>,
+    members: &[Member],
+    me: &str,
+) -> Result<Member, String> {
+    let to = to.ok_or("no member to forward to")?;
+    if to.node == me {
+        return Err(format!("{me} does not forward to itself"));
+    }
+    listed(to, members)
+}
+
+/// A token bucket for forwards: [`FORWARD_BURST`] at once, refilled at [`FORWARD_RATE`] per
+/// second.
+#[derive(Debug)]
+pub struct ForwardRate {
+    tokens: f64,
+    at: Option<Instant>,
+}
+
+impl Default for ForwardRate {
+    fn default() -> ForwardRate {
+        ForwardRate {
+            tokens: FORWARD_BURST,
+            at: None,
+        }
+    }
+}
+
+impl ForwardRate {
+    /// Takes one forward at `now`: false when the rate is spent.
+    pub fn take(&mut self, now: Instant) -> bool {
+        if let Some(at) = self.at {
+            let refill = now.saturating_duration_since(at).as_secs_f64() * FORWARD_RATE;
+            self.tokens = (self.tokens + refill).min(FORWARD_BURST);
+        }
+        self.at = Some(now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
+    }
 }
 
 /// An assignment's sizes within this agent's bounds: bytes and iterations as asked (they must
@@ -519,6 +598,26 @@ mod tests {
                 "not a current member",
             ),
             (|a| a.a = None, "member a is missing"),
+            (
+                |a| {
+                    a.report_via = Some(WireMember {
+                        node: "n9".into(),
+                        address: "10.0.0.9:20261".into(),
+                        topology: String::new(),
+                    })
+                },
+                "report_via: \"n9\" is not a current member",
+            ),
+            (
+                |a| {
+                    a.report_via = Some(WireMember {
+                        node: "n1".into(),
+                        address: "10.9.9.9:20261".into(),
+                        topology: String::new(),
+                    })
+                },
+                "report_via: \"n1\": address",
+            ),
         ];
         for (edit, why) in cases {
             let mut a = assignment();
@@ -526,6 +625,14 @@ mod tests {
             let e = check_addresses(&a, &members, "n2", ports.clone()).unwrap_err();
             assert!(e.contains(why), "{why}: {e}");
         }
+        // A report relay that is a current member at its listed address is fine.
+        let mut a = assignment();
+        a.report_via = Some(WireMember {
+            node: "n1".into(),
+            address: "10.0.0.2:20261".into(),
+            topology: String::new(),
+        });
+        assert_eq!(check_addresses(&a, &members, "n2", ports.clone()), Ok(()));
         // A coordinator that is not a member cannot name a report address at all.
         let e = check_addresses(&assignment(), &members, "n7", ports).unwrap_err();
         assert!(e.contains("not a current member"), "{e}");
@@ -603,6 +710,47 @@ mod tests {
         };
         assert_eq!(with(20_000, &low), Duration::from_secs(15));
         assert_eq!(with(12_000, &low), Duration::from_secs(12));
+    }
+
+    /// A relay forwards only to a current member at its listed address, never to itself.
+    #[test]
+    fn a_relay_forwards_only_to_current_members() {
+        let members = vec![m("n0", "10.0.0.1"), m("n1", "10.0.0.2")];
+        let w = |n: &str, a: &str| WireMember {
+            node: n.into(),
+            address: a.into(),
+            topology: String::new(),
+        };
+        let to = w("n1", "10.0.0.2:20261");
+        assert_eq!(
+            forward_target(Some(&to), &members, "n0").unwrap().node,
+            "n1"
+        );
+        for (to, why) in [
+            (None, "no member"),
+            (Some(w("n9", "10.0.0.9:20261")), "not a current member"),
+            (Some(w("n1", "10.9.9.9:20261")), "is not its listed"),
+            (
+                Some(w("n0", "10.0.0.1:20261")),
+                "does not forward to itself",
+            ),
+        ] {
+            let e = forward_target(to.as_ref(), &members, "n0").unwrap_err();
+            assert!(e.contains(why), "{why}: {e}");
+        }
+    }
+
+    /// The forward rate: a burst of `FORWARD_BURST`, then `FORWARD_RATE` per second.
+    #[tokio::test(start_paused = true)]
+    async fn forwards_are_rate_limited() {
+        let mut r = ForwardRate::default();
+        let t0 = Instant::now();
+        let burst = (0..1000).take_while(|_| r.take(t0)).count();
+        assert_eq!(burst, FORWARD_BURST as usize);
+        assert!(!r.take(t0));
+        let later = t0 + Duration::from_millis(500);
+        let refilled = (0..1000).take_while(|_| r.take(later)).count();
+        assert_eq!(refilled, (FORWARD_RATE / 2.0) as usize);
     }
 
     #[test]

@@ -327,6 +327,14 @@ mod tests {
         async fn assign(&self, _: &Member, _: CheckAssignment) -> Result<CheckAccepted, String> {
             Err("not used".into())
         }
+        async fn forward(
+            &self,
+            _: &Member,
+            _: &Member,
+            _: crate::peer::coordinator::Relayed,
+        ) -> Result<CheckAccepted, String> {
+            Err("not used".into())
+        }
         async fn cancel(&self, _: &Member, _: CheckAssignment) {}
         async fn conclude(&self, _: &Member, _: RunConclusion) -> Result<(), String> {
             Err("not used".into())

@@ -8,7 +8,11 @@
 //! RPC accepts. Refusals are logged at a bounded rate.
 //!
 //! An assignment runs the probe as a child process (`runner`) and sends the `CheckReport` to
-//! the coordinator address it names. A conclusion becomes this node's `Level` observations
+//! the coordinator address it names, or through the member it names in `report_via` (the
+//! coordinator cannot reach this agent and reached it through that member). Every agent is
+//! also a relay (`Forward`): it passes the coordinator's `Assign`, `Cancel` and `Conclude` on,
+//! verbatim, to a member the coordinator cannot reach, and a member's own report on to the
+//! coordinator, within the bounds `authz` sets. A conclusion becomes this node's `Level` observations
 //! (`verdicts`), sent to the engine like any source's.
 
 use std::collections::{BTreeMap, HashMap};
@@ -21,6 +25,7 @@ use faultline_proto::v1::coordinator_client::CoordinatorClient;
 use faultline_proto::v1::coordinator_server::Coordinator as CoordinatorRpc;
 use faultline_proto::v1::peer_check_client::PeerCheckClient;
 use faultline_proto::v1::peer_check_server::PeerCheck;
+use faultline_proto::v1::{forward_request as forward, ForwardReply, ForwardRequest as Forward};
 use faultline_proto::v1::{
     CheckAccepted, CheckAssignment, CheckReport, PingReply, PingRequest, Reached, ReportAck,
     RunConclusion, RunRequest, RunResult,
@@ -71,6 +76,9 @@ pub const MAX_REACH: usize = 16;
 /// How long the service waits to learn who coordinates or who the members are (an answer
 /// must fit in the coordinator's `CALL_TIMEOUT`).
 pub const AUTHZ_TIMEOUT: Duration = Duration::from_millis(1500);
+/// How long a call through a relay may take: the relay's own checks (who coordinates, the
+/// members) and its call onward (a conclusion's is the longest).
+pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a conclusion waits for the agent's engine to take its observations.
 pub const CONCLUDE_DELIVERY: Duration = Duration::from_secs(3);
 /// At most one log line per this interval about refused requests (with the count).
@@ -164,6 +172,8 @@ pub struct PeerService {
     view: MemberView,
     refusals: Mutex<crate::pace::LogPacer>,
     metrics: Arc<crate::metrics::Metrics>,
+    /// What this agent forwards as a relay, per second.
+    forwards: Mutex<authz::ForwardRate>,
 }
 
 impl PeerService {
@@ -187,6 +197,7 @@ impl PeerService {
             requesters: authz.requesters,
             probe_ports: authz.probe_ports,
             refusals: Mutex::new(crate::pace::LogPacer::new(REFUSAL_LOG_EVERY)),
+            forwards: Mutex::new(authz::ForwardRate::default()),
             node,
             signer: signer.clone(),
             probe,
@@ -450,7 +461,10 @@ impl PeerCheck for PeerHandle {
                     r.remove(&key);
                 }
                 if let Some(report) = report {
-                    me.send_report(&a.coordinator, report).await;
+                    match &a.report_via {
+                        Some(via) => me.send_report_via(via, report).await,
+                        None => me.send_report(&a.coordinator, report).await,
+                    }
                 }
             }
             .instrument(span),
@@ -481,6 +495,87 @@ impl PeerCheck for PeerHandle {
                 "no such check running".into()
             },
         }))
+    }
+
+    async fn forward(&self, request: Request<Forward>) -> Result<Response<ForwardReply>, Status> {
+        let f = request.into_inner();
+        let sender = self.verify("Forward", &f)?;
+        PeerService::check_protocol(f.protocol)?;
+        let msg = f
+            .message
+            .ok_or_else(|| Status::invalid_argument("nothing to forward"))?;
+        let small = !matches!(msg, forward::Message::Conclude(_));
+        if small && msg.encoded_len() > authz::MAX_FORWARDED_BYTES {
+            return Err(self.refused(
+                "Forward",
+                Status::invalid_argument(format!(
+                    "{} bytes to forward, more than {}",
+                    msg.encoded_len(),
+                    authz::MAX_FORWARDED_BYTES
+                )),
+            ));
+        }
+        // The inner message was signed by whoever asks for the forwarding (its receiver checks
+        // the signature itself; this only keeps a relay from carrying someone else's messages).
+        let inner = match &msg {
+            forward::Message::Assign(a) | forward::Message::Cancel(a) => a.auth.as_ref(),
+            forward::Message::Conclude(c) => c.auth.as_ref(),
+            forward::Message::Report(r) => r.auth.as_ref(),
+        };
+        if inner.map(|a| a.sender.as_str()) != Some(sender.as_str()) {
+            return Err(self.refused(
+                "Forward",
+                Status::permission_denied(format!("{sender} may forward only messages it signed")),
+            ));
+        }
+        let taken = self
+            .forwards
+            .lock()
+            .map_err(|_| Status::internal("poisoned"))?
+            .take(tokio::time::Instant::now());
+        if !taken {
+            return Err(self.refused(
+                "Forward",
+                Status::resource_exhausted("too many forwards; ask again later"),
+            ));
+        }
+        let members = tokio::time::timeout(AUTHZ_TIMEOUT, self.view.list(false))
+            .await
+            .map_err(|_| Status::unavailable("cannot list the members in time"))?
+            .map_err(|e| Status::unavailable(format!("cannot list the members: {e}")))?;
+        if let forward::Message::Report(r) = msg {
+            // A member's own report, to the coordinator this agent knows at its listed address.
+            if r.node != sender || !members.iter().any(|m| m.node == sender) {
+                return Err(self.refused(
+                    "Forward",
+                    Status::permission_denied(format!(
+                        "{sender} may forward only its own report, as a current member"
+                    )),
+                ));
+            }
+            let who = tokio::time::timeout(AUTHZ_TIMEOUT, self.who.current(false))
+                .await
+                .map_err(|_| Status::unavailable("cannot tell who coordinates in time"))?
+                .map_err(|e| Status::unavailable(e.to_string()))?
+                .ok_or_else(|| Status::unavailable("no agent coordinates peer checks now"))?;
+            let to = members
+                .iter()
+                .find(|m| m.node == who.node)
+                .ok_or_else(|| Status::unavailable("the coordinator is not a current member"))?;
+            return pass_report_on(&to.address, r)
+                .await
+                .map(|()| Response::new(ForwardReply { accepted: None }))
+                .map_err(Status::unavailable);
+        }
+        self.only_coordinator("Forward", &sender).await?;
+        let to = authz::forward_target(f.to.as_ref(), &members, &self.node)
+            .map_err(|e| self.refused("Forward", Status::permission_denied(e)))?;
+        debug!(from = %sender, to = %to.node, "forwarding the coordinator's message");
+        self.relay
+            .pass_on(&to, msg)
+            .await
+            .map(|accepted| Response::new(ForwardReply { accepted }))
+            .map_err(Status::unavailable)
     }
 
     async fn conclude(
@@ -731,6 +826,49 @@ impl PeerService {
     }
 }
 
+impl PeerService {
+    /// Sends the report through the member the assignment named (`report_via`), as
+    /// `send_report` does directly: up to `REPORT_ATTEMPTS` times while it cannot be reached,
+    /// each attempt signed anew.
+    async fn send_report_via(&self, via: &faultline_proto::v1::Member, report: CheckReport) {
+        let attempt = || {
+            let envelope = self.signer.sign(Forward {
+                auth: None,
+                protocol: PROTOCOL,
+                to: None,
+                message: Some(forward::Message::Report(self.signer.sign(report.clone()))),
+            });
+            async move {
+                let ch = endpoint(&via.address)
+                    .map_err(|e| (false, e))?
+                    .connect_lazy();
+                let mut c = PeerCheckClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
+                within(FORWARD_TIMEOUT, |t| c.forward(timed(envelope, t)))
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| (true, e))
+            }
+        };
+        let sent = super::retried(REPORT_ATTEMPTS, REPORT_RETRY_PAUSE, |e| e.0, attempt).await;
+        if let Err((_, e)) = sent {
+            warn!(via = %via.node, error = %e, "cannot send the check report through the relay");
+        }
+    }
+}
+
+/// A relay passes a member's report on to the coordinator, verbatim (one attempt: the member
+/// tries again, signing anew).
+async fn pass_report_on(address: &str, r: CheckReport) -> Result<(), String> {
+    let ch = endpoint(address)?
+        .connect()
+        .await
+        .map_err(|e| format!("cannot reach the coordinator at {address}: {e}"))?;
+    let mut c = CoordinatorClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    within(CALL_TIMEOUT, |t| c.report(timed(r, t)))
+        .await
+        .map(|_| ())
+}
+
 #[tonic::async_trait]
 impl CoordinatorRpc for PeerHandle {
     async fn report(&self, request: Request<CheckReport>) -> Result<Response<ReportAck>, Status> {
@@ -916,6 +1054,30 @@ impl GrpcTransport {
     }
 }
 
+impl GrpcTransport {
+    /// A relay's call onward: the coordinator's message to `to`, verbatim (its signature is
+    /// the coordinator's); the receiver's answer to an assignment or a cancel.
+    async fn pass_on(
+        &self,
+        to: &Member,
+        msg: forward::Message,
+    ) -> Result<Option<CheckAccepted>, String> {
+        let mut c = self.client(to)?;
+        match msg {
+            forward::Message::Assign(a) => within(CALL_TIMEOUT, |t| c.assign(timed(a, t)))
+                .await
+                .map(Some),
+            forward::Message::Cancel(a) => within(CALL_TIMEOUT, |t| c.cancel(timed(a, t)))
+                .await
+                .map(Some),
+            forward::Message::Conclude(m) => within(CONCLUDE_TIMEOUT, |t| c.conclude(timed(m, t)))
+                .await
+                .map(|_| None),
+            forward::Message::Report(_) => Err("a report goes to the coordinator".into()),
+        }
+    }
+}
+
 fn timed<T>(msg: T, timeout: Duration) -> Request<T> {
     let mut r = Request::new(msg);
     r.set_timeout(timeout);
@@ -994,6 +1156,35 @@ impl coordinator::Transport for GrpcTransport {
         within(CONCLUDE_TIMEOUT, |t| client.conclude(timed(msg, t)))
             .await
             .map(|_| ())
+    }
+
+    async fn forward(
+        &self,
+        via: &Member,
+        to: &Member,
+        msg: coordinator::Relayed,
+    ) -> Result<CheckAccepted, String> {
+        use coordinator::Relayed;
+        let message = match msg {
+            Relayed::Assign(a) => forward::Message::Assign(self.signer.sign(a)),
+            Relayed::Cancel(a) => forward::Message::Cancel(self.signer.sign(a)),
+            Relayed::Conclude(c) => forward::Message::Conclude(self.signer.sign(c)),
+        };
+        let envelope = self.signer.sign(Forward {
+            auth: None,
+            protocol: PROTOCOL,
+            to: Some(wire_member(to)),
+            message: Some(message),
+        });
+        let mut c = self.client(via)?;
+        within(FORWARD_TIMEOUT, |t| c.forward(timed(envelope, t)))
+            .await
+            .map(|r| {
+                r.accepted.unwrap_or(CheckAccepted {
+                    accepted: true,
+                    reason: String::new(),
+                })
+            })
     }
 }
 
@@ -1300,6 +1491,7 @@ mod tests {
             timeout_ms: 1000,
             gemm: false,
             coordinator: "10.0.0.1:20261".into(),
+            report_via: None,
         }
     }
 
@@ -1542,6 +1734,332 @@ mod tests {
             .unwrap()
             .into_inner();
         assert!(r.accepted, "{r:?}");
+    }
+
+    /// The relay's bounds (`Forward`): it carries only the coordinator's Assign, Cancel and
+    /// Conclude, signed by the coordinator itself, to a current member other than itself, and
+    /// only a member's own report; too large a message and too many forwards are refused; the
+    /// requesters' secret is not accepted. Nothing here reaches the network (every case is
+    /// refused before the call onward). On the paused clock, so the rate does not refill.
+    #[tokio::test(start_paused = true)]
+    async fn a_relay_forwards_only_within_its_bounds() {
+        let (svc, coordinator) = service();
+        let n2 = agent("n2");
+        let envelope = |by: &Signer, to: Option<WireMember>, m: forward::Message| {
+            by.sign(Forward {
+                auth: None,
+                protocol: PROTOCOL,
+                to,
+                message: Some(m),
+            })
+        };
+        let to = |n: &str, a: &str| {
+            Some(WireMember {
+                node: n.into(),
+                address: a.into(),
+                topology: String::new(),
+            })
+        };
+        let assign = |by: &Signer| forward::Message::Assign(by.sign(assignment()));
+        let n2_at = to("n2", "10.0.0.3:20261");
+        let cases: Vec<(Forward, tonic::Code, &str)> = vec![
+            // Not the coordinator.
+            (
+                envelope(&n2, to("n0", "10.0.0.1:20261"), assign(&n2)),
+                tonic::Code::PermissionDenied,
+                "only the current peer-check coordinator",
+            ),
+            // The coordinator's envelope around someone else's message.
+            (
+                envelope(&coordinator, n2_at.clone(), assign(&n2)),
+                tonic::Code::PermissionDenied,
+                "only messages it signed",
+            ),
+            (
+                envelope(
+                    &coordinator,
+                    to("n9", "10.0.0.9:20261"),
+                    assign(&coordinator),
+                ),
+                tonic::Code::PermissionDenied,
+                "not a current member",
+            ),
+            (
+                envelope(
+                    &coordinator,
+                    to("n2", "10.9.9.9:20261"),
+                    assign(&coordinator),
+                ),
+                tonic::Code::PermissionDenied,
+                "is not its listed",
+            ),
+            (
+                envelope(
+                    &coordinator,
+                    to("n1", "10.0.0.2:20261"),
+                    assign(&coordinator),
+                ),
+                tonic::Code::PermissionDenied,
+                "does not forward to itself",
+            ),
+            (
+                envelope(&coordinator, None, assign(&coordinator)),
+                tonic::Code::PermissionDenied,
+                "no member to forward to",
+            ),
+            // A report for another node.
+            (
+                envelope(
+                    &n2,
+                    None,
+                    forward::Message::Report(n2.sign(CheckReport {
+                        protocol: PROTOCOL,
+                        node: "n0".into(),
+                        ..Default::default()
+                    })),
+                ),
+                tonic::Code::PermissionDenied,
+                "only its own report",
+            ),
+            (
+                envelope(&coordinator, n2_at.clone(), {
+                    let mut a = assignment();
+                    a.run_id = "x".repeat(authz::MAX_FORWARDED_BYTES);
+                    forward::Message::Assign(coordinator.sign(a))
+                }),
+                tonic::Code::InvalidArgument,
+                "bytes to forward",
+            ),
+            (
+                envelope(&requester(), n2_at.clone(), assign(&requester())),
+                tonic::Code::Unauthenticated,
+                "",
+            ),
+        ];
+        for (f, code, why) in cases {
+            let e = svc.forward(Request::new(f)).await.unwrap_err();
+            assert_eq!(e.code(), code, "{why}: {e:?}");
+            assert!(e.message().contains(why), "{why}: {e:?}");
+        }
+        // The rate: a burst, then refused (each of these is refused after its token is taken).
+        let refused = |svc: &PeerHandle| {
+            let f = envelope(
+                &coordinator,
+                to("n9", "10.0.0.9:20261"),
+                assign(&coordinator),
+            );
+            let svc = svc.clone();
+            async move { svc.forward(Request::new(f)).await.unwrap_err().code() }
+        };
+        let mut codes = Vec::new();
+        for _ in 0..authz::FORWARD_BURST as usize {
+            codes.push(refused(&svc).await);
+        }
+        assert!(codes
+            .iter()
+            .all(|c| *c == tonic::Code::PermissionDenied || *c == tonic::Code::ResourceExhausted));
+        assert_eq!(refused(&svc).await, tonic::Code::ResourceExhausted);
+    }
+
+    /// A far agent (n2) and a coordinator (n0) on loopback that verify and record what reaches
+    /// them: what a relay passes on must verify as its original signer's.
+    #[derive(Clone)]
+    struct Far {
+        verifier: Arc<Mutex<Verifier>>,
+        got: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Far {
+        fn new() -> Far {
+            Far {
+                verifier: Arc::new(Mutex::new(Verifier::new(
+                    Key::new(SECRET).unwrap(),
+                    Duration::from_secs(30),
+                ))),
+                got: Arc::default(),
+            }
+        }
+
+        fn note<M: Signed>(&self, what: &str, m: &M) -> Result<(), Status> {
+            let sender = self
+                .verifier
+                .lock()
+                .unwrap()
+                .verify(m, wire::now_ms())
+                .map_err(|e| Status::unauthenticated(e.to_string()))?;
+            self.got
+                .lock()
+                .unwrap()
+                .push(format!("{what} from {sender}"));
+            Ok(())
+        }
+
+        async fn serve(&self, at: &str) {
+            let listener = tokio::net::TcpListener::bind(at).await.unwrap();
+            let incoming = crate::listen::incoming(
+                listener,
+                crate::listen::PEER_LIMITS,
+                Arc::new(crate::metrics::Metrics::new()),
+                "peer",
+            );
+            let server = tonic::transport::Server::builder()
+                .add_service(
+                    faultline_proto::v1::peer_check_server::PeerCheckServer::new(self.clone()),
+                )
+                .add_service(
+                    faultline_proto::v1::coordinator_server::CoordinatorServer::new(self.clone()),
+                )
+                .serve_with_incoming(incoming);
+            tokio::spawn(server);
+        }
+    }
+
+    #[tonic::async_trait]
+    impl PeerCheck for Far {
+        async fn ping(&self, _: Request<PingRequest>) -> Result<Response<PingReply>, Status> {
+            Err(Status::unimplemented("not used"))
+        }
+        async fn assign(
+            &self,
+            r: Request<CheckAssignment>,
+        ) -> Result<Response<CheckAccepted>, Status> {
+            self.note("assign", r.get_ref())?;
+            Ok(Response::new(CheckAccepted {
+                accepted: true,
+                reason: "n2 took it".into(),
+            }))
+        }
+        async fn cancel(
+            &self,
+            _: Request<CheckAssignment>,
+        ) -> Result<Response<CheckAccepted>, Status> {
+            Err(Status::unimplemented("not used"))
+        }
+        async fn conclude(&self, r: Request<RunConclusion>) -> Result<Response<ReportAck>, Status> {
+            self.note("conclude", r.get_ref())?;
+            Ok(Response::new(ReportAck {}))
+        }
+        async fn forward(&self, r: Request<Forward>) -> Result<Response<ForwardReply>, Status> {
+            self.note("forward", r.get_ref())?;
+            if let Some(forward::Message::Report(rep)) = &r.get_ref().message {
+                self.note("report", rep)?;
+            }
+            Ok(Response::new(ForwardReply { accepted: None }))
+        }
+    }
+
+    #[tonic::async_trait]
+    impl CoordinatorRpc for Far {
+        async fn report(&self, r: Request<CheckReport>) -> Result<Response<ReportAck>, Status> {
+            self.note("report", r.get_ref())?;
+            Ok(Response::new(ReportAck {}))
+        }
+        async fn run(&self, _: Request<RunRequest>) -> Result<Response<RunResult>, Status> {
+            Err(Status::unimplemented("not used"))
+        }
+    }
+
+    /// Over real gRPC on loopback (members n0, n1, n2 at 127.0.28.1-3): the relay n1 passes the
+    /// coordinator's assignment and conclusion on to n2 and n2's report on to the coordinator,
+    /// verbatim (each verifies as its signer's at its receiver), and returns n2's answer; a
+    /// member whose assignment names a relay sends its report inside a `Forward` to it.
+    #[tokio::test]
+    async fn a_relay_passes_messages_on_verbatim() {
+        let (coordinator_at, far_at) = (Far::new(), Far::new());
+        coordinator_at.serve("127.0.28.1:20261").await;
+        far_at.serve("127.0.28.3:20261").await;
+        let who = watch::channel(Some(authz::CoordinatorId {
+            node: "n0".into(),
+            address: Some("127.0.28.1:20261".into()),
+        }))
+        .1;
+        let (relay, coordinator) = {
+            let (svc, signer, inputs) = service_on(
+                Arc::new(who),
+                None,
+                false,
+                "127.0.28",
+                "/nonexistent/faultline-probe".into(),
+                Arc::new(crate::metrics::Metrics::new()),
+            );
+            std::mem::forget(inputs);
+            (svc, signer)
+        };
+        let n2 = agent("n2");
+        let to_n2 = Some(WireMember {
+            node: "n2".into(),
+            address: "127.0.28.3:20261".into(),
+            topology: String::new(),
+        });
+        let envelope = |by: &Signer, to: Option<WireMember>, m: forward::Message| {
+            by.sign(Forward {
+                auth: None,
+                protocol: PROTOCOL,
+                to,
+                message: Some(m),
+            })
+        };
+        let r = relay
+            .forward(Request::new(envelope(
+                &coordinator,
+                to_n2.clone(),
+                forward::Message::Assign(coordinator.sign(assignment())),
+            )))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.accepted.unwrap().reason, "n2 took it");
+        relay
+            .forward(Request::new(envelope(
+                &coordinator,
+                to_n2,
+                forward::Message::Conclude(coordinator.sign(conclusion("n2"))),
+            )))
+            .await
+            .unwrap();
+        let report = CheckReport {
+            protocol: PROTOCOL,
+            run_id: "r1".into(),
+            node: "n2".into(),
+            partner: "n0".into(),
+            passed: true,
+            ..Default::default()
+        };
+        relay
+            .forward(Request::new(envelope(
+                &n2,
+                None,
+                forward::Message::Report(n2.sign(report.clone())),
+            )))
+            .await
+            .unwrap();
+        assert_eq!(
+            far_at.got.lock().unwrap().clone(),
+            vec!["assign from n0", "conclude from n0"]
+        );
+        assert_eq!(
+            coordinator_at.got.lock().unwrap().clone(),
+            vec!["report from n2"]
+        );
+        // The relay's own reports go through the relay its assignment names.
+        let via = WireMember {
+            node: "n2".into(),
+            address: "127.0.28.3:20261".into(),
+            topology: String::new(),
+        };
+        relay
+            .send_report_via(
+                &via,
+                CheckReport {
+                    node: "n1".into(),
+                    ..report
+                },
+            )
+            .await;
+        assert_eq!(
+            far_at.got.lock().unwrap()[2..].to_vec(),
+            vec!["forward from n1", "report from n1"]
+        );
     }
 
     /// Issue 12 §5: the requesters' secret requests runs and nothing else; the agents'
