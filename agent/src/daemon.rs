@@ -274,9 +274,9 @@ async fn peer_setup(
             }
             None => match (&cfg.peer_node_key_file, &cfg.peer_coordinator_key) {
                 (Some(key), Some(public)) => (
-                    Arc::new(authz::FixedCoordinator::new(public.parse().with_context(
-                        || "--peer-coordinator-key is not the coordinator's public key",
-                    )?)),
+                    Arc::new(authz::fixed(public.parse().with_context(|| {
+                        "--peer-coordinator-key is not the coordinator's public key"
+                    })?)),
                     wire::NodeCredential::Key(wire::load_key(key)?),
                 ),
                 (None, None) => {

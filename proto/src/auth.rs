@@ -110,6 +110,8 @@ signed!(
     PingRequest,
     RunConclusion
 );
+// The relay's envelope (its inner message keeps its own `Auth`).
+signed!(crate::v1::ForwardRequest);
 
 /// The shared secret.
 #[derive(Clone)]

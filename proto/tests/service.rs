@@ -40,6 +40,12 @@ impl PeerCheck for Agent {
     async fn conclude(&self, _: Request<RunConclusion>) -> Result<Response<ReportAck>, Status> {
         Err(Status::unimplemented("not used by this test"))
     }
+    async fn forward(
+        &self,
+        _: Request<faultline_proto::v1::ForwardRequest>,
+    ) -> Result<Response<faultline_proto::v1::ForwardReply>, Status> {
+        Err(Status::unimplemented("not used by this test"))
+    }
     async fn assign(
         &self,
         request: Request<CheckAssignment>,

@@ -13,12 +13,13 @@
 
 pub mod agents;
 pub mod tokens;
+pub mod transport;
 pub mod service;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -39,28 +40,31 @@ use tracing::{info, warn, Instrument};
 use crate::metrics::Metrics;
 use crate::peer::coordinator::{self as runs, Coordinator, Fence, Publisher, RunSpec, Trigger};
 use crate::peer::members::{self, Members};
-use crate::peer::service::GrpcTransport;
-use crate::peer::wire::{self, Signer};
+use crate::peer::wire::{self, CoordinatorSigner};
+use faultline_proto::auth::CoordinatorKey;
+use transport::GrpcTransport;
 use crate::peer::{authz, jittered, lease, publish, runner, MAX_REQUEST, MAX_SKEW};
 
 /// Where the coordinator's gRPC service listens by default.
-pub const DEFAULT_LISTEN: &str = "0.0.0.0:20262";
+pub const DEFAULT_PEER_LISTEN: &str = "0.0.0.0:20262";
 /// Where its health, readiness and metrics endpoints listen by default.
-pub const DEFAULT_HTTP_LISTEN: &str = "0.0.0.0:20263";
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:20263";
+/// The agents' service account (their reports' tokens must be its).
+pub const DEFAULT_AGENT_SERVICE_ACCOUNT: &str = "faultline";
 
 /// The coordinator's flags.
 #[derive(Debug, Clone, clap::Args)]
 pub struct CoordinatorConfig {
     /// Where the gRPC service (reports from agents, runs from requesters) listens.
-    #[arg(long, env = "FAULTLINE_COORDINATOR_LISTEN", default_value = DEFAULT_LISTEN)]
-    pub listen: SocketAddr,
+    #[arg(long, env = "FAULTLINE_PEER_LISTEN", default_value = DEFAULT_PEER_LISTEN)]
+    pub peer_listen: SocketAddr,
     /// The address (ip or ip:port) agents send reports to. Default: the pod IP (`POD_IP`), or
     /// the listen address when it names one.
     #[arg(long, env = "FAULTLINE_COORDINATOR_ADDRESS")]
     pub address: Option<String>,
     /// Where `/healthz`, `/readyz` (200 on the active replica only) and `/metrics` listen.
-    #[arg(long, env = "FAULTLINE_COORDINATOR_HTTP_LISTEN", default_value = DEFAULT_HTTP_LISTEN)]
-    pub http_listen: SocketAddr,
+    #[arg(long, env = "FAULTLINE_LISTEN", default_value = DEFAULT_LISTEN)]
+    pub listen: SocketAddr,
     /// This replica's name (the Lease's holder and the sender of its messages). Default: the
     /// pod name (`POD_NAME`), else the host name.
     #[arg(long, env = "POD_NAME")]
@@ -68,6 +72,14 @@ pub struct CoordinatorConfig {
     /// Without Kubernetes: the members file (`node ip:port [topology]` per line).
     #[arg(long, env = "FAULTLINE_PEER_MEMBERS")]
     pub members: Option<PathBuf>,
+    /// Without Kubernetes: the coordinator's key (`faultline keys coordinator` writes it); on
+    /// Kubernetes each replica makes its own at start unless this is given.
+    #[arg(long, env = "FAULTLINE_COORDINATOR_KEY_FILE")]
+    pub key_file: Option<PathBuf>,
+    /// Without Kubernetes: the master of the nodes' keys (`faultline keys master`): a report
+    /// is accepted only when signed with the key it derives for the node the report is from.
+    #[arg(long, env = "FAULTLINE_PEER_NODE_KEY_MASTER_FILE")]
+    pub node_key_master_file: Option<PathBuf>,
     /// Kubernetes: use this kubeconfig instead of the in-cluster service account.
     #[arg(long, env = "FAULTLINE_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
@@ -77,19 +89,21 @@ pub struct CoordinatorConfig {
     /// Kubernetes: label selector of the agent pods.
     #[arg(long, env = "FAULTLINE_PEER_SELECTOR", default_value = members::DEFAULT_SELECTOR)]
     pub peer_selector: String,
+    /// Kubernetes: the agents' service account: a report's token must be its, bound to a pod
+    /// on the node the report is from.
+    #[arg(long, env = "FAULTLINE_AGENT_SERVICE_ACCOUNT", default_value = DEFAULT_AGENT_SERVICE_ACCOUNT)]
+    pub agent_service_account: String,
     /// Kubernetes: the port the agents' peer-check service listens on (on their pod IP).
     #[arg(long, env = "FAULTLINE_AGENT_PEER_PORT", default_value_t = 20261)]
     pub agent_port: u16,
     /// First of the 32 ports the agents' probes listen on during checks.
     #[arg(long, env = "FAULTLINE_PROBE_PORT_BASE", default_value_t = 20270)]
     pub probe_port_base: u16,
-    /// The policy file (its `peer` section); the built-in policy without it.
-    #[arg(long, env = "FAULTLINE_POLICY_FILE")]
-    pub policy_file: Option<PathBuf>,
-    /// The agents' shared secret.
-    #[arg(long, env = "FAULTLINE_PEER_SECRET_FILE")]
-    pub secret_file: PathBuf,
-    /// The requesters' secret (`faultline check` signs `Run` with it).
+    /// Policy file (its `peer` section: schedule, sizes, deadlines); reloaded when it changes.
+    #[arg(long, env = "FAULTLINE_POLICY")]
+    pub policy: Option<PathBuf>,
+    /// The requesters' secret (`faultline check` signs `Run` with it); without it, requesters
+    /// use service-account tokens (Kubernetes).
     #[arg(long, env = "FAULTLINE_PEER_REQUESTER_SECRET_FILE")]
     pub requester_secret_file: Option<PathBuf>,
     /// Without Kubernetes: where runs are published (`peercheck.json`).
@@ -175,8 +189,8 @@ fn advertised(cfg: &CoordinatorConfig, port: u16) -> anyhow::Result<SocketAddr> 
                 .with_context(|| format!("POD_IP {ip:?} is not an ip"))?,
             port,
         )),
-        (None, None) if !cfg.listen.ip().is_unspecified() => {
-            Ok(SocketAddr::new(cfg.listen.ip(), port))
+        (None, None) if !cfg.peer_listen.ip().is_unspecified() => {
+            Ok(SocketAddr::new(cfg.peer_listen.ip(), port))
         }
         _ => anyhow::bail!("no address for agents to reach this coordinator: set --address"),
     }
@@ -190,27 +204,27 @@ pub async fn run(
 ) -> anyhow::Result<()> {
     let name = cfg.name.clone().unwrap_or_else(hostname);
     let metrics = Arc::new(Metrics::new());
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
+    let listener = tokio::net::TcpListener::bind(cfg.peer_listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", cfg.peer_listen))?;
+    let address = advertised(&cfg, listener.local_addr()?.port())?;
+    let http = crate::http::bind(cfg.listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
-    let address = advertised(&cfg, listener.local_addr()?.port())?;
-    let http = crate::http::bind(cfg.http_listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", cfg.http_listen))?;
-
-    let key = wire::load_key(&cfg.secret_file)?;
+    let key = match &cfg.key_file {
+        Some(path) => {
+            let bytes =
+                std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+            CoordinatorKey::from_pkcs8(&bytes)
+                .with_context(|| format!("{} is not a coordinator key", path.display()))?
+        }
+        None => CoordinatorKey::generate().context("cannot make the coordinator's key")?,
+    };
+    let key = Arc::new(key);
     let requester = match &cfg.requester_secret_file {
         // An optional Secret not created: requesters use service-account tokens.
         Some(p) if !p.exists() => None,
-        Some(p) => {
-            let k = wire::load_key(p)?;
-            anyhow::ensure!(
-                !k.same_secret(&key),
-                "the requester secret {} is the agents' secret: requesters must not hold the key that assigns checks",
-                p.display()
-            );
-            Some(Verifier::new(k, MAX_SKEW, &name))
-        }
+        Some(p) => Some(Verifier::new(wire::load_key(p)?, MAX_SKEW, &name)),
         None => None,
     };
     let policy = follow_policy(&cfg, &metrics, &shutdown, reload).await;
@@ -219,16 +233,24 @@ pub async fn run(
         Arc<dyn Members>,
         Arc<dyn Publisher>,
         Arc<dyn Fence>,
+        Arc<dyn agents::Agents>,
         Option<Arc<dyn authz::Requesters>>,
     );
-    let (members, publisher, fence, requesters): Parts = match &cfg.members {
+    let (members, publisher, fence, agents, requesters): Parts = match &cfg.members {
         Some(path) => {
+            anyhow::ensure!(
+                cfg.key_file.is_some(),
+                "without Kubernetes the coordinator needs --key-file: the agents know it by its public key"
+            );
+            let master = cfg.node_key_master_file.as_deref().context(
+                "without Kubernetes the coordinator needs --node-key-master-file: the agents sign their reports with the keys it derives",
+            )?;
             // Checked at start: a members file that cannot be read is a configuration error.
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read {}", path.display()))?;
             members::parse_members(&path.display().to_string(), &text)?;
-            // One coordinator without Kubernetes: always active.
-            // (No sender is left: `role_lost` then never resolves.)
+            // One coordinator without Kubernetes: always active. (No sender is left:
+            // `role_lost` then never resolves.)
             let (_, rx) = watch::channel(true);
             (
                 Arc::new(members::StaticMembers { path: path.clone() }),
@@ -236,13 +258,17 @@ pub async fn run(
                     dir: cfg.state_dir.clone(),
                 }),
                 Arc::new(runs::WatchFence(rx)),
+                Arc::new(agents::NodeKeys::new(wire::load_key(master)?, &name)),
                 None,
             )
         }
         None => {
             let client = crate::kube_client::clients(cfg.kubeconfig.as_deref(), &name).await?;
             let topology_label = policy.borrow().topology_label.clone();
-            let identity = lease::identity(&name, &address.to_string());
+            // The Lease names this replica with its address and public key: agents obey the
+            // holder's key, so a replica that lost the Lease is refused by every agent.
+            let identity =
+                authz::holder_identity(&name, &address.to_string(), &key.public_key());
             let held = lease::elect(
                 client.lease.clone(),
                 cfg.namespace.clone(),
@@ -267,6 +293,14 @@ pub async fn run(
                     namespace: cfg.namespace.clone(),
                     identity,
                 }),
+                Arc::new(agents::Tokens::new(
+                    Arc::new(tokens::KubeAgentTokens::new(
+                        client.calls.clone(),
+                        cfg.namespace.clone(),
+                        cfg.agent_service_account.clone(),
+                    )),
+                    &name,
+                )),
                 Some(Arc::new(authz::KubeRequesters {
                     client: client.calls,
                     namespace: cfg.namespace.clone(),
@@ -275,7 +309,7 @@ pub async fn run(
         }
     };
 
-    let signer = Signer {
+    let signer = CoordinatorSigner {
         key: key.clone(),
         sender: name.clone(),
     };
@@ -291,9 +325,7 @@ pub async fn run(
     let svc = service::CoordinatorService::new(
         leadership.clone(),
         service::Authz {
-            agents: Arc::new(agents::SharedKey(Mutex::new(Verifier::new(
-                key, MAX_SKEW, &name,
-            )))),
+            agents,
             requester,
             requesters,
         },
@@ -315,7 +347,7 @@ pub async fn run(
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
         )
         .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
-    info!(%name, %address, "peer-check coordinator listening");
+    info!(%name, %address, public_key = %key.public_key(), "peer-check coordinator listening");
     let http_task = tokio::spawn(crate::http::serve_router(
         http,
         endpoints(leadership.leader.clone(), metrics.clone()),
@@ -342,14 +374,14 @@ async fn follow_policy(
 ) -> watch::Receiver<PeerPolicy> {
     use crate::source::policy_watch;
     let (loaded, first) = policy_watch::initial_bounded(
-        cfg.policy_file.as_deref(),
+        cfg.policy.as_deref(),
         metrics,
         policy_watch::file_reader(),
         policy_watch::START_WAIT,
     )
     .await;
     let (tx, rx) = watch::channel(loaded);
-    if let Some(path) = cfg.policy_file.clone() {
+    if let Some(path) = cfg.policy.clone() {
         tokio::spawn(policy_watch::watch_policy(
             path,
             tx,

@@ -1,53 +1,70 @@
-//! Authorization of peer-check requests, after their signature is verified (`wire`,
-//! `faultline_proto::auth`): who may tell this agent what to do, and within which bounds.
+//! Authorization of peer-check requests: who may tell this agent what to do, and within which
+//! bounds.
 //!
-//! - [`WhoCoordinates`]: who the coordinator is now. `Assign`, `Cancel` and `Conclude` are
-//!   accepted only from it. On Kubernetes the Lease holder ([`LeaseHolder`], the Lease read on
-//!   demand and cached for a moment, so non-holders learn the holder too); on bare metal the
-//!   member the members-file election names (`peer::election`, a `watch::Receiver`). A
-//!   `watch::Receiver<Option<CoordinatorId>>` is one too (tests, fixed setups).
-//! - [`MemberView`]: the current members, cached; every address an `Assign` names must be one
-//!   of theirs ([`check_addresses`]).
+//! - [`WhoCoordinates`]: the coordinator now and its public key. `Ping`, `Assign`, `Cancel`,
+//!   `Conclude` and `Forward` are accepted only when signed with that key, which no agent holds.
+//!   On Kubernetes the Lease holder ([`LeaseHolder`]: the active coordinator replica writes its
+//!   name, address and public key into the Lease's holder identity, `<name>@<ip:port>#<key>`;
+//!   read on demand and cached for a moment); on bare metal the key the agent is configured
+//!   with ([`fixed`]). A `watch::Receiver<Option<CoordinatorId>>` is one too.
+//! - [`check_probes`]: the probe addresses of an assignment on this agent's probe ports.
 //! - [`admit`]: an assignment's size, iterations and deadline against this agent's own policy.
+//! - [`ForwardRate`], [`MAX_FORWARDED_BYTES`]: what this agent forwards as a relay (`Forward`),
+//!   at a bounded rate and size.
 //!
-//! Requesters (`faultline check`) are authorized separately: their own secret (bare metal and
-//! Kubernetes alike), never accepted for the agents' RPCs (`service`); or, on Kubernetes, their
-//! own identity ([`Requesters`], [`KubeRequesters`]): a projected service-account token for the
-//! audience [`REQUESTER_AUDIENCE`], checked with TokenReview, and the right to `create`
-//! `peerchecks.faultline.io` in the agents' namespace, checked with SubjectAccessReview.
+//! Requesters (`faultline check`) are the coordinator's to authorize ([`Requesters`],
+//! [`KubeRequesters`]: a projected service-account token for the audience
+//! [`REQUESTER_AUDIENCE`], checked with TokenReview, and the right to `create`
+//! `peerchecks.faultline.io` in the agents' namespace, checked with SubjectAccessReview).
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use faultline_core::policy::PeerPolicy;
+use faultline_proto::auth::CoordinatorPublicKey;
 use faultline_proto::v1::CheckAssignment;
 use tokio::sync::{watch, Mutex};
 use tokio::time::Instant;
 
-use super::members::{Member, Members};
-
-/// The coordinator as the rest of the cluster knows it.
+/// The coordinator as the agents know it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CoordinatorId {
-    /// Its node name: the `sender` its signed requests carry.
+    /// Its name: the `sender` its signed requests carry (empty: any name; bare metal knows the
+    /// coordinator by its key alone).
     pub node: String,
-    /// Where its peer service listens (reports go there), when known.
+    /// Where its service listens (reports go there), when known.
     pub address: Option<String>,
+    /// The public half of the key it signs with.
+    pub key: CoordinatorPublicKey,
+}
+
+/// The Lease holder identity of a coordinator replica: `<name>@<ip:port>#<public key>`.
+pub fn holder_identity(name: &str, address: &str, key: &CoordinatorPublicKey) -> String {
+    format!("{name}@{address}#{key}")
 }
 
 impl CoordinatorId {
-    /// From a Lease holder identity `<node>@<ip:port>` (`lease::identity`).
+    /// From a Lease holder identity ([`holder_identity`]); `None` when it is not one.
     pub fn from_holder(identity: &str) -> Option<CoordinatorId> {
-        let (node, address) = match identity.rsplit_once('@') {
-            Some((n, a)) => (n, (!a.is_empty()).then(|| a.to_string())),
-            None => (identity, None),
-        };
-        (!node.is_empty()).then(|| CoordinatorId {
+        let (rest, key) = identity.rsplit_once('#')?;
+        let key = CoordinatorPublicKey::parse(key).ok()?;
+        let (node, address) = rest.rsplit_once('@')?;
+        (!node.is_empty() && !address.is_empty()).then(|| CoordinatorId {
             node: node.to_string(),
-            address,
+            address: Some(address.to_string()),
+            key,
         })
     }
+}
+
+/// Bare metal: the coordinator known by its key alone.
+pub fn fixed(key: CoordinatorPublicKey) -> watch::Receiver<Option<CoordinatorId>> {
+    watch::channel(Some(CoordinatorId {
+        node: String::new(),
+        address: None,
+        key,
+    }))
+    .1
 }
 
 /// Why the coordinator cannot be told.
@@ -163,101 +180,72 @@ impl WhoCoordinates for LeaseHolder {
     }
 }
 
-/// The current members, cached for [`WHO_TTL`] (on Kubernetes a list of the agent pods, which
-/// an `Assign` per check must not cost); read again at most every [`RECHECK_AFTER`] when an
-/// assignment names someone not in the cached list (a member that just joined).
-#[derive(Debug)]
-pub struct MemberView {
-    pub members: Arc<dyn Members>,
-    cache: Mutex<Option<(Instant, Arc<Vec<Member>>)>>,
-}
-
-impl MemberView {
-    pub fn new(members: Arc<dyn Members>) -> MemberView {
-        MemberView {
-            members,
-            cache: Mutex::new(None),
-        }
-    }
-
-    /// The members; `recheck`: read again unless the list is brand new.
-    pub async fn list(&self, recheck: bool) -> Result<Arc<Vec<Member>>, String> {
-        let mut c = self.cache.lock().await;
-        let now = Instant::now();
-        let limit = if recheck { RECHECK_AFTER } else { WHO_TTL };
-        if let Some((at, list)) = c.as_ref() {
-            if now.saturating_duration_since(*at) < limit {
-                return Ok(Arc::clone(list));
-            }
-        }
-        match self.members.list().await {
-            Ok(l) => {
-                let l = Arc::new(l);
-                *c = Some((now, Arc::clone(&l)));
-                Ok(l)
-            }
-            Err(e) => match c.as_ref() {
-                Some((_, l)) => Ok(Arc::clone(l)),
-                None => Err(e.to_string()),
-            },
-        }
-    }
-}
-
-/// Checks that every address an assignment names belongs to the current members: members a and
-/// b are members with exactly their listed peer-service address, each probe address is its
-/// member's IP on one of the probe ports (`probe_ports`), and the report address is the
-/// coordinator's own listed address. Anything else would make this agent connect where a key
-/// holder tells it (SSRF, traffic at a third party).
-pub fn check_addresses(
+/// Checks that an assignment's probe addresses are `ip:port` on this agent's probe ports
+/// (`probe_ports`): the probe binds one and connects to the other.
+pub fn check_probes(
     a: &CheckAssignment,
-    members: &[Member],
-    coordinator: &str,
     probe_ports: std::ops::Range<u16>,
-) -> Result<(), String> {
-    let member = |w: Option<&faultline_proto::v1::Member>, which: &str| {
-        let w = w.ok_or_else(|| format!("member {which} is missing"))?;
-        let m = members
-            .iter()
-            .find(|m| m.node == w.node)
-            .ok_or_else(|| format!("member {which} {:?} is not a current member", w.node))?;
-        if m.address != w.address {
-            return Err(format!(
-                "member {which} {:?}: address {:?} is not its listed {:?}",
-                w.node, w.address, m.address
-            ));
-        }
-        Ok(m)
-    };
-    let (ma, mb) = (member(a.a.as_ref(), "a")?, member(a.b.as_ref(), "b")?);
-    for (name, probe, m) in [("probe_a", &a.probe_a, ma), ("probe_b", &a.probe_b, mb)] {
-        let sa: SocketAddr = probe
-            .parse()
-            .map_err(|_| format!("{name} {probe:?} is not ip:port"))?;
-        if sa.ip() != m.ip {
-            return Err(format!(
-                "{name} {probe}: not the IP of member {} ({})",
-                m.node, m.ip
-            ));
-        }
-        if !probe_ports.contains(&sa.port()) {
-            return Err(format!(
-                "{name} {probe}: port not among the probe ports {}..{}",
-                probe_ports.start, probe_ports.end
-            ));
+) -> Result<Vec<SocketAddr>, String> {
+    [("probe_a", &a.probe_a), ("probe_b", &a.probe_b)]
+        .into_iter()
+        .map(|(name, probe)| {
+            let sa: SocketAddr = probe
+                .parse()
+                .map_err(|_| format!("{name} {probe:?} is not ip:port"))?;
+            if !probe_ports.contains(&sa.port()) {
+                return Err(format!(
+                    "{name} {probe}: port not among the probe ports {}..{}",
+                    probe_ports.start, probe_ports.end
+                ));
+            }
+            Ok(sa)
+        })
+        .collect()
+}
+
+/// The largest assignment, cancel or report a relay forwards (a real one is under 6 KiB: names,
+/// addresses and a report's error of at most 4 KiB); a conclusion may be as large as any
+/// message (`MAX_MESSAGE_BYTES`: it lists the run's members).
+pub const MAX_FORWARDED_BYTES: usize = 16 * 1024;
+/// Forwards a relay makes per second, on average and in a burst: a member the coordinator
+/// reaches through it takes at most two checks a round (two assignments, two cancels, two
+/// reports), so this covers dozens of such members at once and bounds what a key holder can
+/// make a relay send.
+pub const FORWARD_RATE: f64 = 64.0;
+pub const FORWARD_BURST: f64 = 256.0;
+
+/// A token bucket for forwards: [`FORWARD_BURST`] at once, refilled at [`FORWARD_RATE`] per
+/// second.
+#[derive(Debug)]
+pub struct ForwardRate {
+    tokens: f64,
+    at: Option<Instant>,
+}
+
+impl Default for ForwardRate {
+    fn default() -> ForwardRate {
+        ForwardRate {
+            tokens: FORWARD_BURST,
+            at: None,
         }
     }
-    let c = members
-        .iter()
-        .find(|m| m.node == coordinator)
-        .ok_or_else(|| format!("the coordinator {coordinator:?} is not a current member"))?;
-    if a.coordinator != c.address {
-        return Err(format!(
-            "report address {:?} is not the coordinator's listed {:?}",
-            a.coordinator, c.address
-        ));
+}
+
+impl ForwardRate {
+    /// Takes one forward at `now`: false when the rate is spent.
+    pub fn take(&mut self, now: Instant) -> bool {
+        if let Some(at) = self.at {
+            let refill = now.saturating_duration_since(at).as_secs_f64() * FORWARD_RATE;
+            self.tokens = (self.tokens + refill).min(FORWARD_BURST);
+        }
+        self.at = Some(now);
+        if self.tokens >= 1.0 {
+            self.tokens -= 1.0;
+            true
+        } else {
+            false
+        }
     }
-    Ok(())
 }
 
 /// An assignment's sizes within this agent's bounds: bytes and iterations as asked (they must
@@ -519,6 +507,26 @@ mod tests {
                 "not a current member",
             ),
             (|a| a.a = None, "member a is missing"),
+            (
+                |a| {
+                    a.report_via = Some(WireMember {
+                        node: "n9".into(),
+                        address: "10.0.0.9:20261".into(),
+                        topology: String::new(),
+                    })
+                },
+                "report_via: \"n9\" is not a current member",
+            ),
+            (
+                |a| {
+                    a.report_via = Some(WireMember {
+                        node: "n1".into(),
+                        address: "10.9.9.9:20261".into(),
+                        topology: String::new(),
+                    })
+                },
+                "report_via: \"n1\": address",
+            ),
         ];
         for (edit, why) in cases {
             let mut a = assignment();
@@ -526,6 +534,14 @@ mod tests {
             let e = check_addresses(&a, &members, "n2", ports.clone()).unwrap_err();
             assert!(e.contains(why), "{why}: {e}");
         }
+        // A report relay that is a current member at its listed address is fine.
+        let mut a = assignment();
+        a.report_via = Some(WireMember {
+            node: "n1".into(),
+            address: "10.0.0.2:20261".into(),
+            topology: String::new(),
+        });
+        assert_eq!(check_addresses(&a, &members, "n2", ports.clone()), Ok(()));
         // A coordinator that is not a member cannot name a report address at all.
         let e = check_addresses(&assignment(), &members, "n7", ports).unwrap_err();
         assert!(e.contains("not a current member"), "{e}");
@@ -603,6 +619,47 @@ mod tests {
         };
         assert_eq!(with(20_000, &low), Duration::from_secs(15));
         assert_eq!(with(12_000, &low), Duration::from_secs(12));
+    }
+
+    /// A relay forwards only to a current member at its listed address, never to itself.
+    #[test]
+    fn a_relay_forwards_only_to_current_members() {
+        let members = vec![m("n0", "10.0.0.1"), m("n1", "10.0.0.2")];
+        let w = |n: &str, a: &str| WireMember {
+            node: n.into(),
+            address: a.into(),
+            topology: String::new(),
+        };
+        let to = w("n1", "10.0.0.2:20261");
+        assert_eq!(
+            forward_target(Some(&to), &members, "n0").unwrap().node,
+            "n1"
+        );
+        for (to, why) in [
+            (None, "no member"),
+            (Some(w("n9", "10.0.0.9:20261")), "not a current member"),
+            (Some(w("n1", "10.9.9.9:20261")), "is not its listed"),
+            (
+                Some(w("n0", "10.0.0.1:20261")),
+                "does not forward to itself",
+            ),
+        ] {
+            let e = forward_target(to.as_ref(), &members, "n0").unwrap_err();
+            assert!(e.contains(why), "{why}: {e}");
+        }
+    }
+
+    /// The forward rate: a burst of `FORWARD_BURST`, then `FORWARD_RATE` per second.
+    #[tokio::test(start_paused = true)]
+    async fn forwards_are_rate_limited() {
+        let mut r = ForwardRate::default();
+        let t0 = Instant::now();
+        let burst = (0..1000).take_while(|_| r.take(t0)).count();
+        assert_eq!(burst, FORWARD_BURST as usize);
+        assert!(!r.take(t0));
+        let later = t0 + Duration::from_millis(500);
+        let refilled = (0..1000).take_while(|_| r.take(later)).count();
+        assert_eq!(refilled, (FORWARD_RATE / 2.0) as usize);
     }
 
     #[test]

@@ -9,6 +9,13 @@
 //! the plan, but their checks fail at once without running a probe: a node whose agent is gone
 //! fails with every partner, which is what a faulty node looks like.
 //!
+//! Relays: other members are asked whether they reach a member the coordinator cannot ping
+//! (`reach`). When one of them does, only the coordinator's own path to it fails: the coordinator then
+//! sends that member's `Assign`, `Cancel` and `Conclude` through that member
+//! ([`Transport::forward`]), the assignment names the relay for the report (`report_via`), and
+//! the member takes part in the run like any other. The coordinator's failing path names no
+//! fault by itself; the member's checks say what it is.
+//!
 //! Fencing: a run belongs to the holder of the coordinator role (the Lease). It is aborted the
 //! moment the role is lost ([`Fence::watch`]), and it concludes (publishes the verdicts and tells
 //! the members) only after [`Fence::confirm`] asked the source of truth again: a coordinator that
@@ -61,6 +68,14 @@ const PORTS_PER_ROUND: u16 = 4;
 const PORT_GROUPS: u16 = 8;
 /// How many probe ports from the base a run uses (agents accept no other: `authz`).
 pub const PROBE_PORTS: u16 = PORTS_PER_ROUND * PORT_GROUPS;
+
+/// A message the coordinator sends to a member through a relay (`Forward`).
+#[derive(Debug, Clone)]
+pub enum Relayed {
+    Assign(CheckAssignment),
+    Cancel(CheckAssignment),
+    Conclude(RunConclusion),
+}
 
 /// What a run measures and how it judges.
 #[derive(Debug, Clone, PartialEq)]
@@ -149,6 +164,9 @@ pub struct RunState {
     /// shorter one than the policy's).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub check_timeout_ms: Option<u64>,
+    /// Members the coordinator could not reach itself, with the member it reached each through.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty", default)]
+    pub relayed: BTreeMap<String, String>,
 }
 
 impl RunState {
@@ -175,6 +193,14 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String>;
     async fn cancel(&self, to: &Member, a: CheckAssignment);
     async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String>;
+    /// Sends `msg` to `to` through `via`, a member that reaches `to` when the coordinator
+    /// cannot: the answer of `to` (a conclusion's is `accepted`).
+    async fn forward(
+        &self,
+        via: &Member,
+        to: &Member,
+        msg: Relayed,
+    ) -> Result<CheckAccepted, String>;
 }
 
 /// Whether this agent may act as the coordinator: the Lease on Kubernetes, the members-file
@@ -594,9 +620,10 @@ impl Coordinator {
         }
         // A member the coordinator cannot reach is not yet evidence against the member: other
         // members are asked to reach it. Reached by one of them, only the path from the
-        // coordinator fails; reached by none that answered, its agent is gone (it stays in the
-        // plan and fails with every partner); with nobody to ask, it cannot be told.
-        let mut coordinator_only: BTreeMap<String, String> = BTreeMap::new();
+        // coordinator fails: the coordinator reaches it through that member from now on, and it
+        // takes part in the run. Reached by none that answered, its agent is gone (it stays in
+        // the plan and fails with every partner); with nobody to ask, it cannot be told.
+        let mut routes: BTreeMap<String, Member> = BTreeMap::new();
         if !unreachable.is_empty() {
             let relays: Vec<Member> = pool
                 .iter()
@@ -613,14 +640,8 @@ impl Coordinator {
             for t in &targets {
                 match seen.get(&t.node) {
                     Some(Reach::By(relay)) => {
-                        coordinator_only.insert(t.node.clone(), relay.clone());
-                        skipped.insert(
-                            t.node.clone(),
-                            format!(
-                                "its agent answers {relay} but not the coordinator ({}): the path between the coordinator and it fails; its checks were not run",
-                                self.node
-                            ),
-                        );
+                        info!(node = %t.node, via = %relay.node, error = %unreachable[&t.node], "the coordinator reaches this member through another (its own path to it fails)");
+                        routes.insert(t.node.clone(), relay.clone());
                     }
                     Some(Reach::Nobody) => {}
                     None => {
@@ -635,7 +656,7 @@ impl Coordinator {
                 }
             }
             pool.retain(|m| !skipped.contains_key(&m.node));
-            unreachable.retain(|n, _| !skipped.contains_key(n));
+            unreachable.retain(|n, _| !skipped.contains_key(n) && !routes.contains_key(n));
         }
         let names: Vec<String> = pool.iter().map(|m| m.node.clone()).collect();
         let mut state = RunState {
@@ -651,6 +672,10 @@ impl Coordinator {
             request_id,
             requested,
             check_timeout_ms: Some(spec.check_timeout.as_millis() as u64),
+            relayed: routes
+                .iter()
+                .map(|(n, via)| (n.clone(), via.node.clone()))
+                .collect(),
         };
         info!(
             members = names.len(),
@@ -717,6 +742,7 @@ impl Coordinator {
                     &pool[pair.b()],
                     (*pa, *pb),
                     &unreachable,
+                    &routes,
                     spec,
                     deadline,
                 )
@@ -753,29 +779,6 @@ impl Coordinator {
         }
         let verdicts = planner.verdicts();
         state.verdicts = verdict_states(&names, &verdicts);
-        // The path between the coordinator's node (when it takes part) and a member only it
-        // cannot reach: a broken link, recorded by the coordinator's node.
-        let mut told_members = names.clone();
-        let mut extra_wire = Vec::new();
-        if names.contains(&self.node) {
-            for n in coordinator_only.keys() {
-                let mut pair = vec![self.node.clone(), n.clone()];
-                pair.sort();
-                state.verdicts.push(VerdictState {
-                    kind: "broken_link".into(),
-                    nodes: pair.clone(),
-                    slowdown: None,
-                    reason: None,
-                });
-                told_members.push(n.clone());
-                extra_wire.push(faultline_proto::v1::Verdict {
-                    kind: faultline_proto::v1::verdict::Kind::BrokenLink as i32,
-                    nodes: pair,
-                    slowdown: 0.0,
-                    reason: String::new(),
-                });
-            }
-        }
         for (n, why) in &state.skipped {
             if !names.contains(n) {
                 state.verdicts.push(VerdictState {
@@ -798,22 +801,31 @@ impl Coordinator {
             verdicts = state.verdicts.len(),
             "peer-check run finished"
         );
-        // Every reachable member records its own verdict.
-        let mut wire_verdicts = wire::to_proto(&names, &verdicts);
-        wire_verdicts.extend(extra_wire);
+        // Every reachable member records its own verdict (those reached through a relay too).
         let conclusion = RunConclusion {
             auth: None,
             protocol: PROTOCOL,
             run_id: run_id.clone(),
-            members: told_members,
-            verdicts: wire_verdicts,
+            members: names.clone(),
+            verdicts: wire::to_proto(&names, &verdicts),
         };
         let told = futures::future::join_all(
             pool.iter()
                 .filter(|m| !unreachable.contains_key(&m.node))
                 .map(|m| {
                     let c = conclusion.clone();
-                    async move { (m, self.transport.conclude(m, c).await) }
+                    let via = routes.get(&m.node);
+                    async move {
+                        let r = match via {
+                            Some(via) => self
+                                .transport
+                                .forward(via, m, Relayed::Conclude(c))
+                                .await
+                                .map(|_| ()),
+                            None => self.transport.conclude(m, c).await,
+                        };
+                        (m, r)
+                    }
                 }),
         )
         .await;
@@ -864,7 +876,7 @@ impl Coordinator {
                 match seen.get(&t.node) {
                     Some(Reach::By(_)) => {}
                     _ if ok => {
-                        seen.insert(t.node.clone(), Reach::By(relay.node.clone()));
+                        seen.insert(t.node.clone(), Reach::By(relay.clone()));
                     }
                     _ => {
                         seen.insert(t.node.clone(), Reach::Nobody);
@@ -873,6 +885,47 @@ impl Coordinator {
             }
         }
         seen
+    }
+
+    /// `assign_retried` directly, or through the member's relay (`routes`), with the relay
+    /// named for its report.
+    async fn send_assign(
+        &self,
+        to: &Member,
+        a: CheckAssignment,
+        routes: &BTreeMap<String, Member>,
+    ) -> Result<CheckAccepted, String> {
+        let Some(via) = routes.get(&to.node) else {
+            return self.assign_retried(to, a).await;
+        };
+        let a = CheckAssignment {
+            report_via: Some(wire_member(via)),
+            ..a
+        };
+        super::retried(
+            2,
+            PING_RETRY_PAUSE,
+            |_| true,
+            || self.transport.forward(via, to, Relayed::Assign(a.clone())),
+        )
+        .await
+    }
+
+    /// `cancel`, through the member's relay when it has one.
+    async fn send_cancel(
+        &self,
+        to: &Member,
+        a: CheckAssignment,
+        routes: &BTreeMap<String, Member>,
+    ) {
+        match routes.get(&to.node) {
+            Some(via) => {
+                if let Err(e) = self.transport.forward(via, to, Relayed::Cancel(a)).await {
+                    debug!(node = %to.node, via = %via.node, error = %e, "cannot cancel through the relay");
+                }
+            }
+            None => self.transport.cancel(to, a).await,
+        }
     }
 
     /// `assign`, once more after a short pause when the call itself failed (a refusal is an
@@ -900,6 +953,7 @@ impl Coordinator {
         b: &Member,
         ports: (u16, u16),
         unreachable: &BTreeMap<String, String>,
+        routes: &BTreeMap<String, Member>,
         spec: &RunSpec,
         deadline: Duration,
     ) -> CheckResult {
@@ -924,11 +978,6 @@ impl Coordinator {
                 return fail(state, format!("agent on {} unreachable: {e}", m.node));
             }
         }
-        let wire_member = |m: &Member| WireMember {
-            node: m.node.clone(),
-            address: m.address.clone(),
-            topology: m.topology.clone().unwrap_or_default(),
-        };
         let assignment = CheckAssignment {
             auth: None,
             protocol: PROTOCOL,
@@ -943,14 +992,15 @@ impl Coordinator {
             timeout_ms: deadline.as_millis() as u32,
             gemm: spec.gemm,
             coordinator: self.address.clone(),
+            report_via: None,
         };
         let key_a: ReportKey = (run_id.into(), round, a.node.clone(), b.node.clone());
         let key_b: ReportKey = (run_id.into(), round, b.node.clone(), a.node.clone());
         let mut rx_a = self.expect(key_a.clone());
         let mut rx_b = self.expect(key_b.clone());
         let (ra, rb) = tokio::join!(
-            self.assign_retried(a, assignment.clone()),
-            self.assign_retried(b, assignment.clone())
+            self.send_assign(a, assignment.clone(), routes),
+            self.send_assign(b, assignment.clone(), routes)
         );
         let refused = |m: &Member, r: &Result<CheckAccepted, String>| match r {
             Ok(acc) if acc.accepted => None,
@@ -1074,9 +1124,18 @@ impl Coordinator {
         let cancels = [(&got_a, a, &ra), (&got_b, b, &rb)]
             .into_iter()
             .filter(|(got, _, assigned)| got.is_none() && accepted(assigned))
-            .map(|(_, m, _)| self.transport.cancel(m, assignment.clone()));
+            .map(|(_, m, _)| self.send_cancel(m, assignment.clone(), routes));
         futures::future::join_all(cancels).await;
         result.unwrap_or_else(|| fail(state, "internal: no result".into()))
+    }
+}
+
+/// A member as the wire names it.
+fn wire_member(m: &Member) -> WireMember {
+    WireMember {
+        node: m.node.clone(),
+        address: m.address.clone(),
+        topology: m.topology.clone().unwrap_or_default(),
     }
 }
 
@@ -1094,7 +1153,7 @@ fn void(mut state: CheckState, why: String) -> CheckResult {
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Reach {
     /// This relay reached it.
-    By(String),
+    By(Member),
     /// Relays answered; none reached it.
     Nobody,
 }

@@ -41,6 +41,8 @@ struct Scenario {
     /// Every check takes this long (a loaded machine): a probe whose deadline is shorter hits it
     /// mid-transfer.
     loaded_check: Option<Duration>,
+    /// These nodes' data path is down (their probes never connect) while their agents answer.
+    data_down: BTreeSet<String>,
 }
 
 #[derive(Debug, Default)]
@@ -53,6 +55,8 @@ struct Fake {
     assigned: Mutex<Vec<(String, u32, u32, Duration)>>,
     pings: Mutex<std::collections::HashMap<String, u32>>,
     relayed: Mutex<Vec<(String, Vec<String>)>>,
+    /// (relay, target, kind) of every message sent through a relay.
+    forwarded: Mutex<Vec<(String, String, &'static str)>>,
 }
 
 const BASE: f64 = 0.05;
@@ -126,6 +130,69 @@ impl Transport for Fake {
     }
 
     async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
+        if self.scenario.coordinator_cut.contains(&to.node) {
+            return Err("connection refused".into());
+        }
+        self.assign_at(to, a)
+    }
+
+    async fn forward(
+        &self,
+        via: &Member,
+        to: &Member,
+        msg: Relayed,
+    ) -> Result<CheckAccepted, String> {
+        let kind = match &msg {
+            Relayed::Assign(_) => "assign",
+            Relayed::Cancel(_) => "cancel",
+            Relayed::Conclude(_) => "conclude",
+        };
+        self.forwarded
+            .lock()
+            .unwrap()
+            .push((via.node.clone(), to.node.clone(), kind));
+        let s = &self.scenario;
+        if s.dead.contains(&via.node) || s.dead.contains(&to.node) || self.cut(&via.node, &to.node)
+        {
+            return Err(format!("{} cannot reach {}", via.node, to.node));
+        }
+        let ok = CheckAccepted {
+            accepted: true,
+            reason: String::new(),
+        };
+        match msg {
+            Relayed::Assign(a) => {
+                // The member reports through the relay that brought the assignment.
+                assert_eq!(
+                    a.report_via.as_ref().map(|m| m.node.as_str()),
+                    Some(via.node.as_str())
+                );
+                self.assign_at(to, a)
+            }
+            Relayed::Cancel(a) => {
+                self.cancel(to, a).await;
+                Ok(ok)
+            }
+            Relayed::Conclude(c) => {
+                self.concluded.lock().unwrap().push((to.node.clone(), c));
+                Ok(ok)
+            }
+        }
+    }
+
+    async fn cancel(&self, to: &Member, _a: CheckAssignment) {
+        self.cancels.lock().unwrap().push(to.node.clone());
+    }
+
+    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String> {
+        self.concluded.lock().unwrap().push((to.node.clone(), c));
+        Ok(())
+    }
+}
+
+impl Fake {
+    /// An assignment reaching `to`'s agent (directly or through a relay).
+    fn assign_at(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
         // The deadline the member's agent gives its probe, by the agent's own rule and policy.
         let timeout = crate::peer::authz::admit(&a, &PeerPolicy::default())
             .unwrap()
@@ -135,7 +202,6 @@ impl Transport for Fake {
             .unwrap()
             .push((to.node.clone(), a.round, a.timeout_ms, timeout));
         if self.scenario.dead.contains(&to.node)
-            || self.scenario.coordinator_cut.contains(&to.node)
             || self
                 .scenario
                 .assign_fails
@@ -160,8 +226,11 @@ impl Transport for Fake {
         let s = &self.scenario;
         // What this member's probe sees: the partner dead or hung (never connects), the link
         // cut: it fails at its deadline; else the slower of the two sets the pace.
-        let fails =
-            s.dead.contains(&partner) || s.hung.contains(&partner) || self.cut(&to.node, &partner);
+        let fails = s.dead.contains(&partner)
+            || s.hung.contains(&partner)
+            || self.cut(&to.node, &partner)
+            || s.data_down.contains(&to.node)
+            || s.data_down.contains(&partner);
         let secs = self.seconds(&to.node).max(self.seconds(&partner))
             * self.link_slowdown(&to.node, &partner);
         let took = if fails {
@@ -216,15 +285,6 @@ impl Transport for Fake {
             accepted: true,
             reason: String::new(),
         })
-    }
-
-    async fn cancel(&self, to: &Member, _a: CheckAssignment) {
-        self.cancels.lock().unwrap().push(to.node.clone());
-    }
-
-    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String> {
-        self.concluded.lock().unwrap().push((to.node.clone(), c));
-        Ok(())
     }
 }
 
@@ -749,6 +809,7 @@ fn resume_waits_for_the_last_rounds_probes() {
         request_id: None,
         requested: vec![],
         check_timeout_ms: None,
+        relayed: BTreeMap::new(),
     };
     assert_eq!(resume_wait(&last), Duration::ZERO, "no probe was started");
     last.rounds.push(RoundState {
@@ -780,46 +841,77 @@ async fn one_lost_ping_blames_nobody() {
     assert_eq!(s.rounds.len(), 1);
 }
 
-/// The link between the coordinator's node and a healthy node is cut (the issue's
-/// reproduction, with a real faulty node elsewhere): the healthy node is never named faulty.
-/// Another member reaches it, so the verdict is a broken link between it and the coordinator's
-/// node, and it is unknown otherwise; the faulty node is still found.
+/// The coordinator cannot reach one healthy member's agent; another member can (issue 28: the
+/// node was left `unknown` with none of its checks run, and a broken link to the coordinator's
+/// node was named on that alone). The coordinator reaches it through that member: its checks
+/// run and pass, so it gets no verdict; the failing control path names no fault; its
+/// conclusion goes through the relay too. A real faulty node elsewhere is still found.
 #[tokio::test(start_paused = true)]
-async fn a_node_only_the_coordinator_cannot_reach_is_never_faulty() {
+async fn a_member_only_the_coordinator_cannot_reach_is_checked_through_another() {
     let sc = Scenario {
         coordinator_cut: ["n5".to_string()].into(),
         dead: ["n2".to_string()].into(),
         ..Default::default()
     };
     let (s, fake, _) = run(10, sc).await;
-    let mut v = verdicts(&s);
-    v.sort();
     assert_eq!(
-        v,
-        vec![
-            ("broken_link".to_string(), names(&["n0", "n5"])),
-            ("faulty_node".to_string(), names(&["n2"])),
-            ("unknown".to_string(), names(&["n5"])),
-        ]
+        verdicts(&s),
+        vec![("faulty_node".to_string(), names(&["n2"]))]
     );
-    let why = s.verdicts.iter().find(|v| v.kind == "unknown").unwrap();
+    assert!(s.members.contains(&"n5".to_string()), "{:?}", s.skipped);
+    assert_eq!(
+        s.relayed,
+        [("n5".to_string(), "n1".to_string())].into_iter().collect()
+    );
+    let with_n5: Vec<&CheckState> = s
+        .rounds
+        .iter()
+        .flat_map(|r| &r.checks)
+        .filter(|c| (c.a == "n5" || c.b == "n5") && c.a != "n2" && c.b != "n2")
+        .collect();
+    assert!(!with_n5.is_empty());
     assert!(
-        why.reason
-            .as_deref()
-            .unwrap()
-            .contains("answers n1 but not the coordinator"),
-        "{why:?}"
+        with_n5.iter().all(|c| c.passed == Some(true)),
+        "{with_n5:?}"
     );
+    let forwarded = fake.forwarded.lock().unwrap().clone();
+    assert!(forwarded.contains(&("n1".into(), "n5".into(), "assign")));
+    assert!(forwarded.contains(&("n1".into(), "n5".into(), "conclude")));
+    assert!(forwarded
+        .iter()
+        .all(|(via, to, _)| via == "n1" && to == "n5"));
     // A member that nobody reaches (n2's agent is gone) is asked about too, and stays faulty.
     let relayed = fake.relayed.lock().unwrap().clone();
     assert!(relayed
         .iter()
         .all(|(via, _)| via != "n0" && via != "n2" && via != "n5"));
-    // The coordinator's node records the link; n5 is not a member of the plan.
     let told = fake.concluded.lock().unwrap().clone();
-    let (_, c) = told.iter().find(|(n, _)| n == "n0").unwrap();
-    assert!(c.members.contains(&"n5".to_string()));
-    assert!(!s.members.contains(&"n5".to_string()));
+    let (_, c) = told.iter().find(|(n, _)| n == "n5").unwrap();
+    assert!(c.verdicts.iter().all(|v| v.nodes != vec!["n5".to_string()]));
+}
+
+/// A member reached only through another gets the verdict its checks show: its data path is
+/// down, so it fails with every partner and is named faulty (told through the relay).
+#[tokio::test(start_paused = true)]
+async fn a_member_reached_through_another_is_judged_by_its_checks() {
+    let sc = Scenario {
+        coordinator_cut: ["n5".to_string()].into(),
+        data_down: ["n5".to_string()].into(),
+        ..Default::default()
+    };
+    let (s, fake, _) = run(8, sc).await;
+    assert_eq!(
+        verdicts(&s),
+        vec![("faulty_node".to_string(), names(&["n5"]))]
+    );
+    let told = fake.concluded.lock().unwrap().clone();
+    let (_, c) = told.iter().find(|(n, _)| n == "n5").unwrap();
+    assert!(c.verdicts.iter().any(|v| v.nodes == vec!["n5".to_string()]));
+    assert!(fake
+        .forwarded
+        .lock()
+        .unwrap()
+        .contains(&("n1".into(), "n5".into(), "conclude")));
 }
 
 /// With nobody to ask (two members, the other one unreachable from the coordinator), the node

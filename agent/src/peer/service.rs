@@ -1,47 +1,45 @@
-//! The agent's peer-check gRPC service: `PeerCheck` (ping, assign, cancel, conclude) on every
-//! agent, `Coordinator` (report, run) answered by the Lease holder; and [`GrpcTransport`], the
-//! coordinator's client side. Every request is verified against the shared secret first; an
-//! unsigned, forged, stale or replayed one, one addressed to another node (`Auth.receiver`: each
-//! request is signed for the node that serves it) or signed ahead of this node's clock is
-//! refused with `UNAUTHENTICATED` and changes nothing.
-//! Then it is authorized (`authz`): `Assign`, `Cancel` and `Conclude` only from the current
-//! coordinator (else `PERMISSION_DENIED`), an assignment only with current members' addresses
-//! and within this agent's policy; `Run` also with the requesters' own secret, which no other
-//! RPC accepts. Refusals are logged at a bounded rate.
+//! The agent's peer-check gRPC service (`PeerCheck`): ping, assign, cancel, conclude, and
+//! forward as a relay. Every request is the coordinator's: it must verify with the
+//! coordinator's public key (`authz::WhoCoordinates`: the Lease's holder identity, or the key
+//! configured on bare metal), which no agent holds, and be addressed to this node, fresh and not
+//! seen before; anything else is refused with `UNAUTHENTICATED` and changes nothing. An
+//! assignment must name this node, probe addresses on its probe ports, and sizes within its
+//! policy (`authz`). Refusals are logged at a bounded rate.
 //!
-//! An assignment runs the probe as a child process (`runner`) and sends the `CheckReport` to
-//! the coordinator address it names. A conclusion becomes this node's `Level` observations
-//! (`verdicts`), sent to the engine like any source's.
+//! An assignment runs the probe as a child process (`runner`) and sends the `CheckReport`,
+//! signed with this node's own credential (`wire::NodeCredential`), to the coordinator address
+//! it names, or through the member it names in `report_via` (the coordinator cannot reach this
+//! agent and reached it through that member). Every agent is also a relay (`Forward`): it
+//! passes the coordinator's messages on, verbatim, to the member the coordinator's envelope
+//! names, and a member's report on to the coordinator, within the bounds `authz` sets. A
+//! conclusion becomes this node's `Level` observations (`verdicts`), sent to the engine like any
+//! source's.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use faultline_proto::auth::{Signed, Verifier, COORDINATOR_ROLE};
+use faultline_proto::auth::{AuthError, CoordinatorPublicKey, Signed, Verifier};
 use faultline_proto::v1::coordinator_client::CoordinatorClient;
-use faultline_proto::v1::coordinator_server::Coordinator as CoordinatorRpc;
 use faultline_proto::v1::peer_check_client::PeerCheckClient;
 use faultline_proto::v1::peer_check_server::PeerCheck;
+use faultline_proto::v1::{forward_request as forward, ForwardReply, ForwardRequest as Forward};
 use faultline_proto::v1::{
-    CheckAccepted, CheckAssignment, CheckReport, PingReply, PingRequest, Reached, ReportAck,
-    RunConclusion, RunRequest, RunResult,
+    CheckAccepted, CheckAssignment, CheckReport, PingReply, PingRequest, ReportAck, RunConclusion,
 };
 use faultline_proto::{MAX_MESSAGE_BYTES, PROTOCOL};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Endpoint;
 use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn, Instrument};
 
-use super::authz::{self, MemberView, WhoCoordinates};
-use super::coordinator::{self, Coordinator, RunSpec, Transport, Trigger};
-use super::members::{Member, Members};
+use super::authz::{self, CoordinatorId, WhoCoordinates};
 use super::runner::{self, ProbeOutcome, ProbeSpec};
-use super::wire::{self, Signer};
+use super::wire::{self, NodeCredential};
 use crate::metrics::{PeerCheckLabel, PeerCheckResult};
 use crate::source::Input;
-use faultline_core::peer::pairing::PairingConfig;
 use faultline_core::policy::PeerPolicy;
 
 /// This node's failed checks in one run.
@@ -63,38 +61,20 @@ pub const REPORT_RETRY_PAUSE: Duration = Duration::from_millis(300);
 pub const MAX_CONCURRENT_CHECKS: usize = 4;
 /// How long a ping waits for the busy check.
 pub const BUSY_TIMEOUT: Duration = Duration::from_secs(1);
-/// Connect and call timeouts of the coordinator's small calls (ping, assign, cancel).
+/// Connect and call timeouts of the small calls (ping, assign, cancel, report).
 pub const CALL_TIMEOUT: Duration = Duration::from_secs(2);
-/// A ping that asks the member to ping others too: their pings run at once, each within
-/// `CALL_TIMEOUT`.
-pub const RELAY_TIMEOUT: Duration = Duration::from_secs(6);
-/// Members one relayed ping may name.
-pub const MAX_REACH: usize = 16;
-/// How long the service waits to learn who coordinates or who the members are (an answer
-/// must fit in the coordinator's `CALL_TIMEOUT`).
+/// How long the service waits to learn the coordinator's key (an answer must fit in the
+/// coordinator's `CALL_TIMEOUT`).
 pub const AUTHZ_TIMEOUT: Duration = Duration::from_millis(1500);
+/// How long a call through a relay may take: the relay's call onward (a conclusion's is the
+/// longest).
+pub const FORWARD_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a conclusion may take to deliver.
+pub const CONCLUDE_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long a conclusion waits for the agent's engine to take its observations.
 pub const CONCLUDE_DELIVERY: Duration = Duration::from_secs(3);
 /// At most one log line per this interval about refused requests (with the count).
 pub const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
-
-/// What the service authorizes requests with, beyond the agents' shared secret.
-#[derive(Debug)]
-pub struct Authz {
-    /// The agents' shared secret: every RPC is accepted with it (`Run` also with the
-    /// requesters').
-    pub agents: Verifier,
-    /// Who coordinates now (Lease holder, elected member).
-    pub who: Arc<dyn WhoCoordinates>,
-    /// The requesters' secret: `Run` is accepted with it (and with the agents' secret);
-    /// nothing else is.
-    pub requester: Option<Verifier>,
-    /// The ports probe addresses may name (`probe_port_base` + `coordinator::PROBE_PORTS`).
-    pub probe_ports: std::ops::Range<u16>,
-    /// Kubernetes: requesters' service-account tokens (`authorization: Bearer`), checked with
-    /// TokenReview and SubjectAccessReview. `None`: tokens are refused.
-    pub requesters: Option<Arc<dyn authz::Requesters>>,
-}
 
 /// Whether this node's accelerators run someone's work.
 pub trait Busy: Send + Sync + std::fmt::Debug + 'static {
@@ -120,15 +100,6 @@ pub struct ProbeSetup {
     pub gpu: bool,
 }
 
-/// The coordinator role: present on every agent, active while `leader` is true.
-#[derive(Debug, Clone)]
-pub struct Leadership {
-    pub coordinator: Arc<Coordinator>,
-    pub leader: watch::Receiver<bool>,
-    pub members: Arc<dyn Members>,
-    pub policy: watch::Receiver<PeerPolicy>,
-}
-
 type CheckKey = (String, u32, String);
 
 /// The served handle (tonic services are implemented on it).
@@ -142,63 +113,140 @@ impl std::ops::Deref for PeerHandle {
     }
 }
 
+/// Verifies requests as the coordinator's: its key as [`WhoCoordinates`] names it now, and one
+/// nonce memory per key.
+#[derive(Debug)]
+struct CoordinatorAuth {
+    who: Arc<dyn WhoCoordinates>,
+    me: String,
+    verifier: Mutex<Option<(CoordinatorPublicKey, Verifier)>>,
+}
+
+/// Why a request is not the coordinator's.
+enum NotCoordinator {
+    /// Its signature, receiver, time or nonce (`UNAUTHENTICATED`).
+    Refused(String),
+    /// The coordinator's key cannot be told now (`UNAVAILABLE`).
+    Unknown(String),
+}
+
+impl CoordinatorAuth {
+    /// The coordinator, when `msg` is its: signed with its key (asked again once when the key
+    /// known does not verify: a new replica may have just taken the Lease).
+    async fn verify<M: Signed>(&self, msg: &M) -> Result<CoordinatorId, NotCoordinator> {
+        let mut last = NotCoordinator::Unknown("no coordinator is known".into());
+        for recheck in [false, true] {
+            let id = match tokio::time::timeout(AUTHZ_TIMEOUT, self.who.current(recheck)).await {
+                Ok(Ok(Some(id))) => id,
+                Ok(Ok(None)) => {
+                    last = NotCoordinator::Unknown(
+                        "no coordinator holds the Lease now".into(),
+                    );
+                    continue;
+                }
+                Ok(Err(e)) => {
+                    last = NotCoordinator::Unknown(e.to_string());
+                    continue;
+                }
+                Err(_) => {
+                    return Err(NotCoordinator::Unknown(format!(
+                        "cannot tell the coordinator's key within {AUTHZ_TIMEOUT:?}"
+                    )))
+                }
+            };
+            let verified = {
+                let mut v = self
+                    .verifier
+                    .lock()
+                    .map_err(|_| NotCoordinator::Unknown("verifier poisoned".into()))?;
+                if v.as_ref().is_none_or(|(k, _)| *k != id.key) {
+                    *v = Some((id.key, Verifier::new(id.key, super::MAX_SKEW, &self.me)));
+                }
+                match v.as_mut() {
+                    Some((_, verifier)) => verifier.verify(msg, wire::now_ms()),
+                    None => Err(AuthError::Missing),
+                }
+            };
+            match verified {
+                Ok(sender) if id.node.is_empty() || sender == id.node => return Ok(id),
+                Ok(sender) => {
+                    return Err(NotCoordinator::Refused(format!(
+                        "signed as {sender:?} with the key of the coordinator {:?}",
+                        id.node
+                    )))
+                }
+                Err(e @ AuthError::BadSignature { .. }) => {
+                    last = NotCoordinator::Refused(e.to_string())
+                }
+                Err(e) => return Err(NotCoordinator::Refused(e.to_string())),
+            }
+        }
+        Err(last)
+    }
+}
+
+/// Everything the service is built from.
+#[derive(Debug)]
+pub struct ServiceSetup {
+    pub node: String,
+    /// Who coordinates and with which key.
+    pub coordinator: Arc<dyn WhoCoordinates>,
+    /// This node's own credential, for its reports.
+    pub credential: NodeCredential,
+    pub probe: ProbeSetup,
+    pub busy: Arc<dyn Busy>,
+    pub inputs: mpsc::Sender<Input>,
+    pub policy: watch::Receiver<PeerPolicy>,
+    /// The ports probe addresses may name (`probe_port_base` + `PROBE_PORTS`).
+    pub probe_ports: std::ops::Range<u16>,
+    pub metrics: Arc<crate::metrics::Metrics>,
+}
+
 /// The service every agent serves.
 #[derive(Debug)]
 pub struct PeerService {
     pub node: String,
-    verifier: Mutex<Verifier>,
-    signer: Signer,
+    coordinator: CoordinatorAuth,
+    credential: NodeCredential,
     probe: ProbeSetup,
     busy: Arc<dyn Busy>,
     inputs: mpsc::Sender<Input>,
+    policy: watch::Receiver<PeerPolicy>,
     running: Mutex<HashMap<CheckKey, CancellationToken>>,
-    leadership: Leadership,
-    runs: std::sync::atomic::AtomicUsize,
-    /// Pings other members on the coordinator's behalf (`PingRequest.reach`).
-    relay: GrpcTransport,
     /// Runs in which this node's own probe could not run, with the cause (the newest
     /// `OWN_FAILURES_KEPT`): a conclusion that finds this node faulty names it.
     own_failures: Mutex<std::collections::VecDeque<OwnRun>>,
-    who: Arc<dyn WhoCoordinates>,
-    requester: Option<Mutex<Verifier>>,
-    requesters: Option<Arc<dyn authz::Requesters>>,
     probe_ports: std::ops::Range<u16>,
-    view: MemberView,
+    /// Forwards as a relay, rate-limited.
+    forwards: Mutex<authz::ForwardRate>,
+    /// The coordinator's report address as its last verified message named it: a relay passes
+    /// members' reports there.
+    coordinator_address: Mutex<Option<String>>,
     refusals: Mutex<crate::pace::LogPacer>,
     metrics: Arc<crate::metrics::Metrics>,
 }
 
 impl PeerService {
-    #[allow(clippy::too_many_arguments)]
-    pub fn new(
-        node: String,
-        signer: Signer,
-        probe: ProbeSetup,
-        busy: Arc<dyn Busy>,
-        inputs: mpsc::Sender<Input>,
-        leadership: Leadership,
-        authz: Authz,
-        metrics: Arc<crate::metrics::Metrics>,
-    ) -> PeerService {
+    pub fn new(s: ServiceSetup) -> PeerService {
         PeerService {
-            metrics,
-            view: MemberView::new(Arc::clone(&leadership.members)),
-            verifier: Mutex::new(authz.agents),
-            who: authz.who,
-            requester: authz.requester.map(Mutex::new),
-            requesters: authz.requesters,
-            probe_ports: authz.probe_ports,
-            refusals: Mutex::new(crate::pace::LogPacer::new(REFUSAL_LOG_EVERY)),
-            node,
-            signer: signer.clone(),
-            probe,
-            busy,
-            inputs,
+            coordinator: CoordinatorAuth {
+                who: s.coordinator,
+                me: s.node.clone(),
+                verifier: Mutex::new(None),
+            },
+            node: s.node,
+            credential: s.credential,
+            probe: s.probe,
+            busy: s.busy,
+            inputs: s.inputs,
+            policy: s.policy,
             running: Mutex::new(HashMap::new()),
-            leadership,
-            runs: std::sync::atomic::AtomicUsize::new(0),
-            relay: GrpcTransport::new(signer.clone()),
             own_failures: Mutex::new(std::collections::VecDeque::new()),
+            probe_ports: s.probe_ports,
+            forwards: Mutex::new(authz::ForwardRate::default()),
+            coordinator_address: Mutex::new(None),
+            refusals: Mutex::new(crate::pace::LogPacer::new(REFUSAL_LOG_EVERY)),
+            metrics: s.metrics,
         }
     }
 
@@ -216,120 +264,20 @@ impl PeerService {
         s
     }
 
-    /// Verifies an agents' request, addressed to this node, with the agents' secret; the
-    /// authenticated sender.
-    fn verify<M: Signed>(&self, rpc: &str, msg: &M) -> Result<String, Status> {
-        self.verify_to(rpc, msg, None)
-    }
-
-    /// As `verify`, also accepting a request addressed to `role` instead of this node.
-    fn verify_to<M: Signed>(
-        &self,
-        rpc: &str,
-        msg: &M,
-        role: Option<&str>,
-    ) -> Result<String, Status> {
-        let mut v = self
-            .verifier
-            .lock()
-            .map_err(|_| Status::internal("verifier poisoned"))?;
-        let now = wire::now_ms();
-        match role {
-            Some(role) => v.verify_or_role(msg, now, role),
-            None => v.verify(msg, now),
-        }
-        .map_err(|e| self.refused(rpc, Status::unauthenticated(e.to_string())))
-    }
-
-    /// Authenticates and authorizes a `Run` by the requester's bearer token (Kubernetes).
-    async fn check_token(&self, token: &str) -> Result<String, Status> {
-        use authz::TokenRefusal;
-        let Some(r) = &self.requesters else {
-            return Err(self.refused(
-                "Run",
-                Status::unauthenticated(
-                    "this agent takes no service-account tokens (not on Kubernetes); sign with the requester secret",
-                ),
-            ));
-        };
-        match tokio::time::timeout(CALL_TIMEOUT * 5, r.check(token)).await {
-            Ok(Ok(user)) => Ok(format!("user {user}")),
-            Ok(Err(e @ TokenRefusal::Unauthenticated(_))) => {
-                Err(self.refused("Run", Status::unauthenticated(e.to_string())))
-            }
-            Ok(Err(e @ TokenRefusal::Denied(_))) => {
-                Err(self.refused("Run", Status::permission_denied(e.to_string())))
-            }
-            Ok(Err(e @ TokenRefusal::Unavailable(_))) => Err(Status::unavailable(e.to_string())),
-            Err(_) => Err(Status::unavailable("the token reviews took too long")),
-        }
-    }
-
-    /// Verifies a `Run`: with the requesters' secret, else the agents'. Addressed to this node,
-    /// or to `COORDINATOR_ROLE`: a requester may know only the coordinator's address
-    /// (`faultline check --coordinator ADDR`). Replayed, such a request is refused by every
-    /// agent but the coordinator, which takes it once (nonces); a coordinator that takes over
-    /// within the 30 s window could take it once more, as it takes the requester's own retry.
-    fn verify_run(&self, msg: &RunRequest) -> Result<String, Status> {
-        if let Some(r) = &self.requester {
-            let mut v = r
-                .lock()
-                .map_err(|_| Status::internal("verifier poisoned"))?;
-            match v.verify_or_role(msg, wire::now_ms(), COORDINATOR_ROLE) {
-                Ok(sender) => return Ok(sender),
-                // Not the requesters' key: maybe the agents'.
-                Err(faultline_proto::auth::AuthError::BadMac { .. }) => {}
-                Err(e) => return Err(self.refused("Run", Status::unauthenticated(e.to_string()))),
-            }
-        }
-        self.verify_to("Run", msg, Some(COORDINATOR_ROLE))
-    }
-
-    /// Only the current coordinator may send `what`: `PERMISSION_DENIED` for anyone else, with
-    /// who coordinates. Asks again (after a moment) before refusing, so a new coordinator is
-    /// obeyed as soon as the Lease names it.
-    async fn only_coordinator(&self, rpc: &str, sender: &str) -> Result<(), Status> {
-        let ask = |recheck: bool| async move {
-            match tokio::time::timeout(AUTHZ_TIMEOUT, self.who.current(recheck)).await {
-                Ok(r) => r.map_err(|e| e.to_string()),
-                Err(_) => Err(format!(
-                    "cannot tell who coordinates peer checks within {AUTHZ_TIMEOUT:?}"
+    /// Verifies a request as the coordinator's; its authenticated sender.
+    async fn verify<M: Signed>(&self, rpc: &str, msg: &M) -> Result<String, Status> {
+        match self.coordinator.verify(msg).await {
+            Ok(_) => Ok(msg.auth().map(|a| a.sender.clone()).unwrap_or_default()),
+            Err(NotCoordinator::Refused(why)) => Err(self.refused(
+                rpc,
+                Status::unauthenticated(format!(
+                    "{rpc} refused: not the coordinator's ({why})"
                 )),
-            }
-        };
-        let mut who = ask(false).await;
-        if !matches!(&who, Ok(Some(c)) if c.node == sender) {
-            who = ask(true).await;
-        }
-        let denied = match who {
-            Ok(Some(c)) if c.node == sender => return Ok(()),
-            Ok(Some(c)) => format!(
-                "{rpc} from {sender:?} refused: only the current peer-check coordinator ({:?}) may send it",
-                c.node
-            ),
-            Ok(None) => format!(
-                "{rpc} from {sender:?} refused: no agent coordinates peer checks now"
-            ),
-            Err(e) => return Err(self.refused(rpc, Status::unavailable(e))),
-        };
-        Err(self.refused(rpc, Status::permission_denied(denied)))
-    }
-
-    /// An assignment's addresses against the current members (read again once if they do
-    /// not match the cached list: a member may have just joined or moved).
-    async fn check_addresses(&self, a: &CheckAssignment, coordinator: &str) -> Result<(), String> {
-        let mut last = String::new();
-        for recheck in [false, true] {
-            let list = tokio::time::timeout(AUTHZ_TIMEOUT, self.view.list(recheck))
-                .await
-                .map_err(|_| format!("cannot list the members within {AUTHZ_TIMEOUT:?}"))?
-                .map_err(|e| format!("cannot list the members: {e}"))?;
-            match authz::check_addresses(a, &list, coordinator, self.probe_ports.clone()) {
-                Ok(()) => return Ok(()),
-                Err(e) => last = e,
+            )),
+            Err(NotCoordinator::Unknown(why)) => {
+                Err(self.refused(rpc, Status::unavailable(why)))
             }
         }
-        Err(last)
     }
 
     fn check_protocol(p: u32) -> Result<(), Status> {
@@ -342,14 +290,11 @@ impl PeerService {
         }
     }
 
-    fn leader(&self) -> Result<&Leadership, Status> {
-        if *self.leadership.leader.borrow() {
-            Ok(&self.leadership)
-        } else {
-            Err(Status::failed_precondition(format!(
-                "{} is not the peer-check coordinator (it does not hold the Lease)",
-                self.node
-            )))
+    fn remember_coordinator(&self, address: &str) {
+        if let Ok(mut a) = self.coordinator_address.lock() {
+            if a.as_deref() != Some(address) {
+                *a = Some(address.to_string());
+            }
         }
     }
 }
@@ -370,11 +315,10 @@ fn check_key(a: &CheckAssignment, me: &str) -> Option<(CheckKey, usize, String)>
 impl PeerCheck for PeerHandle {
     async fn ping(&self, request: Request<PingRequest>) -> Result<Response<PingReply>, Status> {
         let p = request.into_inner();
-        self.verify("Ping", &p)?;
-        let reached = self.relay_pings(&p.reach).await?;
+        self.verify("Ping", &p).await?;
         // NVML calls can hang: ask on a blocking thread, and a node that cannot answer in
         // time counts as busy (a scheduled check is not worth disturbing a job).
-        let busy = if self.probe.gpu && !p.liveness_only {
+        let busy = if self.probe.gpu {
             let b = Arc::clone(&self.busy);
             let asked = tokio::task::spawn_blocking(move || b.busy());
             match tokio::time::timeout(BUSY_TIMEOUT, asked).await {
@@ -392,15 +336,6 @@ impl PeerCheck for PeerHandle {
             protocol: PROTOCOL,
             busy: busy.is_some(),
             reason: busy.unwrap_or_default(),
-            reached,
-            // Whom this agent obeys now (cached; an error or nobody: empty).
-            coordinator: tokio::time::timeout(AUTHZ_TIMEOUT, self.who.current(false))
-                .await
-                .ok()
-                .and_then(Result::ok)
-                .flatten()
-                .map(|c| c.node)
-                .unwrap_or_default(),
         }))
     }
 
@@ -409,9 +344,8 @@ impl PeerCheck for PeerHandle {
         request: Request<CheckAssignment>,
     ) -> Result<Response<CheckAccepted>, Status> {
         let a = request.into_inner();
-        let sender = self.verify("Assign", &a)?;
+        let sender = self.verify("Assign", &a).await?;
         PeerService::check_protocol(a.protocol)?;
-        self.only_coordinator("Assign", &sender).await?;
         let refuse = |reason: String| {
             let reason = format!("{}: {reason}", self.node);
             debug!(from = %sender, reason, "assignment refused");
@@ -424,22 +358,19 @@ impl PeerCheck for PeerHandle {
         let Some((key, rank, partner)) = check_key(&a, &self.node) else {
             return refuse(format!("{} is not a member of this check", self.node));
         };
-        let peers: Result<Vec<std::net::SocketAddr>, _> =
-            [&a.probe_a, &a.probe_b].iter().map(|p| p.parse()).collect();
-        let Ok(peers) = peers else {
-            return refuse("probe addresses are not ip:port".into());
+        let peers = match authz::check_probes(&a, self.probe_ports.clone()) {
+            Ok(p) => p,
+            Err(why) => return refuse(why),
         };
         if a.coordinator.parse::<std::net::SocketAddr>().is_err() {
             return refuse("coordinator address is not ip:port".into());
         }
-        let policy = self.leadership.policy.borrow().clone();
+        let policy = self.policy.borrow().clone();
         let admitted = match authz::admit(&a, &policy) {
             Ok(x) => x,
             Err(why) => return refuse(why),
         };
-        if let Err(why) = self.check_addresses(&a, &sender).await {
-            return refuse(why);
-        }
+        self.remember_coordinator(&a.coordinator);
         let cancel = CancellationToken::new();
         {
             let mut running = self
@@ -461,7 +392,7 @@ impl PeerCheck for PeerHandle {
         }
         debug!(run_id = %a.run_id, round = a.round, partner = %partner, rank, from = %sender, "check assigned");
         let me = Arc::clone(&self.0);
-        // The report goes to the coordinator that assigned the check, signed for its node.
+        // The report goes to the coordinator that assigned the check, signed for its name.
         let coordinator_node = sender.clone();
         let span = tracing::info_span!("peer_check", run_id = %a.run_id, round = a.round, partner = %partner);
         tokio::spawn(
@@ -473,8 +404,13 @@ impl PeerCheck for PeerHandle {
                     r.remove(&key);
                 }
                 if let Some(report) = report {
-                    me.send_report(&a.coordinator, &coordinator_node, report)
-                        .await;
+                    match &a.report_via {
+                        Some(via) => me.send_report_via(via, &coordinator_node, report).await,
+                        None => {
+                            me.send_report(&a.coordinator, &coordinator_node, report)
+                                .await
+                        }
+                    }
                 }
             }
             .instrument(span),
@@ -490,8 +426,7 @@ impl PeerCheck for PeerHandle {
         request: Request<CheckAssignment>,
     ) -> Result<Response<CheckAccepted>, Status> {
         let a = request.into_inner();
-        let sender = self.verify("Cancel", &a)?;
-        self.only_coordinator("Cancel", &sender).await?;
+        self.verify("Cancel", &a).await?;
         let found = check_key(&a, &self.node)
             .and_then(|(key, _, _)| self.running.lock().ok()?.get(&key).cloned());
         if let Some(c) = &found {
@@ -507,14 +442,84 @@ impl PeerCheck for PeerHandle {
         }))
     }
 
+    async fn forward(&self, request: Request<Forward>) -> Result<Response<ForwardReply>, Status> {
+        let mut f = request.into_inner();
+        PeerService::check_protocol(f.protocol)?;
+        if !matches!(f.message, Some(forward::Message::Report(_))) {
+            // The coordinator's message for another member: only in an envelope the coordinator
+            // signed for this relay, to the member it names.
+            self.verify("Forward", &f).await?;
+        }
+        let msg = f
+            .message
+            .take()
+            .ok_or_else(|| Status::invalid_argument("nothing to forward"))?;
+        let small = !matches!(msg, forward::Message::Conclude(_));
+        if small && msg.encoded_len() > authz::MAX_FORWARDED_BYTES {
+            return Err(self.refused(
+                "Forward",
+                Status::invalid_argument(format!(
+                    "{} bytes to forward, more than {}",
+                    msg.encoded_len(),
+                    authz::MAX_FORWARDED_BYTES
+                )),
+            ));
+        }
+        let taken = self
+            .forwards
+            .lock()
+            .map_err(|_| Status::internal("poisoned"))?
+            .take(tokio::time::Instant::now());
+        if !taken {
+            return Err(self.refused(
+                "Forward",
+                Status::resource_exhausted("too many forwards; ask again later"),
+            ));
+        }
+        let to = match msg {
+            forward::Message::Report(r) => {
+                // A member's report, to the coordinator as its own last message named it: the
+                // report's signature is its author's, checked by the coordinator; this relay
+                // cannot change it, and sends it nowhere else.
+                let address = self
+                    .coordinator_address
+                    .lock()
+                    .map_err(|_| Status::internal("poisoned"))?
+                    .clone()
+                    .ok_or_else(|| {
+                        Status::unavailable("this relay has had no message from the coordinator")
+                    })?;
+                let token = (!f.token.is_empty()).then_some(f.token.as_str());
+                return pass_report_on(&address, r, token)
+                    .await
+                    .map(|()| Response::new(ForwardReply::default()))
+                    .map_err(Status::unavailable);
+            }
+            msg => (f.to, msg),
+        };
+        let (Some(to), msg) = to else {
+            return Err(Status::invalid_argument("no member to forward to"));
+        };
+        if to.node == self.node {
+            return Err(Status::invalid_argument(format!(
+                "{} does not forward to itself",
+                self.node
+            )));
+        }
+        debug!(to = %to.node, "forwarding the coordinator's message");
+        pass_on(&to.address, msg)
+            .await
+            .map(Response::new)
+            .map_err(Status::unavailable)
+    }
+
     async fn conclude(
         &self,
         request: Request<RunConclusion>,
     ) -> Result<Response<ReportAck>, Status> {
         let c = request.into_inner();
-        let sender = self.verify("Conclude", &c)?;
+        self.verify("Conclude", &c).await?;
         PeerService::check_protocol(c.protocol)?;
-        self.only_coordinator("Conclude", &sender).await?;
         let verdicts =
             wire::from_proto(&c.members, &c.verdicts).map_err(Status::invalid_argument)?;
         let Some(me) = c.members.iter().position(|m| m == &self.node) else {
@@ -553,63 +558,6 @@ impl PeerCheck for PeerHandle {
 }
 
 impl PeerService {
-    /// Pings the members `reach` names, on the coordinator's behalf: only current members, at
-    /// their listed addresses (the request cannot make this agent connect anywhere else), at
-    /// most `MAX_REACH`, all at once.
-    async fn relay_pings(
-        &self,
-        reach: &[faultline_proto::v1::Member],
-    ) -> Result<Vec<Reached>, Status> {
-        if reach.is_empty() {
-            return Ok(Vec::new());
-        }
-        if reach.len() > MAX_REACH {
-            return Err(Status::invalid_argument(format!(
-                "{} members to reach, at most {MAX_REACH}",
-                reach.len()
-            )));
-        }
-        // The members as cached for authorization: a relayed ping costs no list of pods.
-        let current = tokio::time::timeout(AUTHZ_TIMEOUT, self.view.list(false))
-            .await
-            .map_err(|_| Status::unavailable("cannot list the members in time"))?
-            .map_err(|e| Status::unavailable(format!("cannot list the members: {e}")))?;
-        let ping = |m: Option<Member>, r: &faultline_proto::v1::Member| {
-            let node = r.node.clone();
-            let address = r.address.clone();
-            async move {
-                let Some(m) = m else {
-                    return Reached {
-                        node,
-                        answered: false,
-                        error: format!("{address:?} is not a current member's address"),
-                    };
-                };
-                // Twice, like the coordinator's own pings: one lost ping says nothing.
-                let last = super::retried(
-                    2,
-                    Duration::from_millis(200),
-                    |_| true,
-                    || self.relay.ping(&m),
-                )
-                .await;
-                Reached {
-                    node,
-                    answered: last.is_ok(),
-                    error: last.err().unwrap_or_default(),
-                }
-            }
-        };
-        Ok(futures::future::join_all(reach.iter().map(|r| {
-            let m = current
-                .iter()
-                .find(|m| m.node == r.node && m.address == r.address)
-                .cloned();
-            ping(m, r)
-        }))
-        .await)
-    }
-
     async fn run_check(
         &self,
         a: &CheckAssignment,
@@ -721,21 +669,24 @@ impl PeerService {
     /// Sends the report, up to `REPORT_ATTEMPTS` times while the coordinator cannot be reached
     /// (a lost report leaves the check unjudged; the coordinator waits `REPORT_SLACK` past the
     /// deadline for it). A refusal is an answer and is not repeated. Each attempt is signed
-    /// anew, for the coordinator's node `to` (the sender of the assignment): the coordinator
-    /// refuses a nonce it has seen, every other agent a report not addressed to it.
+    /// anew with this node's credential, for the coordinator `to` (the sender of the
+    /// assignment): the coordinator refuses a nonce it has seen, every agent a report.
     async fn send_report(&self, coordinator: &str, to: &str, report: CheckReport) {
         let attempt = || {
-            let signed = self.signer.sign(report.clone(), to);
+            let signed = self.credential.sign(report.clone(), &self.node, to);
             async move {
+                let signed = signed.map_err(|e| (false, e.to_string()))?;
                 let ch = endpoint(coordinator)
                     .map_err(|e| (false, e))?
                     .connect()
                     .await
                     .map_err(|e| (true, e.to_string()))?;
                 let mut c = CoordinatorClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
-                match tokio::time::timeout(CALL_TIMEOUT, c.report(timed(signed, CALL_TIMEOUT)))
-                    .await
-                {
+                let mut request = timed(signed.msg, CALL_TIMEOUT);
+                if let Some(t) = &signed.token {
+                    bearer(&mut request, t).map_err(|e| (false, e))?;
+                }
+                match tokio::time::timeout(CALL_TIMEOUT, c.report(request)).await {
                     Ok(Ok(_)) => Ok(()),
                     Ok(Err(s)) => Err((
                         matches!(
@@ -754,202 +705,110 @@ impl PeerService {
             warn!(coordinator, error = %e, "cannot send the check report");
         }
     }
-}
 
-#[tonic::async_trait]
-impl CoordinatorRpc for PeerHandle {
-    async fn report(&self, request: Request<CheckReport>) -> Result<Response<ReportAck>, Status> {
-        let r = request.into_inner();
-        let sender = self.verify("Report", &r)?;
-        PeerService::check_protocol(r.protocol)?;
-        coordinator::validate_report(&r)
-            .map_err(|why| Status::invalid_argument(format!("report from {sender}: {why}")))?;
-        if sender != r.node {
-            return Err(self.refused(
-                "Report",
-                Status::permission_denied(format!("{sender} cannot report for {}", r.node)),
-            ));
-        }
-        // Accepted by run id: a check of a run of this coordinator that waits for it takes it,
-        // leader or not (a run that lost the role is being aborted and drops its checks). A
-        // report nothing waits for is refused by an agent that does not coordinate.
-        let coordinator = &self.leadership.coordinator;
-        if !coordinator.deliver(r) {
-            self.leader()?;
-            debug!(from = %sender, "report for no waiting check (late or duplicate)");
-        }
-        Ok(Response::new(ReportAck {}))
-    }
-
-    async fn run(&self, request: Request<RunRequest>) -> Result<Response<RunResult>, Status> {
-        let bearer = request
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .map(|t| t.trim().to_string());
-        let req = request.into_inner();
-        let sender = match bearer {
-            Some(token) => {
-                // Only the coordinator asks the API server: a token sent to any other agent
-                // costs no review.
-                self.leader()?;
-                self.check_token(&token).await?
+    /// Sends the report through the member the assignment named (`report_via`), as
+    /// `send_report` does directly: up to `REPORT_ATTEMPTS` times while it cannot be reached,
+    /// each attempt signed anew.
+    async fn send_report_via(&self, via: &faultline_proto::v1::Member, to: &str, report: CheckReport) {
+        let attempt = || {
+            let signed = self.credential.sign(report.clone(), &self.node, to);
+            async move {
+                let signed = signed.map_err(|e| (false, e.to_string()))?;
+                let envelope = Forward {
+                    auth: None,
+                    protocol: PROTOCOL,
+                    to: None,
+                    token: signed.token.unwrap_or_default(),
+                    message: Some(forward::Message::Report(signed.msg)),
+                };
+                let ch = endpoint(&via.address)
+                    .map_err(|e| (false, e))?
+                    .connect_lazy();
+                let mut c = PeerCheckClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
+                within(FORWARD_TIMEOUT, |t| c.forward(timed(envelope, t)))
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| (true, e))
             }
-            None => self.verify_run(&req)?,
         };
-        PeerService::check_protocol(req.protocol)?;
-        let l = self.leader()?.clone();
-        if req.nodes.is_empty() {
-            return Err(Status::invalid_argument("no nodes to check"));
+        let sent = super::retried(REPORT_ATTEMPTS, REPORT_RETRY_PAUSE, |e| e.0, attempt).await;
+        if let Err((_, e)) = sent {
+            warn!(via = %via.node, error = %e, "cannot send the check report through the relay");
         }
-        if req.nodes.len() > 10_000 {
-            return Err(Status::invalid_argument("more than 10000 nodes"));
-        }
-        if req.request_id.len() > 64 {
-            return Err(Status::invalid_argument(
-                "request_id is longer than 64 bytes",
-            ));
-        }
-        let request_id = (!req.request_id.is_empty()).then(|| req.request_id.clone());
-        let aborted = |e: coordinator::Aborted| Status::unavailable(e.to_string());
-        // The same request again (the requester lost its coordinator and came here): the run
-        // resumed or still running for it, or its result.
-        if let Some(id) = &request_id {
-            if let Some(r) = l.coordinator.attach(id).await {
-                info!(from = %sender, request_id = %id, "peer-check request attached to its run");
-                return r.map(|s| Response::new(result_of(&s))).map_err(aborted);
-            }
-        }
-        let claim = match &request_id {
-            Some(id) => match l.coordinator.claim(id) {
-                Some(c) => Some(c),
-                None => {
-                    return match l.coordinator.attach(id).await {
-                        Some(r) => r.map(|s| Response::new(result_of(&s))).map_err(aborted),
-                        None => Err(Status::unavailable(
-                            "the same request is being started; ask again",
-                        )),
-                    }
-                }
-            },
-            None => None,
-        };
-        let all = l
-            .members
-            .list()
-            .await
-            .map_err(|e| Status::unavailable(format!("cannot list the members: {e}")))?;
-        let (members, missing) = coordinator::select(all, &req.nodes);
-        let policy = l.policy.borrow().clone();
-        let mut spec = run_spec(
-            &policy,
-            self.runs.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
-        );
-        if req.timeout_ms > 0 {
-            spec.check_timeout = spec
-                .check_timeout
-                .min(Duration::from_millis(u64::from(req.timeout_ms)));
-        }
-        info!(from = %sender, nodes = req.nodes.len(), "peer-check run requested");
-        let state = l
-            .coordinator
-            .run_detached(members, missing, spec, Trigger::Request, request_id, claim)
-            .await
-            .map_err(aborted)?;
-        Ok(Response::new(result_of(&state)))
     }
 }
 
-/// The wire result of a finished run.
-pub fn result_of(state: &coordinator::RunState) -> RunResult {
-    use faultline_proto::v1::Verdict;
-    RunResult {
-        run_id: state.run_id.clone(),
-        rounds: state.rounds.len() as u32,
-        verdicts: state
-            .verdicts
-            .iter()
-            .map(|v| Verdict {
-                kind: coordinator::kind_from_name(&v.kind) as i32,
-                nodes: v.nodes.clone(),
-                slowdown: v.slowdown.unwrap_or(0.0),
-                reason: v.reason.clone().unwrap_or_default(),
-            })
-            .collect(),
+/// A relay passes a member's report on to the coordinator, verbatim, with its token (one
+/// attempt: the member tries again, signing anew).
+async fn pass_report_on(address: &str, r: CheckReport, token: Option<&str>) -> Result<(), String> {
+    let ch = endpoint(address)?
+        .connect()
+        .await
+        .map_err(|e| format!("cannot reach the coordinator at {address}: {e}"))?;
+    let mut c = CoordinatorClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    let mut request = timed(r, CALL_TIMEOUT);
+    if let Some(t) = token {
+        bearer(&mut request, t)?;
+    }
+    match tokio::time::timeout(CALL_TIMEOUT, c.report(request)).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(s)) => Err(s.message().to_string()),
+        Err(_) => Err(format!("no answer within {CALL_TIMEOUT:?}")),
     }
 }
 
-/// A run's settings from the policy; `run_number` rotates round 1.
-pub fn run_spec(p: &PeerPolicy, run_number: usize) -> RunSpec {
-    RunSpec {
-        bytes: p.bytes,
-        iterations: p.iterations,
-        check_timeout: p.check_timeout,
-        gemm: p.gemm,
-        pairing: PairingConfig {
-            straggler_ratio: p.straggler_ratio,
-            straggler_mads: p.straggler_mads,
-            max_rounds: p.max_rounds,
+/// A relay's call onward: the coordinator's message to the member at `address`, verbatim (its
+/// signature is the coordinator's); the receiver's answer.
+async fn pass_on(address: &str, msg: forward::Message) -> Result<ForwardReply, String> {
+    let ch = endpoint(address)?.connect_lazy();
+    let mut c = PeerCheckClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
+    Ok(match msg {
+        forward::Message::Ping(p) => ForwardReply {
+            ping: Some(within(CALL_TIMEOUT, |t| c.ping(timed(p, t))).await?),
+            ..Default::default()
         },
-        rotation: run_number,
-        skip_busy: p.gpu,
-    }
+        forward::Message::Assign(a) => ForwardReply {
+            accepted: Some(within(CALL_TIMEOUT, |t| c.assign(timed(a, t))).await?),
+            ..Default::default()
+        },
+        forward::Message::Cancel(a) => ForwardReply {
+            accepted: Some(within(CALL_TIMEOUT, |t| c.cancel(timed(a, t))).await?),
+            ..Default::default()
+        },
+        forward::Message::Conclude(m) => {
+            within(CONCLUDE_TIMEOUT, |t| c.conclude(timed(m, t))).await?;
+            ForwardReply::default()
+        }
+        forward::Message::Report(_) => return Err("a report goes to the coordinator".into()),
+    })
 }
 
-fn endpoint(address: &str) -> Result<Endpoint, String> {
+/// A client endpoint for `address` (`ip:port`).
+pub fn endpoint(address: &str) -> Result<Endpoint, String> {
     Endpoint::from_shared(format!("http://{address}"))
         .map(|e| e.connect_timeout(CALL_TIMEOUT).tcp_nodelay(true))
         .map_err(|e| format!("bad address {address:?}: {e}"))
 }
 
-/// A member as the wire names it.
-pub fn wire_member(m: &Member) -> faultline_proto::v1::Member {
-    faultline_proto::v1::Member {
-        node: m.node.clone(),
-        address: m.address.clone(),
-        topology: m.topology.clone().unwrap_or_default(),
-    }
-}
-
-/// The coordinator's client: one lazily connected channel per agent address.
-#[derive(Debug)]
-pub struct GrpcTransport {
-    signer: Signer,
-    channels: Mutex<BTreeMap<String, Channel>>,
-}
-
-impl GrpcTransport {
-    pub fn new(signer: Signer) -> GrpcTransport {
-        GrpcTransport {
-            signer,
-            channels: Mutex::new(BTreeMap::new()),
-        }
-    }
-
-    fn client(&self, to: &Member) -> Result<PeerCheckClient<Channel>, String> {
-        let mut map = self.channels.lock().map_err(|_| "poisoned".to_string())?;
-        let ch = match map.get(&to.address) {
-            Some(c) => c.clone(),
-            None => {
-                let c = endpoint(&to.address)?.connect_lazy();
-                map.insert(to.address.clone(), c.clone());
-                c
-            }
-        };
-        Ok(PeerCheckClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES))
-    }
-}
-
-fn timed<T>(msg: T, timeout: Duration) -> Request<T> {
+/// A request with a deadline the server learns (`grpc-timeout`).
+pub fn timed<T>(msg: T, timeout: Duration) -> Request<T> {
     let mut r = Request::new(msg);
     r.set_timeout(timeout);
     r
 }
 
+/// Adds `authorization: Bearer <token>`.
+pub fn bearer<T>(r: &mut Request<T>, token: &str) -> Result<(), String> {
+    let value = format!("Bearer {token}")
+        .parse()
+        .map_err(|_| "the token is not a valid header value".to_string())?;
+    r.metadata_mut().insert("authorization", value);
+    Ok(())
+}
+
 /// One call with a deadline (`call` gets it to send to the server; it is also enforced here in
 /// case the server never answers): the answer, or why there is none.
-async fn within<T, F>(timeout: Duration, call: impl FnOnce(Duration) -> F) -> Result<T, String>
+pub async fn within<T, F>(timeout: Duration, call: impl FnOnce(Duration) -> F) -> Result<T, String>
 where
     F: std::future::Future<Output = Result<Response<T>, Status>>,
 {
@@ -957,899 +816,5 @@ where
         Ok(Ok(r)) => Ok(r.into_inner()),
         Ok(Err(s)) => Err(s.message().to_string()),
         Err(_) => Err(format!("no answer within {timeout:?}")),
-    }
-}
-
-/// How long a conclusion may take to deliver.
-const CONCLUDE_TIMEOUT: Duration = Duration::from_secs(5);
-
-#[async_trait::async_trait]
-impl coordinator::Transport for GrpcTransport {
-    async fn ping(&self, to: &Member) -> Result<PingReply, String> {
-        let msg = self.signer.sign(
-            PingRequest {
-                auth: None,
-                protocol: PROTOCOL,
-                reach: Vec::new(),
-                liveness_only: false,
-            },
-            &to.node,
-        );
-        let mut c = self.client(to)?;
-        within(CALL_TIMEOUT, |t| c.ping(timed(msg, t))).await
-    }
-
-    async fn alive(&self, to: &Member) -> Result<PingReply, String> {
-        let msg = self.signer.sign(
-            PingRequest {
-                auth: None,
-                protocol: PROTOCOL,
-                reach: Vec::new(),
-                liveness_only: true,
-            },
-            &to.node,
-        );
-        let mut c = self.client(to)?;
-        within(CALL_TIMEOUT, |t| c.ping(timed(msg, t))).await
-    }
-
-    async fn reach(&self, via: &Member, targets: &[Member]) -> Result<Vec<Reached>, String> {
-        // For the relaying member; it signs its own pings to each target for that target.
-        let msg = self.signer.sign(
-            PingRequest {
-                auth: None,
-                protocol: PROTOCOL,
-                reach: targets.iter().map(wire_member).collect(),
-                liveness_only: false,
-            },
-            &via.node,
-        );
-        let mut c = self.client(via)?;
-        within(RELAY_TIMEOUT, |t| c.ping(timed(msg, t)))
-            .await
-            .map(|r| r.reached)
-    }
-
-    async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
-        let msg = self.signer.sign(a, &to.node);
-        let mut c = self.client(to)?;
-        within(CALL_TIMEOUT, |t| c.assign(timed(msg, t))).await
-    }
-
-    async fn cancel(&self, to: &Member, a: CheckAssignment) {
-        let msg = self.signer.sign(a, &to.node);
-        if let Ok(mut c) = self.client(to) {
-            let _ = within(CALL_TIMEOUT, |t| c.cancel(timed(msg, t))).await;
-        }
-    }
-
-    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String> {
-        let msg = self.signer.sign(c, &to.node);
-        let mut client = self.client(to)?;
-        within(CONCLUDE_TIMEOUT, |t| client.conclude(timed(msg, t)))
-            .await
-            .map(|_| ())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-    use super::*;
-    use crate::peer::coordinator::MemoryPublisher;
-    use faultline_proto::auth::Key;
-    use faultline_proto::v1::Member as WireMember;
-
-    const SECRET: &[u8] = b"service test secret, 32 bytes...";
-    const REQUESTER: &[u8] = b"requester secret, not the agents";
-
-    /// A fixed member list.
-    #[derive(Debug)]
-    struct Fixed(Vec<Member>);
-
-    #[async_trait::async_trait]
-    impl crate::peer::members::Members for Fixed {
-        async fn list(&self) -> Result<Vec<Member>, crate::peer::members::MembersError> {
-            Ok(self.0.clone())
-        }
-    }
-
-    fn member(node: &str, ip: &str) -> Member {
-        Member {
-            node: node.into(),
-            address: format!("{ip}:20261"),
-            ip: ip.parse().unwrap(),
-            topology: None,
-        }
-    }
-
-    /// The coordinator is n0 (10.0.0.1); n1 (10.0.0.2) serves; n2 (10.0.0.3) is another
-    /// member, holding the agents' secret too.
-    struct Setup {
-        svc: PeerHandle,
-        signer: Signer,
-        who: watch::Sender<Option<authz::CoordinatorId>>,
-        inputs: mpsc::Receiver<Input>,
-    }
-
-    fn agent(name: &str) -> Signer {
-        Signer {
-            key: Key::new(SECRET).unwrap(),
-            sender: name.into(),
-        }
-    }
-
-    fn requester() -> Signer {
-        Signer {
-            key: Key::new(REQUESTER).unwrap(),
-            sender: "cli@laptop".into(),
-        }
-    }
-
-    fn setup() -> Setup {
-        let (who, who_rx) = watch::channel(Some(authz::CoordinatorId {
-            node: "n0".into(),
-            address: Some("10.0.0.1:20261".into()),
-        }));
-        let (svc, signer, inputs) =
-            service_with(Arc::new(who_rx), Some(Arc::new(FakeTokens)), false);
-        Setup {
-            svc,
-            signer,
-            who,
-            inputs,
-        }
-    }
-
-    fn service() -> (PeerHandle, Signer) {
-        let s = setup();
-        std::mem::forget(s.who);
-        std::mem::forget(s.inputs);
-        (s.svc, s.signer)
-    }
-
-    /// Tokens as an API server would review them: "good" is alice's, "denied" bob's (who may
-    /// not request runs), anything else invalid.
-    #[derive(Debug)]
-    struct FakeTokens;
-
-    #[async_trait::async_trait]
-    impl authz::Requesters for FakeTokens {
-        async fn check(&self, token: &str) -> Result<String, authz::TokenRefusal> {
-            match token {
-                "good" => Ok("alice".into()),
-                "denied" => Err(authz::TokenRefusal::Denied("bob may not".into())),
-                _ => Err(authz::TokenRefusal::Unauthenticated("invalid".into())),
-            }
-        }
-    }
-
-    fn service_with(
-        who: Arc<dyn WhoCoordinates>,
-        requesters: Option<Arc<dyn authz::Requesters>>,
-        leader: bool,
-    ) -> (PeerHandle, Signer, mpsc::Receiver<Input>) {
-        service_on(
-            "n1",
-            who,
-            requesters,
-            leader,
-            "10.0.0",
-            "/nonexistent/faultline-probe".into(),
-            Arc::new(crate::metrics::Metrics::new()),
-        )
-    }
-
-    /// The service of `me` (n1 or n2) with members n0, n1, n2 at `<net>.1`, `.2`, `.3`,
-    /// running `probe`; the signer returned signs as n0.
-    fn service_on(
-        me: &str,
-        who: Arc<dyn WhoCoordinates>,
-        requesters: Option<Arc<dyn authz::Requesters>>,
-        leader: bool,
-        net: &str,
-        probe: PathBuf,
-        metrics: Arc<crate::metrics::Metrics>,
-    ) -> (PeerHandle, Signer, mpsc::Receiver<Input>) {
-        let key = Key::new(SECRET).unwrap();
-        let signer = Signer {
-            key: key.clone(),
-            sender: "n0".into(),
-        };
-        let at = match me {
-            "n1" => 2,
-            _ => 3,
-        };
-        let coordinator = Arc::new(Coordinator::new(
-            me.into(),
-            format!("{net}.{at}:20261"),
-            20270,
-            Arc::new(GrpcTransport::new(signer.clone())),
-            Arc::new(MemoryPublisher::default()),
-            Arc::new(crate::peer::coordinator::WatchFence(
-                watch::channel(false).1,
-            )),
-        ));
-        let leadership = Leadership {
-            coordinator,
-            leader: watch::channel(leader).1,
-            members: Arc::new(Fixed(vec![
-                member("n0", &format!("{net}.1")),
-                member("n1", &format!("{net}.2")),
-                member("n2", &format!("{net}.3")),
-            ])),
-            policy: watch::channel(PeerPolicy::default()).1,
-        };
-        let (tx, rx) = mpsc::channel(8);
-        let svc = PeerService::new(
-            me.into(),
-            Signer {
-                key: Key::new(SECRET).unwrap(),
-                sender: me.into(),
-            },
-            ProbeSetup {
-                bin: probe,
-                gpu: false,
-            },
-            Arc::new(NeverBusy),
-            tx,
-            leadership,
-            Authz {
-                agents: Verifier::new(key, Duration::from_secs(30), me),
-                who,
-                requester: Some(Verifier::new(
-                    Key::new(REQUESTER).unwrap(),
-                    Duration::from_secs(30),
-                    me,
-                )),
-                probe_ports: 20270..20302,
-                requesters,
-            },
-            metrics,
-        );
-        (PeerHandle(Arc::new(svc)), signer, rx)
-    }
-
-    type Edit = Box<dyn Fn(&mut CheckAssignment)>;
-
-    /// Issue 26 §2 (`faultline_peer_checks_total{result}`): every check this agent is assigned
-    /// counts once, by how it ended here: its probe passed, failed, ran out of time or could not
-    /// start, the coordinator cancelled it, or the agent refused the assignment. The members
-    /// are on loopback, the probe is a script.
-    #[tokio::test]
-    async fn each_assigned_check_counts_by_its_result() {
-        use std::os::unix::fs::PermissionsExt;
-        let dir = tempfile::tempdir().unwrap();
-        let script = |name: &str, body: &str| -> PathBuf {
-            let p = dir.path().join(name);
-            std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
-            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-            p
-        };
-        let report = r#"{"world":2,"rank":1,"median_seconds":0.001,"busbw_gbps":1.0}"#;
-        let metrics = Arc::new(crate::metrics::Metrics::new());
-        let count = |result: &str| -> u64 {
-            let line = format!("faultline_peer_checks_total{{result=\"{result}\"}} ");
-            metrics
-                .encode()
-                .lines()
-                .find_map(|l| l.strip_prefix(line.as_str())?.parse().ok())
-                .unwrap_or(0)
-        };
-        let on_loopback = |m: &mut CheckAssignment| {
-            for w in [m.a.as_mut().unwrap(), m.b.as_mut().unwrap()] {
-                w.address = w.address.replace("10.0.0.", "127.0.0.");
-            }
-            for a in [&mut m.probe_a, &mut m.probe_b, &mut m.coordinator] {
-                *a = a.replace("10.0.0.", "127.0.0.");
-            }
-        };
-        let service = |probe: PathBuf| {
-            let who = watch::channel(Some(authz::CoordinatorId {
-                node: "n0".into(),
-                address: Some("127.0.0.1:20261".into()),
-            }))
-            .1;
-            let (svc, signer, inputs) = service_on(
-                "n1",
-                Arc::new(who),
-                None,
-                false,
-                "127.0.0",
-                probe,
-                metrics.clone(),
-            );
-            std::mem::forget(inputs);
-            (svc, signer)
-        };
-        let cases = [
-            (script("pass", &format!("echo '{report}'")), "passed"),
-            (script("fail", "echo broken >&2; exit 1"), "failed"),
-            (script("slow", "echo too slow >&2; exit 3"), "timeout"),
-            (dir.path().join("missing"), "cannot_run"),
-        ];
-        for (i, (probe, result)) in cases.into_iter().enumerate() {
-            let (svc, signer) = service(probe);
-            let mut a = assignment();
-            on_loopback(&mut a);
-            a.run_id = format!("r{i}");
-            let r = svc
-                .assign(Request::new(signer.sign(a, "n1")))
-                .await
-                .unwrap();
-            assert!(r.get_ref().accepted, "{result}: {r:?}");
-            let counted = tokio::time::timeout(Duration::from_secs(20), async {
-                while count(result) == 0 {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            })
-            .await;
-            assert!(
-                counted.is_ok(),
-                "{result} not counted: {}",
-                metrics.encode()
-            );
-        }
-
-        let (svc, signer) = service(script("hang", "exec sleep 60"));
-        let mut a = assignment();
-        on_loopback(&mut a);
-        let r = svc
-            .assign(Request::new(signer.sign(a.clone(), "n1")))
-            .await
-            .unwrap();
-        assert!(r.get_ref().accepted, "{r:?}");
-        let r = svc
-            .cancel(Request::new(signer.sign(a.clone(), "n1")))
-            .await
-            .unwrap();
-        assert!(r.get_ref().accepted, "{r:?}");
-        let counted = tokio::time::timeout(Duration::from_secs(20), async {
-            while count("cancelled") == 0 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await;
-        assert!(counted.is_ok(), "cancelled not counted");
-
-        a.probe_b = "127.0.0.9:20270".into();
-        let r = svc
-            .assign(Request::new(signer.sign(a, "n1")))
-            .await
-            .unwrap();
-        assert!(!r.get_ref().accepted, "{r:?}");
-        for result in [
-            "passed",
-            "failed",
-            "timeout",
-            "cannot_run",
-            "cancelled",
-            "refused",
-        ] {
-            assert_eq!(count(result), 1, "{result}: {}", metrics.encode());
-        }
-    }
-
-    fn assignment() -> CheckAssignment {
-        let m = |n: &str, a: &str| WireMember {
-            node: n.into(),
-            address: a.into(),
-            topology: String::new(),
-        };
-        CheckAssignment {
-            auth: None,
-            protocol: PROTOCOL,
-            run_id: "r1".into(),
-            round: 1,
-            a: Some(m("n0", "10.0.0.1:20261")),
-            b: Some(m("n1", "10.0.0.2:20261")),
-            probe_a: "10.0.0.1:20270".into(),
-            probe_b: "10.0.0.2:20270".into(),
-            bytes: 1 << 20,
-            iterations: 1,
-            timeout_ms: 1000,
-            gemm: false,
-            coordinator: "10.0.0.1:20261".into(),
-        }
-    }
-
-    /// Bad assignments are refused with the reason and start nothing; bad signatures are
-    /// refused before anything is read; a non-holder refuses coordinator calls.
-    #[tokio::test]
-    async fn bad_requests_get_clear_refusals() {
-        let (svc, signer) = service();
-        let refused = |a: CheckAssignment| {
-            let svc = svc.clone();
-            let a = signer.sign(a, "n1");
-            async move { svc.assign(Request::new(a)).await.unwrap().into_inner() }
-        };
-        let cases: Vec<(Edit, &str)> = vec![
-            (
-                Box::new(|a| a.b.as_mut().unwrap().node = "n9".into()),
-                "not a member",
-            ),
-            (
-                Box::new(|a| a.probe_b = "nowhere".into()),
-                "probe addresses",
-            ),
-            (
-                Box::new(|a| a.coordinator = "x".into()),
-                "coordinator address",
-            ),
-            (Box::new(|a| a.bytes = 0), "bytes, iterations and timeout"),
-            (Box::new(|a| a.bytes = 8 << 30), "over this agent's limit"),
-            (
-                Box::new(|a| a.timeout_ms = 0),
-                "bytes, iterations and timeout",
-            ),
-        ];
-        for (edit, why) in cases {
-            let mut a = assignment();
-            edit(&mut a);
-            let r = refused(a).await;
-            assert!(!r.accepted && r.reason.contains(why), "{why}: {r:?}");
-        }
-        assert!(svc.running.lock().unwrap().is_empty(), "nothing started");
-        // Unsigned, and signed with another secret.
-        let s = svc.assign(Request::new(assignment())).await.unwrap_err();
-        assert_eq!(s.code(), tonic::Code::Unauthenticated);
-        let other = Signer {
-            key: Key::new(b"another secret of 32 bytes......").unwrap(),
-            sender: "n0".into(),
-        };
-        let s = svc
-            .assign(Request::new(other.sign(assignment(), "n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(s.code(), tonic::Code::Unauthenticated);
-        assert!(s.message().contains("does not verify"), "{}", s.message());
-        // Another protocol version.
-        let mut a = assignment();
-        a.protocol = PROTOCOL + 1;
-        let s = svc
-            .assign(Request::new(signer.sign(a, "n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(s.code(), tonic::Code::FailedPrecondition);
-        // Not the Lease holder: no runs, no reports.
-        let run = signer.sign(
-            RunRequest {
-                auth: None,
-                protocol: PROTOCOL,
-                nodes: vec!["n0".into()],
-                timeout_ms: 0,
-                request_id: String::new(),
-            },
-            "n1",
-        );
-        let s = svc.run(Request::new(run)).await.unwrap_err();
-        assert_eq!(s.code(), tonic::Code::FailedPrecondition);
-        assert!(s.message().contains("not the peer-check coordinator"));
-        // A report for someone else is refused even with the secret.
-        let report = signer.sign(
-            CheckReport {
-                protocol: PROTOCOL,
-                node: "n5".into(),
-                ..Default::default()
-            },
-            "n1",
-        );
-        let s = svc.report(Request::new(report)).await.unwrap_err();
-        assert_eq!(s.code(), tonic::Code::PermissionDenied);
-        // A conclusion naming a non-member is refused as a whole, and records nothing.
-        let c = signer.sign(
-            RunConclusion {
-                auth: None,
-                protocol: PROTOCOL,
-                run_id: "r1".into(),
-                members: vec!["n0".into(), "n1".into()],
-                verdicts: vec![faultline_proto::v1::Verdict {
-                    kind: faultline_proto::v1::verdict::Kind::FaultyNode as i32,
-                    nodes: vec!["zz".into()],
-                    slowdown: 0.0,
-                    reason: String::new(),
-                }],
-            },
-            "n1",
-        );
-        let s = svc.conclude(Request::new(c)).await.unwrap_err();
-        assert_eq!(s.code(), tonic::Code::InvalidArgument);
-    }
-
-    fn conclusion(faulty: &str) -> RunConclusion {
-        RunConclusion {
-            auth: None,
-            protocol: PROTOCOL,
-            run_id: "r1".into(),
-            members: vec!["n0".into(), "n1".into(), "n2".into()],
-            verdicts: vec![faultline_proto::v1::Verdict {
-                kind: faultline_proto::v1::verdict::Kind::FaultyNode as i32,
-                nodes: vec![faulty.into()],
-                slowdown: 0.0,
-                reason: String::new(),
-            }],
-        }
-    }
-
-    /// Issue 12 §5: a key holder that is not the coordinator sends `Conclude` naming this node
-    /// faulty, or `Assign`, or `Cancel`: PERMISSION_DENIED naming the coordinator, and nothing
-    /// is recorded or started. Once the coordinator changes to it, it is obeyed.
-    #[tokio::test]
-    async fn only_the_current_coordinator_assigns_cancels_and_concludes() {
-        let mut s = setup();
-        let n2 = agent("n2");
-        let e = s
-            .svc
-            .conclude(Request::new(n2.sign(conclusion("n1"), "n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
-        assert!(
-            e.message()
-                .contains("only the current peer-check coordinator (\"n0\")"),
-            "{}",
-            e.message()
-        );
-        assert!(s.inputs.try_recv().is_err(), "nothing recorded");
-        let mut a = assignment();
-        a.coordinator = "10.0.0.3:20261".into();
-        let e = s
-            .svc
-            .assign(Request::new(n2.sign(a.clone(), "n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::PermissionDenied);
-        let e = s
-            .svc
-            .cancel(Request::new(n2.sign(a, "n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::PermissionDenied);
-        assert!(s.svc.running.lock().unwrap().is_empty(), "nothing started");
-        // Nobody coordinates: nobody is obeyed.
-        s.who.send_replace(None);
-        let e = s
-            .svc
-            .conclude(Request::new(s.signer.sign(conclusion("n1"), "n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::PermissionDenied);
-        assert!(
-            e.message().contains("no agent coordinates"),
-            "{}",
-            e.message()
-        );
-        // The coordinator's own conclusion is recorded; after a change, the new one's.
-        s.who.send_replace(Some(authz::CoordinatorId {
-            node: "n0".into(),
-            address: None,
-        }));
-        s.svc
-            .conclude(Request::new(s.signer.sign(conclusion("n1"), "n1")))
-            .await
-            .unwrap();
-        assert!(
-            s.inputs.try_recv().is_ok(),
-            "the coordinator's verdict is recorded"
-        );
-        s.who.send_replace(Some(authz::CoordinatorId {
-            node: "n2".into(),
-            address: None,
-        }));
-        while s.inputs.try_recv().is_ok() {}
-        s.svc
-            .conclude(Request::new(n2.sign(conclusion("n1"), "n1")))
-            .await
-            .unwrap();
-        assert!(s.inputs.try_recv().is_ok());
-        let e = s
-            .svc
-            .conclude(Request::new(s.signer.sign(conclusion("n1"), "n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(
-            e.code(),
-            tonic::Code::PermissionDenied,
-            "the old one is not"
-        );
-    }
-
-    /// Issue 28: a Conclude the coordinator signed for one agent, replayed verbatim to a
-    /// second, was accepted (each agent keeps its own nonces), so a verdict about n2 sent to n1
-    /// was recorded by n2 as well. Requests name their receiver now: n1 takes the conclusion,
-    /// n2 refuses the same bytes (`UNAUTHENTICATED`, "addressed to") and records nothing; an
-    /// assignment or a report signed for another node is refused likewise.
-    #[tokio::test]
-    async fn a_request_signed_for_one_agent_is_refused_by_another() {
-        let n0 = || {
-            Arc::new(
-                watch::channel(Some(authz::CoordinatorId {
-                    node: "n0".into(),
-                    address: Some("10.0.0.1:20261".into()),
-                }))
-                .1,
-            )
-        };
-        let metrics = Arc::new(crate::metrics::Metrics::new());
-        let serve = |me: &str| {
-            let probe = "/nonexistent/faultline-probe".into();
-            service_on(me, n0(), None, false, "10.0.0", probe, metrics.clone())
-        };
-        let (n1, coordinator, _n1_inputs) = serve("n1");
-        let (n2, _, mut n2_inputs) = serve("n2");
-
-        let c = coordinator.sign(conclusion("n2"), "n1");
-        n1.conclude(Request::new(c.clone())).await.unwrap();
-        let e = n2.conclude(Request::new(c)).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
-        assert!(
-            e.message()
-                .contains("addressed to \"n1\", not to this receiver (\"n2\")"),
-            "{}",
-            e.message()
-        );
-        assert!(n2_inputs.try_recv().is_err(), "n2 recorded nothing");
-
-        // An assignment of the pair n1-n2 meant for n1, and a report meant for the coordinator.
-        let mut a = assignment();
-        a.a = Some(wire_member(&member("n2", "10.0.0.3")));
-        a.probe_a = "10.0.0.3:20270".into();
-        let e = n2
-            .assign(Request::new(coordinator.sign(a, "n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
-        assert!(n2.running.lock().unwrap().is_empty(), "nothing started");
-        let report = agent("n1").sign(
-            CheckReport {
-                protocol: PROTOCOL,
-                run_id: "r1".into(),
-                round: 1,
-                node: "n1".into(),
-                partner: "n0".into(),
-                passed: true,
-                seconds: 0.5,
-                ..Default::default()
-            },
-            "n0",
-        );
-        let e = n2.report(Request::new(report)).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
-        assert!(
-            e.message().contains("addressed to \"n0\""),
-            "{}",
-            e.message()
-        );
-    }
-
-    /// Issue 28: a Conclude signed 25 s ahead of the agent's clock was accepted (30 s either
-    /// way). Now refused (`UNAUTHENTICATED`, "ahead") and nothing is recorded; one signed
-    /// 0.5 s ahead (well within `auth::MAX_AHEAD`) is taken.
-    #[tokio::test]
-    async fn a_request_signed_in_the_future_is_refused() {
-        let mut s = setup();
-        let ahead = |ms: i64, nonce: u8| {
-            let mut c = conclusion("n1");
-            faultline_proto::auth::sign(
-                &mut c,
-                &Key::new(SECRET).unwrap(),
-                "n0",
-                "n1",
-                wire::now_ms() + ms,
-                [nonce; faultline_proto::auth::NONCE_BYTES],
-            );
-            c
-        };
-        let e = s
-            .svc
-            .conclude(Request::new(ahead(25_000, 1)))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
-        assert!(
-            e.message().contains("ms ahead of this node's clock"),
-            "{}",
-            e.message()
-        );
-        assert!(s.inputs.try_recv().is_err(), "nothing recorded");
-        s.svc.conclude(Request::new(ahead(500, 2))).await.unwrap();
-        assert!(s.inputs.try_recv().is_ok(), "the verdict is recorded");
-    }
-
-    /// Issue 12 §5: an assignment from the coordinator itself that names a foreign address, a
-    /// port outside the probe range, a 4 GiB size or unbounded iterations is refused with the
-    /// reason and starts nothing.
-    #[tokio::test]
-    async fn assignments_name_only_members_and_stay_within_the_policy() {
-        let (svc, signer) = service();
-        let cases: Vec<(Edit, &str)> = vec![
-            (
-                Box::new(|a| a.probe_b = "10.9.9.9:20270".into()),
-                "not the IP of member n1",
-            ),
-            (
-                Box::new(|a| a.probe_a = "127.0.0.99:20270".into()),
-                "not the IP of member n0",
-            ),
-            (
-                Box::new(|a| a.probe_b = "10.0.0.2:10250".into()),
-                "not among the probe ports",
-            ),
-            (
-                Box::new(|a| a.coordinator = "10.9.9.9:20261".into()),
-                "report address",
-            ),
-            (
-                Box::new(|a| a.a.as_mut().unwrap().address = "10.9.9.9:20261".into()),
-                "not its listed",
-            ),
-            (Box::new(|a| a.bytes = 4 << 30), "over this agent's limit"),
-            (
-                Box::new(|a| a.iterations = u32::MAX),
-                "iterations 4294967295 over",
-            ),
-        ];
-        for (edit, why) in cases {
-            let mut a = assignment();
-            edit(&mut a);
-            let r = svc
-                .assign(Request::new(signer.sign(a, "n1")))
-                .await
-                .unwrap()
-                .into_inner();
-            assert!(!r.accepted && r.reason.contains(why), "{why}: {r:?}");
-        }
-        assert!(svc.running.lock().unwrap().is_empty(), "nothing started");
-        // A 49-day deadline is accepted, clamped to the policy's ceiling (authz::admit's test); the
-        // well-formed assignment starts a check.
-        let mut a = assignment();
-        a.timeout_ms = u32::MAX;
-        let r = svc
-            .assign(Request::new(signer.sign(a, "n1")))
-            .await
-            .unwrap()
-            .into_inner();
-        assert!(r.accepted, "{r:?}");
-    }
-
-    /// Issue 12 §5: the requesters' secret requests runs and nothing else; the agents'
-    /// secret still requests runs.
-    #[tokio::test]
-    async fn the_requester_secret_cannot_assign_cancel_conclude_or_report() {
-        let (svc, _) = service();
-        let cli = requester();
-        let e = svc
-            .assign(Request::new(cli.sign(assignment(), "n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        let e = svc
-            .cancel(Request::new(cli.sign(assignment(), "n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        let e = svc
-            .conclude(Request::new(cli.sign(conclusion("n1"), "n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        // Even naming itself as the coordinator.
-        let as_n0 = Signer {
-            key: Key::new(REQUESTER).unwrap(),
-            sender: "n0".into(),
-        };
-        let e = svc
-            .conclude(Request::new(as_n0.sign(conclusion("n1"), "n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        let report = as_n0.sign(
-            CheckReport {
-                protocol: PROTOCOL,
-                node: "n0".into(),
-                ..Default::default()
-            },
-            "n1",
-        );
-        let e = svc.report(Request::new(report)).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        let e = svc
-            .ping(Request::new(cli.sign(
-                PingRequest {
-                    auth: None,
-                    protocol: PROTOCOL,
-                    reach: vec![],
-                    liveness_only: false,
-                },
-                "n1",
-            )))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        // Run: authenticated with either secret (this agent then says it does not coordinate),
-        // refused with any other.
-        let run = |s: &Signer| {
-            s.sign(
-                RunRequest {
-                    auth: None,
-                    protocol: PROTOCOL,
-                    nodes: vec!["n0".into(), "n1".into()],
-                    timeout_ms: 0,
-                    request_id: String::new(),
-                },
-                "n1",
-            )
-        };
-        for s in [cli, agent("n2")] {
-            let e = svc.run(Request::new(run(&s))).await.unwrap_err();
-            assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
-        }
-        let stranger = Signer {
-            key: Key::new(b"a stranger's secret, 32 bytes...").unwrap(),
-            sender: "cli@x".into(),
-        };
-        let e = svc.run(Request::new(run(&stranger))).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated);
-    }
-
-    /// A requester's bearer token is reviewed (`Requesters`) for `Run` only: accepted,
-    /// denied, invalid; it never stands in for the agents' signature.
-    #[tokio::test]
-    async fn requester_tokens_request_runs_and_nothing_else() {
-        let (svc, _) = service();
-        let with = |token: &str, msg| bearer(token, msg);
-        let run = RunRequest {
-            auth: None,
-            protocol: PROTOCOL,
-            nodes: vec!["n0".into(), "n1".into()],
-            timeout_ms: 0,
-            request_id: String::new(),
-        };
-        // Not the coordinator: no review at all, whatever the token.
-        let e = svc.run(with("forged", run.clone())).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
-        // The coordinator reviews it (an empty node list is refused only after that).
-        let (_w, who_rx) = watch::channel(None);
-        let (lead, _, _) = service_with(Arc::new(who_rx), Some(Arc::new(FakeTokens)), true);
-        let empty = RunRequest {
-            nodes: vec![],
-            ..run.clone()
-        };
-        let e = lead.run(with("good", empty.clone())).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::InvalidArgument, "past auth: {e:?}");
-        let e = lead.run(with("denied", empty.clone())).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::PermissionDenied);
-        assert!(e.message().contains("bob may not"));
-        let e = lead.run(with("forged", empty)).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        let e = svc.assign(bearer("good", assignment())).await.unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        let e = svc
-            .conclude(bearer("good", conclusion("n1")))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        // Without Kubernetes no token is taken.
-        let (_who, who_rx) = watch::channel(None);
-        let (bare, _, _) = service_with(Arc::new(who_rx), None, true);
-        let e = bare
-            .run(with(
-                "good",
-                RunRequest {
-                    nodes: vec![],
-                    ..run
-                },
-            ))
-            .await
-            .unwrap_err();
-        assert_eq!(e.code(), tonic::Code::Unauthenticated);
-        assert!(e.message().contains("takes no service-account tokens"));
-    }
-
-    fn bearer<T>(token: &str, msg: T) -> Request<T> {
-        let mut r = Request::new(msg);
-        r.metadata_mut()
-            .insert("authorization", format!("Bearer {token}").parse().unwrap());
-        r
     }
 }

@@ -1,10 +1,13 @@
-//! The agent's side of the wire protocol: signing requests with the shared secret, reading the
-//! secret file, and turning verdicts into `faultline.v1.Verdict`s and back.
+//! The wire protocol's credentials as the agent and the coordinator use them: [`Signer`] (an
+//! HMAC key: a node's own, or a requester's), [`NodeCredential`] (what an agent signs its
+//! reports with), [`CoordinatorSigner`] (the coordinator's Ed25519 key); reading key files;
+//! and verdicts as `faultline.v1.Verdict`s and back.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use faultline_proto::auth::{sign, Key, Signed, NONCE_BYTES};
+use faultline_proto::auth::{sign, CoordinatorKey, Key, Signed, NONCE_BYTES};
 use faultline_proto::v1::{verdict::Kind, Verdict};
 
 use faultline_core::peer::pairing::{NodeId, Pair, Verdicts};
@@ -25,22 +28,22 @@ pub fn random_u64() -> u64 {
     u64::from_le_bytes(b)
 }
 
-/// Why the shared secret cannot be used.
+/// Why a key file cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum SecretError {
-    #[error("cannot read the peer-check secret {path}: {source}")]
+    #[error("cannot read the peer-check key {path}: {source}")]
     Read {
         path: String,
         source: std::io::Error,
     },
-    #[error("peer-check secret {path}: {source}")]
+    #[error("peer-check key {path}: {source}")]
     Weak {
         path: String,
         source: faultline_proto::auth::AuthError,
     },
 }
 
-/// Reads the shared secret (a Kubernetes Secret mounted as a file; trailing newlines dropped).
+/// Reads a key file (a node's key, a requester's secret, a token; trailing whitespace dropped).
 pub fn load_key(path: &Path) -> Result<Key, SecretError> {
     let bytes = std::fs::read(path).map_err(|source| SecretError::Read {
         path: path.display().to_string(),
@@ -67,9 +70,86 @@ impl Signer {
     /// Signs `msg` for `receiver` (the node that serves it, or `auth::COORDINATOR_ROLE` on a
     /// `Run` to an address only): every other receiver refuses it.
     pub fn sign<M: Signed>(&self, mut msg: M, receiver: &str) -> M {
-        let mut nonce = [0u8; NONCE_BYTES];
-        let _ = getrandom::fill(&mut nonce);
-        sign(&mut msg, &self.key, &self.sender, receiver, now_ms(), nonce);
+        sign(&mut msg, &self.key, &self.sender, receiver, now_ms(), nonce());
+        msg
+    }
+}
+
+fn nonce() -> [u8; NONCE_BYTES] {
+    let mut nonce = [0u8; NONCE_BYTES];
+    let _ = getrandom::fill(&mut nonce);
+    nonce
+}
+
+/// What an agent signs its reports with: a credential bound to its node, held by no other.
+#[derive(Debug, Clone)]
+pub enum NodeCredential {
+    /// Without Kubernetes: the node's own key (derived from the coordinator's master).
+    Key(Key),
+    /// Kubernetes: the file of the agent's projected service-account token, read for every
+    /// report (the kubelet rotates it). The report is signed with the token and carries it
+    /// (`authorization: Bearer`): the coordinator asks the API server whose node it is.
+    Token(PathBuf),
+}
+
+/// A report signed for `receiver`, and the bearer token to send with it.
+#[derive(Debug, Clone)]
+pub struct SignedReport<M> {
+    pub msg: M,
+    pub token: Option<String>,
+}
+
+impl NodeCredential {
+    /// Signs `msg` as `node` for `receiver`.
+    pub fn sign<M: Signed>(
+        &self,
+        msg: M,
+        node: &str,
+        receiver: &str,
+    ) -> Result<SignedReport<M>, SecretError> {
+        match self {
+            NodeCredential::Key(key) => Ok(SignedReport {
+                msg: Signer {
+                    key: key.clone(),
+                    sender: node.to_string(),
+                }
+                .sign(msg, receiver),
+                token: None,
+            }),
+            NodeCredential::Token(path) => {
+                let read = std::fs::read_to_string(path).map_err(|source| SecretError::Read {
+                    path: path.display().to_string(),
+                    source,
+                })?;
+                let token = read.trim().to_string();
+                let key = Key::new(token.as_bytes()).map_err(|source| SecretError::Weak {
+                    path: path.display().to_string(),
+                    source,
+                })?;
+                let mut msg = msg;
+                sign(&mut msg, &key, node, receiver, now_ms(), nonce());
+                Ok(SignedReport {
+                    msg,
+                    token: Some(token),
+                })
+            }
+        }
+    }
+}
+
+/// Signs as the coordinator, with its own key.
+#[derive(Debug, Clone)]
+pub struct CoordinatorSigner {
+    pub key: Arc<CoordinatorKey>,
+    pub sender: String,
+}
+
+impl CoordinatorSigner {
+    /// Signs `msg` for `receiver`: only `receiver` accepts it, and only an agent that knows
+    /// this key's public half.
+    pub fn sign<M: Signed>(&self, mut msg: M, receiver: &str) -> M {
+        self.key
+            .sign(&mut msg, &self.sender, receiver, now_ms(), nonce());
         msg
     }
 }

@@ -1,0 +1,169 @@
+//! The coordinator's client of the agents (`runs::Transport` over gRPC): every message signed
+//! with the coordinator's own key for the member it is for; one lazily connected channel per
+//! agent address. A member the coordinator cannot reach is pinged, assigned, cancelled and
+//! concluded through another (`Forward`): the inner message is still signed for its member, the
+//! envelope for the relay.
+
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use faultline_proto::v1::peer_check_client::PeerCheckClient;
+use faultline_proto::v1::{forward_request as forward, ForwardRequest as Forward};
+use faultline_proto::v1::{
+    CheckAccepted, CheckAssignment, PingReply, PingRequest, Reached, RunConclusion,
+};
+use faultline_proto::{MAX_MESSAGE_BYTES, PROTOCOL};
+use tonic::transport::Channel;
+
+use crate::peer::coordinator::{self as runs, Relayed};
+use crate::peer::members::Member;
+use crate::peer::service::{endpoint, timed, within, CALL_TIMEOUT, CONCLUDE_TIMEOUT, FORWARD_TIMEOUT};
+use crate::peer::wire::CoordinatorSigner;
+
+/// How long a ping through a relay may take (the relay's own call within `CALL_TIMEOUT`).
+pub const RELAY_TIMEOUT: Duration = Duration::from_secs(6);
+/// Members one relay is asked to reach at once.
+pub const MAX_REACH: usize = 16;
+
+/// A member as the wire names it.
+pub fn wire_member(m: &Member) -> faultline_proto::v1::Member {
+    faultline_proto::v1::Member {
+        node: m.node.clone(),
+        address: m.address.clone(),
+        topology: m.topology.clone().unwrap_or_default(),
+    }
+}
+
+/// The coordinator's client.
+#[derive(Debug)]
+pub struct GrpcTransport {
+    signer: CoordinatorSigner,
+    channels: Mutex<BTreeMap<String, Channel>>,
+}
+
+impl GrpcTransport {
+    pub fn new(signer: CoordinatorSigner) -> GrpcTransport {
+        GrpcTransport {
+            signer,
+            channels: Mutex::new(BTreeMap::new()),
+        }
+    }
+
+    fn client(&self, to: &Member) -> Result<PeerCheckClient<Channel>, String> {
+        let mut map = self.channels.lock().map_err(|_| "poisoned".to_string())?;
+        let ch = match map.get(&to.address) {
+            Some(c) => c.clone(),
+            None => {
+                let c = endpoint(&to.address)?.connect_lazy();
+                map.insert(to.address.clone(), c.clone());
+                c
+            }
+        };
+        Ok(PeerCheckClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES))
+    }
+
+    fn ping_for(&self, to: &Member) -> PingRequest {
+        self.signer.sign(
+            PingRequest {
+                auth: None,
+                protocol: PROTOCOL,
+            },
+            &to.node,
+        )
+    }
+
+    /// `message` (signed for `to`) through `via`, in an envelope signed for `via`.
+    async fn through(
+        &self,
+        via: &Member,
+        to: &Member,
+        message: forward::Message,
+        timeout: Duration,
+    ) -> Result<faultline_proto::v1::ForwardReply, String> {
+        let envelope = self.signer.sign(
+            Forward {
+                auth: None,
+                protocol: PROTOCOL,
+                to: Some(wire_member(to)),
+                token: String::new(),
+                message: Some(message),
+            },
+            &via.node,
+        );
+        let mut c = self.client(via)?;
+        within(timeout, |t| c.forward(timed(envelope, t))).await
+    }
+}
+
+#[async_trait::async_trait]
+impl runs::Transport for GrpcTransport {
+    async fn ping(&self, to: &Member) -> Result<PingReply, String> {
+        let msg = self.ping_for(to);
+        let mut c = self.client(to)?;
+        within(CALL_TIMEOUT, |t| c.ping(timed(msg, t))).await
+    }
+
+    async fn reach(&self, via: &Member, targets: &[Member]) -> Result<Vec<Reached>, String> {
+        if targets.len() > MAX_REACH {
+            return Err(format!(
+                "{} members to reach through one relay, at most {MAX_REACH}",
+                targets.len()
+            ));
+        }
+        Ok(
+            futures::future::join_all(targets.iter().map(|to| async move {
+                let message = forward::Message::Ping(self.ping_for(to));
+                let answered = self.through(via, to, message, RELAY_TIMEOUT).await;
+                Reached {
+                    node: to.node.clone(),
+                    answered: answered.as_ref().is_ok_and(|r| r.ping.is_some()),
+                    error: answered.err().unwrap_or_default(),
+                }
+            }))
+            .await,
+        )
+    }
+
+    async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
+        let msg = self.signer.sign(a, &to.node);
+        let mut c = self.client(to)?;
+        within(CALL_TIMEOUT, |t| c.assign(timed(msg, t))).await
+    }
+
+    async fn cancel(&self, to: &Member, a: CheckAssignment) {
+        let msg = self.signer.sign(a, &to.node);
+        if let Ok(mut c) = self.client(to) {
+            let _ = within(CALL_TIMEOUT, |t| c.cancel(timed(msg, t))).await;
+        }
+    }
+
+    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String> {
+        let msg = self.signer.sign(c, &to.node);
+        let mut client = self.client(to)?;
+        within(CONCLUDE_TIMEOUT, |t| client.conclude(timed(msg, t)))
+            .await
+            .map(|_| ())
+    }
+
+    async fn forward(
+        &self,
+        via: &Member,
+        to: &Member,
+        msg: Relayed,
+    ) -> Result<CheckAccepted, String> {
+        let message = match msg {
+            Relayed::Assign(a) => forward::Message::Assign(self.signer.sign(a, &to.node)),
+            Relayed::Cancel(a) => forward::Message::Cancel(self.signer.sign(a, &to.node)),
+            Relayed::Conclude(c) => forward::Message::Conclude(self.signer.sign(c, &to.node)),
+        };
+        self.through(via, to, message, FORWARD_TIMEOUT)
+            .await
+            .map(|r| {
+                r.accepted.unwrap_or(CheckAccepted {
+                    accepted: true,
+                    reason: String::new(),
+                })
+            })
+    }
+}
