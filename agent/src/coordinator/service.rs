@@ -259,3 +259,241 @@ pub fn result_of(state: &runs::RunState) -> RunResult {
             .collect(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::coordinator::agents::{NodeKeys, Tokens};
+    use crate::coordinator::tokens::AgentTokens;
+    use crate::coordinator::transport::GrpcTransport;
+    use crate::peer::coordinator::{Coordinator, MemoryPublisher, WatchFence};
+    use crate::peer::members::{Member, MembersError};
+    use crate::peer::wire::{CoordinatorSigner, Signer};
+    use faultline_core::policy::PeerPolicy;
+    use faultline_proto::auth::{node_key, CoordinatorKey, Key};
+    use tokio::sync::watch;
+
+    const MASTER: &[u8] = b"the coordinator's master, 32 b..";
+    const REQUESTER: &[u8] = b"requester secret, not the agents";
+
+    #[derive(Debug)]
+    struct NoMembers;
+
+    #[async_trait::async_trait]
+    impl crate::peer::members::Members for NoMembers {
+        async fn list(&self) -> Result<Vec<Member>, MembersError> {
+            Ok(Vec::new())
+        }
+    }
+
+    /// Pads test tokens to a usable key length.
+    const PAD: &str = "-0123456789abcdef";
+
+    /// Tokens as the API server would review them: `tok-<node>-0123456789abcdef` is that
+    /// node's agent's.
+    #[derive(Debug)]
+    struct FakeTokens;
+
+    #[async_trait::async_trait]
+    impl AgentTokens for FakeTokens {
+        async fn node_of(&self, token: &str) -> Result<String, TokenRefusal> {
+            token
+                .strip_prefix("tok-")
+                .and_then(|t| t.strip_suffix(PAD))
+                .map(str::to_string)
+                .ok_or_else(|| TokenRefusal::Unauthenticated("invalid bearer token".into()))
+        }
+    }
+
+    /// The coordinator "c0", active, taking reports as `agents` says.
+    fn service(agents: Arc<dyn super::super::agents::Agents>, active: bool) -> CoordinatorService {
+        let coordinator = Arc::new(Coordinator::new(
+            "c0".into(),
+            "10.0.0.9:20262".into(),
+            20270,
+            Arc::new(GrpcTransport::new(CoordinatorSigner {
+                key: Arc::new(CoordinatorKey::generate().unwrap()),
+                sender: "c0".into(),
+            })),
+            Arc::new(MemoryPublisher::default()),
+            Arc::new(WatchFence(watch::channel(active).1)),
+        ));
+        CoordinatorService::new(
+            Leadership::new(
+                coordinator,
+                watch::channel(active).1,
+                Arc::new(NoMembers),
+                watch::channel(PeerPolicy::default()).1,
+            ),
+            Authz {
+                agents,
+                requester: Some(Verifier::new(
+                    Key::new(REQUESTER).unwrap(),
+                    crate::peer::MAX_SKEW,
+                    "c0",
+                )),
+                requesters: None,
+            },
+        )
+    }
+
+    fn report(node: &str) -> CheckReport {
+        CheckReport {
+            protocol: PROTOCOL,
+            run_id: "r1".into(),
+            round: 1,
+            node: node.into(),
+            partner: "n0".into(),
+            passed: false,
+            error: "connection refused".into(),
+            ..Default::default()
+        }
+    }
+
+    fn node_signer(node: &str, as_: &str) -> Signer {
+        Signer {
+            key: node_key(&Key::new(MASTER).unwrap(), node),
+            sender: as_.into(),
+        }
+    }
+
+    /// Issue 28: forged failure reports signed as a healthy node got it named faulty (every
+    /// agent held the key that signed any sender's name). Without Kubernetes a report now
+    /// verifies only under the key derived for the node it names: n2 cannot report for n1,
+    /// neither under its own name (`PERMISSION_DENIED`) nor under n1's (`UNAUTHENTICATED`);
+    /// n1's own is taken.
+    #[tokio::test]
+    async fn without_kubernetes_a_report_is_taken_only_from_its_node() {
+        let svc = service(Arc::new(NodeKeys::new(Key::new(MASTER).unwrap(), "c0")), true);
+        let e = svc
+            .report(Request::new(node_signer("n2", "n2").sign(report("n1"), "c0")))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+        assert!(e.message().contains("n2 cannot report for n1"), "{e:?}");
+        let e = svc
+            .report(Request::new(node_signer("n2", "n1").sign(report("n1"), "c0")))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        // The master itself is the coordinator's; a requester's secret is no node's key.
+        let requester = Signer {
+            key: Key::new(REQUESTER).unwrap(),
+            sender: "n1".into(),
+        };
+        let e = svc
+            .report(Request::new(requester.sign(report("n1"), "c0")))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        svc.report(Request::new(node_signer("n1", "n1").sign(report("n1"), "c0")))
+            .await
+            .unwrap();
+    }
+
+    fn tok(node: &str) -> String {
+        format!("tok-{node}{PAD}")
+    }
+
+    fn with_token(token: &str, msg: CheckReport) -> Request<CheckReport> {
+        let mut r = Request::new(msg);
+        crate::peer::service::bearer(&mut r, token).unwrap();
+        r
+    }
+
+    fn token_signed(token: &str, as_: &str, msg: CheckReport) -> CheckReport {
+        Signer {
+            key: Key::new(token.as_bytes()).unwrap(),
+            sender: as_.into(),
+        }
+        .sign(msg, "c0")
+    }
+
+    /// Issue 28, on Kubernetes: a report carries its agent's service-account token and is
+    /// signed with it; the API server's node for the token must be the node the report names.
+    /// n2's token cannot report for n1 (under either name), a report without a token or signed
+    /// with another token than it carries is refused; n1's own is taken.
+    #[tokio::test]
+    async fn on_kubernetes_a_report_is_taken_only_from_the_node_its_token_names() {
+        let svc = service(Arc::new(Tokens::new(Arc::new(FakeTokens), "c0")), true);
+        let cases = [
+            (
+                with_token(&tok("n2"), token_signed(&tok("n2"), "n2", report("n1"))),
+                tonic::Code::PermissionDenied,
+                "n2 cannot report for n1",
+            ),
+            (
+                with_token(&tok("n2"), token_signed(&tok("n2"), "n1", report("n1"))),
+                tonic::Code::Unauthenticated,
+                "its token is \"n2\"'s agent's",
+            ),
+            (
+                with_token(&tok("n2"), token_signed(&tok("n1"), "n1", report("n1"))),
+                tonic::Code::Unauthenticated,
+                "does not verify",
+            ),
+            (
+                Request::new(token_signed(&tok("n1"), "n1", report("n1"))),
+                tonic::Code::Unauthenticated,
+                "must carry the agent's service-account token",
+            ),
+            (
+                with_token("forged-0123456789", token_signed("forged-0123456789", "n1", report("n1"))),
+                tonic::Code::Unauthenticated,
+                "invalid bearer token",
+            ),
+        ];
+        for (request, code, why) in cases {
+            let e = svc.report(request).await.unwrap_err();
+            assert_eq!(e.code(), code, "{why}: {e:?}");
+            assert!(e.message().contains(why), "{why}: {e:?}");
+        }
+        svc.report(with_token(&tok("n1"), token_signed(&tok("n1"), "n1", report("n1"))))
+            .await
+            .unwrap();
+    }
+
+    fn run_request() -> RunRequest {
+        RunRequest {
+            auth: None,
+            protocol: PROTOCOL,
+            nodes: vec!["n1".into()],
+            timeout_ms: 0,
+            request_id: String::new(),
+        }
+    }
+
+    /// `Run` takes the requesters' secret (or a requester's token on Kubernetes), never an
+    /// agent's key, and only on the active replica.
+    #[tokio::test]
+    async fn runs_are_requested_with_the_requesters_credential_on_the_active_replica() {
+        let agents = || Arc::new(NodeKeys::new(Key::new(MASTER).unwrap(), "c0"));
+        let svc = service(agents(), true);
+        let e = svc
+            .run(Request::new(node_signer("n1", "n1").sign(run_request(), "c0")))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        let requester = Signer {
+            key: Key::new(REQUESTER).unwrap(),
+            sender: "cli@laptop".into(),
+        };
+        // Accepted (fewer than two members known: the run ends at once).
+        svc.run(Request::new(requester.sign(run_request(), "c0")))
+            .await
+            .unwrap();
+        let mut bearer = Request::new(run_request());
+        crate::peer::service::bearer(&mut bearer, "tok").unwrap();
+        let e = svc.run(bearer).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        assert!(e.message().contains("takes no service-account tokens"), "{e:?}");
+        let standby = service(agents(), false);
+        let e = standby
+            .run(Request::new(requester.sign(run_request(), "c0")))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        assert!(e.message().contains("not the active coordinator"), "{e:?}");
+    }
+}

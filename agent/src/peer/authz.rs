@@ -432,15 +432,6 @@ mod tests {
     use super::*;
     use faultline_proto::v1::Member as WireMember;
 
-    fn m(node: &str, ip: &str) -> Member {
-        Member {
-            node: node.into(),
-            address: format!("{ip}:20261"),
-            ip: ip.parse().unwrap(),
-            topology: None,
-        }
-    }
-
     fn assignment() -> CheckAssignment {
         let w = |n: &str, a: &str| WireMember {
             node: n.into(),
@@ -462,89 +453,36 @@ mod tests {
 
     type Edit = fn(&mut CheckAssignment);
 
-    /// Every address must be a current member's: foreign probe, report and member addresses,
-    /// non-members and ports outside the probe range are refused with the reason.
+    /// Probe addresses must be `ip:port` on the probe ports: anything else is refused with the
+    /// reason (the probe binds one and connects to the other).
     #[test]
-    fn addresses_must_belong_to_current_members() {
-        let members = vec![
-            m("n0", "10.0.0.1"),
-            m("n1", "10.0.0.2"),
-            m("n2", "10.0.0.3"),
-        ];
+    fn probe_addresses_are_on_the_probe_ports() {
         let ports = 20270..20302;
         assert_eq!(
-            check_addresses(&assignment(), &members, "n2", ports.clone()),
-            Ok(())
+            check_probes(&assignment(), ports.clone()),
+            Ok(vec![
+                "10.0.0.1:20270".parse().unwrap(),
+                "10.0.0.2:20271".parse().unwrap()
+            ])
         );
         let cases: Vec<(Edit, &str)> = vec![
             (
-                |a| a.probe_b = "10.9.9.9:20270".into(),
-                "not the IP of member n1",
-            ),
-            (
-                |a| a.probe_a = "127.0.0.99:20270".into(),
-                "not the IP of member n0",
-            ),
-            (
                 |a| a.probe_a = "10.0.0.1:10250".into(),
-                "not among the probe ports",
+                "probe_a 10.0.0.1:10250: port not among the probe ports",
+            ),
+            (
+                |a| a.probe_b = "10.0.0.2:20302".into(),
+                "probe_b 10.0.0.2:20302: port not among",
             ),
             (|a| a.probe_a = "nowhere".into(), "not ip:port"),
-            (
-                |a| a.coordinator = "10.9.9.9:20261".into(),
-                "report address",
-            ),
-            (
-                |a| a.coordinator = "10.0.0.1:20261".into(),
-                "report address",
-            ),
-            (
-                |a| a.b.as_mut().unwrap().address = "10.9.9.9:20261".into(),
-                "is not its listed",
-            ),
-            (
-                |a| a.b.as_mut().unwrap().node = "n9".into(),
-                "not a current member",
-            ),
-            (|a| a.a = None, "member a is missing"),
-            (
-                |a| {
-                    a.report_via = Some(WireMember {
-                        node: "n9".into(),
-                        address: "10.0.0.9:20261".into(),
-                        topology: String::new(),
-                    })
-                },
-                "report_via: \"n9\" is not a current member",
-            ),
-            (
-                |a| {
-                    a.report_via = Some(WireMember {
-                        node: "n1".into(),
-                        address: "10.9.9.9:20261".into(),
-                        topology: String::new(),
-                    })
-                },
-                "report_via: \"n1\": address",
-            ),
+            (|a| a.probe_b = String::new(), "probe_b \"\" is not ip:port"),
         ];
         for (edit, why) in cases {
             let mut a = assignment();
             edit(&mut a);
-            let e = check_addresses(&a, &members, "n2", ports.clone()).unwrap_err();
+            let e = check_probes(&a, ports.clone()).unwrap_err();
             assert!(e.contains(why), "{why}: {e}");
         }
-        // A report relay that is a current member at its listed address is fine.
-        let mut a = assignment();
-        a.report_via = Some(WireMember {
-            node: "n1".into(),
-            address: "10.0.0.2:20261".into(),
-            topology: String::new(),
-        });
-        assert_eq!(check_addresses(&a, &members, "n2", ports.clone()), Ok(()));
-        // A coordinator that is not a member cannot name a report address at all.
-        let e = check_addresses(&assignment(), &members, "n7", ports).unwrap_err();
-        assert!(e.contains("not a current member"), "{e}");
     }
 
     /// 4 GiB, unbounded iterations and a 49-day timeout: the first two refused, the deadline
@@ -621,34 +559,6 @@ mod tests {
         assert_eq!(with(12_000, &low), Duration::from_secs(12));
     }
 
-    /// A relay forwards only to a current member at its listed address, never to itself.
-    #[test]
-    fn a_relay_forwards_only_to_current_members() {
-        let members = vec![m("n0", "10.0.0.1"), m("n1", "10.0.0.2")];
-        let w = |n: &str, a: &str| WireMember {
-            node: n.into(),
-            address: a.into(),
-            topology: String::new(),
-        };
-        let to = w("n1", "10.0.0.2:20261");
-        assert_eq!(
-            forward_target(Some(&to), &members, "n0").unwrap().node,
-            "n1"
-        );
-        for (to, why) in [
-            (None, "no member"),
-            (Some(w("n9", "10.0.0.9:20261")), "not a current member"),
-            (Some(w("n1", "10.9.9.9:20261")), "is not its listed"),
-            (
-                Some(w("n0", "10.0.0.1:20261")),
-                "does not forward to itself",
-            ),
-        ] {
-            let e = forward_target(to.as_ref(), &members, "n0").unwrap_err();
-            assert!(e.contains(why), "{why}: {e}");
-        }
-    }
-
     /// The forward rate: a burst of `FORWARD_BURST`, then `FORWARD_RATE` per second.
     #[tokio::test(start_paused = true)]
     async fn forwards_are_rate_limited() {
@@ -662,18 +572,32 @@ mod tests {
         assert_eq!(refilled, (FORWARD_RATE / 2.0) as usize);
     }
 
+    /// The Lease names the active replica as `<name>@<address>#<public key>`; anything else
+    /// names no coordinator (a holder without a key is obeyed by nobody).
     #[test]
     fn holder_identities() {
+        let key = faultline_proto::auth::CoordinatorKey::generate()
+            .unwrap()
+            .public_key();
+        let id = holder_identity("c-0", "10.0.0.1:20262", &key);
         assert_eq!(
-            CoordinatorId::from_holder("n1@10.0.0.1:20261"),
+            CoordinatorId::from_holder(&id),
             Some(CoordinatorId {
-                node: "n1".into(),
-                address: Some("10.0.0.1:20261".into())
+                node: "c-0".into(),
+                address: Some("10.0.0.1:20262".into()),
+                key,
             })
         );
-        assert_eq!(CoordinatorId::from_holder("n1").unwrap().address, None);
-        assert_eq!(CoordinatorId::from_holder("@10.0.0.1:1"), None);
-        assert_eq!(CoordinatorId::from_holder(""), None);
+        for bad in [
+            "c-0@10.0.0.1:20262".to_string(),
+            format!("c-0#{key}"),
+            format!("@10.0.0.1:1#{key}"),
+            format!("c-0@#{key}"),
+            "c-0@10.0.0.1:20262#not-a-key".into(),
+            String::new(),
+        ] {
+            assert_eq!(CoordinatorId::from_holder(&bad), None, "{bad}");
+        }
     }
 
     /// TokenReview and SubjectAccessReview against the API emulator: a token projected for

@@ -179,10 +179,6 @@ impl RunState {
 #[async_trait::async_trait]
 pub trait Transport: Send + Sync + std::fmt::Debug {
     async fn ping(&self, to: &Member) -> Result<PingReply, String>;
-    /// A ping that asks nothing of the accelerators (the election's, every few seconds).
-    async fn alive(&self, to: &Member) -> Result<PingReply, String> {
-        self.ping(to).await
-    }
     /// Asks `via` to ping `targets` (members the coordinator cannot reach): whether each
     /// answered it.
     async fn reach(

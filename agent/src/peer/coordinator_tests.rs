@@ -105,8 +105,6 @@ impl Transport for Fake {
             protocol: PROTOCOL,
             busy: self.scenario.busy.contains(&to.node),
             reason: "a job runs".into(),
-            reached: vec![],
-            coordinator: String::new(),
         })
     }
 
@@ -499,7 +497,7 @@ async fn a_slow_link_is_a_degraded_link() {
         assert!((2.3..=2.7).contains(&ratio), "{ratio}");
         assert_eq!(s.rounds.len(), 3);
         // `faultline check` gets it back from the published run with its slowdown.
-        let r = crate::peer::service::result_of(&s);
+        let r = crate::coordinator::service::result_of(&s);
         assert_eq!(
             r.verdicts[0].kind(),
             faultline_proto::v1::verdict::Kind::DegradedLink

@@ -818,3 +818,793 @@ where
         Err(_) => Err(format!("no answer within {timeout:?}")),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use faultline_proto::auth::{node_key, CoordinatorKey, Key, NONCE_BYTES};
+    use faultline_proto::v1::coordinator_server::Coordinator as CoordinatorRpc;
+    use faultline_proto::v1::{Member as WireMember, RunRequest, RunResult};
+
+    use crate::peer::wire::{CoordinatorSigner, Signer};
+
+    const MASTER: &[u8] = b"the coordinator's master, 32 b..";
+    const REQUESTER: &[u8] = b"requester secret, not the agents";
+
+    /// The coordinator "c0": its key, and its signer.
+    fn coordinator() -> CoordinatorSigner {
+        CoordinatorSigner {
+            key: Arc::new(CoordinatorKey::generate().unwrap()),
+            sender: "c0".into(),
+        }
+    }
+
+    fn known(c: &CoordinatorSigner) -> watch::Receiver<Option<CoordinatorId>> {
+        watch::channel(Some(CoordinatorId {
+            node: c.sender.clone(),
+            address: Some("10.0.0.9:20262".into()),
+            key: c.key.public_key(),
+        }))
+        .1
+    }
+
+    /// What a member holds: its node's own key (bare metal) and the requesters' secret.
+    fn node_signer(node: &str) -> Signer {
+        Signer {
+            key: node_key(&Key::new(MASTER).unwrap(), node),
+            sender: node.into(),
+        }
+    }
+
+    /// The service of `me` in the net `<net>.*`, obeying `who`, running `probe`.
+    fn service_on(
+        me: &str,
+        who: Arc<dyn WhoCoordinates>,
+        probe: PathBuf,
+        metrics: Arc<crate::metrics::Metrics>,
+    ) -> (PeerHandle, mpsc::Receiver<Input>) {
+        let (tx, rx) = mpsc::channel(8);
+        let svc = PeerService::new(ServiceSetup {
+            node: me.into(),
+            coordinator: who,
+            credential: NodeCredential::Key(node_key(&Key::new(MASTER).unwrap(), me)),
+            probe: ProbeSetup {
+                bin: probe,
+                gpu: false,
+            },
+            busy: Arc::new(NeverBusy),
+            inputs: tx,
+            policy: watch::channel(PeerPolicy::default()).1,
+            probe_ports: 20270..20302,
+            metrics,
+        });
+        (PeerHandle(Arc::new(svc)), rx)
+    }
+
+    /// n1, obeying `c`.
+    fn service(c: &CoordinatorSigner) -> (PeerHandle, mpsc::Receiver<Input>) {
+        service_on(
+            "n1",
+            Arc::new(known(c)),
+            "/nonexistent/faultline-probe".into(),
+            Arc::new(crate::metrics::Metrics::new()),
+        )
+    }
+
+    fn assignment() -> CheckAssignment {
+        let m = |n: &str, a: &str| WireMember {
+            node: n.into(),
+            address: a.into(),
+            topology: String::new(),
+        };
+        CheckAssignment {
+            auth: None,
+            protocol: PROTOCOL,
+            run_id: "r1".into(),
+            round: 1,
+            a: Some(m("n0", "10.0.0.1:20261")),
+            b: Some(m("n1", "10.0.0.2:20261")),
+            probe_a: "10.0.0.1:20270".into(),
+            probe_b: "10.0.0.2:20270".into(),
+            bytes: 1 << 20,
+            iterations: 1,
+            timeout_ms: 1000,
+            gemm: false,
+            coordinator: "10.0.0.9:20262".into(),
+            report_via: None,
+        }
+    }
+
+    fn conclusion(faulty: &str) -> RunConclusion {
+        RunConclusion {
+            auth: None,
+            protocol: PROTOCOL,
+            run_id: "r1".into(),
+            members: vec!["n0".into(), "n1".into(), "n2".into()],
+            verdicts: vec![faultline_proto::v1::Verdict {
+                kind: faultline_proto::v1::verdict::Kind::FaultyNode as i32,
+                nodes: vec![faulty.into()],
+                slowdown: 0.0,
+                reason: String::new(),
+            }],
+        }
+    }
+
+    type Edit = Box<dyn Fn(&mut CheckAssignment)>;
+
+    /// How many observations reached the engine since the last look.
+    fn recorded(inputs: &mut mpsc::Receiver<Input>) -> usize {
+        std::iter::from_fn(|| inputs.try_recv().ok()).count()
+    }
+
+    /// Issue 26 §2 (`faultline_peer_checks_total{result}`): every check this agent is assigned
+    /// counts once, by how it ended here: its probe passed, failed, ran out of time or could not
+    /// start, the coordinator cancelled it, or the agent refused the assignment. The members
+    /// are on loopback, the probe is a script.
+    #[tokio::test]
+    async fn each_assigned_check_counts_by_its_result() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let script = |name: &str, body: &str| -> PathBuf {
+            let p = dir.path().join(name);
+            std::fs::write(&p, format!("#!/bin/sh\n{body}\n")).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+            p
+        };
+        let report = r#"{"world":2,"rank":1,"median_seconds":0.001,"busbw_gbps":1.0}"#;
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let count = |result: &str| -> u64 {
+            let line = format!("faultline_peer_checks_total{{result=\"{result}\"}} ");
+            metrics
+                .encode()
+                .lines()
+                .find_map(|l| l.strip_prefix(line.as_str())?.parse().ok())
+                .unwrap_or(0)
+        };
+        let on_loopback = |m: &mut CheckAssignment| {
+            for a in [&mut m.probe_a, &mut m.probe_b, &mut m.coordinator] {
+                *a = a.replace("10.0.0.", "127.0.0.");
+            }
+        };
+        let c = coordinator();
+        let service = |probe: PathBuf| {
+            let (svc, inputs) = service_on("n1", Arc::new(known(&c)), probe, metrics.clone());
+            std::mem::forget(inputs);
+            svc
+        };
+        let cases = [
+            (script("pass", &format!("echo '{report}'")), "passed"),
+            (script("fail", "echo broken >&2; exit 1"), "failed"),
+            (script("slow", "echo too slow >&2; exit 3"), "timeout"),
+            (dir.path().join("missing"), "cannot_run"),
+        ];
+        for (i, (probe, result)) in cases.into_iter().enumerate() {
+            let svc = service(probe);
+            let mut a = assignment();
+            on_loopback(&mut a);
+            a.run_id = format!("r{i}");
+            let r = svc.assign(Request::new(c.sign(a, "n1"))).await.unwrap();
+            assert!(r.get_ref().accepted, "{result}: {r:?}");
+            let counted = tokio::time::timeout(Duration::from_secs(20), async {
+                while count(result) == 0 {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+            .await;
+            assert!(
+                counted.is_ok(),
+                "{result} not counted: {}",
+                metrics.encode()
+            );
+        }
+
+        let svc = service(script("hang", "exec sleep 60"));
+        let mut a = assignment();
+        on_loopback(&mut a);
+        let r = svc
+            .assign(Request::new(c.sign(a.clone(), "n1")))
+            .await
+            .unwrap();
+        assert!(r.get_ref().accepted, "{r:?}");
+        let r = svc
+            .cancel(Request::new(c.sign(a.clone(), "n1")))
+            .await
+            .unwrap();
+        assert!(r.get_ref().accepted, "{r:?}");
+        let counted = tokio::time::timeout(Duration::from_secs(20), async {
+            while count("cancelled") == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
+        assert!(counted.is_ok(), "cancelled not counted");
+
+        a.probe_b = "127.0.0.2:9".into();
+        let r = svc.assign(Request::new(c.sign(a, "n1"))).await.unwrap();
+        assert!(!r.get_ref().accepted, "{r:?}");
+        for result in [
+            "passed",
+            "failed",
+            "timeout",
+            "cannot_run",
+            "cancelled",
+            "refused",
+        ] {
+            assert_eq!(count(result), 1, "{result}: {}", metrics.encode());
+        }
+    }
+
+    /// Bad assignments from the coordinator are refused with the reason and start nothing;
+    /// another protocol version and a conclusion naming a non-member are refused as a whole.
+    #[tokio::test]
+    async fn bad_requests_get_clear_refusals() {
+        let c = coordinator();
+        let (svc, mut inputs) = service(&c);
+        let cases: Vec<(Edit, &str)> = vec![
+            (
+                Box::new(|a| a.b.as_mut().unwrap().node = "n9".into()),
+                "not a member",
+            ),
+            (Box::new(|a| a.probe_b = "nowhere".into()), "not ip:port"),
+            (
+                Box::new(|a| a.probe_b = "10.0.0.2:10250".into()),
+                "not among the probe ports",
+            ),
+            (
+                Box::new(|a| a.coordinator = "x".into()),
+                "coordinator address",
+            ),
+            (Box::new(|a| a.bytes = 0), "bytes, iterations and timeout"),
+            (Box::new(|a| a.bytes = 8 << 30), "over this agent's limit"),
+            (
+                Box::new(|a| a.iterations = u32::MAX),
+                "iterations 4294967295 over",
+            ),
+        ];
+        for (edit, why) in cases {
+            let mut a = assignment();
+            edit(&mut a);
+            let r = svc
+                .assign(Request::new(c.sign(a, "n1")))
+                .await
+                .unwrap()
+                .into_inner();
+            assert!(!r.accepted && r.reason.contains(why), "{why}: {r:?}");
+        }
+        assert!(svc.running.lock().unwrap().is_empty(), "nothing started");
+        let mut a = assignment();
+        a.protocol = PROTOCOL + 1;
+        let s = svc
+            .assign(Request::new(c.sign(a, "n1")))
+            .await
+            .unwrap_err();
+        assert_eq!(s.code(), tonic::Code::FailedPrecondition);
+        let mut bad = conclusion("zz");
+        bad.members.truncate(2);
+        let s = svc
+            .conclude(Request::new(c.sign(bad, "n1")))
+            .await
+            .unwrap_err();
+        assert_eq!(s.code(), tonic::Code::InvalidArgument);
+        assert!(inputs.try_recv().is_err(), "nothing recorded");
+    }
+
+    /// Issue 28: any member could act as the coordinator (the sender was a name it wrote,
+    /// signed with the key every agent held). A member now holds its own node's key, a
+    /// requester's secret and an Ed25519 key of its own making, and signs the coordinator's
+    /// messages with each, under the coordinator's name: `Conclude` (which made a healthy node
+    /// Degraded), `Assign` (four filled the node's check slots so that the real checks were
+    /// refused), `Cancel` and `Ping`. Every one is refused (`UNAUTHENTICATED`), nothing is
+    /// recorded or started, and the coordinator's own assignment then finds the slots free.
+    #[tokio::test]
+    async fn a_member_with_every_agent_credential_cannot_speak_as_the_coordinator() {
+        let c = coordinator();
+        let (svc, mut inputs) = service(&c);
+        let own_key = node_signer("n2");
+        let as_coordinator = |key: &Key| Signer {
+            key: key.clone(),
+            sender: "c0".into(),
+        };
+        let forged_ed25519 = CoordinatorSigner {
+            key: Arc::new(CoordinatorKey::generate().unwrap()),
+            sender: "c0".into(),
+        };
+        let hmac_forgers = [
+            as_coordinator(&own_key.key),
+            as_coordinator(&Key::new(REQUESTER).unwrap()),
+            as_coordinator(&Key::new(MASTER).unwrap()),
+        ];
+        let mut refused = 0;
+        for f in &hmac_forgers {
+            let e = svc
+                .conclude(Request::new(f.sign(conclusion("n1"), "n1")))
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+            assert!(e.message().contains("not the coordinator's"), "{e:?}");
+            for i in 0..4 {
+                let mut a = assignment();
+                a.run_id = format!("spoof{i}");
+                let e = svc.assign(Request::new(f.sign(a, "n1"))).await.unwrap_err();
+                assert_eq!(e.code(), tonic::Code::Unauthenticated);
+            }
+            let e = svc
+                .cancel(Request::new(f.sign(assignment(), "n1")))
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), tonic::Code::Unauthenticated);
+            let ping = PingRequest {
+                auth: None,
+                protocol: PROTOCOL,
+            };
+            let e = svc.ping(Request::new(f.sign(ping, "n1"))).await.unwrap_err();
+            assert_eq!(e.code(), tonic::Code::Unauthenticated);
+            refused += 1;
+        }
+        let e = svc
+            .conclude(Request::new(forged_ed25519.sign(conclusion("n1"), "n1")))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        assert!(
+            e.message().contains("does not verify with the coordinator's"),
+            "{e:?}"
+        );
+        assert_eq!(refused, hmac_forgers.len());
+        assert!(inputs.try_recv().is_err(), "nothing recorded");
+        assert!(svc.running.lock().unwrap().is_empty(), "no slot taken");
+        // The coordinator's own: taken.
+        svc.conclude(Request::new(c.sign(conclusion("n1"), "n1")))
+            .await
+            .unwrap();
+        assert!(inputs.try_recv().is_ok(), "the verdict is recorded");
+        let r = svc
+            .assign(Request::new(c.sign(assignment(), "n1")))
+            .await
+            .unwrap();
+        assert!(r.get_ref().accepted, "{r:?}");
+    }
+
+    /// Issue 28: the Lease moves to another replica (its key in the holder identity): the new
+    /// one is obeyed at once (the agent reads the holder again when a signature does not
+    /// verify), the old one, frozen and woken, is refused; with no holder nobody is obeyed.
+    #[tokio::test]
+    async fn only_the_lease_holders_key_is_obeyed() {
+        let (old, new) = (coordinator(), coordinator());
+        let (tx, rx) = watch::channel(known(&old).borrow().clone());
+        let (svc, mut inputs) = service_on(
+            "n1",
+            Arc::new(rx),
+            "/nonexistent/faultline-probe".into(),
+            Arc::new(crate::metrics::Metrics::new()),
+        );
+        svc.conclude(Request::new(old.sign(conclusion("n1"), "n1")))
+            .await
+            .unwrap();
+        assert!(recorded(&mut inputs) > 0);
+        tx.send_replace(known(&new).borrow().clone());
+        svc.conclude(Request::new(new.sign(conclusion("n1"), "n1")))
+            .await
+            .unwrap();
+        assert!(recorded(&mut inputs) > 0, "the new holder is obeyed");
+        let e = svc
+            .conclude(Request::new(old.sign(conclusion("n1"), "n1")))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        assert_eq!(recorded(&mut inputs), 0, "the old one is not");
+        tx.send_replace(None);
+        let e = svc
+            .conclude(Request::new(new.sign(conclusion("n1"), "n1")))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+        assert!(e.message().contains("no coordinator"), "{e:?}");
+    }
+
+    /// Issue 28: a Conclude the coordinator signed for one agent, replayed verbatim to a
+    /// second, was accepted (each agent keeps its own nonces). Requests name their receiver:
+    /// n1 takes the conclusion, n2 refuses the same bytes (`UNAUTHENTICATED`, "addressed to")
+    /// and records nothing; an assignment signed for another node is refused likewise.
+    #[tokio::test]
+    async fn a_request_signed_for_one_agent_is_refused_by_another() {
+        let c = coordinator();
+        let metrics = Arc::new(crate::metrics::Metrics::new());
+        let serve = |me: &str| {
+            let probe = "/nonexistent/faultline-probe".into();
+            service_on(me, Arc::new(known(&c)), probe, metrics.clone())
+        };
+        let (n1, _n1_inputs) = serve("n1");
+        let (n2, mut n2_inputs) = serve("n2");
+        let msg = c.sign(conclusion("n2"), "n1");
+        n1.conclude(Request::new(msg.clone())).await.unwrap();
+        let e = n2.conclude(Request::new(msg)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        assert!(
+            e.message()
+                .contains("addressed to \"n1\", not to this receiver (\"n2\")"),
+            "{}",
+            e.message()
+        );
+        assert!(n2_inputs.try_recv().is_err(), "n2 recorded nothing");
+        let mut a = assignment();
+        a.a.as_mut().unwrap().node = "n2".into();
+        let e = n2
+            .assign(Request::new(c.sign(a, "n1")))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        assert!(n2.running.lock().unwrap().is_empty(), "nothing started");
+    }
+
+    /// Issue 28: a Conclude signed 25 s ahead of the agent's clock was accepted (30 s either
+    /// way). Now refused (`UNAUTHENTICATED`, "ahead") and nothing is recorded; one signed
+    /// 0.5 s ahead (within `auth::MAX_AHEAD`) is taken.
+    #[tokio::test]
+    async fn a_request_signed_in_the_future_is_refused() {
+        let c = coordinator();
+        let (svc, mut inputs) = service(&c);
+        let ahead = |ms: i64, nonce: u8| {
+            let mut m = conclusion("n1");
+            c.key
+                .sign(&mut m, "c0", "n1", wire::now_ms() + ms, [nonce; NONCE_BYTES]);
+            m
+        };
+        let e = svc
+            .conclude(Request::new(ahead(25_000, 1)))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        assert!(
+            e.message().contains("ms ahead of this node's clock"),
+            "{}",
+            e.message()
+        );
+        assert!(inputs.try_recv().is_err(), "nothing recorded");
+        svc.conclude(Request::new(ahead(500, 2))).await.unwrap();
+        assert!(inputs.try_recv().is_ok(), "the verdict is recorded");
+    }
+
+    fn envelope(
+        by: &CoordinatorSigner,
+        relay: &str,
+        to: Option<WireMember>,
+        m: forward::Message,
+    ) -> Forward {
+        by.sign(
+            Forward {
+                auth: None,
+                protocol: PROTOCOL,
+                to,
+                token: String::new(),
+                message: Some(m),
+            },
+            relay,
+        )
+    }
+
+    fn wire(node: &str, address: &str) -> Option<WireMember> {
+        Some(WireMember {
+            node: node.into(),
+            address: address.into(),
+            topology: String::new(),
+        })
+    }
+
+    /// The relay's bounds (`Forward`): the coordinator's messages only in an envelope the
+    /// coordinator signed for this relay, never to itself; a report only to the coordinator's
+    /// address as the coordinator named it (none known yet: refused); too large a message and
+    /// too many forwards are refused. Nothing here reaches the network. On the paused clock, so
+    /// the rate does not refill.
+    #[tokio::test(start_paused = true)]
+    async fn a_relay_forwards_only_within_its_bounds() {
+        let c = coordinator();
+        let (svc, _inputs) = service(&c);
+        let n2 = node_signer("n2");
+        let forger = CoordinatorSigner {
+            key: Arc::new(CoordinatorKey::generate().unwrap()),
+            sender: "c0".into(),
+        };
+        let assign = |to: &str| forward::Message::Assign(c.sign(assignment(), to));
+        let report = forward::Message::Report(n2.sign(
+            CheckReport {
+                protocol: PROTOCOL,
+                node: "n2".into(),
+                ..Default::default()
+            },
+            "c0",
+        ));
+        let cases: Vec<(Forward, tonic::Code, &str)> = vec![
+            (
+                envelope(&forger, "n1", wire("n2", "10.0.0.3:20261"), assign("n2")),
+                tonic::Code::Unauthenticated,
+                "not the coordinator's",
+            ),
+            (
+                envelope(&c, "n2", wire("n2", "10.0.0.3:20261"), assign("n2")),
+                tonic::Code::Unauthenticated,
+                "addressed to \"n2\"",
+            ),
+            (
+                envelope(&c, "n1", wire("n1", "10.0.0.2:20261"), assign("n1")),
+                tonic::Code::InvalidArgument,
+                "does not forward to itself",
+            ),
+            (
+                envelope(&c, "n1", None, assign("n2")),
+                tonic::Code::InvalidArgument,
+                "no member to forward to",
+            ),
+            (
+                envelope(&c, "n1", wire("n2", "10.0.0.3:20261"), {
+                    let mut a = assignment();
+                    a.run_id = "x".repeat(authz::MAX_FORWARDED_BYTES);
+                    forward::Message::Assign(c.sign(a, "n2"))
+                }),
+                tonic::Code::InvalidArgument,
+                "bytes to forward",
+            ),
+            (
+                Forward {
+                    auth: None,
+                    protocol: PROTOCOL,
+                    to: None,
+                    token: String::new(),
+                    message: Some(report.clone()),
+                },
+                tonic::Code::Unavailable,
+                "has had no message from the coordinator",
+            ),
+        ];
+        for (f, code, why) in cases {
+            let e = svc.forward(Request::new(f)).await.unwrap_err();
+            assert_eq!(e.code(), code, "{why}: {e:?}");
+            assert!(e.message().contains(why), "{why}: {e:?}");
+        }
+        // The rate: a burst, then refused (each of these is refused after its token is taken).
+        let spend = || {
+            let f = envelope(&c, "n1", wire("n1", "10.0.0.2:20261"), assign("n1"));
+            let svc = svc.clone();
+            async move { svc.forward(Request::new(f)).await.unwrap_err().code() }
+        };
+        let mut codes = Vec::new();
+        for _ in 0..authz::FORWARD_BURST as usize {
+            codes.push(spend().await);
+        }
+        assert!(codes
+            .iter()
+            .all(|c| *c == tonic::Code::InvalidArgument || *c == tonic::Code::ResourceExhausted));
+        assert_eq!(spend().await, tonic::Code::ResourceExhausted);
+    }
+
+    /// A far agent (n2) and a coordinator (c0) on loopback that verify and record what reaches
+    /// them: what a relay passes on must verify as its original signer's.
+    #[derive(Clone)]
+    struct Far {
+        me: String,
+        coordinator: CoordinatorPublicKey,
+        got: Arc<Mutex<Vec<String>>>,
+    }
+
+    impl Far {
+        /// Verifies `m` as signed with `key` for `to`, and records it.
+        fn note<M: Signed>(
+            &self,
+            what: &str,
+            m: &M,
+            key: faultline_proto::auth::VerifyKey,
+            to: &str,
+        ) -> Result<(), Status> {
+            let sender = Verifier::new(key, Duration::from_secs(30), to)
+                .verify(m, wire::now_ms())
+                .map_err(|e| Status::unauthenticated(e.to_string()))?;
+            self.got
+                .lock()
+                .unwrap()
+                .push(format!("{what} from {sender}"));
+            Ok(())
+        }
+
+        fn from_coordinator<M: Signed>(&self, what: &str, m: &M) -> Result<(), Status> {
+            self.note(what, m, self.coordinator.into(), &self.me)
+        }
+
+        async fn serve(&self, at: &str) {
+            let listener = tokio::net::TcpListener::bind(at).await.unwrap();
+            let incoming = crate::listen::incoming(
+                listener,
+                crate::listen::PEER_LIMITS,
+                Arc::new(crate::metrics::Metrics::new()),
+                "peer",
+            );
+            let server = tonic::transport::Server::builder()
+                .add_service(
+                    faultline_proto::v1::peer_check_server::PeerCheckServer::new(self.clone()),
+                )
+                .add_service(
+                    faultline_proto::v1::coordinator_server::CoordinatorServer::new(self.clone()),
+                )
+                .serve_with_incoming(incoming);
+            tokio::spawn(server);
+        }
+    }
+
+    #[tonic::async_trait]
+    impl PeerCheck for Far {
+        async fn ping(&self, r: Request<PingRequest>) -> Result<Response<PingReply>, Status> {
+            self.from_coordinator("ping", r.get_ref())?;
+            Ok(Response::new(PingReply {
+                node: self.me.clone(),
+                protocol: PROTOCOL,
+                ..Default::default()
+            }))
+        }
+        async fn assign(
+            &self,
+            r: Request<CheckAssignment>,
+        ) -> Result<Response<CheckAccepted>, Status> {
+            self.from_coordinator("assign", r.get_ref())?;
+            Ok(Response::new(CheckAccepted {
+                accepted: true,
+                reason: "n2 took it".into(),
+            }))
+        }
+        async fn cancel(
+            &self,
+            _: Request<CheckAssignment>,
+        ) -> Result<Response<CheckAccepted>, Status> {
+            Err(Status::unimplemented("not used"))
+        }
+        async fn conclude(&self, r: Request<RunConclusion>) -> Result<Response<ReportAck>, Status> {
+            self.from_coordinator("conclude", r.get_ref())?;
+            Ok(Response::new(ReportAck {}))
+        }
+        async fn forward(&self, r: Request<Forward>) -> Result<Response<ForwardReply>, Status> {
+            if let Some(forward::Message::Report(rep)) = &r.get_ref().message {
+                let key = node_key(&Key::new(MASTER).unwrap(), &rep.node);
+                // For the coordinator: this relay only passes it on.
+                self.note("forwarded report", rep, VerifyKey(key).into(), "c0")?;
+            }
+            Ok(Response::new(ForwardReply::default()))
+        }
+    }
+
+    /// `VerifyKey::Hmac` by another name, for `Far::note`.
+    struct VerifyKey(Key);
+
+    impl From<VerifyKey> for faultline_proto::auth::VerifyKey {
+        fn from(k: VerifyKey) -> Self {
+            faultline_proto::auth::VerifyKey::Hmac(k.0)
+        }
+    }
+
+    #[tonic::async_trait]
+    impl CoordinatorRpc for Far {
+        async fn report(&self, r: Request<CheckReport>) -> Result<Response<ReportAck>, Status> {
+            let key = node_key(&Key::new(MASTER).unwrap(), &r.get_ref().node);
+            self.note("report", r.get_ref(), VerifyKey(key).into(), &self.me)?;
+            Ok(Response::new(ReportAck {}))
+        }
+        async fn run(&self, _: Request<RunRequest>) -> Result<Response<RunResult>, Status> {
+            Err(Status::unimplemented("not used"))
+        }
+    }
+
+    /// Over real gRPC on loopback (the coordinator at 127.0.28.9:20262, n2 at 127.0.28.3): the
+    /// relay n1 passes the coordinator's ping, assignment and conclusion on to n2, and n2's
+    /// report on to the coordinator at the address the coordinator's assignment named,
+    /// verbatim (each verifies as its signer's at its receiver), and returns n2's answer; a
+    /// member whose assignment names a relay sends its report inside a `Forward` to it.
+    #[tokio::test]
+    async fn a_relay_passes_messages_on_verbatim() {
+        let c = coordinator();
+        let far = |me: &str| Far {
+            me: me.into(),
+            coordinator: c.key.public_key(),
+            got: Arc::default(),
+        };
+        let (coordinator_at, n2_at) = (far("c0"), far("n2"));
+        coordinator_at.serve("127.0.28.9:20262").await;
+        n2_at.serve("127.0.28.3:20261").await;
+        let (relay, _inputs) = service(&c);
+        let to_n2 = wire("n2", "127.0.28.3:20261");
+        let r = relay
+            .forward(Request::new(envelope(
+                &c,
+                "n1",
+                to_n2.clone(),
+                forward::Message::Ping(c.sign(
+                    PingRequest {
+                        auth: None,
+                        protocol: PROTOCOL,
+                    },
+                    "n2",
+                )),
+            )))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.ping.unwrap().node, "n2");
+        let r = relay
+            .forward(Request::new(envelope(
+                &c,
+                "n1",
+                to_n2.clone(),
+                forward::Message::Assign(c.sign(assignment(), "n2")),
+            )))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(r.accepted.unwrap().reason, "n2 took it");
+        relay
+            .forward(Request::new(envelope(
+                &c,
+                "n1",
+                to_n2,
+                forward::Message::Conclude(c.sign(conclusion("n2"), "n2")),
+            )))
+            .await
+            .unwrap();
+        // The relay learns where the coordinator takes reports from its own assignment.
+        let mut own = assignment();
+        own.coordinator = "127.0.28.9:20262".into();
+        own.probe_a = "127.0.0.1:20270".into();
+        own.probe_b = "127.0.0.1:20271".into();
+        assert!(
+            relay
+                .assign(Request::new(c.sign(own, "n1")))
+                .await
+                .unwrap()
+                .get_ref()
+                .accepted
+        );
+        let report = CheckReport {
+            protocol: PROTOCOL,
+            run_id: "r1".into(),
+            node: "n2".into(),
+            partner: "n0".into(),
+            passed: true,
+            ..Default::default()
+        };
+        relay
+            .forward(Request::new(Forward {
+                auth: None,
+                protocol: PROTOCOL,
+                to: None,
+                token: String::new(),
+                message: Some(forward::Message::Report(
+                    node_signer("n2").sign(report.clone(), "c0"),
+                )),
+            }))
+            .await
+            .unwrap();
+        assert_eq!(
+            n2_at.got.lock().unwrap().clone(),
+            vec!["ping from c0", "assign from c0", "conclude from c0"]
+        );
+        let got = coordinator_at.got.lock().unwrap().clone();
+        assert!(got.contains(&"report from n2".to_string()), "{got:?}");
+        // The relay's own reports go through the relay its assignment names, signed with its
+        // own node's key.
+        let via = WireMember {
+            node: "n2".into(),
+            address: "127.0.28.3:20261".into(),
+            topology: String::new(),
+        };
+        relay
+            .send_report_via(
+                &via,
+                "c0",
+                CheckReport {
+                    node: "n1".into(),
+                    ..report
+                },
+            )
+            .await;
+        assert_eq!(
+            n2_at.got.lock().unwrap()[3..].to_vec(),
+            vec!["forwarded report from n1"]
+        );
+    }
+}
