@@ -191,16 +191,13 @@ enum Command {
         /// Deadline of each check (default: the coordinator's policy, `peer.check_timeout`).
         #[arg(long, value_parser = humantime::parse_duration)]
         check_timeout: Option<Duration>,
-        /// The coordinator's peer-check address (ip:port). Default: the Lease holder's.
+        /// The coordinator's address (host:port: in a cluster its Service,
+        /// `faultline-coordinator.faultline-system:20262`, which sends requests to the active
+        /// replica). Default on Kubernetes: the Lease holder's. Required without Kubernetes.
         #[arg(long, env = "FAULTLINE_COORDINATOR")]
         coordinator: Option<String>,
-        /// Without Kubernetes: the agents' members file (`node ip:port [topology]`). The
-        /// members are asked in the file's order until the one that coordinates answers, so
-        /// the request follows a failover (docs/peer-checks.md).
-        #[arg(long, env = "FAULTLINE_PEER_MEMBERS", conflicts_with = "coordinator")]
-        members: Option<PathBuf>,
-        /// The requesters' peer-check secret (the agents' `--peer-requester-secret-file`): it
-        /// requests runs and nothing else. The agents' own secret is accepted too.
+        /// The requesters' peer-check secret (the coordinator's `--requester-secret-file`): it
+        /// requests runs and nothing else.
         #[arg(
             long,
             env = "FAULTLINE_PEER_REQUESTER_SECRET_FILE",
@@ -393,7 +390,6 @@ pub(crate) fn main() -> std::process::ExitCode {
             timeout,
             check_timeout,
             coordinator,
-            members,
             secret_file,
             token_file,
             kubeconfig,
@@ -406,7 +402,6 @@ pub(crate) fn main() -> std::process::ExitCode {
                 timeout,
                 check_timeout,
                 coordinator,
-                members,
                 secret_file,
                 token_file,
                 kubeconfig,

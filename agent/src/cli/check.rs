@@ -16,11 +16,8 @@ pub struct CheckArgs {
     pub timeout: Duration,
     /// Per-check deadline to ask for (0: the coordinator's policy).
     pub check_timeout: Option<Duration>,
-    /// The coordinator's peer-service address; else the Lease holder's.
+    /// The coordinator's address (its Service in a cluster); else the Lease holder's.
     pub coordinator: Option<String>,
-    /// Bare metal: the members file; its members are asked in order until the coordinator
-    /// answers.
-    pub members: Option<PathBuf>,
     pub secret_file: PathBuf,
     /// A projected service-account token to send instead of signing (Kubernetes).
     pub token_file: Option<PathBuf>,
@@ -199,7 +196,8 @@ async fn lease_moved(client: kube::Client, namespace: &str, address: &str) -> St
     loop {
         tokio::time::sleep(LEASE_POLL).await;
         if let Ok(Some(id)) = crate::peer::lease::holder(client.clone(), namespace).await {
-            if crate::peer::lease::address_of(&id) != Some(address) {
+            let now = crate::peer::authz::CoordinatorId::from_holder(&id).and_then(|c| c.address);
+            if now.as_deref() != Some(address) {
                 return id;
             }
         }
@@ -236,11 +234,6 @@ pub async fn check(args: CheckArgs) -> Outcome {
     // the run under it, and answers a retry with that run instead of starting another.
     let request_id = format!("{:016x}", crate::peer::wire::random_u64());
     let mut last_error = String::from("no attempt made");
-    // Members-file mode: the member asked next (advanced past each one that is not the
-    // coordinator or does not answer).
-    let mut next_member = 0usize;
-    // How many members the file listed when it was last read (each attempt reads it).
-    let mut in_file = 1usize;
     let mut client_kube = None;
     let mut args = args;
     if let Some((ns, selector)) = args.pods.clone() {
@@ -268,39 +261,15 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 humantime::format_duration(args.timeout)
             ));
         }
-        // Where to ask, and the receiver to sign the request for: the coordinator's node name
-        // when it is known (members file, Lease holder), so no other agent would take the
-        // request; with only an address, the coordinator role (`auth::COORDINATOR_ROLE`).
-        let address = match (&args.coordinator, &args.members) {
-            (Some(a), _) => Ok((
+        // Where to ask, and the receiver to sign the request for: the coordinator's name when
+        // it is known (the Lease holder), so nothing else would take the request; with only an
+        // address (its Service), the coordinator role (`auth::COORDINATOR_ROLE`).
+        let address = match &args.coordinator {
+            Some(a) => Ok((
                 a.clone(),
                 faultline_proto::auth::COORDINATOR_ROLE.to_string(),
             )),
-            (None, Some(file)) => match std::fs::read_to_string(file) {
-                Ok(text) => {
-                    match crate::peer::members::parse_members(&file.display().to_string(), &text) {
-                        Ok(list) if !list.is_empty() => {
-                            in_file = list.len();
-                            let m = &list[next_member % list.len()];
-                            Ok((m.address.clone(), m.node.clone()))
-                        }
-                        Ok(_) => {
-                            return Outcome::error(format!(
-                                "error: the members file {} lists no member",
-                                file.display()
-                            ))
-                        }
-                        Err(e) => return Outcome::error(format!("error: {e}")),
-                    }
-                }
-                Err(e) => {
-                    return Outcome::error(format!(
-                        "error: cannot read the members file {}: {e}",
-                        file.display()
-                    ))
-                }
-            },
-            (None, None) => {
+            None => {
                 if client_kube.is_none() {
                     match crate::kube_client::client_infer(args.kubeconfig.as_deref()).await {
                         Ok(c) => client_kube = Some(c),
@@ -316,7 +285,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
                         Ok(Some(id)) => crate::peer::authz::CoordinatorId::from_holder(&id)
                             .and_then(|c| Some((c.address?, c.node)))
                             .ok_or_else(|| format!("Lease holder {id:?} names no address")),
-                        Ok(None) => Err("no agent holds the coordinator Lease yet".to_string()),
+                        Ok(None) => Err("no coordinator holds the Lease yet".to_string()),
                         Err(kube::Error::Api(s)) if s.code == 401 || s.code == 403 => {
                             return Outcome::error(format!(
                                 "error: cannot read the coordinator Lease {}/{}: {} (this client needs get on leases)",
@@ -384,8 +353,8 @@ pub async fn check(args: CheckArgs) -> Outcome {
         // Found through the Lease: the Lease is read again while the call runs, and a new holder
         // ends the wait on the old one (a frozen coordinator may keep its connection open).
         let moved = async {
-            match (&client_kube, &asked, &args.coordinator, &args.members) {
-                (Some(c), Some(a), None, None) => lease_moved(c.clone(), &args.namespace, a).await,
+            match (&client_kube, &asked, &args.coordinator) {
+                (Some(c), Some(a), None) => lease_moved(c.clone(), &args.namespace, a).await,
                 _ => std::future::pending().await,
             }
         };
@@ -409,14 +378,6 @@ pub async fn check(args: CheckArgs) -> Outcome {
             Ok((address, Err(s))) => format!("the coordinator at {address}: {}", s.message()),
             Err(e) => e,
         };
-        if args.members.is_some() {
-            // Not the coordinator, or no answer: the next member in the file's order. A full
-            // pass without an answer waits like any retry.
-            next_member += 1;
-            if !next_member.is_multiple_of(in_file) {
-                continue;
-            }
-        }
         tokio::time::sleep(
             Duration::from_secs(2)
                 .min(deadline.saturating_duration_since(tokio::time::Instant::now())),

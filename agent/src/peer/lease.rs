@@ -23,19 +23,6 @@ pub const GRACE_SECONDS: u64 = 5;
 /// How long past its end a Lease still names its holder for the agents (clock differences).
 const HOLDER_SLACK_MS: i64 = 5_000;
 
-/// The holder identity for a node and its peer-service address.
-pub fn identity(node: &str, address: &str) -> String {
-    format!("{node}@{address}")
-}
-
-/// The coordinator's peer-service address from a holder identity.
-pub fn address_of(identity: &str) -> Option<&str> {
-    identity
-        .rsplit_once('@')
-        .map(|(_, a)| a)
-        .filter(|a| !a.is_empty())
-}
-
 /// Runs the Lease election until shutdown; the receiver says whether this agent holds it.
 pub fn elect(
     client: Client,
