@@ -32,7 +32,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::Duration;
 
 use common::prometheus::{query, start_prometheus, tools_present};
-use faultline_agent::peer::coordinator::RunState;
+use faultline_agent::coordinator::runs::RunState;
 use faultline_core::record::NodeRecord;
 use serde_json::Value;
 

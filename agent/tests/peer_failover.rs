@@ -14,7 +14,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::{cluster::probe_bin, Agent};
-use faultline_agent::peer::coordinator::RunState;
+use faultline_agent::coordinator::runs::RunState;
 
 fn free_on(ip: &str) -> SocketAddr {
     TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap()

@@ -232,7 +232,7 @@ fn eight_agents_in_namespaces_find_exactly_the_injected_faults() {
             faultline_kube_emulator::Rule::new(&["create"], &["faultline.io"], &["peerchecks"])
                 .in_namespace(NS),
         ];
-    let audience = faultline_agent::peer::authz::REQUESTER_AUDIENCE;
+    let audience = faultline_agent::coordinator::requesters::REQUESTER_AUDIENCE;
     emu.authorize_for_audiences(
         "launcher-token",
         faultline_kube_emulator::UserInfo::service_account("jobs", "launcher"),
@@ -310,7 +310,7 @@ fn eight_agents_in_namespaces_find_exactly_the_injected_faults() {
             published_key(emu, "finished.json").filter(|r| {
                 r.coordinator != names[coord]
                     && r.is_finished()
-                    && r.trigger == faultline_agent::peer::coordinator::Trigger::Resume
+                    && r.trigger == faultline_agent::coordinator::runs::Trigger::Resume
             })
         },
     );
@@ -435,7 +435,7 @@ fn the_coordinators_own_link_and_its_freezing_blame_nobody() {
     assert_ne!(resumed.coordinator, names[coord]);
     assert_eq!(
         resumed.trigger,
-        faultline_agent::peer::coordinator::Trigger::Resume
+        faultline_agent::coordinator::runs::Trigger::Resume
     );
 
     // Woken, the old coordinator finds its Lease gone and concludes nothing.

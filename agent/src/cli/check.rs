@@ -106,7 +106,7 @@ pub fn check_report(r: &faultline_proto::v1::RunResult, json: bool) -> Outcome {
             .iter()
             .map(|v| {
                 let mut o = serde_json::json!({
-                    "kind": crate::peer::coordinator::kind_name(v.kind()),
+                    "kind": crate::coordinator::runs::kind_name(v.kind()),
                     "nodes": v.nodes,
                 });
                 if v.slowdown > 0.0 {
@@ -290,7 +290,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
                             return Outcome::error(format!(
                                 "error: cannot read the coordinator Lease {}/{}: {} (this client needs get on leases)",
                                 args.namespace,
-                                crate::peer::publish::NAME,
+                                crate::peer::lease::NAME,
                                 s.message
                             ))
                         }

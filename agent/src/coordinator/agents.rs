@@ -14,7 +14,7 @@ use faultline_proto::v1::CheckReport;
 use tonic::Status;
 
 use super::tokens::AgentTokens;
-use crate::peer::authz::TokenRefusal;
+use crate::coordinator::requesters::TokenRefusal;
 use crate::peer::wire;
 
 /// Why a report's sender was not accepted.

@@ -8,13 +8,21 @@
 //! requesters to it) and the other waits to take over. Without Kubernetes one runs from a
 //! members file.
 //!
+//! - `runs`: a run, round by round, over the `Transport` trait (`transport`: gRPC), published
+//!   through `publish`, fenced by the Lease (`lease`), among the `members`;
 //! - `service`: the gRPC service (`Report` from agents, `Run` from requesters);
-//! - `agents`: which node a report comes from; `tokens`: an agent token's node (Kubernetes).
+//! - `agents`: which node a report comes from; `tokens`: an agent token's node (Kubernetes);
+//!   `requesters`: who may request a run.
 
 pub mod agents;
+pub mod lease;
+pub mod members;
+pub mod publish;
+pub mod requesters;
+pub mod runs;
+pub mod service;
 pub mod tokens;
 pub mod transport;
-pub mod service;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -38,12 +46,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
 use crate::metrics::Metrics;
-use crate::peer::coordinator::{self as runs, Coordinator, Fence, Publisher, RunSpec, Trigger};
-use crate::peer::members::{self, Members};
+use members::Members;
+use runs::{Coordinator, Fence, Publisher, RunSpec, Trigger};
 use crate::peer::wire::{self, CoordinatorSigner};
 use faultline_proto::auth::CoordinatorKey;
 use transport::GrpcTransport;
-use crate::peer::{authz, jittered, lease, publish, runner, MAX_REQUEST, MAX_SKEW};
+use crate::peer::{authz, jittered, runner, MAX_REQUEST, MAX_SKEW};
 
 /// Where the coordinator's gRPC service listens by default.
 pub const DEFAULT_PEER_LISTEN: &str = "0.0.0.0:20262";
@@ -234,7 +242,7 @@ pub async fn run(
         Arc<dyn Publisher>,
         Arc<dyn Fence>,
         Arc<dyn agents::Agents>,
-        Option<Arc<dyn authz::Requesters>>,
+        Option<Arc<dyn requesters::Requesters>>,
     );
     let (members, publisher, fence, agents, requesters): Parts = match &cfg.members {
         Some(path) => {
@@ -301,7 +309,7 @@ pub async fn run(
                     )),
                     &name,
                 )),
-                Some(Arc::new(authz::KubeRequesters {
+                Some(Arc::new(requesters::KubeRequesters {
                     client: client.calls,
                     namespace: cfg.namespace.clone(),
                 })),

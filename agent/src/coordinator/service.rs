@@ -12,8 +12,8 @@ use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
 use super::Leadership;
-use crate::peer::authz::{self, TokenRefusal};
-use crate::peer::coordinator::{self as runs, Trigger};
+use super::requesters::{self, TokenRefusal};
+use crate::coordinator::runs::{self as runs, Trigger};
 use crate::peer::wire;
 
 /// At most one log line per this interval about refused requests (with the count).
@@ -30,7 +30,7 @@ pub struct Authz {
     pub requester: Option<Verifier>,
     /// Kubernetes: requesters' service-account tokens (`authorization: Bearer`), checked with
     /// TokenReview and SubjectAccessReview.
-    pub requesters: Option<Arc<dyn authz::Requesters>>,
+    pub requesters: Option<Arc<dyn requesters::Requesters>>,
 }
 
 /// The served handle.
@@ -42,7 +42,7 @@ struct Inner {
     leadership: Leadership,
     agents: Arc<dyn super::agents::Agents>,
     requester: Option<Mutex<Verifier>>,
-    requesters: Option<Arc<dyn authz::Requesters>>,
+    requesters: Option<Arc<dyn requesters::Requesters>>,
     refusals: Mutex<crate::pace::LogPacer>,
 }
 
@@ -267,8 +267,8 @@ mod tests {
     use crate::coordinator::agents::{NodeKeys, Tokens};
     use crate::coordinator::tokens::AgentTokens;
     use crate::coordinator::transport::GrpcTransport;
-    use crate::peer::coordinator::{Coordinator, MemoryPublisher, WatchFence};
-    use crate::peer::members::{Member, MembersError};
+    use crate::coordinator::runs::{Coordinator, MemoryPublisher, WatchFence};
+    use crate::coordinator::members::{Member, MembersError};
     use crate::peer::wire::{CoordinatorSigner, Signer};
     use faultline_core::policy::PeerPolicy;
     use faultline_proto::auth::{node_key, CoordinatorKey, Key};
@@ -281,7 +281,7 @@ mod tests {
     struct NoMembers;
 
     #[async_trait::async_trait]
-    impl crate::peer::members::Members for NoMembers {
+    impl crate::coordinator::members::Members for NoMembers {
         async fn list(&self) -> Result<Vec<Member>, MembersError> {
             Ok(Vec::new())
         }

@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use sha2::{Digest, Sha256};
 
-use crate::peer::authz::TokenRefusal;
+use crate::coordinator::requesters::TokenRefusal;
 use crate::runtime::{Clock, SystemClock};
 
 /// The audience an agent's projected service-account token must be issued for.

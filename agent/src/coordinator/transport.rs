@@ -16,8 +16,8 @@ use faultline_proto::v1::{
 use faultline_proto::{MAX_MESSAGE_BYTES, PROTOCOL};
 use tonic::transport::Channel;
 
-use crate::peer::coordinator::{self as runs, Relayed};
-use crate::peer::members::Member;
+use crate::coordinator::runs::{self as runs, Relayed};
+use crate::coordinator::members::Member;
 use crate::peer::service::{endpoint, timed, within, CALL_TIMEOUT, CONCLUDE_TIMEOUT, FORWARD_TIMEOUT};
 use crate::peer::wire::CoordinatorSigner;
 

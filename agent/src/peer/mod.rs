@@ -9,17 +9,13 @@
 //!   work;
 //! - `wire`: the credentials (this node's, the coordinator's), verdicts on the wire.
 //!
-//! `coordinator` (the run engine), `members`, `publish` and `lease` are the coordinator
-//! process's, kept here beside the protocol they share.
+//! - `lease`: the Lease as agents read it (its holder: the active coordinator and its key).
 //!
 //! [`start`] wires the service into the agent on its own port.
 
 pub mod authz;
 pub mod busy;
-pub mod coordinator;
 pub mod lease;
-pub mod members;
-pub mod publish;
 pub mod runner;
 pub mod service;
 pub mod wire;
@@ -39,6 +35,9 @@ use crate::source::Input;
 use faultline_core::policy::LoadedPolicy;
 use faultline_core::policy::PeerPolicy;
 
+/// The probe ports an agent serves from its `probe_port_base`: the coordinator assigns each
+/// round's checks ports from them (`coordinator::runs`).
+pub const PROBE_PORTS: u16 = 32;
 /// Requests signed longer ago than this are refused.
 pub const MAX_SKEW: Duration = Duration::from_secs(30);
 /// No request is served longer than this (a `Run` lasts its rounds; every other RPC bounds
@@ -96,7 +95,7 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
         inputs: s.inputs,
         policy,
         probe_ports: s.probe_port_base
-            ..s.probe_port_base.saturating_add(coordinator::PROBE_PORTS),
+            ..s.probe_port_base.saturating_add(PROBE_PORTS),
         metrics: s.metrics.clone(),
     })));
     let shutdown = s.shutdown.clone();

@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use faultline_agent::peer::coordinator::RunState;
+use faultline_agent::coordinator::runs::RunState;
 use faultline_agent::sink::kube::calls::API_CALLS;
 use faultline_core::record::NodeRecord;
 use faultline_kube_emulator::{Emulator, ResourceRef, UserInfo};

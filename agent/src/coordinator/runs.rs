@@ -68,6 +68,7 @@ const PORTS_PER_ROUND: u16 = 4;
 const PORT_GROUPS: u16 = 8;
 /// How many probe ports from the base a run uses (agents accept no other: `authz`).
 pub const PROBE_PORTS: u16 = PORTS_PER_ROUND * PORT_GROUPS;
+const _: () = assert!(PROBE_PORTS == crate::peer::PROBE_PORTS);
 
 /// A message the coordinator sends to a member through a relay (`Forward`).
 #[derive(Debug, Clone)]
@@ -837,7 +838,7 @@ impl Coordinator {
     /// does not make a member unreachable for the whole run.
     async fn ping_all(&self, members: &[Member]) -> Vec<Result<PingReply, String>> {
         futures::future::join_all(members.iter().map(|m| {
-            super::retried(
+            crate::peer::retried(
                 PING_ATTEMPTS,
                 PING_RETRY_PAUSE,
                 |_| true,
@@ -898,7 +899,7 @@ impl Coordinator {
             report_via: Some(wire_member(via)),
             ..a
         };
-        super::retried(
+        crate::peer::retried(
             2,
             PING_RETRY_PAUSE,
             |_| true,
@@ -931,7 +932,7 @@ impl Coordinator {
         to: &Member,
         a: CheckAssignment,
     ) -> Result<CheckAccepted, String> {
-        super::retried(
+        crate::peer::retried(
             2,
             PING_RETRY_PAUSE,
             |_| true,
@@ -1233,5 +1234,5 @@ pub fn validate_report(r: &CheckReport) -> Result<(), String> {
 }
 
 #[cfg(test)]
-#[path = "coordinator_tests.rs"]
+#[path = "runs_tests.rs"]
 mod tests;

@@ -14,7 +14,7 @@ use faultline_proto::v1::{CheckAccepted, CheckAssignment, CheckReport, PingReply
 use faultline_proto::PROTOCOL;
 
 use super::*;
-use crate::peer::members::Member;
+use crate::coordinator::members::Member;
 use faultline_core::policy::PeerPolicy;
 
 #[derive(Debug, Default, Clone)]

@@ -11,10 +11,9 @@ use kube::{Api, Client};
 use serde_json::json;
 use tracing::warn;
 
-use super::coordinator::{Publisher, RunState};
+use super::runs::{Publisher, RunState};
+use crate::peer::lease::NAME;
 
-/// The ConfigMap's name (also the Lease's).
-pub const NAME: &str = "faultline-peercheck";
 /// Its key holding the current (or last) run as JSON.
 pub const KEY: &str = "run.json";
 /// Its key holding the last finished run (stays while the next run is in progress).
