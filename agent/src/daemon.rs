@@ -277,7 +277,7 @@ async fn peer_setup(
                     Arc::new(authz::fixed(public.parse().with_context(|| {
                         "--peer-coordinator-key is not the coordinator's public key"
                     })?)),
-                    wire::NodeCredential::Key(wire::load_key(key)?),
+                    wire::NodeCredential::Key(wire::load_node_key(key)?),
                 ),
                 (None, None) => {
                     info!("peer checks disabled (without Kubernetes they need --peer-node-key-file and --peer-coordinator-key)");

@@ -132,6 +132,11 @@ impl Key {
     }
 
     /// Whether two keys hold the same secret (a configuration check, not on the request path).
+    /// The key's bytes: for writing a node's derived key ([`node_key`]) to that node's file.
+    pub fn bytes(&self) -> &[u8] {
+        &self.0
+    }
+
     pub fn same_secret(&self, other: &Key) -> bool {
         self.0 == other.0
     }

@@ -219,6 +219,10 @@ enum Command {
     /// Ask the agent to clear active faults (all, or by code and/or device) and wait for its
     /// answer: exit 0 some cleared (it says which), 1 none matched (it says what is active), 2
     /// refused or not answered within --wait.
+    /// Peer-check credentials without Kubernetes: the coordinator's key, the master of the
+    /// nodes' keys, and each node's own key (docs/peer-checks.md, "Bare metal").
+    #[command(subcommand)]
+    Keys(Keys),
     Clear {
         #[arg(long)]
         code: Option<String>,
@@ -230,6 +234,36 @@ enum Command {
         wait: Duration,
         #[arg(short, long, value_enum, default_value = "table")]
         output: Output,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum Keys {
+    /// Write a new coordinator key (for `faultline-coordinator --key-file`); prints its public
+    /// key, which every agent is given (`--peer-coordinator-key`).
+    Coordinator {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Print the public key of a coordinator key.
+    Public {
+        #[arg(long)]
+        key: PathBuf,
+    },
+    /// Write a new master of the nodes' keys (for `faultline-coordinator
+    /// --node-key-master-file`).
+    Master {
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Write one node's key (for its agent's `--peer-node-key-file`), derived from the master.
+    Node {
+        #[arg(long)]
+        master: PathBuf,
+        #[arg(long)]
+        node: String,
+        #[arg(long)]
+        out: PathBuf,
     },
 }
 
@@ -292,6 +326,7 @@ pub(crate) fn main() -> std::process::ExitCode {
         | Command::Hosts { output, .. }
         | Command::Check { output, .. }
         | Command::Clear { output, .. } => matches!(output, Output::Json),
+        Command::Keys(_) => false,
     };
     let outcome = match cli.command {
         Command::Get {
@@ -426,6 +461,12 @@ pub(crate) fn main() -> std::process::ExitCode {
         Command::Clear {
             code, device, wait, ..
         } => cli::clear(&cli.state_dir, code, device, wait),
+        Command::Keys(k) => match k {
+            Keys::Coordinator { out } => cli::keys::coordinator(&out),
+            Keys::Public { key } => cli::keys::public(&key),
+            Keys::Master { out } => cli::keys::master(&out),
+            Keys::Node { master, node, out } => cli::keys::node(&master, &node, &out),
+        },
     };
     let (out, err) = cli::render(&outcome, json);
     if let Some(out) = out {

@@ -8,6 +8,7 @@
 
 mod check;
 mod cluster;
+pub mod keys;
 mod local;
 pub mod members;
 

@@ -36,6 +36,8 @@ pub enum SecretError {
         path: String,
         source: std::io::Error,
     },
+    #[error("peer-check node key {path}: not the 64 hex characters `faultline keys node` writes")]
+    NotNodeKey { path: String },
     #[error("peer-check key {path}: {source}")]
     Weak {
         path: String,
@@ -54,6 +56,25 @@ pub fn load_key(path: &Path) -> Result<Key, SecretError> {
         .rposition(|b| !b.is_ascii_whitespace())
         .map_or(&bytes[..0], |end| &bytes[..=end]);
     Key::new(trimmed).map_err(|source| SecretError::Weak {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// Reads a node's own key (`faultline keys node` writes it as hex).
+pub fn load_node_key(path: &Path) -> Result<Key, SecretError> {
+    let text = std::fs::read_to_string(path).map_err(|source| SecretError::Read {
+        path: path.display().to_string(),
+        source,
+    })?;
+    let not = || SecretError::NotNodeKey {
+        path: path.display().to_string(),
+    };
+    let bytes = hex::decode(text.trim()).map_err(|_| not())?;
+    if bytes.len() != 32 {
+        return Err(not());
+    }
+    Key::new(&bytes).map_err(|source| SecretError::Weak {
         path: path.display().to_string(),
         source,
     })
