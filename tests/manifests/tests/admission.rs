@@ -16,7 +16,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use serde_json::{json, Value as Json};
 
-use crate::common::{self, NAMESPACE, SERVICE_ACCOUNT};
+use crate::common::{self, COORDINATOR_SERVICE_ACCOUNT, NAMESPACE, SERVICE_ACCOUNT};
 
 const POLICY: &str = "faultline-agent-own-node";
 
@@ -1084,4 +1084,102 @@ fn cel_lets_the_agent_write_events_only_about_its_own_node() {
         .expect("event")
         .remove("regarding");
     assert!(!write(me(), "CREATE", unattached).denied().is_empty());
+}
+
+/// The coordinator's policy: its creates (the Lease's POST, the first apply of the published
+/// runs), which RBAC cannot limit by name, are limited to faultline-peercheck; the agents'
+/// policy does not apply to it, nor this one to the agents.
+#[test]
+fn cel_lets_the_coordinator_create_only_faultline_peercheck() {
+    const COORDINATOR_POLICY: &str = "faultline-coordinator";
+    let docs = common::base_objects();
+    let p: ValidatingAdmissionPolicy =
+        common::find(&docs, "ValidatingAdmissionPolicy", COORDINATOR_POLICY).to();
+    let spec = p.spec.clone().expect("spec");
+    assert_eq!(spec.failure_policy.as_deref(), Some("Fail"));
+    let rules = spec
+        .match_constraints
+        .and_then(|m| m.resource_rules)
+        .expect("resourceRules");
+    for (group, resource) in [("", "configmaps"), ("coordination.k8s.io", "leases")] {
+        assert!(
+            rules
+                .iter()
+                .any(|r| r.api_groups.iter().flatten().any(|g| g == group)
+                    && r.resources.iter().flatten().any(|x| x == resource)
+                    && r.operations.iter().flatten().any(|o| o == "CREATE")),
+            "{resource} CREATE"
+        );
+    }
+    let b: ValidatingAdmissionPolicyBinding = common::find(
+        &docs,
+        "ValidatingAdmissionPolicyBinding",
+        COORDINATOR_POLICY,
+    )
+    .to();
+    let bs = b.spec.expect("spec");
+    assert_eq!(bs.policy_name.as_deref(), Some(COORDINATOR_POLICY));
+    assert_eq!(bs.validation_actions, Some(vec!["Deny".to_string()]));
+
+    let c = compile_policy(p);
+    let me = || {
+        user(
+            &format!("system:serviceaccount:{NAMESPACE}:{COORDINATOR_SERVICE_ACCOUNT}"),
+            Some(NODE),
+        )
+    };
+    let object = |resource: &str, name: &str| match resource {
+        "leases" => json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                           "metadata": {"name": name, "namespace": NAMESPACE}}),
+        _ => configmap(name),
+    };
+    let create = |who: Json, resource: &str, name: &str| {
+        let req = request(who, resource, "", "CREATE", name, NAMESPACE);
+        admit(&c, &req, &object(resource, name), &Json::Null)
+    };
+    for resource in ["configmaps", "leases"] {
+        assert_eq!(
+            create(me(), resource, "faultline-peercheck"),
+            Verdict::Allowed,
+            "{resource}"
+        );
+        for name in [
+            "faultline-policy",
+            "faultline-taint-budget",
+            "kube-scheduler",
+            "",
+        ] {
+            let v = create(me(), resource, name);
+            assert!(
+                v.denied()
+                    .iter()
+                    .any(|m| m.contains("faultline-coordinator may create only")
+                        && m.ends_with(&format!("{resource} {name}"))),
+                "{resource} {name}: {v:?}"
+            );
+        }
+        // Not the agents' business here: their own policy and RBAC cover them.
+        assert_eq!(
+            create(agent_on(Some(NODE)), resource, "faultline-policy"),
+            Verdict::NotApplicable
+        );
+    }
+    // ...and the agents' policy leaves the coordinator alone.
+    let req = request(
+        me(),
+        "configmaps",
+        "",
+        "CREATE",
+        "faultline-peercheck",
+        NAMESPACE,
+    );
+    assert_eq!(
+        admit(
+            &compiled(),
+            &req,
+            &configmap("faultline-peercheck"),
+            &Json::Null
+        ),
+        Verdict::NotApplicable
+    );
 }

@@ -249,6 +249,21 @@ fn the_environment_the_policy_and_the_requester_secret() {
     );
     assert!(ours.config_map.is_some());
 
+    // The members it lists are the agent pods, never its own.
+    let selector: BTreeMap<String, String> = flag(&c, "--peer-selector")
+        .split(',')
+        .map(|kv| {
+            let (k, v) = kv.split_once('=').expect("key=value");
+            (k.to_string(), v.to_string())
+        })
+        .collect();
+    let (agent_labels, _) = agents();
+    assert!(selects(&selector, &agent_labels), "{selector:?}");
+    assert!(
+        !selects(&selector, &c.labels),
+        "{selector:?} takes the coordinator's pods"
+    );
+
     // The requesters' secret: optional, read-only, and the file the variable names is in it.
     let file = env
         .get("FAULTLINE_PEER_REQUESTER_SECRET_FILE")
