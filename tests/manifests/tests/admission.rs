@@ -16,7 +16,7 @@ use k8s_openapi::api::admissionregistration::v1::{
 };
 use serde_json::{json, Value as Json};
 
-use crate::common::{self, NAMESPACE, SERVICE_ACCOUNT};
+use crate::common::{self, COORDINATOR_SERVICE_ACCOUNT, NAMESPACE, SERVICE_ACCOUNT};
 
 const POLICY: &str = "faultline-agent-own-node";
 
@@ -64,10 +64,6 @@ fn the_policy_covers_the_agents_writes_and_is_bound_with_deny() {
     };
     for op in ["CREATE", "UPDATE"] {
         assert!(covers_in("events.k8s.io", "events", op), "events {op}");
-        assert!(
-            covers_in("coordination.k8s.io", "leases", op),
-            "leases {op}"
-        );
     }
 
     let conds = spec.match_conditions.clone().expect("matchConditions");
@@ -477,13 +473,12 @@ fn cel_allows_what_the_agent_does_on_its_own_node() {
     );
     assert_eq!(v, Verdict::Allowed);
 
-    // Its own record, and the shared ConfigMaps.
+    // Its own record, and the shared taint ledger.
     for (op, name) in [
         ("CREATE", format!("faultline-{NODE}")),
         ("UPDATE", format!("faultline-{NODE}")),
         ("CREATE", "faultline-taint-budget".to_string()),
         ("UPDATE", "faultline-taint-budget".to_string()),
-        ("UPDATE", "faultline-peercheck".to_string()),
     ] {
         let old = if op == "CREATE" {
             Json::Null
@@ -648,8 +643,12 @@ fn cel_denies_the_agent_anything_else() {
         "{v:?}"
     );
 
-    // Someone else's record, and other ConfigMaps.
+    // Someone else's record, and other ConfigMaps: the published peer-check runs are the
+    // coordinator's (RBAC lets the agent patch and create every ConfigMap of the namespace).
     for (op, name) in [
+        ("CREATE", "faultline-peercheck"),
+        ("UPDATE", "faultline-peercheck"),
+        ("DELETE", "faultline-peercheck"),
         ("UPDATE", "faultline-gpu-node-2"),
         ("CREATE", "faultline-gpu-node-10"),
         ("DELETE", "faultline-gpu-node-2"),
@@ -1087,50 +1086,100 @@ fn cel_lets_the_agent_write_events_only_about_its_own_node() {
     assert!(!write(me(), "CREATE", unattached).denied().is_empty());
 }
 
-/// The Lease: faultline-peercheck only, whatever the operation (RBAC names it for get and
-/// patch; a create by POST cannot be named in RBAC).
+/// The coordinator's policy: its creates (the Lease's POST, the first apply of the published
+/// runs), which RBAC cannot limit by name, are limited to faultline-peercheck; the agents'
+/// policy does not apply to it, nor this one to the agents.
 #[test]
-fn cel_lets_the_agent_write_only_the_coordinator_lease() {
-    let c = compiled();
-    let lease = |name: &str| {
-        json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
-               "metadata": {"name": name, "namespace": NAMESPACE},
-               "spec": {"holderIdentity": format!("{NODE}@10.0.3.17:20261"), "leaseDurationSeconds": 15}})
-    };
-    for op in ["CREATE", "UPDATE", "DELETE"] {
-        let (new, old) = match op {
-            "CREATE" => (lease("faultline-peercheck"), Json::Null),
-            "DELETE" => (Json::Null, lease("faultline-peercheck")),
-            _ => (lease("faultline-peercheck"), lease("faultline-peercheck")),
-        };
-        let req = request(
-            agent_on(Some(NODE)),
-            "leases",
-            "",
-            op,
-            "faultline-peercheck",
-            NAMESPACE,
-        );
-        assert_eq!(admit(&c, &req, &new, &old), Verdict::Allowed, "{op}");
-        let req = request(
-            agent_on(Some(NODE)),
-            "leases",
-            "",
-            op,
-            "other-controller",
-            NAMESPACE,
-        );
-        let v = admit(
-            &c,
-            &req,
-            &lease("other-controller"),
-            &lease("other-controller"),
-        );
+fn cel_lets_the_coordinator_create_only_faultline_peercheck() {
+    const COORDINATOR_POLICY: &str = "faultline-coordinator";
+    let docs = common::base_objects();
+    let p: ValidatingAdmissionPolicy =
+        common::find(&docs, "ValidatingAdmissionPolicy", COORDINATOR_POLICY).to();
+    let spec = p.spec.clone().expect("spec");
+    assert_eq!(spec.failure_policy.as_deref(), Some("Fail"));
+    let rules = spec
+        .match_constraints
+        .and_then(|m| m.resource_rules)
+        .expect("resourceRules");
+    for (group, resource) in [("", "configmaps"), ("coordination.k8s.io", "leases")] {
         assert!(
-            v.denied()
+            rules
                 .iter()
-                .any(|m| m.contains("Lease other-controller")),
-            "{op}: {v:?}"
+                .any(|r| r.api_groups.iter().flatten().any(|g| g == group)
+                    && r.resources.iter().flatten().any(|x| x == resource)
+                    && r.operations.iter().flatten().any(|o| o == "CREATE")),
+            "{resource} CREATE"
         );
     }
+    let b: ValidatingAdmissionPolicyBinding = common::find(
+        &docs,
+        "ValidatingAdmissionPolicyBinding",
+        COORDINATOR_POLICY,
+    )
+    .to();
+    let bs = b.spec.expect("spec");
+    assert_eq!(bs.policy_name.as_deref(), Some(COORDINATOR_POLICY));
+    assert_eq!(bs.validation_actions, Some(vec!["Deny".to_string()]));
+
+    let c = compile_policy(p);
+    let me = || {
+        user(
+            &format!("system:serviceaccount:{NAMESPACE}:{COORDINATOR_SERVICE_ACCOUNT}"),
+            Some(NODE),
+        )
+    };
+    let object = |resource: &str, name: &str| match resource {
+        "leases" => json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                           "metadata": {"name": name, "namespace": NAMESPACE}}),
+        _ => configmap(name),
+    };
+    let create = |who: Json, resource: &str, name: &str| {
+        let req = request(who, resource, "", "CREATE", name, NAMESPACE);
+        admit(&c, &req, &object(resource, name), &Json::Null)
+    };
+    for resource in ["configmaps", "leases"] {
+        assert_eq!(
+            create(me(), resource, "faultline-peercheck"),
+            Verdict::Allowed,
+            "{resource}"
+        );
+        for name in [
+            "faultline-policy",
+            "faultline-taint-budget",
+            "kube-scheduler",
+            "",
+        ] {
+            let v = create(me(), resource, name);
+            assert!(
+                v.denied()
+                    .iter()
+                    .any(|m| m.contains("faultline-coordinator may create only")
+                        && m.ends_with(&format!("{resource} {name}"))),
+                "{resource} {name}: {v:?}"
+            );
+        }
+        // Not the agents' business here: their own policy and RBAC cover them.
+        assert_eq!(
+            create(agent_on(Some(NODE)), resource, "faultline-policy"),
+            Verdict::NotApplicable
+        );
+    }
+    // ...and the agents' policy leaves the coordinator alone.
+    let req = request(
+        me(),
+        "configmaps",
+        "",
+        "CREATE",
+        "faultline-peercheck",
+        NAMESPACE,
+    );
+    assert_eq!(
+        admit(
+            &compiled(),
+            &req,
+            &configmap("faultline-peercheck"),
+            &Json::Null
+        ),
+        Verdict::NotApplicable
+    );
 }

@@ -10,6 +10,8 @@ use serde_json::Value;
 /// The agent's namespace and service account, as the manifests name them.
 pub const NAMESPACE: &str = "faultline-system";
 pub const SERVICE_ACCOUNT: &str = "faultline";
+/// The peer-check coordinator's service account (its Deployment, `coordinator.yaml`).
+pub const COORDINATOR_SERVICE_ACCOUNT: &str = "faultline-coordinator";
 /// Events about Nodes are stored here.
 pub const EVENTS_NAMESPACE: &str = "default";
 pub const IMAGE: &str = "ghcr.io/faultline-io/faultline";

@@ -323,3 +323,57 @@ fn resources_probes_and_privileges() {
     assert_eq!(sc.run_as_user, Some(0));
     assert_eq!(sc.read_only_root_filesystem, Some(true));
 }
+
+/// The audience of the agents' peer-check tokens: what the coordinator's TokenReview asks for.
+const PEER_AUDIENCE: &str = "faultline-peer";
+
+/// The agent's peer-check credential is a service-account token bound to its pod (and so to its
+/// node), for the coordinator's audience, mounted read-only where FAULTLINE_PEER_TOKEN_FILE
+/// points; no agent holds a secret shared with the others or the requesters' secret any more.
+#[test]
+fn the_peer_credential_is_a_pod_bound_token() {
+    let a = agent();
+    let env: BTreeMap<_, _> = a
+        .container
+        .env
+        .iter()
+        .flatten()
+        .map(|e| (e.name.as_str(), e))
+        .collect();
+    let file = env
+        .get("FAULTLINE_PEER_TOKEN_FILE")
+        .and_then(|e| e.value.as_deref())
+        .expect("FAULTLINE_PEER_TOKEN_FILE");
+    assert_eq!(file, "/var/run/secrets/faultline-peer/token");
+    let (dir, key) = file.rsplit_once('/').expect("a path");
+    let (vol, ro) = mounted_at(&a, dir);
+    assert!(ro, "the token mount is read-only");
+    assert_eq!(vol.name, "faultline-peer-token");
+    let sources = vol
+        .projected
+        .as_ref()
+        .and_then(|p| p.sources.clone())
+        .expect("a projected volume");
+    assert_eq!(sources.len(), 1, "the token alone: {sources:?}");
+    let token = sources[0]
+        .service_account_token
+        .as_ref()
+        .expect("a serviceAccountToken source");
+    assert_eq!(token.audience.as_deref(), Some(PEER_AUDIENCE));
+    assert_eq!(token.expiration_seconds, Some(3600));
+    assert_eq!(token.path, key, "the file the variable names");
+
+    for gone in [
+        "FAULTLINE_PEER_SECRET_FILE",
+        "FAULTLINE_PEER_REQUESTER_SECRET_FILE",
+    ] {
+        assert!(!env.contains_key(gone), "{gone} is set");
+    }
+    for v in a.pod.volumes.iter().flatten() {
+        assert!(v.secret.is_none(), "volume {}: a Secret", v.name);
+        let projected = v.projected.iter().flat_map(|p| p.sources.iter().flatten());
+        for s in projected {
+            assert!(s.secret.is_none(), "volume {}: a Secret", v.name);
+        }
+    }
+}

@@ -20,6 +20,27 @@ fn the_image_ships_the_stripped_dist_build() {
         script.contains("\"target/dist/$b\"") && !script.contains("target/release/"),
         "the installed binaries come from the dist build"
     );
+    // Every binary the manifests run (the DaemonSet's agent, the Deployment's coordinator) is
+    // built and installed.
+    let bins = script
+        .lines()
+        .find_map(|l| l.strip_prefix("bins=("))
+        .and_then(|l| l.strip_suffix(')'))
+        .expect("bins=(...)");
+    for bin in [
+        "faultline-agent",
+        "faultline-coordinator",
+        "faultline-probe",
+    ] {
+        assert!(
+            build.contains(&format!("--bin {bin}")),
+            "{bin} not built: {build}"
+        );
+        assert!(
+            bins.split(' ').any(|b| b == bin),
+            "{bin} not installed: {bins}"
+        );
+    }
     // The profile's own lines (the workspace has no TOML parser among the test's dependencies).
     let cargo = std::fs::read_to_string(repo_root().join("Cargo.toml")).unwrap();
     let dist: Vec<&str> = cargo

@@ -77,6 +77,7 @@ fn the_base_kustomization_lists_every_file_and_only_existing_ones() {
         "serviceaccount.yaml",
         "rbac.yaml",
         "daemonset.yaml",
+        "coordinator.yaml",
     ] {
         assert!(unique.contains(f), "{f} missing");
     }
@@ -122,13 +123,20 @@ fn the_image_and_common_labels_are_set_by_kustomize() {
     assert_eq!(images.len(), 1);
     assert_eq!(images[0]["name"], IMAGE);
     assert_eq!(images[0]["newTag"], IMAGE_TAG);
-    // The DaemonSet names the same image, so `kustomize edit set image NAME=…` finds it.
+    // The DaemonSet and the coordinator's Deployment name the same image, so `kustomize edit
+    // set image NAME=…` finds both.
     let docs = common::base_objects();
-    let ds = common::find(&docs, "DaemonSet", "faultline-agent");
-    assert_eq!(
-        ds.value["spec"]["template"]["spec"]["containers"][0]["image"],
-        format!("{IMAGE}:{IMAGE_TAG}")
-    );
+    for (kind, name) in [
+        ("DaemonSet", "faultline-agent"),
+        ("Deployment", "faultline-coordinator"),
+    ] {
+        let d = common::find(&docs, kind, name);
+        assert_eq!(
+            d.value["spec"]["template"]["spec"]["containers"][0]["image"],
+            format!("{IMAGE}:{IMAGE_TAG}"),
+            "{kind}/{name}"
+        );
+    }
 
     assert!(
         k.get("commonLabels").is_none(),
@@ -175,6 +183,12 @@ fn kubectl_kustomize_renders_the_base_unchanged_but_for_labels() {
         .map(|d| key(&d.value))
         .collect();
     assert_eq!(got, want);
+    for kind in ["DaemonSet", "Deployment", "Service"] {
+        assert!(
+            got.iter().any(|(k, ..)| k == kind),
+            "kubectl kustomize renders no {kind}"
+        );
+    }
     for v in &rendered {
         assert_eq!(
             v["metadata"]["labels"]["app.kubernetes.io/part-of"],
@@ -187,7 +201,12 @@ fn kubectl_kustomize_renders_the_base_unchanged_but_for_labels() {
                 .get("app.kubernetes.io/part-of")
                 .is_none());
         }
-        if v["kind"] == "DaemonSet" {
+        if v["kind"] == "Service" {
+            assert!(v["spec"]["selector"]
+                .get("app.kubernetes.io/part-of")
+                .is_none());
+        }
+        if v["kind"] == "DaemonSet" || v["kind"] == "Deployment" {
             assert!(v["spec"]["selector"]["matchLabels"]
                 .get("app.kubernetes.io/part-of")
                 .is_none());

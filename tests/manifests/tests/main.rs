@@ -4,6 +4,7 @@
 
 mod admission;
 mod common;
+mod coordinator;
 mod daemonset;
 mod examples;
 mod image;

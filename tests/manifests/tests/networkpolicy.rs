@@ -1,11 +1,13 @@
-//! The NetworkPolicy `faultline-peer`: the agents' peer-check port admits only agent pods and
-//! the requesters' namespaces, the probe ports only agent pods, and the metrics/health port is
-//! left open as it was (issue 12 §5). Ports and labels are read from the DaemonSet and the
-//! agent's source, so the policy cannot drift from them.
+//! The NetworkPolicies: the agents' peer-check port admits only the coordinator and agent pods,
+//! their probe ports only agent pods, the coordinator's peer-check port only agent pods and the
+//! requesters' namespaces, and the metrics/health ports are left open as they were (issue 12
+//! §5, issue 28). Ports and labels are read from the DaemonSet, the Deployment and the agent's
+//! source, so the policies cannot drift from them.
 
 use std::collections::BTreeMap;
 
-use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
+use k8s_openapi::api::core::v1::PodTemplateSpec;
 use k8s_openapi::api::networking::v1::{NetworkPolicy, NetworkPolicyPeer, NetworkPolicyPort};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 
@@ -50,20 +52,58 @@ fn port_of(p: &NetworkPolicyPort) -> (i32, i32) {
 enum From {
     Anyone,
     AgentPods,
+    CoordinatorPods,
     RequesterNamespaces,
 }
 
-fn who(peer: &NetworkPolicyPeer, agent_labels: &BTreeMap<String, String>) -> From {
+/// One workload's pod labels and named container ports.
+struct Pods {
+    labels: BTreeMap<String, String>,
+    ports: BTreeMap<String, i32>,
+}
+
+fn pods_of(template: PodTemplateSpec) -> Pods {
+    let labels = template.metadata.expect("metadata").labels.expect("labels");
+    let container = template.spec.expect("pod spec").containers.remove(0);
+    let ports = container
+        .ports
+        .into_iter()
+        .flatten()
+        .map(|p| (p.name.expect("a named port"), p.container_port))
+        .collect();
+    Pods { labels, ports }
+}
+
+impl Pods {
+    fn port(&self, name: &str) -> i32 {
+        *self
+            .ports
+            .get(name)
+            .unwrap_or_else(|| panic!("no container port {name}"))
+    }
+}
+
+/// Whether a `matchLabels` selector selects pods with `labels`.
+fn selects(selector: &BTreeMap<String, String>, labels: &BTreeMap<String, String>) -> bool {
+    !selector.is_empty() && selector.iter().all(|(k, v)| labels.get(k) == Some(v))
+}
+
+/// Whose pods a rule's peer admits: exactly one of the two workloads, or the requesters'
+/// namespaces.
+fn who(peer: &NetworkPolicyPeer, agents: &Pods, coordinator: &Pods) -> From {
     assert!(peer.ip_block.is_none(), "no IP blocks: {peer:?}");
     match (&peer.pod_selector, &peer.namespace_selector) {
         (Some(p), None) => {
             assert_eq!(p.match_expressions, None);
-            assert_eq!(
-                p.match_labels.as_ref(),
-                Some(agent_labels),
-                "agent pods only"
-            );
-            From::AgentPods
+            let sel = p.match_labels.clone().unwrap_or_default();
+            match (
+                selects(&sel, &agents.labels),
+                selects(&sel, &coordinator.labels),
+            ) {
+                (true, false) => From::AgentPods,
+                (false, true) => From::CoordinatorPods,
+                other => panic!("{sel:?} selects (agents, coordinator) = {other:?}: name one"),
+            }
         }
         (None, Some(n)) => {
             assert_eq!(n.match_expressions, None);
@@ -76,23 +116,68 @@ fn who(peer: &NetworkPolicyPeer, agent_labels: &BTreeMap<String, String>) -> Fro
     }
 }
 
-#[test]
-fn the_peer_and_probe_ports_admit_only_agents_and_requesters() {
+/// Every (port range, source) the NetworkPolicy `name` admits, sorted; it must select `own`
+/// pods and not `other`'s.
+fn admitted(
+    name: &str,
+    own: &Pods,
+    other: &Pods,
+    agents: &Pods,
+    coordinator: &Pods,
+) -> Vec<((i32, i32), From)> {
+    let docs = common::base_objects();
+    let np: NetworkPolicy = common::find(&docs, "NetworkPolicy", name).to();
+    assert_eq!(np.metadata.namespace.as_deref(), Some(NAMESPACE));
+    let spec = np.spec.expect("spec");
+    let selected = spec
+        .pod_selector
+        .and_then(|s| s.match_labels)
+        .expect("matchLabels");
+    assert!(
+        selects(&selected, &own.labels),
+        "{name} selects {selected:?}"
+    );
+    assert!(
+        !selects(&selected, &other.labels),
+        "{name} also selects the other workload's pods"
+    );
+    assert_eq!(spec.policy_types, Some(vec!["Ingress".to_string()]));
+    assert!(spec.egress.is_none());
+
+    let mut out: Vec<((i32, i32), From)> = Vec::new();
+    for rule in spec.ingress.expect("ingress rules") {
+        let ports = rule.ports.expect("every rule names its ports");
+        let froms: Vec<From> = match &rule.from {
+            None => vec![From::Anyone],
+            Some(f) => {
+                assert!(!f.is_empty(), "an empty from admits everyone: leave it out");
+                f.iter().map(|p| who(p, agents, coordinator)).collect()
+            }
+        };
+        for p in &ports {
+            for f in &froms {
+                out.push((port_of(p), f.clone()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn workloads() -> (Pods, Pods) {
     let docs = common::base_objects();
     let ds: DaemonSet = common::find(&docs, "DaemonSet", "faultline-agent").to();
-    let template = ds.spec.expect("spec").template;
-    let pod_labels = template.metadata.expect("metadata").labels.expect("labels");
-    let container = template.spec.expect("pod spec").containers.remove(0);
-    let port = |name: &str| {
-        container
-            .ports
-            .iter()
-            .flatten()
-            .find(|p| p.name.as_deref() == Some(name))
-            .unwrap_or_else(|| panic!("no container port {name}"))
-            .container_port
-    };
-    let (peer, http) = (port("peer"), port("http"));
+    let deploy: Deployment = common::find(&docs, "Deployment", "faultline-coordinator").to();
+    (
+        pods_of(ds.spec.expect("spec").template),
+        pods_of(deploy.spec.expect("spec").template),
+    )
+}
+
+#[test]
+fn the_peer_and_probe_ports_admit_only_agents_and_the_coordinator() {
+    let (agents, coordinator) = workloads();
+    let (peer, http) = (agents.port("peer"), agents.port("http"));
     let probes = {
         let base = i32::from(probe_port_base());
         let n = i32::from(source_u16(
@@ -101,50 +186,43 @@ fn the_peer_and_probe_ports_admit_only_agents_and_requesters() {
         )) * i32::from(source_u16("agent/src/peer/coordinator.rs", "PORT_GROUPS"));
         (base, base + n - 1)
     };
+    let got = admitted(
+        "faultline-peer",
+        &agents,
+        &coordinator,
+        &agents,
+        &coordinator,
+    );
+    let mut want = vec![
+        ((http, http), From::Anyone),
+        ((peer, peer), From::AgentPods),
+        ((peer, peer), From::CoordinatorPods),
+        (probes, From::AgentPods),
+    ];
+    want.sort();
+    assert_eq!(got, want);
+    assert_eq!((peer, probes), (20261, (20270, 20301)), "as documented");
+}
 
-    let np: NetworkPolicy = common::find(&docs, "NetworkPolicy", "faultline-peer").to();
-    assert_eq!(np.metadata.namespace.as_deref(), Some(NAMESPACE));
-    let spec = np.spec.expect("spec");
-    // It selects the agent pods (by the label the pod template carries).
-    let selected = spec
-        .pod_selector
-        .and_then(|s| s.match_labels)
-        .expect("matchLabels");
-    assert!(!selected.is_empty());
-    for (k, v) in &selected {
-        assert_eq!(pod_labels.get(k), Some(v), "the agent pods carry {k}={v}");
-    }
-    let agent_labels = selected.clone();
-    assert_eq!(spec.policy_types, Some(vec!["Ingress".to_string()]));
-    assert!(spec.egress.is_none());
-
-    // Every (port range, source) the policy admits.
-    let mut admitted: Vec<((i32, i32), From)> = Vec::new();
-    for rule in spec.ingress.expect("ingress rules") {
-        let ports = rule.ports.expect("every rule names its ports");
-        let froms: Vec<From> = match &rule.from {
-            None => vec![From::Anyone],
-            Some(f) => {
-                assert!(!f.is_empty(), "an empty from admits everyone: leave it out");
-                f.iter().map(|p| who(p, &agent_labels)).collect()
-            }
-        };
-        for p in &ports {
-            for f in &froms {
-                admitted.push((port_of(p), f.clone()));
-            }
-        }
-    }
-    admitted.sort();
+#[test]
+fn the_coordinator_admits_agents_and_requesters() {
+    let (agents, coordinator) = workloads();
+    let (peer, http) = (coordinator.port("peer"), coordinator.port("http"));
+    let got = admitted(
+        "faultline-coordinator",
+        &coordinator,
+        &agents,
+        &agents,
+        &coordinator,
+    );
     let mut want = vec![
         ((http, http), From::Anyone),
         ((peer, peer), From::AgentPods),
         ((peer, peer), From::RequesterNamespaces),
-        (probes, From::AgentPods),
     ];
     want.sort();
-    assert_eq!(admitted, want);
-    assert_eq!((peer, probes), (20261, (20270, 20301)), "as documented");
+    assert_eq!(got, want);
+    assert_eq!((peer, http), (20262, 20263), "as documented");
 }
 
 /// The requesters' label is what the docs tell operators to set.

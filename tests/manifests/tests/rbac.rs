@@ -1,6 +1,8 @@
-//! The RBAC manifests grant exactly the calls in the agent's table `API_CALLS`
-//! (`agent/src/sink/kube/calls.rs`): every call is allowed with the right scope, and every
-//! permission granted is used by some call.
+//! The RBAC manifests grant each service account exactly the calls of its table
+//! (`agent/src/sink/kube/calls.rs`): the agents' `faultline` the table `API_CALLS`, the
+//! coordinator's `faultline-coordinator` the table `COORDINATOR_API_CALLS`. Every call is allowed
+//! with the right scope, every permission granted is used by some call of that account's table,
+//! and the agents can do none of the coordinator's cluster-wide work.
 
 use std::collections::BTreeSet;
 
@@ -8,8 +10,8 @@ use k8s_openapi::api::rbac::v1::{
     ClusterRole, ClusterRoleBinding, PolicyRule, Role, RoleBinding, Subject,
 };
 
-use crate::calls::{ApiCall, Scope, API_CALLS, MINDCLUSTER_CALLS};
-use crate::common::{self, Doc, NAMESPACE, SERVICE_ACCOUNT};
+use crate::calls::{ApiCall, Scope, API_CALLS, COORDINATOR_API_CALLS, MINDCLUSTER_CALLS};
+use crate::common::{self, Doc, COORDINATOR_SERVICE_ACCOUNT, NAMESPACE, SERVICE_ACCOUNT};
 
 /// Where a permission applies.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
@@ -40,13 +42,15 @@ fn wanted(call: &ApiCall) -> Grant {
     )
 }
 
-fn is_agent(subjects: &Option<Vec<Subject>>) -> bool {
+/// Whether `subjects` name the service account `account` of faultline's namespace.
+fn names(subjects: &Option<Vec<Subject>>, account: &str) -> bool {
     subjects.iter().flatten().any(|s| {
-        s.kind == "ServiceAccount"
-            && s.name == SERVICE_ACCOUNT
-            && s.namespace.as_deref() == Some(NAMESPACE)
+        s.kind == "ServiceAccount" && s.name == account && s.namespace.as_deref() == Some(NAMESPACE)
     })
 }
+
+/// A role: `(kind, namespace for a Role, name)`.
+type RoleId = (String, Option<String>, String);
 
 /// Expands rules into grants; problems (wildcards, non-resource URLs) go into `errors`.
 fn expand(rules: &[PolicyRule], at: &Where, origin: &str, errors: &mut Vec<String>) -> Vec<Grant> {
@@ -78,8 +82,14 @@ fn expand(rules: &[PolicyRule], at: &Where, origin: &str, errors: &mut Vec<Strin
     out
 }
 
-/// Everything the agent's service account may do according to `docs`.
-fn granted(docs: &[Doc], errors: &mut Vec<String>) -> Vec<Grant> {
+/// Everything the service account `account` may do according to `docs`; the roles bound to it go
+/// into `used_roles`.
+fn granted(
+    docs: &[Doc],
+    account: &str,
+    used_roles: &mut BTreeSet<RoleId>,
+    errors: &mut Vec<String>,
+) -> Vec<Grant> {
     let cluster_roles: Vec<ClusterRole> = docs
         .iter()
         .filter(|d| d.kind() == "ClusterRole")
@@ -95,12 +105,11 @@ fn granted(docs: &[Doc], errors: &mut Vec<String>) -> Vec<Grant> {
             .iter()
             .find(|r| r.metadata.name.as_deref() == Some(name))
     };
-    let mut used_roles = BTreeSet::new();
     let mut out = Vec::new();
 
     for d in docs.iter().filter(|d| d.kind() == "ClusterRoleBinding") {
         let b: ClusterRoleBinding = d.to();
-        if !is_agent(&b.subjects) {
+        if !names(&b.subjects, account) {
             continue;
         }
         let origin = d.at();
@@ -115,7 +124,7 @@ fn granted(docs: &[Doc], errors: &mut Vec<String>) -> Vec<Grant> {
     }
     for d in docs.iter().filter(|d| d.kind() == "RoleBinding") {
         let b: RoleBinding = d.to();
-        if !is_agent(&b.subjects) {
+        if !names(&b.subjects, account) {
             continue;
         }
         let origin = d.at();
@@ -143,7 +152,27 @@ fn granted(docs: &[Doc], errors: &mut Vec<String>) -> Vec<Grant> {
             None => errors.push(format!("{origin}: roleRef {:?} not found", b.role_ref)),
         }
     }
-    // A role nothing binds to the agent is dead weight, or a binding went missing (the
+    out
+}
+
+/// Everything wrong about the RBAC in `docs` against `accounts`: each service account and the
+/// table of the calls it makes.
+fn problems(docs: &[Doc], accounts: &[(&str, &[ApiCall])]) -> Vec<String> {
+    let mut errors = Vec::new();
+    let mut used_roles = BTreeSet::new();
+    for (account, calls) in accounts {
+        let grants: BTreeSet<Grant> = granted(docs, account, &mut used_roles, &mut errors)
+            .into_iter()
+            .collect();
+        let wanted: BTreeSet<Grant> = calls.iter().map(wanted).collect();
+        for missing in wanted.difference(&grants) {
+            errors.push(format!("{account}: call not allowed: {missing:?}"));
+        }
+        for extra in grants.difference(&wanted) {
+            errors.push(format!("{account}: granted but no call uses it: {extra:?}"));
+        }
+    }
+    // A role bound to none of these accounts is dead weight, or a binding went missing (the
     // requesters' role is for others to bind: `the_requester_role_grants_what_the_coordinator_asks`).
     for d in docs
         .iter()
@@ -153,27 +182,19 @@ fn granted(docs: &[Doc], errors: &mut Vec<String>) -> Vec<Grant> {
         let ns = (d.kind() == "Role").then(|| d.namespace().unwrap_or("").to_string());
         if !used_roles.contains(&(d.kind().to_string(), ns, d.name().to_string())) {
             errors.push(format!(
-                "{}: not bound to the agent's service account",
+                "{}: not bound to faultline's service accounts",
                 d.at()
             ));
         }
     }
-    out
-}
-
-/// Everything wrong about the RBAC in `docs` against `calls`.
-fn problems(docs: &[Doc], calls: &[ApiCall]) -> Vec<String> {
-    let mut errors = Vec::new();
-    let grants: BTreeSet<Grant> = granted(docs, &mut errors).into_iter().collect();
-    let wanted: BTreeSet<Grant> = calls.iter().map(wanted).collect();
-    for missing in wanted.difference(&grants) {
-        errors.push(format!("call not allowed: {missing:?}"));
-    }
-    for extra in grants.difference(&wanted) {
-        errors.push(format!("granted but no call uses it: {extra:?}"));
-    }
     errors
 }
+
+/// The base's accounts and their tables.
+const BASE: &[(&str, &[ApiCall])] = &[
+    (SERVICE_ACCOUNT, API_CALLS),
+    (COORDINATOR_SERVICE_ACCOUNT, COORDINATOR_API_CALLS),
+];
 
 /// The ClusterRole operators bind to whoever may request peer checks.
 const REQUESTER_ROLE: &str = "faultline-peer-requester";
@@ -248,10 +269,104 @@ fn rbac_docs() -> Vec<Doc> {
 
 #[test]
 fn rbac_grants_exactly_the_call_table() {
-    assert!(!API_CALLS.is_empty());
+    assert!(!API_CALLS.is_empty() && !COORDINATOR_API_CALLS.is_empty());
     let docs = rbac_docs();
-    let errors = problems(&docs, API_CALLS);
+    let errors = problems(&docs, BASE);
     assert!(errors.is_empty(), "{}", errors.join("\n"));
+}
+
+/// Whether `grants` allow `verb` on `group`/`resource` named `name` at `at`.
+fn allows(
+    grants: &[Grant],
+    (group, resource, verb): (&str, &str, &str),
+    at: &Where,
+    name: &str,
+) -> bool {
+    grants.iter().any(|(g, r, v, w, n)| {
+        g == group
+            && r == resource
+            && v == verb
+            && w == at
+            && (n.is_empty() || n.iter().any(|x| x == name))
+    })
+}
+
+/// The cluster-wide work is the coordinator's alone: an agent's token (every node has one) can
+/// neither hold or create the Lease, nor list the members, nor review tokens or access, nor write
+/// faultline-peercheck (RBAC grants the agents patch and create on every ConfigMap of the
+/// namespace for their own records; the admission policy refuses them faultline-peercheck:
+/// admission.rs). The coordinator, in turn, writes no Node, no Event and no agent's record.
+#[test]
+fn the_agents_cannot_do_the_coordinators_work() {
+    let docs = rbac_docs();
+    let mut errors = Vec::new();
+    let mut used = BTreeSet::new();
+    let agent = granted(&docs, SERVICE_ACCOUNT, &mut used, &mut errors);
+    let coordinator = granted(&docs, COORDINATOR_SERVICE_ACCOUNT, &mut used, &mut errors);
+    assert!(errors.is_empty(), "{errors:?}");
+    let ns = Where::Namespace(NAMESPACE.into());
+    for verb in ["create", "update", "patch", "delete"] {
+        assert!(
+            !allows(
+                &agent,
+                ("coordination.k8s.io", "leases", verb),
+                &ns,
+                "faultline-peercheck"
+            ),
+            "the agents may {verb} the Lease"
+        );
+    }
+    for (call, at) in [
+        (("", "pods", "list"), &ns),
+        (("", "pods", "watch"), &ns),
+        (
+            ("authentication.k8s.io", "tokenreviews", "create"),
+            &Where::Cluster,
+        ),
+        (
+            ("authorization.k8s.io", "subjectaccessreviews", "create"),
+            &Where::Cluster,
+        ),
+    ] {
+        assert!(!allows(&agent, call, at, ""), "the agents may {call:?}");
+    }
+    // Every coordinator call the agent's own table does not list is denied to the agents.
+    for c in COORDINATOR_API_CALLS {
+        let listed_for_agents = API_CALLS.iter().any(|a| {
+            (a.group, a.resource, a.verb) == (c.group, c.resource, c.verb)
+                && a.scope == c.scope
+                && (a.names.is_empty() || c.names.iter().all(|n| a.names.contains(n)))
+        });
+        if listed_for_agents {
+            continue;
+        }
+        let (g, r, v, at, names) = wanted(c);
+        let name = names.first().cloned().unwrap_or_default();
+        assert!(
+            !allows(&agent, (&g, &r, &v), &at, &name),
+            "the agents may {c:?}"
+        );
+    }
+    for verb in ["patch", "update", "create"] {
+        for res in ["nodes", "nodes/status"] {
+            assert!(
+                !allows(&coordinator, ("", res, verb), &Where::Cluster, "node-a"),
+                "the coordinator may {verb} {res}"
+            );
+        }
+    }
+    for verb in ["patch", "update"] {
+        for cm in ["faultline-taint-budget", "faultline-node-a"] {
+            assert!(
+                !allows(&coordinator, ("", "configmaps", verb), &ns, cm),
+                "the coordinator may {verb} {cm}"
+            );
+        }
+    }
+    assert!(
+        !coordinator.iter().any(|(g, ..)| g == "events.k8s.io"),
+        "the coordinator writes no Event"
+    );
 }
 
 /// The opt-in MindCluster component grants exactly the calls the MindCluster output makes.
@@ -262,13 +377,17 @@ fn the_mindcluster_component_grants_exactly_its_calls() {
         .filter(|d| d.api_version() == "rbac.authorization.k8s.io/v1")
         .collect();
     assert!(!docs.is_empty());
-    let errors = problems(&docs, MINDCLUSTER_CALLS);
+    let errors = problems(&docs, &[(SERVICE_ACCOUNT, MINDCLUSTER_CALLS)]);
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
 
 #[test]
 fn every_call_in_the_table_has_a_reason() {
-    for c in API_CALLS.iter().chain(MINDCLUSTER_CALLS) {
+    for c in API_CALLS
+        .iter()
+        .chain(MINDCLUSTER_CALLS)
+        .chain(COORDINATOR_API_CALLS)
+    {
         assert!(!c.used_by.trim().is_empty(), "{c:?}");
         assert!(c.resource.split('/').count() <= 2, "{c:?}");
     }
@@ -281,12 +400,22 @@ fn the_rbac_check_catches_drift() {
     let edit = |f: &dyn Fn(&mut Vec<Doc>)| {
         let mut d = docs.clone();
         f(&mut d);
-        problems(&d, API_CALLS)
+        problems(&d, BASE)
     };
+    // The agent's roles (the events Role is the one in `default`).
     let rules_of = |d: &mut Vec<Doc>, kind: &str, ns: &str| -> usize {
         d.iter()
-            .position(|x| x.kind() == kind && x.namespace().unwrap_or("") == ns)
+            .position(|x| {
+                x.kind() == kind
+                    && x.namespace().unwrap_or("") == ns
+                    && x.name().starts_with("faultline-agent")
+            })
             .expect("the role")
+    };
+    let coordinator = |d: &mut Vec<Doc>, kind: &str| -> usize {
+        d.iter()
+            .position(|x| x.kind() == kind && x.name() == "faultline-coordinator")
+            .expect("the coordinator's object")
     };
 
     // A verb no call uses.
@@ -373,10 +502,87 @@ fn the_rbac_check_catches_drift() {
         names: &[],
         used_by: "test",
     });
-    let e = problems(&docs, &more);
+    let e = problems(
+        &docs,
+        &[
+            (SERVICE_ACCOUNT, &more),
+            (COORDINATOR_SERVICE_ACCOUNT, COORDINATOR_API_CALLS),
+        ],
+    );
     assert!(
         e.iter()
             .any(|x| x.contains("leases") && x.contains("delete")),
+        "{e:?}"
+    );
+
+    // The coordinator's Role bound to the agents too: they could hold the Lease.
+    let e = edit(&|d| {
+        let i = coordinator(d, "RoleBinding");
+        d[i].value["subjects"]
+            .as_array_mut()
+            .expect("subjects")
+            .push(serde_json::json!({"kind": "ServiceAccount", "name": SERVICE_ACCOUNT, "namespace": NAMESPACE}));
+    });
+    assert!(
+        e.iter()
+            .any(|x| x.starts_with("faultline: granted but no call uses it")
+                && x.contains("leases")
+                && x.contains("\"create\"")),
+        "{e:?}"
+    );
+
+    // The coordinator's binding gone: its calls are refused and its Role bound to no one.
+    let e = edit(&|d| {
+        let i = coordinator(d, "RoleBinding");
+        d.remove(i);
+    });
+    assert!(
+        e.iter()
+            .any(|x| x.starts_with("faultline-coordinator: call not allowed") && x.contains("pods")),
+        "{e:?}"
+    );
+    assert!(e.iter().any(|x| x.contains("not bound")), "{e:?}");
+
+    // A name limit of the coordinator's dropped: it could patch every ConfigMap.
+    let e = edit(&|d| {
+        let i = coordinator(d, "Role");
+        for rule in d[i].value["rules"].as_array_mut().expect("rules") {
+            if rule["resources"][0] == "configmaps" {
+                rule.as_object_mut().expect("rule").remove("resourceNames");
+            }
+        }
+    });
+    assert!(
+        e.iter().any(
+            |x| x.starts_with("faultline-coordinator: granted but no call uses it")
+                && x.contains("configmaps")
+                && x.contains("\"patch\"")
+                && x.contains("[]")
+        ),
+        "{e:?}"
+    );
+
+    // A coordinator row without RBAC.
+    let mut more = COORDINATOR_API_CALLS.to_vec();
+    more.push(ApiCall {
+        group: "",
+        resource: "pods",
+        verb: "watch",
+        scope: Scope::AgentNamespace,
+        names: &[],
+        used_by: "test",
+    });
+    let e = problems(
+        &docs,
+        &[
+            (SERVICE_ACCOUNT, API_CALLS),
+            (COORDINATOR_SERVICE_ACCOUNT, &more),
+        ],
+    );
+    assert!(
+        e.iter()
+            .any(|x| x.starts_with("faultline-coordinator: call not allowed")
+                && x.contains("\"watch\"")),
         "{e:?}"
     );
 }

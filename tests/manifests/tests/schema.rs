@@ -3,7 +3,7 @@
 use k8s_openapi::api::admissionregistration::v1::{
     ValidatingAdmissionPolicy, ValidatingAdmissionPolicyBinding,
 };
-use k8s_openapi::api::apps::v1::DaemonSet;
+use k8s_openapi::api::apps::v1::{DaemonSet, Deployment};
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Namespace, PodTemplateSpec, Service, ServiceAccount};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
@@ -32,6 +32,7 @@ fn check_doc(doc: &Doc) -> Result<(), String> {
         ("rbac.authorization.k8s.io/v1", "Role") => check::<Role>(v),
         ("rbac.authorization.k8s.io/v1", "RoleBinding") => check::<RoleBinding>(v),
         ("apps/v1", "DaemonSet") => check::<DaemonSet>(v),
+        ("apps/v1", "Deployment") => check::<Deployment>(v),
         ("networking.k8s.io/v1", "NetworkPolicy") => check::<NetworkPolicy>(v),
         ("batch/v1", "Job") => check::<Job>(v),
         ("admissionregistration.k8s.io/v1", "ValidatingAdmissionPolicy") => {
@@ -265,6 +266,7 @@ fn every_document_is_a_faithful_instance_of_its_type() {
         "kustomization.yaml",
         "base/kustomization.yaml",
         "base/daemonset.yaml",
+        "base/coordinator.yaml",
         "examples/job.yaml",
         "examples/pytorchjob.yaml",
     ] {
@@ -285,6 +287,7 @@ fn every_document_is_a_faithful_instance_of_its_type() {
         "Role",
         "RoleBinding",
         "DaemonSet",
+        "Deployment",
         "ConfigMap",
         "ValidatingAdmissionPolicy",
         "ValidatingAdmissionPolicyBinding",
@@ -337,4 +340,12 @@ fn the_strict_check_catches_misplaced_and_mistyped_fields() {
     let mut unknown = ds.clone();
     unknown.value["kind"] = "DeamonSet".into();
     assert!(check_doc(&unknown).is_err(), "an unknown kind");
+
+    // The coordinator's Deployment is checked as strictly.
+    let deploy = common::find(&docs, "Deployment", "faultline-coordinator");
+    assert!(check_doc(deploy).is_ok());
+    let mut misplaced = deploy.clone();
+    misplaced.value["spec"]["template"]["spec"]["containers"][0]["runAsNonRoot"] = true.into();
+    let err = check_doc(&misplaced).expect_err("a pod-level field in the container");
+    assert!(err.contains("runAsNonRoot"), "{err}");
 }

@@ -1,9 +1,11 @@
-//! Every Kubernetes API call the agent makes, as data.
+//! Every Kubernetes API call the agent makes, and every call the peer-check coordinator makes, as
+//! data.
 //!
-//! The RBAC manifests in `manifests/base/` must allow exactly these calls and nothing more: a test
-//! (`tests/manifests/tests/rbac.rs`) checks the Roles against this table, and the end-to-end tests
-//! check that every call the agent sends to the API emulator is listed here. Add a row here in the
-//! same change that adds a call.
+//! The RBAC manifests in `manifests/base/` must allow exactly these calls and nothing more, each
+//! to its own service account (`faultline` for [`API_CALLS`], `faultline-coordinator` for
+//! [`COORDINATOR_API_CALLS`]): a test (`tests/manifests/tests/rbac.rs`) checks the Roles against
+//! these tables, and the end-to-end tests check that every call the agent sends to the API
+//! emulator is listed here. Add a row here in the same change that adds a call.
 //!
 //! A row is a verb the API server *checks*, which is not always the verb of the request: a
 //! server-side apply is a `patch`, and when it creates the object the server also checks
@@ -17,7 +19,7 @@
 pub enum Scope {
     /// A cluster-scoped object (Nodes).
     Cluster,
-    /// The agent's own namespace (`faultline-system` by default).
+    /// faultline's namespace (`faultline-system` by default): the agents' and the coordinator's.
     AgentNamespace,
     /// A fixed namespace (Events about a Node go to `default`).
     Namespace(&'static str),
@@ -64,12 +66,15 @@ impl ApiCall {
     }
 }
 
-/// The coordinator Lease, the only one the agent touches.
+/// The coordinator Lease, the only one the agent reads and the coordinator writes.
 const LEASE: &[&str] = &["faultline-peercheck"];
 /// The taint ledger, the only ConfigMap the agent replaces.
 const LEDGER: &[&str] = &["faultline-taint-budget"];
+/// The published peer-check runs, the only ConfigMap the coordinator reads or writes.
+const PEERCHECK: &[&str] = &["faultline-peercheck"];
 
-/// The whole table.
+/// The agent's table. Cluster-wide decisions are the coordinator's ([`COORDINATOR_API_CALLS`]):
+/// no agent writes the Lease or faultline-peercheck, lists the members, or reviews tokens.
 pub const API_CALLS: &[ApiCall] = &[
     call(
         "",
@@ -83,7 +88,7 @@ pub const API_CALLS: &[ApiCall] = &[
         "nodes",
         "list",
         Scope::Cluster,
-        "sink::kube::own (the watch of this Node starts with a list pinned to its name), peer::members (the topology label of every member; only with peer.topology_label set)",
+        "sink::kube::own (the watch of this Node starts with a list pinned to its name)",
     ),
     call(
         "",
@@ -93,47 +98,11 @@ pub const API_CALLS: &[ApiCall] = &[
         "sink::kube::own (this Node, by fieldSelector metadata.name: drift is repaired at once)",
     ),
     call(
-        "",
-        "pods",
-        "list",
-        Scope::AgentNamespace,
-        "peer::members (the coordinator lists the agent pods: node name and pod IP; every agent lists them to check an assignment's addresses, peer::authz)",
-    ),
-    call(
-        "authentication.k8s.io",
-        "tokenreviews",
-        "create",
-        Scope::Cluster,
-        "peer::authz (the coordinator checks a requester's service-account token: TokenReview)",
-    ),
-    call(
-        "authorization.k8s.io",
-        "subjectaccessreviews",
-        "create",
-        Scope::Cluster,
-        "peer::authz (the coordinator asks whether that requester may create peerchecks.faultline.io: SubjectAccessReview)",
-    ),
-    call(
         "coordination.k8s.io",
         "leases",
         "get",
         Scope::AgentNamespace,
-        "peer::lease (the faultline-peercheck Lease: who coordinates; faultline check reads it, every agent reads it to obey only the coordinator, peer::authz)",
-    )
-    .only(LEASE),
-    call(
-        "coordination.k8s.io",
-        "leases",
-        "create",
-        Scope::AgentNamespace,
-        "peer::lease (kube-lease-manager creates the Lease when missing)",
-    ),
-    call(
-        "coordination.k8s.io",
-        "leases",
-        "patch",
-        Scope::AgentNamespace,
-        "peer::lease (kube-lease-manager acquires, renews and releases it)",
+        "peer (the faultline-peercheck Lease, read only: which coordinator is active, and its public key, the only key an agent accepts assignments and conclusions under)",
     )
     .only(LEASE),
     call(
@@ -176,7 +145,7 @@ pub const API_CALLS: &[ApiCall] = &[
         "configmaps",
         "create",
         Scope::AgentNamespace,
-        "sink::kube::budget (the taint ledger's first entry, by POST); sink::kube::configmap and peer::publish (the first server-side apply of faultline-<node> and faultline-peercheck creates them, and the API server checks create as well as patch for that)",
+        "sink::kube::budget (the taint ledger's first entry, by POST); sink::kube::configmap (the first server-side apply of faultline-<node> creates it, and the API server checks create as well as patch for that)",
     ),
     call(
         "",
@@ -191,7 +160,7 @@ pub const API_CALLS: &[ApiCall] = &[
         "configmaps",
         "patch",
         Scope::AgentNamespace,
-        "sink::kube::configmap (faultline-<node> by server-side apply), peer::publish (faultline-peercheck)",
+        "sink::kube::configmap (faultline-<node> by server-side apply)",
     ),
     call(
         "events.k8s.io",
@@ -228,7 +197,102 @@ pub const MINDCLUSTER_CALLS: &[ApiCall] = &[
     ),
 ];
 
-/// Whether `verb` on `group`/`resource` is in either table (for the emulator-based tests).
+/// The peer-check coordinator's table (`faultline-coordinator`, its own service account and
+/// Deployment): the election, the published runs, the members, and the identity checks of the
+/// agents' reports and the requesters' runs. It writes no Node and no agent's record.
+pub const COORDINATOR_API_CALLS: &[ApiCall] = &[
+    call(
+        "coordination.k8s.io",
+        "leases",
+        "get",
+        Scope::AgentNamespace,
+        "coordinator::lease (who holds faultline-peercheck, and until when)",
+    )
+    .only(LEASE),
+    call(
+        "coordination.k8s.io",
+        "leases",
+        "create",
+        Scope::AgentNamespace,
+        "coordinator::lease (creates faultline-peercheck when missing: a POST, which RBAC cannot limit by name)",
+    ),
+    call(
+        "coordination.k8s.io",
+        "leases",
+        "patch",
+        Scope::AgentNamespace,
+        "coordinator::lease (acquires, renews and releases it; publishes the active replica's address and public key in it)",
+    )
+    .only(LEASE),
+    call(
+        "coordination.k8s.io",
+        "leases",
+        "update",
+        Scope::AgentNamespace,
+        "coordinator::lease (takes over an expired Lease with its resourceVersion)",
+    )
+    .only(LEASE),
+    call(
+        "",
+        "configmaps",
+        "get",
+        Scope::AgentNamespace,
+        "coordinator::publish (reads faultline-peercheck back to resume a run after a failover)",
+    )
+    .only(PEERCHECK),
+    call(
+        "",
+        "configmaps",
+        "create",
+        Scope::AgentNamespace,
+        "coordinator::publish (the first server-side apply of faultline-peercheck creates it: the API server checks create, which RBAC cannot limit by name)",
+    ),
+    call(
+        "",
+        "configmaps",
+        "patch",
+        Scope::AgentNamespace,
+        "coordinator::publish (faultline-peercheck by server-side apply: runs and verdicts)",
+    )
+    .only(PEERCHECK),
+    call(
+        "",
+        "pods",
+        "list",
+        Scope::AgentNamespace,
+        "coordinator::members (the agent pods: node name and pod IP of every member)",
+    ),
+    call(
+        "",
+        "nodes",
+        "get",
+        Scope::Cluster,
+        "coordinator::members (the topology label of one member's Node; only with peer.topology_label set)",
+    ),
+    call(
+        "",
+        "nodes",
+        "list",
+        Scope::Cluster,
+        "coordinator::members (the topology label of every member's Node; only with peer.topology_label set)",
+    ),
+    call(
+        "authentication.k8s.io",
+        "tokenreviews",
+        "create",
+        Scope::Cluster,
+        "coordinator::agents (TokenReview of agent tokens: the pod-bound token says which node a report comes from), coordinator::requesters (TokenReview of a requester's token)",
+    ),
+    call(
+        "authorization.k8s.io",
+        "subjectaccessreviews",
+        "create",
+        Scope::Cluster,
+        "coordinator::requesters (may that requester create peerchecks.faultline.io: SubjectAccessReview)",
+    ),
+];
+
+/// Whether `verb` on `group`/`resource` is in either of the agent's tables (for the emulator-based tests).
 pub fn listed(group: &str, resource: &str, verb: &str) -> bool {
     API_CALLS
         .iter()
