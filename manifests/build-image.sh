@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # Builds faultline's image from the repository's own build, pulling nothing from any registry:
-#   1. cargo builds the agent, the coordinator and the probe with the `dist` profile
-#      (Cargo.toml);
+#   1. cargo builds the agent and the probe with the `dist` profile (Cargo.toml);
 #   2. a root filesystem is assembled in target/image/context/rootfs: in /usr/local/bin,
-#      `faultline-agent`, `faultline-coordinator` (a binary of the agent's crate, run by the
-#      coordinator's Deployment), `faultline` (a symlink to faultline-agent, whose binary is the
-#      CLI when called by that name, which keeps the image under 30 MB; docs/benchmarks.md,
-#      "Image size") and `faultline-probe`; exactly the shared libraries they load (read from the
+#      `faultline-agent`, `faultline` and `faultline-coordinator` (symlinks to it: the agent's
+#      binary is the CLI and the coordinator when called by those names, which keeps the image
+#      under 30 MB; docs/benchmarks.md, "Image size") and `faultline-probe`; exactly the shared libraries they load (read from the
 #      binaries with ldd, so the list cannot go stale); /bin/busybox (Debian's busybox-static)
 #      as sh, cat, mv and sleep for the job examples' scripts; /tmp; /etc/passwd, /etc/group and
 #      /etc/debian_version (where the NVIDIA runtime puts the driver's libraries);
@@ -19,15 +17,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 tag=${1:-ghcr.io/faultline-io/faultline:0.1.0}
-bins=(faultline-agent faultline-coordinator faultline-probe)
+bins=(faultline-agent faultline-probe)
 
 # The probe with its GPU backends (`gpu`): cudarc loads the CUDA libraries at run time, so the
 # binary runs on every node and a node without them gets a one-line "unavailable" error
 # (docs/peer-checks.md, "The probe's GPU backends"; what a GPU check needs from the image:
 # docs/kubernetes.md, "The image").
 cargo build --profile dist --locked -p faultline-agent -p faultline-probe \
-    --features faultline-probe/gpu --bin faultline-agent --bin faultline-coordinator \
-    --bin faultline-probe
+    --features faultline-probe/gpu --bin faultline-agent --bin faultline-probe
 
 ctx=target/image/context
 rm -rf "$ctx"
@@ -37,6 +34,7 @@ for b in "${bins[@]}"; do
     install -m 0755 "target/dist/$b" "$ctx/rootfs/usr/local/bin/$b"
 done
 ln -s faultline-agent "$ctx/rootfs/usr/local/bin/faultline"
+ln -s faultline-agent "$ctx/rootfs/usr/local/bin/faultline-coordinator"
 
 # Every library the dynamic loader maps for the binaries, at the path it is found at here, and
 # the loader itself (the ELF interpreter). ldd lists both; `linux-vdso` is the kernel's.

@@ -324,8 +324,20 @@ fn resources_probes_and_privileges() {
     assert_eq!(sc.read_only_root_filesystem, Some(true));
 }
 
-/// The audience of the agents' peer-check tokens: what the coordinator's TokenReview asks for.
-const PEER_AUDIENCE: &str = "faultline-peer";
+/// The audience of the agents' peer-check tokens: what the coordinator's TokenReview asks for
+/// (`AGENT_AUDIENCE` in agent/src/coordinator/tokens.rs).
+fn peer_audience() -> String {
+    let text =
+        std::fs::read_to_string(common::repo_root().join("agent/src/coordinator/tokens.rs"))
+            .expect("tokens.rs");
+    let at = text
+        .find("pub const AGENT_AUDIENCE: &str = \"")
+        .expect("AGENT_AUDIENCE");
+    let rest = &text[at..];
+    let start = rest.find('"').expect("\"") + 1;
+    let end = rest[start..].find('"').expect("\"") + start;
+    rest[start..end].to_string()
+}
 
 /// The agent's peer-check credential is a service-account token bound to its pod (and so to its
 /// node), for the coordinator's audience, mounted read-only where FAULTLINE_PEER_TOKEN_FILE
@@ -359,7 +371,7 @@ fn the_peer_credential_is_a_pod_bound_token() {
         .service_account_token
         .as_ref()
         .expect("a serviceAccountToken source");
-    assert_eq!(token.audience.as_deref(), Some(PEER_AUDIENCE));
+    assert_eq!(token.audience.as_deref(), Some(peer_audience().as_str()));
     assert_eq!(token.expiration_seconds, Some(3600));
     assert_eq!(token.path, key, "the file the variable names");
 

@@ -20,18 +20,15 @@ fn the_image_ships_the_stripped_dist_build() {
         script.contains("\"target/dist/$b\"") && !script.contains("target/release/"),
         "the installed binaries come from the dist build"
     );
-    // Every binary the manifests run (the DaemonSet's agent, the Deployment's coordinator) is
-    // built and installed.
+    // Every binary the manifests run is built and installed: the agent and the probe, and the
+    // agent's binary under the names of the CLI and of the coordinator (the Deployment's
+    // command), which it answers to (agent/src/bin/faultline-agent.rs).
     let bins = script
         .lines()
         .find_map(|l| l.strip_prefix("bins=("))
         .and_then(|l| l.strip_suffix(')'))
         .expect("bins=(...)");
-    for bin in [
-        "faultline-agent",
-        "faultline-coordinator",
-        "faultline-probe",
-    ] {
+    for bin in ["faultline-agent", "faultline-probe"] {
         assert!(
             build.contains(&format!("--bin {bin}")),
             "{bin} not built: {build}"
@@ -39,6 +36,14 @@ fn the_image_ships_the_stripped_dist_build() {
         assert!(
             bins.split(' ').any(|b| b == bin),
             "{bin} not installed: {bins}"
+        );
+    }
+    for name in ["faultline", "faultline-coordinator"] {
+        assert!(
+            script.contains(&format!(
+                "ln -s faultline-agent \"$ctx/rootfs/usr/local/bin/{name}\""
+            )),
+            "{name} is not the agent's binary"
         );
     }
     // The profile's own lines (the workspace has no TOML parser among the test's dependencies).

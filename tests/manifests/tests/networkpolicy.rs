@@ -180,10 +180,7 @@ fn the_peer_and_probe_ports_admit_only_agents_and_the_coordinator() {
     let (peer, http) = (agents.port("peer"), agents.port("http"));
     let probes = {
         let base = i32::from(probe_port_base());
-        let n = i32::from(source_u16(
-            "agent/src/peer/coordinator.rs",
-            "PORTS_PER_ROUND",
-        )) * i32::from(source_u16("agent/src/peer/coordinator.rs", "PORT_GROUPS"));
+        let n = i32::from(source_u16("agent/src/peer/mod.rs", "PROBE_PORTS"));
         (base, base + n - 1)
     };
     let got = admitted(

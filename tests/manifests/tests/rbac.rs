@@ -199,10 +199,11 @@ const BASE: &[(&str, &[ApiCall])] = &[
 /// The ClusterRole operators bind to whoever may request peer checks.
 const REQUESTER_ROLE: &str = "faultline-peer-requester";
 
-/// A `pub const NAME: &str = "value";` of the agent's peer::authz.
+/// A `pub const NAME: &str = "value";` of the coordinator's requesters module.
 fn authz_const(name: &str) -> String {
-    let text = std::fs::read_to_string(common::repo_root().join("agent/src/peer/authz.rs"))
-        .expect("authz.rs");
+    let text =
+        std::fs::read_to_string(common::repo_root().join("agent/src/coordinator/requesters.rs"))
+            .expect("requesters.rs");
     let at = text
         .find(&format!("pub const {name}: &str = \""))
         .unwrap_or_else(|| panic!("no const {name}"));
