@@ -366,7 +366,7 @@ pub async fn run(
     let schedule_task = tokio::spawn(
         schedule(leadership, shutdown.clone()).instrument(tracing::info_span!("peer_schedule")),
     );
-    let served = server.await;
+    let served = crate::peer::drained(server, shutdown.clone()).await;
     shutdown.cancel();
     let _ = schedule_task.await;
     let _ = http_task.await;

@@ -119,16 +119,36 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
         )
-        .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned());
+        .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
     info!(address = ?address, "peer-check service listening");
     vec![tokio::spawn(
         async move {
-            if let Err(e) = server.await {
+            if let Err(e) = drained(server, shutdown).await {
                 warn!(error = %e, "peer-check service stopped");
             }
         }
         .instrument(tracing::info_span!("source", name = "peer")),
     )]
+}
+
+/// How long a server, once shut down, waits for its connections to end: a peer that keeps its
+/// connection open (the coordinator's channels stay connected between runs) must not hold the
+/// agent's exit.
+pub const DRAIN: Duration = Duration::from_secs(2);
+
+/// Runs `server` (which stops taking requests at `shutdown`) until it ends, or [`DRAIN`] after
+/// `shutdown`: what is still open then is dropped.
+pub async fn drained<E>(
+    server: impl std::future::Future<Output = Result<(), E>>,
+    shutdown: CancellationToken,
+) -> Result<(), E> {
+    tokio::select! {
+        r = server => r,
+        _ = async { shutdown.cancelled().await; tokio::time::sleep(DRAIN).await } => {
+            tracing::debug!("connections still open {DRAIN:?} after the shutdown; closed");
+            Ok(())
+        }
+    }
 }
 
 /// Calls `f` up to `attempts` times, `pause` apart, while it fails with an error `again` says

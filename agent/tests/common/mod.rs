@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+pub mod bare_metal;
 pub mod cluster;
 pub mod prometheus;
 

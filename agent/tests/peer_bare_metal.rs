@@ -1,0 +1,259 @@
+//! Peer checks without Kubernetes, end to end on loopback: a `faultline-coordinator` from a
+//! members file, three agents, credentials made with `faultline keys`. A node whose probe
+//! cannot run says so in its own record; and a member holding every credential an agent holds
+//! (its own node key, the coordinator's public key) and the requesters' secret cannot speak for
+//! the coordinator or for another node (issue 28: with the key every agent held, a forged
+//! conclusion made a healthy node Degraded, four spoofed assignments filled a node's check
+//! slots, and forged failure reports got a healthy node named faulty).
+
+#![allow(clippy::unwrap_used)] // test code: a panic is the failure report
+
+mod common;
+
+use std::net::{SocketAddr, TcpListener};
+use std::path::Path;
+use std::time::Duration;
+
+use common::bare_metal::{Coordinator, Pool};
+use common::{cluster::probe_bin, Agent};
+use faultline_proto::v1::{
+    peer_check_client::PeerCheckClient, verdict::Kind, CheckAssignment, CheckReport, Member,
+    RunConclusion, Verdict,
+};
+
+fn free_on(ip: &str) -> SocketAddr {
+    TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap()
+}
+
+const NAMES: [&str; 3] = ["node-a", "node-b", "node-c"];
+
+/// The coordinator at 127.0.0.9 and three members at 127.0.0.1-3.
+struct Setup {
+    tmp: tempfile::TempDir,
+    pool: Pool,
+    addrs: [SocketAddr; 3],
+    coordinator: Coordinator,
+    /// The first probe port of this test's agents (tests in one process must not share them).
+    port_base: &'static str,
+}
+
+impl Setup {
+    fn new(port_base: &'static str) -> Setup {
+        let tmp = tempfile::tempdir().unwrap();
+        let addrs = [
+            free_on("127.0.0.1"),
+            free_on("127.0.0.2"),
+            free_on("127.0.0.3"),
+        ];
+        let members: Vec<(&str, SocketAddr)> = NAMES.iter().copied().zip(addrs).collect();
+        let pool = Pool::new(
+            tmp.path(),
+            &members,
+            "peer:\n  enabled: false\n  bytes: 1048576\n  iterations: 2\n  check_timeout: 10s\n",
+        );
+        let coordinator = pool.start_coordinator(free_on("127.0.0.9"), port_base);
+        Setup {
+            tmp,
+            pool,
+            addrs,
+            coordinator,
+            port_base,
+        }
+    }
+
+    /// Member `i`, running `probe` (the real one when `None`).
+    fn start(&self, i: usize, probe: Option<&Path>) -> Agent {
+        let dir = self.tmp.path().join(NAMES[i]);
+        std::fs::create_dir_all(&dir).unwrap();
+        let probe = probe.map_or_else(probe_bin, Path::to_path_buf);
+        let mut args = self.pool.agent_args(NAMES[i], self.addrs[i]);
+        args.extend(
+            [
+                "--node-name",
+                NAMES[i],
+                "--no-nvml",
+                "--no-ascend",
+                "--probe-bin",
+                probe.to_str().unwrap(),
+                "--probe-port-base",
+                self.port_base,
+            ]
+            .map(String::from),
+        );
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Agent::start(&dir, &args)
+    }
+
+    /// Each agent has written its record and listens on its peer port.
+    fn wait_ready(&self, agents: [&Agent; 3]) {
+        for (agent, addr) in agents.into_iter().zip(self.addrs) {
+            agent.wait_for("start-up write", |_| true);
+            common::wait_until("the peer port to listen", Duration::from_secs(30), || {
+                std::net::TcpStream::connect(addr).ok()
+            });
+        }
+    }
+
+    fn check(&self, nodes: &str, timeout: &str) -> (i32, String, String) {
+        self.pool.check(self.coordinator.address, nodes, timeout)
+    }
+}
+
+/// A node whose probe cannot run fails with every partner and is found faulty; its own record
+/// names the cause (`PEER_PROBE_FAILED`, "cannot run /x/faultline-probe: …"), not
+/// PEER_UNREACHABLE: its agent answered every call.
+#[test]
+fn a_probe_that_cannot_run_is_named_in_the_nodes_record() {
+    let s = Setup::new("31470");
+    let a = s.start(0, None);
+    let b = s.start(1, None);
+    let c = s.start(2, Some(Path::new("/x/faultline-probe")));
+    s.wait_ready([&a, &b, &c]);
+    let (code, out, err) = s.check("node-a,node-b,node-c", "60s");
+    assert_eq!(code, 1, "{out}\n{err}\n{}", s.coordinator.log());
+    assert!(out.contains("faulty node   node-c"), "{out}");
+    let r = c.wait_for("the cause in node-c's record", |r| {
+        common::fault(r, "PEER_PROBE_FAILED").is_some()
+    });
+    let f = common::fault(&r, "PEER_PROBE_FAILED").unwrap();
+    assert!(
+        f.message.contains("cannot run /x/faultline-probe"),
+        "{}",
+        f.message
+    );
+    assert!(common::fault(&r, "PEER_UNREACHABLE").is_none());
+    assert_eq!(s.coordinator.published().unwrap().coordinator, "coordinator");
+    for agent in [a, b, c] {
+        assert_eq!(agent.stop(), 0);
+    }
+}
+
+/// What node-b holds, as a file an attacker on node-b can read: its own node key.
+fn node_b_key(s: &Setup) -> faultline_proto::auth::Key {
+    let text = std::fs::read_to_string(s.tmp.path().join("node-b.key")).unwrap();
+    faultline_proto::auth::Key::new(&hex::decode(text.trim()).unwrap()).unwrap()
+}
+
+fn wire(name: &str, at: SocketAddr) -> Option<Member> {
+    Some(Member {
+        node: name.into(),
+        address: at.to_string(),
+        topology: String::new(),
+    })
+}
+
+/// Issue 28's forgeries, by a member (node-b) holding every credential an agent holds and the
+/// requesters' secret, against the real processes: a conclusion naming node-a faulty signed as
+/// the coordinator, four assignments for node-a signed as the coordinator, and failure reports
+/// about node-a (as node-a, and as itself for node-a) are all refused; node-a's record stays
+/// free of peer faults, and a real check then passes (the spoofed assignments filled no slot).
+#[test]
+fn a_member_with_every_agent_credential_forges_nothing() {
+    let s = Setup::new("31570");
+    let a = s.start(0, None);
+    let b = s.start(1, None);
+    let c = s.start(2, None);
+    s.wait_ready([&a, &b, &c]);
+    let keys = [
+        node_b_key(&s),
+        faultline_agent::peer::wire::load_key(&s.pool.requester).unwrap(),
+    ];
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut to_a = PeerCheckClient::connect(format!("http://{}", s.addrs[0]))
+            .await
+            .unwrap();
+        for key in &keys {
+            let as_coordinator = faultline_agent::peer::wire::Signer {
+                key: key.clone(),
+                sender: "coordinator".into(),
+            };
+            let conclusion = RunConclusion {
+                auth: None,
+                protocol: faultline_proto::PROTOCOL,
+                run_id: "forged".into(),
+                members: NAMES.iter().map(|n| n.to_string()).collect(),
+                verdicts: vec![Verdict {
+                    kind: Kind::FaultyNode as i32,
+                    nodes: vec!["node-a".into()],
+                    slowdown: 0.0,
+                    reason: String::new(),
+                }],
+            };
+            let e = to_a
+                .conclude(as_coordinator.sign(conclusion, "node-a"))
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+            for i in 0..4 {
+                let assignment = CheckAssignment {
+                    protocol: faultline_proto::PROTOCOL,
+                    run_id: format!("spoof-{i}"),
+                    round: 1,
+                    a: wire("node-a", s.addrs[0]),
+                    b: wire("node-b", s.addrs[1]),
+                    probe_a: "127.0.0.1:31570".into(),
+                    probe_b: "127.0.0.2:31571".into(),
+                    bytes: 1 << 20,
+                    iterations: 1000,
+                    timeout_ms: 600_000,
+                    coordinator: s.addrs[1].to_string(),
+                    ..Default::default()
+                };
+                let e = to_a
+                    .assign(as_coordinator.sign(assignment, "node-a"))
+                    .await
+                    .unwrap_err();
+                assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+            }
+        }
+        let mut to_coordinator = faultline_proto::v1::coordinator_client::CoordinatorClient::connect(
+            format!("http://{}", s.coordinator.address),
+        )
+        .await
+        .unwrap();
+        for sender in ["node-a", "node-b"] {
+            let report = CheckReport {
+                protocol: faultline_proto::PROTOCOL,
+                run_id: "any".into(),
+                round: 1,
+                node: "node-a".into(),
+                partner: "node-c".into(),
+                passed: false,
+                error: "connection refused".into(),
+                ..Default::default()
+            };
+            let signer = faultline_agent::peer::wire::Signer {
+                key: keys[0].clone(),
+                sender: sender.into(),
+            };
+            let e = to_coordinator
+                .report(signer.sign(report, "coordinator"))
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(
+                    e.code(),
+                    tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
+                ),
+                "{sender}: {e:?}"
+            );
+        }
+    });
+    let (code, out, err) = s.check("node-a,node-b,node-c", "60s");
+    assert_eq!(code, 0, "{out}\n{err}\n{}", s.coordinator.log());
+    let r = a.record().unwrap();
+    assert!(
+        !r.faults
+            .iter()
+            .any(|f| f.active && f.source == faultline_core::record::Source::Peer),
+        "{:?}",
+        r.faults
+    );
+    for agent in [a, b, c] {
+        assert_eq!(agent.stop(), 0);
+    }
+}
