@@ -12,7 +12,6 @@ mod common;
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{SocketAddr, TcpListener};
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::cluster::probe_bin;
@@ -364,49 +363,35 @@ fn the_alerts_and_the_dashboard_use_only_exported_metrics() {
     let uses = shipped_uses();
     assert!(uses.len() > 20, "alerts and panels found: {}", uses.len());
 
-    // Two agents on loopback and a peer check between them (as peer_flood.rs runs one).
+    // Two agents on loopback, a coordinator, and a peer check between them (as peer_flood.rs
+    // runs one).
     let tmp = tempfile::tempdir().unwrap();
-    let secret = tmp.path().join("secret");
-    std::fs::write(&secret, "monitoring-test-secret-0123456789abcdef\n").unwrap();
-    let requester = tmp.path().join("requester-secret");
-    std::fs::write(&requester, "monitoring-test-requester-secret-012345\n").unwrap();
-    let policy = tmp.path().join("policy.yaml");
-    std::fs::write(
-        &policy,
-        "peer:\n  enabled: false\n  bytes: 1048576\n  iterations: 2\n  check_timeout: 10s\n",
-    )
-    .unwrap();
     let (a, b) = (free_on("127.0.0.1"), free_on("127.0.0.2"));
-    let members = tmp.path().join("members");
-    std::fs::write(&members, format!("node-a {a}\nnode-b {b}\n")).unwrap();
+    let pool = common::bare_metal::Pool::new(
+        tmp.path(),
+        &[("node-a", a), ("node-b", b)],
+        "peer:\n  enabled: false\n  bytes: 1048576\n  iterations: 2\n  check_timeout: 10s\n",
+    );
     let probe = probe_bin();
     let start = |name: &str, listen: SocketAddr| {
         let dir = tmp.path().join(name);
         std::fs::create_dir_all(&dir).unwrap();
-        let listen = listen.to_string();
-        Agent::start(
-            &dir,
-            &[
+        let mut args = pool.agent_args(name, listen);
+        args.extend(
+            [
                 "--node-name",
                 name,
                 "--no-nvml",
                 "--no-ascend",
-                "--policy",
-                policy.to_str().unwrap(),
-                "--peer-secret-file",
-                secret.to_str().unwrap(),
-                "--peer-requester-secret-file",
-                requester.to_str().unwrap(),
-                "--peer-members",
-                members.to_str().unwrap(),
-                "--peer-listen",
-                &listen,
                 "--probe-bin",
                 probe.to_str().unwrap(),
                 "--probe-port-base",
                 "31370",
-            ],
-        )
+            ]
+            .map(String::from),
+        );
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        Agent::start(&dir, &args)
     };
     let agent = start("node-a", a);
     let other = start("node-b", b);
@@ -416,20 +401,9 @@ fn the_alerts_and_the_dashboard_use_only_exported_metrics() {
     wait_until("the peer port to listen", Duration::from_secs(30), || {
         std::net::TcpStream::connect(a).ok()
     });
-    let out = Command::new(env!("CARGO_BIN_EXE_faultline"))
-        .args(["check", "--nodes", "node-a,node-b", "--timeout", "60s"])
-        .args(["--coordinator", &a.to_string()])
-        .arg("--secret-file")
-        .arg(&requester)
-        .output()
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "the peer check passes\n{}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let coordinator = pool.start_coordinator(free_on("127.0.0.5"), "31370");
+    let (code, out, err) = pool.check(coordinator.address, "node-a,node-b", "60s");
+    assert_eq!(code, 0, "the peer check passes\n{out}\n{err}");
     agent.append(&xid79(1, "3b"));
     agent.wait_for("the Xid", |r| common::fault(r, "Xid79").is_some());
 

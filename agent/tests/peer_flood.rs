@@ -1,13 +1,12 @@
-//! A connection flood at the peer-check port of a bare-metal agent (members file, loopback):
-//! the agent's connection guard keeps the port usable for its peers and the descriptors free
-//! for its own work.
+//! A connection flood at the peer-check port of a bare-metal agent (a coordinator from a members
+//! file, loopback): the agent's connection guard keeps the port usable for the coordinator and
+//! its peers and the descriptors free for its own work.
 
 #![allow(clippy::unwrap_used)] // test code: a panic is the failure report
 
 mod common;
 
 use std::net::{SocketAddr, TcpListener};
-use std::process::Command;
 use std::time::Duration;
 
 use common::{cluster::probe_bin, xid79, Agent};
@@ -17,7 +16,7 @@ fn free_on(ip: &str) -> SocketAddr {
     TcpListener::bind((ip, 0)).unwrap().local_addr().unwrap()
 }
 
-/// 1,100 idle connections at the coordinator's peer port, while that agent is held to 256 open
+/// 1,100 idle connections at an agent's peer port, while that agent is held to 256 open
 /// files (soft and hard): a check between the two agents still runs and passes, and a fault
 /// that arrives during the flood is written. The flood comes from 127.0.0.9; the peers and the
 /// CLI from other loopback addresses, as in a cluster where the flood is one misbehaving pod
@@ -36,53 +35,40 @@ fn a_flood_at_the_peer_port_does_not_stop_a_check_or_detection() {
         );
     }
     let tmp = tempfile::tempdir().unwrap();
-    let secret = tmp.path().join("secret");
-    std::fs::write(&secret, "flood-test-secret-0123456789abcdef0123456789\n").unwrap();
-    // The CLI holds the requesters' secret only (issue 12 §5).
-    let requester = tmp.path().join("requester-secret");
-    std::fs::write(&requester, "flood-test-requester-secret-0123456789\n").unwrap();
-    let policy = tmp.path().join("policy.yaml");
-    std::fs::write(
-        &policy,
-        "peer:\n  enabled: false\n  bytes: 1048576\n  iterations: 2\n  check_timeout: 10s\n",
-    )
-    .unwrap();
     let (a, b) = (free_on("127.0.0.1"), free_on("127.0.0.2"));
-    let members = tmp.path().join("members");
-    std::fs::write(&members, format!("node-a {a}\nnode-b {b}\n")).unwrap();
+    let pool = common::bare_metal::Pool::new(
+        tmp.path(),
+        &[("node-a", a), ("node-b", b)],
+        "peer:\n  enabled: false\n  bytes: 1048576\n  iterations: 2\n  check_timeout: 10s\n",
+    );
     let probe = probe_bin();
     let start = |name: &str, listen: SocketAddr, nofile: Option<u64>| {
         let dir = tmp.path().join(name);
         std::fs::create_dir_all(&dir).unwrap();
-        let listen = listen.to_string();
-        let args = [
-            "--node-name",
-            name,
-            "--no-nvml",
-            "--no-ascend",
-            "--policy",
-            policy.to_str().unwrap(),
-            "--peer-secret-file",
-            secret.to_str().unwrap(),
-            "--peer-requester-secret-file",
-            requester.to_str().unwrap(),
-            "--peer-members",
-            members.to_str().unwrap(),
-            "--peer-listen",
-            &listen,
-            "--probe-bin",
-            probe.to_str().unwrap(),
-            "--probe-port-base",
-            "31270",
-        ];
+        let mut args = pool.agent_args(name, listen);
+        args.extend(
+            [
+                "--node-name",
+                name,
+                "--no-nvml",
+                "--no-ascend",
+                "--probe-bin",
+                probe.to_str().unwrap(),
+                "--probe-port-base",
+                "31270",
+            ]
+            .map(String::from),
+        );
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         match nofile {
             Some(n) => Agent::start_with_file_limit(&dir, &args, n),
             None => Agent::start(&dir, &args),
         }
     };
-    let coordinator = start("node-a", a, Some(256));
+    let flooded = start("node-a", a, Some(256));
     let other = start("node-b", b, None);
-    for agent in [&coordinator, &other] {
+    let coordinator = pool.start_coordinator(free_on("127.0.0.5"), "31270");
+    for agent in [&flooded, &other] {
         agent.wait_for("start-up write", |_| true);
     }
     common::wait_until("the peer port to listen", Duration::from_secs(30), || {
@@ -92,47 +78,38 @@ fn a_flood_at_the_peer_port_does_not_stop_a_check_or_detection() {
     let flood = connect_from("127.0.0.9", a, 1100);
     assert!(flood.len() >= 1000, "the flood connected: {}", flood.len());
 
-    coordinator.append(&xid79(1, "3b"));
-    let out = Command::new(env!("CARGO_BIN_EXE_faultline"))
-        .args(["check", "--nodes", "node-a,node-b", "--timeout", "60s"])
-        .args(["--coordinator", &a.to_string()])
-        .arg("--secret-file")
-        .arg(&requester)
-        .output()
-        .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
+    flooded.append(&xid79(1, "3b"));
+    let (code, stdout, stderr) = pool.check(coordinator.address, "node-a,node-b", "60s");
     assert_eq!(
-        out.status.code(),
-        Some(0),
-        "the check passes during the flood\n{stdout}\n{stderr}\n--- coordinator:\n{}",
+        code,
+        0,
+        "the check passes during the flood\n{stdout}\n{stderr}\n--- node-a:\n{}\n--- coordinator:\n{}",
+        flooded.log(),
         coordinator.log()
     );
     assert!(
         stdout.contains("no faulty node, broken or degraded link, or straggler"),
         "{stdout}"
     );
-    let r = coordinator.wait_for("the fault written during the flood", |r| {
+    let r = flooded.wait_for("the fault written during the flood", |r| {
         r.health == Health::Unhealthy
     });
     assert!(common::fault(&r, "Xid79").is_some());
     assert!(
-        !coordinator.log().contains("Too many open files"),
+        !flooded.log().contains("Too many open files"),
         "{}",
-        coordinator.log()
+        flooded.log()
     );
     drop(flood);
     common::wait_until(
         "the refusals to be counted",
         Duration::from_secs(40),
         || {
-            (coordinator.metric("faultline_connections_refused_total{server=\"peer\"}") > 0.0)
+            (flooded.metric("faultline_connections_refused_total{server=\"peer\"}") > 0.0)
                 .then_some(())
         },
     );
-    assert_eq!(coordinator.stop(), 0);
+    assert_eq!(flooded.stop(), 0);
     assert_eq!(other.stop(), 0);
 }
 
