@@ -1,7 +1,10 @@
 //! A cluster of real agents for the peer-check end-to-end test and bench: each agent in its own
 //! network namespace on a bridge (tests/netlab), the API emulator on the bridge's host address,
-//! the agents authorized for exactly the calls in `sink::kube::calls`, one Pod object per agent
-//! (what the coordinator lists), the real probe. Needs root.
+//! the agents authorized for exactly the calls in `sink::kube::calls::API_CALLS`, each with its
+//! own pod-bound peer token (audience `faultline-peer`, its node in the token's `extra`), one
+//! Pod object per agent (what the coordinator lists), the real probe; and two coordinator
+//! replicas (`faultline-coordinator`) on the host address, authorized for exactly
+//! `COORDINATOR_API_CALLS`, one active by the Lease. Needs root.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -9,7 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use faultline_agent::coordinator::runs::RunState;
-use faultline_agent::sink::kube::calls::API_CALLS;
+use faultline_agent::sink::kube::calls::{API_CALLS, COORDINATOR_API_CALLS};
 use faultline_core::record::NodeRecord;
 use faultline_kube_emulator::{Emulator, ResourceRef, UserInfo};
 use faultline_netlab::Lab;
@@ -17,7 +20,16 @@ use serde_json::json;
 
 pub const NS: &str = "faultline-system";
 pub const TOKEN: &str = "agent-token";
+pub const COORDINATOR_TOKEN: &str = "coordinator-token";
+/// The requesters' secret (`faultline check --secret-file`).
 pub const SECRET: &str = "e2e peer-check secret, 32 bytes!";
+/// The coordinator replicas.
+pub const REPLICAS: usize = 2;
+
+/// Node `name`'s agent's pod-bound peer token.
+pub fn peer_token(name: &str) -> String {
+    format!("peer-token-of-{name}-0123456789")
+}
 
 pub fn probe_bin() -> PathBuf {
     let agent = Path::new(env!("CARGO_BIN_EXE_faultline-agent"));
@@ -159,6 +171,8 @@ pub fn has_fault(r: &NodeRecord, code: &str, device: &str) -> bool {
 /// A running cluster; everything is stopped and removed on drop (logs kept if a test failed).
 pub struct Cluster {
     pub nodes: Vec<Node>,
+    /// The coordinator replicas (`coord-0`, `coord-1`).
+    pub coordinators: Vec<Node>,
     pub names: Vec<String>,
     pub emu: Emulator,
     pub lab: Lab,
@@ -170,7 +184,7 @@ pub struct Cluster {
 
 impl Drop for Cluster {
     fn drop(&mut self) {
-        for n in &mut self.nodes {
+        for n in self.nodes.iter_mut().chain(self.coordinators.iter_mut()) {
             n.kill();
         }
     }
@@ -218,6 +232,11 @@ impl Cluster {
             },
             super::rules_for(&[API_CALLS], NS),
         );
+        emu.authorize(
+            COORDINATOR_TOKEN,
+            UserInfo::service_account(NS, "faultline-coordinator"),
+            super::rules_for(&[COORDINATOR_API_CALLS], NS),
+        );
         // The CLI runs as a job's service account: it may read the Lease, nothing else.
         emu.authorize(
             "cli-token",
@@ -243,6 +262,9 @@ impl Cluster {
         let tmp = KeepOnPanic(Some(tmp));
         let kubeconfig = tmp.path().join("kubeconfig");
         emu.write_kubeconfig(&kubeconfig, TOKEN).unwrap();
+        let coordinator_kubeconfig = tmp.path().join("coordinator-kubeconfig");
+        emu.write_kubeconfig(&coordinator_kubeconfig, COORDINATOR_TOKEN)
+            .unwrap();
         let cli_kubeconfig = tmp.path().join("cli-kubeconfig");
         emu.write_kubeconfig(&cli_kubeconfig, "cli-token").unwrap();
         let secret = tmp.path().join("secret");
@@ -258,13 +280,29 @@ impl Cluster {
             emu.put(json!({
                 "apiVersion": "v1", "kind": "Pod",
                 "metadata": {"name": format!("faultline-{name}"), "namespace": NS,
-                              "labels": {"app.kubernetes.io/name": "faultline"}},
+                              "labels": {"app.kubernetes.io/name": "faultline",
+                                         "app.kubernetes.io/component": "agent"}},
                 "spec": {"nodeName": name, "containers": [{"name": "agent", "image": "faultline"}]},
                 "status": {"phase": "Running", "podIP": ip.to_string()},
             }));
             let dir = tmp.path().join(name);
             std::fs::create_dir_all(&dir).unwrap();
             std::fs::write(dir.join("boot_id"), "boot-1\n").unwrap();
+            // Its pod-bound token for the coordinator, as the kubelet projects it.
+            emu.authorize_for_audiences(
+                &peer_token(name),
+                UserInfo {
+                    extra: [(
+                        faultline_agent::coordinator::tokens::NODE_NAME_EXTRA.to_string(),
+                        vec![name.clone()],
+                    )]
+                    .into(),
+                    ..UserInfo::service_account(NS, "faultline")
+                },
+                vec![],
+                &[faultline_agent::coordinator::tokens::AGENT_AUDIENCE],
+            );
+            std::fs::write(dir.join("peer-token"), format!("{}\n", peer_token(name))).unwrap();
             let log = std::fs::File::create(dir.join("agent.log")).unwrap();
             let procs = cgroup_procs(i);
             // In a cgroup: a shell waits on its stdin until the test has moved it (the same
@@ -292,12 +330,11 @@ impl Cluster {
                 .arg(&kubeconfig)
                 .arg("--policy")
                 .arg(&policy_file)
-                .arg("--peer-secret-file")
-                .arg(&secret)
+                .arg("--peer-token-file")
+                .arg(dir.join("peer-token"))
                 .arg("--probe-bin")
                 .arg(probe_for(i).unwrap_or_else(|| probe.clone()))
                 .args(["--listen", "127.0.0.1:0", "--settle", "0s"])
-                .args(["--peer-address", &ip.to_string()])
                 .env("RUST_LOG", "info,faultline_agent=debug")
                 .stdout(Stdio::null())
                 .stderr(Stdio::from(log))
@@ -316,8 +353,45 @@ impl Cluster {
                 child: Some(child),
             });
         }
+        let coordinators = (0..REPLICAS)
+            .map(|i| {
+                let name = format!("coord-{i}");
+                let dir = tmp.path().join(&name);
+                std::fs::create_dir_all(&dir).unwrap();
+                let log = std::fs::File::create(dir.join("agent.log")).unwrap();
+                let at = SocketAddr::new(
+                    lab.host_ip().into(),
+                    std::net::TcpListener::bind((lab.host_ip(), 0))
+                        .unwrap()
+                        .local_addr()
+                        .unwrap()
+                        .port(),
+                );
+                let child = Command::new(env!("CARGO_BIN_EXE_faultline-coordinator"))
+                    .args(["--name", &name, "--namespace", NS])
+                    .arg("--kubeconfig")
+                    .arg(&coordinator_kubeconfig)
+                    .arg("--policy")
+                    .arg(&policy_file)
+                    .arg("--requester-secret-file")
+                    .arg(&secret)
+                    .args(["--peer-listen", &at.to_string()])
+                    .args(["--listen", "127.0.0.1:0"])
+                    .env("RUST_LOG", "info,faultline_agent=debug")
+                    .stdout(Stdio::null())
+                    .stderr(Stdio::from(log))
+                    .spawn()
+                    .unwrap();
+                Node {
+                    name,
+                    dir,
+                    child: Some(child),
+                }
+            })
+            .collect();
         let cluster = Cluster {
             nodes,
+            coordinators,
             names,
             emu,
             lab,
@@ -339,14 +413,14 @@ impl Cluster {
         cluster
     }
 
-    /// The index of the agent holding the Lease.
+    /// The index of the coordinator replica holding the Lease.
     pub fn coordinator(&self) -> usize {
         let holder = wait_until("a coordinator", Duration::from_secs(30), || {
             lease_holder(&self.emu)
         });
-        self.names
+        self.coordinators
             .iter()
-            .position(|n| holder.starts_with(&format!("{n}@")))
+            .position(|c| holder.starts_with(&format!("{}@", c.name)))
             .unwrap()
     }
 }

@@ -352,6 +352,22 @@ impl Lab {
         Ok(())
     }
 
+    /// Breaks the path between node `i` and one service on the host: node `i` drops the host's
+    /// connections to its `node_port` and its own to the host's `host_port`. Everything else
+    /// still passes: the other nodes, and the host's other ports (the API server).
+    pub fn cut_host_ports(&self, i: usize, node_port: u16, host_port: u16) -> Result<(), LabError> {
+        let host = self.host_ip().to_string();
+        let (np, hp) = (node_port.to_string(), host_port.to_string());
+        self.iptables(
+            i,
+            &["-I", "INPUT", "-s", &host, "-p", "tcp", "--dport", &np, "-j", "DROP"],
+        )?;
+        self.iptables(
+            i,
+            &["-I", "OUTPUT", "-d", &host, "-p", "tcp", "--dport", &hp, "-j", "DROP"],
+        )
+    }
+
     /// Slows node `i`'s path: every round trip through it gets `delay` longer (half added on
     /// its `eth0` egress, half on the host-side veth's egress toward it), and each direction is
     /// limited to `rate_mbit` (0: no limit). Replaces earlier shaping of the node.
