@@ -13,10 +13,12 @@ use tracing::{info, warn};
 
 use crate::peer::lease::{GRACE_SECONDS, LEASE_SECONDS, NAME};
 
-/// Runs the Lease election until shutdown; the receiver says whether this agent holds it.
+/// Runs the Lease election until shutdown as `identity` (the holder identity), with the field
+/// manager `faultline-agent-<name>`; the receiver says whether this replica holds the Lease.
 pub fn elect(
     client: Client,
     namespace: String,
+    name: String,
     identity: String,
     shutdown: CancellationToken,
 ) -> watch::Receiver<bool> {
@@ -30,8 +32,10 @@ pub fn elect(
                 .with_grace(GRACE_SECONDS)
                 .with_create_mode(LeaseCreateMode::AutoCreate)
                 // One field manager per candidate: server-side apply then refuses a second
-                // agent's claim on a held Lease as a conflict (the same manager would overwrite).
-                .with_field_manager(format!("{}-{identity}", crate::kube_client::FIELD_MANAGER))
+                // replica's claim on a held Lease as a conflict (the same manager would
+                // overwrite). By the replica's name, not its identity: the API server refuses
+                // a field manager of 128 characters or more, and the identity carries the key.
+                .with_field_manager(format!("{}-{name}", crate::kube_client::FIELD_MANAGER))
                 .build()
                 .await;
             let manager = match built {

@@ -280,6 +280,7 @@ pub async fn run(
             let held = lease::elect(
                 client.lease.clone(),
                 cfg.namespace.clone(),
+                name.clone(),
                 identity.clone(),
                 shutdown.clone(),
             );

@@ -506,6 +506,11 @@ impl PeerCheck for PeerHandle {
                 self.node
             )));
         }
+        if let forward::Message::Assign(a) = &msg {
+            // Where the coordinator takes reports (its own envelope says so): this relay passes
+            // the member's report there.
+            self.remember_coordinator(&a.coordinator);
+        }
         debug!(to = %to.node, "forwarding the coordinator's message");
         pass_on(&to.address, msg)
             .await

@@ -171,7 +171,7 @@ pub fn has_fault(r: &NodeRecord, code: &str, device: &str) -> bool {
 /// A running cluster; everything is stopped and removed on drop (logs kept if a test failed).
 pub struct Cluster {
     pub nodes: Vec<Node>,
-    /// The coordinator replicas (`coord-0`, `coord-1`).
+    /// The coordinator replicas.
     pub coordinators: Vec<Node>,
     pub names: Vec<String>,
     pub emu: Emulator,
@@ -355,7 +355,10 @@ impl Cluster {
         }
         let coordinators = (0..REPLICAS)
             .map(|i| {
-                let name = format!("coord-{i}");
+                // As long as a Deployment's pod names get: the Lease's field manager must stay
+                // under the API server's 128 characters although the holder identity (name,
+                // address, key) does not.
+                let name = format!("faultline-coordinator-6c9f8d7b5d-replica-x{i}q7z");
                 let dir = tmp.path().join(&name);
                 std::fs::create_dir_all(&dir).unwrap();
                 let log = std::fs::File::create(dir.join("agent.log")).unwrap();
