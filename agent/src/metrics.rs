@@ -46,7 +46,7 @@ pub struct SinkLabel {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ServerLabel {
-    /// `http` or `peer`.
+    /// `http` or `peer` (an agent's), `coordinator` (the coordinator's gRPC service).
     pub server: &'static str,
 }
 

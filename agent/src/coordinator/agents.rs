@@ -106,13 +106,15 @@ impl Agents for Tokens {
         };
         let key = Key::new(token.as_bytes())
             .map_err(|e| Refusal::Unauthenticated(format!("the token: {e}")))?;
+        // The signature, receiver, time and nonce first: a replayed, stale or altered report
+        // costs the API server no review.
+        let sender = locked(&self.verifier)?
+            .verify_with(&VerifyKey::Hmac(key), report, wire::now_ms())
+            .map_err(|e| Refusal::Unauthenticated(e.to_string()))?;
         let node = self.tokens.node_of(token).await.map_err(|e| match e {
             TokenRefusal::Unavailable(m) => Refusal::Unavailable(m),
             e => Refusal::Unauthenticated(e.to_string()),
         })?;
-        let sender = locked(&self.verifier)?
-            .verify_with(&VerifyKey::Hmac(key), report, wire::now_ms())
-            .map_err(|e| Refusal::Unauthenticated(e.to_string()))?;
         if sender != node {
             return Err(Refusal::Unauthenticated(format!(
                 "the report names {sender:?} as its sender, but its token is {node:?}'s agent's"

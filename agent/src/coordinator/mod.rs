@@ -204,6 +204,25 @@ fn advertised(cfg: &CoordinatorConfig, port: u16) -> anyhow::Result<SocketAddr> 
     }
 }
 
+/// The requesters' secret, if its file exists (an optional Secret not created: requesters use
+/// service-account tokens); never the master of the nodes' keys, from which a requester could
+/// derive every node's key.
+fn requester_secret(
+    path: Option<&std::path::Path>,
+    master: Option<&faultline_proto::auth::Key>,
+) -> anyhow::Result<Option<faultline_proto::auth::Key>> {
+    let Some(path) = path.filter(|p| p.exists()) else {
+        return Ok(None);
+    };
+    let key = wire::load_key(path)?;
+    anyhow::ensure!(
+        !master.is_some_and(|m| m.same_secret(&key)),
+        "the requester secret {} is the master of the nodes' keys: a requester holding it could sign as any node",
+        path.display()
+    );
+    Ok(Some(key))
+}
+
 /// Runs the coordinator until `shutdown`; `reload` (SIGHUP) re-reads the policy.
 pub async fn run(
     cfg: CoordinatorConfig,
@@ -229,12 +248,13 @@ pub async fn run(
         None => CoordinatorKey::generate().context("cannot make the coordinator's key")?,
     };
     let key = Arc::new(key);
-    let requester = match &cfg.requester_secret_file {
-        // An optional Secret not created: requesters use service-account tokens.
-        Some(p) if !p.exists() => None,
-        Some(p) => Some(Verifier::new(wire::load_key(p)?, MAX_SKEW, &name)),
-        None => None,
-    };
+    let master = cfg
+        .node_key_master_file
+        .as_deref()
+        .map(wire::load_key)
+        .transpose()?;
+    let requester = requester_secret(cfg.requester_secret_file.as_deref(), master.as_ref())?
+        .map(|k| Verifier::new(k, MAX_SKEW, &name));
     let policy = follow_policy(&cfg, &metrics, &shutdown, reload).await;
 
     type Parts = (
@@ -250,7 +270,7 @@ pub async fn run(
                 cfg.key_file.is_some(),
                 "without Kubernetes the coordinator needs --key-file: the agents know it by its public key"
             );
-            let master = cfg.node_key_master_file.as_deref().context(
+            let master = master.context(
                 "without Kubernetes the coordinator needs --node-key-master-file: the agents sign their reports with the keys it derives",
             )?;
             // Checked at start: a members file that cannot be read is a configuration error.
@@ -266,7 +286,7 @@ pub async fn run(
                     dir: cfg.state_dir.clone(),
                 }),
                 Arc::new(runs::WatchFence(rx)),
-                Arc::new(agents::NodeKeys::new(wire::load_key(master)?, &name)),
+                Arc::new(agents::NodeKeys::new(master, &name)),
                 None,
             )
         }
@@ -547,4 +567,28 @@ async fn run_once(
         .coordinator
         .run(members, missing, &spec, trigger, request_id)
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// The requesters' secret is optional (no file: none), and never the nodes' master.
+    #[test]
+    fn the_requester_secret_is_never_the_nodes_master() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+        std::fs::write(&a, "one secret of enough bytes\n").unwrap();
+        std::fs::write(&b, "another secret, long enough\n").unwrap();
+        let master = wire::load_key(&a).unwrap();
+        assert!(requester_secret(None, Some(&master)).unwrap().is_none());
+        assert!(requester_secret(Some(&dir.path().join("none")), Some(&master))
+            .unwrap()
+            .is_none());
+        assert!(requester_secret(Some(&b), Some(&master)).unwrap().is_some());
+        assert!(requester_secret(Some(&a), None).unwrap().is_some());
+        let e = requester_secret(Some(&a), Some(&master)).unwrap_err();
+        assert!(e.to_string().contains("master of the nodes' keys"), "{e}");
+    }
 }

@@ -292,12 +292,14 @@ mod tests {
 
     /// Tokens as the API server would review them: `tok-<node>-0123456789abcdef` is that
     /// node's agent's.
-    #[derive(Debug)]
-    struct FakeTokens;
+    /// Counts its reviews.
+    #[derive(Debug, Default)]
+    struct FakeTokens(std::sync::atomic::AtomicUsize);
 
     #[async_trait::async_trait]
     impl AgentTokens for FakeTokens {
         async fn node_of(&self, token: &str) -> Result<String, TokenRefusal> {
+            self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             token
                 .strip_prefix("tok-")
                 .and_then(|t| t.strip_suffix(PAD))
@@ -416,7 +418,7 @@ mod tests {
     /// with another token than it carries is refused; n1's own is taken.
     #[tokio::test]
     async fn on_kubernetes_a_report_is_taken_only_from_the_node_its_token_names() {
-        let svc = service(Arc::new(Tokens::new(Arc::new(FakeTokens), "c0")), true);
+        let svc = service(Arc::new(Tokens::new(Arc::new(FakeTokens::default()), "c0")), true);
         let cases = [
             (
                 with_token(&tok("n2"), token_signed(&tok("n2"), "n2", report("n1"))),
@@ -452,6 +454,40 @@ mod tests {
         svc.report(with_token(&tok("n1"), token_signed(&tok("n1"), "n1", report("n1"))))
             .await
             .unwrap();
+    }
+
+    /// A report replayed, altered or addressed elsewhere is refused before its token is
+    /// reviewed: it costs the API server nothing.
+    #[tokio::test]
+    async fn a_replayed_or_altered_report_costs_no_token_review() {
+        let tokens = Arc::new(FakeTokens::default());
+        let svc = service(Arc::new(Tokens::new(tokens.clone(), "c0")), true);
+        let reviews = || tokens.0.load(std::sync::atomic::Ordering::Relaxed);
+        let good = token_signed(&tok("n1"), "n1", report("n1"));
+        svc.report(with_token(&tok("n1"), good.clone()))
+            .await
+            .unwrap();
+        assert_eq!(reviews(), 1);
+        let e = svc
+            .report(with_token(&tok("n1"), good.clone()))
+            .await
+            .unwrap_err();
+        assert!(e.message().contains("replay"), "{e:?}");
+        let mut altered = good;
+        altered.passed = true;
+        let e = svc.report(with_token(&tok("n1"), altered)).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        let elsewhere = Signer {
+            key: Key::new(tok("n1").as_bytes()).unwrap(),
+            sender: "n1".into(),
+        }
+        .sign(report("n1"), "c1");
+        let e = svc
+            .report(with_token(&tok("n1"), elsewhere))
+            .await
+            .unwrap_err();
+        assert!(e.message().contains("addressed to"), "{e:?}");
+        assert_eq!(reviews(), 1, "no review for any of them");
     }
 
     fn run_request() -> RunRequest {

@@ -23,7 +23,7 @@ use crate::peer::wire::CoordinatorSigner;
 
 /// How long a ping through a relay may take (the relay's own call within `CALL_TIMEOUT`).
 pub const RELAY_TIMEOUT: Duration = Duration::from_secs(6);
-/// Members one relay is asked to reach at once.
+/// Pings one relay passes on at once (more members to reach wait their turn).
 pub const MAX_REACH: usize = 16;
 
 /// A member as the wire names it.
@@ -73,6 +73,17 @@ impl GrpcTransport {
         )
     }
 
+    /// Whether `to` answers a ping passed on by `via`.
+    async fn ping_through(&self, via: &Member, to: &Member) -> Reached {
+        let message = forward::Message::Ping(self.ping_for(to));
+        let answered = self.through(via, to, message, RELAY_TIMEOUT).await;
+        Reached {
+            node: to.node.clone(),
+            answered: answered.as_ref().is_ok_and(|r| r.ping.is_some()),
+            error: answered.err().unwrap_or_default(),
+        }
+    }
+
     /// `message` (signed for `to`) through `via`, in an envelope signed for `via`.
     async fn through(
         &self,
@@ -105,24 +116,12 @@ impl runs::Transport for GrpcTransport {
     }
 
     async fn reach(&self, via: &Member, targets: &[Member]) -> Result<Vec<Reached>, String> {
-        if targets.len() > MAX_REACH {
-            return Err(format!(
-                "{} members to reach through one relay, at most {MAX_REACH}",
-                targets.len()
-            ));
-        }
-        Ok(
-            futures::future::join_all(targets.iter().map(|to| async move {
-                let message = forward::Message::Ping(self.ping_for(to));
-                let answered = self.through(via, to, message, RELAY_TIMEOUT).await;
-                Reached {
-                    node: to.node.clone(),
-                    answered: answered.as_ref().is_ok_and(|r| r.ping.is_some()),
-                    error: answered.err().unwrap_or_default(),
-                }
-            }))
-            .await,
-        )
+        use futures::StreamExt;
+        let pings: Vec<_> = targets.iter().map(|to| self.ping_through(via, to)).collect();
+        Ok(futures::stream::iter(pings)
+            .buffered(MAX_REACH)
+            .collect()
+            .await)
     }
 
     async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {

@@ -113,13 +113,17 @@ impl std::ops::Deref for PeerHandle {
     }
 }
 
+/// Coordinator keys whose nonce memory an agent keeps: the Lease may move from one replica to
+/// the other and back within the time a request stays valid.
+const KEYS_REMEMBERED: usize = 4;
+
 /// Verifies requests as the coordinator's: its key as [`WhoCoordinates`] names it now, and one
-/// nonce memory per key.
+/// nonce memory per key (the newest [`KEYS_REMEMBERED`]).
 #[derive(Debug)]
 struct CoordinatorAuth {
     who: Arc<dyn WhoCoordinates>,
     me: String,
-    verifier: Mutex<Option<(CoordinatorPublicKey, Verifier)>>,
+    verifiers: Mutex<std::collections::VecDeque<(CoordinatorPublicKey, Verifier)>>,
 }
 
 /// Why a request is not the coordinator's.
@@ -156,13 +160,16 @@ impl CoordinatorAuth {
             };
             let verified = {
                 let mut v = self
-                    .verifier
+                    .verifiers
                     .lock()
                     .map_err(|_| NotCoordinator::Unknown("verifier poisoned".into()))?;
-                if v.as_ref().is_none_or(|(k, _)| *k != id.key) {
-                    *v = Some((id.key, Verifier::new(id.key, super::MAX_SKEW, &self.me)));
+                if !v.iter().any(|(k, _)| *k == id.key) {
+                    if v.len() >= KEYS_REMEMBERED {
+                        v.pop_front();
+                    }
+                    v.push_back((id.key, Verifier::new(id.key, super::MAX_SKEW, &self.me)));
                 }
-                match v.as_mut() {
+                match v.iter_mut().find(|(k, _)| *k == id.key) {
                     Some((_, verifier)) => verifier.verify(msg, wire::now_ms()),
                     None => Err(AuthError::Missing),
                 }
@@ -232,7 +239,7 @@ impl PeerService {
             coordinator: CoordinatorAuth {
                 who: s.coordinator,
                 me: s.node.clone(),
-                verifier: Mutex::new(None),
+                verifiers: Mutex::new(std::collections::VecDeque::new()),
             },
             node: s.node,
             credential: s.credential,
@@ -1173,7 +1180,8 @@ mod tests {
 
     /// Issue 28: the Lease moves to another replica (its key in the holder identity): the new
     /// one is obeyed at once (the agent reads the holder again when a signature does not
-    /// verify), the old one, frozen and woken, is refused; with no holder nobody is obeyed.
+    /// verify), the old one, frozen and woken, is refused; when the Lease comes back to it, what
+    /// it sent before is still a replay; with no holder nobody is obeyed.
     #[tokio::test]
     async fn only_the_lease_holders_key_is_obeyed() {
         let (old, new) = (coordinator(), coordinator());
@@ -1184,9 +1192,8 @@ mod tests {
             "/nonexistent/faultline-probe".into(),
             Arc::new(crate::metrics::Metrics::new()),
         );
-        svc.conclude(Request::new(old.sign(conclusion("n1"), "n1")))
-            .await
-            .unwrap();
+        let first = old.sign(conclusion("n1"), "n1");
+        svc.conclude(Request::new(first.clone())).await.unwrap();
         assert!(recorded(&mut inputs) > 0);
         tx.send_replace(known(&new).borrow().clone());
         svc.conclude(Request::new(new.sign(conclusion("n1"), "n1")))
@@ -1199,6 +1206,11 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
         assert_eq!(recorded(&mut inputs), 0, "the old one is not");
+        // Back to the first replica: what it sent before is still a replay.
+        tx.send_replace(known(&old).borrow().clone());
+        let e = svc.conclude(Request::new(first)).await.unwrap_err();
+        assert!(e.message().contains("replay"), "{e:?}");
+        assert_eq!(recorded(&mut inputs), 0);
         tx.send_replace(None);
         let e = svc
             .conclude(Request::new(new.sign(conclusion("n1"), "n1")))

@@ -222,11 +222,6 @@ fn the_environment_the_policy_and_the_requester_secret() {
             .map(|f| f.field_path.as_str());
         assert_eq!(got, Some(field), "{name}");
     }
-    assert_eq!(
-        env.get("FAULTLINE_NAMESPACE")
-            .and_then(|e| e.value.as_deref()),
-        Some(NAMESPACE)
-    );
     // No GPU: the NVIDIA runtime's variables are the agents'.
     assert!(!env.keys().any(|k| k.starts_with("NVIDIA_")), "{env:?}");
 
