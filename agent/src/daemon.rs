@@ -171,7 +171,11 @@ pub struct AgentConfig {
     /// Peer checks without Kubernetes: the coordinator's public key (`faultline keys
     /// coordinator` prints it). Only messages it signed assign checks or conclude runs here.
     /// (Its text may begin with `-`: it is taken as the value.)
-    #[arg(long, env = "FAULTLINE_PEER_COORDINATOR_KEY", allow_hyphen_values = true)]
+    #[arg(
+        long,
+        env = "FAULTLINE_PEER_COORDINATOR_KEY",
+        allow_hyphen_values = true
+    )]
     pub peer_coordinator_key: Option<String>,
     /// Peer checks: where this agent's gRPC service listens.
     #[arg(long, env = "FAULTLINE_PEER_LISTEN", default_value = DEFAULT_PEER_LISTEN)]

@@ -122,7 +122,10 @@ fn a_probe_that_cannot_run_is_named_in_the_nodes_record() {
         f.message
     );
     assert!(common::fault(&r, "PEER_UNREACHABLE").is_none());
-    assert_eq!(s.coordinator.published().unwrap().coordinator, "coordinator");
+    assert_eq!(
+        s.coordinator.published().unwrap().coordinator,
+        "coordinator"
+    );
     for agent in [a, b, c] {
         assert_eq!(agent.stop(), 0);
     }
@@ -210,11 +213,13 @@ fn a_member_with_every_agent_credential_forges_nothing() {
                 assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
             }
         }
-        let mut to_coordinator = faultline_proto::v1::coordinator_client::CoordinatorClient::connect(
-            format!("http://{}", s.coordinator.address),
-        )
-        .await
-        .unwrap();
+        let mut to_coordinator =
+            faultline_proto::v1::coordinator_client::CoordinatorClient::connect(format!(
+                "http://{}",
+                s.coordinator.address
+            ))
+            .await
+            .unwrap();
         for sender in ["node-a", "node-b"] {
             let report = CheckReport {
                 protocol: faultline_proto::PROTOCOL,

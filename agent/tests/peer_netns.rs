@@ -389,7 +389,12 @@ fn a_node_the_coordinator_cannot_reach_and_a_frozen_coordinator_blame_nobody() {
         Duration::from_secs(30),
         || published(emu).filter(|r| r.run_id != last_id && !r.is_finished()),
     );
-    let pid = c.coordinators[coord].child.as_ref().unwrap().id().to_string();
+    let pid = c.coordinators[coord]
+        .child
+        .as_ref()
+        .unwrap()
+        .id()
+        .to_string();
     assert!(Command::new("kill")
         .args(["-STOP", &pid])
         .status()

@@ -145,7 +145,10 @@ mod tests {
         for cli in ["faultline", "/usr/local/bin/faultline", "./faultline"] {
             assert_eq!(called_as(Some(OsStr::new(cli))), Role::Cli, "{cli}");
         }
-        for c in ["faultline-coordinator", "/usr/local/bin/faultline-coordinator"] {
+        for c in [
+            "faultline-coordinator",
+            "/usr/local/bin/faultline-coordinator",
+        ] {
             assert_eq!(called_as(Some(OsStr::new(c))), Role::Coordinator, "{c}");
         }
         for agent in [

@@ -46,8 +46,9 @@ pub fn coordinator(out: &Path) -> Outcome {
 pub fn public(key: &Path) -> Outcome {
     match std::fs::read(key)
         .map_err(|e| format!("cannot read {}: {e}", key.display()))
-        .and_then(|doc| CoordinatorKey::from_pkcs8(&doc).map_err(|e| format!("{}: {e}", key.display())))
-    {
+        .and_then(|doc| {
+            CoordinatorKey::from_pkcs8(&doc).map_err(|e| format!("{}: {e}", key.display()))
+        }) {
         Ok(k) => Outcome::ok(k.public_key().to_string()),
         Err(e) => Outcome::error(format!("error: {e}")),
     }

@@ -9,7 +9,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use faultline_proto::auth::{Key, VerifyKey, Verifier};
+use faultline_proto::auth::{Key, Verifier, VerifyKey};
 use faultline_proto::v1::CheckReport;
 use tonic::Status;
 

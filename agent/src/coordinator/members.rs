@@ -114,7 +114,8 @@ pub struct KubeMembers {
 }
 
 /// The default selector of the agent pods (manifests/base/daemonset.yaml).
-pub const DEFAULT_SELECTOR: &str = "app.kubernetes.io/name=faultline,app.kubernetes.io/component=agent";
+pub const DEFAULT_SELECTOR: &str =
+    "app.kubernetes.io/name=faultline,app.kubernetes.io/component=agent";
 
 #[async_trait::async_trait]
 impl Members for KubeMembers {

@@ -46,12 +46,12 @@ use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
 use crate::metrics::Metrics;
+use crate::peer::wire::{self, CoordinatorSigner};
+use crate::peer::{authz, jittered, runner, MAX_REQUEST, MAX_SKEW};
+use faultline_proto::auth::CoordinatorKey;
 use members::Members;
 use runs::{Coordinator, Fence, Publisher, RunSpec, Trigger};
-use crate::peer::wire::{self, CoordinatorSigner};
-use faultline_proto::auth::CoordinatorKey;
 use transport::GrpcTransport;
-use crate::peer::{authz, jittered, runner, MAX_REQUEST, MAX_SKEW};
 
 /// Where the coordinator's gRPC service listens by default.
 pub const DEFAULT_PEER_LISTEN: &str = "0.0.0.0:20262";
@@ -295,8 +295,7 @@ pub async fn run(
             let topology_label = policy.borrow().topology_label.clone();
             // The Lease names this replica with its address and public key: agents obey the
             // holder's key, so a replica that lost the Lease is refused by every agent.
-            let identity =
-                authz::holder_identity(&name, &address.to_string(), &key.public_key());
+            let identity = authz::holder_identity(&name, &address.to_string(), &key.public_key());
             let held = lease::elect(
                 client.lease.clone(),
                 cfg.namespace.clone(),
@@ -583,9 +582,11 @@ mod tests {
         std::fs::write(&b, "another secret, long enough\n").unwrap();
         let master = wire::load_key(&a).unwrap();
         assert!(requester_secret(None, Some(&master)).unwrap().is_none());
-        assert!(requester_secret(Some(&dir.path().join("none")), Some(&master))
-            .unwrap()
-            .is_none());
+        assert!(
+            requester_secret(Some(&dir.path().join("none")), Some(&master))
+                .unwrap()
+                .is_none()
+        );
         assert!(requester_secret(Some(&b), Some(&master)).unwrap().is_some());
         assert!(requester_secret(Some(&a), None).unwrap().is_some());
         let e = requester_secret(Some(&a), Some(&master)).unwrap_err();

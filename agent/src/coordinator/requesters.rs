@@ -126,7 +126,6 @@ impl Requesters for KubeRequesters {
     }
 }
 
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

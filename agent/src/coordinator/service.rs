@@ -11,8 +11,8 @@ use faultline_proto::PROTOCOL;
 use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
-use super::Leadership;
 use super::requesters::{self, TokenRefusal};
+use super::Leadership;
 use crate::coordinator::runs::{self as runs, Trigger};
 use crate::peer::wire;
 
@@ -265,10 +265,10 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::coordinator::agents::{NodeKeys, Tokens};
+    use crate::coordinator::members::{Member, MembersError};
+    use crate::coordinator::runs::{Coordinator, MemoryPublisher, WatchFence};
     use crate::coordinator::tokens::AgentTokens;
     use crate::coordinator::transport::GrpcTransport;
-    use crate::coordinator::runs::{Coordinator, MemoryPublisher, WatchFence};
-    use crate::coordinator::members::{Member, MembersError};
     use crate::peer::wire::{CoordinatorSigner, Signer};
     use faultline_core::policy::PeerPolicy;
     use faultline_proto::auth::{node_key, CoordinatorKey, Key};
@@ -367,15 +367,22 @@ mod tests {
     /// n1's own is taken.
     #[tokio::test]
     async fn without_kubernetes_a_report_is_taken_only_from_its_node() {
-        let svc = service(Arc::new(NodeKeys::new(Key::new(MASTER).unwrap(), "c0")), true);
+        let svc = service(
+            Arc::new(NodeKeys::new(Key::new(MASTER).unwrap(), "c0")),
+            true,
+        );
         let e = svc
-            .report(Request::new(node_signer("n2", "n2").sign(report("n1"), "c0")))
+            .report(Request::new(
+                node_signer("n2", "n2").sign(report("n1"), "c0"),
+            ))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
         assert!(e.message().contains("n2 cannot report for n1"), "{e:?}");
         let e = svc
-            .report(Request::new(node_signer("n2", "n1").sign(report("n1"), "c0")))
+            .report(Request::new(
+                node_signer("n2", "n1").sign(report("n1"), "c0"),
+            ))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
@@ -389,9 +396,11 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
-        svc.report(Request::new(node_signer("n1", "n1").sign(report("n1"), "c0")))
-            .await
-            .unwrap();
+        svc.report(Request::new(
+            node_signer("n1", "n1").sign(report("n1"), "c0"),
+        ))
+        .await
+        .unwrap();
     }
 
     fn tok(node: &str) -> String {
@@ -418,7 +427,10 @@ mod tests {
     /// with another token than it carries is refused; n1's own is taken.
     #[tokio::test]
     async fn on_kubernetes_a_report_is_taken_only_from_the_node_its_token_names() {
-        let svc = service(Arc::new(Tokens::new(Arc::new(FakeTokens::default()), "c0")), true);
+        let svc = service(
+            Arc::new(Tokens::new(Arc::new(FakeTokens::default()), "c0")),
+            true,
+        );
         let cases = [
             (
                 with_token(&tok("n2"), token_signed(&tok("n2"), "n2", report("n1"))),
@@ -441,7 +453,10 @@ mod tests {
                 "must carry the agent's service-account token",
             ),
             (
-                with_token("forged-0123456789", token_signed("forged-0123456789", "n1", report("n1"))),
+                with_token(
+                    "forged-0123456789",
+                    token_signed("forged-0123456789", "n1", report("n1")),
+                ),
                 tonic::Code::Unauthenticated,
                 "invalid bearer token",
             ),
@@ -451,9 +466,12 @@ mod tests {
             assert_eq!(e.code(), code, "{why}: {e:?}");
             assert!(e.message().contains(why), "{why}: {e:?}");
         }
-        svc.report(with_token(&tok("n1"), token_signed(&tok("n1"), "n1", report("n1"))))
-            .await
-            .unwrap();
+        svc.report(with_token(
+            &tok("n1"),
+            token_signed(&tok("n1"), "n1", report("n1")),
+        ))
+        .await
+        .unwrap();
     }
 
     /// A report replayed, altered or addressed elsewhere is refused before its token is
@@ -475,7 +493,10 @@ mod tests {
         assert!(e.message().contains("replay"), "{e:?}");
         let mut altered = good;
         altered.passed = true;
-        let e = svc.report(with_token(&tok("n1"), altered)).await.unwrap_err();
+        let e = svc
+            .report(with_token(&tok("n1"), altered))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
         let elsewhere = Signer {
             key: Key::new(tok("n1").as_bytes()).unwrap(),
@@ -507,7 +528,9 @@ mod tests {
         let agents = || Arc::new(NodeKeys::new(Key::new(MASTER).unwrap(), "c0"));
         let svc = service(agents(), true);
         let e = svc
-            .run(Request::new(node_signer("n1", "n1").sign(run_request(), "c0")))
+            .run(Request::new(
+                node_signer("n1", "n1").sign(run_request(), "c0"),
+            ))
             .await
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
@@ -523,7 +546,10 @@ mod tests {
         crate::peer::service::bearer(&mut bearer, "tok").unwrap();
         let e = svc.run(bearer).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
-        assert!(e.message().contains("takes no service-account tokens"), "{e:?}");
+        assert!(
+            e.message().contains("takes no service-account tokens"),
+            "{e:?}"
+        );
         let standby = service(agents(), false);
         let e = standby
             .run(Request::new(requester.sign(run_request(), "c0")))

@@ -16,9 +16,11 @@ use faultline_proto::v1::{
 use faultline_proto::{MAX_MESSAGE_BYTES, PROTOCOL};
 use tonic::transport::Channel;
 
-use crate::coordinator::runs::{self as runs, Relayed};
 use crate::coordinator::members::Member;
-use crate::peer::service::{endpoint, timed, within, CALL_TIMEOUT, CONCLUDE_TIMEOUT, FORWARD_TIMEOUT};
+use crate::coordinator::runs::{self as runs, Relayed};
+use crate::peer::service::{
+    endpoint, timed, within, CALL_TIMEOUT, CONCLUDE_TIMEOUT, FORWARD_TIMEOUT,
+};
 use crate::peer::wire::CoordinatorSigner;
 
 /// How long a ping through a relay may take (the relay's own call within `CALL_TIMEOUT`).
@@ -117,7 +119,10 @@ impl runs::Transport for GrpcTransport {
 
     async fn reach(&self, via: &Member, targets: &[Member]) -> Result<Vec<Reached>, String> {
         use futures::StreamExt;
-        let pings: Vec<_> = targets.iter().map(|to| self.ping_through(via, to)).collect();
+        let pings: Vec<_> = targets
+            .iter()
+            .map(|to| self.ping_through(via, to))
+            .collect();
         Ok(futures::stream::iter(pings)
             .buffered(MAX_REACH)
             .collect()

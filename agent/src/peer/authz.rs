@@ -474,5 +474,4 @@ mod tests {
             assert_eq!(CoordinatorId::from_holder(&bad), None, "{bad}");
         }
     }
-
 }

@@ -47,4 +47,3 @@ pub async fn live_holder(client: Client, namespace: &str) -> Result<Option<Strin
     };
     Ok(spec.holder_identity.filter(|h| !h.is_empty() && !expired))
 }
-

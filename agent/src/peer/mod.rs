@@ -94,8 +94,7 @@ pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
         busy: s.busy,
         inputs: s.inputs,
         policy,
-        probe_ports: s.probe_port_base
-            ..s.probe_port_base.saturating_add(PROBE_PORTS),
+        probe_ports: s.probe_port_base..s.probe_port_base.saturating_add(PROBE_PORTS),
         metrics: s.metrics.clone(),
     })));
     let shutdown = s.shutdown.clone();

@@ -143,9 +143,7 @@ impl CoordinatorAuth {
             let id = match tokio::time::timeout(AUTHZ_TIMEOUT, self.who.current(recheck)).await {
                 Ok(Ok(Some(id))) => id,
                 Ok(Ok(None)) => {
-                    last = NotCoordinator::Unknown(
-                        "no coordinator holds the Lease now".into(),
-                    );
+                    last = NotCoordinator::Unknown("no coordinator holds the Lease now".into());
                     continue;
                 }
                 Ok(Err(e)) => {
@@ -277,13 +275,9 @@ impl PeerService {
             Ok(_) => Ok(msg.auth().map(|a| a.sender.clone()).unwrap_or_default()),
             Err(NotCoordinator::Refused(why)) => Err(self.refused(
                 rpc,
-                Status::unauthenticated(format!(
-                    "{rpc} refused: not the coordinator's ({why})"
-                )),
+                Status::unauthenticated(format!("{rpc} refused: not the coordinator's ({why})")),
             )),
-            Err(NotCoordinator::Unknown(why)) => {
-                Err(self.refused(rpc, Status::unavailable(why)))
-            }
+            Err(NotCoordinator::Unknown(why)) => Err(self.refused(rpc, Status::unavailable(why))),
         }
     }
 
@@ -721,7 +715,12 @@ impl PeerService {
     /// Sends the report through the member the assignment named (`report_via`), as
     /// `send_report` does directly: up to `REPORT_ATTEMPTS` times while it cannot be reached,
     /// each attempt signed anew.
-    async fn send_report_via(&self, via: &faultline_proto::v1::Member, to: &str, report: CheckReport) {
+    async fn send_report_via(
+        &self,
+        via: &faultline_proto::v1::Member,
+        to: &str,
+        report: CheckReport,
+    ) {
         let attempt = || {
             let signed = self.credential.sign(report.clone(), &self.node, to);
             async move {
@@ -1087,10 +1086,7 @@ mod tests {
         assert!(svc.running.lock().unwrap().is_empty(), "nothing started");
         let mut a = assignment();
         a.protocol = PROTOCOL + 1;
-        let s = svc
-            .assign(Request::new(c.sign(a, "n1")))
-            .await
-            .unwrap_err();
+        let s = svc.assign(Request::new(c.sign(a, "n1"))).await.unwrap_err();
         assert_eq!(s.code(), tonic::Code::FailedPrecondition);
         let mut bad = conclusion("zz");
         bad.members.truncate(2);
@@ -1150,7 +1146,10 @@ mod tests {
                 auth: None,
                 protocol: PROTOCOL,
             };
-            let e = svc.ping(Request::new(f.sign(ping, "n1"))).await.unwrap_err();
+            let e = svc
+                .ping(Request::new(f.sign(ping, "n1")))
+                .await
+                .unwrap_err();
             assert_eq!(e.code(), tonic::Code::Unauthenticated);
             refused += 1;
         }
@@ -1160,7 +1159,8 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
         assert!(
-            e.message().contains("does not verify with the coordinator's"),
+            e.message()
+                .contains("does not verify with the coordinator's"),
             "{e:?}"
         );
         assert_eq!(refused, hmac_forgers.len());
@@ -1247,10 +1247,7 @@ mod tests {
         assert!(n2_inputs.try_recv().is_err(), "n2 recorded nothing");
         let mut a = assignment();
         a.a.as_mut().unwrap().node = "n2".into();
-        let e = n2
-            .assign(Request::new(c.sign(a, "n1")))
-            .await
-            .unwrap_err();
+        let e = n2.assign(Request::new(c.sign(a, "n1"))).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
         assert!(n2.running.lock().unwrap().is_empty(), "nothing started");
     }
@@ -1264,8 +1261,13 @@ mod tests {
         let (svc, mut inputs) = service(&c);
         let ahead = |ms: i64, nonce: u8| {
             let mut m = conclusion("n1");
-            c.key
-                .sign(&mut m, "c0", "n1", wire::now_ms() + ms, [nonce; NONCE_BYTES]);
+            c.key.sign(
+                &mut m,
+                "c0",
+                "n1",
+                wire::now_ms() + ms,
+                [nonce; NONCE_BYTES],
+            );
             m
         };
         let e = svc
@@ -1423,7 +1425,7 @@ mod tests {
             Ok(())
         }
 
-        fn from_coordinator<M: Signed>(&self, what: &str, m: &M) -> Result<(), Status> {
+        fn note_coordinators<M: Signed>(&self, what: &str, m: &M) -> Result<(), Status> {
             self.note(what, m, self.coordinator.into(), &self.me)
         }
 
@@ -1450,7 +1452,7 @@ mod tests {
     #[tonic::async_trait]
     impl PeerCheck for Far {
         async fn ping(&self, r: Request<PingRequest>) -> Result<Response<PingReply>, Status> {
-            self.from_coordinator("ping", r.get_ref())?;
+            self.note_coordinators("ping", r.get_ref())?;
             Ok(Response::new(PingReply {
                 node: self.me.clone(),
                 protocol: PROTOCOL,
@@ -1461,7 +1463,7 @@ mod tests {
             &self,
             r: Request<CheckAssignment>,
         ) -> Result<Response<CheckAccepted>, Status> {
-            self.from_coordinator("assign", r.get_ref())?;
+            self.note_coordinators("assign", r.get_ref())?;
             Ok(Response::new(CheckAccepted {
                 accepted: true,
                 reason: "n2 took it".into(),
@@ -1474,7 +1476,7 @@ mod tests {
             Err(Status::unimplemented("not used"))
         }
         async fn conclude(&self, r: Request<RunConclusion>) -> Result<Response<ReportAck>, Status> {
-            self.from_coordinator("conclude", r.get_ref())?;
+            self.note_coordinators("conclude", r.get_ref())?;
             Ok(Response::new(ReportAck {}))
         }
         async fn forward(&self, r: Request<Forward>) -> Result<Response<ForwardReply>, Status> {

@@ -91,7 +91,14 @@ impl Signer {
     /// Signs `msg` for `receiver` (the node that serves it, or `auth::COORDINATOR_ROLE` on a
     /// `Run` to an address only): every other receiver refuses it.
     pub fn sign<M: Signed>(&self, mut msg: M, receiver: &str) -> M {
-        sign(&mut msg, &self.key, &self.sender, receiver, now_ms(), nonce());
+        sign(
+            &mut msg,
+            &self.key,
+            &self.sender,
+            receiver,
+            now_ms(),
+            nonce(),
+        );
         msg
     }
 }

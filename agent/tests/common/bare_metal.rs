@@ -41,10 +41,7 @@ impl Pool {
         let master = dir.join("master");
         keys(&["master", "--out", master.to_str().unwrap()]);
         let file = dir.join("members");
-        let lines: String = members
-            .iter()
-            .map(|(n, a)| format!("{n} {a}\n"))
-            .collect();
+        let lines: String = members.iter().map(|(n, a)| format!("{n} {a}\n")).collect();
         std::fs::write(&file, lines).unwrap();
         let policy_file = dir.join("policy.yaml");
         std::fs::write(&policy_file, policy).unwrap();

@@ -327,9 +327,8 @@ fn resources_probes_and_privileges() {
 /// The audience of the agents' peer-check tokens: what the coordinator's TokenReview asks for
 /// (`AGENT_AUDIENCE` in agent/src/coordinator/tokens.rs).
 fn peer_audience() -> String {
-    let text =
-        std::fs::read_to_string(common::repo_root().join("agent/src/coordinator/tokens.rs"))
-            .expect("tokens.rs");
+    let text = std::fs::read_to_string(common::repo_root().join("agent/src/coordinator/tokens.rs"))
+        .expect("tokens.rs");
     let at = text
         .find("pub const AGENT_AUDIENCE: &str = \"")
         .expect("AGENT_AUDIENCE");

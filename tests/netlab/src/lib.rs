@@ -360,11 +360,15 @@ impl Lab {
         let (np, hp) = (node_port.to_string(), host_port.to_string());
         self.iptables(
             i,
-            &["-I", "INPUT", "-s", &host, "-p", "tcp", "--dport", &np, "-j", "DROP"],
+            &[
+                "-I", "INPUT", "-s", &host, "-p", "tcp", "--dport", &np, "-j", "DROP",
+            ],
         )?;
         self.iptables(
             i,
-            &["-I", "OUTPUT", "-d", &host, "-p", "tcp", "--dport", &hp, "-j", "DROP"],
+            &[
+                "-I", "OUTPUT", "-d", &host, "-p", "tcp", "--dport", &hp, "-j", "DROP",
+            ],
         )
     }
 
