@@ -181,7 +181,7 @@ impl RunState {
 pub trait Transport: Send + Sync + std::fmt::Debug {
     async fn ping(&self, to: &Member) -> Result<PingReply, String>;
     /// Asks `via` to ping `targets` (members the coordinator cannot reach): whether each
-    /// answered it.
+    /// answered it. A target missing from the answer is one `via` could not be asked about.
     async fn reach(
         &self,
         via: &Member,
@@ -732,17 +732,23 @@ impl Coordinator {
             }
             self.publisher.publish(&state).await;
             let results = futures::future::join_all(planned.iter().map(|(pair, pa, pb)| {
-                self.check(
-                    &run_id,
-                    round,
-                    &pool[pair.a()],
-                    &pool[pair.b()],
-                    (*pa, *pb),
-                    &unreachable,
-                    &routes,
-                    spec,
-                    deadline,
-                )
+                let (a, b) = (&pool[pair.a()], &pool[pair.b()]);
+                async {
+                    let r = self
+                        .check(
+                            &run_id,
+                            round,
+                            a,
+                            b,
+                            (*pa, *pb),
+                            &unreachable,
+                            &routes,
+                            spec,
+                            deadline,
+                        )
+                        .await;
+                    relayed_counts(r, a, b, &routes)
+                }
             }))
             .await;
             let mut outcomes = Vec::new();
@@ -868,11 +874,15 @@ impl Coordinator {
                 }
                 continue;
             };
+            // A target the relay has no word on (it could not be asked about it) is left as
+            // it was: only a relay that tried and got no answer says the member is gone.
             for t in targets {
-                let ok = reached.iter().any(|r| r.node == t.node && r.answered);
+                let Some(r) = reached.iter().find(|r| r.node == t.node) else {
+                    continue;
+                };
                 match seen.get(&t.node) {
                     Some(Reach::By(_)) => {}
-                    _ if ok => {
+                    _ if r.answered => {
                         seen.insert(t.node.clone(), Reach::By(relay.clone()));
                     }
                     _ => {
@@ -1124,6 +1134,33 @@ impl Coordinator {
             .map(|(_, m, _)| self.send_cancel(m, assignment.clone(), routes));
         futures::future::join_all(cancels).await;
         result.unwrap_or_else(|| fail(state, "internal: no result".into()))
+    }
+}
+
+/// A check with a member reached through a relay counts only when it passed: every answer of
+/// that member (its acceptance, its ping, its report's arrival) comes back through the relay,
+/// which a relay could change or drop, so a failure may be the relay's doing. Such a member
+/// can be found healthy, never faulty; a failed check is left unjudged.
+fn relayed_counts(
+    r: CheckResult,
+    a: &Member,
+    b: &Member,
+    routes: &BTreeMap<String, Member>,
+) -> CheckResult {
+    let via = [a, b]
+        .into_iter()
+        .find_map(|m| routes.get(&m.node).map(|v| (m, v)));
+    match (&r.outcome, via) {
+        (Outcome::Fail | Outcome::TimedOut, Some((m, v))) => {
+            let why = format!(
+                "{} (not counted: {} answers only through {}, whose word it is)",
+                r.state.error.clone().unwrap_or_default(),
+                m.node,
+                v.node
+            );
+            void(r.state, why)
+        }
+        _ => r,
     }
 }
 

@@ -75,15 +75,16 @@ impl GrpcTransport {
         )
     }
 
-    /// Whether `to` answers a ping passed on by `via`.
-    async fn ping_through(&self, via: &Member, to: &Member) -> Reached {
+    /// Whether `to` answers a ping passed on by `via`; `None` when `via` could not be asked
+    /// (then it says nothing about `to`).
+    async fn ping_through(&self, via: &Member, to: &Member) -> Option<Reached> {
         let message = forward::Message::Ping(self.ping_for(to));
-        let answered = self.through(via, to, message, RELAY_TIMEOUT).await;
-        Reached {
+        let reply = self.through(via, to, message, RELAY_TIMEOUT).await.ok()?;
+        Some(Reached {
             node: to.node.clone(),
-            answered: answered.as_ref().is_ok_and(|r| r.ping.is_some()),
-            error: answered.err().unwrap_or_default(),
-        }
+            answered: reply.ping.is_some() && reply.unreachable.is_empty(),
+            error: reply.unreachable,
+        })
     }
 
     /// `message` (signed for `to`) through `via`, in an envelope signed for `via`.
@@ -123,10 +124,11 @@ impl runs::Transport for GrpcTransport {
             .iter()
             .map(|to| self.ping_through(via, to))
             .collect();
-        Ok(futures::stream::iter(pings)
+        let answers: Vec<Option<Reached>> = futures::stream::iter(pings)
             .buffered(MAX_REACH)
             .collect()
-            .await)
+            .await;
+        Ok(answers.into_iter().flatten().collect())
     }
 
     async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
@@ -161,13 +163,21 @@ impl runs::Transport for GrpcTransport {
             Relayed::Cancel(a) => forward::Message::Cancel(self.signer.sign(a, &to.node)),
             Relayed::Conclude(c) => forward::Message::Conclude(self.signer.sign(c, &to.node)),
         };
-        self.through(via, to, message, FORWARD_TIMEOUT)
-            .await
-            .map(|r| {
-                r.accepted.unwrap_or(CheckAccepted {
-                    accepted: true,
-                    reason: String::new(),
-                })
-            })
+        let concluding = matches!(message, forward::Message::Conclude(_));
+        let reply = self.through(via, to, message, FORWARD_TIMEOUT).await?;
+        if !reply.unreachable.is_empty() {
+            return Err(format!(
+                "{} did not answer {}: {}",
+                to.node, via.node, reply.unreachable
+            ));
+        }
+        match (reply.accepted, concluding) {
+            (Some(a), _) => Ok(a),
+            (None, true) => Ok(CheckAccepted {
+                accepted: true,
+                reason: String::new(),
+            }),
+            (None, false) => Err(format!("{} passed on no answer from {}", via.node, to.node)),
+        }
     }
 }

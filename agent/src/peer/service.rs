@@ -513,10 +513,14 @@ impl PeerCheck for PeerHandle {
             self.remember_coordinator(&a.coordinator);
         }
         debug!(to = %to.node, "forwarding the coordinator's message");
-        pass_on(&to.address, msg)
-            .await
-            .map(Response::new)
-            .map_err(Status::unavailable)
+        // The member not answering is the relay's answer, not its error: the coordinator tells
+        // a relay that could not be asked from a member that could not be reached.
+        Ok(Response::new(pass_on(&to.address, msg).await.unwrap_or_else(
+            |why| ForwardReply {
+                unreachable: why,
+                ..Default::default()
+            },
+        )))
     }
 
     async fn conclude(
