@@ -36,6 +36,8 @@ type HmacSha256 = Hmac<Sha256>;
 
 /// The shortest secret accepted.
 pub const MIN_SECRET_BYTES: usize = 16;
+/// The longest sender name taken (a Kubernetes node or pod name is at most 253 bytes).
+pub const MAX_NAME_BYTES: usize = 253;
 /// Nonce length (bytes) the sender must use.
 pub const NONCE_BYTES: usize = 16;
 /// How far ahead of the receiver's clock a request may be signed. Hosts kept in step by NTP
@@ -55,6 +57,8 @@ pub const COORDINATOR_ROLE: &str = "role:coordinator";
 pub enum AuthError {
     #[error("the shared secret is shorter than {MIN_SECRET_BYTES} bytes")]
     WeakSecret,
+    #[error("the sender's name is longer than {MAX_NAME_BYTES} bytes")]
+    LongName,
     #[error("request is not signed (no auth)")]
     Missing,
     #[error("request from {sender:?}: the signature does not verify (wrong secret, or the request was changed)")]
@@ -478,6 +482,10 @@ impl Verifier {
         role: Option<&str>,
     ) -> Result<String, AuthError> {
         let auth = msg.auth().ok_or(AuthError::Missing)?;
+        // Before anything is kept of it: the nonce memory holds the sender's name.
+        if auth.sender.len() > MAX_NAME_BYTES {
+            return Err(AuthError::LongName);
+        }
         let sender = auth.sender.clone();
         let mut unsigned = msg.clone();
         if let Some(a) = unsigned.auth_mut() {
@@ -661,6 +669,24 @@ mod tests {
             v.verify(&short, T),
             Err(AuthError::BadNonce { .. })
         ));
+    }
+
+    /// Issue 28 review: a sender name of any length was kept in the nonce memory, so requests
+    /// of 250 KiB names (each signed with a bearer token of the sender's own making) filled the
+    /// coordinator's memory. A name over `MAX_NAME_BYTES` is refused before anything is kept.
+    #[test]
+    fn a_sender_name_longer_than_a_node_name_is_refused() {
+        let key = Key::new(b"a shared secret of 32 bytes.....").unwrap();
+        let mut v = Verifier::new(key.clone(), Duration::from_secs(30), ME);
+        let long = "n".repeat(MAX_NAME_BYTES + 1);
+        let mut r = report(&long);
+        sign(&mut r, &key, &long, ME, T, [1; NONCE_BYTES]);
+        assert_eq!(v.verify(&r, T), Err(AuthError::LongName));
+        assert!(v.seen.is_empty() && v.order.is_empty(), "nothing kept");
+        let most = "n".repeat(MAX_NAME_BYTES);
+        let mut r = report(&most);
+        sign(&mut r, &key, &most, ME, T, [2; NONCE_BYTES]);
+        assert_eq!(v.verify(&r, T), Ok(most));
     }
 
     /// Issue 28: a Conclude signed by the coordinator for one agent was accepted verbatim by a

@@ -278,7 +278,7 @@ impl Publisher for MemoryPublisher {
     }
 }
 
-type ReportKey = (String, u32, String, String);
+pub(crate) type ReportKey = (String, u32, String, String);
 
 /// Runs peer checks. Cheap to share (`Arc`); one run at a time.
 #[derive(Debug)]
@@ -491,6 +491,12 @@ impl Coordinator {
 
     /// A report from an agent (the `Report` RPC, already authenticated). False when no check
     /// waits for it (late, duplicate, or not ours).
+    /// Whether a check of a run here waits for this report (its run, round, node and partner).
+    pub fn waits_for(&self, r: &CheckReport) -> bool {
+        let key = (r.run_id.clone(), r.round, r.node.clone(), r.partner.clone());
+        self.reports.lock().is_ok_and(|m| m.contains_key(&key))
+    }
+
     pub fn deliver(&self, r: CheckReport) -> bool {
         let key = (r.run_id.clone(), r.round, r.node.clone(), r.partner.clone());
         let tx = self.reports.lock().ok().and_then(|mut m| m.remove(&key));
@@ -500,7 +506,7 @@ impl Coordinator {
         }
     }
 
-    fn expect(&self, key: ReportKey) -> oneshot::Receiver<CheckReport> {
+    pub(crate) fn expect(&self, key: ReportKey) -> oneshot::Receiver<CheckReport> {
         let (tx, rx) = oneshot::channel();
         if let Ok(mut m) = self.reports.lock() {
             m.insert(key, tx);

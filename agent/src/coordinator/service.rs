@@ -147,6 +147,15 @@ impl CoordinatorRpc for CoordinatorService {
     async fn report(&self, request: Request<CheckReport>) -> Result<Response<ReportAck>, Status> {
         let token = bearer(&request);
         let r = request.into_inner();
+        let coordinator = &self.0.leadership.coordinator;
+        // A report no check waits for (late, duplicate, or made up) changes nothing: it is
+        // answered before any signature is checked or token reviewed, so junk costs nothing.
+        // A replica that is not active says so.
+        if !coordinator.waits_for(&r) {
+            self.active()?;
+            debug!(node = %r.node, run_id = %r.run_id, "report for no waiting check (late, duplicate or made up)");
+            return Ok(Response::new(ReportAck {}));
+        }
         let node = match self.0.agents.verify(&r, token.as_deref()).await {
             Ok(node) => node,
             Err(e) => return Err(self.refused("Report", e.status())),
@@ -160,12 +169,8 @@ impl CoordinatorRpc for CoordinatorService {
                 Status::permission_denied(format!("{node} cannot report for {}", r.node)),
             ));
         }
-        // Accepted by run id: a check of a run of this coordinator that waits for it takes it
-        // (a run that lost the role is being aborted and drops its checks). A report nothing
-        // waits for is refused by a replica that is not active.
-        if !self.0.leadership.coordinator.deliver(r) {
-            self.active()?;
-            debug!(from = %node, "report for no waiting check (late or duplicate)");
+        if !coordinator.deliver(r) {
+            debug!(from = %node, "report for no waiting check (it ended meanwhile)");
         }
         Ok(Response::new(ReportAck {}))
     }
@@ -340,6 +345,18 @@ mod tests {
         )
     }
 
+    /// A check of run r1 waits for `node`'s report (its partner n0); the receiver is kept
+    /// alive by the caller.
+    fn waiting(
+        svc: &CoordinatorService,
+        node: &str,
+    ) -> tokio::sync::oneshot::Receiver<CheckReport> {
+        svc.0
+            .leadership
+            .coordinator
+            .expect(("r1".into(), 1, node.into(), "n0".into()))
+    }
+
     fn report(node: &str) -> CheckReport {
         CheckReport {
             protocol: PROTOCOL,
@@ -371,6 +388,7 @@ mod tests {
             Arc::new(NodeKeys::new(Key::new(MASTER).unwrap(), "c0")),
             true,
         );
+        let _waits = waiting(&svc, "n1");
         let e = svc
             .report(Request::new(
                 node_signer("n2", "n2").sign(report("n1"), "c0"),
@@ -431,6 +449,7 @@ mod tests {
             Arc::new(Tokens::new(Arc::new(FakeTokens::default()), "c0")),
             true,
         );
+        let _waits = waiting(&svc, "n1");
         let cases = [
             (
                 with_token(&tok("n2"), token_signed(&tok("n2"), "n2", report("n1"))),
@@ -474,18 +493,30 @@ mod tests {
         .unwrap();
     }
 
-    /// A report replayed, altered or addressed elsewhere is refused before its token is
-    /// reviewed: it costs the API server nothing.
+    /// A report no check waits for is answered without a look, and one replayed, altered or
+    /// addressed elsewhere is refused before its token is reviewed: neither costs the API server
+    /// anything (issue 28 review: junk reports relayed by every agent made one TokenReview
+    /// each).
     #[tokio::test]
     async fn a_replayed_or_altered_report_costs_no_token_review() {
         let tokens = Arc::new(FakeTokens::default());
         let svc = service(Arc::new(Tokens::new(tokens.clone(), "c0")), true);
         let reviews = || tokens.0.load(std::sync::atomic::Ordering::Relaxed);
+        // Reports that no check waits for are answered without a look: no review.
+        for junk in [report("n1"), report("n7")] {
+            svc.report(with_token(&format!("junk{PAD}"), junk))
+                .await
+                .unwrap();
+        }
+        assert_eq!(reviews(), 0);
+        let mut waits = waiting(&svc, "n1");
         let good = token_signed(&tok("n1"), "n1", report("n1"));
         svc.report(with_token(&tok("n1"), good.clone()))
             .await
             .unwrap();
         assert_eq!(reviews(), 1);
+        assert!(waits.try_recv().is_ok(), "the check got its report");
+        let _waits = waiting(&svc, "n1");
         let e = svc
             .report(with_token(&tok("n1"), good.clone()))
             .await

@@ -101,6 +101,12 @@ pub struct ProbeSetup {
 }
 
 type CheckKey = (String, u32, String);
+/// A check as one member sees it: run, round, member, partner.
+type CheckKey4 = (String, u32, String, String);
+
+/// Checks whose reports a relay remembers it may pass back (two per member reached through it,
+/// per round, for dozens of members).
+const RELAYED_CHECKS: usize = 256;
 
 /// The served handle (tonic services are implemented on it).
 #[derive(Debug, Clone)]
@@ -224,6 +230,9 @@ pub struct PeerService {
     probe_ports: std::ops::Range<u16>,
     /// Forwards as a relay, rate-limited.
     forwards: Mutex<authz::ForwardRate>,
+    /// The checks (run, round, member, partner) whose assignment this agent passed on as a
+    /// relay, the newest [`RELAYED_CHECKS`]: the only reports it passes back, once each.
+    relayed: Mutex<std::collections::VecDeque<CheckKey4>>,
     /// The coordinator's report address as its last verified message named it: a relay passes
     /// members' reports there.
     coordinator_address: Mutex<Option<String>>,
@@ -249,6 +258,7 @@ impl PeerService {
             own_failures: Mutex::new(std::collections::VecDeque::new()),
             probe_ports: s.probe_ports,
             forwards: Mutex::new(authz::ForwardRate::default()),
+            relayed: Mutex::new(std::collections::VecDeque::new()),
             coordinator_address: Mutex::new(None),
             refusals: Mutex::new(crate::pace::LogPacer::new(REFUSAL_LOG_EVERY)),
             metrics: s.metrics,
@@ -466,6 +476,33 @@ impl PeerCheck for PeerHandle {
                 )),
             ));
         }
+        let report_key = match &msg {
+            forward::Message::Report(r) => Some((
+                r.run_id.clone(),
+                r.round,
+                r.node.clone(),
+                r.partner.clone(),
+            )),
+            _ => None,
+        };
+        if let Some(k) = &report_key {
+            // Only the report of a check whose assignment went through here (anyone may send a
+            // report to be passed on: it is not this relay's to verify).
+            let known = self
+                .relayed
+                .lock()
+                .map_err(|_| Status::internal("poisoned"))?
+                .contains(k);
+            if !known {
+                return Err(self.refused(
+                    "Forward",
+                    Status::permission_denied(format!(
+                        "{} passed on no assignment of {} in run {} round {} with {}",
+                        self.node, k.2, k.0, k.1, k.3
+                    )),
+                ));
+            }
+        }
         let taken = self
             .forwards
             .lock()
@@ -491,10 +528,13 @@ impl PeerCheck for PeerHandle {
                         Status::unavailable("this relay has had no message from the coordinator")
                     })?;
                 let token = (!f.token.is_empty()).then_some(f.token.as_str());
-                return pass_report_on(&address, r, token)
+                pass_report_on(&address, r, token)
                     .await
-                    .map(|()| Response::new(ForwardReply::default()))
-                    .map_err(Status::unavailable);
+                    .map_err(Status::unavailable)?;
+                if let (Ok(mut relayed), Some(k)) = (self.relayed.lock(), &report_key) {
+                    relayed.retain(|x| x != k);
+                }
+                return Ok(Response::new(ForwardReply::default()));
             }
             msg => (f.to, msg),
         };
@@ -509,8 +549,20 @@ impl PeerCheck for PeerHandle {
         }
         if let forward::Message::Assign(a) = &msg {
             // Where the coordinator takes reports (its own envelope says so): this relay passes
-            // the member's report there.
+            // the member's report there, and only that check's.
             self.remember_coordinator(&a.coordinator);
+            let partner = [&a.a, &a.b]
+                .into_iter()
+                .flatten()
+                .find(|m| m.node != to.node)
+                .map(|m| m.node.clone())
+                .unwrap_or_default();
+            if let Ok(mut relayed) = self.relayed.lock() {
+                if relayed.len() >= RELAYED_CHECKS {
+                    relayed.pop_front();
+                }
+                relayed.push_back((a.run_id.clone(), a.round, to.node.clone(), partner));
+            }
         }
         debug!(to = %to.node, "forwarding the coordinator's message");
         // The member not answering is the relay's answer, not its error: the coordinator tells
@@ -1316,9 +1368,9 @@ mod tests {
     }
 
     /// The relay's bounds (`Forward`): the coordinator's messages only in an envelope the
-    /// coordinator signed for this relay, never to itself; a report only to the coordinator's
-    /// address as the coordinator named it (none known yet: refused); too large a message and
-    /// too many forwards are refused. Nothing here reaches the network. On the paused clock, so
+    /// coordinator signed for this relay, never to itself; a report only of a check whose
+    /// assignment it passed on (issue 28 review: anyone could make every relay send junk
+    /// reports, each a TokenReview); too large a message and too many forwards are refused. Nothing here reaches the network. On the paused clock, so
     /// the rate does not refill.
     #[tokio::test(start_paused = true)]
     async fn a_relay_forwards_only_within_its_bounds() {
@@ -1376,8 +1428,8 @@ mod tests {
                     token: String::new(),
                     message: Some(report.clone()),
                 },
-                tonic::Code::Unavailable,
-                "has had no message from the coordinator",
+                tonic::Code::PermissionDenied,
+                "n1 passed on no assignment of n2 in run  round 0 with ",
             ),
         ];
         for (f, code, why) in cases {
@@ -1585,6 +1637,7 @@ mod tests {
         let report = CheckReport {
             protocol: PROTOCOL,
             run_id: "r1".into(),
+            round: 1,
             node: "n2".into(),
             partner: "n0".into(),
             passed: true,
