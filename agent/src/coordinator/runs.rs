@@ -1002,10 +1002,11 @@ impl Coordinator {
             probe_b: SocketAddr::new(b.ip, ports.1).to_string(),
             bytes: spec.bytes,
             iterations: spec.iterations,
-            timeout_ms: deadline.as_millis() as u32,
+            timeout_ms: u32::try_from(deadline.as_millis()).unwrap_or(u32::MAX),
             gemm: spec.gemm,
             coordinator: self.address.clone(),
             report_via: None,
+            cancel: false,
         };
         let key_a: ReportKey = (run_id.into(), round, a.node.clone(), b.node.clone());
         let key_b: ReportKey = (run_id.into(), round, b.node.clone(), a.node.clone());

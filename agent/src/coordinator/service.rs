@@ -231,11 +231,7 @@ impl CoordinatorRpc for CoordinatorService {
         let (members, missing) = runs::select(all, &req.nodes);
         let policy = l.policy.borrow().clone();
         let mut spec = super::run_spec(&policy, l.next_run());
-        if req.timeout_ms > 0 {
-            spec.check_timeout = spec
-                .check_timeout
-                .min(Duration::from_millis(u64::from(req.timeout_ms)));
-        }
+        spec.check_timeout = requested_timeout(spec.check_timeout, req.timeout_ms);
         info!(from = %sender, nodes = req.nodes.len(), "peer-check run requested");
         let state = l
             .coordinator
@@ -244,6 +240,21 @@ impl CoordinatorRpc for CoordinatorService {
             .map_err(aborted)?;
         Ok(Response::new(result_of(&state)))
     }
+}
+
+/// The shortest per-check deadline a requester gets (or the policy's, if shorter): a deadline
+/// near the time a connection takes fails checks as plain failures, which name nodes faulty.
+pub const MIN_REQUESTED_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The per-check deadline of a requested run: the policy's, shortened to the request's
+/// (`timeout_ms`, 0: none), never below [`MIN_REQUESTED_TIMEOUT`] (or the policy's own).
+fn requested_timeout(policy: Duration, timeout_ms: u32) -> Duration {
+    if timeout_ms == 0 {
+        return policy;
+    }
+    policy
+        .min(Duration::from_millis(u64::from(timeout_ms)))
+        .max(MIN_REQUESTED_TIMEOUT.min(policy))
 }
 
 /// The wire result of a finished run.
@@ -540,6 +551,20 @@ mod tests {
             .unwrap_err();
         assert!(e.message().contains("addressed to"), "{e:?}");
         assert_eq!(reviews(), 1, "no review for any of them");
+    }
+
+    /// Issue 28 review: a requester could shorten the per-check deadline to 1 ms, and checks
+    /// then failed as plain failures (false faulty verdicts). It is floored at a second (or the
+    /// policy's own, if shorter).
+    #[test]
+    fn a_requested_deadline_only_shortens_and_never_below_a_second() {
+        let ten = Duration::from_secs(10);
+        assert_eq!(requested_timeout(ten, 0), ten);
+        assert_eq!(requested_timeout(ten, 3_000), Duration::from_secs(3));
+        assert_eq!(requested_timeout(ten, 60_000), ten);
+        assert_eq!(requested_timeout(ten, 1), Duration::from_secs(1));
+        let short = Duration::from_millis(500);
+        assert_eq!(requested_timeout(short, 1), short);
     }
 
     fn run_request() -> RunRequest {

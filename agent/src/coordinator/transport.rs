@@ -137,7 +137,8 @@ impl runs::Transport for GrpcTransport {
         within(CALL_TIMEOUT, |t| c.assign(timed(msg, t))).await
     }
 
-    async fn cancel(&self, to: &Member, a: CheckAssignment) {
+    async fn cancel(&self, to: &Member, mut a: CheckAssignment) {
+        a.cancel = true;
         let msg = self.signer.sign(a, &to.node);
         if let Ok(mut c) = self.client(to) {
             let _ = within(CALL_TIMEOUT, |t| c.cancel(timed(msg, t))).await;
@@ -160,7 +161,10 @@ impl runs::Transport for GrpcTransport {
     ) -> Result<CheckAccepted, String> {
         let message = match msg {
             Relayed::Assign(a) => forward::Message::Assign(self.signer.sign(a, &to.node)),
-            Relayed::Cancel(a) => forward::Message::Cancel(self.signer.sign(a, &to.node)),
+            Relayed::Cancel(mut a) => {
+                a.cancel = true;
+                forward::Message::Cancel(self.signer.sign(a, &to.node))
+            }
             Relayed::Conclude(c) => forward::Message::Conclude(self.signer.sign(c, &to.node)),
         };
         let concluding = matches!(message, forward::Message::Conclude(_));

@@ -92,11 +92,14 @@ pub const WHO_TTL: Duration = Duration::from_secs(5);
 pub const RECHECK_AFTER: Duration = Duration::from_millis(500);
 
 /// One source read, cached; on a failed read the last good answer stands (an API server
-/// outage must not fail every check), and with none the error is returned.
+/// outage must not fail every check), but only for the term the holder had then: a holder that
+/// lost the Lease is not obeyed past it, however long the reads fail. With no answer yet the
+/// error is returned.
 #[derive(Debug, Default)]
 struct Cache {
     at: Option<Instant>,
-    value: Option<CoordinatorId>,
+    /// The holder and the end of its term (Unix ms).
+    value: Option<(CoordinatorId, i64)>,
     known: bool,
 }
 
@@ -109,30 +112,39 @@ impl Cache {
         age < if recheck { RECHECK_AFTER } else { WHO_TTL }
     }
 
+    /// The holder known, if its term has not run out at `now_ms`.
+    fn holder(&self, now_ms: i64) -> Option<CoordinatorId> {
+        self.value
+            .as_ref()
+            .filter(|(_, until)| now_ms <= *until)
+            .map(|(id, _)| id.clone())
+    }
+
     async fn get<F>(
         this: &Mutex<Cache>,
         recheck: bool,
+        now_ms: impl Fn() -> i64,
         read: F,
     ) -> Result<Option<CoordinatorId>, WhoError>
     where
-        F: std::future::Future<Output = Result<Option<CoordinatorId>, String>>,
+        F: std::future::Future<Output = Result<Option<(CoordinatorId, i64)>, String>>,
     {
         let mut c = this.lock().await;
         let now = Instant::now();
         if c.known && c.fresh(recheck, now) {
-            return Ok(c.value.clone());
+            return Ok(c.holder(now_ms()));
         }
         match read.await {
             Ok(v) => {
                 c.at = Some(now);
-                c.value = v.clone();
+                c.value = v;
                 c.known = true;
-                Ok(v)
+                Ok(c.holder(now_ms()))
             }
             Err(e) if c.known => {
                 c.at = Some(now);
-                tracing::debug!(error = %e, "cannot read who coordinates; using the last answer");
-                Ok(c.value.clone())
+                tracing::debug!(error = %e, "cannot read who coordinates; using the last answer within its term");
+                Ok(c.holder(now_ms()))
             }
             Err(e) => Err(WhoError(e)),
         }
@@ -171,10 +183,10 @@ impl WhoCoordinates for LeaseHolder {
         let read = async {
             super::lease::live_holder(self.client.clone(), &self.namespace)
                 .await
-                .map(|h| h.as_deref().and_then(CoordinatorId::from_holder))
+                .map(|h| h.and_then(|(h, until)| Some((CoordinatorId::from_holder(&h)?, until))))
                 .map_err(|e| format!("reading the Lease: {e}"))
         };
-        Cache::get(&self.cache, recheck, read).await
+        Cache::get(&self.cache, recheck, super::wire::now_ms, read).await
     }
 }
 
@@ -445,6 +457,40 @@ mod tests {
         let later = t0 + Duration::from_millis(500);
         let refilled = (0..1000).take_while(|_| r.take(later)).count();
         assert_eq!(refilled, (FORWARD_RATE / 2.0) as usize);
+    }
+
+    /// Issue 28 review: while the Lease cannot be read, the last holder stays obeyed only for
+    /// the term it had when it was read (a replica that lost the Lease, frozen and woken during
+    /// an API outage, was obeyed for as long as the reads failed).
+    #[tokio::test(start_paused = true)]
+    async fn a_cached_holder_is_obeyed_only_for_its_term() {
+        let key = faultline_proto::auth::CoordinatorKey::generate()
+            .unwrap()
+            .public_key();
+        let id = CoordinatorId {
+            node: "c0".into(),
+            address: None,
+            key,
+        };
+        let cache = Mutex::new(Cache::default());
+        let now = std::sync::atomic::AtomicI64::new(1_000);
+        let clock = || now.load(std::sync::atomic::Ordering::Relaxed);
+        let read_ok = |v: Option<(CoordinatorId, i64)>| async move { Ok(v) };
+        let read_fails = || async { Err::<Option<(CoordinatorId, i64)>, _>("API down".to_string()) };
+        let got = Cache::get(&cache, false, clock, read_ok(Some((id.clone(), 20_000)))).await;
+        assert_eq!(got.unwrap(), Some(id.clone()));
+        // The reads fail from now on: within the term the holder stands...
+        tokio::time::advance(WHO_TTL * 2).await;
+        now.store(19_000, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(
+            Cache::get(&cache, false, clock, read_fails()).await.unwrap(),
+            Some(id.clone())
+        );
+        // ... and past it nobody coordinates, however recently the cache was refreshed.
+        now.store(20_001, std::sync::atomic::Ordering::Relaxed);
+        assert_eq!(Cache::get(&cache, false, clock, read_fails()).await.unwrap(), None);
+        tokio::time::advance(WHO_TTL * 2).await;
+        assert_eq!(Cache::get(&cache, false, clock, read_fails()).await.unwrap(), None);
     }
 
     /// The Lease names the active replica as `<name>@<address>#<public key>`; anything else

@@ -357,6 +357,12 @@ impl PeerCheck for PeerHandle {
         let a = request.into_inner();
         let sender = self.verify("Assign", &a).await?;
         PeerService::check_protocol(a.protocol)?;
+        if a.cancel {
+            return Err(self.refused(
+                "Assign",
+                Status::invalid_argument("a cancellation is not an assignment"),
+            ));
+        }
         let refuse = |reason: String| {
             let reason = format!("{}: {reason}", self.node);
             debug!(from = %sender, reason, "assignment refused");
@@ -438,6 +444,12 @@ impl PeerCheck for PeerHandle {
     ) -> Result<Response<CheckAccepted>, Status> {
         let a = request.into_inner();
         self.verify("Cancel", &a).await?;
+        if !a.cancel {
+            return Err(self.refused(
+                "Cancel",
+                Status::invalid_argument("an assignment is not a cancellation"),
+            ));
+        }
         let found = check_key(&a, &self.node)
             .and_then(|(key, _, _)| self.running.lock().ok()?.get(&key).cloned());
         if let Some(c) = &found {
@@ -980,6 +992,7 @@ mod tests {
             gemm: false,
             coordinator: "10.0.0.9:20262".into(),
             report_via: None,
+            cancel: false,
         }
     }
 
@@ -1074,8 +1087,12 @@ mod tests {
             .await
             .unwrap();
         assert!(r.get_ref().accepted, "{r:?}");
+        let cancel = CheckAssignment {
+            cancel: true,
+            ..a.clone()
+        };
         let r = svc
-            .cancel(Request::new(c.sign(a.clone(), "n1")))
+            .cancel(Request::new(c.sign(cancel, "n1")))
             .await
             .unwrap();
         assert!(r.get_ref().accepted, "{r:?}");
@@ -1139,6 +1156,23 @@ mod tests {
                 .into_inner();
             assert!(!r.accepted && r.reason.contains(why), "{why}: {r:?}");
         }
+        assert!(svc.running.lock().unwrap().is_empty(), "nothing started");
+        // Issue 28 review: a Cancel is the same message as an Assign; one replayed as the other
+        // (by a relay, or on the path) is refused.
+        let cancel = c.sign(
+            CheckAssignment {
+                cancel: true,
+                ..assignment()
+            },
+            "n1",
+        );
+        let s = svc.assign(Request::new(cancel)).await.unwrap_err();
+        assert!(s.message().contains("not an assignment"), "{s:?}");
+        let s = svc
+            .cancel(Request::new(c.sign(assignment(), "n1")))
+            .await
+            .unwrap_err();
+        assert!(s.message().contains("not a cancellation"), "{s:?}");
         assert!(svc.running.lock().unwrap().is_empty(), "nothing started");
         let mut a = assignment();
         a.protocol = PROTOCOL + 1;
