@@ -591,8 +591,9 @@ impl RemoteApi {
     }
 
     /// Nodes of `names` labelled Unhealthy on both the Node and the record's ConfigMap, and
-    /// tainted or withheld by the budget (two label-selected lists, not a GET per node).
-    fn settled(&self) -> (BTreeMap<String, bool>, usize) {
+    /// tainted or withheld by the budget (two label-selected lists, not a GET per node); and the
+    /// Nodes labelled Unhealthy, each with whether it is tainted.
+    fn settled(&self) -> (BTreeMap<String, bool>, BTreeMap<String, bool>) {
         let sel = "labelSelector=faultline.io%2Fhealth%3DUnhealthy";
         let nodes: BTreeMap<String, bool> = self
             .items(&format!("/api/v1/nodes?{sel}"))
@@ -626,8 +627,7 @@ impl RemoteApi {
                 settled.insert(node.to_string(), tainted);
             }
         }
-        let written = nodes.len();
-        (settled, written)
+        (settled, nodes)
     }
 
     /// The taint budget's shared node count, when the ledger holds one.
@@ -769,15 +769,21 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         append(&dirs[*i], &xid(10 + k as u64, "3b", 79));
     }
     let mut first_label = None;
+    // When each failing node was first seen labelled on its Node (whatever its taint).
+    let mut labelled: BTreeMap<String, f64> = BTreeMap::new();
     // When each failing node was first seen settled (polled every 100 ms: each poll lists up to
     // 200 Nodes and ConfigMaps, and polling every 25 ms cost the server, on the same two cores
     // as the agents, a visible share of its time).
     let mut seen: BTreeMap<String, f64> = BTreeMap::new();
     let (took, settled) = loop {
-        let (settled, unhealthy) = api.settled();
+        let (settled, on_nodes) = api.settled();
+        let unhealthy = on_nodes.len();
         let now = t0.elapsed();
         if unhealthy > 0 && first_label.is_none() {
             first_label = Some(now);
+        }
+        for n in on_nodes.keys() {
+            labelled.entry(n.clone()).or_insert(now.as_secs_f64());
         }
         for n in settled.keys() {
             seen.entry(n.clone()).or_insert(now.as_secs_f64());
@@ -812,6 +818,15 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         quantile(&times, 0.5),
         quantile(&times, 0.9),
         took.as_secs_f64()
+    );
+    let mut label_times: Vec<f64> = labelled.into_values().collect();
+    label_times.sort_by(f64::total_cmp);
+    println!(
+        "fleet-tasks: failing nodes labelled after (s): first {:.2}, median {:.2}, p90 {:.2}, last {:.2}",
+        label_times.first().copied().unwrap_or_default(),
+        quantile(&label_times, 0.5),
+        quantile(&label_times, 0.9),
+        label_times.last().copied().unwrap_or_default(),
     );
     let tainted = settled.values().filter(|t| **t).count();
     let limit = (agents * 10 / 100).max(1);

@@ -1345,12 +1345,12 @@ fn taint_budget_holds_with_many_nodes() {
     let tb = withheld[0].agent.taint_budget.clone().unwrap();
     assert_eq!((tb.limit, tb.nodes), (2, N as u32), "{tb:?}");
     assert_eq!(tb.withheld, ["faultline.io/unhealthy=Xid79:NoSchedule"]);
-    assert!(
+    // The record and the Event are written by two sinks, in no fixed order.
+    c.wait("the withheld node's Event", None, |c| {
         c.events(&withheld[0].node)
             .iter()
-            .any(|e| e.0 == "TaintBudgetExceeded"),
-        "withheld nodes say so in an Event"
-    );
+            .any(|e| e.0 == "TaintBudgetExceeded")
+    });
 
     // Reopens by itself: more nodes get tainted as windows pass.
     c.wait("more nodes tainted after the window", None, |c| {
@@ -1462,6 +1462,73 @@ fn budget_node_count_is_shared_before_any_incident() {
     );
     c.assert_calls_listed();
     drop(agents);
+}
+
+/// The taint budget cannot answer (its ledger's read hangs until the client's timeout, then the
+/// API server fails it with 500): the fault is recorded and the node gets its label and condition at
+/// once, with no taint; the taint is asked for again through the sink's backoff and arrives
+/// once the ledger answers (docs/operations.md, "When the taint budget cannot answer"). The
+/// label and condition used to be written only after an admission, so they waited as long as
+/// the ledger did.
+#[test]
+fn label_and_condition_do_not_wait_for_a_budget_that_cannot_answer() {
+    let c = Cluster::new(&["node-a"]);
+    let dir = tempfile::tempdir().unwrap();
+    let agent = c.start_agent(dir.path(), "node-a", &[]);
+    c.wait("a healthy node", Some(&agent), |c| {
+        healthy_everywhere(c, "node-a")
+    });
+    let ledger = "/configmaps/faultline-taint-budget";
+    c.emu.inject(FaultRule::hang().on_path(ledger).times(1));
+    // 500, not 503: the client retries 429, 503 and 504 by itself (for minutes), within one
+    // pass of the sink.
+    c.emu.inject(FaultRule::status(500).on_path(ledger));
+    agent.append(XID79);
+    c.wait(
+        "the label, the condition and the record",
+        Some(&agent),
+        |c| {
+            c.node("node-a")
+                .metadata
+                .labels
+                .unwrap_or_default()
+                .get("faultline.io/health")
+                .is_some_and(|v| v == "Unhealthy")
+                && c.condition_names("node-a", "Xid79")
+                && c.record("node-a")
+                    .is_some_and(|r| r.health == Health::Unhealthy && fault(&r, "Xid79").is_some())
+        },
+    );
+    let refused = |c: &Cluster| {
+        c.emu
+            .calls()
+            .iter()
+            .filter(|x| x.injected && x.status == 500 && x.path.ends_with(ledger))
+            .count()
+    };
+    // The hung read times out and the sink asks again (and is refused) twice.
+    c.wait("the budget asked again after the hang", Some(&agent), |c| {
+        refused(c) >= 2
+    });
+    assert!(
+        !c.taints("node-a")
+            .iter()
+            .any(|t| t.starts_with("faultline.io/")),
+        "no taint without the budget's answer: {:?}",
+        c.taints("node-a")
+    );
+    assert_eq!(
+        c.record("node-a").unwrap().agent.taint_budget,
+        None,
+        "nothing was denied: the record does not claim the budget is spent"
+    );
+    c.emu.clear_faults();
+    c.wait("the taint once the budget answers", Some(&agent), |c| {
+        unhealthy_everywhere(c, "node-a")
+    });
+    assert!(agent.metric("faultline_sink_errors_total{sink=\"node\"}") >= 2.0);
+    c.assert_calls_listed();
+    drop(agent);
 }
 
 /// A reboot while the budget withholds the taint of an operator-held fault: the withheld list

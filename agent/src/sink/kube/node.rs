@@ -9,7 +9,10 @@
 //!   so the kubelet's conditions survive.
 //!
 //! Every change starts with a read, and writes happen only where the Node differs from the
-//! desired state: a restarted agent adopts what is there and writes nothing.
+//! desired state: a restarted agent adopts what is there and writes nothing. The label and the
+//! condition are written before the taints: only a new hard taint asks the cluster's taint
+//! [`Budget`], and neither its answer nor its failure to answer holds the other two back
+//! (docs/operations.md, "When the taint budget cannot answer").
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -287,7 +290,57 @@ impl NodeSink {
         }
         let mut wrote = false;
 
-        // Taints first: they are what keeps new pods off a failing node.
+        // The label and the condition first: they never wait for the taint budget.
+        if plan::labels_differ(node.metadata.labels.as_ref(), &desired.labels) {
+            let body = json!({
+                "apiVersion": "v1",
+                "kind": "Node",
+                "metadata": { "name": name, "labels": desired.labels },
+            });
+            let n = self
+                .nodes
+                .patch(
+                    &name,
+                    &PatchParams::apply(FIELD_MANAGER).force(),
+                    &Patch::Apply(&body),
+                )
+                .await
+                .map_err(api("apply the node's labels"))?;
+            node = n;
+            self.versions.note_of(&node);
+            info!(labels = ?desired.labels, "node labels applied");
+            self.wrote("node_labels");
+            wrote = true;
+        }
+
+        let conditions = node
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.clone())
+            .unwrap_or_default();
+        if let Some(c) = plan::plan_condition(&conditions, &desired.condition, self.clock.now()) {
+            let body = json!({ "status": { "conditions": [c] } });
+            let pp = PatchParams {
+                field_manager: Some(FIELD_MANAGER.to_string()),
+                ..Default::default()
+            };
+            let n = self
+                .nodes
+                .patch_status(&name, &pp, &Patch::Strategic(&body))
+                .await
+                .map_err(api("write the node's condition"))?;
+            node = n;
+            self.versions.note_of(&node);
+            info!(status = %c.status, reason = ?c.reason, "node condition updated");
+            self.wrote("node_condition");
+            wrote = true;
+        }
+
+        // The taints last: only they may wait for the budget (an admission under contention
+        // takes seconds, and an API server that cannot answer for the ledger makes it fail);
+        // the label and the condition, written above, say what is wrong meanwhile. Each write
+        // returns the Node, so the taint patch carries the newest resourceVersion and a new
+        // fault costs three node writes and one read (plus the ledger's read and write).
         let mut withheld: Option<(Vec<String>, u32, u32, u32)> = None;
         for attempt in 0.. {
             let now = self.clock.now();
@@ -326,8 +379,7 @@ impl NodeSink {
                     info!(taints = ?taints.iter().filter(|t| t.key.starts_with(plan::OWNED_PREFIX)).map(|t| format!("{}={}:{}", t.key, t.value.as_deref().unwrap_or(""), t.effect)).collect::<Vec<_>>(), "node taints updated");
                     self.wrote("node_taints");
                     wrote = true;
-                    node = n;
-                    self.versions.note_of(&node);
+                    self.versions.note_of(&n);
                     break;
                 }
                 Err(e) if is_conflict(&e) && attempt < MAX_TAINT_CONFLICTS => {
@@ -340,48 +392,6 @@ impl NodeSink {
         }
         self.note_withheld(withheld);
 
-        let conditions = node
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.clone())
-            .unwrap_or_default();
-        if let Some(c) = plan::plan_condition(&conditions, &desired.condition, self.clock.now()) {
-            let body = json!({ "status": { "conditions": [c] } });
-            let pp = PatchParams {
-                field_manager: Some(FIELD_MANAGER.to_string()),
-                ..Default::default()
-            };
-            let n = self
-                .nodes
-                .patch_status(&name, &pp, &Patch::Strategic(&body))
-                .await
-                .map_err(api("write the node's condition"))?;
-            self.versions.note_of(&n);
-            info!(status = %c.status, reason = ?c.reason, "node condition updated");
-            self.wrote("node_condition");
-            wrote = true;
-        }
-
-        if plan::labels_differ(node.metadata.labels.as_ref(), &desired.labels) {
-            let body = json!({
-                "apiVersion": "v1",
-                "kind": "Node",
-                "metadata": { "name": name, "labels": desired.labels },
-            });
-            let n = self
-                .nodes
-                .patch(
-                    &name,
-                    &PatchParams::apply(FIELD_MANAGER).force(),
-                    &Patch::Apply(&body),
-                )
-                .await
-                .map_err(api("apply the node's labels"))?;
-            self.versions.note_of(&n);
-            info!(labels = ?desired.labels, "node labels applied");
-            self.wrote("node_labels");
-            wrote = true;
-        }
         Ok(Outcome::Done {
             withheld: !self.withheld.is_empty(),
             wrote,
@@ -580,6 +590,95 @@ mod tests {
         assert_eq!(rx.recv().await, Some(filler()));
         sink.send_unsent();
         assert!(rx.try_recv().is_err(), "a released list is not announced");
+    }
+
+    /// A new fault on a node whose taint needs the budget: the label and the condition are
+    /// written before the ledger is asked, and stay written when it cannot answer (the pass
+    /// fails and is retried, the taint waits); the next pass, with the ledger answering, adds
+    /// only the taint. A new fault costs three node writes in all. (The label and the
+    /// condition used to follow the admission, so a ledger under contention or refused held
+    /// them back.)
+    #[tokio::test]
+    async fn the_label_and_condition_are_written_before_the_budget_is_asked() {
+        use faultline_kube_emulator::{Emulator, FaultRule, ResourceRef};
+        let emu = Emulator::start().await.unwrap();
+        emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "faultline-system"}}));
+        emu.put(faultline_kube_emulator::node("n1", &[]));
+        let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
+        let cfg = KubeSinkConfig::new("n1");
+        let budget = Budget::new(client.clone(), &cfg.namespace, "n1");
+        let (tx, _rx) = mpsc::channel(8);
+        let (report, _report_rx) = watch::channel(SinkReport::default());
+        let mut sink = NodeSink::new(
+            client,
+            cfg,
+            budget,
+            tx,
+            report,
+            Arc::new(Metrics::new()),
+            Arc::new(crate::runtime::SystemClock),
+        );
+        let node = || -> Node {
+            serde_json::from_value(emu.get(&ResourceRef::node("n1")).unwrap()).unwrap()
+        };
+        let ledger = "/configmaps/faultline-taint-budget";
+        // 500: the client itself retries 429, 503 and 504 (for minutes), not this.
+        let refused = emu.inject(FaultRule::status(500).on_path(ledger));
+
+        let d = desired();
+        let first = sink.reconcile(&d, &TaintBudget::default()).await;
+        assert!(
+            matches!(
+                first,
+                Err(KubeSinkError::Api {
+                    what: "read the taint ledger",
+                    ..
+                })
+            ),
+            "the pass fails, to be retried: {first:?}"
+        );
+        let n = node();
+        assert!(
+            d.carried_by(&n, true, Timestamp::UNIX_EPOCH),
+            "label and condition written, the taint waits: {n:?}"
+        );
+        assert!(
+            !d.carried_by(&n, false, Timestamp::UNIX_EPOCH),
+            "no taint yet"
+        );
+        let calls = emu.calls();
+        let at =
+            |pred: &dyn Fn(&faultline_kube_emulator::Call) -> bool| calls.iter().position(pred);
+        let label = at(&|c| c.method == "PATCH" && c.path == "/api/v1/nodes/n1").unwrap();
+        let condition =
+            at(&|c| c.method == "PATCH" && c.path == "/api/v1/nodes/n1/status").unwrap();
+        let asked = at(&|c| c.path.ends_with(ledger)).unwrap();
+        assert!(label < asked && condition < asked, "{calls:#?}");
+        assert_eq!(
+            calls.iter().filter(|c| c.is_write()).count(),
+            2,
+            "{calls:#?}"
+        );
+
+        // The ledger answers: the taint follows, and nothing else is written again.
+        assert!(emu.remove_fault(refused));
+        emu.clear_calls();
+        let second = sink.reconcile(&d, &TaintBudget::default()).await.unwrap();
+        assert_eq!(
+            second,
+            Outcome::Done {
+                withheld: false,
+                wrote: true
+            }
+        );
+        assert!(d.carried_by(&node(), false, Timestamp::UNIX_EPOCH));
+        let node_writes: Vec<String> = emu
+            .calls()
+            .iter()
+            .filter(|c| c.is_write() && c.path.starts_with("/api/v1/nodes/"))
+            .map(|c| c.path.clone())
+            .collect();
+        assert_eq!(node_writes, ["/api/v1/nodes/n1"], "the taint alone");
     }
 
     /// What counts as drift: only faultline's own label, taints and condition; a hard taint the
