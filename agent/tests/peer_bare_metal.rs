@@ -147,15 +147,28 @@ fn wire(name: &str, at: SocketAddr) -> Option<Member> {
 
 /// Issue 28's forgeries, by a member (node-b) holding every credential an agent holds and the
 /// requesters' secret, against the real processes: a conclusion naming node-a faulty signed as
-/// the coordinator, four assignments for node-a signed as the coordinator, and failure reports
-/// about node-a (as node-a, and as itself for node-a) are all refused; node-a's record stays
-/// free of peer faults, and a real check then passes (the spoofed assignments filled no slot).
+/// the coordinator, and four assignments for node-a signed as the coordinator, are refused;
+/// during a real run (the probes held 4 s so that the run can be read first), failure reports
+/// about node-a for the checks that wait for node-a's (as node-a, and as itself for node-a)
+/// are refused; the run passes, and node-a's record stays free of peer faults. (Before, with
+/// the key every agent held, each of these was accepted.)
 #[test]
 fn a_member_with_every_agent_credential_forges_nothing() {
+    use std::os::unix::fs::PermissionsExt;
     let s = Setup::new("31570");
-    let a = s.start(0, None);
-    let b = s.start(1, None);
-    let c = s.start(2, None);
+    let slow = s.tmp.path().join("slow-probe");
+    std::fs::write(
+        &slow,
+        format!(
+            "#!/bin/sh\nsleep 4\nexec '{}' \"$@\"\n",
+            probe_bin().display()
+        ),
+    )
+    .unwrap();
+    std::fs::set_permissions(&slow, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let a = s.start(0, Some(&slow));
+    let b = s.start(1, Some(&slow));
+    let c = s.start(2, Some(&slow));
     s.wait_ready([&a, &b, &c]);
     let keys = [
         node_b_key(&s),
@@ -213,6 +226,38 @@ fn a_member_with_every_agent_credential_forges_nothing() {
                 assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
             }
         }
+    });
+    // A real run; once its first round is out, forged reports about node-a.
+    let check = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
+        .args([
+            "check",
+            "--nodes",
+            "node-a,node-b,node-c",
+            "--timeout",
+            "90s",
+        ])
+        .args(["--coordinator", &s.coordinator.address.to_string()])
+        .arg("--secret-file")
+        .arg(&s.pool.requester)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let run = common::wait_until("the run's first round", Duration::from_secs(30), || {
+        s.coordinator
+            .published()
+            .filter(|r| !r.is_finished() && r.rounds.first().is_some_and(|x| !x.checks.is_empty()))
+    });
+    let partners: Vec<String> = run.rounds[0]
+        .checks
+        .iter()
+        .filter_map(|k| match (k.a.as_str(), k.b.as_str()) {
+            ("node-a", p) | (p, "node-a") => Some(p.to_string()),
+            _ => None,
+        })
+        .collect();
+    assert!(!partners.is_empty(), "{run:?}");
+    rt.block_on(async {
         let mut to_coordinator =
             faultline_proto::v1::coordinator_client::CoordinatorClient::connect(format!(
                 "http://{}",
@@ -220,36 +265,42 @@ fn a_member_with_every_agent_credential_forges_nothing() {
             ))
             .await
             .unwrap();
-        for sender in ["node-a", "node-b"] {
-            let report = CheckReport {
-                protocol: faultline_proto::PROTOCOL,
-                run_id: "any".into(),
-                round: 1,
-                node: "node-a".into(),
-                partner: "node-c".into(),
-                passed: false,
-                error: "connection refused".into(),
-                ..Default::default()
-            };
-            let signer = faultline_agent::peer::wire::Signer {
-                key: keys[0].clone(),
-                sender: sender.into(),
-            };
-            let e = to_coordinator
-                .report(signer.sign(report, "coordinator"))
-                .await
-                .unwrap_err();
-            assert!(
-                matches!(
-                    e.code(),
-                    tonic::Code::Unauthenticated | tonic::Code::PermissionDenied
-                ),
-                "{sender}: {e:?}"
-            );
+        for partner in &partners {
+            for (sender, want) in [
+                ("node-a", tonic::Code::Unauthenticated),
+                ("node-b", tonic::Code::PermissionDenied),
+            ] {
+                let report = CheckReport {
+                    protocol: faultline_proto::PROTOCOL,
+                    run_id: run.run_id.clone(),
+                    round: 1,
+                    node: "node-a".into(),
+                    partner: partner.clone(),
+                    passed: false,
+                    error: "connection refused".into(),
+                    ..Default::default()
+                };
+                let signer = faultline_agent::peer::wire::Signer {
+                    key: keys[0].clone(),
+                    sender: sender.into(),
+                };
+                let e = to_coordinator
+                    .report(signer.sign(report, "coordinator"))
+                    .await
+                    .unwrap_err();
+                assert_eq!(e.code(), want, "as {sender}: {e:?}");
+            }
         }
     });
-    let (code, out, err) = s.check("node-a,node-b,node-c", "60s");
-    assert_eq!(code, 0, "{out}\n{err}\n{}", s.coordinator.log());
+    let out = check.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}\n{}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        s.coordinator.log()
+    );
     let r = a.record().unwrap();
     assert!(
         !r.faults

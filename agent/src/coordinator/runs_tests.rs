@@ -906,10 +906,7 @@ async fn a_member_reached_through_another_is_never_blamed_through_the_relay() {
         ..Default::default()
     };
     let (s, fake, _) = run(8, sc).await;
-    assert_eq!(
-        verdicts(&s),
-        vec![("unknown".to_string(), names(&["n5"]))]
-    );
+    assert_eq!(verdicts(&s), vec![("unknown".to_string(), names(&["n5"]))]);
     let told = fake.concluded.lock().unwrap().clone();
     let (_, c) = told.iter().find(|(n, _)| n == "n5").unwrap();
     assert!(c.verdicts.iter().any(|v| v.nodes == vec!["n5".to_string()]));
@@ -932,9 +929,7 @@ async fn relays_that_cannot_be_asked_blame_nobody() {
     };
     let (s, _, _) = run(8, sc).await;
     assert!(
-        verdicts(&s)
-            .iter()
-            .all(|(kind, _)| kind == "unknown"),
+        verdicts(&s).iter().all(|(kind, _)| kind == "unknown"),
         "{:?}",
         verdicts(&s)
     );

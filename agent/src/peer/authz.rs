@@ -476,21 +476,34 @@ mod tests {
         let now = std::sync::atomic::AtomicI64::new(1_000);
         let clock = || now.load(std::sync::atomic::Ordering::Relaxed);
         let read_ok = |v: Option<(CoordinatorId, i64)>| async move { Ok(v) };
-        let read_fails = || async { Err::<Option<(CoordinatorId, i64)>, _>("API down".to_string()) };
+        let read_fails =
+            || async { Err::<Option<(CoordinatorId, i64)>, _>("API down".to_string()) };
         let got = Cache::get(&cache, false, clock, read_ok(Some((id.clone(), 20_000)))).await;
         assert_eq!(got.unwrap(), Some(id.clone()));
         // The reads fail from now on: within the term the holder stands...
         tokio::time::advance(WHO_TTL * 2).await;
         now.store(19_000, std::sync::atomic::Ordering::Relaxed);
         assert_eq!(
-            Cache::get(&cache, false, clock, read_fails()).await.unwrap(),
+            Cache::get(&cache, false, clock, read_fails())
+                .await
+                .unwrap(),
             Some(id.clone())
         );
         // ... and past it nobody coordinates, however recently the cache was refreshed.
         now.store(20_001, std::sync::atomic::Ordering::Relaxed);
-        assert_eq!(Cache::get(&cache, false, clock, read_fails()).await.unwrap(), None);
+        assert_eq!(
+            Cache::get(&cache, false, clock, read_fails())
+                .await
+                .unwrap(),
+            None
+        );
         tokio::time::advance(WHO_TTL * 2).await;
-        assert_eq!(Cache::get(&cache, false, clock, read_fails()).await.unwrap(), None);
+        assert_eq!(
+            Cache::get(&cache, false, clock, read_fails())
+                .await
+                .unwrap(),
+            None
+        );
     }
 
     /// The Lease names the active replica as `<name>@<address>#<public key>`; anything else

@@ -42,10 +42,7 @@ pub async fn live_holder(
 }
 
 /// [`live_holder`]'s reading of a Lease at `now_ms`.
-fn live(
-    spec: k8s_openapi::api::coordination::v1::LeaseSpec,
-    now_ms: i64,
-) -> Option<(String, i64)> {
+fn live(spec: k8s_openapi::api::coordination::v1::LeaseSpec, now_ms: i64) -> Option<(String, i64)> {
     let (renewed, secs) = (spec.renew_time?, spec.lease_duration_seconds?);
     // Slack for the clocks of the holder, the API server and this node.
     let until = renewed

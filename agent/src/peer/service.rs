@@ -489,12 +489,9 @@ impl PeerCheck for PeerHandle {
             ));
         }
         let report_key = match &msg {
-            forward::Message::Report(r) => Some((
-                r.run_id.clone(),
-                r.round,
-                r.node.clone(),
-                r.partner.clone(),
-            )),
+            forward::Message::Report(r) => {
+                Some((r.run_id.clone(), r.round, r.node.clone(), r.partner.clone()))
+            }
             _ => None,
         };
         if let Some(k) = &report_key {
@@ -579,12 +576,14 @@ impl PeerCheck for PeerHandle {
         debug!(to = %to.node, "forwarding the coordinator's message");
         // The member not answering is the relay's answer, not its error: the coordinator tells
         // a relay that could not be asked from a member that could not be reached.
-        Ok(Response::new(pass_on(&to.address, msg).await.unwrap_or_else(
-            |why| ForwardReply {
-                unreachable: why,
-                ..Default::default()
-            },
-        )))
+        Ok(Response::new(
+            pass_on(&to.address, msg)
+                .await
+                .unwrap_or_else(|why| ForwardReply {
+                    unreachable: why,
+                    ..Default::default()
+                }),
+        ))
     }
 
     async fn conclude(
