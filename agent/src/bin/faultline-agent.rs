@@ -196,4 +196,39 @@ mod tests {
         }
         assert!(checked > 30, "only {checked} flags seen");
     }
+
+    /// The coordinator's flags likewise: each has its environment variable, and a row in the
+    /// README's "The coordinator" table naming it.
+    #[test]
+    fn every_coordinator_flag_has_an_environment_variable_and_a_readme_row() {
+        let readme =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+        let section = readme
+            .split("### The coordinator")
+            .nth(1)
+            .unwrap()
+            .split("\n## ")
+            .next()
+            .unwrap();
+        let rows: Vec<&str> = section.lines().filter(|l| l.starts_with("| `--")).collect();
+        let cmd = faultline_coordinator::Cli::command();
+        let mut checked = 0;
+        for arg in cmd.get_arguments() {
+            let Some(long) = arg.get_long() else { continue };
+            if matches!(long, "help" | "version") {
+                continue;
+            }
+            let env = arg
+                .get_env()
+                .and_then(|e| e.to_str())
+                .unwrap_or_else(|| panic!("--{long} has no environment variable"));
+            let row = rows
+                .iter()
+                .find(|r| r.starts_with(&format!("| `--{long}` |")))
+                .unwrap_or_else(|| panic!("--{long} has no row in the README's coordinator table"));
+            assert!(row.contains(&format!("`{env}`")), "--{long}: {row}");
+            checked += 1;
+        }
+        assert!(checked > 15, "only {checked} flags seen");
+    }
 }
