@@ -216,8 +216,8 @@ fn workload(docs: &[Value], kind: &str, name: &str) -> Workload {
         .collect();
     let sc = &c["securityContext"];
     let pod_sc = &pod["securityContext"];
-    // The container's setting, else the pod's (the Kubernetes API: a container's
-    // securityContext field overrides the PodSecurityContext's).
+    // The container's setting, else the pod's (kubernetes, pkg/securitycontext/util.go,
+    // DetermineEffectiveSecurityContext: a container's field overrides the pod's).
     let either = |field: &str| -> Value {
         match &sc[field] {
             Value::Null => pod_sc[field].clone(),
@@ -1703,8 +1703,9 @@ fn the_daemonset_the_deployment_and_the_image_agree() {
     }
 
     // Users: the image's user is the one the DaemonSet runs as; the Deployment, which must
-    // not run as root, names a user other than root (the image's user is root, and the kubelet
-    // refuses runAsNonRoot for an image user of 0 without a runAsUser).
+    // not run as root, runs as a user the kubelet accepts for runAsNonRoot: its runAsUser, not
+    // 0, else the image's user, not 0 (kubernetes, pkg/kubelet/kuberuntime/
+    // security_context_others.go, verifyRunAsNonRoot).
     let user = config["User"].as_str().unwrap_or("");
     let (u, g) = user.split_once(':').unwrap_or((user, ""));
     let num = |s: &str| -> Option<u64> {
@@ -1722,10 +1723,11 @@ fn the_daemonset_the_deployment_and_the_image_agree() {
         }
     }
     if coordinator.run_as_non_root {
-        match coordinator.user {
-            Some((u, _)) if u != 0 => {}
+        match coordinator.user.map(|(u, _)| u).or(image_user.0) {
+            Some(u) if u != 0 => {}
             u => problems.push(format!(
-                "{} has runAsNonRoot with runAsUser {u:?}, and the image runs as {user:?}",
+                "{} has runAsNonRoot and would run as user {u:?} (its runAsUser, else the \
+                 image's {user:?}): the kubelet refuses that",
                 coordinator.what
             )),
         }
