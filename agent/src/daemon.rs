@@ -162,7 +162,7 @@ pub struct AgentConfig {
     /// Peer checks in Kubernetes: this agent's projected service-account token (audience
     /// `faultline-peer`): its reports to the coordinator carry it, and the coordinator takes
     /// this node's name from it (TokenReview). Re-read for every report (the kubelet rotates it).
-    #[arg(long, env = "FAULTLINE_PEER_TOKEN_FILE")]
+    #[arg(long, env = "FAULTLINE_PEER_NODE_TOKEN_FILE")]
     pub peer_token_file: Option<PathBuf>,
     /// Peer checks without Kubernetes: this node's own key (`faultline keys node`); its reports
     /// are signed with it, and no other node holds it.

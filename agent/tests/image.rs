@@ -1,18 +1,28 @@
-//! The image (manifests/build-image.sh) against the DaemonSet that runs it
-//! (manifests/base/daemonset.yaml, as `kubectl kustomize manifests/` renders it):
+//! The image (manifests/build-image.sh) against the workloads that run it, as `kubectl kustomize
+//! manifests/` renders them: the agents' DaemonSet (manifests/base/daemonset.yaml) and the
+//! peer-check coordinator's Deployment (manifests/base/coordinator.yaml):
 //!
-//! - `the_image_runs_as_the_daemonset_runs_it`: two containers of the image, each started with
-//!   the `docker run` arguments derived from the DaemonSet (securityContext, command and args,
-//!   environment, volumes as bind mounts of temporary directories, a FIFO at `/dev/kmsg`, the
-//!   ports, the memory limit), on a docker network of their own. They peer-check each other
-//!   (an allgather at the policy's size); an Xid written to one node's FIFO appears in its
-//!   `faults.json` on the host; `faultline get` and `faultline wait-healthy` run in the
-//!   container (`docker exec`) with the exit codes the README gives; the image's probe has its
-//!   GPU backends and says in one line that no CUDA library is there.
-//! - `the_daemonset_and_the_image_agree`: from `docker image inspect`, the image's files and the
-//!   image's own `faultline-agent --help`: every command the manifests run exists in the image
-//!   and runs (the job examples' shell scripts' tools too), the probe is where the agent looks
-//!   for it, the environment, the ports, the mounts and the user agree.
+//! - `the_image_runs_as_the_daemonset_and_the_deployment_run_it`: two agent containers of the
+//!   image, each started with the `docker run` arguments derived from the DaemonSet
+//!   (securityContext, command and args, environment, volumes as bind mounts of temporary
+//!   directories, a FIFO at `/dev/kmsg`, the ports, the memory limit), and one coordinator
+//!   container derived the same way from the Deployment's pod template (a non-root user, a
+//!   read-only root, no capabilities, `faultline-coordinator`, the policy ConfigMap and the
+//!   requesters' Secret), on a docker network of their own. The test adds only what an API
+//!   server would have given them ([`agent_added_args`], [`coordinator_added_args`]): the
+//!   bare-metal peer-check credentials, made with the image's own `faultline keys`. `faultline
+//!   check` from an agent container asks the coordinator for a peer check (an allgather at the
+//!   policy's size, under the agents' memory limit), and the run the coordinator publishes in
+//!   its state directory passed; an Xid written to one node's FIFO appears in its `faults.json`
+//!   on the host; `faultline get` and `faultline wait-healthy` run in the container (`docker
+//!   exec`) with the exit codes the README gives; the image's probe has its GPU backends and
+//!   says in one line that no CUDA library is there.
+//! - `the_daemonset_the_deployment_and_the_image_agree`: from `docker image inspect`, the image's
+//!   files and the image's own `faultline-agent --help` and `faultline-coordinator --help`: every
+//!   command the manifests run exists in the image and runs (the job examples' shell scripts'
+//!   tools too), every flag the two workloads pass is one their binary has, the probe is where
+//!   the agent looks for it, the environment, the ports (and the probes' ports), the mounts and
+//!   the users agree.
 //!
 //! Both need docker and the built image (the image the rendered DaemonSet names, or
 //! `FAULTLINE_TEST_IMAGE`); `.ci/run` builds it and runs these with `--ignored`. Without docker
@@ -36,15 +46,52 @@ use faultline_agent::coordinator::runs::RunState;
 use faultline_core::record::NodeRecord;
 use serde_json::Value;
 
-/// What the test changes in the DaemonSet's container, and why. Nothing else differs.
-///
-/// Kubernetes gives the agents their peers from the pod list (the API server); there is none
-/// here, so the agents get the bare-metal members file instead, mounted read-only at
-/// [`MEMBERS_DIR`] (docs/peer-checks.md, "The coordinator and the agents"). The container also
-/// gets no `KUBERNETES_SERVICE_HOST` and no service-account token (the kubelet's), so the agent
-/// runs standalone, as it does on a node whose API server cannot be reached.
-const ADDED_ARGS: &[&str] = &["--peer-members=/etc/faultline-members/members"];
-const MEMBERS_DIR: &str = "/etc/faultline-members";
+// What the test adds to the two workloads, and why. Nothing else differs.
+//
+// On Kubernetes the coordinator lists the agent pods (its members), checks each agent's
+// pod-bound service-account token by TokenReview, and makes its own key, which the agents read
+// from the Lease `faultline-peercheck`. There is no API server here, so every container runs
+// without one (no `KUBERNETES_SERVICE_HOST`, no service-account token of the kubelet's: the
+// agents run standalone, as on a node whose API server cannot be reached) and the test gives
+// them the bare-metal peer-check setup instead (docs/peer-checks.md, "Bare metal"), made with
+// the image's own `faultline keys`: each agent its own node key (mounted read-only at
+// [`NODE_KEY_DIR`]) and the coordinator's public key; the coordinator the members file, its key
+// and the master of the nodes' keys (read-only at [`COORDINATOR_FILES_DIR`]) and a state
+// directory for the runs it publishes (a writable mount at [`COORDINATOR_STATE_DIR`], owned by
+// the Deployment's user: its root is read-only). The DaemonSet's projected token volume
+// (`faultline-peer-token`) is an empty directory: the kubelet would write the token there, and a
+// standalone agent does not read it. The requesters' Secret the coordinator mounts is also
+// mounted read-only at [`REQUESTER_DIR`] in the agent containers, where `faultline check` (a
+// requester, as a job's launcher would be) reads it.
+
+/// Where an agent container finds its node key (`faultline keys node`).
+const NODE_KEY_DIR: &str = "/etc/faultline-node-key";
+/// The coordinator's members file, key and master of the nodes' keys.
+const COORDINATOR_FILES_DIR: &str = "/etc/faultline-coordinator-files";
+/// The coordinator's `--state-dir`: `peercheck.json`, the last run it published.
+const COORDINATOR_STATE_DIR: &str = "/var/lib/faultline-coordinator";
+/// The requesters' secret, for `faultline check` in an agent container.
+const REQUESTER_DIR: &str = "/etc/faultline-requester";
+
+/// The arguments the test appends to the DaemonSet's: the agent's bare-metal peer-check
+/// credentials (`public_key`: the coordinator's, as `faultline keys coordinator` printed it).
+fn agent_added_args(public_key: &str) -> Vec<String> {
+    vec![
+        format!("--peer-node-key-file={NODE_KEY_DIR}/node.key"),
+        format!("--peer-coordinator-key={public_key}"),
+    ]
+}
+
+/// The arguments the test appends to the Deployment's: the bare-metal coordinator's members,
+/// keys and state directory.
+fn coordinator_added_args() -> Vec<String> {
+    vec![
+        format!("--members={COORDINATOR_FILES_DIR}/members"),
+        format!("--key-file={COORDINATOR_FILES_DIR}/coordinator.key"),
+        format!("--node-key-master-file={COORDINATOR_FILES_DIR}/master"),
+        format!("--state-dir={COORDINATOR_STATE_DIR}"),
+    ]
+}
 
 /// The CLI's name, as the job examples call it.
 const CLI: &str = "faultline";
@@ -80,7 +127,7 @@ fn rendered() -> Vec<Value> {
         }
         Err(e) => {
             eprintln!("kubectl not found ({e}): reading manifests/base as written");
-            ["daemonset.yaml", "policy.yaml"]
+            ["daemonset.yaml", "coordinator.yaml", "policy.yaml"]
                 .iter()
                 .flat_map(|f| {
                     yaml_docs(
@@ -110,13 +157,15 @@ struct Mount {
     name: String,
     path: String,
     read_only: bool,
-    /// The volume's source: `hostPath`, `configMap` or `secret`, and its object.
+    /// The volume's source: `hostPath`, `configMap`, `secret` or `projected`, and its object.
     volume: Value,
 }
 
-/// The agent container of the DaemonSet, in the terms `docker run` needs.
+/// The one container of a workload's pod template, in the terms `docker run` needs.
 #[derive(Debug)]
-struct Agent {
+struct Workload {
+    /// `DaemonSet/faultline-agent`, for messages.
+    what: String,
     namespace: String,
     image: String,
     command: Vec<String>,
@@ -128,11 +177,20 @@ struct Agent {
     mounts: Vec<Mount>,
     privileged: bool,
     read_only_root: bool,
+    /// `allowPrivilegeEscalation: false`: docker's `no-new-privileges`.
+    no_new_privileges: bool,
+    /// `capabilities.drop`, as docker's `--cap-drop` spells them.
+    cap_drop: Vec<String>,
+    /// `runAsNonRoot` (the container's, else the pod's).
+    run_as_non_root: bool,
+    /// `runAsUser` and `runAsGroup` (the container's, else the pod's; the group defaults to the
+    /// user).
     user: Option<(u64, u64)>,
     memory_limit: u64,
-    /// The port name the kubelet's probes use, and the readiness path.
+    /// The port name the kubelet's probes use, and the readiness and liveness paths.
     probe_port: String,
     readiness_path: String,
+    liveness_path: String,
 }
 
 fn quantity(q: &str) -> u64 {
@@ -143,11 +201,12 @@ fn quantity(q: &str) -> u64 {
     num.parse::<u64>().unwrap() * mult
 }
 
-fn agent_container(docs: &[Value]) -> Agent {
-    let ds = find(docs, "DaemonSet", "faultline-agent");
-    let pod = &ds["spec"]["template"]["spec"];
+/// The container of the pod template of `kind`/`name` (a DaemonSet or a Deployment).
+fn workload(docs: &[Value], kind: &str, name: &str) -> Workload {
+    let w = find(docs, kind, name);
+    let pod = &w["spec"]["template"]["spec"];
     let containers = pod["containers"].as_array().unwrap();
-    assert_eq!(containers.len(), 1, "the DaemonSet runs one container");
+    assert_eq!(containers.len(), 1, "{kind}/{name} runs one container");
     let c = &containers[0];
     let volumes: BTreeMap<&str, &Value> = pod["volumes"]
         .as_array()
@@ -156,8 +215,27 @@ fn agent_container(docs: &[Value]) -> Agent {
         .map(|v| (v["name"].as_str().unwrap(), v))
         .collect();
     let sc = &c["securityContext"];
-    Agent {
-        namespace: ds["metadata"]["namespace"].as_str().unwrap().to_string(),
+    let pod_sc = &pod["securityContext"];
+    // The container's setting, else the pod's (kubernetes, pkg/securitycontext/util.go,
+    // DetermineEffectiveSecurityContext: a container's field overrides the pod's).
+    let either = |field: &str| -> Value {
+        match &sc[field] {
+            Value::Null => pod_sc[field].clone(),
+            v => v.clone(),
+        }
+    };
+    let user = either("runAsUser")
+        .as_u64()
+        .map(|u| (u, either("runAsGroup").as_u64().unwrap_or(u)));
+    let probe_path = |probe: &str| -> String {
+        c[probe]["httpGet"]["path"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{kind}/{name}: no {probe} httpGet path"))
+            .to_string()
+    };
+    Workload {
+        what: format!("{kind}/{name}"),
+        namespace: w["metadata"]["namespace"].as_str().unwrap().to_string(),
         image: c["image"].as_str().unwrap().to_string(),
         command: strings(&c["command"]),
         args: strings(&c["args"]),
@@ -208,34 +286,46 @@ fn agent_container(docs: &[Value]) -> Agent {
             .collect(),
         privileged: sc["privileged"].as_bool().unwrap_or(false),
         read_only_root: sc["readOnlyRootFilesystem"].as_bool().unwrap_or(false),
-        user: sc["runAsUser"]
-            .as_u64()
-            .map(|u| (u, sc["runAsGroup"].as_u64().unwrap_or(u))),
+        no_new_privileges: sc["allowPrivilegeEscalation"] == false,
+        cap_drop: strings(&sc["capabilities"]["drop"]),
+        run_as_non_root: either("runAsNonRoot").as_bool().unwrap_or(false),
+        user,
         memory_limit: quantity(c["resources"]["limits"]["memory"].as_str().unwrap()),
         probe_port: c["readinessProbe"]["httpGet"]["port"]
             .as_str()
             .unwrap()
             .to_string(),
-        readiness_path: c["readinessProbe"]["httpGet"]["path"]
-            .as_str()
-            .unwrap()
-            .to_string(),
+        readiness_path: probe_path("readinessProbe"),
+        liveness_path: probe_path("livenessProbe"),
     }
 }
 
-impl Agent {
+fn agent_workload(docs: &[Value]) -> Workload {
+    workload(docs, "DaemonSet", "faultline-agent")
+}
+
+fn coordinator_workload(docs: &[Value]) -> Workload {
+    workload(docs, "Deployment", "faultline-coordinator")
+}
+
+impl Workload {
     fn port(&self, name: &str) -> u16 {
         self.ports
             .iter()
             .find(|p| p.0 == name)
-            .unwrap_or_else(|| panic!("no containerPort named {name}"))
+            .unwrap_or_else(|| panic!("{}: no containerPort named {name}", self.what))
             .1
+    }
+
+    /// The arguments after the command's name: the command's own, then `args`.
+    fn arguments(&self) -> impl Iterator<Item = &String> {
+        self.command.iter().skip(1).chain(&self.args)
     }
 
     /// The value the container's args or environment give a flag (`--flag=v`, `--flag v`, or
     /// its variable), if any.
     fn flag(&self, flag: &str, var: Option<&str>) -> Option<String> {
-        let mut it = self.command.iter().skip(1).chain(&self.args);
+        let mut it = self.arguments();
         while let Some(a) = it.next() {
             if let Some(v) = a.strip_prefix(&format!("{flag}=")) {
                 return Some(v.to_string());
@@ -257,6 +347,21 @@ impl Agent {
             .iter()
             .filter(|m| path == m.path || path.starts_with(&format!("{}/", m.path)))
             .max_by_key(|m| m.path.len())
+    }
+
+    /// The files under a Secret mount that the container's args or environment name, each
+    /// with a test secret of its own (the operator creates these Secrets: docs/peer-checks.md).
+    fn secret_files(&self) -> BTreeMap<String, String> {
+        self.arguments()
+            .filter_map(|a| a.split_once('=').map(|(_, v)| v.to_string()))
+            .chain(self.env.iter().filter_map(|(_, v)| v.clone().ok()))
+            .filter(|p| {
+                self.mount_of(p)
+                    .is_some_and(|m| m.volume.get("secret").is_some())
+            })
+            .enumerate()
+            .map(|(i, p)| (p, format!("image-test-secret-{i}-0123456789abcdef0123")))
+            .collect()
     }
 }
 
@@ -284,7 +389,7 @@ fn ok(args: &[&str]) -> String {
 
 /// The image under test, or `None` (said why) where there is no docker or no image and `CI` is
 /// not set.
-fn image_or_skip(agent: &Agent) -> Option<String> {
+fn image_or_skip(agent: &Workload) -> Option<String> {
     let image = std::env::var("FAULTLINE_TEST_IMAGE").unwrap_or_else(|_| agent.image.clone());
     let why = match Command::new("docker")
         .args(["image", "inspect", "--format", "{{.Id}}", &image])
@@ -388,26 +493,47 @@ fn privileged_args() -> Vec<String> {
     args
 }
 
-/// One node: a container of the image started as the DaemonSet starts the agent.
-struct Node {
+/// One pod: a container of the image started as its workload starts it.
+struct Pod {
+    /// The node's name (an agent's `spec.nodeName`), also the container's host name.
+    node: String,
+    /// The pod's name (`metadata.name`).
     name: String,
     container: String,
     ip: Ipv4Addr,
     /// The host directory behind each volume, by volume name.
     dirs: BTreeMap<String, PathBuf>,
-    /// The host FIFO bind-mounted as the container's `/dev/kmsg`.
+    /// The host FIFO bind-mounted as the container's `/dev/kmsg` (where it mounts it).
     kmsg: PathBuf,
 }
 
-impl Node {
-    fn state(&self, agent: &Agent) -> PathBuf {
+impl Pod {
+    /// The pod of `w` on node `node`, its host side under `dir`.
+    fn new(w: &Workload, tag: &str, node: &str, name: &str, ip: Ipv4Addr, dir: &Path) -> Pod {
+        std::fs::create_dir_all(dir).unwrap();
+        Pod {
+            node: node.to_string(),
+            name: name.to_string(),
+            container: format!("{tag}-{node}"),
+            ip,
+            dirs: w
+                .mounts
+                .iter()
+                .map(|m| (m.name.clone(), dir.join(&m.name)))
+                .collect(),
+            kmsg: dir.join("kmsg.fifo"),
+        }
+    }
+
+    /// An agent's state directory on the host.
+    fn state(&self, agent: &Workload) -> PathBuf {
         let dir = agent
             .flag("--state-dir", Some("FAULTLINE_STATE_DIR"))
             .unwrap();
         self.dirs[&agent.mount_of(&dir).unwrap().name].clone()
     }
 
-    fn record(&self, agent: &Agent) -> Option<NodeRecord> {
+    fn record(&self, agent: &Workload) -> Option<NodeRecord> {
         let text = std::fs::read_to_string(self.state(agent).join("faults.json")).ok()?;
         serde_json::from_str(&text).ok()
     }
@@ -450,61 +576,80 @@ impl Drop for Cleanup {
     }
 }
 
-/// The downward API's value of `field` for this node.
-fn field_value(agent: &Agent, node: &str, ip: Ipv4Addr, field: &str) -> String {
+/// The downward API's value of `field` for this pod.
+fn field_value(w: &Workload, pod: &Pod, field: &str) -> String {
     match field {
-        "spec.nodeName" => node.to_string(),
-        "status.podIP" => ip.to_string(),
-        "metadata.name" => format!("faultline-agent-{node}"),
-        "metadata.namespace" => agent.namespace.clone(),
-        other => panic!("the DaemonSet reads fieldRef {other}: give it a test value here"),
+        "spec.nodeName" => pod.node.clone(),
+        "status.podIP" => pod.ip.to_string(),
+        "metadata.name" => pod.name.clone(),
+        "metadata.namespace" => w.namespace.clone(),
+        other => panic!(
+            "{} reads fieldRef {other}: give it a test value here",
+            w.what
+        ),
     }
 }
 
-/// The `docker run` arguments for `node`, derived from the DaemonSet, plus [`ADDED_ARGS`].
-/// Makes the host side of every volume (`node.dirs`, the FIFO) on the way.
+/// What the test adds to a container: read-only bind mounts (host directory, container path)
+/// and writable ones, and arguments appended to the workload's.
+#[derive(Default)]
+struct Added {
+    read_only: Vec<(PathBuf, String)>,
+    writable: Vec<(PathBuf, String)>,
+    args: Vec<String>,
+}
+
+/// The `docker run` arguments for `pod`, derived from its workload `w`, plus `added`. Makes the
+/// host side of every volume (`pod.dirs`, the FIFO) on the way: a ConfigMap's data, a Secret's
+/// files from `secrets` (container path to contents).
 fn run_args(
-    agent: &Agent,
+    w: &Workload,
     image: &str,
-    node: &Node,
+    pod: &Pod,
     network: &str,
     secrets: &BTreeMap<String, String>,
     config_maps: &BTreeMap<String, BTreeMap<String, String>>,
-    members: &Path,
+    added: &Added,
 ) -> Vec<String> {
     let mut a: Vec<String> = vec!["run".into(), "--detach".into()];
-    a.push(format!("--name={}", node.container));
-    a.push(format!("--hostname={}", node.name));
+    a.push(format!("--name={}", pod.container));
+    a.push(format!("--hostname={}", pod.node));
     a.push(format!("--network={network}"));
-    a.push(format!("--ip={}", node.ip));
-    if agent.privileged {
+    a.push(format!("--ip={}", pod.ip));
+    if w.privileged {
         a.extend(privileged_args());
     }
-    if agent.read_only_root {
+    if w.read_only_root {
         a.push("--read-only".into());
     }
-    if let Some((u, g)) = agent.user {
+    if w.no_new_privileges {
+        a.push("--security-opt=no-new-privileges".into());
+    }
+    for cap in &w.cap_drop {
+        a.push(format!("--cap-drop={cap}"));
+    }
+    if let Some((u, g)) = w.user {
         a.push(format!("--user={u}:{g}"));
     }
     // Kubernetes' memory limit, without swap.
-    a.push(format!("--memory={}", agent.memory_limit));
-    a.push(format!("--memory-swap={}", agent.memory_limit));
-    for (name, v) in &agent.env {
+    a.push(format!("--memory={}", w.memory_limit));
+    a.push(format!("--memory-swap={}", w.memory_limit));
+    for (name, v) in &w.env {
         let value = match v {
             Ok(v) => v.clone(),
-            Err(field) => field_value(agent, &node.name, node.ip, field),
+            Err(field) => field_value(w, pod, field),
         };
         a.push(format!("--env={name}={value}"));
     }
-    for m in &agent.mounts {
-        let host = &node.dirs[&m.name];
+    for m in &w.mounts {
+        let host = &pod.dirs[&m.name];
         let v = &m.volume;
         if let Some(hp) = v.get("hostPath") {
             match hp["type"].as_str().unwrap_or("") {
                 // The one device the DaemonSet mounts: the kernel log, here a FIFO.
                 "CharDevice" => {
                     assert_eq!(m.path, "/dev/kmsg", "a device mount the test does not know");
-                    mkfifo(&node.kmsg);
+                    mkfifo(&pod.kmsg);
                 }
                 "Directory" | "DirectoryOrCreate" => std::fs::create_dir_all(host).unwrap(),
                 t => panic!("hostPath {} of type {t:?}: teach the test", m.name),
@@ -516,19 +661,30 @@ fn run_args(
                 std::fs::write(host.join(k), text).unwrap();
             }
         } else if v.get("secret").is_some() {
-            // The keys the agent reads from this mount (its flags' paths), with a test secret
-            // each; the operator creates these Secrets (docs/peer-checks.md).
             std::fs::create_dir_all(host).unwrap();
             for (path, secret) in secrets {
                 if let Some(key) = path.strip_prefix(&format!("{}/", m.path)) {
                     std::fs::write(host.join(key), secret).unwrap();
                 }
             }
+        } else if let Some(p) = v.get("projected") {
+            // The kubelet's service-account token for the coordinator (the agents' peer-check
+            // identity on Kubernetes): an empty directory here, since a standalone agent does
+            // not read it (see agent_added_args).
+            let sources = p["sources"].as_array().unwrap();
+            assert!(
+                sources
+                    .iter()
+                    .all(|s| s.get("serviceAccountToken").is_some()),
+                "projected volume {} with sources the test does not know: {v}",
+                m.name
+            );
+            std::fs::create_dir_all(host).unwrap();
         } else {
             panic!("volume {} of a kind the test does not know: {v}", m.name);
         }
         let src = if m.path == "/dev/kmsg" {
-            &node.kmsg
+            &pod.kmsg
         } else {
             host
         };
@@ -539,21 +695,54 @@ fn run_args(
             m.path
         ));
     }
-    a.push(format!(
-        "--mount=type=bind,source={},target={MEMBERS_DIR},readonly",
-        members.parent().unwrap().display()
-    ));
+    for (host, path, ro) in added
+        .read_only
+        .iter()
+        .map(|(h, p)| (h, p, ",readonly"))
+        .chain(added.writable.iter().map(|(h, p)| (h, p, "")))
+    {
+        a.push(format!(
+            "--mount=type=bind,source={},target={path}{ro}",
+            host.display()
+        ));
+    }
     // Ports, published on the host's loopback only.
-    for (_, port, proto) in &agent.ports {
+    for (_, port, proto) in &w.ports {
         a.push(format!("--publish=127.0.0.1::{port}/{proto}"));
     }
     // Kubernetes' `command` replaces the image's entrypoint and `args` its CMD.
-    a.push(format!("--entrypoint={}", agent.command[0]));
+    a.push(format!("--entrypoint={}", w.command[0]));
     a.push(image.to_string());
-    a.extend(agent.command.iter().skip(1).cloned());
-    a.extend(agent.args.iter().cloned());
-    a.extend(ADDED_ARGS.iter().map(|s| s.to_string()));
+    a.extend(w.arguments().cloned());
+    a.extend(added.args.iter().cloned());
     a
+}
+
+/// Starts `pod` (and has `cleanup` remove it).
+fn start(args: &[String], pod: &Pod, cleanup: &mut Cleanup) {
+    eprintln!("docker {}", args.join(" "));
+    cleanup.containers.push(pod.container.clone());
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    ok(&refs);
+}
+
+/// `faultline keys ARGS`, run by the image's own CLI with the host directory `dir` at `/keys`:
+/// its stdout.
+fn image_keys(image: &str, dir: &Path, args: &[&str]) -> String {
+    let mount = format!("type=bind,source={},target=/keys", dir.display());
+    let mut run = vec![
+        "run",
+        "--rm",
+        "--network=none",
+        "--mount",
+        &mount,
+        "--entrypoint",
+        CLI,
+        image,
+        "keys",
+    ];
+    run.extend(args);
+    ok(&run).trim().to_string()
 }
 
 fn mkfifo(path: &Path) {
@@ -616,18 +805,59 @@ fn container_state(container: &str) -> String {
     .to_string()
 }
 
+/// Waits until `pod` of `w` is ready as the kubelet sees it (the readiness probe's path on the
+/// probe's port answers 200), then checks its liveness path answers 200 too.
+fn wait_ready(w: &Workload, pod: &Pod) {
+    let host_port = published_port(&pod.container, w.port(&w.probe_port));
+    common::wait_until(
+        &format!("{} ready ({} = 200)", pod.container, w.readiness_path),
+        Duration::from_secs(60),
+        || {
+            assert!(
+                container_state(&pod.container).starts_with("running=true"),
+                "{}: {}",
+                pod.container,
+                container_state(&pod.container)
+            );
+            (http_status(host_port, &w.readiness_path) == Some(200)).then_some(())
+        },
+    );
+    assert_eq!(
+        http_status(host_port, &w.liveness_path),
+        Some(200),
+        "{}: the liveness probe's {}",
+        pod.container,
+        w.liveness_path
+    );
+}
+
+/// The ConfigMaps `w`'s volumes name, from the rendered install (the policy).
+fn config_maps_of(w: &Workload, docs: &[Value]) -> BTreeMap<String, BTreeMap<String, String>> {
+    w.mounts
+        .iter()
+        .filter_map(|m| m.volume["configMap"]["name"].as_str())
+        .map(|name| {
+            let cm = find(docs, "ConfigMap", name);
+            let data = cm["data"]
+                .as_object()
+                .unwrap()
+                .iter()
+                .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
+                .collect();
+            (name.to_string(), data)
+        })
+        .collect()
+}
+
 #[test]
 #[ignore = "needs docker and the built image: .ci/run runs it with --ignored"]
-fn the_image_runs_as_the_daemonset_runs_it() {
+fn the_image_runs_as_the_daemonset_and_the_deployment_run_it() {
     let docs = rendered();
-    let agent = agent_container(&docs);
+    let agent = agent_workload(&docs);
+    let coordinator = coordinator_workload(&docs);
     let Some(image) = image_or_skip(&agent) else {
         return;
     };
-    eprintln!(
-        "derived from the DaemonSet; changed: {ADDED_ARGS:?} appended (members file at {MEMBERS_DIR}), \
-         no Kubernetes API (the agent runs standalone)"
-    );
     let tag = format!("faultline-test-{}", std::process::id());
     // Before the cleanup, so that it outlives the containers that mount it.
     let tmp = tempfile::tempdir().unwrap();
@@ -638,93 +868,151 @@ fn the_image_runs_as_the_daemonset_runs_it() {
     let (subnet, base) = create_network(&tag);
     cleanup.network = Some(tag.clone());
     eprintln!("network {tag}: {subnet}");
-
-    // The ConfigMaps the volumes name, from the rendered install (the policy).
-    let config_maps: BTreeMap<String, BTreeMap<String, String>> = agent
-        .mounts
+    let base = u32::from(base);
+    let agents: Vec<Pod> = ["node-a", "node-b"]
         .iter()
-        .filter_map(|m| m.volume["configMap"]["name"].as_str())
-        .map(|name| {
-            let cm = find(&docs, "ConfigMap", name);
-            let data = cm["data"]
-                .as_object()
-                .unwrap()
-                .iter()
-                .map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string()))
-                .collect();
-            (name.to_string(), data)
-        })
-        .collect();
-    // Every file under a Secret mount that the container's environment names: two different
-    // secrets (the agent refuses a requester secret equal to the agents').
-    let secrets: BTreeMap<String, String> = agent
-        .env
-        .iter()
-        .filter_map(|(_, v)| v.as_ref().ok())
-        .filter(|p| {
-            agent
-                .mount_of(p)
-                .is_some_and(|m| m.volume.get("secret").is_some())
-        })
         .enumerate()
-        .map(|(i, p)| {
-            (
-                p.clone(),
-                format!("image-test-secret-{i}-0123456789abcdef0123"),
-            )
+        .map(|(i, node)| {
+            let ip = Ipv4Addr::from(base + 10 + i as u32);
+            let name = format!("faultline-agent-{node}");
+            Pod::new(&agent, &tag, node, &name, ip, &tmp.path().join(node))
         })
         .collect();
-    assert!(
-        secrets.len() >= 2,
-        "the DaemonSet names the agents' and the requesters' secret files: {secrets:?}"
+    let coord = Pod::new(
+        &coordinator,
+        &tag,
+        "coordinator",
+        "faultline-coordinator-0",
+        Ipv4Addr::from(base + 20),
+        &tmp.path().join("coordinator"),
     );
-    let requester_secret = agent
+
+    // The bare-metal credentials, made by the image's own CLI: the coordinator's key (its
+    // public key printed), the master, and each node's key from it.
+    let keys = tmp.path().join("keys");
+    std::fs::create_dir_all(&keys).unwrap();
+    let public_key = image_keys(
+        &image,
+        &keys,
+        &["coordinator", "--out", "/keys/coordinator.key"],
+    );
+    image_keys(&image, &keys, &["master", "--out", "/keys/master"]);
+    let node_key_dirs: Vec<PathBuf> = agents
+        .iter()
+        .map(|p| {
+            let out = format!("/keys/{}.key", p.node);
+            image_keys(
+                &image,
+                &keys,
+                &[
+                    "node",
+                    "--master",
+                    "/keys/master",
+                    "--node",
+                    &p.node,
+                    "--out",
+                    &out,
+                ],
+            );
+            let dir = tmp.path().join(&p.node).join("node-key");
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::rename(keys.join(format!("{}.key", p.node)), dir.join("node.key")).unwrap();
+            dir
+        })
+        .collect();
+
+    // The coordinator's files: the members (the agents at their pod IPs and the DaemonSet's
+    // peer port), its key and the master, readable by the Deployment's user (`faultline keys`
+    // writes them for their owner only); its state directory, writable by that user.
+    let (uid, gid) = coordinator.user.unwrap_or((0, 0));
+    let files = tmp.path().join("coordinator").join("files");
+    std::fs::create_dir_all(&files).unwrap();
+    let peer_port = agent.port("peer");
+    let members: String = agents
+        .iter()
+        .map(|p| format!("{} {}:{peer_port}\n", p.node, p.ip))
+        .collect();
+    std::fs::write(files.join("members"), members).unwrap();
+    for f in ["coordinator.key", "master"] {
+        std::fs::rename(keys.join(f), files.join(f)).unwrap();
+        std::os::unix::fs::chown(files.join(f), Some(uid as u32), Some(gid as u32)).unwrap();
+    }
+    let state = tmp.path().join("coordinator").join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    std::os::unix::fs::chown(&state, Some(uid as u32), Some(gid as u32)).unwrap();
+
+    // The coordinator: the requesters' secret is the one Secret file it names.
+    let secrets = coordinator.secret_files();
+    let requester = coordinator
         .flag(
-            "--peer-requester-secret-file",
+            "--requester-secret-file",
             Some("FAULTLINE_PEER_REQUESTER_SECRET_FILE"),
         )
         .unwrap();
+    assert!(
+        secrets.contains_key(&requester),
+        "the requesters' secret {requester} is on a Secret mount: {secrets:?}"
+    );
+    let added = Added {
+        read_only: vec![(files, COORDINATOR_FILES_DIR.into())],
+        writable: vec![(state.clone(), COORDINATOR_STATE_DIR.into())],
+        args: coordinator_added_args(),
+    };
+    eprintln!(
+        "{}: derived from it; added: {:?}, {COORDINATOR_FILES_DIR} (members, coordinator.key, \
+         master; read-only), {COORDINATOR_STATE_DIR} (writable, owned by {uid}:{gid}); no \
+         Kubernetes API (bare-metal peer checks)",
+        coordinator.what, added.args
+    );
+    let args = run_args(
+        &coordinator,
+        &image,
+        &coord,
+        &tag,
+        &secrets,
+        &config_maps_of(&coordinator, &docs),
+        &added,
+    );
+    start(&args, &coord, &mut cleanup);
+    let requester_dir = &coord.dirs[&coordinator.mount_of(&requester).unwrap().name];
 
-    let peer_port = agent.port("peer");
-    let base = u32::from(base);
-    let nodes: Vec<Node> = ["node-a", "node-b"]
-        .iter()
-        .enumerate()
-        .map(|(i, name)| Node {
-            name: name.to_string(),
-            container: format!("{tag}-{name}"),
-            ip: Ipv4Addr::from(base + 10 + i as u32),
-            dirs: agent
-                .mounts
-                .iter()
-                .map(|m| (m.name.clone(), tmp.path().join(name).join(&m.name)))
-                .collect(),
-            kmsg: tmp.path().join(name).join("kmsg.fifo"),
-        })
-        .collect();
-    let members = tmp.path().join("members").join("members");
-    std::fs::create_dir_all(members.parent().unwrap()).unwrap();
-    let lines: String = nodes
-        .iter()
-        .map(|n| format!("{} {}:{peer_port}\n", n.name, n.ip))
-        .collect();
-    std::fs::write(&members, lines).unwrap();
-
-    for n in &nodes {
-        std::fs::create_dir_all(tmp.path().join(&n.name)).unwrap();
-        let args = run_args(&agent, &image, n, &tag, &secrets, &config_maps, &members);
-        eprintln!("docker {}", args.join(" "));
-        cleanup.containers.push(n.container.clone());
-        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
-        ok(&refs);
+    // The agents.
+    let config_maps = config_maps_of(&agent, &docs);
+    let agent_secrets = agent.secret_files();
+    for (p, key_dir) in agents.iter().zip(&node_key_dirs) {
+        let added = Added {
+            read_only: vec![
+                (key_dir.clone(), NODE_KEY_DIR.into()),
+                (requester_dir.clone(), REQUESTER_DIR.into()),
+            ],
+            writable: Vec::new(),
+            args: agent_added_args(&public_key),
+        };
+        eprintln!(
+            "{} on {}: derived from it; added: {:?}, {NODE_KEY_DIR} (its node key), \
+             {REQUESTER_DIR} (the requesters' secret, for faultline check; both read-only); \
+             the projected token volume an empty directory; no Kubernetes API (the agent runs \
+             standalone)",
+            agent.what, p.node, added.args
+        );
+        let args = run_args(
+            &agent,
+            &image,
+            p,
+            &tag,
+            &agent_secrets,
+            &config_maps,
+            &added,
+        );
+        start(&args, p, &mut cleanup);
     }
 
     // The kernel log of a node always has a writer; the FIFO's is the test, from here on.
-    let mut fifos: Vec<std::fs::File> = nodes
+    let mut fifos: Vec<std::fs::File> = agents
         .iter()
         .map(|n| {
             common::wait_until(
-                &format!("{}'s agent to open its kernel log", n.name),
+                &format!("{}'s agent to open its kernel log", n.node),
                 Duration::from_secs(60),
                 || {
                     std::fs::OpenOptions::new()
@@ -737,63 +1025,56 @@ fn the_image_runs_as_the_daemonset_runs_it() {
         })
         .collect();
 
-    // Ready as the kubelet sees it: the readiness probe's path on the probe's port.
-    let http = agent.port(&agent.probe_port);
-    for n in &nodes {
-        let host_port = published_port(&n.container, http);
-        common::wait_until(
-            &format!("{} ready ({} = 200)", n.name, agent.readiness_path),
-            Duration::from_secs(60),
-            || {
-                assert!(
-                    container_state(&n.container).starts_with("running=true"),
-                    "{}: {}",
-                    n.container,
-                    container_state(&n.container)
-                );
-                (http_status(host_port, &agent.readiness_path) == Some(200)).then_some(())
-            },
-        );
+    // Ready and alive as the kubelet sees them: the probes' paths on the probes' port.
+    wait_ready(&coordinator, &coord);
+    for n in &agents {
+        wait_ready(&agent, n);
     }
 
     // A healthy node: wait-healthy exits 0 at once.
-    let (code, out, err) = nodes[0].exec(&[CLI, "wait-healthy", "--timeout", "30s"]);
+    let (code, out, err) = agents[0].exec(&[CLI, "wait-healthy", "--timeout", "30s"]);
     assert_eq!(code, 0, "wait-healthy on a healthy node\n{out}\n{err}");
 
-    // The peer check, requested from node-a's container with the requesters' secret: both
-    // agents start their probes under the container's memory limit.
-    let (code, out, err) = nodes[0].exec(&[
+    // The peer check, requested from node-a's container with the requesters' secret, of the
+    // coordinator at its pod IP and its `peer` port: both agents start their probes under the
+    // container's memory limit.
+    let secret_file = format!(
+        "{REQUESTER_DIR}/{}",
+        Path::new(&requester).file_name().unwrap().to_str().unwrap()
+    );
+    let at = format!("{}:{}", coord.ip, coordinator.port("peer"));
+    let (code, out, err) = agents[0].exec(&[
         CLI,
         "check",
         "--nodes",
         "node-a,node-b",
-        "--members",
-        &format!("{MEMBERS_DIR}/members"),
+        "--coordinator",
+        &at,
         "--secret-file",
-        &requester_secret,
+        &secret_file,
         "--timeout",
         "120s",
     ]);
     eprintln!("faultline check:\n{out}{err}");
     assert_eq!(code, 0, "faultline check\n{out}\n{err}");
-    let run: RunState = serde_json::from_str(
-        &std::fs::read_to_string(nodes[0].state(&agent).join("peercheck.json")).unwrap(),
-    )
-    .unwrap();
+    // The run as the coordinator published it, in its state directory.
+    let run: RunState =
+        serde_json::from_str(&std::fs::read_to_string(state.join("peercheck.json")).unwrap())
+            .unwrap();
     let checks: Vec<_> = run.rounds.iter().flat_map(|r| &r.checks).collect();
     assert!(!checks.is_empty(), "{run:?}");
     for k in &checks {
         assert_eq!(k.passed, Some(true), "{run:?}");
         assert!(k.busbw_gbps.is_some_and(|b| b > 0.0), "{run:?}");
     }
-    for n in &nodes {
+    for n in agents.iter().chain([&coord]) {
         let st = container_state(&n.container);
         assert_eq!(st, "running=true oomkilled=false exit=0", "{}", n.container);
     }
 
     // The image's probe has its GPU backends, and no CUDA library to load (docs/kubernetes.md,
     // "The image"): a GPU subcommand is one line saying so, not a crash and not "built without".
-    let (code, out, err) = nodes[0].exec(&["faultline-probe", "gemm", "--backend", "cublas"]);
+    let (code, out, err) = agents[0].exec(&["faultline-probe", "gemm", "--backend", "cublas"]);
     assert_eq!(code, 1, "{out}\n{err}");
     assert!(
         err.contains("backend cublas unavailable: cannot load libcuda") && err.lines().count() == 1,
@@ -806,24 +1087,25 @@ fn the_image_runs_as_the_daemonset_runs_it() {
         "the Xid in node-a's faults.json on the host",
         Duration::from_secs(30),
         || {
-            nodes[0]
+            agents[0]
                 .record(&agent)
                 .filter(|r| common::fault(r, "Xid79").is_some())
         },
     );
     eprintln!("faults.json: health {:?}", record.health);
 
-    let (code, out, err) = nodes[0].exec(&[CLI, "get"]);
+    let (code, out, err) = agents[0].exec(&[CLI, "get"]);
     assert_eq!(code, 0, "faultline get\n{out}\n{err}");
     assert!(out.contains("Xid79"), "faultline get:\n{out}");
-    let (code, out, err) = nodes[0].exec(&[CLI, "get", "-o", "json"]);
+    let (code, out, err) = agents[0].exec(&[CLI, "get", "-o", "json"]);
     assert_eq!(code, 0, "{err}");
     let r: NodeRecord = serde_json::from_str(&out).unwrap();
     assert!(common::fault(&r, "Xid79").is_some(), "{out}");
     // A real Prometheus scrapes the container's metrics port (the pod annotations' port and
     // path): the target is up and the fault is a series with its code and device.
     if tools_present() {
-        let target = format!("127.0.0.1:{}", published_port(&nodes[0].container, http));
+        let http = agent.port(&agent.probe_port);
+        let target = format!("127.0.0.1:{}", published_port(&agents[0].container, http));
         let (_prometheus, web) = start_prometheus(tmp.path(), &target);
         common::wait_until(
             "Prometheus scrapes the container",
@@ -842,10 +1124,10 @@ fn the_image_runs_as_the_daemonset_runs_it() {
         );
     }
     // Xid 79 (the GPU fell off the bus) makes the node unusable: exit 1 at the timeout.
-    let (code, out, err) = nodes[0].exec(&[CLI, "wait-healthy", "--timeout", "2s"]);
+    let (code, out, err) = agents[0].exec(&[CLI, "wait-healthy", "--timeout", "2s"]);
     assert_eq!(code, 1, "wait-healthy on a node with Xid 79\n{out}\n{err}");
     // The other node saw nothing.
-    let (code, out, err) = nodes[1].exec(&[CLI, "wait-healthy", "--timeout", "10s"]);
+    let (code, out, err) = agents[1].exec(&[CLI, "wait-healthy", "--timeout", "10s"]);
     assert_eq!(code, 0, "wait-healthy on node-b\n{out}\n{err}");
     drop(fifos);
     drop(cleanup);
@@ -996,11 +1278,118 @@ fn container_scripts(user: &User, docs: &[(String, Value)]) -> Vec<(String, Stri
     out
 }
 
+/// `BIN --help` of the image's binary `bin` (a path in the image), or empty when there is none.
+fn image_help(image: &str, bin: Option<&str>) -> String {
+    let Some(bin) = bin else {
+        return String::new();
+    };
+    let out = docker(&["run", "--rm", "--entrypoint", bin, image, "--help"]);
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// The variables a `--help` says its flags read (`[env: NAME=…]`).
+fn help_env(help: &str) -> BTreeSet<String> {
+    help.split("[env: ")
+        .skip(1)
+        .filter_map(|s| s.split(['=', ']']).next())
+        .map(String::from)
+        .collect()
+}
+
+/// The subcommands a `--help` lists (its `Commands:` section), but `help`.
+fn help_commands(help: &str) -> Vec<String> {
+    help.lines()
+        .skip_while(|l| !l.starts_with("Commands:"))
+        .skip(1)
+        .take_while(|l| !l.trim().is_empty())
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|c| *c != "help")
+        .map(String::from)
+        .collect()
+}
+
+/// Whether `--help` lists `flag` (`--flag <VALUE>` or a bare `--flag`).
+fn help_has_flag(help: &str, flag: &str) -> bool {
+    help.split(|c: char| c.is_whitespace() || c == ',')
+        .any(|w| w == flag)
+}
+
+/// The port of a listen address (`ip:port`).
+fn port_of(addr: Option<&str>) -> Option<u16> {
+    addr.and_then(|a| a.rsplit(':').next())
+        .and_then(|p| p.parse::<u16>().ok())
+}
+
+/// What `w` and its binary's `help` disagree on, added to `problems`: a flag the workload
+/// passes that the binary lacks, a variable it sets that nobody reads (`read_elsewhere`: read
+/// by someone other than the binary's flags, and who), a listen flag whose port is not the
+/// containerPort of that name, the probes' port not the one `--listen` serves them on, a path
+/// it is given that is on no mount.
+fn workload_problems(
+    w: &Workload,
+    help: &str,
+    read_elsewhere: &[(&str, &str)],
+    listens: &[(&str, &str, &str)],
+    problems: &mut Vec<String>,
+) {
+    let what = &w.what;
+    for a in w.arguments().filter(|a| a.starts_with("--")) {
+        let flag = a.split_once('=').map_or(a.as_str(), |(f, _)| f);
+        if !help_has_flag(help, flag) {
+            problems.push(format!(
+                "{what} passes {flag}, which the image's {} does not have",
+                w.command[0]
+            ));
+        }
+    }
+    let reads = help_env(help);
+    for (name, _) in &w.env {
+        if !reads.contains(name) && !read_elsewhere.iter().any(|(n, _)| n == name) {
+            problems.push(format!(
+                "{what} sets {name}, which the image's {} does not read",
+                w.command[0]
+            ));
+        }
+    }
+    for (name, flag, var) in listens {
+        let addr = w.flag(flag, Some(var)).or_else(|| help_default(help, flag));
+        if port_of(addr.as_deref()) != Some(w.port(name)) {
+            problems.push(format!(
+                "{what}: {flag} is {addr:?}, the containerPort {name} is {}",
+                w.port(name)
+            ));
+        }
+    }
+    // The kubelet's probes go to the port `--listen` serves /healthz and /readyz on.
+    if !listens
+        .iter()
+        .any(|(name, flag, _)| *name == w.probe_port && *flag == "--listen")
+    {
+        problems.push(format!(
+            "{what}: the probes use port {}, not the one --listen serves them on",
+            w.probe_port
+        ));
+    }
+    let values = w
+        .arguments()
+        .filter_map(|a| a.split_once('=').map(|(_, v)| v.to_string()))
+        .chain(w.env.iter().filter_map(|(_, v)| v.clone().ok()))
+        .filter(|v| v.starts_with('/'));
+    for v in values {
+        if w.mount_of(&v).is_none() {
+            problems.push(format!(
+                "{v} (an argument or variable of {what}) is on no volumeMount"
+            ));
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs docker and the built image: .ci/run runs it with --ignored"]
-fn the_daemonset_and_the_image_agree() {
+fn the_daemonset_the_deployment_and_the_image_agree() {
     let docs = rendered();
-    let agent = agent_container(&docs);
+    let agent = agent_workload(&docs);
+    let coordinator = coordinator_workload(&docs);
     let Some(image) = image_or_skip(&agent) else {
         return;
     };
@@ -1027,6 +1416,14 @@ fn the_daemonset_and_the_image_agree() {
         .collect();
     let path = env.get("PATH").cloned().unwrap_or_default();
     let mut problems: Vec<String> = Vec::new();
+
+    // The two workloads run the one image.
+    if coordinator.image != agent.image {
+        problems.push(format!(
+            "{} runs {}, {} runs {}",
+            agent.what, agent.image, coordinator.what, coordinator.image
+        ));
+    }
 
     // The DaemonSet asks the NVIDIA container runtime for the driver's libraries. It puts them
     // in /usr/lib/x86_64-linux-gnu only in an image with /etc/debian_version, else in
@@ -1066,8 +1463,8 @@ fn the_daemonset_and_the_image_agree() {
     let image_name = agent.image.split(':').next().unwrap();
     let users = containers_of(&all, image_name);
     assert!(
-        users.len() >= 2,
-        "the DaemonSet and the job examples: {users:?}"
+        users.len() >= 3,
+        "the DaemonSet, the Deployment and the job examples: {users:?}"
     );
     let mut commands: BTreeSet<String> = BTreeSet::new();
     for user in &users {
@@ -1105,6 +1502,7 @@ fn the_daemonset_and_the_image_agree() {
         }
     }
     let agent_bin = resolve(&agent.command[0], &path, &files);
+    let coordinator_bin = resolve(&coordinator.command[0], &path, &files);
     let probe = match agent.flag("--probe-bin", Some("FAULTLINE_PROBE")) {
         Some(p) => resolve(&p, &path, &files),
         // The agent's default: `faultline-probe` beside its own binary, else on PATH.
@@ -1146,52 +1544,125 @@ fn the_daemonset_and_the_image_agree() {
         }
     }
 
-    // The agent's flags, defaults and variables as the image's own binary has them.
-    let help = match &agent_bin {
-        Some(bin) => {
-            let out = docker(&["run", "--rm", "--entrypoint", bin, &image, "--help"]);
-            String::from_utf8_lossy(&out.stdout).into_owned()
-        }
-        None => String::new(),
-    };
-    let reads: BTreeSet<String> = help
-        .split("[env: ")
-        .skip(1)
-        .filter_map(|s| s.split('=').next())
-        .map(String::from)
-        .collect();
+    // The flags, defaults and variables as the image's own binaries have them. The
+    // coordinator is the agent's binary under another name (argv[0]): its --help must be the
+    // coordinator's, not the agent's.
+    let help = image_help(&image, agent_bin.as_deref());
+    let coordinator_help = image_help(&image, coordinator_bin.as_deref());
     if agent_bin.is_some() {
         assert!(
-            reads.contains("NODE_NAME"),
+            help_env(&help).contains("NODE_NAME"),
             "no [env: …] in --help:\n{help}"
         );
     }
+    if coordinator_bin.is_some() {
+        assert!(
+            help_has_flag(&coordinator_help, "--node-key-master-file"),
+            "{} --help is not the coordinator's:\n{coordinator_help}",
+            coordinator.command[0]
+        );
+    }
 
-    // Environment: every variable the DaemonSet sets is read by someone; the image sets none
-    // that the agent or the NVIDIA runtime reads (job pods run this image too, and must not ask
-    // for GPUs or change the agent's flags).
-    const READ_ELSEWHERE: &[(&str, &str)] = &[
-        (
+    // Flags, environment, ports and paths of each workload against its binary: every flag it
+    // passes exists; every variable it sets is read by the binary or by someone named here;
+    // the listen flags' ports are the containerPorts; every path is on a mount.
+    workload_problems(
+        &agent,
+        &help,
+        &[
+            (
+                "POD_IP",
+                "the agent's peer address (agent/src/daemon.rs, peer_setup)",
+            ),
+            ("NVIDIA_VISIBLE_DEVICES", "the NVIDIA container runtime"),
+            ("NVIDIA_DRIVER_CAPABILITIES", "the NVIDIA container runtime"),
+        ],
+        &[
+            (agent.probe_port.as_str(), "--listen", "FAULTLINE_LISTEN"),
+            ("peer", "--peer-listen", "FAULTLINE_PEER_LISTEN"),
+        ],
+        &mut problems,
+    );
+    workload_problems(
+        &coordinator,
+        &coordinator_help,
+        &[(
             "POD_IP",
-            "the agent's peer address (agent/src/daemon.rs, peer_setup)",
+            "the address the agents report to (agent/src/coordinator/mod.rs, advertised)",
+        )],
+        &[
+            (
+                coordinator.probe_port.as_str(),
+                "--listen",
+                "FAULTLINE_LISTEN",
+            ),
+            ("peer", "--peer-listen", "FAULTLINE_PEER_LISTEN"),
+        ],
+        &mut problems,
+    );
+    // The coordinator reaches the agents at their peer port and assigns their probes the ports
+    // the agents listen on.
+    for (flag, var, agents_flag, agents_var) in [
+        (
+            "--agent-port",
+            "FAULTLINE_AGENT_PEER_PORT",
+            "--peer-listen",
+            "FAULTLINE_PEER_LISTEN",
         ),
-        ("NVIDIA_VISIBLE_DEVICES", "the NVIDIA container runtime"),
-        ("NVIDIA_DRIVER_CAPABILITIES", "the NVIDIA container runtime"),
-    ];
-    for (name, _) in &agent.env {
-        if !reads.contains(name) && !READ_ELSEWHERE.iter().any(|(n, _)| n == name) {
+        (
+            "--probe-port-base",
+            "FAULTLINE_PROBE_PORT_BASE",
+            "--probe-port-base",
+            "FAULTLINE_PROBE_PORT_BASE",
+        ),
+    ] {
+        let ours = coordinator
+            .flag(flag, Some(var))
+            .or_else(|| help_default(&coordinator_help, flag));
+        let theirs = agent
+            .flag(agents_flag, Some(agents_var))
+            .or_else(|| help_default(&help, agents_flag));
+        let theirs = theirs.as_deref().map(|t| t.rsplit(':').next().unwrap());
+        if ours.is_none() || ours.as_deref() != theirs {
             problems.push(format!(
-                "the DaemonSet sets {name}, which the image's agent does not read"
+                "the coordinator's {flag} is {ours:?}, the agents' {agents_flag} port {theirs:?}"
             ));
         }
     }
-    for name in env.keys() {
-        if reads.contains(name) || name.starts_with("NVIDIA_") {
-            problems.push(format!("the image sets {name}: leave it to the DaemonSet"));
+
+    // The CLI runs in the agent's container too (`kubectl exec … faultline get`, the README): a
+    // variable the DaemonSet sets for the agent that a CLI command also reads must mean the same
+    // to both, or the command silently takes the agent's setting for something else.
+    const SAME_MEANING: &[(&str, &str)] = &[("POD_NAMESPACE", "the agents' namespace")];
+    if let Some(cli) = resolve(CLI, &path, &files) {
+        for cmd in help_commands(&image_help(&image, Some(&cli))) {
+            let out = docker(&["run", "--rm", "--entrypoint", &cli, &image, &cmd, "--help"]);
+            let reads = help_env(&String::from_utf8_lossy(&out.stdout));
+            for (name, _) in &agent.env {
+                if reads.contains(name) && !SAME_MEANING.iter().any(|(n, _)| n == name) {
+                    problems.push(format!(
+                        "`{CLI} {cmd}` reads {name}, which {} sets for the agent: run in the \
+                         agent's container, the command takes the agent's setting",
+                        agent.what
+                    ));
+                }
+            }
         }
     }
 
-    // Ports: the image exposes exactly the container's ports; the agent listens on them.
+    // The image sets no variable that the agent, the coordinator or the NVIDIA runtime reads
+    // (job pods run this image too, and must not ask for GPUs or change the flags).
+    let reads: BTreeSet<String> = help_env(&help)
+        .union(&help_env(&coordinator_help))
+        .cloned()
+        .collect();
+    for name in env.keys() {
+        if reads.contains(name) || name.starts_with("NVIDIA_") {
+            problems.push(format!("the image sets {name}: leave it to the manifests"));
+        }
+    }
+
+    // Ports: the image exposes exactly the two workloads' container ports.
     let exposed: BTreeSet<String> = config["ExposedPorts"]
         .as_object()
         .map(|m| m.keys().cloned().collect())
@@ -1199,49 +1670,16 @@ fn the_daemonset_and_the_image_agree() {
     let declared: BTreeSet<String> = agent
         .ports
         .iter()
+        .chain(&coordinator.ports)
         .map(|(_, p, proto)| format!("{p}/{proto}"))
         .collect();
     if exposed != declared {
         problems.push(format!(
-            "the image exposes {exposed:?}, the DaemonSet declares {declared:?}"
+            "the image exposes {exposed:?}, the DaemonSet and the Deployment declare {declared:?}"
         ));
     }
-    for (name, flag, var) in [
-        (agent.probe_port.as_str(), "--listen", "FAULTLINE_LISTEN"),
-        ("peer", "--peer-listen", "FAULTLINE_PEER_LISTEN"),
-    ] {
-        let addr = agent
-            .flag(flag, Some(var))
-            .or_else(|| help_default(&help, flag));
-        let port = addr
-            .as_deref()
-            .and_then(|a| a.rsplit(':').next())
-            .and_then(|p| p.parse::<u16>().ok());
-        if port != Some(agent.port(name)) {
-            problems.push(format!(
-                "{flag} is {addr:?}, the containerPort {name} is {}",
-                agent.port(name)
-            ));
-        }
-    }
 
-    // Mounts: every path the agent's args and environment name is on a volumeMount; the state
-    // and data directories are writable mounts (the root is read-only).
-    let values = agent
-        .command
-        .iter()
-        .skip(1)
-        .chain(&agent.args)
-        .filter_map(|a| a.split_once('=').map(|(_, v)| v.to_string()))
-        .chain(agent.env.iter().filter_map(|(_, v)| v.clone().ok()))
-        .filter(|v| v.starts_with('/'));
-    for v in values {
-        if agent.mount_of(&v).is_none() {
-            problems.push(format!(
-                "{v} (an argument or variable of the agent) is on no volumeMount"
-            ));
-        }
-    }
+    // The agent's state and data directories are writable mounts (its root is read-only).
     for (flag, var) in [
         ("--state-dir", "FAULTLINE_STATE_DIR"),
         ("--data-dir", "FAULTLINE_DATA_DIR"),
@@ -1264,7 +1702,10 @@ fn the_daemonset_and_the_image_agree() {
         }
     }
 
-    // User: the image's user is the one the DaemonSet runs as.
+    // Users: the image's user is the one the DaemonSet runs as; the Deployment, which must
+    // not run as root, runs as a user the kubelet accepts for runAsNonRoot: its runAsUser, not
+    // 0, else the image's user, not 0 (kubernetes, pkg/kubelet/kuberuntime/
+    // security_context_others.go, verifyRunAsNonRoot).
     let user = config["User"].as_str().unwrap_or("");
     let (u, g) = user.split_once(':').unwrap_or((user, ""));
     let num = |s: &str| -> Option<u64> {
@@ -1281,10 +1722,20 @@ fn the_daemonset_and_the_image_agree() {
             ));
         }
     }
+    if coordinator.run_as_non_root {
+        match coordinator.user.map(|(u, _)| u).or(image_user.0) {
+            Some(u) if u != 0 => {}
+            u => problems.push(format!(
+                "{} has runAsNonRoot and would run as user {u:?} (its runAsUser, else the \
+                 image's {user:?}): the kubelet refuses that",
+                coordinator.what
+            )),
+        }
+    }
     drop(cleanup);
     assert!(
         problems.is_empty(),
-        "the DaemonSet and the image {image} disagree:\n- {}",
+        "the manifests and the image {image} disagree:\n- {}",
         problems.join("\n- ")
     );
 }

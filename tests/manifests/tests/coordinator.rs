@@ -208,6 +208,8 @@ fn the_environment_the_policy_and_the_requester_secret() {
         .flatten()
         .map(|e| (e.name.as_str(), e))
         .collect();
+    // The pod's name (--name), its IP (the address the agents report to) and its namespace
+    // (--namespace: where the agents, the Lease and faultline-peercheck are, the install's).
     for (name, field) in [
         ("POD_NAME", "metadata.name"),
         ("POD_IP", "status.podIP"),
