@@ -163,7 +163,7 @@ pub struct AgentConfig {
     /// `faultline-peer`): its reports to the coordinator carry it, and the coordinator takes
     /// this node's name from it (TokenReview). Re-read for every report (the kubelet rotates it).
     #[arg(long, env = "FAULTLINE_PEER_NODE_TOKEN_FILE")]
-    pub peer_token_file: Option<PathBuf>,
+    pub peer_node_token_file: Option<PathBuf>,
     /// Peer checks without Kubernetes: this node's own key (`faultline keys node`); its reports
     /// are signed with it, and no other node holds it.
     #[arg(long, env = "FAULTLINE_PEER_NODE_KEY_FILE")]
@@ -265,8 +265,8 @@ async fn peer_setup(
     let (coordinator, credential): (Arc<dyn authz::WhoCoordinates>, wire::NodeCredential) =
         match kube_client {
             Some(client) => {
-                let Some(token) = cfg.peer_token_file.clone() else {
-                    info!("peer checks disabled (no --peer-token-file: the service-account token the coordinator knows this node by)");
+                let Some(token) = cfg.peer_node_token_file.clone() else {
+                    info!("peer checks disabled (no --peer-node-token-file: the service-account token the coordinator knows this node by)");
                     return Ok(None);
                 };
                 (

@@ -68,7 +68,7 @@ mod tests {
         let ms = renewed.as_millisecond();
         let spec = |renew: bool, secs: Option<i32>| LeaseSpec {
             holder_identity: Some("c0@10.0.0.1:20262#k".into()),
-            renew_time: renew.then(|| MicroTime(renewed)),
+            renew_time: renew.then_some(MicroTime(renewed)),
             lease_duration_seconds: secs,
             ..Default::default()
         };
