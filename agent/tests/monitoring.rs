@@ -376,20 +376,7 @@ fn the_alerts_and_the_dashboard_use_only_exported_metrics() {
     let start = |name: &str, listen: SocketAddr| {
         let dir = tmp.path().join(name);
         std::fs::create_dir_all(&dir).unwrap();
-        let mut args = pool.agent_args(name, listen);
-        args.extend(
-            [
-                "--node-name",
-                name,
-                "--no-nvml",
-                "--no-ascend",
-                "--probe-bin",
-                probe.to_str().unwrap(),
-                "--probe-port-base",
-                "31370",
-            ]
-            .map(String::from),
-        );
+        let args = pool.test_agent_args(name, listen, &probe, "31370");
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         Agent::start(&dir, &args)
     };

@@ -66,20 +66,9 @@ impl Setup {
         let dir = self.tmp.path().join(NAMES[i]);
         std::fs::create_dir_all(&dir).unwrap();
         let probe = probe.map_or_else(probe_bin, Path::to_path_buf);
-        let mut args = self.pool.agent_args(NAMES[i], self.addrs[i]);
-        args.extend(
-            [
-                "--node-name",
-                NAMES[i],
-                "--no-nvml",
-                "--no-ascend",
-                "--probe-bin",
-                probe.to_str().unwrap(),
-                "--probe-port-base",
-                self.port_base,
-            ]
-            .map(String::from),
-        );
+        let args = self
+            .pool
+            .test_agent_args(NAMES[i], self.addrs[i], &probe, self.port_base);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         Agent::start(&dir, &args)
     }

@@ -45,20 +45,7 @@ fn a_flood_at_the_peer_port_does_not_stop_a_check_or_detection() {
     let start = |name: &str, listen: SocketAddr, nofile: Option<u64>| {
         let dir = tmp.path().join(name);
         std::fs::create_dir_all(&dir).unwrap();
-        let mut args = pool.agent_args(name, listen);
-        args.extend(
-            [
-                "--node-name",
-                name,
-                "--no-nvml",
-                "--no-ascend",
-                "--probe-bin",
-                probe.to_str().unwrap(),
-                "--probe-port-base",
-                "31270",
-            ]
-            .map(String::from),
-        );
+        let args = pool.test_agent_args(name, listen, &probe, "31270");
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         match nofile {
             Some(n) => Agent::start_with_file_limit(&dir, &args, n),

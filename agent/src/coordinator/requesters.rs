@@ -27,6 +27,43 @@ pub enum TokenRefusal {
     Unavailable(String),
 }
 
+/// Asks the API server whose `token` is (TokenReview for `audience`): its user, when it is
+/// authenticated and the API server echoes the audience in `status.audiences`, as the API
+/// reference asks a client to check. The caller's ClusterRole needs `create` on `tokenreviews`.
+pub async fn token_review(
+    client: &kube::Client,
+    token: &str,
+    audience: &str,
+) -> Result<k8s_openapi::api::authentication::v1::UserInfo, TokenRefusal> {
+    use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
+    use kube::api::{Api, PostParams};
+    let review = TokenReview {
+        spec: TokenReviewSpec {
+            token: Some(token.to_string()),
+            audiences: Some(vec![audience.to_string()]),
+        },
+        ..Default::default()
+    };
+    let reviewed = Api::<TokenReview>::all(client.clone())
+        .create(&PostParams::default(), &review)
+        .await
+        .map_err(|e| TokenRefusal::Unavailable(format!("TokenReview: {e}")))?;
+    let status = reviewed.status.unwrap_or_default();
+    if status.authenticated != Some(true) {
+        return Err(TokenRefusal::Unauthenticated(
+            status
+                .error
+                .unwrap_or_else(|| "not authenticated".to_string()),
+        ));
+    }
+    if !status.audiences.iter().flatten().any(|a| a == audience) {
+        return Err(TokenRefusal::Unauthenticated(format!(
+            "not a token for the audience {audience:?} (the API server did not confirm it)"
+        )));
+    }
+    Ok(status.user.unwrap_or_default())
+}
+
 /// Checks a requester's bearer token: its name when it may request runs.
 #[async_trait::async_trait]
 pub trait Requesters: Send + Sync + std::fmt::Debug {
@@ -53,43 +90,11 @@ impl std::fmt::Debug for KubeRequesters {
 #[async_trait::async_trait]
 impl Requesters for KubeRequesters {
     async fn check(&self, token: &str) -> Result<String, TokenRefusal> {
-        use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
         use k8s_openapi::api::authorization::v1::{
             ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
         };
         use kube::api::{Api, PostParams};
-        let unavailable =
-            |what: &str, e: kube::Error| TokenRefusal::Unavailable(format!("{what}: {e}"));
-        let review = TokenReview {
-            spec: TokenReviewSpec {
-                token: Some(token.to_string()),
-                audiences: Some(vec![REQUESTER_AUDIENCE.to_string()]),
-            },
-            ..Default::default()
-        };
-        let reviewed = Api::<TokenReview>::all(self.client.clone())
-            .create(&PostParams::default(), &review)
-            .await
-            .map_err(|e| unavailable("TokenReview", e))?;
-        let status = reviewed.status.unwrap_or_default();
-        if status.authenticated != Some(true) {
-            return Err(TokenRefusal::Unauthenticated(
-                status
-                    .error
-                    .unwrap_or_else(|| "not authenticated".to_string()),
-            ));
-        }
-        if !status
-            .audiences
-            .iter()
-            .flatten()
-            .any(|a| a == REQUESTER_AUDIENCE)
-        {
-            return Err(TokenRefusal::Unauthenticated(format!(
-                "not a token for the audience {REQUESTER_AUDIENCE:?} (the API server did not confirm it)"
-            )));
-        }
-        let user = status.user.unwrap_or_default();
+        let user = token_review(&self.client, token, REQUESTER_AUDIENCE).await?;
         let username = user.username.clone().unwrap_or_default();
         if username.is_empty() {
             return Err(TokenRefusal::Unauthenticated("no user name".into()));
@@ -114,7 +119,7 @@ impl Requesters for KubeRequesters {
         let decided = Api::<SubjectAccessReview>::all(self.client.clone())
             .create(&PostParams::default(), &sar)
             .await
-            .map_err(|e| unavailable("SubjectAccessReview", e))?;
+            .map_err(|e| TokenRefusal::Unavailable(format!("SubjectAccessReview: {e}")))?;
         if decided.status.is_some_and(|s| s.allowed) {
             Ok(username)
         } else {

@@ -99,39 +99,8 @@ impl KubeAgentTokens {
     }
 
     async fn review(&self, token: &str) -> Result<String, TokenRefusal> {
-        use k8s_openapi::api::authentication::v1::{TokenReview, TokenReviewSpec};
-        use kube::api::{Api, PostParams};
-        let review = TokenReview {
-            spec: TokenReviewSpec {
-                token: Some(token.to_string()),
-                audiences: Some(vec![AGENT_AUDIENCE.to_string()]),
-            },
-            ..Default::default()
-        };
-        let reviewed = Api::<TokenReview>::all(self.client.clone())
-            .create(&PostParams::default(), &review)
-            .await
-            .map_err(|e| TokenRefusal::Unavailable(format!("TokenReview: {e}")))?;
-        let status = reviewed.status.unwrap_or_default();
-        if status.authenticated != Some(true) {
-            return Err(TokenRefusal::Unauthenticated(
-                status
-                    .error
-                    .unwrap_or_else(|| "not authenticated".to_string()),
-            ));
-        }
-        if !status
-            .audiences
-            .iter()
-            .flatten()
-            .any(|a| a == AGENT_AUDIENCE)
-        {
-            return Err(TokenRefusal::Unauthenticated(format!(
-                "not a token for the audience {AGENT_AUDIENCE:?} (the API server did not confirm it)"
-            )));
-        }
-        let user = status.user.unwrap_or_default();
-        let username = user.username.unwrap_or_default();
+        let user = super::requesters::token_review(&self.client, token, AGENT_AUDIENCE).await?;
+        let username = user.username.clone().unwrap_or_default();
         let agents = self.username();
         if username != agents {
             return Err(TokenRefusal::Denied(format!(

@@ -58,6 +58,32 @@ impl Pool {
         }
     }
 
+    /// The flags of node `name`'s agent in these tests: its peer-check flags (`agent_args`),
+    /// no NVML and no Ascend, running `probe` on probe ports from `port_base`.
+    pub fn test_agent_args(
+        &self,
+        name: &str,
+        listen: SocketAddr,
+        probe: &Path,
+        port_base: &str,
+    ) -> Vec<String> {
+        let mut args = self.agent_args(name, listen);
+        args.extend(
+            [
+                "--node-name",
+                name,
+                "--no-nvml",
+                "--no-ascend",
+                "--probe-bin",
+                probe.to_str().unwrap(),
+                "--probe-port-base",
+                port_base,
+            ]
+            .map(String::from),
+        );
+        args
+    }
+
     /// The peer-check flags of node `name`'s agent, listening at `listen` (its node key made
     /// now, as an operator would for that node).
     pub fn agent_args(&self, name: &str, listen: SocketAddr) -> Vec<String> {
