@@ -2,9 +2,10 @@
 //! so the sender, the receiver, the time, the nonce and every field are covered, by one of two
 //! kinds of key ([`VerifyKey`]):
 //!
-//! - an HMAC-SHA256 secret ([`Key`]): the cluster's shared secret (mounted from a Kubernetes
-//!   Secret), a requester's own, or on bare metal a node's own key derived from a master the
-//!   coordinator holds ([`node_key`]), so that a node can sign only as itself;
+//! - an HMAC-SHA256 secret ([`Key`]): the requesters' secret, an agent's service-account token
+//!   (its reports on Kubernetes; the coordinator learns the token's node from the API server),
+//!   or on bare metal a node's own key derived from a master the coordinator holds
+//!   ([`node_key`]), so that a node can sign only as itself;
 //! - the coordinator's Ed25519 key ([`CoordinatorKey`]): the coordinator signs with its private
 //!   key and agents hold only its public key ([`CoordinatorPublicKey`]), so no agent can sign as
 //!   the coordinator.
@@ -55,7 +56,7 @@ pub const COORDINATOR_ROLE: &str = "role:coordinator";
 /// Why a request was refused. The text is sent back to the caller (it names no secret).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
-    #[error("the shared secret is shorter than {MIN_SECRET_BYTES} bytes")]
+    #[error("the secret is shorter than {MIN_SECRET_BYTES} bytes")]
     WeakSecret,
     #[error("the sender's name is longer than {MAX_NAME_BYTES} bytes")]
     LongName,
@@ -117,7 +118,7 @@ signed!(
 // The relay's envelope (its inner message keeps its own `Auth`).
 signed!(crate::v1::ForwardRequest);
 
-/// The shared secret.
+/// An HMAC secret.
 #[derive(Clone)]
 pub struct Key(Vec<u8>);
 
