@@ -173,14 +173,6 @@ pub fn run_spec(p: &PeerPolicy, run_number: usize) -> RunSpec {
     }
 }
 
-fn hostname() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .ok()
-        .filter(|s| !s.is_empty())
-        .unwrap_or_else(|| "localhost".into())
-}
-
 /// The address agents report to.
 fn advertised(cfg: &CoordinatorConfig, port: u16) -> anyhow::Result<SocketAddr> {
     match (&cfg.address, std::env::var("POD_IP").ok()) {
@@ -229,7 +221,7 @@ pub async fn run(
     shutdown: CancellationToken,
     reload: Arc<tokio::sync::Notify>,
 ) -> anyhow::Result<()> {
-    let name = cfg.name.clone().unwrap_or_else(hostname);
+    let name = cfg.name.clone().unwrap_or_else(crate::daemon::hostname);
     let metrics = Arc::new(Metrics::new());
     let listener = tokio::net::TcpListener::bind(cfg.peer_listen)
         .await
