@@ -108,9 +108,6 @@ pub struct AgentConfig {
     /// Kubernetes: how often a withheld taint asks the taint budget again.
     #[arg(long, env = "FAULTLINE_BUDGET_RECHECK", default_value = "15s", value_parser = humantime::parse_duration, hide = true)]
     pub budget_recheck: Duration,
-    /// Kubernetes: how often the agent looks at the taint budget's shared node count.
-    #[arg(long, env = "FAULTLINE_BUDGET_COUNT_CHECK", default_value = "5m", value_parser = humantime::parse_duration, hide = true)]
-    pub budget_count_check: Duration,
     /// Kubernetes: how often the node is re-read to repair drift.
     #[arg(long, env = "FAULTLINE_RESYNC", default_value = "5m", value_parser = humantime::parse_duration, hide = true)]
     pub resync: Duration,
@@ -159,11 +156,13 @@ pub struct AgentConfig {
     #[arg(long, env = "FAULTLINE_KMSG_NICE", default_value_t = -5, allow_negative_numbers = true,
           value_parser = clap::value_parser!(i32).range(-20..=19))]
     pub kmsg_nice: i32,
-    /// Peer checks in Kubernetes: this agent's projected service-account token (audience
-    /// `faultline-peer`): its reports to the coordinator carry it, and the coordinator takes
-    /// this node's name from it (TokenReview). Re-read for every report (the kubelet rotates it).
-    #[arg(long, env = "FAULTLINE_PEER_NODE_TOKEN_FILE")]
-    pub peer_node_token_file: Option<PathBuf>,
+    /// Kubernetes: this agent's projected service-account token (audience `faultline-peer`),
+    /// what the coordinator knows this node by: its peer-check reports and its taint-budget
+    /// admissions carry it, and the coordinator takes the node's name from it (TokenReview).
+    /// Re-read for every request (the kubelet rotates it). Without it the node is labelled but
+    /// never newly tainted, and takes no part in peer checks.
+    #[arg(long, env = "FAULTLINE_NODE_TOKEN_FILE")]
+    pub node_token_file: Option<PathBuf>,
     /// Peer checks without Kubernetes: this node's own key (`faultline keys node`); its reports
     /// are signed with it, and no other node holds it.
     #[arg(long, env = "FAULTLINE_PEER_NODE_KEY_FILE")]
@@ -267,8 +266,8 @@ async fn peer_setup(
     let (coordinator, credential): (Arc<dyn authz::WhoCoordinates>, wire::NodeCredential) =
         match kube_client {
             Some(client) => {
-                let Some(token) = cfg.peer_node_token_file.clone() else {
-                    info!("peer checks disabled (no --peer-node-token-file: the service-account token the coordinator knows this node by)");
+                let Some(token) = cfg.node_token_file.clone() else {
+                    info!("peer checks disabled (no --node-token-file: the service-account token the coordinator knows this node by)");
                     return Ok(None);
                 };
                 (
@@ -1131,12 +1130,15 @@ impl Components {
             None => self.spawn_sink("mindcluster", mind.run()),
         }
         if let Some(client) = self.kube.clone() {
+            if self.cfg.node_token_file.is_none() {
+                warn!("no --node-token-file: the coordinator cannot know this node, so it is labelled when unhealthy but never newly tainted");
+            }
             let kcfg = kube_sink::KubeSinkConfig {
                 namespace: self.cfg.namespace.clone(),
                 instance: self.cfg.pod_name.clone(),
                 settle: self.cfg.settle,
                 budget_recheck: self.cfg.budget_recheck,
-                budget_count_check: self.cfg.budget_count_check,
+                node_token_file: self.cfg.node_token_file.clone(),
                 resync: self.cfg.resync,
                 write_interval: self.cfg.kube_write_interval,
                 event_rate: self.cfg.kube_event_rate,
@@ -1145,7 +1147,6 @@ impl Components {
             };
             let inputs = kube_sink::KubeSinkInputs {
                 snapshots: self.snapshots.clone(),
-                policy: self.policy.clone(),
                 events: events_rx,
                 report: report_tx,
             };

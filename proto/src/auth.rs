@@ -31,7 +31,9 @@ use ring::rand::SystemRandom;
 use ring::signature::{Ed25519KeyPair, KeyPair, UnparsedPublicKey, ED25519};
 use sha2::Sha256;
 
-use crate::v1::{Auth, CheckAssignment, CheckReport, PingRequest, RunConclusion, RunRequest};
+use crate::v1::{
+    AdmitRequest, Auth, CheckAssignment, CheckReport, PingRequest, RunConclusion, RunRequest,
+};
 
 type HmacSha256 = Hmac<Sha256>;
 
@@ -113,7 +115,8 @@ signed!(
     CheckReport,
     RunRequest,
     PingRequest,
-    RunConclusion
+    RunConclusion,
+    AdmitRequest
 );
 // The relay's envelope (its inner message keeps its own `Auth`).
 signed!(crate::v1::ForwardRequest);

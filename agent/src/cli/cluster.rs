@@ -45,7 +45,7 @@ pub async fn cluster_records(
     use k8s_openapi::api::core::v1::ConfigMap;
     let cms: kube::Api<ConfigMap> = kube::Api::namespaced(client, namespace);
     let list = cms
-        .list(&kube::api::ListParams::default().labels(crate::sink::kube::budget::NODES_SELECTOR))
+        .list(&kube::api::ListParams::default().labels(crate::sink::kube::plan::RECORDS_SELECTOR))
         .await?;
     let mut records = Vec::new();
     let mut bad = Vec::new();

@@ -1,5 +1,5 @@
-//! Which node an agent's report comes from: the coordinator takes a report only from the node
-//! it describes, proven by a credential bound to that node and held by no other.
+//! Which node an agent's report or taint admission comes from: the coordinator takes either only
+//! from the node it is about, proven by a credential bound to that node and held by no other.
 //!
 //! - Kubernetes ([`Tokens`]): the report carries the agent's projected service-account token
 //!   (`authorization: Bearer`) and is signed with it; the API server names the token's node
@@ -9,8 +9,8 @@
 
 use std::sync::{Arc, Mutex};
 
-use faultline_proto::auth::{Key, Verifier, VerifyKey};
-use faultline_proto::v1::CheckReport;
+use faultline_proto::auth::{AuthError, Key, Verifier, VerifyKey};
+use faultline_proto::v1::{AdmitRequest, CheckReport};
 use tonic::Status;
 
 use super::tokens::AgentTokens;
@@ -37,12 +37,31 @@ impl Refusal {
     }
 }
 
-/// Verifies a report's sender: the node whose credential it carries.
+/// What an agent sends the coordinator.
+#[derive(Debug, Clone, Copy)]
+pub enum FromAgent<'a> {
+    Report(&'a CheckReport),
+    Admit(&'a AdmitRequest),
+}
+
+impl FromAgent<'_> {
+    fn verify(self, v: &mut Verifier, key: Option<&VerifyKey>) -> Result<String, AuthError> {
+        let now = wire::now_ms();
+        match (self, key) {
+            (FromAgent::Report(m), None) => v.verify(m, now),
+            (FromAgent::Admit(m), None) => v.verify(m, now),
+            (FromAgent::Report(m), Some(k)) => v.verify_with(k, m, now),
+            (FromAgent::Admit(m), Some(k)) => v.verify_with(k, m, now),
+        }
+    }
+}
+
+/// Verifies an agent's message: the node whose credential it carries.
 #[async_trait::async_trait]
 pub trait Agents: Send + Sync + std::fmt::Debug {
-    /// The node the report comes from (its signature verified, addressed to this coordinator,
+    /// The node the message comes from (its signature verified, addressed to this coordinator,
     /// fresh and not seen before), or why it is refused.
-    async fn verify(&self, report: &CheckReport, token: Option<&str>) -> Result<String, Refusal>;
+    async fn verify(&self, msg: FromAgent<'_>, token: Option<&str>) -> Result<String, Refusal>;
 }
 
 fn locked(v: &Mutex<Verifier>) -> Result<std::sync::MutexGuard<'_, Verifier>, Refusal> {
@@ -67,9 +86,8 @@ impl NodeKeys {
 
 #[async_trait::async_trait]
 impl Agents for NodeKeys {
-    async fn verify(&self, report: &CheckReport, _token: Option<&str>) -> Result<String, Refusal> {
-        locked(&self.0)?
-            .verify(report, wire::now_ms())
+    async fn verify(&self, msg: FromAgent<'_>, _token: Option<&str>) -> Result<String, Refusal> {
+        msg.verify(&mut *locked(&self.0)?, None)
             .map_err(|e| Refusal::Unauthenticated(e.to_string()))
     }
 }
@@ -97,10 +115,10 @@ impl Tokens {
 
 #[async_trait::async_trait]
 impl Agents for Tokens {
-    async fn verify(&self, report: &CheckReport, token: Option<&str>) -> Result<String, Refusal> {
+    async fn verify(&self, msg: FromAgent<'_>, token: Option<&str>) -> Result<String, Refusal> {
         let Some(token) = token else {
             return Err(Refusal::Unauthenticated(
-                "a report must carry the agent's service-account token (authorization: Bearer)"
+                "an agent's message must carry the agent's service-account token (authorization: Bearer)"
                     .into(),
             ));
         };
@@ -108,8 +126,8 @@ impl Agents for Tokens {
             .map_err(|e| Refusal::Unauthenticated(format!("the token: {e}")))?;
         // The signature, receiver, time and nonce first: a replayed, stale or altered report
         // costs the API server no review.
-        let sender = locked(&self.verifier)?
-            .verify_with(&VerifyKey::Hmac(key), report, wire::now_ms())
+        let sender = msg
+            .verify(&mut *locked(&self.verifier)?, Some(&VerifyKey::Hmac(key)))
             .map_err(|e| Refusal::Unauthenticated(e.to_string()))?;
         let node = self.tokens.node_of(token).await.map_err(|e| match e {
             TokenRefusal::Unavailable(m) => Refusal::Unavailable(m),
@@ -117,7 +135,7 @@ impl Agents for Tokens {
         })?;
         if sender != node {
             return Err(Refusal::Unauthenticated(format!(
-                "the report names {sender:?} as its sender, but its token is {node:?}'s agent's"
+                "the message names {sender:?} as its sender, but its token is {node:?}'s agent's"
             )));
         }
         Ok(node)

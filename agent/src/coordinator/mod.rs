@@ -10,11 +10,13 @@
 //!
 //! - `runs`: a run, round by round, over the `Transport` trait (`transport`: gRPC), published
 //!   through `publish`, fenced by the Lease (`lease`), among the `members`;
-//! - `service`: the gRPC service (`Report` from agents, `Run` from requesters);
+//! - `service`: the gRPC service (`Report` and `Admit` from agents, `Run` from requesters);
+//! - `budget`: the cluster's taint budget, which the active replica alone keeps (Kubernetes);
 //! - `agents`: which node a report comes from; `tokens`: an agent token's node (Kubernetes);
 //!   `requesters`: who may request a run.
 
 pub mod agents;
+pub mod budget;
 pub mod lease;
 pub mod members;
 pub mod publish;
@@ -247,7 +249,8 @@ pub async fn run(
         .transpose()?;
     let requester = requester_secret(cfg.requester_secret_file.as_deref(), master.as_ref())?
         .map(|k| Verifier::new(k, MAX_SKEW, &name));
-    let policy = follow_policy(&cfg, &metrics, &shutdown, reload).await;
+    let loaded = follow_policy(&cfg, &metrics, &shutdown, reload).await;
+    let policy = crate::peer::follow_policy(loaded.clone(), shutdown.clone());
 
     type Parts = (
         Arc<dyn Members>,
@@ -255,8 +258,9 @@ pub async fn run(
         Arc<dyn Fence>,
         Arc<dyn agents::Agents>,
         Option<Arc<dyn requesters::Requesters>>,
+        Option<Arc<dyn budget::LedgerStore>>,
     );
-    let (members, publisher, fence, agents, requesters): Parts = match &cfg.members {
+    let (members, publisher, fence, agents, requesters, ledger): Parts = match &cfg.members {
         Some(path) => {
             anyhow::ensure!(
                 cfg.key_file.is_some(),
@@ -279,6 +283,7 @@ pub async fn run(
                 }),
                 Arc::new(runs::WatchFence(rx)),
                 Arc::new(agents::NodeKeys::new(master, &name)),
+                None,
                 None,
             )
         }
@@ -322,8 +327,11 @@ pub async fn run(
                     &name,
                 )),
                 Some(Arc::new(requesters::KubeRequesters {
-                    client: client.calls,
+                    client: client.calls.clone(),
                     namespace: cfg.namespace.clone(),
+                })),
+                Some(Arc::new(budget::KubeLedger {
+                    api: kube::Api::namespaced(client.calls, &cfg.namespace),
                 })),
             )
         }
@@ -341,7 +349,20 @@ pub async fn run(
         publisher,
         fence.clone(),
     ));
-    let leadership = Leadership::new(coordinator, fence.watch(), members, policy);
+    let leader = fence.watch();
+    let admissions = ledger.map(|store| {
+        let ledger = Arc::new(budget::TaintLedger::new(
+            store,
+            members.clone(),
+            Arc::new(crate::runtime::SystemClock),
+        ));
+        tokio::spawn(ledger.clone().follow(leader.clone()));
+        budget::Admissions {
+            ledger,
+            policy: loaded,
+        }
+    });
+    let leadership = Leadership::new(coordinator, leader, members, policy);
     let svc = service::CoordinatorService::new(
         leadership.clone(),
         service::Authz {
@@ -349,6 +370,7 @@ pub async fn run(
             requester,
             requesters,
         },
+        admissions,
     );
     let incoming = crate::listen::incoming(
         listener,
@@ -391,7 +413,7 @@ async fn follow_policy(
     metrics: &Arc<Metrics>,
     shutdown: &CancellationToken,
     reload: Arc<tokio::sync::Notify>,
-) -> watch::Receiver<PeerPolicy> {
+) -> watch::Receiver<faultline_core::policy::LoadedPolicy> {
     use crate::source::policy_watch;
     let (loaded, first) = policy_watch::initial_bounded(
         cfg.policy.as_deref(),
@@ -413,7 +435,7 @@ async fn follow_policy(
             first,
         ));
     }
-    crate::peer::follow_policy(rx, shutdown.clone())
+    rx
 }
 
 #[derive(Clone)]

@@ -1,16 +1,21 @@
 //! The coordinator's gRPC service: `Report` (an agent's side of one check, accepted only from
-//! the node it describes) and `Run` (a requester's run, accepted only on the active replica).
+//! the node it describes), `Run` (a requester's run) and `Admit` (may an agent newly taint its
+//! own node: the taint budget), the last two answered only by the active replica.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use faultline_proto::auth::Verifier;
 use faultline_proto::v1::coordinator_server::Coordinator as CoordinatorRpc;
-use faultline_proto::v1::{CheckReport, ReportAck, RunRequest, RunResult};
+use faultline_proto::v1::{
+    AdmitReply, AdmitRequest, CheckReport, ReportAck, RunRequest, RunResult,
+};
 use faultline_proto::PROTOCOL;
 use tonic::{Request, Response, Status};
 use tracing::{debug, info, warn};
 
+use super::agents::FromAgent;
+use super::budget::Admissions;
 use super::requesters::{self, TokenRefusal};
 use super::Leadership;
 use crate::coordinator::runs::{self as runs, Trigger};
@@ -33,6 +38,10 @@ pub struct Authz {
     pub requesters: Option<Arc<dyn requesters::Requesters>>,
 }
 
+/// How long an admission may wait for the ledger (its read, the node count and its write):
+/// past it the agent is told to ask again, and its taint waits meanwhile.
+const ADMIT_TIMEOUT: Duration = Duration::from_secs(8);
+
 /// The served handle.
 #[derive(Debug, Clone)]
 pub struct CoordinatorService(Arc<Inner>);
@@ -43,16 +52,23 @@ struct Inner {
     agents: Arc<dyn super::agents::Agents>,
     requester: Option<Mutex<Verifier>>,
     requesters: Option<Arc<dyn requesters::Requesters>>,
+    /// The taint budget (Kubernetes only: without it there are no taints).
+    admissions: Option<Admissions>,
     refusals: Mutex<crate::pace::LogPacer>,
 }
 
 impl CoordinatorService {
-    pub fn new(leadership: Leadership, authz: Authz) -> CoordinatorService {
+    pub fn new(
+        leadership: Leadership,
+        authz: Authz,
+        admissions: Option<Admissions>,
+    ) -> CoordinatorService {
         CoordinatorService(Arc::new(Inner {
             leadership,
             agents: authz.agents,
             requester: authz.requester.map(Mutex::new),
             requesters: authz.requesters,
+            admissions,
             refusals: Mutex::new(crate::pace::LogPacer::new(REFUSAL_LOG_EVERY)),
         }))
     }
@@ -156,7 +172,12 @@ impl CoordinatorRpc for CoordinatorService {
             debug!(node = %r.node, run_id = %r.run_id, "report for no waiting check (late, duplicate or made up)");
             return Ok(Response::new(ReportAck {}));
         }
-        let node = match self.0.agents.verify(&r, token.as_deref()).await {
+        let node = match self
+            .0
+            .agents
+            .verify(FromAgent::Report(&r), token.as_deref())
+            .await
+        {
             Ok(node) => node,
             Err(e) => return Err(self.refused("Report", e.status())),
         };
@@ -239,6 +260,49 @@ impl CoordinatorRpc for CoordinatorService {
             .await
             .map_err(aborted)?;
         Ok(Response::new(result_of(&state)))
+    }
+
+    async fn admit(&self, request: Request<AdmitRequest>) -> Result<Response<AdmitReply>, Status> {
+        let token = bearer(&request);
+        let req = request.into_inner();
+        let Some(admissions) = &self.0.admissions else {
+            return Err(Status::unimplemented(
+                "no taint budget here: this coordinator runs without Kubernetes",
+            ));
+        };
+        // Only the active replica keeps the budget, and only it asks the API server whose token
+        // this is.
+        self.active()?;
+        let node = match self
+            .0
+            .agents
+            .verify(FromAgent::Admit(&req), token.as_deref())
+            .await
+        {
+            Ok(node) => node,
+            Err(e) => return Err(self.refused("Admit", e.status())),
+        };
+        Self::check_protocol(req.protocol)?;
+        if node != req.node {
+            return Err(self.refused(
+                "Admit",
+                Status::permission_denied(format!("{node} cannot ask to taint {}", req.node)),
+            ));
+        }
+        let budget = admissions.policy.borrow().policy.taint_budget.clone();
+        let answer = tokio::time::timeout(ADMIT_TIMEOUT, admissions.ledger.admit(&node, &budget))
+            .await
+            .map_err(|_| Status::unavailable("the taint ledger took too long; ask again"))?
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        if !answer.allowed {
+            debug!(%node, used = answer.used, limit = answer.limit, "taint budget: denied");
+        }
+        Ok(Response::new(AdmitReply {
+            allowed: answer.allowed,
+            used: answer.used,
+            limit: answer.limit,
+            nodes: answer.nodes,
+        }))
     }
 }
 
@@ -326,6 +390,14 @@ mod tests {
 
     /// The coordinator "c0", active, taking reports as `agents` says.
     fn service(agents: Arc<dyn super::super::agents::Agents>, active: bool) -> CoordinatorService {
+        service_with(agents, active, None)
+    }
+
+    fn service_with(
+        agents: Arc<dyn super::super::agents::Agents>,
+        active: bool,
+        admissions: Option<Admissions>,
+    ) -> CoordinatorService {
         let coordinator = Arc::new(Coordinator::new(
             "c0".into(),
             "10.0.0.9:20262".into(),
@@ -353,6 +425,7 @@ mod tests {
                 )),
                 requesters: None,
             },
+            admissions,
         )
     }
 
@@ -613,5 +686,168 @@ mod tests {
             .unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
         assert!(e.message().contains("not the active coordinator"), "{e:?}");
+    }
+
+    /// A ledger in memory that never conflicts (the budget's own behaviour is tested in
+    /// `budget`); what it holds.
+    #[derive(Debug, Default)]
+    struct Kept(Mutex<Option<crate::coordinator::budget::Ledger>>);
+
+    #[async_trait::async_trait]
+    impl crate::coordinator::budget::LedgerStore for Kept {
+        async fn read(
+            &self,
+        ) -> Result<
+            (crate::coordinator::budget::Ledger, Option<String>),
+            crate::coordinator::budget::StoreError,
+        > {
+            Ok((self.0.lock().unwrap().clone().unwrap_or_default(), None))
+        }
+        async fn write(
+            &self,
+            ledger: &crate::coordinator::budget::Ledger,
+            _version: Option<&str>,
+        ) -> Result<String, crate::coordinator::budget::StoreError> {
+            *self.0.lock().unwrap() = Some(ledger.clone());
+            Ok("1".into())
+        }
+    }
+
+    /// Two members: a budget of one node (10 %, at least one).
+    #[derive(Debug)]
+    struct TwoMembers;
+
+    #[async_trait::async_trait]
+    impl crate::coordinator::members::Members for TwoMembers {
+        async fn list(&self) -> Result<Vec<Member>, MembersError> {
+            Ok(["n1", "n2"]
+                .iter()
+                .map(|n| Member {
+                    node: (*n).into(),
+                    address: "10.0.0.1:20261".into(),
+                    ip: "10.0.0.1".parse().unwrap(),
+                    topology: None,
+                })
+                .collect())
+        }
+    }
+
+    fn admissions(kept: Arc<Kept>) -> Admissions {
+        Admissions {
+            ledger: Arc::new(crate::coordinator::budget::TaintLedger::new(
+                kept,
+                Arc::new(TwoMembers),
+                Arc::new(crate::runtime::SystemClock),
+            )),
+            policy: watch::channel(faultline_core::policy::LoadedPolicy::builtin()).1,
+        }
+    }
+
+    fn admit_request(node: &str) -> AdmitRequest {
+        AdmitRequest {
+            protocol: PROTOCOL,
+            node: node.into(),
+            ..Default::default()
+        }
+    }
+
+    fn admit_with_token(token: &str, as_: &str, node: &str) -> Request<AdmitRequest> {
+        let msg = Signer {
+            key: Key::new(token.as_bytes()).unwrap(),
+            sender: as_.into(),
+        }
+        .sign(admit_request(node), "c0");
+        let mut r = Request::new(msg);
+        crate::peer::service::bearer(&mut r, token).unwrap();
+        r
+    }
+
+    /// Issue 28: the taint budget is the coordinator's. An agent's admission counts only for
+    /// the node its token names: a member holding every agent credential cannot spend the
+    /// budget in another node's name (nor under its own name for another node), a replayed
+    /// admission is refused, and the ledger holds only the admitted node. Budget of one: the
+    /// second node is denied, with the numbers the agent shows.
+    #[tokio::test]
+    async fn a_taint_admission_counts_only_for_the_node_its_token_names() {
+        let kept = Arc::new(Kept::default());
+        let svc = service_with(
+            Arc::new(Tokens::new(Arc::new(FakeTokens::default()), "c0")),
+            true,
+            Some(admissions(kept.clone())),
+        );
+        for (r, code, why) in [
+            (
+                admit_with_token(&tok("n2"), "n2", "n1"),
+                tonic::Code::PermissionDenied,
+                "n2 cannot ask to taint n1",
+            ),
+            (
+                admit_with_token(&tok("n2"), "n1", "n1"),
+                tonic::Code::Unauthenticated,
+                "its token is \"n2\"'s",
+            ),
+            (
+                Request::new(admit_request("n1")),
+                tonic::Code::Unauthenticated,
+                "must carry",
+            ),
+        ] {
+            let e = svc.admit(r).await.unwrap_err();
+            assert_eq!(e.code(), code, "{e:?}");
+            assert!(e.message().contains(why), "{e:?}");
+        }
+        assert!(kept.0.lock().unwrap().is_none(), "nothing was admitted");
+        let first = admit_with_token(&tok("n1"), "n1", "n1");
+        let replay = Request::new(first.get_ref().clone());
+        let mut replay = replay;
+        crate::peer::service::bearer(&mut replay, &tok("n1")).unwrap();
+        let a = svc.admit(first).await.unwrap().into_inner();
+        assert_eq!((a.allowed, a.used, a.limit, a.nodes), (true, 1, 1, 2));
+        let e = svc.admit(replay).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
+        let d = svc
+            .admit(admit_with_token(&tok("n2"), "n2", "n2"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((d.allowed, d.used, d.limit, d.nodes), (false, 1, 1, 2));
+        let held: Vec<String> = kept
+            .0
+            .lock()
+            .unwrap()
+            .as_ref()
+            .unwrap()
+            .entries
+            .iter()
+            .map(|e| e.node.clone())
+            .collect();
+        assert_eq!(held, ["n1"]);
+    }
+
+    /// Only the active replica answers (the other would keep a second ledger), and a
+    /// coordinator without Kubernetes has no budget to offer.
+    #[tokio::test]
+    async fn only_the_active_replica_on_kubernetes_admits() {
+        let standby = service_with(
+            Arc::new(Tokens::new(Arc::new(FakeTokens::default()), "c0")),
+            false,
+            Some(admissions(Arc::default())),
+        );
+        let e = standby
+            .admit(admit_with_token(&tok("n1"), "n1", "n1"))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        let bare = service(
+            Arc::new(NodeKeys::new(Key::new(MASTER).unwrap(), "c0")),
+            true,
+        );
+        let e = bare
+            .admit(Request::new(
+                node_signer("n1", "n1").sign(admit_request("n1"), "c0"),
+            ))
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unimplemented, "{e:?}");
     }
 }

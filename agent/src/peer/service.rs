@@ -1597,6 +1597,12 @@ mod tests {
         async fn run(&self, _: Request<RunRequest>) -> Result<Response<RunResult>, Status> {
             Err(Status::unimplemented("not used"))
         }
+        async fn admit(
+            &self,
+            _: Request<faultline_proto::v1::AdmitRequest>,
+        ) -> Result<Response<faultline_proto::v1::AdmitReply>, Status> {
+            Err(Status::unimplemented("not used"))
+        }
     }
 
     /// Over real gRPC on loopback (the coordinator at 127.0.28.9:20262, n2 at 127.0.28.3): the

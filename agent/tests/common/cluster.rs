@@ -330,7 +330,7 @@ impl Cluster {
                 .arg(&kubeconfig)
                 .arg("--policy")
                 .arg(&policy_file)
-                .arg("--peer-node-token-file")
+                .arg("--node-token-file")
                 .arg(dir.join("peer-token"))
                 .arg("--probe-bin")
                 .arg(probe_for(i).unwrap_or_else(|| probe.clone()))

@@ -339,7 +339,7 @@ fn peer_audience() -> String {
 }
 
 /// The agent's peer-check credential is a service-account token bound to its pod (and so to its
-/// node), for the coordinator's audience, mounted read-only where FAULTLINE_PEER_NODE_TOKEN_FILE
+/// node), for the coordinator's audience, mounted read-only where FAULTLINE_NODE_TOKEN_FILE
 /// points; no agent holds a secret shared with the others or the requesters' secret any more.
 #[test]
 fn the_peer_credential_is_a_pod_bound_token() {
@@ -352,9 +352,9 @@ fn the_peer_credential_is_a_pod_bound_token() {
         .map(|e| (e.name.as_str(), e))
         .collect();
     let file = env
-        .get("FAULTLINE_PEER_NODE_TOKEN_FILE")
+        .get("FAULTLINE_NODE_TOKEN_FILE")
         .and_then(|e| e.value.as_deref())
-        .expect("FAULTLINE_PEER_NODE_TOKEN_FILE");
+        .expect("FAULTLINE_NODE_TOKEN_FILE");
     assert_eq!(file, "/var/run/secrets/faultline-peer/token");
     let (dir, key) = file.rsplit_once('/').expect("a path");
     let (vol, ro) = mounted_at(&a, dir);

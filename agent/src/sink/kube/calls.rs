@@ -68,13 +68,16 @@ impl ApiCall {
 
 /// The coordinator Lease, the only one the agent reads and the coordinator writes.
 const LEASE: &[&str] = &["faultline-peercheck"];
-/// The taint ledger, the only ConfigMap the agent replaces.
+/// The taint ledger, the only ConfigMap the coordinator replaces.
 const LEDGER: &[&str] = &["faultline-taint-budget"];
-/// The published peer-check runs, the only ConfigMap the coordinator reads or writes.
+/// The published peer-check runs.
 const PEERCHECK: &[&str] = &["faultline-peercheck"];
+/// The ConfigMaps the coordinator reads: the published runs and the taint ledger.
+const COORDINATOR_CONFIGMAPS: &[&str] = &["faultline-peercheck", "faultline-taint-budget"];
 
 /// The agent's table. Cluster-wide decisions are the coordinator's ([`COORDINATOR_API_CALLS`]):
-/// no agent writes the Lease or faultline-peercheck, lists the members, or reviews tokens.
+/// no agent writes the Lease, faultline-peercheck or the taint ledger, lists the members, or
+/// reviews tokens.
 pub const API_CALLS: &[ApiCall] = &[
     call(
         "",
@@ -102,7 +105,7 @@ pub const API_CALLS: &[ApiCall] = &[
         "leases",
         "get",
         Scope::AgentNamespace,
-        "peer (the faultline-peercheck Lease, read only: which coordinator is active, and its public key, the only key an agent accepts assignments and conclusions under)",
+        "peer (the faultline-peercheck Lease, read only: which coordinator is active, and its public key, the only key an agent accepts assignments and conclusions under), sink::kube::budget (where the active coordinator listens: a new taint asks it first)",
     )
     .only(LEASE),
     call(
@@ -124,14 +127,14 @@ pub const API_CALLS: &[ApiCall] = &[
         "configmaps",
         "get",
         Scope::AgentNamespace,
-        "sink::kube::configmap (adopt on start), sink::kube::budget (the taint ledger)",
+        "sink::kube::configmap (adopt faultline-<node> on start)",
     ),
     call(
         "",
         "configmaps",
         "list",
         Scope::AgentNamespace,
-        "sink::kube::budget (count the nodes: one fault ConfigMap per agent), sink::kube::own (the watch of faultline-<node> starts with a list pinned to its name)",
+        "sink::kube::own (the watch of faultline-<node> starts with a list pinned to its name)",
     ),
     call(
         "",
@@ -145,16 +148,8 @@ pub const API_CALLS: &[ApiCall] = &[
         "configmaps",
         "create",
         Scope::AgentNamespace,
-        "sink::kube::budget (the taint ledger's first entry, by POST); sink::kube::configmap (the first server-side apply of faultline-<node> creates it, and the API server checks create as well as patch for that)",
+        "sink::kube::configmap (the first server-side apply of faultline-<node> creates it, and the API server checks create as well as patch for that)",
     ),
-    call(
-        "",
-        "configmaps",
-        "update",
-        Scope::AgentNamespace,
-        "sink::kube::budget (ledger entries, with resourceVersion)",
-    )
-    .only(LEDGER),
     call(
         "",
         "configmaps",
@@ -198,8 +193,9 @@ pub const MINDCLUSTER_CALLS: &[ApiCall] = &[
 ];
 
 /// The peer-check coordinator's table (`faultline-coordinator`, its own service account and
-/// Deployment): the election, the published runs, the members, and the identity checks of the
-/// agents' reports and the requesters' runs. It writes no Node and no agent's record.
+/// Deployment): the election, the published runs, the members, the taint ledger, and the
+/// identity checks of the agents' reports and admissions and the requesters' runs. It writes no
+/// Node and no agent's record.
 pub const COORDINATOR_API_CALLS: &[ApiCall] = &[
     call(
         "coordination.k8s.io",
@@ -237,16 +233,24 @@ pub const COORDINATOR_API_CALLS: &[ApiCall] = &[
         "configmaps",
         "get",
         Scope::AgentNamespace,
-        "coordinator::publish (reads faultline-peercheck back to resume a run after a failover)",
+        "coordinator::publish (reads faultline-peercheck back to resume a run after a failover), coordinator::budget (reads the taint ledger when it becomes the active replica, and after a conflicting write)",
     )
-    .only(PEERCHECK),
+    .only(COORDINATOR_CONFIGMAPS),
     call(
         "",
         "configmaps",
         "create",
         Scope::AgentNamespace,
-        "coordinator::publish (the first server-side apply of faultline-peercheck creates it: the API server checks create, which RBAC cannot limit by name)",
+        "coordinator::publish (the first server-side apply of faultline-peercheck creates it: the API server checks create, which RBAC cannot limit by name), coordinator::budget (the taint ledger's first admission, by POST)",
     ),
+    call(
+        "",
+        "configmaps",
+        "update",
+        Scope::AgentNamespace,
+        "coordinator::budget (the taint ledger, replaced with the resourceVersion it was read or last written at)",
+    )
+    .only(LEDGER),
     call(
         "",
         "configmaps",
@@ -260,7 +264,7 @@ pub const COORDINATOR_API_CALLS: &[ApiCall] = &[
         "pods",
         "list",
         Scope::AgentNamespace,
-        "coordinator::members (the agent pods: node name and pod IP of every member)",
+        "coordinator::members (the agent pods: node name and pod IP of every member; their number is the taint budget's node count)",
     ),
     call(
         "",
@@ -281,7 +285,7 @@ pub const COORDINATOR_API_CALLS: &[ApiCall] = &[
         "tokenreviews",
         "create",
         Scope::Cluster,
-        "coordinator::agents (TokenReview of agent tokens: the pod-bound token says which node a report comes from), coordinator::requesters (TokenReview of a requester's token)",
+        "coordinator::agents (TokenReview of agent tokens: the pod-bound token says which node a report or a taint admission comes from), coordinator::requesters (TokenReview of a requester's token)",
     ),
     call(
         "authorization.k8s.io",

@@ -3,16 +3,14 @@
 //!
 //! Three tasks, each reading the newest snapshot (or notices) and writing only on change:
 //! - [`node`]: the `faultline.io/health` label (server-side apply), `faultline.io/*` taints
-//!   (read-modify-write with the resourceVersion, under the cluster's taint [`budget`]) and the
+//!   (read-modify-write with the resourceVersion; a new hard taint first asks the coordinator,
+//!   which keeps the cluster's taint [`budget`]) and the
 //!   `AcceleratorHealthy` condition (strategic merge patch of the status);
 //! - [`configmap`]: `faultline-<node>` holding `faults.json` (server-side apply); a change of
 //!   counts and last-seen times alone waits for its write budget (one per
 //!   `--kube-write-interval`, the newest count at the end of it), any other change goes at once;
 //! - [`events`]: Events on the Node through kube-runtime's `Recorder`, under a token bucket
 //!   (`--kube-event-burst`, then `--kube-event-rate` a minute).
-//!
-//! A fourth task keeps the taint [`budget`]'s shared node count fresh (a read every few
-//! minutes; a list of the records when the count is over a minute old).
 //!
 //! The Node and the ConfigMap are also watched by name ([`own`]), so that a deletion or an
 //! overwrite by someone else is repaired within seconds; the periodic resync is the backstop.
@@ -41,7 +39,6 @@ use tracing::Instrument;
 use crate::metrics::Metrics;
 use crate::runtime::{Clock, SinkReport, Snapshot};
 use faultline_core::engine::EngineEvent;
-use faultline_core::policy::LoadedPolicy;
 
 /// The field manager of every write (server-side apply ownership, `managedFields`).
 pub use crate::kube_client::FIELD_MANAGER;
@@ -56,7 +53,7 @@ pub const DEFAULT_WRITE_INTERVAL: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone)]
 pub struct KubeSinkConfig {
     pub node: String,
-    /// Where the fault ConfigMap and the taint ledger live.
+    /// Where the fault ConfigMap and the Lease naming the coordinator live.
     pub namespace: String,
     /// The reporting instance of Events (the pod name); defaults to the node name.
     pub instance: Option<String>,
@@ -67,9 +64,9 @@ pub struct KubeSinkConfig {
     pub resync: Duration,
     /// How often a withheld taint asks the budget again.
     pub budget_recheck: Duration,
-    /// How often the agent looks at the taint budget's shared node count (and counts again
-    /// when it is over a minute old; [`budget::keep_count_fresh`]).
-    pub budget_count_check: Duration,
+    /// The agent's projected service-account token (`--node-token-file`): what the
+    /// coordinator knows this node by when it asks the taint budget.
+    pub node_token_file: Option<std::path::PathBuf>,
     /// The fault ConfigMap's write budget: a change of counts and last-seen times alone is
     /// written at most once per this interval ([`plan::when_to_write`]); `ZERO` writes every
     /// change at once.
@@ -88,7 +85,7 @@ impl KubeSinkConfig {
             settle: Duration::from_secs(30),
             resync: Duration::from_secs(300),
             budget_recheck: Duration::from_secs(15),
-            budget_count_check: Duration::from_secs(300),
+            node_token_file: None,
             write_interval: DEFAULT_WRITE_INTERVAL,
             event_rate: events::RATE_PER_MINUTE,
             event_burst: events::BURST,
@@ -105,8 +102,8 @@ pub enum KubeSinkError {
         #[source]
         source: kube::Error,
     },
-    #[error("the taint ledger changed under us {0} times in a row")]
-    LedgerContention(u32),
+    #[error("the taint budget cannot answer: {0}")]
+    Budget(String),
     #[error("cannot encode {what}: {source}")]
     Encode {
         what: &'static str,
@@ -182,7 +179,6 @@ impl Retry {
 #[derive(Debug)]
 pub struct KubeSinkInputs {
     pub snapshots: watch::Receiver<Option<Snapshot>>,
-    pub policy: watch::Receiver<LoadedPolicy>,
     /// Engine events, for the Event sink.
     pub events: mpsc::Receiver<EngineEvent>,
     /// Where the node sink reports a withheld taint (shown in the record).
@@ -213,12 +209,13 @@ pub fn spawn(
         }
     };
     let client = clients.calls;
-    let budget = budget::Budget::new(client.clone(), &cfg.namespace, &cfg.node);
-    let count_task = budget::keep_count_fresh(
-        budget.clone(),
-        clock.clone(),
-        cfg.budget_count_check,
-        shutdown.clone(),
+    let budget = budget::Budget::new(
+        &cfg.node,
+        Arc::new(crate::peer::authz::LeaseHolder::new(
+            client.clone(),
+            cfg.namespace.clone(),
+        )),
+        cfg.node_token_file.clone(),
     );
     let node_sink = node::NodeSink::new(
         client.clone(),
@@ -242,12 +239,7 @@ pub fn spawn(
         &configmap::name(&cfg.node),
         shutdown.clone(),
     );
-    let node_task = node_sink.run(
-        inputs.snapshots.clone(),
-        inputs.policy,
-        Some(own_node),
-        shutdown.clone(),
-    );
+    let node_task = node_sink.run(inputs.snapshots.clone(), Some(own_node), shutdown.clone());
     let cm_task = configmap::run(
         client.clone(),
         cfg.clone(),
@@ -264,7 +256,6 @@ pub fn spawn(
         tokio::spawn(node_task.instrument(tracing::info_span!("sink", name = "node"))),
         tokio::spawn(cm_task.instrument(tracing::info_span!("sink", name = "configmap"))),
         tokio::spawn(ev_task.instrument(tracing::info_span!("sink", name = "events"))),
-        tokio::spawn(count_task.instrument(tracing::info_span!("sink", name = "budget_count"))),
     ]
 }
 

@@ -34,8 +34,6 @@ use super::{api, is_conflict, KubeSinkConfig, KubeSinkError, Retry, FIELD_MANAGE
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::{Clock, SinkReport, Snapshot};
 use faultline_core::engine::{DesiredCondition, DesiredTaint};
-use faultline_core::policy::LoadedPolicy;
-use faultline_core::policy::TaintBudget;
 use faultline_core::record::TaintBudgetStatus;
 use faultline_core::time::Timestamp;
 
@@ -149,7 +147,6 @@ impl NodeSink {
     pub async fn run(
         mut self,
         mut snapshots: watch::Receiver<Option<Snapshot>>,
-        policy: watch::Receiver<LoadedPolicy>,
         mut own: Option<watch::Receiver<Seen<Node>>>,
         _shutdown: CancellationToken,
     ) {
@@ -182,8 +179,7 @@ impl NodeSink {
                 // wait short.
                 let held = woke_by_own && done.is_none() && !due;
                 if !held && (done.as_ref() != Some(&desired) || due || repair) {
-                    let budget = policy.borrow().policy.taint_budget.clone();
-                    match self.reconcile(&desired, &budget).await {
+                    match self.reconcile(&desired).await {
                         Ok(Outcome::Done { withheld, wrote }) => {
                             if wrote {
                                 self.metrics
@@ -236,10 +232,8 @@ impl NodeSink {
         if let Some(snap) = last {
             let desired = Desired::of(&snap);
             if done.as_ref() != Some(&desired) {
-                let budget = policy.borrow().policy.taint_budget.clone();
                 let _ =
-                    tokio::time::timeout(Duration::from_secs(3), self.reconcile(&desired, &budget))
-                        .await;
+                    tokio::time::timeout(Duration::from_secs(3), self.reconcile(&desired)).await;
             }
         }
     }
@@ -274,11 +268,7 @@ impl NodeSink {
     }
 
     /// One pass: read the Node, write what differs.
-    async fn reconcile(
-        &mut self,
-        desired: &Desired,
-        budget: &TaintBudget,
-    ) -> Result<Outcome, KubeSinkError> {
+    async fn reconcile(&mut self, desired: &Desired) -> Result<Outcome, KubeSinkError> {
         let name = self.cfg.node.clone();
         let mut node = self.nodes.get(&name).await.map_err(api("read the node"))?;
         self.versions.note_of(&node);
@@ -352,9 +342,7 @@ impl NodeSink {
             let mut withhold = false;
             withheld = None;
             if plan::needs_admission(&actual, &desired.taints) {
-                if let Answer::Denied { used, limit, nodes } =
-                    self.budget.admit(budget, now).await?
-                {
+                if let Answer::Denied { used, limit, nodes } = self.budget.admit().await? {
                     withhold = true;
                     let list = plan::withheld(&actual, &desired.taints)
                         .iter()
@@ -541,7 +529,7 @@ mod tests {
         let emu = faultline_kube_emulator::Emulator::start().await.unwrap();
         let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
         let cfg = KubeSinkConfig::new("n1");
-        let budget = Budget::new(client.clone(), &cfg.namespace, "n1");
+        let budget = Budget::new("n1", Arc::new(watch::channel(None).1), None);
         let (tx, mut rx) = mpsc::channel(1);
         let (report, _report_rx) = watch::channel(SinkReport::default());
         let mut sink = NodeSink::new(
@@ -592,21 +580,66 @@ mod tests {
         assert!(rx.try_recv().is_err(), "a released list is not announced");
     }
 
+    /// A coordinator that answers every admission with `allowed`, and counts them, checking
+    /// that each carries the agent's token and names n1.
+    #[derive(Clone)]
+    struct Admits(Arc<std::sync::atomic::AtomicUsize>);
+
+    #[tonic::async_trait]
+    impl faultline_proto::v1::coordinator_server::Coordinator for Admits {
+        async fn report(
+            &self,
+            _: tonic::Request<faultline_proto::v1::CheckReport>,
+        ) -> Result<tonic::Response<faultline_proto::v1::ReportAck>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not used"))
+        }
+        async fn run(
+            &self,
+            _: tonic::Request<faultline_proto::v1::RunRequest>,
+        ) -> Result<tonic::Response<faultline_proto::v1::RunResult>, tonic::Status> {
+            Err(tonic::Status::unimplemented("not used"))
+        }
+        async fn admit(
+            &self,
+            r: tonic::Request<faultline_proto::v1::AdmitRequest>,
+        ) -> Result<tonic::Response<faultline_proto::v1::AdmitReply>, tonic::Status> {
+            let bearer = r.metadata().get("authorization").unwrap().to_str().unwrap();
+            assert_eq!(bearer, format!("Bearer {TOKEN}"));
+            let r = r.into_inner();
+            assert_eq!(r.node, "n1");
+            assert_eq!(r.auth.unwrap().receiver, "c0");
+            self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            Ok(tonic::Response::new(faultline_proto::v1::AdmitReply {
+                allowed: true,
+                used: 1,
+                limit: 1,
+                nodes: 1,
+            }))
+        }
+    }
+
+    const TOKEN: &str = "n1's projected token, 0123456789abcdef";
+
     /// A new fault on a node whose taint needs the budget: the label and the condition are
-    /// written before the ledger is asked, and stay written when it cannot answer (the pass
-    /// fails and is retried, the taint waits); the next pass, with the ledger answering, adds
-    /// only the taint. A new fault costs three node writes in all. (The label and the
-    /// condition used to follow the admission, so a ledger under contention or refused held
-    /// them back.)
+    /// written before the coordinator is asked, and stay written when none answers (the pass
+    /// fails and is retried, the taint waits); the next pass, with the coordinator answering,
+    /// adds only the taint. A new fault costs three node writes in all, and no write of any
+    /// ConfigMap of the budget's. (The label and the condition used to follow the admission, so
+    /// a budget under contention or refused held them back.)
     #[tokio::test]
     async fn the_label_and_condition_are_written_before_the_budget_is_asked() {
-        use faultline_kube_emulator::{Emulator, FaultRule, ResourceRef};
+        use crate::peer::authz::CoordinatorId;
+        use faultline_kube_emulator::{Emulator, ResourceRef};
         let emu = Emulator::start().await.unwrap();
         emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "faultline-system"}}));
         emu.put(faultline_kube_emulator::node("n1", &[]));
-        let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
+        let (client, dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
+        let token = dir.path().join("token");
+        std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
         let cfg = KubeSinkConfig::new("n1");
-        let budget = Budget::new(client.clone(), &cfg.namespace, "n1");
+        // Nobody coordinates yet.
+        let (who, who_rx) = watch::channel(None);
+        let budget = Budget::new("n1", Arc::new(who_rx), Some(token));
         let (tx, _rx) = mpsc::channel(8);
         let (report, _report_rx) = watch::channel(SinkReport::default());
         let mut sink = NodeSink::new(
@@ -621,20 +654,11 @@ mod tests {
         let node = || -> Node {
             serde_json::from_value(emu.get(&ResourceRef::node("n1")).unwrap()).unwrap()
         };
-        let ledger = "/configmaps/faultline-taint-budget";
-        // 500: the client itself retries 429, 503 and 504 (for minutes), not this.
-        let refused = emu.inject(FaultRule::status(500).on_path(ledger));
 
         let d = desired();
-        let first = sink.reconcile(&d, &TaintBudget::default()).await;
+        let first = sink.reconcile(&d).await;
         assert!(
-            matches!(
-                first,
-                Err(KubeSinkError::Api {
-                    what: "read the taint ledger",
-                    ..
-                })
-            ),
+            matches!(&first, Err(KubeSinkError::Budget(why)) if why.contains("no coordinator")),
             "the pass fails, to be retried: {first:?}"
         );
         let n = node();
@@ -646,24 +670,39 @@ mod tests {
             !d.carried_by(&n, false, Timestamp::UNIX_EPOCH),
             "no taint yet"
         );
-        let calls = emu.calls();
-        let at =
-            |pred: &dyn Fn(&faultline_kube_emulator::Call) -> bool| calls.iter().position(pred);
-        let label = at(&|c| c.method == "PATCH" && c.path == "/api/v1/nodes/n1").unwrap();
-        let condition =
-            at(&|c| c.method == "PATCH" && c.path == "/api/v1/nodes/n1/status").unwrap();
-        let asked = at(&|c| c.path.ends_with(ledger)).unwrap();
-        assert!(label < asked && condition < asked, "{calls:#?}");
-        assert_eq!(
-            calls.iter().filter(|c| c.is_write()).count(),
-            2,
-            "{calls:#?}"
-        );
+        let writes: Vec<String> = emu
+            .calls()
+            .iter()
+            .filter(|c| c.is_write())
+            .map(|c| c.path.clone())
+            .collect();
+        assert_eq!(writes, ["/api/v1/nodes/n1", "/api/v1/nodes/n1/status"]);
 
-        // The ledger answers: the taint follows, and nothing else is written again.
-        assert!(emu.remove_fault(refused));
+        // A coordinator answers: the taint follows, and nothing else is written again.
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap().to_string();
+        let admits = Admits(Arc::default());
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(
+                    faultline_proto::v1::coordinator_server::CoordinatorServer::new(admits.clone()),
+                )
+                .serve_with_incoming(crate::listen::incoming(
+                    listener,
+                    crate::listen::PEER_LIMITS,
+                    Arc::new(Metrics::new()),
+                    "coordinator",
+                )),
+        );
+        who.send_replace(Some(CoordinatorId {
+            node: "c0".into(),
+            address: Some(address),
+            key: faultline_proto::auth::CoordinatorKey::generate()
+                .unwrap()
+                .public_key(),
+        }));
         emu.clear_calls();
-        let second = sink.reconcile(&d, &TaintBudget::default()).await.unwrap();
+        let second = sink.reconcile(&d).await.unwrap();
         assert_eq!(
             second,
             Outcome::Done {
@@ -672,13 +711,14 @@ mod tests {
             }
         );
         assert!(d.carried_by(&node(), false, Timestamp::UNIX_EPOCH));
-        let node_writes: Vec<String> = emu
+        assert_eq!(admits.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+        let writes: Vec<String> = emu
             .calls()
             .iter()
-            .filter(|c| c.is_write() && c.path.starts_with("/api/v1/nodes/"))
+            .filter(|c| c.is_write())
             .map(|c| c.path.clone())
             .collect();
-        assert_eq!(node_writes, ["/api/v1/nodes/n1"], "the taint alone");
+        assert_eq!(writes, ["/api/v1/nodes/n1"], "the taint alone");
     }
 
     /// What counts as drift: only faultline's own label, taints and condition; a hard taint the

@@ -1,15 +1,14 @@
 //! Pure decisions of the Kubernetes sinks: what to write, given what the API server has and what
 //! the engine wants. No I/O; every function here is table-tested below.
 //!
-//! The I/O modules (`node`, `configmap`, `budget`, `events`) read, call these, and write only
+//! The I/O modules (`node`, `configmap`, `events`) read, call these, and write only
 //! when a function here says something differs.
 
 use std::collections::BTreeMap;
 
-use faultline_core::time::{signed, since, Timestamp};
+use faultline_core::time::Timestamp;
 use k8s_openapi::api::core::v1::{NodeCondition, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
-use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
 use faultline_core::engine::{DesiredCondition, DesiredTaint, EngineEvent, HEALTH_LABEL};
@@ -193,6 +192,9 @@ pub fn label_value(s: &str) -> String {
         format!("{clean}-{hash}")
     }
 }
+
+/// Selects the fault ConfigMaps, one per agent (`faultline cluster`).
+pub const RECORDS_SELECTOR: &str = "app.kubernetes.io/name=faultline,faultline.io/node";
 
 /// The labels of the fault ConfigMap (DESIGN.md).
 pub fn configmap_labels(node: &str, health: Health) -> BTreeMap<String, String> {
@@ -410,84 +412,6 @@ impl CountsPacer {
             RecordChange::Counters => self.budget.spend(now),
             RecordChange::Content | RecordChange::Same => self.budget.note_forced(now),
         }
-    }
-}
-
-/// One node's entry in the shared taint ledger.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct LedgerEntry {
-    pub node: String,
-    #[serde(with = "faultline_core::record::rfc3339")]
-    pub at: Timestamp,
-}
-
-/// The shared taint ledger (`faultline-taint-budget`, key `ledger.json`): which nodes faultline
-/// newly tainted, and when. Entries older than the budget window no longer count.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Ledger {
-    pub entries: Vec<LedgerEntry>,
-    /// The fleet's size as last counted (by any agent's periodic look, or by an admission that
-    /// found no fresh count), shared so that 200 nodes failing at once do not each list every
-    /// fault ConfigMap (at 2,000 nodes that was 400,000 objects listed for one incident).
-    /// Absent in ledgers written before it existed.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub nodes: Option<NodeCount>,
-}
-
-/// A node count and when it was taken.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub struct NodeCount {
-    pub count: u32,
-    #[serde(with = "faultline_core::record::rfc3339")]
-    pub at: Timestamp,
-}
-
-/// The ledger's answer to one node.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Admission {
-    /// The node is already in the window (no write needed).
-    AlreadyIn { used: u32 },
-    /// Admitted: the caller must write the ledger (with its resourceVersion) before tainting.
-    Admitted { used: u32 },
-    /// The budget is spent.
-    Denied { used: u32 },
-}
-
-impl Ledger {
-    /// The shared node count if it was taken within `max_age` of `now`. One dated ahead of
-    /// `now` by more than a minute (a clock stepped back, or a writer's clock ahead) is not
-    /// trusted, so a bad date cannot keep a count alive forever.
-    pub fn fresh_nodes(&self, now: Timestamp, max_age: std::time::Duration) -> Option<u32> {
-        let c = self.nodes?;
-        let age = since(now, c.at);
-        (age <= signed(max_age) && since(c.at, now) <= signed(std::time::Duration::from_secs(60)))
-            .then_some(c.count)
-    }
-
-    /// Drops entries that left the window, then admits `node` if the budget allows.
-    pub fn decide(
-        &mut self,
-        node: &str,
-        now: Timestamp,
-        window: std::time::Duration,
-        limit: u32,
-    ) -> Admission {
-        let window = signed(window);
-        // An entry dated ahead of `now` by more than the window (a clock stepped back) goes too.
-        self.entries
-            .retain(|e| since(now, e.at) < window && since(e.at, now) <= window);
-        let used = self.entries.len() as u32;
-        if self.entries.iter().any(|e| e.node == node) {
-            return Admission::AlreadyIn { used };
-        }
-        if used >= limit {
-            return Admission::Denied { used };
-        }
-        self.entries.push(LedgerEntry {
-            node: node.to_string(),
-            at: now,
-        });
-        Admission::Admitted { used: used + 1 }
     }
 }
 
@@ -1274,67 +1198,6 @@ mod tests {
         newest.faults[0].count += 1;
         step(later, &newest, &mut wake);
         assert_eq!(writes.borrow().last(), Some(&(later - t0, 1201)));
-    }
-
-    #[test]
-    fn ledger_admits_within_budget_and_window() {
-        let w = std::time::Duration::from_secs(600);
-        let mut l = Ledger::default();
-        assert_eq!(l.decide("a", t(0), w, 2), Admission::Admitted { used: 1 });
-        assert_eq!(l.decide("a", t(1), w, 2), Admission::AlreadyIn { used: 1 });
-        assert_eq!(l.decide("b", t(2), w, 2), Admission::Admitted { used: 2 });
-        assert_eq!(l.decide("c", t(3), w, 2), Admission::Denied { used: 2 });
-        // a's entry leaves the window at t(600): c gets in.
-        assert_eq!(l.decide("c", t(599), w, 2), Admission::Denied { used: 2 });
-        assert_eq!(l.decide("c", t(600), w, 2), Admission::Admitted { used: 2 });
-        assert_eq!(
-            l.entries
-                .iter()
-                .map(|e| e.node.as_str())
-                .collect::<Vec<_>>(),
-            ["b", "c"]
-        );
-        // An entry from a clock far in the future is not trusted forever.
-        let mut l = Ledger {
-            entries: vec![LedgerEntry {
-                node: "z".into(),
-                at: t(10_000),
-            }],
-            nodes: None,
-        };
-        assert_eq!(l.decide("a", t(0), w, 1), Admission::Admitted { used: 1 });
-        // A limit of 0 denies everything.
-        assert_eq!(
-            Ledger::default().decide("a", t(0), w, 0),
-            Admission::Denied { used: 0 }
-        );
-    }
-
-    /// The shared node count is used while fresh, by either clock direction within bounds, and
-    /// a ledger written before the count existed still reads.
-    #[test]
-    fn ledger_node_count_is_shared_while_fresh() {
-        let max = std::time::Duration::from_secs(300);
-        let mut l: Ledger =
-            serde_json::from_str(r#"{"entries":[{"node":"a","at":"2026-11-22T00:00:00Z"}]}"#)
-                .unwrap();
-        assert_eq!(l.fresh_nodes(t(0), max), None);
-        l.nodes = Some(NodeCount {
-            count: 2000,
-            at: t(100),
-        });
-        assert_eq!(l.fresh_nodes(t(100), max), Some(2000));
-        assert_eq!(l.fresh_nodes(t(400), max), Some(2000));
-        assert_eq!(l.fresh_nodes(t(401), max), None, "stale after max_age");
-        assert_eq!(l.fresh_nodes(t(39), max), None, "dated over a minute ahead");
-        assert_eq!(
-            l.fresh_nodes(t(40), max),
-            Some(2000),
-            "a minute ahead is tolerated"
-        );
-        let text = serde_json::to_string(&l).unwrap();
-        assert!(text.contains(r#""nodes":{"count":2000"#), "{text}");
-        assert_eq!(serde_json::from_str::<Ledger>(&text).unwrap(), l);
     }
 
     #[test]
