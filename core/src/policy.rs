@@ -202,8 +202,9 @@ impl Default for AscendPolicy {
     }
 }
 
-/// Peer-paired checks (docs/peer-checks.md). They run only where the agent has the shared
-/// secret (`--peer-secret-file`); the coordinator reads these settings from its own policy.
+/// Peer-paired checks (docs/peer-checks.md). An agent takes part only with its credential
+/// (`--node-token-file`, or `--peer-node-key-file` without Kubernetes); the coordinator reads
+/// these settings from its own policy.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PeerPolicy {
