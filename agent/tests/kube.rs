@@ -1567,9 +1567,13 @@ fn the_coordinator_alone_keeps_the_taint_budget() {
             "data": {"ledger.json": "{\"entries\":[]}"},
         }))
         .unwrap();
-        cms.replace("faultline-taint-budget", &Default::default(), &body)
-            .await
+        let replaced = cms
+            .replace("faultline-taint-budget", &Default::default(), &body)
+            .await;
+        replaced
     });
+    // (A patch, which RBAC allows on every ConfigMap of the namespace, is refused by the
+    // admission policy, whose CEL tests/manifests/tests/admission.rs runs.)
     assert!(
         matches!(&forged, Err(kube::Error::Api(s)) if s.code == 403),
         "{forged:?}"

@@ -7,7 +7,11 @@
 //! before it answers, so a failover does not reset the window. An admission is answered only
 //! once a ledger holding it is written (a group commit: the admissions decided while one write
 //! is in flight share the next), so a coordinator that dies after answering has left the
-//! admission in the ledger, and 200 nodes failing at once cost a few writes, not 200.
+//! admission in the ledger, and 200 nodes failing at once cost a few writes, not 200. A write
+//! that finds the ledger changed by someone else (a replica that still thought it was active,
+//! or a person) takes the other writer's ledger as it is and fails the admissions it carried:
+//! their agents ask again and are decided against the ledger as it now stands, so no conflict
+//! lets more than the limit in.
 //!
 //! The number of nodes is the number of members (`members::Members`: the agent pods), counted
 //! at most once a minute.
@@ -87,16 +91,6 @@ impl Ledger {
         });
         Admission::Admitted { used: used + 1 }
     }
-
-    /// Adds the entries of `other` this ledger lacks (a ledger another writer wrote meanwhile):
-    /// the union can only admit fewer nodes, never more.
-    pub fn merge(&mut self, other: Ledger) {
-        for e in other.entries {
-            if !self.entries.iter().any(|m| m.node == e.node) {
-                self.entries.push(e);
-            }
-        }
-    }
 }
 
 /// The budget's answer.
@@ -150,6 +144,9 @@ struct State {
     decided: u64,
     /// The admissions up to this one are written.
     written: u64,
+    /// Bumped whenever the ledger in memory is replaced (the Lease lost, or another writer's
+    /// ledger taken): an admission decided in an earlier epoch is never answered "allowed".
+    epoch: u64,
     /// The last node count and when it was taken (time since boot).
     count: Option<(u32, Duration)>,
 }
@@ -188,6 +185,7 @@ impl TaintLedger {
                 let mut s = self.state.lock().await;
                 *s = State {
                     count: s.count,
+                    epoch: s.epoch + 1,
                     ..State::default()
                 };
             }
@@ -196,7 +194,7 @@ impl TaintLedger {
 
     /// Whether `node` may be newly tainted now; an admission is written before it is answered.
     pub async fn admit(&self, node: &str, budget: &TaintBudget) -> Result<Answer, BudgetError> {
-        let (answer, admitted) = {
+        let (answer, epoch, admitted) = {
             let mut s = self.state.lock().await;
             if s.ledger.is_none() {
                 let (ledger, version) = self
@@ -212,6 +210,7 @@ impl TaintLedger {
             let limit = budget.limit(nodes);
             let now = self.clock.now();
             let decided = s.decided;
+            let epoch = s.epoch;
             let ledger = s.ledger.get_or_insert_with(Ledger::default);
             match ledger.decide(node, now, budget.window, limit) {
                 Admission::Denied { used } => {
@@ -231,6 +230,7 @@ impl TaintLedger {
                         limit,
                         nodes,
                     },
+                    epoch,
                     decided,
                 ),
                 Admission::Admitted { used } => {
@@ -243,12 +243,13 @@ impl TaintLedger {
                             limit,
                             nodes,
                         },
+                        epoch,
                         s.decided,
                     )
                 }
             }
         };
-        self.written(admitted).await?;
+        self.written(epoch, admitted).await?;
         Ok(answer)
     }
 
@@ -278,13 +279,22 @@ impl TaintLedger {
         }
     }
 
-    /// Returns once the admissions up to `decided` are in the written ledger, writing it if
-    /// no one else has. One write at a time; the next covers every admission decided meanwhile.
-    async fn written(&self, decided: u64) -> Result<(), BudgetError> {
+    /// Returns once the admissions up to `decided` of `epoch` are in the written ledger, writing
+    /// it if no one else has. One write at a time; the next covers every admission decided
+    /// meanwhile.
+    async fn written(&self, epoch: u64, decided: u64) -> Result<(), BudgetError> {
+        let replaced = || {
+            BudgetError::Write(
+                "the ledger was replaced before this admission was written; ask again".into(),
+            )
+        };
         let _writing = self.writing.lock().await;
         loop {
             let (ledger, version, upto) = {
                 let s = self.state.lock().await;
+                if s.epoch != epoch {
+                    return Err(replaced());
+                }
                 if s.written >= decided {
                     return Ok(());
                 }
@@ -300,28 +310,35 @@ impl TaintLedger {
             match self.store.write(&ledger, version.as_deref()).await {
                 Ok(v) => {
                     let mut s = self.state.lock().await;
-                    if s.ledger.is_some() {
-                        s.version = Some(v);
-                        s.written = s.written.max(upto);
+                    if s.epoch != epoch {
+                        return Err(replaced());
                     }
+                    s.version = Some(v);
+                    s.written = s.written.max(upto);
                 }
                 Err(StoreError::Conflict) => {
-                    // Another writer (a replica that held the Lease a moment ago, or a person):
-                    // keep its entries too, and write the union.
+                    // Another writer (a replica that still thought it held the Lease, or a
+                    // person), or the ledger deleted: its ledger is the truth now. The
+                    // admissions decided here and not written are dropped, and their agents ask
+                    // again against it.
                     let (theirs, v) = self
                         .store
                         .read()
                         .await
                         .map_err(|e| BudgetError::Read(e.to_string()))?;
+                    let mut s = self.state.lock().await;
                     warn!(
                         entries = theirs.entries.len(),
-                        "the taint ledger was written by someone else; merging"
+                        dropped = upto.saturating_sub(s.written),
+                        "the taint ledger was written by someone else; taking theirs, and the admissions not yet written are asked again"
                     );
-                    let mut s = self.state.lock().await;
-                    if let Some(l) = s.ledger.as_mut() {
-                        l.merge(theirs);
+                    if s.epoch == epoch {
+                        s.ledger = Some(theirs);
                         s.version = v;
+                        s.epoch += 1;
+                        s.written = s.decided;
                     }
+                    return Err(replaced());
                 }
                 Err(StoreError::Failed(e)) => return Err(BudgetError::Write(e)),
             }
@@ -403,8 +420,9 @@ impl LedgerStore for KubeLedger {
         };
         match written {
             Ok(cm) => Ok(cm.metadata.resource_version.unwrap_or_default()),
-            // 409: replaced since read, or created by someone else meanwhile.
-            Err(kube::Error::Api(s)) if s.code == 409 => Err(StoreError::Conflict),
+            // 409: replaced since read, or created by someone else meanwhile; 404: deleted
+            // since read (a person resetting the budget). Either way: read it again.
+            Err(kube::Error::Api(s)) if s.code == 409 || s.code == 404 => Err(StoreError::Conflict),
             Err(e) => Err(StoreError::Failed(e.to_string())),
         }
     }

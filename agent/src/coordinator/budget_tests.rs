@@ -82,31 +82,6 @@ fn the_ledger_survives_clock_steps_both_ways() {
     );
 }
 
-#[test]
-fn merging_keeps_every_node_once() {
-    let mut a = Ledger {
-        entries: vec![LedgerEntry {
-            node: "a".into(),
-            at: t(0),
-        }],
-    };
-    let b = Ledger {
-        entries: vec![
-            LedgerEntry {
-                node: "a".into(),
-                at: t(5),
-            },
-            LedgerEntry {
-                node: "b".into(),
-                at: t(1),
-            },
-        ],
-    };
-    a.merge(b);
-    assert_eq!(a.entries.len(), 2);
-    assert_eq!(a.entries[0].at, t(0), "our own entry is kept");
-}
-
 /// A ledger store in memory, with a version that moves on every write, a write that can be made
 /// to conflict (another writer), fail or wait, and a count of writes.
 #[derive(Debug, Default)]
@@ -300,21 +275,30 @@ async fn a_successor_keeps_the_window() {
     );
 }
 
-/// Another writer got in between (a replica that held the Lease a moment ago): its entries are
-/// kept and the union written, so no node gets in that either ledger would have refused.
+/// Another writer got in between (a replica that still thought it held the Lease, or a
+/// person): its ledger is taken as it is, the admission this write carried fails (the agent asks
+/// again), and the next decision is made against the ledger as it now stands, so the limit
+/// holds across both writers. A write whose ConfigMap was deleted meanwhile starts afresh.
 #[tokio::test]
-async fn a_conflicting_writer_is_merged_not_overwritten() {
+async fn a_conflicting_writer_never_lets_more_than_the_limit_in() {
     let (l, store, _, _) = setup(20);
+    // Limit 2 of 20.
     assert!(l.admit("node-0001", &budget(10)).await.unwrap().allowed);
     *store.foreign.lock().unwrap() = Some(Ledger {
-        entries: vec![LedgerEntry {
-            node: "node-0009".into(),
-            at: t(0),
-        }],
+        entries: vec![
+            LedgerEntry {
+                node: "node-0001".into(),
+                at: t(0),
+            },
+            LedgerEntry {
+                node: "node-0009".into(),
+                at: t(0),
+            },
+        ],
     });
-    // Limit 2 of 20: node-0002 is decided in memory (2 of 2), then the write conflicts and the
-    // union is written.
-    assert!(l.admit("node-0002", &budget(10)).await.unwrap().allowed);
+    // node-0002 is decided in memory (2 of 2), its write conflicts: not allowed, ask again.
+    let e = l.admit("node-0002", &budget(10)).await.unwrap_err();
+    assert!(matches!(e, BudgetError::Write(_)), "{e}");
     let kept: Vec<String> = store
         .kept
         .lock()
@@ -324,9 +308,18 @@ async fn a_conflicting_writer_is_merged_not_overwritten() {
         .iter()
         .map(|e| e.node.clone())
         .collect();
-    assert_eq!(kept, ["node-0001", "node-0002", "node-0009"]);
-    // The union holds three: nobody else gets in.
-    assert!(!l.admit("node-0003", &budget(10)).await.unwrap().allowed);
+    assert_eq!(
+        kept,
+        ["node-0001", "node-0009"],
+        "the other writer's ledger stands"
+    );
+    // Asked again: the two slots are the other writer's decisions.
+    let again = l.admit("node-0002", &budget(10)).await.unwrap();
+    assert_eq!((again.allowed, again.used, again.limit), (false, 2, 2));
+    assert!(
+        l.admit("node-0009", &budget(10)).await.unwrap().allowed,
+        "already in"
+    );
 }
 
 /// A ledger that cannot be read or written answers nothing (the agent withholds the taint and

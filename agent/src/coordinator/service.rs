@@ -38,8 +38,8 @@ pub struct Authz {
     pub requesters: Option<Arc<dyn requesters::Requesters>>,
 }
 
-/// How long an admission may wait for the ledger (its read, the node count and its write):
-/// past it the agent is told to ask again, and its taint waits meanwhile.
+/// How long an admission may take (the token's review, the ledger's read, the node count and
+/// the ledger's write): past it the agent is told to ask again, and its taint waits meanwhile.
 const ADMIT_TIMEOUT: Duration = Duration::from_secs(8);
 
 /// The served handle.
@@ -273,27 +273,35 @@ impl CoordinatorRpc for CoordinatorService {
         // Only the active replica keeps the budget, and only it asks the API server whose token
         // this is.
         self.active()?;
-        let node = match self
-            .0
-            .agents
-            .verify(FromAgent::Admit(&req), token.as_deref())
-            .await
-        {
-            Ok(node) => node,
-            Err(e) => return Err(self.refused("Admit", e.status())),
-        };
-        Self::check_protocol(req.protocol)?;
-        if node != req.node {
-            return Err(self.refused(
-                "Admit",
-                Status::permission_denied(format!("{node} cannot ask to taint {}", req.node)),
-            ));
-        }
-        let budget = admissions.policy.borrow().policy.taint_budget.clone();
-        let answer = tokio::time::timeout(ADMIT_TIMEOUT, admissions.ledger.admit(&node, &budget))
-            .await
-            .map_err(|_| Status::unavailable("the taint ledger took too long; ask again"))?
-            .map_err(|e| Status::unavailable(e.to_string()))?;
+        // The whole answer within ADMIT_TIMEOUT (the agent waits 10 s): the token's review
+        // and the ledger.
+        let answer = tokio::time::timeout(ADMIT_TIMEOUT, async {
+            let node = match self
+                .0
+                .agents
+                .verify(FromAgent::Admit(&req), token.as_deref())
+                .await
+            {
+                Ok(node) => node,
+                Err(e) => return Err(self.refused("Admit", e.status())),
+            };
+            Self::check_protocol(req.protocol)?;
+            if node != req.node {
+                return Err(self.refused(
+                    "Admit",
+                    Status::permission_denied(format!("{node} cannot ask to taint {}", req.node)),
+                ));
+            }
+            let budget = admissions.policy.borrow().policy.taint_budget.clone();
+            admissions
+                .ledger
+                .admit(&node, &budget)
+                .await
+                .map_err(|e| Status::unavailable(e.to_string()))
+        })
+        .await
+        .map_err(|_| Status::unavailable("the taint budget took too long; ask again"))??;
+        let node = &req.node;
         if !answer.allowed {
             debug!(%node, used = answer.used, limit = answer.limit, "taint budget: denied");
         }

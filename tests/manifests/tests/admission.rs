@@ -473,12 +473,10 @@ fn cel_allows_what_the_agent_does_on_its_own_node() {
     );
     assert_eq!(v, Verdict::Allowed);
 
-    // Its own record, and the shared taint ledger.
+    // Its own record.
     for (op, name) in [
         ("CREATE", format!("faultline-{NODE}")),
         ("UPDATE", format!("faultline-{NODE}")),
-        ("CREATE", "faultline-taint-budget".to_string()),
-        ("UPDATE", "faultline-taint-budget".to_string()),
     ] {
         let old = if op == "CREATE" {
             Json::Null
@@ -643,9 +641,12 @@ fn cel_denies_the_agent_anything_else() {
         "{v:?}"
     );
 
-    // Someone else's record, and other ConfigMaps: the published peer-check runs are the
-    // coordinator's (RBAC lets the agent patch and create every ConfigMap of the namespace).
+    // Someone else's record, and other ConfigMaps: the published peer-check runs and the taint
+    // ledger are the coordinator's (RBAC lets the agent patch and create every ConfigMap of the
+    // namespace).
     for (op, name) in [
+        ("CREATE", "faultline-taint-budget"),
+        ("UPDATE", "faultline-taint-budget"),
         ("CREATE", "faultline-peercheck"),
         ("UPDATE", "faultline-peercheck"),
         ("DELETE", "faultline-peercheck"),
@@ -719,7 +720,7 @@ fn cel_fails_closed_without_the_node_name() {
         NAMESPACE,
     );
     let cm = configmap("faultline-taint-budget");
-    assert_eq!(admit(&c, &req, &cm, &cm), Verdict::Allowed);
+    assert!(!admit(&c, &req, &cm, &cm).denied().is_empty());
 }
 
 /// Everyone else is left alone: the kubelet, controllers, people.
@@ -1137,18 +1138,23 @@ fn cel_lets_the_coordinator_create_only_faultline_peercheck() {
         let req = request(who, resource, "", "CREATE", name, NAMESPACE);
         admit(&c, &req, &object(resource, name), &Json::Null)
     };
+    // The taint ledger: a ConfigMap only.
+    assert_eq!(
+        create(me(), "configmaps", "faultline-taint-budget"),
+        Verdict::Allowed
+    );
     for resource in ["configmaps", "leases"] {
         assert_eq!(
             create(me(), resource, "faultline-peercheck"),
             Verdict::Allowed,
             "{resource}"
         );
-        for name in [
-            "faultline-policy",
-            "faultline-taint-budget",
-            "kube-scheduler",
-            "",
-        ] {
+        let ledger = if resource == "leases" {
+            "faultline-taint-budget"
+        } else {
+            "faultline-taint-budget-2"
+        };
+        for name in ["faultline-policy", ledger, "kube-scheduler", ""] {
             let v = create(me(), resource, name);
             assert!(
                 v.denied()

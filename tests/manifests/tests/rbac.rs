@@ -356,13 +356,33 @@ fn the_agents_cannot_do_the_coordinators_work() {
             );
         }
     }
-    for verb in ["patch", "update"] {
-        for cm in ["faultline-taint-budget", "faultline-node-a"] {
-            assert!(
-                !allows(&coordinator, ("", "configmaps", verb), &ns, cm),
-                "the coordinator may {verb} {cm}"
-            );
-        }
+    for (verb, cm) in [
+        ("patch", "faultline-taint-budget"),
+        ("patch", "faultline-node-a"),
+        ("update", "faultline-node-a"),
+    ] {
+        assert!(
+            !allows(&coordinator, ("", "configmaps", verb), &ns, cm),
+            "the coordinator may {verb} {cm}"
+        );
+    }
+    // The taint ledger is the coordinator's alone.
+    assert!(allows(
+        &coordinator,
+        ("", "configmaps", "update"),
+        &ns,
+        "faultline-taint-budget"
+    ));
+    for verb in ["update", "patch"] {
+        assert!(
+            !allows(
+                &agent,
+                ("", "configmaps", verb),
+                &ns,
+                "faultline-taint-budget"
+            ) || verb == "patch",
+            "the agents may {verb} the taint ledger"
+        );
     }
     assert!(
         !coordinator.iter().any(|(g, ..)| g == "events.k8s.io"),
@@ -444,6 +464,15 @@ fn the_rbac_check_catches_drift() {
             && x.contains("[]")),
         "{e:?}"
     );
+    // The same in the coordinator's Role: the taint ledger's rule would grant every ConfigMap.
+    let e = edit(&|d| {
+        let i = coordinator(d, "Role");
+        for rule in d[i].value["rules"].as_array_mut().expect("rules") {
+            if let Some(r) = rule.as_object_mut() {
+                r.remove("resourceNames");
+            }
+        }
+    });
     assert!(
         e.iter()
             .any(|x| x.contains("call not allowed") && x.contains("faultline-taint-budget")),

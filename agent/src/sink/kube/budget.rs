@@ -20,8 +20,8 @@ use crate::peer::authz::WhoCoordinates;
 use crate::peer::service::{bearer, endpoint, timed};
 use crate::peer::wire::NodeCredential;
 
-/// How long one admission may take: the coordinator gives the ledger 8 s (its
-/// `ADMIT_TIMEOUT`), then answers UNAVAILABLE.
+/// How long one admission may take: the coordinator answers within 8 s (its
+/// `ADMIT_TIMEOUT`, then UNAVAILABLE).
 const ADMIT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The budget's answer.
@@ -49,8 +49,17 @@ impl Budget {
         }
     }
 
-    /// Asks whether this node may be newly tainted now.
+    /// Asks whether this node may be newly tainted now: within [`ADMIT_CALL_TIMEOUT`] in all
+    /// (the Lease's read included: the API client's own retries could take minutes).
     pub async fn admit(&self) -> Result<Answer, KubeSinkError> {
+        tokio::time::timeout(ADMIT_CALL_TIMEOUT, self.ask())
+            .await
+            .map_err(|_| {
+                KubeSinkError::Budget(format!("no answer within {ADMIT_CALL_TIMEOUT:?}"))
+            })?
+    }
+
+    async fn ask(&self) -> Result<Answer, KubeSinkError> {
         let refused = |why: String| KubeSinkError::Budget(why);
         let Some(token) = &self.token else {
             return Err(refused(

@@ -72,8 +72,6 @@ const LEASE: &[&str] = &["faultline-peercheck"];
 const LEDGER: &[&str] = &["faultline-taint-budget"];
 /// The published peer-check runs.
 const PEERCHECK: &[&str] = &["faultline-peercheck"];
-/// The ConfigMaps the coordinator reads: the published runs and the taint ledger.
-const COORDINATOR_CONFIGMAPS: &[&str] = &["faultline-peercheck", "faultline-taint-budget"];
 
 /// The agent's table. Cluster-wide decisions are the coordinator's ([`COORDINATOR_API_CALLS`]):
 /// no agent writes the Lease, faultline-peercheck or the taint ledger, lists the members, or
@@ -233,9 +231,17 @@ pub const COORDINATOR_API_CALLS: &[ApiCall] = &[
         "configmaps",
         "get",
         Scope::AgentNamespace,
-        "coordinator::publish (reads faultline-peercheck back to resume a run after a failover), coordinator::budget (reads the taint ledger when it becomes the active replica, and after a conflicting write)",
+        "coordinator::publish (reads faultline-peercheck back to resume a run after a failover)",
     )
-    .only(COORDINATOR_CONFIGMAPS),
+    .only(PEERCHECK),
+    call(
+        "",
+        "configmaps",
+        "get",
+        Scope::AgentNamespace,
+        "coordinator::budget (reads the taint ledger when it becomes the active replica, and after a conflicting write)",
+    )
+    .only(LEDGER),
     call(
         "",
         "configmaps",
