@@ -35,6 +35,9 @@ pub const LEDGER_KEY: &str = "ledger.json";
 /// How long a node count is used before the members are counted again. The limit is a share of
 /// the fleet; a fleet grows or shrinks by few nodes in a minute.
 const COUNT_MAX_AGE: Duration = Duration::from_secs(60);
+/// How long one list of the members may take (the API client retries a 429 or 503 by itself
+/// for minutes): past it the last count serves, within the admission's own deadline.
+const COUNT_TIMEOUT: Duration = Duration::from_secs(3);
 /// How long an older count still serves while the members cannot be listed.
 const COUNT_STALE_MAX_AGE: Duration = Duration::from_secs(600);
 
@@ -65,9 +68,7 @@ pub enum Admission {
 }
 
 impl Ledger {
-    /// Drops entries that left the window, then admits `node` if the budget allows. An entry
-    /// dated ahead of `now` by more than the window (the wall clock stepped back, or a writer's
-    /// clock was ahead) goes too, so a bad date cannot hold the budget for ever.
+    /// Drops entries that left the window, then admits `node` if the budget allows.
     pub fn decide(
         &mut self,
         node: &str,
@@ -75,9 +76,16 @@ impl Ledger {
         window: Duration,
         limit: u32,
     ) -> Admission {
+        // An entry dated ahead of `now` (the wall clock stepped back, or a writer's clock was
+        // ahead) counts as made now: it holds its slot for one window from here, never longer,
+        // and a step back does not free the budget.
+        for e in &mut self.entries {
+            if e.at > now {
+                e.at = now;
+            }
+        }
         let window = signed(window);
-        self.entries
-            .retain(|e| since(now, e.at) < window && since(e.at, now) <= window);
+        self.entries.retain(|e| since(now, e.at) < window);
         let used = u32::try_from(self.entries.len()).unwrap_or(u32::MAX);
         if self.entries.iter().any(|e| e.node == node) {
             return Admission::AlreadyIn { used };
@@ -208,6 +216,15 @@ impl TaintLedger {
             }
             let nodes = self.count(&mut s).await?;
             let limit = budget.limit(nodes);
+            // The budget off: every node may be tainted, and nothing is worth a write.
+            if budget.max_percent >= 100 {
+                return Ok(Answer {
+                    allowed: true,
+                    used: 0,
+                    limit,
+                    nodes,
+                });
+            }
             let now = self.clock.now();
             let decided = s.decided;
             let epoch = s.epoch;
@@ -263,7 +280,11 @@ impl TaintLedger {
                 return Ok(n);
             }
         }
-        match self.members.list().await {
+        let listed = tokio::time::timeout(COUNT_TIMEOUT, self.members.list())
+            .await
+            .map_err(|_| format!("no list of the members within {COUNT_TIMEOUT:?}"))
+            .and_then(|r| r.map_err(|e| e.to_string()));
+        match listed {
             Ok(m) => {
                 let n = u32::try_from(m.len()).unwrap_or(u32::MAX);
                 s.count = Some((n, now));
@@ -274,7 +295,7 @@ impl TaintLedger {
                     warn!(error = %e, nodes = n, "cannot count the nodes; using the last count");
                     Ok(n)
                 }
-                _ => Err(BudgetError::Count(e.to_string())),
+                _ => Err(BudgetError::Count(e)),
             },
         }
     }

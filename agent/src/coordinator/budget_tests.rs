@@ -52,8 +52,9 @@ fn the_ledger_admits_within_budget_and_window() {
     );
 }
 
-/// The wall clock stepped both ways: an entry dated far ahead (a clock stepped back since it was
-/// written) does not hold the budget for ever, and one a little ahead still counts.
+/// The wall clock stepped both ways. Back: an entry dated ahead of now (by however much) counts
+/// as made now, so it holds its slot for one window from here: neither freed by the step nor
+/// held for ever. Forward past the window: the entry is gone, as the window has passed.
 #[test]
 fn the_ledger_survives_clock_steps_both_ways() {
     let entry = |at| Ledger {
@@ -62,19 +63,23 @@ fn the_ledger_survives_clock_steps_both_ways() {
             at,
         }],
     };
-    // Dated more than a window ahead: dropped.
-    let mut l = entry(t(601));
-    assert_eq!(
-        l.decide("a", t(0), WINDOW, 1),
-        Admission::Admitted { used: 1 }
-    );
-    // Dated within a window ahead: it still counts.
-    let mut l = entry(t(600));
-    assert_eq!(
-        l.decide("a", t(0), WINDOW, 1),
-        Admission::Denied { used: 1 }
-    );
-    // The clock stepped forward past the window: the entry is gone.
+    for ahead in [1, 600, 601, 86_400] {
+        let mut l = entry(t(ahead));
+        assert_eq!(
+            l.decide("a", t(0), WINDOW, 1),
+            Admission::Denied { used: 1 },
+            "an entry {ahead} s ahead"
+        );
+        assert_eq!(l.entries[0].at, t(0), "clamped to now");
+        assert_eq!(
+            l.decide("a", t(599), WINDOW, 1),
+            Admission::Denied { used: 1 }
+        );
+        assert_eq!(
+            l.decide("a", t(600), WINDOW, 1),
+            Admission::Admitted { used: 1 }
+        );
+    }
     let mut l = entry(t(0));
     assert_eq!(
         l.decide("a", t(3600), WINDOW, 1),
@@ -407,4 +412,42 @@ fn the_ledger_document() {
     )
     .unwrap();
     assert_eq!(with_more, l);
+}
+
+/// The budget off (`max_percent: 100`): every node is allowed and the ledger is not written, so
+/// a fleet-wide incident costs no writes and the ledger cannot outgrow its ConfigMap.
+#[tokio::test]
+async fn with_the_budget_off_nothing_is_written() {
+    let (l, store, _, _) = setup(3);
+    for n in ["node-0000", "node-0001", "node-0002"] {
+        assert!(l.admit(n, &budget(100)).await.unwrap().allowed);
+    }
+    assert_eq!(store.writes.load(Ordering::SeqCst), 0);
+}
+
+/// Members that cannot be listed in time (the API client retrying a 503 by itself): the last
+/// count serves, instead of every admission waiting for the list.
+#[tokio::test(start_paused = true)]
+async fn a_members_list_that_hangs_falls_back_to_the_last_count() {
+    #[derive(Debug)]
+    struct Hangs(AtomicUsize);
+    #[async_trait::async_trait]
+    impl Members for Hangs {
+        async fn list(&self) -> Result<Vec<Member>, MembersError> {
+            if self.0.fetch_add(1, Ordering::SeqCst) == 0 {
+                return Fleet::of(40).list().await;
+            }
+            std::future::pending().await
+        }
+    }
+    let clock = Arc::new(FakeClock::new(1_790_000_000_000, 1_000_000));
+    let l = TaintLedger::new(
+        Arc::new(Memory::default()),
+        Arc::new(Hangs(AtomicUsize::new(0))),
+        clock.clone(),
+    );
+    assert_eq!(l.admit("node-0001", &budget(10)).await.unwrap().nodes, 40);
+    clock.advance(Duration::from_secs(120));
+    let a = l.admit("node-0002", &budget(10)).await.unwrap();
+    assert_eq!((a.allowed, a.nodes), (true, 40));
 }
