@@ -120,6 +120,66 @@ fn a_probe_that_cannot_run_is_named_in_the_nodes_record() {
     }
 }
 
+/// Issue 28: without a coordinator service, `faultline check --members FILE` runs the check
+/// from its own process, with the coordinator's key and the nodes' master: the same rounds and
+/// verdicts (node-c's probe cannot run: it is found faulty), concluded to the members (node-c's
+/// record names the cause), and nothing published. With the coordinator stopped, the same
+/// check through `--coordinator` gets no run at all.
+#[test]
+fn a_one_shot_check_runs_without_a_coordinator_service() {
+    let mut s = Setup::new("31570");
+    let _ = s.coordinator.child.kill();
+    let _ = s.coordinator.child.wait();
+    let a = s.start(0, None);
+    let b = s.start(1, None);
+    let c = s.start(2, Some(Path::new("/x/faultline-probe")));
+    s.wait_ready([&a, &b, &c]);
+    let (code, _, err) = s.check("node-a,node-b", "3s");
+    assert_eq!(code, 2, "no coordinator, no run: {err}");
+    let (code, out, err) = s.pool.check_one_shot(
+        free_on("127.0.0.9"),
+        s.port_base,
+        "node-a,node-b,node-c",
+        "60s",
+    );
+    assert_eq!(code, 1, "{out}\n{err}");
+    assert!(out.contains("faulty node   node-c"), "{out}");
+    let r = c.wait_for("the conclusion in node-c's record", |r| {
+        common::fault(r, "PEER_PROBE_FAILED").is_some()
+    });
+    assert!(common::fault(&r, "PEER_UNREACHABLE").is_none());
+    assert!(
+        s.coordinator.published().is_none(),
+        "a one-shot run publishes nothing"
+    );
+    // Without the coordinator's key no check runs: the agents obey only messages it signed.
+    let other = s.tmp.path().join("not-the-coordinator.key");
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
+        .args(["keys", "coordinator", "--out"])
+        .arg(&other)
+        .output()
+        .unwrap();
+    assert!(status.status.success());
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
+        .args(["check", "--nodes", "node-a,node-b", "--timeout", "60s"])
+        .arg("--members")
+        .arg(&s.pool.members)
+        .arg("--coordinator-key-file")
+        .arg(&other)
+        .arg("--node-key-master-file")
+        .arg(&s.pool.master)
+        .args(["--report-listen", &free_on("127.0.0.9").to_string()])
+        .args(["--probe-port-base", s.port_base])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{text}");
+    assert!(text.contains("unknown       node-a"), "{text}");
+    for agent in [a, b, c] {
+        assert_eq!(agent.stop(), 0);
+    }
+}
+
 /// What node-b holds, as a file an attacker on node-b can read: its own node key.
 fn node_b_key(s: &Setup) -> faultline_proto::auth::Key {
     let text = std::fs::read_to_string(s.tmp.path().join("node-b.key")).unwrap();

@@ -213,16 +213,45 @@ enum Command {
         kubeconfig: Option<PathBuf>,
         #[arg(long, env = "POD_NAMESPACE", default_value = "faultline-system")]
         namespace: String,
+        /// Without a coordinator service (bare metal, Slurm): run the check from this process,
+        /// as a one-shot coordinator of the nodes in this members file (the coordinator's
+        /// format). Needs the coordinator's key and the master of the nodes' keys; never while
+        /// a coordinator with the same key runs.
+        #[arg(long, conflicts_with_all = ["coordinator", "pods", "token_file"], requires_all = ["coordinator_key_file", "node_key_master_file"])]
+        members: Option<PathBuf>,
+        /// With --members: the coordinator's key (`faultline keys coordinator`).
+        #[arg(long, env = "FAULTLINE_COORDINATOR_KEY_FILE", requires = "members")]
+        coordinator_key_file: Option<PathBuf>,
+        /// With --members: the master of the nodes' keys (`faultline keys master`).
+        #[arg(
+            long,
+            env = "FAULTLINE_PEER_NODE_KEY_MASTER_FILE",
+            requires = "members"
+        )]
+        node_key_master_file: Option<PathBuf>,
+        /// With --members: where the agents' reports are taken while the run lasts.
+        #[arg(long, default_value = "0.0.0.0:20262", requires = "members")]
+        report_listen: std::net::SocketAddr,
+        /// With --members: the address (ip or ip:port) the agents send their reports to.
+        /// Default: --report-listen's, when it names one.
+        #[arg(long, requires = "members")]
+        report_address: Option<String>,
+        /// With --members: the first of the 32 ports the agents' probes listen on.
+        #[arg(long, default_value_t = 20270, requires = "members")]
+        probe_port_base: u16,
+        /// With --members: the policy (its `peer` section: sizes and deadlines).
+        #[arg(long, env = "FAULTLINE_POLICY", requires = "members")]
+        policy: Option<PathBuf>,
         #[arg(short, long, value_enum, default_value = "table")]
         output: Output,
     },
-    /// Ask the agent to clear active faults (all, or by code and/or device) and wait for its
-    /// answer: exit 0 some cleared (it says which), 1 none matched (it says what is active), 2
-    /// refused or not answered within --wait.
     /// Peer-check credentials without Kubernetes: the coordinator's key, the master of the
     /// nodes' keys, and each node's own key (docs/peer-checks.md, "Bare metal").
     #[command(subcommand)]
     Keys(Keys),
+    /// Ask the agent to clear active faults (all, or by code and/or device) and wait for its
+    /// answer: exit 0 some cleared (it says which), 1 none matched (it says what is active), 2
+    /// refused or not answered within --wait.
     Clear {
         #[arg(long)]
         code: Option<String>,
@@ -429,9 +458,33 @@ pub(crate) fn main() -> std::process::ExitCode {
             token_file,
             kubeconfig,
             namespace,
+            members,
+            coordinator_key_file,
+            node_key_master_file,
+            report_listen,
+            report_address,
+            probe_port_base,
+            policy,
             ..
         } => {
+            let one_shot = match (members, coordinator_key_file, node_key_master_file) {
+                (Some(members), Some(key_file), Some(node_key_master_file)) => {
+                    Some(faultline_agent::coordinator::oneshot::OneShot {
+                        nodes: nodes.clone(),
+                        members,
+                        key_file,
+                        node_key_master_file,
+                        listen: report_listen,
+                        address: report_address,
+                        probe_port_base,
+                        policy,
+                        check_timeout,
+                    })
+                }
+                _ => None,
+            };
             let args = cli::CheckArgs {
+                one_shot,
                 nodes,
                 pods: pods.map(|sel| (pod_namespace, sel)),
                 timeout,

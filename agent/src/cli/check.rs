@@ -9,6 +9,9 @@ use super::Outcome;
 /// `faultline check`: where to send the request and how long to try.
 #[derive(Debug, Clone)]
 pub struct CheckArgs {
+    /// Bare metal without a coordinator service: run the check from this process
+    /// (`--members`).
+    pub one_shot: Option<crate::coordinator::oneshot::OneShot>,
     pub nodes: Vec<String>,
     /// The job's pods instead of `nodes`: (namespace, label selector); their nodes are checked.
     pub pods: Option<(String, String)>,
@@ -209,6 +212,16 @@ pub async fn check(args: CheckArgs) -> Outcome {
         if let Err(e) = validate_nodes(&args.nodes) {
             return Outcome::error(format!("error: {e}"));
         }
+    }
+    if let Some(o) = args.one_shot.clone() {
+        return match tokio::time::timeout(args.timeout, crate::coordinator::oneshot::run(o)).await {
+            Ok(Ok(result)) => check_report(&result, args.json),
+            Ok(Err(e)) => Outcome::error(format!("error: {e:#}")),
+            Err(_) => Outcome::error(format!(
+                "error: no result within {}",
+                humantime::format_duration(args.timeout)
+            )),
+        };
     }
     use faultline_proto::v1::coordinator_client::CoordinatorClient;
     use faultline_proto::v1::RunRequest;

@@ -19,6 +19,7 @@ pub mod agents;
 pub mod budget;
 pub mod lease;
 pub mod members;
+pub mod oneshot;
 pub mod publish;
 pub mod requesters;
 pub mod runs;

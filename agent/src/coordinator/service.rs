@@ -320,7 +320,7 @@ pub const MIN_REQUESTED_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The per-check deadline of a requested run: the policy's, shortened to the request's
 /// (`timeout_ms`, 0: none), never below [`MIN_REQUESTED_TIMEOUT`] (or the policy's own).
-fn requested_timeout(policy: Duration, timeout_ms: u32) -> Duration {
+pub(crate) fn requested_timeout(policy: Duration, timeout_ms: u32) -> Duration {
     if timeout_ms == 0 {
         return policy;
     }

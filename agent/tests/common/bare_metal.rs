@@ -169,6 +169,39 @@ impl Pool {
     }
 }
 
+impl Pool {
+    /// `faultline check --members`: a one-shot coordinator of these nodes in the CLI's own
+    /// process, taking the reports at `report_listen`; the agents' probes listen from
+    /// `probe_port_base`.
+    pub fn check_one_shot(
+        &self,
+        report_listen: SocketAddr,
+        probe_port_base: &str,
+        nodes: &str,
+        timeout: &str,
+    ) -> (i32, String, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_faultline"))
+            .args(["check", "--nodes", nodes, "--timeout", timeout])
+            .arg("--members")
+            .arg(&self.members)
+            .arg("--coordinator-key-file")
+            .arg(&self.coordinator_key)
+            .arg("--node-key-master-file")
+            .arg(&self.master)
+            .arg("--policy")
+            .arg(&self.policy)
+            .args(["--report-listen", &report_listen.to_string()])
+            .args(["--probe-port-base", probe_port_base])
+            .output()
+            .unwrap();
+        (
+            out.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+}
+
 /// A running coordinator (killed when dropped).
 pub struct Coordinator {
     pub child: Child,
