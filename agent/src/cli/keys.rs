@@ -73,7 +73,7 @@ pub fn node(master: &Path, node: &str, out: &Path) -> Outcome {
     if node.is_empty() {
         return Outcome::error("error: --node is empty");
     }
-    let master = match crate::peer::wire::load_key(master) {
+    let master = match crate::peer::wire::load_private_key(master) {
         Ok(k) => k,
         Err(e) => return Outcome::error(format!("error: {e}")),
     };

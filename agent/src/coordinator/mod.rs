@@ -235,6 +235,7 @@ pub async fn run(
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
     let key = match &cfg.key_file {
         Some(path) => {
+            wire::ensure_private(path)?;
             let bytes =
                 std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
             CoordinatorKey::from_pkcs8(&bytes)
@@ -246,7 +247,7 @@ pub async fn run(
     let master = cfg
         .node_key_master_file
         .as_deref()
-        .map(wire::load_key)
+        .map(wire::load_private_key)
         .transpose()?;
     let requester = requester_secret(cfg.requester_secret_file.as_deref(), master.as_ref())?
         .map(|k| Verifier::new(k, MAX_SKEW, &name));

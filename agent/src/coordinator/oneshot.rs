@@ -54,11 +54,12 @@ pub struct OneShot {
 /// Runs one check among `o.nodes` and returns its result (nodes missing from the members file
 /// come back `unknown`, as from a coordinator).
 pub async fn run(o: OneShot) -> anyhow::Result<RunResult> {
+    wire::ensure_private(&o.key_file)?;
     let key = std::fs::read(&o.key_file)
         .with_context(|| format!("cannot read {}", o.key_file.display()))?;
     let key = CoordinatorKey::from_pkcs8(&key)
         .with_context(|| format!("{} is not a coordinator key", o.key_file.display()))?;
-    let master = wire::load_key(&o.node_key_master_file)?;
+    let master = wire::load_private_key(&o.node_key_master_file)?;
     let text = std::fs::read_to_string(&o.members)
         .with_context(|| format!("cannot read {}", o.members.display()))?;
     let all = members::parse_members(&o.members.display().to_string(), &text)?;

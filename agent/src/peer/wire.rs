@@ -38,6 +38,8 @@ pub enum SecretError {
     },
     #[error("peer-check node key {path}: not the 64 hex characters `faultline keys node` writes")]
     NotNodeKey { path: String },
+    #[error("peer-check key {path} may be read by other users (mode {mode:o}): `chmod 600` it (whoever reads it can sign as its holder)")]
+    Exposed { path: String, mode: u32 },
     #[error("peer-check key {path}: {source}")]
     Weak {
         path: String,
@@ -61,8 +63,39 @@ pub fn load_key(path: &Path) -> Result<Key, SecretError> {
     })
 }
 
-/// Reads a node's own key (`faultline keys node` writes it as hex).
+/// Refuses a private key file that users other than its owner may read or write (group or
+/// others bits: mode & 0o077): a node key there lets any local user report as the node, the
+/// master or the coordinator's key lets it speak for every node. `faultline keys` writes 0600.
+/// (ssh refuses a private key the same way.)
+pub fn ensure_private(path: &Path) -> Result<(), SecretError> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path)
+        .map_err(|source| SecretError::Read {
+            path: path.display().to_string(),
+            source,
+        })?
+        .permissions()
+        .mode()
+        & 0o7777;
+    if mode & 0o077 != 0 {
+        return Err(SecretError::Exposed {
+            path: path.display().to_string(),
+            mode,
+        });
+    }
+    Ok(())
+}
+
+/// Reads a private key file: the master of the nodes' keys (`faultline keys master`), after
+/// [`ensure_private`].
+pub fn load_private_key(path: &Path) -> Result<Key, SecretError> {
+    ensure_private(path)?;
+    load_key(path)
+}
+
+/// Reads a node's own key (`faultline keys node` writes it as hex), after [`ensure_private`].
 pub fn load_node_key(path: &Path) -> Result<Key, SecretError> {
+    ensure_private(path)?;
     let text = std::fs::read_to_string(path).map_err(|source| SecretError::Read {
         path: path.display().to_string(),
         source,
@@ -289,6 +322,35 @@ pub fn from_proto(members: &[String], verdicts: &[Verdict]) -> Result<Verdicts, 
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// A key file others may read is refused, whatever its content; 0600 and 0400 are taken.
+    #[test]
+    fn a_private_key_others_may_read_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.key");
+        std::fs::write(&path, "ab".repeat(32)).unwrap();
+        for (mode, ok) in [
+            (0o600, true),
+            (0o400, true),
+            (0o640, false),
+            (0o644, false),
+            (0o602, false),
+        ] {
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode)).unwrap();
+            let r = load_node_key(&path);
+            assert_eq!(r.is_ok(), ok, "mode {mode:o}: {r:?}");
+            let r = load_private_key(&path);
+            assert_eq!(r.is_ok(), ok, "mode {mode:o}: {r:?}");
+            if !ok {
+                let e = r.unwrap_err().to_string();
+                assert!(
+                    e.contains(&format!("mode {mode:o}")) && e.contains("chmod 600"),
+                    "{e}"
+                );
+            }
+        }
+    }
 
     #[test]
     fn verdicts_survive_the_wire() {
