@@ -143,9 +143,10 @@ pub trait LedgerStore: Send + Sync + std::fmt::Debug {
 /// What the active replica holds in memory.
 #[derive(Debug, Default)]
 struct State {
-    /// The ledger as read when this replica became active, with every admission since; `None`
-    /// until read (again after every loss of the Lease).
-    ledger: Option<Ledger>,
+    /// The ledger as read when this replica became active, with every admission since.
+    ledger: Ledger,
+    /// Whether `ledger` was read in this term (it is read again after every loss of the Lease).
+    loaded: bool,
     /// The version the ledger was last read or written at.
     version: Option<String>,
     /// Bumped by every admission: the ledger in memory includes admissions up to it.
@@ -204,15 +205,16 @@ impl TaintLedger {
     pub async fn admit(&self, node: &str, budget: &TaintBudget) -> Result<Answer, BudgetError> {
         let (answer, epoch, admitted) = {
             let mut s = self.state.lock().await;
-            if s.ledger.is_none() {
+            if !s.loaded {
                 let (ledger, version) = self
                     .store
                     .read()
                     .await
                     .map_err(|e| BudgetError::Read(e.to_string()))?;
                 info!(entries = ledger.entries.len(), "taint ledger read");
-                s.ledger = Some(ledger);
+                s.ledger = ledger;
                 s.version = version;
+                s.loaded = true;
             }
             let nodes = self.count(&mut s).await?;
             let limit = budget.limit(nodes);
@@ -228,8 +230,7 @@ impl TaintLedger {
             let now = self.clock.now();
             let decided = s.decided;
             let epoch = s.epoch;
-            let ledger = s.ledger.get_or_insert_with(Ledger::default);
-            match ledger.decide(node, now, budget.window, limit) {
+            match s.ledger.decide(node, now, budget.window, limit) {
                 Admission::Denied { used } => {
                     return Ok(Answer {
                         allowed: false,
@@ -319,14 +320,7 @@ impl TaintLedger {
                 if s.written >= decided {
                     return Ok(());
                 }
-                let Some(ledger) = s.ledger.clone() else {
-                    // The Lease was lost meanwhile and the ledger forgotten: this replica
-                    // answers nothing it has not written.
-                    return Err(BudgetError::Write(
-                        "this replica stopped being the active coordinator".into(),
-                    ));
-                };
-                (ledger, s.version.clone(), s.decided)
+                (s.ledger.clone(), s.version.clone(), s.decided)
             };
             match self.store.write(&ledger, version.as_deref()).await {
                 Ok(v) => {
@@ -354,7 +348,7 @@ impl TaintLedger {
                         "the taint ledger was written by someone else; taking theirs, and the admissions not yet written are asked again"
                     );
                     if s.epoch == epoch {
-                        s.ledger = Some(theirs);
+                        s.ledger = theirs;
                         s.version = v;
                         s.epoch += 1;
                         s.written = s.decided;

@@ -379,7 +379,7 @@ async fn losing_the_lease_forgets_the_ledger() {
     let other = TaintLedger::new(store.clone(), fleet, clock);
     assert!(other.admit("node-0002", &budget(20)).await.unwrap().allowed);
     tokio::time::timeout(Duration::from_secs(5), async {
-        while l.state.lock().await.ledger.is_some() {
+        while l.state.lock().await.loaded {
             tokio::task::yield_now().await;
         }
     })
@@ -450,4 +450,68 @@ async fn a_members_list_that_hangs_falls_back_to_the_last_count() {
     clock.advance(Duration::from_secs(120));
     let a = l.admit("node-0002", &budget(10)).await.unwrap();
     assert_eq!((a.allowed, a.nodes), (true, 40));
+}
+
+/// The Lease lost while an admission's write is in flight, and regained before it lands: the
+/// admission is not answered "allowed" (its agent asks again), and an admission of the new term
+/// is never answered on the strength of the old term's write: the budget of one holds.
+#[tokio::test]
+async fn an_admission_whose_replica_lost_the_lease_mid_write_is_asked_again() {
+    let (l, store, _, _) = setup(10);
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    *store.gate.lock().unwrap() = Some(gate.clone());
+    let (leader, rx) = watch::channel(true);
+    let follow = tokio::spawn(l.clone().follow(rx));
+    let asking = tokio::spawn({
+        let l = l.clone();
+        async move { l.admit("node-0001", &budget(10)).await }
+    });
+    // The admission is decided and its write waits at the store.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while l.state.lock().await.decided == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .unwrap();
+    leader.send(false).unwrap();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while l.state.lock().await.loaded {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .unwrap();
+    // Active again before that write lands: node-0002 is decided against the ledger read now
+    // (without node-0001) and waits behind the write in flight.
+    leader.send(true).unwrap();
+    let second = tokio::spawn({
+        let l = l.clone();
+        async move { l.admit("node-0002", &budget(10)).await }
+    });
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while l.state.lock().await.decided == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .unwrap();
+    gate.add_permits(8);
+    let e = asking.await.unwrap().unwrap_err();
+    assert!(matches!(e, BudgetError::Write(_)), "{e}");
+    // node-0002 is never answered without a write that holds it: its write finds the ledger
+    // changed (node-0001's landed) and it is asked again.
+    let r = second.await.unwrap();
+    if let Ok(a) = &r {
+        assert!(a.allowed);
+        let kept = store.kept.lock().unwrap().0.clone();
+        assert!(
+            kept.entries.iter().any(|e| e.node == "node-0002"),
+            "{kept:?}"
+        );
+    }
+    // Asked again: node-0001's landed write holds the one slot (10 % of 10).
+    let again = l.admit("node-0002", &budget(10)).await.unwrap();
+    assert!(!again.allowed, "{again:?}");
+    follow.abort();
 }
