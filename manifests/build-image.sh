@@ -23,7 +23,7 @@ bins=(faultline-agent faultline-probe)
 # binary runs on every node and a node without them gets a one-line "unavailable" error
 # (docs/peer-checks.md, "The probe's GPU backends"; what a GPU check needs from the image:
 # docs/kubernetes.md, "The image").
-cargo build --profile dist --locked -p faultline-agent -p faultline-probe \
+cargo build --profile dist --locked -p faultline -p faultline-probe \
     --features faultline-probe/gpu --bin faultline-agent --bin faultline-probe
 
 ctx=target/image/context

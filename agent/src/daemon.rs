@@ -223,7 +223,7 @@ fn parse_kube_write_interval(s: &str) -> Result<Duration, String> {
 
 /// This host's name (the kernel's), `localhost` when it cannot be read; the agent's node name
 /// and the coordinator's replica name by default.
-pub(crate) fn hostname() -> String {
+pub fn hostname() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|s| s.trim().to_string())
         .ok()

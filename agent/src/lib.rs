@@ -2,15 +2,14 @@
 //!
 //! Data flows one way: sources turn the world into `faultline_core::engine::Observation`s; the
 //! pure `faultline_core::engine::Engine` dedupes, escalates and recovers faults and derives the node's desired
-//! state; sinks make the world match it. `coordinator` is the peer-check coordinator, a process
-//! of its own (`faultline-coordinator`) built from the same crate. See docs/ARCHITECTURE.md.
+//! state; sinks make the world match it. The peer-check coordinator is a crate of its own
+//! (`faultline-coordinator`); `peer` is the agent's member side. See docs/ARCHITECTURE.md.
 
 #![forbid(unsafe_code)]
 
 pub mod atomic_file;
 pub mod child;
 pub mod cli;
-pub mod coordinator;
 pub mod daemon;
 pub mod http;
 pub mod kube_client;

@@ -1690,15 +1690,17 @@ recovery:
     }
 }
 
-/// An injected clock for tests.
-#[cfg(test)]
-pub(crate) mod testing {
+/// An injected clock for tests (this crate's, and other crates' through the `test-support`
+/// feature).
+#[cfg(any(test, feature = "test-support"))]
+#[allow(clippy::unwrap_used)] // a test double: a poisoned lock is a test that already failed
+pub mod testing {
     use super::*;
     use std::sync::atomic::AtomicU64;
 
     /// Wall time, time since boot and the boot id, set by the test.
     #[derive(Debug)]
-    pub(crate) struct FakeClock {
+    pub struct FakeClock {
         wall_ms: AtomicI64,
         boot_ms: AtomicU64,
         boot_id: std::sync::Mutex<Option<String>>,
@@ -1734,7 +1736,7 @@ pub(crate) mod testing {
 
     impl FakeClock {
         /// At `wall_ms` (Unix milliseconds), `boot_ms` into boot `boot-1`.
-        pub(crate) fn new(wall_ms: i64, boot_ms: u64) -> FakeClock {
+        pub fn new(wall_ms: i64, boot_ms: u64) -> FakeClock {
             FakeClock {
                 wall_ms: AtomicI64::new(wall_ms),
                 boot_ms: AtomicU64::new(boot_ms),
@@ -1743,18 +1745,18 @@ pub(crate) mod testing {
             }
         }
         /// Real time passing: both clocks move.
-        pub(crate) fn advance(&self, d: Duration) {
+        pub fn advance(&self, d: Duration) {
             let ms = d.as_millis() as u64;
             self.boot_ms.fetch_add(ms, Ordering::SeqCst);
             self.wall_ms.fetch_add(ms as i64, Ordering::SeqCst);
             self.moved.notify_waiters();
         }
         /// A wall-clock step (NTP, `date -s`): only the wall clock moves.
-        pub(crate) fn step_wall(&self, secs: i64) {
+        pub fn step_wall(&self, secs: i64) {
             self.wall_ms.fetch_add(secs * 1000, Ordering::SeqCst);
         }
         /// A reboot `boot_ms` ago (the wall clock runs on), or a boot id that cannot be read.
-        pub(crate) fn reboot(&self, boot_id: Option<&str>, boot_ms: u64) {
+        pub fn reboot(&self, boot_id: Option<&str>, boot_ms: u64) {
             *self.boot_id.lock().unwrap() = boot_id.map(str::to_string);
             self.boot_ms.store(boot_ms, Ordering::SeqCst);
             self.moved.notify_waiters();

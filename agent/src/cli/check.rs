@@ -9,9 +9,6 @@ use super::Outcome;
 /// `faultline check`: where to send the request and how long to try.
 #[derive(Debug, Clone)]
 pub struct CheckArgs {
-    /// Bare metal without a coordinator service: run the check from this process
-    /// (`--members`).
-    pub one_shot: Option<crate::coordinator::oneshot::OneShot>,
     pub nodes: Vec<String>,
     /// The job's pods instead of `nodes`: (namespace, label selector); their nodes are checked.
     pub pods: Option<(String, String)>,
@@ -109,7 +106,7 @@ pub fn check_report(r: &faultline_proto::v1::RunResult, json: bool) -> Outcome {
             .iter()
             .map(|v| {
                 let mut o = serde_json::json!({
-                    "kind": crate::coordinator::runs::kind_name(v.kind()),
+                    "kind": crate::peer::wire::kind_name(v.kind()),
                     "nodes": v.nodes,
                 });
                 if v.slowdown > 0.0 {
@@ -212,16 +209,6 @@ pub async fn check(args: CheckArgs) -> Outcome {
         if let Err(e) = validate_nodes(&args.nodes) {
             return Outcome::error(format!("error: {e}"));
         }
-    }
-    if let Some(o) = args.one_shot.clone() {
-        return match tokio::time::timeout(args.timeout, crate::coordinator::oneshot::run(o)).await {
-            Ok(Ok(result)) => check_report(&result, args.json),
-            Ok(Err(e)) => Outcome::error(format!("error: {e:#}")),
-            Err(_) => Outcome::error(format!(
-                "error: no result within {}",
-                humantime::format_duration(args.timeout)
-            )),
-        };
     }
     use faultline_proto::v1::coordinator_client::CoordinatorClient;
     use faultline_proto::v1::RunRequest;

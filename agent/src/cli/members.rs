@@ -15,7 +15,7 @@ use http_body_util::BodyExt;
 use serde_json::json;
 
 use super::{not_alive, Accept, Hosts, Now, Outcome};
-use crate::coordinator::members::{parse_members, Member};
+use crate::peer::members::{parse_members, Member};
 
 /// The most of one agent's answer read: above the largest record the policy's caps allow (about
 /// 6 MB; about 2.2 MB at the default caps, docs/operations.md "Limits"), so no record an agent

@@ -12,7 +12,7 @@ pub mod keys;
 mod local;
 pub mod members;
 
-pub use check::{check, check_report, CheckArgs};
+pub use check::{check, check_report, validate_nodes, CheckArgs};
 pub use cluster::{
     cluster_records, cluster_table, get_cluster, hosts, hosts_lines, ClusterFilter, Hosts, PodQuery,
 };

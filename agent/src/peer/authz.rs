@@ -13,7 +13,7 @@
 //!   at a bounded rate and size.
 //!
 //! Requesters (`faultline check`) are the coordinator's to authorize
-//! (`crate::coordinator::requesters`).
+//! (`faultline_coordinator::requesters`).
 
 use std::net::SocketAddr;
 use std::time::Duration;

@@ -1,6 +1,6 @@
 //! The Lease `faultline-peercheck` in the agents' namespace as the agents and `faultline check`
 //! read it: its holder is the active coordinator replica, named `<name>@<address>#<public key>`
-//! (`authz::holder_identity`). The coordinator holds it (`crate::coordinator::lease`).
+//! (`authz::holder_identity`). The coordinator holds it (`faultline_coordinator::lease`).
 
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::{Api, Client};

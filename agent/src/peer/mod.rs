@@ -1,4 +1,4 @@
-//! Peer-paired collective checks, the agent's side: the coordinator (`crate::coordinator`, a
+//! Peer-paired collective checks, the agent's side: the coordinator (`faultline_coordinator`, a
 //! process of its own) assigns this agent checks with its partners; the agent runs its probe,
 //! reports, relays for members the coordinator cannot reach, and records the verdicts about its
 //! own node.
@@ -16,6 +16,7 @@
 pub mod authz;
 pub mod busy;
 pub mod lease;
+pub mod members;
 pub mod runner;
 pub mod service;
 pub mod wire;

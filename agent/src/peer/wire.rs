@@ -318,10 +318,53 @@ pub fn from_proto(members: &[String], verdicts: &[Verdict]) -> Result<Verdicts, 
     Ok(out)
 }
 
+/// The published name of a verdict kind.
+pub fn kind_name(k: faultline_proto::v1::verdict::Kind) -> &'static str {
+    use faultline_proto::v1::verdict::Kind;
+    match k {
+        Kind::FaultyNode => "faulty_node",
+        Kind::BrokenLink => "broken_link",
+        Kind::DegradedLink => "degraded_link",
+        Kind::Straggler => "straggler",
+        Kind::Unknown => "unknown",
+        Kind::Unspecified => "unspecified",
+    }
+}
+
+/// The verdict kind a published name stands for (`kind_name` reversed).
+pub fn kind_from_name(name: &str) -> faultline_proto::v1::verdict::Kind {
+    use faultline_proto::v1::verdict::Kind;
+    [
+        Kind::FaultyNode,
+        Kind::BrokenLink,
+        Kind::DegradedLink,
+        Kind::Straggler,
+        Kind::Unknown,
+    ]
+    .into_iter()
+    .find(|k| kind_name(*k) == name)
+    .unwrap_or(Kind::Unspecified)
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn verdict_kind_names_round_trip() {
+        use faultline_proto::v1::verdict::Kind;
+        for k in [
+            Kind::FaultyNode,
+            Kind::BrokenLink,
+            Kind::DegradedLink,
+            Kind::Straggler,
+            Kind::Unknown,
+        ] {
+            assert_eq!(kind_from_name(kind_name(k)), k);
+        }
+        assert_eq!(kind_from_name("bogus"), Kind::Unspecified);
+    }
 
     /// A key file others may read is refused, whatever its content; 0600 and 0400 are taken.
     #[test]

@@ -82,7 +82,7 @@ fn the_agent_runs_with_flags_it_has() {
         Some(&["faultline-agent".to_string()][..])
     );
     let mut known = common::clap_flags("agent/src/daemon.rs", "pub struct AgentConfig");
-    let bin = common::clap_flags("agent/src/bin/faultline-agent.rs", "struct Cli");
+    let bin = common::clap_flags("faultline/src/bin/faultline-agent.rs", "struct Cli");
     assert!(bin.contains(&"--log-format".to_string()), "{bin:?}");
     known.push("--log-format".into());
     for f in a.flags.keys() {
@@ -325,9 +325,9 @@ fn resources_probes_and_privileges() {
 }
 
 /// The audience of the agents' peer-check tokens: what the coordinator's TokenReview asks for
-/// (`AGENT_AUDIENCE` in agent/src/coordinator/tokens.rs).
+/// (`AGENT_AUDIENCE` in coordinator/src/tokens.rs).
 fn peer_audience() -> String {
-    let text = std::fs::read_to_string(common::repo_root().join("agent/src/coordinator/tokens.rs"))
+    let text = std::fs::read_to_string(common::repo_root().join("coordinator/src/tokens.rs"))
         .expect("tokens.rs");
     let at = text
         .find("pub const AGENT_AUDIENCE: &str = \"")

@@ -50,9 +50,9 @@ fn pod_specs() -> Vec<(String, PodSpec)> {
 
 /// The flags `faultline wait-healthy` has (its own and the global ones).
 fn wait_healthy_flags() -> Vec<String> {
-    let mut f = common::clap_flags("agent/src/bin/faultline.rs", "WaitHealthy");
+    let mut f = common::clap_flags("faultline/src/bin/faultline.rs", "WaitHealthy");
     f.extend(common::clap_flags(
-        "agent/src/bin/faultline.rs",
+        "faultline/src/bin/faultline.rs",
         "struct Cli",
     ));
     assert!(f.contains(&"--timeout".to_string()), "{f:?}");

@@ -1,7 +1,7 @@
 //! The image build (`manifests/build-image.sh`, `manifests/Dockerfile`): it ships the `dist`
 //! build, whose debug info and symbols are stripped, not the release build with its line tables
 //! (92 MiB against 23 MiB for the agent), and pulls nothing from a registry. Running the image
-//! against the DaemonSet is `agent/tests/image.rs` (docker; `.ci/run`).
+//! against the DaemonSet is `faultline/tests/image.rs` (docker; `.ci/run`).
 
 use crate::common::repo_root;
 
@@ -22,7 +22,7 @@ fn the_image_ships_the_stripped_dist_build() {
     );
     // Every binary the manifests run is built and installed: the agent and the probe, and the
     // agent's binary under the names of the CLI and of the coordinator (the Deployment's
-    // command), which it answers to (agent/src/bin/faultline-agent.rs).
+    // command), which it answers to (faultline/src/bin/faultline-agent.rs).
     let bins = script
         .lines()
         .find_map(|l| l.strip_prefix("bins=("))

@@ -14,7 +14,7 @@ const KIB: u64 = 1024;
 const MIB: u64 = 1024 * KIB;
 
 /// The agent's peak RSS (VmHWM) in the storm bench, release build (docs/benchmarks.md,
-/// "Storm": `cargo bench -p faultline-agent --bench agent -- storm`), rounded up to a MiB.
+/// "Storm": `cargo bench -p faultline --bench agent -- storm`), rounded up to a MiB.
 const AGENT_STORM_PEAK: u64 = 16 * MIB;
 /// One probe's peak RSS (VmHWM, its `peak_rss_bytes`) in a 2-rank allgather on loopback,
 /// release build, the larger of 64 MiB and 1 GiB per rank (docs/benchmarks.md, "Probe

@@ -5,7 +5,7 @@
 //! DaemonSet's metrics port through the Service and gives the job and node labels the alerts
 //! use; the plain scrape annotations name the same port; kustomize renders the base with the
 //! component. Which metrics the alerts and the dashboard read is checked against a real scrape
-//! in agent/tests/monitoring.rs.
+//! in faultline/tests/monitoring.rs.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;

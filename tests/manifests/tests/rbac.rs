@@ -201,9 +201,8 @@ const REQUESTER_ROLE: &str = "faultline-peer-requester";
 
 /// A `pub const NAME: &str = "value";` of the coordinator's requesters module.
 fn authz_const(name: &str) -> String {
-    let text =
-        std::fs::read_to_string(common::repo_root().join("agent/src/coordinator/requesters.rs"))
-            .expect("requesters.rs");
+    let text = std::fs::read_to_string(common::repo_root().join("coordinator/src/requesters.rs"))
+        .expect("requesters.rs");
     let at = text
         .find(&format!("pub const {name}: &str = \""))
         .unwrap_or_else(|| panic!("no const {name}"));

@@ -1,6 +1,6 @@
 //! The node sink's side of the cluster's taint budget: before it newly taints its own Node the
 //! agent asks the active coordinator (`Admit`), which alone keeps the budget
-//! (`crate::coordinator::budget`). The coordinator is the holder of the Lease
+//! (`faultline_coordinator::budget`). The coordinator is the holder of the Lease
 //! `faultline-peercheck` (its address is in the holder identity); the request is signed with
 //! the agent's projected service-account token and carries it, so it counts only for this
 //! node. No answer (no coordinator, none reachable, an error) is an error: the taint waits and

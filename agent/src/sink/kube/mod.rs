@@ -259,10 +259,11 @@ pub fn spawn(
     ]
 }
 
-/// A client of the agent on node `node` against an API emulator (the sinks' unit tests); the
+/// A client of the agent on node `node` against an API emulator (unit tests here and in the
+/// coordinator crate, through the `test-support` feature); the
 /// directory holds its kubeconfig.
-#[cfg(test)]
-pub(crate) async fn emulator_client(
+#[cfg(any(test, feature = "test-support"))]
+pub async fn emulator_client(
     emu: &faultline_kube_emulator::Emulator,
     node: &str,
 ) -> (kube::Client, tempfile::TempDir) {
