@@ -65,6 +65,18 @@ pub const PEER_LIMITS: Limits = Limits {
     max_age: Duration::from_secs(600),
 };
 
+/// The coordinator's service: every agent of a fleet may call it at once (a fleet-wide incident:
+/// each failing node asks the taint budget; every member reports during a run), one connection
+/// each, from its own pod address. The coordinator raises its open-file limit to hold them
+/// ([`raise_file_limit`]); `faultline-coordinator --max-connections` and
+/// `--max-connections-per-address` change the first two.
+pub const COORDINATOR_LIMITS: Limits = Limits {
+    max_connections: 8192,
+    max_per_address: 16,
+    idle: Duration::from_secs(120),
+    max_age: Duration::from_secs(600),
+};
+
 /// The most the soft limit is raised to: far above what the capped servers and the agent use,
 /// and not so high that a child process which closes every descriptor up to the limit (the
 /// Ascend tools, the probe inherit it) crawls.

@@ -117,6 +117,14 @@ pub struct CoordinatorConfig {
     /// use service-account tokens (Kubernetes).
     #[arg(long, env = "FAULTLINE_PEER_REQUESTER_SECRET_FILE")]
     pub requester_secret_file: Option<PathBuf>,
+    /// Connections the gRPC service holds at once (each agent may hold one: a fleet-wide
+    /// incident has every failing node ask the taint budget at once).
+    #[arg(long, env = "FAULTLINE_COORDINATOR_MAX_CONNECTIONS", default_value_t = faultline_agent::listen::COORDINATOR_LIMITS.max_connections)]
+    pub max_connections: usize,
+    /// Connections the gRPC service holds at once from one address (each agent has its own pod
+    /// address; raise it where agents reach the coordinator through one NAT address).
+    #[arg(long, env = "FAULTLINE_COORDINATOR_MAX_CONNECTIONS_PER_ADDRESS", default_value_t = faultline_agent::listen::COORDINATOR_LIMITS.max_per_address)]
+    pub max_connections_per_address: usize,
     /// Without Kubernetes: where runs are published (`peercheck.json`).
     #[arg(
         long,
@@ -228,6 +236,9 @@ pub async fn run(
         .name
         .clone()
         .unwrap_or_else(faultline_agent::daemon::hostname);
+    // One connection per agent at once (`COORDINATOR_LIMITS`): the default soft limit (1024)
+    // would refuse a fleet-wide incident's calls.
+    let files = faultline_agent::listen::raise_file_limit();
     let metrics = Arc::new(Metrics::new());
     let listener = tokio::net::TcpListener::bind(cfg.peer_listen)
         .await
@@ -380,7 +391,11 @@ pub async fn run(
     );
     let incoming = faultline_agent::listen::incoming(
         listener,
-        faultline_agent::listen::PEER_LIMITS,
+        faultline_agent::listen::Limits {
+            max_connections: cfg.max_connections.max(1),
+            max_per_address: cfg.max_connections_per_address.max(1),
+            ..faultline_agent::listen::COORDINATOR_LIMITS
+        },
         metrics.clone(),
         "coordinator",
     );
@@ -395,7 +410,7 @@ pub async fn run(
                 .max_encoding_message_size(MAX_MESSAGE_BYTES),
         )
         .serve_with_incoming_shutdown(incoming, shutdown.clone().cancelled_owned());
-    info!(%name, %address, public_key = %key.public_key(), "peer-check coordinator listening");
+    info!(%name, %address, public_key = %key.public_key(), open_files = ?files, "peer-check coordinator listening");
     let http_task = tokio::spawn(faultline_agent::http::serve_router(
         http,
         endpoints(leadership.leader.clone(), metrics.clone()),

@@ -131,7 +131,7 @@ pub async fn run(o: OneShot) -> anyhow::Result<RunResult> {
         .serve_with_incoming_shutdown(
             faultline_agent::listen::incoming(
                 listener,
-                faultline_agent::listen::PEER_LIMITS,
+                faultline_agent::listen::COORDINATOR_LIMITS,
                 Arc::new(Metrics::new()),
                 "coordinator",
             ),
