@@ -100,27 +100,7 @@ impl Cluster {
             node["spec"]["taints"] = json!([operator_taint()]);
             emu.put(node);
             // The agent pod the coordinator counts, and its pod-bound token.
-            emu.put(json!({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": format!("faultline-{n}"), "namespace": NS,
-                              "labels": {"app.kubernetes.io/name": "faultline",
-                                         "app.kubernetes.io/component": "agent"}},
-                "spec": {"nodeName": n, "containers": [{"name": "agent", "image": "faultline"}]},
-                "status": {"phase": "Running", "podIP": "127.0.0.1"},
-            }));
-            emu.authorize_for_audiences(
-                &node_token(n),
-                UserInfo {
-                    extra: [(
-                        faultline_coordinator::tokens::NODE_NAME_EXTRA.to_string(),
-                        vec![n.to_string()],
-                    )]
-                    .into(),
-                    ..UserInfo::service_account(NS, "faultline")
-                },
-                vec![],
-                &[faultline_coordinator::tokens::AGENT_AUDIENCE],
-            );
+            common::agent_pod(&emu, NS, n, "127.0.0.1", &node_token(n));
         }
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()

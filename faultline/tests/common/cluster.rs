@@ -277,31 +277,11 @@ impl Cluster {
         for (i, name) in names.iter().enumerate() {
             let ip = lab.nodes()[i].ip;
             emu.put(faultline_kube_emulator::node(name, &[]));
-            emu.put(json!({
-                "apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": format!("faultline-{name}"), "namespace": NS,
-                              "labels": {"app.kubernetes.io/name": "faultline",
-                                         "app.kubernetes.io/component": "agent"}},
-                "spec": {"nodeName": name, "containers": [{"name": "agent", "image": "faultline"}]},
-                "status": {"phase": "Running", "podIP": ip.to_string()},
-            }));
+            // Its pod, and its pod-bound token for the coordinator, as the kubelet projects it.
+            super::agent_pod(&emu, NS, name, &ip.to_string(), &peer_token(name));
             let dir = tmp.path().join(name);
             std::fs::create_dir_all(&dir).unwrap();
             std::fs::write(dir.join("boot_id"), "boot-1\n").unwrap();
-            // Its pod-bound token for the coordinator, as the kubelet projects it.
-            emu.authorize_for_audiences(
-                &peer_token(name),
-                UserInfo {
-                    extra: [(
-                        faultline_coordinator::tokens::NODE_NAME_EXTRA.to_string(),
-                        vec![name.clone()],
-                    )]
-                    .into(),
-                    ..UserInfo::service_account(NS, "faultline")
-                },
-                vec![],
-                &[faultline_coordinator::tokens::AGENT_AUDIENCE],
-            );
             std::fs::write(dir.join("peer-token"), format!("{}\n", peer_token(name))).unwrap();
             let log = std::fs::File::create(dir.join("agent.log")).unwrap();
             let procs = cgroup_procs(i);

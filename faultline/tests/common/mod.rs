@@ -309,6 +309,37 @@ pub fn emulator() -> (tokio::runtime::Runtime, faultline_kube_emulator::Emulator
     (rt, emu)
 }
 
+/// Puts `node`'s agent pod into `namespace` (Running at `ip`: what the coordinator lists as a
+/// member and counts for the taint budget) and authorizes `token` as that pod's projected
+/// token for the coordinator's audience, naming the node as the API server does for a token
+/// bound to a pod (`faultline_coordinator::tokens`).
+pub fn agent_pod(
+    emu: &faultline_kube_emulator::Emulator,
+    namespace: &str,
+    node: &str,
+    ip: &str,
+    token: &str,
+) {
+    use faultline_coordinator::tokens::{AGENT_AUDIENCE, NODE_NAME_EXTRA};
+    emu.put(serde_json::json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": format!("faultline-{node}"), "namespace": namespace,
+                      "labels": {"app.kubernetes.io/name": "faultline",
+                                 "app.kubernetes.io/component": "agent"}},
+        "spec": {"nodeName": node, "containers": [{"name": "agent", "image": "faultline"}]},
+        "status": {"phase": "Running", "podIP": ip},
+    }));
+    emu.authorize_for_audiences(
+        token,
+        faultline_kube_emulator::UserInfo {
+            extra: [(NODE_NAME_EXTRA.to_string(), vec![node.to_string()])].into(),
+            ..faultline_kube_emulator::UserInfo::service_account(namespace, "faultline")
+        },
+        vec![],
+        &[AGENT_AUDIENCE],
+    );
+}
+
 /// The RBAC rules a call table implies, with the agent in `agent_ns` (the manifests test
 /// checks the Roles say the same). An agent authorized with exactly these gets 403 for any
 /// call the tables do not list.
