@@ -26,12 +26,13 @@ use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::{Api, Client};
-use tokio::sync::mpsc;
+use kube::Client;
+use tokio::sync::{mpsc, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use super::own::Seen;
 use super::plan::{self, EventSpec, Notice};
 use super::{KubeSinkConfig, Retry};
 use crate::metrics::{Metrics, SinkLabel};
@@ -96,6 +97,7 @@ pub async fn run(
     client: Client,
     cfg: KubeSinkConfig,
     mut notices: mpsc::Receiver<Notice>,
+    own: watch::Receiver<Seen<Node>>,
     metrics: Arc<Metrics>,
     shutdown: CancellationToken,
 ) {
@@ -106,7 +108,6 @@ pub async fn run(
             instance: Some(cfg.instance.clone().unwrap_or_else(|| cfg.node.clone())),
         },
     );
-    let nodes: Api<Node> = Api::all(client);
     let mut reference = ObjectReference {
         api_version: Some("v1".to_string()),
         kind: Some("Node".to_string()),
@@ -155,11 +156,11 @@ pub async fn run(
             _ = sleep => { wake = None; }
             _ = shutdown.cancelled(), if wake.is_some() => { open = false; continue; }
         }
-        if reference.uid.is_none() {
-            // The uid ties the Event to this incarnation of the Node; best effort.
-            if let Ok(n) = nodes.get_metadata(&cfg.node).await {
-                reference.uid = n.metadata.uid;
-            }
+        // The uid ties the Event to this incarnation of the Node, taken from the watch of this
+        // Node (`own`), so an incident costs no read of it; best effort: none before the
+        // watch's first answer.
+        if let Seen::Present(n) = &*own.borrow() {
+            reference.uid.clone_from(&n.metadata.uid);
         }
         while let Some(ev) = queue.front() {
             match publish(&recorder, &reference, ev).await {
@@ -253,6 +254,7 @@ mod tests {
             client,
             cfg,
             rx,
+            watch::channel(Seen::Unknown).1,
             metrics.clone(),
             CancellationToken::new(),
         ));
@@ -303,5 +305,50 @@ mod tests {
         assert_eq!(event_writes(), 6, "{:#?}", emu.calls());
         assert_eq!(metrics.events_rate_limited.get(), 195);
         assert_eq!(metrics.events_dropped.get(), 0, "no queue overflow");
+    }
+
+    /// An Event names the Node's uid (this incarnation of the Node) from the watch of the own
+    /// Node, so announcing a new fault reads nothing: in an incident each failing node's Event
+    /// sink used to read its Node once for it (issue 28's fleet bench counted it against the
+    /// requests per failing node).
+    #[tokio::test]
+    async fn an_event_takes_the_nodes_uid_from_the_watch_and_reads_nothing() {
+        let emu = Emulator::start().await.unwrap();
+        emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "default"}}));
+        let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
+        let mut node = Node::default();
+        node.metadata.name = Some("n1".into());
+        node.metadata.uid = Some("uid-of-n1".into());
+        let (_own_tx, own) = watch::channel(Seen::Present(Arc::new(node)));
+        let (tx, rx) = mpsc::channel(QUEUE);
+        let task = tokio::spawn(run(
+            client,
+            KubeSinkConfig::new("n1"),
+            rx,
+            own,
+            Arc::new(Metrics::new()),
+            CancellationToken::new(),
+        ));
+        tx.send(Notice::Engine(EngineEvent::NewFault {
+            code: "Xid79".into(),
+            device: "GPU-0".into(),
+            handling: Handling::SeparateNPU,
+            message: "fell off the bus".into(),
+        }))
+        .await
+        .unwrap();
+        drop(tx);
+        tokio::time::timeout(Duration::from_secs(10), task)
+            .await
+            .expect("the sink stops")
+            .unwrap();
+        let events = emu.list("events.k8s.io", "events", Some("default"));
+        assert_eq!(events.len(), 1, "{events:#?}");
+        assert_eq!(events[0]["regarding"]["uid"], "uid-of-n1");
+        let calls = emu.calls();
+        assert!(
+            calls.iter().all(|c| !c.path.contains("/nodes")),
+            "no read of the Node: {calls:#?}"
+        );
     }
 }

@@ -239,7 +239,11 @@ pub fn spawn(
         &configmap::name(&cfg.node),
         shutdown.clone(),
     );
-    let node_task = node_sink.run(inputs.snapshots.clone(), Some(own_node), shutdown.clone());
+    let node_task = node_sink.run(
+        inputs.snapshots.clone(),
+        Some(own_node.clone()),
+        shutdown.clone(),
+    );
     let cm_task = configmap::run(
         client.clone(),
         cfg.clone(),
@@ -248,7 +252,7 @@ pub fn spawn(
         metrics.clone(),
         shutdown.clone(),
     );
-    let ev_task = events::run(client, cfg, notice_rx, metrics, shutdown);
+    let ev_task = events::run(client, cfg, notice_rx, own_node, metrics, shutdown);
     vec![
         node_watch,
         cm_watch,
