@@ -296,16 +296,23 @@ pub fn incoming(
                             let g = Guarded::new(stream, slot, address, &limits);
                             return Some((Ok(g), (l, slots, per_address, metrics, warned)));
                         }
-                        _ => {
+                        (address, _) => {
                             drop(stream);
                             metrics
                                 .connections_refused
                                 .get_or_create(&ServerLabel { server })
                                 .inc();
                             if may_warn(&mut warned) {
+                                // Which cap refused it: the address's own, or the listener's.
+                                let (cap, max) = match address {
+                                    None => ("per address", limits.max_per_address),
+                                    Some(_) => ("in all", limits.max_connections),
+                                };
                                 warn!(
                                     server,
-                                    max = limits.max_connections,
+                                    %from,
+                                    cap,
+                                    max,
                                     "connection limit reached; closing new connections"
                                 );
                             }

@@ -101,6 +101,8 @@ struct Cache {
     /// The holder and the end of its term (Unix ms).
     value: Option<(CoordinatorId, i64)>,
     known: bool,
+    /// Why the last read failed (`None`: it answered).
+    failed: Option<String>,
 }
 
 impl Cache {
@@ -110,6 +112,16 @@ impl Cache {
             None => return false,
         };
         age < if recheck { RECHECK_AFTER } else { WHO_TTL }
+    }
+
+    /// The holder within its term; past it, while the reads fail, their error: "nobody holds
+    /// the Lease" is said only when the Lease was read and said so (a node that cannot read it
+    /// says why, and is still refused).
+    fn answer(&self, now_ms: i64) -> Result<Option<CoordinatorId>, WhoError> {
+        match (self.holder(now_ms), &self.failed) {
+            (None, Some(e)) => Err(WhoError(e.clone())),
+            (h, _) => Ok(h),
+        }
     }
 
     /// The holder known, if its term has not run out at `now_ms`.
@@ -132,19 +144,21 @@ impl Cache {
         let mut c = this.lock().await;
         let now = Instant::now();
         if c.known && c.fresh(recheck, now) {
-            return Ok(c.holder(now_ms()));
+            return c.answer(now_ms());
         }
         match read.await {
             Ok(v) => {
                 c.at = Some(now);
                 c.value = v;
                 c.known = true;
-                Ok(c.holder(now_ms()))
+                c.failed = None;
+                c.answer(now_ms())
             }
             Err(e) if c.known => {
                 c.at = Some(now);
                 tracing::debug!(error = %e, "cannot read who coordinates; using the last answer within its term");
-                Ok(c.holder(now_ms()))
+                c.failed = Some(e);
+                c.answer(now_ms())
             }
             Err(e) => Err(WhoError(e)),
         }
@@ -489,17 +503,23 @@ mod tests {
                 .unwrap(),
             Some(id.clone())
         );
-        // ... and past it nobody coordinates, however recently the cache was refreshed.
+        // ... and past it nobody is obeyed, however recently the cache was refreshed; the
+        // answer is the read's error (not "nobody holds the Lease", which the fleet bench saw
+        // agents report while the coordinator held it and their reads failed).
         now.store(20_001, std::sync::atomic::Ordering::Relaxed);
-        assert_eq!(
-            Cache::get(&cache, false, clock, read_fails())
-                .await
-                .unwrap(),
-            None
-        );
+        let e = Cache::get(&cache, false, clock, read_fails())
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("API down"), "{e}");
+        tokio::time::advance(WHO_TTL * 2).await;
+        let e = Cache::get(&cache, false, clock, read_fails())
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("API down"), "{e}");
+        // A read that answers again, naming nobody: nobody.
         tokio::time::advance(WHO_TTL * 2).await;
         assert_eq!(
-            Cache::get(&cache, false, clock, read_fails())
+            Cache::get(&cache, false, clock, read_ok(None))
                 .await
                 .unwrap(),
             None

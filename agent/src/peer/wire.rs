@@ -31,7 +31,7 @@ pub fn random_u64() -> u64 {
 /// Why a key file cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum SecretError {
-    #[error("cannot read the peer-check key {path}: {source}")]
+    #[error("cannot read the peer-check credential {path}: {source}")]
     Read {
         path: String,
         source: std::io::Error,
