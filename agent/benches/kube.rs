@@ -176,7 +176,7 @@ fn start_coordinator(dir: &Path, kubeconfig: &Path) -> (Child, u16) {
         .arg(format!("127.0.0.1:{port}"))
         .env(
             "RUST_LOG",
-            "warn,faultline_agent::coordinator::budget=info,faultline_agent::coordinator::service=debug",
+            "warn,faultline_agent::coordinator=info,faultline_agent::coordinator::service=debug",
         )
         .stdout(Stdio::null())
         .stderr(Stdio::from(
@@ -234,6 +234,13 @@ fn coordinator_report(part: &str, dir: &Path, port: u16) {
     for w in coordinator_warnings(dir) {
         println!("{part}: coordinator warnings: {w}");
     }
+    let log = std::fs::read_to_string(dir.join("coordinator.log")).unwrap_or_default();
+    let n = |what: &str| log.lines().filter(|l| l.contains(what)).count();
+    println!(
+        "{part}: the coordinator took the Lease {} times and lost it {} times",
+        n("coordinating peer checks"),
+        n("no longer coordinating")
+    );
 }
 
 /// The budget's answers in the coordinator's log: (admitted, denied).
@@ -1020,6 +1027,28 @@ impl Drop for RemoteApi {
     }
 }
 
+/// How many agents `fleet-tasks` starts at a time.
+const START_BATCH: usize = 250;
+
+/// Panics, with their errors, if any of the agents' tasks has ended.
+fn ended(rt: &tokio::runtime::Runtime, tasks: &mut [tokio::task::JoinHandle<anyhow::Result<()>>]) {
+    let mut why: BTreeMap<String, usize> = BTreeMap::new();
+    for t in tasks.iter_mut().filter(|t| t.is_finished()) {
+        let r = match rt.block_on(t) {
+            Ok(Ok(())) => "no error".to_string(),
+            Ok(Err(e)) => format!("{e:#}"),
+            Err(e) => format!("the task: {e}"),
+        };
+        *why.entry(r).or_default() += 1;
+    }
+    assert!(
+        why.is_empty(),
+        "fleet-tasks: {} agents ended before the incident (open files {}): {why:?}",
+        why.values().sum::<usize>(),
+        open_files()
+    );
+}
+
 /// Many agents as tasks of this process (each its own state directory, kernel log, HTTP port
 /// and Kubernetes clients, sharing nothing but the API server), against the emulator in a
 /// process of its own whose writes take `latency_ms` (a real API server's 5-20 ms). When all
@@ -1084,11 +1113,23 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         let stop = shutdown.child_token();
         tasks.push(rt.spawn(faultline_agent::daemon::run(cfg, stop)));
         dirs.push(dir);
+        // Started a batch at a time, as a DaemonSet's rollout starts them, each batch once the
+        // one before has written its ConfigMaps: all 2,000 connecting in the same second took
+        // the bench process to its 20,000 open files, and agents that could not open their
+        // listeners ended.
+        if tasks.len() % START_BATCH == 0 {
+            let t = Instant::now();
+            while api.records_written() < tasks.len() && t.elapsed() < Duration::from_secs(60) {
+                ended(&rt, &mut tasks);
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
     }
     // Steady state: every agent has written its ConfigMap and the coordinator holds the
     // Lease (it counts the members and reads the ledger at the first admission, as a
     // coordinator that has admitted nothing for a minute does).
     let up = loop {
+        ended(&rt, &mut tasks);
         let written = api.records_written();
         let held = api.lease_held();
         if written == agents && held {
@@ -1135,7 +1176,11 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     // 200 Nodes and ConfigMaps, and polling every 25 ms cost the server, on the same two cores
     // as the agents, a visible share of its time).
     let mut seen: BTreeMap<String, f64> = BTreeMap::new();
+    // The most files this process had open at a poll (its limit is 20,000 here).
+    let mut peak_files = 0;
+    let mut unsettled = None;
     let (took, settled) = loop {
+        peak_files = peak_files.max(open_files());
         let (settled, on_nodes) = api.settled();
         let unhealthy = on_nodes.len();
         let now = t0.elapsed();
@@ -1156,14 +1201,17 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
             break (now, settled);
         }
         if t0.elapsed() > Duration::from_secs(300) {
+            // Reported like a finished run (the figures of the nodes that settled), then failed.
             let ended = tasks.iter().filter(|t| t.is_finished()).count();
-            println!("fleet-tasks: {ended} agent tasks have ended");
             let errors = api.calls().iter().filter(|x| x.status >= 400).count();
-            panic!(
-                "after 300 s only {done} of {} failing nodes are labelled and tainted or withheld ({unhealthy} labelled); {errors} API errors; open files {}",
+            let why = format!(
+                "after 300 s only {done} of {} failing nodes are labelled and tainted or withheld ({unhealthy} labelled); {errors} API errors; open files {}; {ended} agent tasks have ended",
                 failing.len(),
                 open_files()
             );
+            println!("fleet-tasks: NOT SETTLED: {why}");
+            unsettled = Some(why);
+            break (now, settled);
         }
         std::thread::sleep(Duration::from_millis(100));
     };
@@ -1184,7 +1232,7 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     let mut label_times: Vec<f64> = labelled.into_values().collect();
     label_times.sort_by(f64::total_cmp);
     println!(
-        "fleet-tasks: failing nodes labelled after (s): first {:.2}, median {:.2}, p90 {:.2}, last {:.2}",
+        "fleet-tasks: failing nodes labelled after (s): first {:.2}, median {:.2}, p90 {:.2}, last {:.2}; open files at most {peak_files} meanwhile",
         label_times.first().copied().unwrap_or_default(),
         quantile(&label_times, 0.5),
         quantile(&label_times, 0.9),
@@ -1206,10 +1254,15 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         })
         .count();
     println!(
-        "fleet-tasks: {} of {agents} nodes failing at once (write latency {}-{} ms): every one labelled and tainted-or-withheld in {:.2} s; {tainted} tainted, budget limit {limit}; the coordinator's answers: {admitted} admitted, {denied} denied; {}; {others_wrote} writes by healthy nodes",
+        "fleet-tasks: {} of {agents} nodes failing at once (write latency {}-{} ms): {} labelled and tainted-or-withheld in {:.2} s; {tainted} tainted, budget limit {limit}; the coordinator's answers: {admitted} admitted, {denied} denied; {}; {others_wrote} writes by healthy nodes",
         failing.len(),
         latency_ms.0,
         latency_ms.1,
+        if unsettled.is_some() {
+            format!("only {} of them", settled.len())
+        } else {
+            "every one".to_string()
+        },
         took.as_secs_f64(),
         requests.line(failing.len())
     );
@@ -1218,17 +1271,25 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         "the budget was overrun: {tainted} > {limit}"
     );
     shutdown.cancel();
-    let failed_runs = rt.block_on(async {
-        let mut n = 0;
+    // Each error's text, counted.
+    let failed_runs: BTreeMap<String, usize> = rt.block_on(async {
+        let mut out = BTreeMap::new();
         for t in tasks {
-            if !matches!(t.await, Ok(Ok(()))) {
-                n += 1;
-            }
+            let why = match t.await {
+                Ok(Ok(())) => continue,
+                Ok(Err(e)) => format!("{e:#}"),
+                Err(e) => format!("the task: {e}"),
+            };
+            *out.entry(why).or_default() += 1;
         }
-        n
+        out
     });
-    println!("fleet-tasks: agents that ended with an error: {failed_runs}");
+    println!(
+        "fleet-tasks: agents that ended with an error: {} {failed_runs:?}",
+        failed_runs.values().sum::<usize>()
+    );
     coordinator_report("fleet-tasks", dir.path(), metrics);
+    assert!(unsettled.is_none(), "{}", unsettled.unwrap_or_default());
     sigterm(&coordinator);
     let _ = coordinator.wait();
     drop(rt);
