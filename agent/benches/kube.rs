@@ -1068,7 +1068,9 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     let dir = tempfile::tempdir().unwrap();
     let api = RemoteApi::start(agents, latency_ms, dir.path());
     let [kubeconfig, coordinator_kubeconfig, _] = kubeconfigs(dir.path());
-    let (mut coordinator, metrics) = start_coordinator(dir.path(), &coordinator_kubeconfig);
+    let (coordinator, metrics) = start_coordinator(dir.path(), &coordinator_kubeconfig);
+    // Stopped however this ends, a failed assertion included.
+    let coordinator = Stopping(coordinator);
     let rt = runtime();
     let shutdown = tokio_util::sync::CancellationToken::new();
     let t_start = Instant::now();
@@ -1164,7 +1166,7 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     let cpu0 = cpu_seconds();
     let emu_pid = api.child.id().to_string();
     let emu_cpu0 = cpu_seconds_of(&emu_pid);
-    let coordinator_pid = coordinator.id().to_string();
+    let coordinator_pid = coordinator.0.id().to_string();
     let coordinator_cpu0 = cpu_seconds_of(&coordinator_pid);
     for (k, i) in failing.iter().enumerate() {
         append(&dirs[*i], &xid(10 + k as u64, "3b", 79));
@@ -1289,11 +1291,20 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         failed_runs.values().sum::<usize>()
     );
     coordinator_report("fleet-tasks", dir.path(), metrics);
-    assert!(unsettled.is_none(), "{}", unsettled.unwrap_or_default());
-    sigterm(&coordinator);
-    let _ = coordinator.wait();
+    drop(coordinator);
     drop(rt);
     drop(api);
+    assert!(unsettled.is_none(), "{}", unsettled.unwrap_or_default());
+}
+
+/// A child process stopped (SIGTERM) and reaped when dropped, also when the bench panics.
+struct Stopping(Child);
+
+impl Drop for Stopping {
+    fn drop(&mut self) {
+        sigterm(&self.0);
+        let _ = self.0.wait();
+    }
 }
 
 fn main() {
