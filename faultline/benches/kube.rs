@@ -9,6 +9,13 @@
 //!   emulator in a process of its own, as a real one is) with a real server's write latency; a
 //!   share of them failing at once.
 //!
+//! Every part runs one real coordinator (`faultline-coordinator`, a process of its own, as its
+//! Deployment's replica is): it holds the Lease `faultline-peercheck` and keeps the taint
+//! budget, which each agent asks (`Admit`, with its pod-bound token) before it newly taints
+//! its Node. The emulator holds one agent Pod per node (the budget's node count), reviews each
+//! agent's token as its node's, and authorizes the agents and the coordinator for exactly
+//! their call tables (`sink::kube::calls`).
+//!
 //! `cargo bench -p faultline --bench kube -- [latency] [writes] [storm] [fleet]
 //!  [fleet-tasks] [--events N] [--steady-secs S] [--storm-secs S] [--storm-every-ms M]
 //!  [--storm-interval-ms I] [--agents N] [--fail-percent P] [--latency-min-ms A]
@@ -24,16 +31,55 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::{quantile, terminate as sigterm};
-use faultline_kube_emulator::{Emulator, ResourceRef};
+use faultline_agent::sink::kube::calls::{ApiCall, Scope, API_CALLS, COORDINATOR_API_CALLS};
+use faultline_kube_emulator::{Call, Emulator, ResourceRef, Rule, UserInfo};
 use serde_json::{json, Value};
 
 const NS: &str = "faultline-system";
+/// The agents' API token (their service account's), authorized for `API_CALLS`.
+const AGENT_TOKEN: &str = "bench";
+/// The coordinator's API token, authorized for `COORDINATOR_API_CALLS`.
+const COORDINATOR_TOKEN: &str = "bench-coordinator";
+/// The bench's own reads (`fleet-tasks`): `system:masters`, and not counted as the fleet's.
+const ADMIN_TOKEN: &str = "bench-admin";
+/// The coordinator replica's name (the Lease's holder).
+const COORDINATOR: &str = "faultline-coordinator-bench";
+/// The coordinator's policy: no scheduled peer checks, so nothing but `Admit` runs; the taint
+/// budget at its default (10 % of the nodes in 10 minutes).
+const COORDINATOR_POLICY: &str = "peer:\n  enabled: false\n";
+
+/// Node `name`'s agent's pod-bound token (audience `faultline-peer`), as the kubelet projects it.
+fn peer_token(name: &str) -> String {
+    format!("peer-token-of-{name}")
+}
+
+/// The RBAC rules a call table implies, the agents' namespace being `NS` (as the tests'
+/// `tests/common/mod.rs` `rules_for` derives them).
+fn rules_for(table: &[ApiCall]) -> Vec<Rule> {
+    table
+        .iter()
+        .map(|c| Rule {
+            verbs: vec![c.verb.to_string()],
+            api_groups: vec![c.group.to_string()],
+            resources: vec![c.resource.to_string()],
+            resource_names: c.names.iter().map(|n| n.to_string()).collect(),
+            namespace: match c.scope {
+                Scope::Cluster => None,
+                Scope::AgentNamespace => Some(NS.to_string()),
+                Scope::Namespace(ns) => Some(ns.to_string()),
+            },
+        })
+        .collect()
+}
 
 struct Cluster {
     /// Runs the emulator; dropped last.
     _rt: tokio::runtime::Runtime,
     emu: Emulator,
     kubeconfig: PathBuf,
+    coordinator: Child,
+    /// The coordinator's metrics port.
+    metrics: u16,
     dir: tempfile::TempDir,
 }
 
@@ -46,8 +92,12 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-/// An emulator on `rt` holding the agents' namespace and one Node per name.
+/// An emulator on `rt` holding the agents' namespace, one Node and one running agent Pod per
+/// name, each node's agent token (reviewed as that node's, audience `faultline-peer`, as the
+/// netns tests' `tests/common/cluster.rs` does), the agents' and the coordinator's API tokens
+/// with exactly their call tables, and the bench's own.
 fn emulator(rt: &tokio::runtime::Runtime, nodes: impl IntoIterator<Item = String>) -> Emulator {
+    use faultline_coordinator::tokens::{AGENT_AUDIENCE, NODE_NAME_EXTRA};
     let emu = rt.block_on(Emulator::start()).unwrap();
     emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NS}}));
     for n in nodes {
@@ -55,23 +105,239 @@ fn emulator(rt: &tokio::runtime::Runtime, nodes: impl IntoIterator<Item = String
             &n,
             &[("kubernetes.io/hostname", &n)],
         ));
+        emu.put(json!({
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("faultline-{n}"), "namespace": NS,
+                          "labels": {"app.kubernetes.io/name": "faultline",
+                                     "app.kubernetes.io/component": "agent"}},
+            "spec": {"nodeName": n, "containers": [{"name": "agent", "image": "faultline"}]},
+            "status": {"phase": "Running", "podIP": "127.0.0.1"},
+        }));
+        emu.authorize_for_audiences(
+            &peer_token(&n),
+            UserInfo {
+                extra: [(NODE_NAME_EXTRA.to_string(), vec![n.clone()])].into(),
+                ..UserInfo::service_account(NS, "faultline")
+            },
+            vec![],
+            &[AGENT_AUDIENCE],
+        );
     }
+    emu.authorize(
+        AGENT_TOKEN,
+        UserInfo::service_account(NS, "faultline"),
+        rules_for(API_CALLS),
+    );
+    emu.authorize(
+        COORDINATOR_TOKEN,
+        UserInfo::service_account(NS, "faultline-coordinator"),
+        rules_for(COORDINATOR_API_CALLS),
+    );
+    emu.authorize(
+        ADMIN_TOKEN,
+        UserInfo::new("bench").with_groups(&["system:masters"]),
+        vec![],
+    );
     emu
 }
 
+/// The agents', the coordinator's and the bench's kubeconfigs in `dir`.
+fn kubeconfigs(dir: &Path) -> [PathBuf; 3] {
+    ["kubeconfig", "coordinator-kubeconfig", "admin-kubeconfig"].map(|f| dir.join(f))
+}
+
+fn write_kubeconfigs(emu: &Emulator, dir: &Path) {
+    let [agents, coordinator, admin] = kubeconfigs(dir);
+    emu.write_kubeconfig(&agents, AGENT_TOKEN).unwrap();
+    emu.write_kubeconfig(&coordinator, COORDINATOR_TOKEN)
+        .unwrap();
+    emu.write_kubeconfig(&admin, ADMIN_TOKEN).unwrap();
+}
+
+/// The real coordinator (`faultline-coordinator`, built with this bench) against the API server
+/// of `kubeconfig`, logging to `dir/coordinator.log` (the budget's answers among it), its
+/// metrics on the returned port.
+fn start_coordinator(dir: &Path, kubeconfig: &Path) -> (Child, u16) {
+    let policy = dir.join("coordinator-policy.yaml");
+    std::fs::write(&policy, COORDINATOR_POLICY).unwrap();
+    // A free port for its metrics (a race with another process for it is unlikely).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = Command::new(env!("CARGO_BIN_EXE_faultline-coordinator"))
+        .args(["--name", COORDINATOR, "--namespace", NS])
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .arg("--policy")
+        .arg(&policy)
+        .args(["--peer-listen", "127.0.0.1:0", "--listen"])
+        .arg(format!("127.0.0.1:{port}"))
+        // Every agent here connects from 127.0.0.1; on a cluster each has its own pod address.
+        .args(["--max-connections-per-address", "8192"])
+        .env(
+            "RUST_LOG",
+            "warn,faultline_coordinator=info,faultline_coordinator::service=debug",
+        )
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(
+            std::fs::File::create(dir.join("coordinator.log")).unwrap(),
+        ))
+        .spawn()
+        .unwrap();
+    (child, port)
+}
+
+/// The sum of a counter's series on the coordinator's `/metrics` (HTTP/1.0 by hand).
+fn coordinator_counter(port: u16, name: &str) -> Option<f64> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .ok()?;
+    let mut text = String::new();
+    s.read_to_string(&mut text).ok()?;
+    Some(
+        text.lines()
+            .filter(|l| l.starts_with(name))
+            .filter_map(|l| l.rsplit_once(' ')?.1.parse::<f64>().ok())
+            .sum(),
+    )
+}
+
+/// What the coordinator warned about (the lines of its log at WARN and ERROR: each message
+/// without its fields, counted, with the first in full).
+fn coordinator_warnings(dir: &Path) -> Vec<String> {
+    let log = std::fs::read_to_string(dir.join("coordinator.log")).unwrap_or_default();
+    let mut warns: BTreeMap<String, (usize, String)> = BTreeMap::new();
+    for l in log
+        .lines()
+        .filter(|l| l.contains(" WARN ") || l.contains(" ERROR "))
+    {
+        let msg = l.split_once(": ").map_or(l, |(_, m)| m);
+        let words: Vec<&str> = msg
+            .split_whitespace()
+            .take_while(|w| !w.contains('='))
+            .collect();
+        warns.entry(words.join(" ")).or_insert((0, l.to_string())).0 += 1;
+    }
+    warns
+        .into_iter()
+        .map(|(w, (n, first))| format!("{n} x {w} (the first: {first})"))
+        .collect()
+}
+
+/// The coordinator's connections refused over its caps, and its warnings.
+fn coordinator_report(part: &str, dir: &Path, port: u16) {
+    println!(
+        "{part}: the coordinator refused {:?} connections over its caps (faultline_connections_refused_total)",
+        coordinator_counter(port, "faultline_connections_refused_total")
+    );
+    for w in coordinator_warnings(dir) {
+        println!("{part}: coordinator warnings: {w}");
+    }
+    let log = std::fs::read_to_string(dir.join("coordinator.log")).unwrap_or_default();
+    let n = |what: &str| log.lines().filter(|l| l.contains(what)).count();
+    println!(
+        "{part}: the coordinator took the Lease {} times and lost it {} times",
+        n("coordinating peer checks"),
+        n("no longer coordinating")
+    );
+}
+
+/// The budget's answers in the coordinator's log: (admitted, denied).
+fn admits(dir: &Path) -> (usize, usize) {
+    let log = std::fs::read_to_string(dir.join("coordinator.log")).unwrap_or_default();
+    let n = |what: &str| log.lines().filter(|l| l.contains(what)).count();
+    (n("taint budget: admitted"), n("taint budget: denied"))
+}
+
+/// The Lease holder in a Lease object, if any.
+fn holder(lease: &Value) -> Option<String> {
+    let h = lease["spec"]["holderIdentity"].as_str()?;
+    (!h.is_empty()).then(|| h.to_string())
+}
+
+/// `METHOD resource[/subresource]` of an API request (`LIST` and `WATCH` for collection reads),
+/// with the ledger's and faultline-peercheck's ConfigMaps named.
+fn kind_of(c: &Call) -> String {
+    let segs: Vec<&str> = c.path.split('/').filter(|s| !s.is_empty()).collect();
+    let rest = match segs.as_slice() {
+        ["api", _, rest @ ..] => rest,
+        ["apis", _, _, rest @ ..] => rest,
+        _ => return format!("{} {}", c.method, c.path),
+    };
+    let rest = match rest {
+        ["namespaces", _, r, more @ ..] => {
+            let mut v = vec![*r];
+            v.extend(more);
+            v
+        }
+        r => r.to_vec(),
+    };
+    let mut resource = rest.first().copied().unwrap_or("").to_string();
+    if let Some(sub) = rest.get(2) {
+        resource = format!("{resource}/{sub}");
+    }
+    if let Some(name @ ("faultline-taint-budget" | "faultline-peercheck")) = rest.get(1).copied() {
+        resource = format!("{resource} {name}");
+    }
+    let verb = match (c.method.as_str(), rest.len()) {
+        ("GET", 1) if c.is_watch() => "WATCH",
+        ("GET", 1) => "LIST",
+        (m, _)
+            if m == "PATCH"
+                && c.content_type
+                    .as_deref()
+                    .is_some_and(|t| t.contains("apply-patch")) =>
+        {
+            "APPLY"
+        }
+        (m, _) => m,
+    };
+    format!("{verb} {resource}")
+}
+
+/// Requests counted by `kind_of`.
+fn by_kind<'a>(calls: impl IntoIterator<Item = &'a Call>) -> BTreeMap<String, usize> {
+    let mut out = BTreeMap::new();
+    for c in calls {
+        *out.entry(kind_of(c)).or_default() += 1;
+    }
+    out
+}
+
+fn token_is(c: &Call, token: &str) -> bool {
+    c.token.as_deref() == Some(token)
+}
+
 impl Cluster {
+    /// The emulator with `nodes`, and the coordinator holding the Lease.
     fn new(nodes: &[String]) -> Cluster {
         let rt = runtime();
         let emu = emulator(&rt, nodes.iter().cloned());
         let dir = tempfile::tempdir().unwrap();
-        let kubeconfig = dir.path().join("kubeconfig");
-        emu.write_kubeconfig(&kubeconfig, "bench").unwrap();
-        Cluster {
+        write_kubeconfigs(&emu, dir.path());
+        let [kubeconfig, coordinator_kubeconfig, _] = kubeconfigs(dir.path());
+        let (coordinator, metrics) = start_coordinator(dir.path(), &coordinator_kubeconfig);
+        let c = Cluster {
             _rt: rt,
             emu,
             kubeconfig,
+            coordinator,
+            metrics,
             dir,
-        }
+        };
+        c.wait(
+            "the coordinator to hold the Lease",
+            Duration::from_secs(30),
+            |c| {
+                c.emu
+                    .get(&ResourceRef::lease(NS, "faultline-peercheck"))
+                    .is_some_and(|l| holder(&l).is_some())
+            },
+        );
+        c
     }
 
     fn agent(&self, node: &str, extra: &[&str]) -> (Child, PathBuf) {
@@ -80,9 +346,11 @@ impl Cluster {
         let kmsg = dir.join("kmsg");
         std::fs::write(&kmsg, b"").unwrap();
         std::fs::write(dir.join("boot_id"), b"boot-1\n").unwrap();
+        std::fs::write(dir.join("peer-token"), format!("{}\n", peer_token(node))).unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_faultline-agent"))
             .args(["--kubeconfig", self.kubeconfig.to_str().unwrap()])
             .args(["--node-name", node, "--listen", "127.0.0.1:0", "--no-nvml"])
+            .args(["--peer-listen", "127.0.0.1:0"])
             .args(["--follow-interval", "2ms"])
             .arg("--kmsg-path")
             .arg(&kmsg)
@@ -92,6 +360,8 @@ impl Cluster {
             .arg(dir.join("data"))
             .arg("--boot-id-path")
             .arg(dir.join("boot_id"))
+            .arg("--node-token-file")
+            .arg(dir.join("peer-token"))
             .args(extra)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
@@ -144,10 +414,15 @@ impl Cluster {
         t0.elapsed()
     }
 
-    /// Writes since the last `clear_calls`, by `METHOD resource`.
+    /// The agents' writes since the last `clear_calls`, by `METHOD resource`.
     fn writes(&self) -> BTreeMap<String, usize> {
         let mut out = BTreeMap::new();
-        for c in self.emu.calls().into_iter().filter(|c| c.is_write()) {
+        for c in self
+            .emu
+            .calls()
+            .into_iter()
+            .filter(|c| c.is_write() && token_is(c, AGENT_TOKEN))
+        {
             let resource = if c.path.contains("/status") {
                 "nodes/status"
             } else if c.path.contains("/nodes/") {
@@ -171,6 +446,23 @@ impl Cluster {
             *out.entry(format!("{kind} {resource}")).or_default() += 1;
         }
         out
+    }
+
+    /// The coordinator's requests since the last `clear_calls`, by `kind_of`.
+    fn coordinator_calls(&self) -> BTreeMap<String, usize> {
+        by_kind(
+            self.emu
+                .calls()
+                .iter()
+                .filter(|c| token_is(c, COORDINATOR_TOKEN)),
+        )
+    }
+}
+
+impl Drop for Cluster {
+    fn drop(&mut self) {
+        sigterm(&self.coordinator);
+        let _ = self.coordinator.wait();
     }
 }
 
@@ -268,8 +560,10 @@ fn writes(steady_secs: u64) {
     std::thread::sleep(Duration::from_secs(2));
     let first = c.writes();
     println!(
-        "writes for the first fault (Healthy -> Unhealthy): {} {first:?}",
-        first.values().sum::<usize>()
+        "writes for the first fault (Healthy -> Unhealthy): {} {first:?}; the coordinator's requests for its admission: {:?}; the budget's answers (admitted, denied): {:?}",
+        first.values().sum::<usize>(),
+        c.coordinator_calls(),
+        admits(c.dir.path())
     );
     c.emu.clear_calls();
     append(&dir, &xid(11, "86", 48));
@@ -285,10 +579,16 @@ fn writes(steady_secs: u64) {
     c.emu.clear_calls();
     std::thread::sleep(Duration::from_secs(steady_secs));
     let steady = c.writes();
-    let reads = c.emu.calls().len() - steady.values().sum::<usize>();
+    let reads = c
+        .emu
+        .calls()
+        .iter()
+        .filter(|x| token_is(x, AGENT_TOKEN) && !x.is_write())
+        .count();
     println!(
-        "steady state, {steady_secs} s with nothing changing: {} writes {steady:?}, {reads} reads",
-        steady.values().sum::<usize>()
+        "steady state, {steady_secs} s with nothing changing: {} writes {steady:?}, {reads} reads; the coordinator meanwhile (its Lease): {:?}",
+        steady.values().sum::<usize>(),
+        c.coordinator_calls()
     );
     sigterm(&child);
     child.wait().unwrap();
@@ -335,7 +635,13 @@ fn storm(secs: u64, every_ms: u64, interval_ms: Option<u64>) {
     );
     // Anything still to come would come within an interval.
     std::thread::sleep(interval.min(Duration::from_secs(10)) + Duration::from_secs(2));
-    let calls = c.emu.calls();
+    // The agent's own writes; the coordinator's requests (its Lease, and the ledger for the
+    // one admission) apart.
+    let all_calls = c.emu.calls();
+    let calls: Vec<&Call> = all_calls
+        .iter()
+        .filter(|x| token_is(x, AGENT_TOKEN))
+        .collect();
     let cm_path = format!("/api/v1/namespaces/{NS}/configmaps/faultline-node-a");
     let applies: Vec<f64> = calls
         .iter()
@@ -355,11 +661,21 @@ fn storm(secs: u64, every_ms: u64, interval_ms: Option<u64>) {
         .filter(|x| x.is_write() && x.path.contains("/nodes/"))
         .count();
     let all = calls.iter().filter(|x| x.is_write()).count();
-    let ledger = all - applies.len() - events - node;
+    let other = all - applies.len() - events - node;
+    let (admitted, denied) = admits(c.dir.path());
+    let asked = admitted + denied;
+    // With peer checks off the coordinator writes no ConfigMap but the ledger.
+    let ledger = all_calls
+        .iter()
+        .filter(|x| {
+            token_is(x, COORDINATOR_TOKEN) && x.is_write() && x.path.contains("/configmaps")
+        })
+        .count();
     let last = c.record("node-a").and_then(|r| count(&r));
     println!(
-        "storm: Xid 79 every {every_ms} ms for {secs} s ({lines} lines), --kube-write-interval {flag}: {all} API writes: {} ConfigMap applies, {node} Node writes, {ledger} taint-ledger writes, {events} Event writes; ConfigMap writes at {:?} s (the first 12); the final count ({lines}) in the ConfigMap {:.2} s after the last line; by kind {:?}",
+        "storm: Xid 79 every {every_ms} ms for {secs} s ({lines} lines), --kube-write-interval {flag}: {all} API writes by the agent: {} ConfigMap applies, {node} Node writes, {events} Event writes, {other} others; {asked} admissions asked of the coordinator ({admitted} admitted); the coordinator's requests {:?} ({ledger} ledger writes); ConfigMap writes at {:?} s (the first 12); the final count ({lines}) in the ConfigMap {:.2} s after the last line; by kind {:?}",
         applies.len(),
+        c.coordinator_calls(),
         applies
             .iter()
             .take(12)
@@ -381,7 +697,7 @@ fn storm(secs: u64, every_ms: u64, interval_ms: Option<u64>) {
         let cm_budget = 1 + (secs as f64 / per).ceil() as usize + 1;
         let event_budget = 10 + (secs * 30 / 60) as usize;
         println!(
-            "storm: budget: ConfigMap 1 + ceil({secs} / {per}) + 1 = {cm_budget} (used {}), Node 3 (used {node}), taint ledger 1 (used {ledger}), Events 10 + {secs} x 30/60 = {event_budget} (used {events})",
+            "storm: budget: ConfigMap 1 + ceil({secs} / {per}) + 1 = {cm_budget} (used {}), Node 3 (used {node}), Admit 1 (used {asked}), Events 10 + {secs} x 30/60 = {event_budget} (used {events}), other agent writes 0 (used {other})",
             applies.len()
         );
         assert!(
@@ -389,9 +705,11 @@ fn storm(secs: u64, every_ms: u64, interval_ms: Option<u64>) {
             "ConfigMap writes over the budget"
         );
         assert!(node <= 3, "Node writes over one fault's");
-        assert!(ledger <= 1, "taint-ledger writes over one admission's");
+        assert!(asked <= 1, "admissions over one new fault's");
+        assert_eq!(other, 0, "the agent wrote something else");
         assert!(events <= event_budget, "Event writes over the budget");
     }
+    coordinator_report("storm", c.dir.path(), c.metrics);
     sigterm(&child);
     child.wait().unwrap();
 }
@@ -401,7 +719,7 @@ fn fleet(agents: usize) {
     let c = Cluster::new(&names);
     let mut children: Vec<(Child, PathBuf)> = names
         .iter()
-        .map(|n| c.agent(n, &["--settle", "0s", "--budget-recheck", "1s"]))
+        .map(|n| c.agent(n, &["--settle", "0s"]))
         .collect();
     let up = c.wait("every agent's ConfigMap", Duration::from_secs(120), |c| {
         names.iter().all(|n| c.record(n).is_some())
@@ -429,16 +747,17 @@ fn fleet(agents: usize) {
     let took = t0.elapsed();
     let tainted = names.iter().filter(|n| c.tainted(n)).count();
     let calls = c.emu.calls();
-    let writes = calls.iter().filter(|c| c.is_write()).count();
-    let conflicts = calls.iter().filter(|c| c.status == 409).count();
+    let requests = Requests::of(&calls);
+    let (admitted, denied) = admits(c.dir.path());
     println!(
-        "fleet: {agents} agents failing at once: every node labelled and tainted-or-withheld in {:.2} s; {tainted} tainted (budget 10 %); {} API requests ({writes} writes, {conflicts} conflicts on the ledger) in that time",
+        "fleet: {agents} agents failing at once: every node labelled and tainted-or-withheld in {:.2} s; {tainted} tainted (budget 10 %); {admitted} admitted, {denied} denied by the coordinator; {}",
         took.as_secs_f64(),
-        calls.len()
+        requests.line(agents)
     );
     // What the agents complained about meanwhile: each warning's message without its fields
-    // (`<time> WARN <target>: <message> key=value ...`), counted.
-    let mut warns: BTreeMap<String, usize> = BTreeMap::new();
+    // (`<time> WARN <target>: <message> key=value ...`), counted, with the first line of each
+    // in full.
+    let mut warns: BTreeMap<String, (usize, String)> = BTreeMap::new();
     for (_, dir) in &children {
         let log = std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default();
         for l in log
@@ -450,12 +769,13 @@ fn fleet(agents: usize) {
                 .split_whitespace()
                 .take_while(|w| !w.contains('='))
                 .collect();
-            *warns.entry(words.join(" ")).or_default() += 1;
+            warns.entry(words.join(" ")).or_insert((0, l.to_string())).0 += 1;
         }
     }
-    for (w, n) in &warns {
-        println!("fleet: agent warnings: {n} x {w}");
+    for (w, (n, first)) in &warns {
+        println!("fleet: agent warnings: {n} x {w} (the first: {first})");
     }
+    coordinator_report("fleet", c.dir.path(), c.metrics);
     for (child, _) in &children {
         sigterm(child);
     }
@@ -463,6 +783,59 @@ fn fleet(agents: usize) {
         child.wait().unwrap();
     }
     drop(c);
+}
+
+/// The fleet's API requests over one stretch of the call log: the agents' and the
+/// coordinator's apart, by their tokens; the bench's own reads are not counted.
+struct Requests {
+    agents: usize,
+    agent_writes: usize,
+    agent_kinds: BTreeMap<String, usize>,
+    coordinator: usize,
+    coordinator_kinds: BTreeMap<String, usize>,
+    conflicts: usize,
+    /// Answered 401 or 403: a call missing from a call table, or a token the server does not
+    /// know.
+    refused: usize,
+}
+
+impl Requests {
+    fn of(calls: &[Call]) -> Requests {
+        let agents: Vec<&Call> = calls.iter().filter(|c| token_is(c, AGENT_TOKEN)).collect();
+        let coordinator: Vec<&Call> = calls
+            .iter()
+            .filter(|c| token_is(c, COORDINATOR_TOKEN))
+            .collect();
+        let fleet = || agents.iter().chain(&coordinator);
+        Requests {
+            agents: agents.len(),
+            agent_writes: agents.iter().filter(|c| c.is_write()).count(),
+            agent_kinds: by_kind(agents.iter().copied()),
+            coordinator: coordinator.len(),
+            coordinator_kinds: by_kind(coordinator.iter().copied()),
+            conflicts: fleet().filter(|c| c.status == 409).count(),
+            refused: fleet().filter(|c| matches!(c.status, 401 | 403)).count(),
+        }
+    }
+
+    /// The counts, per failing node too.
+    fn line(&self, failing: usize) -> String {
+        let per = |n: usize| n as f64 / failing.max(1) as f64;
+        let all = self.agents + self.coordinator;
+        format!(
+            "{all} API requests, {:.1} per failing node: the agents' {} ({:.1} per failing node; {} writes; {:?}), the coordinator's {} ({:.2} per failing node; {:?}); {} conflicts, {} refused (401/403)",
+            per(all),
+            self.agents,
+            per(self.agents),
+            self.agent_writes,
+            self.agent_kinds,
+            self.coordinator,
+            per(self.coordinator),
+            self.coordinator_kinds,
+            self.conflicts,
+            self.refused
+        )
+    }
 }
 
 /// CPU seconds (user + system) this process has used: `/proc/self/stat` fields 14 and 15, in
@@ -498,15 +871,15 @@ struct AgentArgs {
 }
 
 /// The env var that turns this bench binary into the emulator's process for `fleet-tasks`:
-/// its value is where to write the kubeconfig.
+/// its value is the directory to write the kubeconfigs in (`kubeconfigs`).
 const SERVE_EMULATOR: &str = "FAULTLINE_BENCH_SERVE_EMULATOR";
 
 /// The emulator's side of `fleet-tasks`, in a process of its own: one process cannot hold 2,000
 /// agents' connections and the server's ends of them under a 20,000 open-file limit, and a
 /// real API server is another process anyway. Serves `FLEET_NODES` nodes (`node-0000`...) with
-/// writes taking `FLEET_LATENCY_MS` (`min-max`), writes the kubeconfig, prints `ready`, and
-/// serves until its stdin closes.
-fn serve_emulator(kubeconfig: &Path) {
+/// their agent Pods and tokens (`emulator`), writes taking `FLEET_LATENCY_MS` (`min-max`),
+/// writes the kubeconfigs, prints `ready`, and serves until its stdin closes.
+fn serve_emulator(dir: &Path) {
     let files = faultline_agent::listen::raise_file_limit();
     let nodes: usize = std::env::var("FLEET_NODES").unwrap().parse().unwrap();
     let latency = std::env::var("FLEET_LATENCY_MS").unwrap();
@@ -517,7 +890,7 @@ fn serve_emulator(kubeconfig: &Path) {
         Duration::from_millis(lo.parse().unwrap()),
         Duration::from_millis(hi.parse().unwrap()),
     );
-    emu.write_kubeconfig(kubeconfig, "bench").unwrap();
+    write_kubeconfigs(&emu, dir);
     println!("ready (open-file limit {files:?})");
     let mut sink = Vec::new();
     // Serve until the bench closes our stdin (or dies).
@@ -533,10 +906,11 @@ struct RemoteApi {
 }
 
 impl RemoteApi {
-    fn start(nodes: usize, latency_ms: (u64, u64), kubeconfig: &Path) -> RemoteApi {
+    /// The emulator's process, writing its kubeconfigs in `dir`; read with the bench's own.
+    fn start(nodes: usize, latency_ms: (u64, u64), dir: &Path) -> RemoteApi {
         use std::io::BufRead;
         let mut child = Command::new(std::env::current_exe().unwrap())
-            .env(SERVE_EMULATOR, kubeconfig)
+            .env(SERVE_EMULATOR, dir)
             .env("FLEET_NODES", nodes.to_string())
             .env(
                 "FLEET_LATENCY_MS",
@@ -557,7 +931,8 @@ impl RemoteApi {
             .build()
             .unwrap();
         let client = rt.block_on(async {
-            let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap();
+            let [_, _, admin] = kubeconfigs(dir);
+            let kc = kube::config::Kubeconfig::read_from(admin).unwrap();
             let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
                 .await
                 .unwrap();
@@ -630,14 +1005,13 @@ impl RemoteApi {
         (settled, nodes)
     }
 
-    /// The taint budget's shared node count, when the ledger holds one.
-    fn ledger_count(&self) -> Option<u64> {
-        let cm = self.send(
-            "GET",
-            &format!("/api/v1/namespaces/{NS}/configmaps?fieldSelector=metadata.name%3Dfaultline-taint-budget"),
-        );
-        let text = cm["items"][0]["data"]["ledger.json"].as_str()?.to_string();
-        serde_json::from_str::<Value>(&text).ok()?["nodes"]["count"].as_u64()
+    /// Whether a coordinator holds the Lease `faultline-peercheck`.
+    fn lease_held(&self) -> bool {
+        self.items(&format!(
+            "/apis/coordination.k8s.io/v1/namespaces/{NS}/leases?fieldSelector=metadata.name%3Dfaultline-peercheck"
+        ))
+        .first()
+        .is_some_and(|l| holder(l).is_some())
     }
 
     fn records_written(&self) -> usize {
@@ -655,12 +1029,35 @@ impl Drop for RemoteApi {
     }
 }
 
+/// How many agents `fleet-tasks` starts at a time.
+const START_BATCH: usize = 250;
+
+/// Panics, with their errors, if any of the agents' tasks has ended.
+fn ended(rt: &tokio::runtime::Runtime, tasks: &mut [tokio::task::JoinHandle<anyhow::Result<()>>]) {
+    let mut why: BTreeMap<String, usize> = BTreeMap::new();
+    for t in tasks.iter_mut().filter(|t| t.is_finished()) {
+        let r = match rt.block_on(t) {
+            Ok(Ok(())) => "no error".to_string(),
+            Ok(Err(e)) => format!("{e:#}"),
+            Err(e) => format!("the task: {e}"),
+        };
+        *why.entry(r).or_default() += 1;
+    }
+    assert!(
+        why.is_empty(),
+        "fleet-tasks: {} agents ended before the incident (open files {}): {why:?}",
+        why.values().sum::<usize>(),
+        open_files()
+    );
+}
+
 /// Many agents as tasks of this process (each its own state directory, kernel log, HTTP port
 /// and Kubernetes clients, sharing nothing but the API server), against the emulator in a
 /// process of its own whose writes take `latency_ms` (a real API server's 5-20 ms). When all
-/// have written their ConfigMaps, `fail_percent` of the nodes get an Xid 79 at the same moment:
-/// how long until each is labelled Unhealthy and tainted or withheld by the budget, how many
-/// are tainted against the budget's limit, and the API requests per node.
+/// have written their ConfigMaps and the coordinator (a process of its own) holds the Lease,
+/// `fail_percent` of the nodes get an Xid 79 at the same moment: how long until each is
+/// labelled Unhealthy and tainted or withheld by the budget, how many are tainted against the
+/// budget's limit, and the API requests per failing node, the agents' and the coordinator's.
 fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     use clap::Parser;
     // The agents' errors (RUST_LOG=error by default here) on stderr.
@@ -671,8 +1068,11 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     let files = faultline_agent::listen::raise_file_limit();
     let names: Vec<String> = (0..agents).map(|i| format!("node-{i:04}")).collect();
     let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("kubeconfig");
-    let api = RemoteApi::start(agents, latency_ms, &kubeconfig);
+    let api = RemoteApi::start(agents, latency_ms, dir.path());
+    let [kubeconfig, coordinator_kubeconfig, _] = kubeconfigs(dir.path());
+    let (coordinator, metrics) = start_coordinator(dir.path(), &coordinator_kubeconfig);
+    // Stopped however this ends, a failed assertion included.
+    let coordinator = Stopping(coordinator);
     let rt = runtime();
     let shutdown = tokio_util::sync::CancellationToken::new();
     let t_start = Instant::now();
@@ -683,6 +1083,7 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("kmsg"), b"").unwrap();
         std::fs::write(dir.join("boot_id"), b"boot-1\n").unwrap();
+        std::fs::write(dir.join("peer-token"), format!("{}\n", peer_token(n))).unwrap();
         let p = |x: &str| dir.join(x).to_str().unwrap().to_string();
         let argv = [
             "faultline-agent".to_string(),
@@ -706,50 +1107,52 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
             p("boot_id"),
             "--settle".into(),
             "0s".into(),
-            "--budget-recheck".into(),
-            "1s".into(),
+            "--node-token-file".into(),
+            p("peer-token"),
+            "--peer-listen".into(),
+            "127.0.0.1:0".into(),
         ];
         let cfg = AgentArgs::try_parse_from(argv).unwrap().agent;
         // Each agent its own token: one that fails to start cancels its own, not the fleet's.
         let stop = shutdown.child_token();
         tasks.push(rt.spawn(faultline_agent::daemon::run(cfg, stop)));
         dirs.push(dir);
+        // Started a batch at a time, as a DaemonSet's rollout starts them, each batch once the
+        // one before has written its ConfigMaps: all 2,000 connecting in the same second took
+        // the bench process to its 20,000 open files, and agents that could not open their
+        // listeners ended.
+        if tasks.len() % START_BATCH == 0 {
+            let t = Instant::now();
+            while api.records_written() < tasks.len() && t.elapsed() < Duration::from_secs(60) {
+                ended(&rt, &mut tasks);
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
     }
+    // Steady state: every agent has written its ConfigMap and the coordinator holds the
+    // Lease (it counts the members and reads the ledger at the first admission, as a
+    // coordinator that has admitted nothing for a minute does).
     let up = loop {
+        ended(&rt, &mut tasks);
         let written = api.records_written();
-        if written == agents {
+        let held = api.lease_held();
+        if written == agents && held {
             break t_start.elapsed();
         }
         assert!(
             t_start.elapsed() < Duration::from_secs(600),
-            "only {written} of {agents} ConfigMaps after 600 s"
+            "only {written} of {agents} ConfigMaps after 600 s (the Lease held: {held})"
         );
         std::thread::sleep(Duration::from_millis(200));
     };
-    let start_calls = api.calls().len();
+    let start = Requests::of(&api.calls());
     println!(
-        "fleet-tasks: {agents} agents (open-file limit {files:?}, {} open) started and wrote their ConfigMaps in {:.1} s; {start_calls} API requests ({:.1} per node)",
+        "fleet-tasks: {agents} agents (open-file limit {files:?}, {} open) started and wrote their ConfigMaps, and the coordinator holds the Lease, in {:.1} s; the agents' API requests {} ({:.1} per node), the coordinator's {}",
         open_files(),
         up.as_secs_f64(),
-        start_calls as f64 / agents as f64
-    );
-    // Steady state: the agents keep the budget's node count fresh (a look every 5 min each, a
-    // count when it is over a minute old), so the first count, taken while the fleet was still
-    // starting, is replaced within about a minute.
-    let counted = loop {
-        if api.ledger_count() == Some(agents as u64) {
-            break t_start.elapsed();
-        }
-        assert!(
-            t_start.elapsed() < Duration::from_secs(900),
-            "the shared node count is {:?}, not {agents}, after 900 s",
-            api.ledger_count()
-        );
-        std::thread::sleep(Duration::from_secs(1));
-    };
-    println!(
-        "fleet-tasks: the taint budget's shared node count was {agents} after {:.1} s",
-        counted.as_secs_f64()
+        start.agents,
+        start.agents as f64 / agents as f64,
+        start.coordinator
     );
     let (cpu0, w0) = (cpu_seconds(), Instant::now());
     std::thread::sleep(Duration::from_secs(2));
@@ -765,6 +1168,8 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     let cpu0 = cpu_seconds();
     let emu_pid = api.child.id().to_string();
     let emu_cpu0 = cpu_seconds_of(&emu_pid);
+    let coordinator_pid = coordinator.0.id().to_string();
+    let coordinator_cpu0 = cpu_seconds_of(&coordinator_pid);
     for (k, i) in failing.iter().enumerate() {
         append(&dirs[*i], &xid(10 + k as u64, "3b", 79));
     }
@@ -775,7 +1180,11 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     // 200 Nodes and ConfigMaps, and polling every 25 ms cost the server, on the same two cores
     // as the agents, a visible share of its time).
     let mut seen: BTreeMap<String, f64> = BTreeMap::new();
+    // The most files this process had open at a poll (its limit is 20,000 here).
+    let mut peak_files = 0;
+    let mut unsettled = None;
     let (took, settled) = loop {
+        peak_files = peak_files.max(open_files());
         let (settled, on_nodes) = api.settled();
         let unhealthy = on_nodes.len();
         let now = t0.elapsed();
@@ -796,23 +1205,28 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
             break (now, settled);
         }
         if t0.elapsed() > Duration::from_secs(300) {
+            // Reported like a finished run (the figures of the nodes that settled), then failed.
             let ended = tasks.iter().filter(|t| t.is_finished()).count();
-            println!("fleet-tasks: {ended} agent tasks have ended");
             let errors = api.calls().iter().filter(|x| x.status >= 400).count();
-            panic!(
-                "after 300 s only {done} of {} failing nodes are labelled and tainted or withheld ({unhealthy} labelled); {errors} API errors; open files {}",
+            let why = format!(
+                "after 300 s only {done} of {} failing nodes are labelled and tainted or withheld ({unhealthy} labelled); {errors} API errors; open files {}; {ended} agent tasks have ended",
                 failing.len(),
                 open_files()
             );
+            println!("fleet-tasks: NOT SETTLED: {why}");
+            unsettled = Some(why);
+            break (now, settled);
         }
         std::thread::sleep(Duration::from_millis(100));
     };
     let busy = (cpu_seconds() - cpu0) / took.as_secs_f64();
     let emu_busy = (cpu_seconds_of(&emu_pid) - emu_cpu0) / took.as_secs_f64();
+    let coordinator_busy =
+        (cpu_seconds_of(&coordinator_pid) - coordinator_cpu0) / took.as_secs_f64();
     let mut times: Vec<f64> = seen.into_values().collect();
     times.sort_by(f64::total_cmp);
     println!(
-        "fleet-tasks: first node labelled after {:.2} s; failing nodes settled after (s): first {:.2}, median {:.2}, p90 {:.2}, last {:.2}; the agents' process used {busy:.2} cores meanwhile, the emulator's {emu_busy:.2}",
+        "fleet-tasks: first node labelled after {:.2} s; failing nodes settled after (s): first {:.2}, median {:.2}, p90 {:.2}, last {:.2}; the agents' process used {busy:.2} cores meanwhile, the emulator's {emu_busy:.2}, the coordinator's {coordinator_busy:.2}",
         first_label.unwrap_or_default().as_secs_f64(),
         times.first().copied().unwrap_or_default(),
         quantile(&times, 0.5),
@@ -822,7 +1236,7 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     let mut label_times: Vec<f64> = labelled.into_values().collect();
     label_times.sort_by(f64::total_cmp);
     println!(
-        "fleet-tasks: failing nodes labelled after (s): first {:.2}, median {:.2}, p90 {:.2}, last {:.2}",
+        "fleet-tasks: failing nodes labelled after (s): first {:.2}, median {:.2}, p90 {:.2}, last {:.2}; open files at most {peak_files} meanwhile",
         label_times.first().copied().unwrap_or_default(),
         quantile(&label_times, 0.5),
         quantile(&label_times, 0.9),
@@ -831,11 +1245,11 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     let tainted = settled.values().filter(|t| **t).count();
     let limit = (agents * 10 / 100).max(1);
     let calls = api.calls();
-    let writes = calls.iter().filter(|c| c.is_write()).count();
-    let conflicts = calls.iter().filter(|c| c.status == 409).count();
+    let requests = Requests::of(&calls);
+    let (admitted, denied) = admits(dir.path());
     let others_wrote = calls
         .iter()
-        .filter(|x| x.is_write())
+        .filter(|x| x.is_write() && token_is(x, AGENT_TOKEN))
         .filter_map(|x| x.user_agent.as_deref())
         .filter(|ua| {
             !failing
@@ -844,36 +1258,60 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         })
         .count();
     println!(
-        "fleet-tasks: {} of {agents} nodes failing at once (write latency {}-{} ms): every one labelled and tainted-or-withheld in {:.2} s; {tainted} tainted, budget limit {limit}; {} API requests ({writes} writes, {conflicts} conflicts), {:.1} per failing node, {others_wrote} writes by healthy nodes",
+        "fleet-tasks: {} of {agents} nodes failing at once (write latency {}-{} ms): {} labelled and tainted-or-withheld in {:.2} s; {tainted} tainted, budget limit {limit}; the coordinator's answers: {admitted} admitted, {denied} denied; {}; {others_wrote} writes by healthy nodes",
         failing.len(),
         latency_ms.0,
         latency_ms.1,
+        if unsettled.is_some() {
+            format!("only {} of them", settled.len())
+        } else {
+            "every one".to_string()
+        },
         took.as_secs_f64(),
-        calls.len(),
-        calls.len() as f64 / failing.len().max(1) as f64
+        requests.line(failing.len())
     );
     assert!(
         tainted <= limit,
         "the budget was overrun: {tainted} > {limit}"
     );
     shutdown.cancel();
-    let failed_runs = rt.block_on(async {
-        let mut n = 0;
+    // Each error's text, counted.
+    let failed_runs: BTreeMap<String, usize> = rt.block_on(async {
+        let mut out = BTreeMap::new();
         for t in tasks {
-            if !matches!(t.await, Ok(Ok(()))) {
-                n += 1;
-            }
+            let why = match t.await {
+                Ok(Ok(())) => continue,
+                Ok(Err(e)) => format!("{e:#}"),
+                Err(e) => format!("the task: {e}"),
+            };
+            *out.entry(why).or_default() += 1;
         }
-        n
+        out
     });
-    println!("fleet-tasks: agents that ended with an error: {failed_runs}");
+    println!(
+        "fleet-tasks: agents that ended with an error: {} {failed_runs:?}",
+        failed_runs.values().sum::<usize>()
+    );
+    coordinator_report("fleet-tasks", dir.path(), metrics);
+    drop(coordinator);
     drop(rt);
     drop(api);
+    assert!(unsettled.is_none(), "{}", unsettled.unwrap_or_default());
+}
+
+/// A child process stopped (SIGTERM) and reaped when dropped, also when the bench panics.
+struct Stopping(Child);
+
+impl Drop for Stopping {
+    fn drop(&mut self) {
+        sigterm(&self.0);
+        let _ = self.0.wait();
+    }
 }
 
 fn main() {
-    if let Some(kubeconfig) = std::env::var_os(SERVE_EMULATOR) {
-        serve_emulator(Path::new(&kubeconfig));
+    if let Some(dir) = std::env::var_os(SERVE_EMULATOR) {
+        serve_emulator(Path::new(&dir));
         return;
     }
     let args = common::Args::from_env();
