@@ -207,6 +207,15 @@ fn advertised(cfg: &CoordinatorConfig, port: u16) -> anyhow::Result<SocketAddr> 
     }
 }
 
+/// The coordinator's key from its file (`faultline keys coordinator`), which others may not
+/// read (`wire::ensure_private`).
+fn read_key(path: &std::path::Path) -> anyhow::Result<CoordinatorKey> {
+    wire::ensure_private(path)?;
+    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
+    CoordinatorKey::from_pkcs8(&bytes)
+        .with_context(|| format!("{} is not a coordinator key", path.display()))
+}
+
 /// The requesters' secret, if its file exists (an optional Secret not created: requesters use
 /// service-account tokens); never the master of the nodes' keys, from which a requester could
 /// derive every node's key.
@@ -248,13 +257,7 @@ pub async fn run(
         .await
         .with_context(|| format!("cannot listen on {}", cfg.listen))?;
     let key = match &cfg.key_file {
-        Some(path) => {
-            wire::ensure_private(path)?;
-            let bytes =
-                std::fs::read(path).with_context(|| format!("cannot read {}", path.display()))?;
-            CoordinatorKey::from_pkcs8(&bytes)
-                .with_context(|| format!("{} is not a coordinator key", path.display()))?
-        }
+        Some(path) => read_key(path)?,
         None => CoordinatorKey::generate().context("cannot make the coordinator's key")?,
     };
     let key = Arc::new(key);

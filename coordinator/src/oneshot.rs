@@ -16,7 +16,6 @@ use std::time::Duration;
 
 use anyhow::Context;
 use faultline_core::policy::Policy;
-use faultline_proto::auth::CoordinatorKey;
 use faultline_proto::v1::coordinator_server::CoordinatorServer;
 use faultline_proto::v1::RunResult;
 use faultline_proto::MAX_MESSAGE_BYTES;
@@ -54,11 +53,7 @@ pub struct OneShot {
 /// Runs one check among `o.nodes` and returns its result (nodes missing from the members file
 /// come back `unknown`, as from a coordinator).
 pub async fn run(o: OneShot) -> anyhow::Result<RunResult> {
-    wire::ensure_private(&o.key_file)?;
-    let key = std::fs::read(&o.key_file)
-        .with_context(|| format!("cannot read {}", o.key_file.display()))?;
-    let key = CoordinatorKey::from_pkcs8(&key)
-        .with_context(|| format!("{} is not a coordinator key", o.key_file.display()))?;
+    let key = super::read_key(&o.key_file)?;
     let master = wire::load_private_key(&o.node_key_master_file)?;
     let text = std::fs::read_to_string(&o.members)
         .with_context(|| format!("cannot read {}", o.members.display()))?;
