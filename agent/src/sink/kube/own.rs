@@ -116,8 +116,8 @@ impl Settling {
     }
 }
 
-/// The resource versions a sink itself wrote or read last: the watch's echo of them is not
-/// drift (the agent's own multi-call pass makes intermediate versions).
+/// The resource versions a sink itself wrote or read last, the newest last: the watch's echo
+/// of them is not drift (the agent's own multi-call pass makes intermediate versions).
 #[derive(Debug, Default)]
 pub struct OwnVersions(std::collections::VecDeque<String>);
 
@@ -126,13 +126,16 @@ impl OwnVersions {
 
     pub fn note(&mut self, rv: Option<&str>) {
         let Some(rv) = rv else { return };
-        if self.0.iter().any(|x| x == rv) {
-            return;
-        }
+        self.0.retain(|x| x != rv);
         if self.0.len() == Self::KEEP {
             self.0.pop_front();
         }
         self.0.push_back(rv.to_string());
+    }
+
+    /// Whether `rv` is the version the sink noted last.
+    pub fn is_latest(&self, rv: Option<&str>) -> bool {
+        rv.is_some_and(|rv| self.0.back().is_some_and(|x| x == rv))
     }
 
     /// [`Self::note`] of an object's resourceVersion.
@@ -265,5 +268,9 @@ mod tests {
         v.note(None);
         assert!(v.ours(Some("19")) && v.ours(Some("4")));
         assert!(!v.ours(Some("3")), "only the last 16");
+        assert!(v.is_latest(Some("19")) && !v.is_latest(Some("18")) && !v.is_latest(None));
+        // Read again after a later one: the latest again, and kept once.
+        v.note(Some("18"));
+        assert!(v.is_latest(Some("18")) && v.ours(Some("19")) && v.ours(Some("4")));
     }
 }
