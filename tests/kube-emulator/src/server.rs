@@ -79,7 +79,11 @@ impl Serving {
     }
 }
 
-/// Binds with SO_REUSEADDR so `up()` can rebind right after `down()`.
+/// Binds with SO_REUSEADDR so `up()` can rebind right after `down()`, with the accept queue a
+/// kube-apiserver's listener gets: Go's `net.Listen` asks for `/proc/sys/net/core/somaxconn`
+/// (`maxListenerBacklog` in Go's src/net/sock_linux.go; 128, `syscall.SOMAXCONN`, when it cannot
+/// be read; at most 65,535). A smaller queue made connections that a real server accepts time
+/// out here when 2,000 agents opened theirs in the same second.
 pub(crate) fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     let socket = if addr.is_ipv4() {
         TcpSocket::new_v4()?
@@ -88,7 +92,16 @@ pub(crate) fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     };
     socket.set_reuseaddr(true)?;
     socket.bind(addr)?;
-    socket.listen(1024)
+    socket.listen(listen_backlog())
+}
+
+/// The accept queue Go asks the kernel for on Linux (see [`bind`]).
+fn listen_backlog() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .filter(|n| *n > 0)
+        .map_or(128, |n| n.min(65_535))
 }
 
 pub(crate) fn spawn(inner: Arc<Inner>, listener: TcpListener) -> Serving {
