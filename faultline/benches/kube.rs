@@ -5,9 +5,10 @@
 //! - `storm`: one Xid repeating for a minute: API writes against the write budget, and the
 //!   final count in the last ConfigMap write;
 //! - `fleet`: many agents against one API server, all failing at once, under the taint budget.
-//! - `fleet-tasks`: 1,000-2,000 agents as tasks of one process against an API server (the
-//!   emulator in a process of its own, as a real one is) with a real server's write latency; a
-//!   share of them failing at once.
+//! - `fleet-tasks`: 1,000-2,000 agents as tasks of one or more processes (`--agent-processes`:
+//!   one process holds 2,000 agents under its 20,000 open files only while few of them ask the
+//!   coordinator) against an API server (the emulator in a process of its own, as a real one
+//!   is) with a real server's write latency; a share of them failing at once.
 //!
 //! Every part runs one real coordinator (`faultline-coordinator`, a process of its own, as its
 //! Deployment's replica is): it holds the Lease `faultline-peercheck` and keeps the taint
@@ -19,7 +20,7 @@
 //! `cargo bench -p faultline --bench kube -- [latency] [writes] [storm] [fleet]
 //!  [fleet-tasks] [--events N] [--steady-secs S] [--storm-secs S] [--storm-every-ms M]
 //!  [--storm-interval-ms I] [--agents N] [--fail-percent P] [--latency-min-ms A]
-//!  [--latency-max-ms B]`; docs/benchmarks.md has the figures.
+//!  [--latency-max-ms B] [--agent-processes K]`; docs/benchmarks.md has the figures.
 
 #![allow(clippy::unwrap_used)]
 
@@ -28,6 +29,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::{quantile, terminate as sigterm};
@@ -838,13 +840,8 @@ impl Requests {
     }
 }
 
-/// CPU seconds (user + system) this process has used: `/proc/self/stat` fields 14 and 15, in
-/// clock ticks (100 per second on Linux).
-fn cpu_seconds() -> f64 {
-    cpu_seconds_of("self")
-}
-
-/// The same for another process of ours.
+/// CPU seconds (user + system) a process of ours has used: `/proc/PID/stat` fields 14 and 15,
+/// in clock ticks (100 per second on Linux).
 fn cpu_seconds_of(pid: &str) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // The command name (field 2) may hold spaces: count fields after its closing parenthesis.
@@ -858,9 +855,28 @@ fn cpu_seconds_of(pid: &str) -> f64 {
     f.iter().sum::<f64>() / 100.0
 }
 
+/// The most resident memory a process of ours has had (`VmHWM`), in MiB.
+fn peak_rss_mib(pid: &str) -> Option<f64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: f64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib / 1024.0)
+}
+
 /// Open file descriptors of this process.
 fn open_files() -> usize {
-    std::fs::read_dir("/proc/self/fd").map_or(0, Iterator::count)
+    open_files_of("self")
+}
+
+/// The same for another process of ours.
+fn open_files_of(pid: &str) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
 }
 
 /// The agent's configuration from its command line (clap), as the binary parses it.
@@ -900,7 +916,8 @@ fn serve_emulator(dir: &Path) {
 
 /// The bench's view of the emulator process: reads over HTTP with a kube client of its own.
 struct RemoteApi {
-    child: Child,
+    /// The emulator's process, when this view started it.
+    child: Option<Child>,
     rt: tokio::runtime::Runtime,
     client: kube::Client,
 }
@@ -926,19 +943,19 @@ impl RemoteApi {
             .unwrap();
         assert!(line.starts_with("ready"), "emulator process: {line:?}");
         println!("fleet-tasks: emulator process {}", line.trim());
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        let client = rt.block_on(async {
-            let [_, _, admin] = kubeconfigs(dir);
-            let kc = kube::config::Kubeconfig::read_from(admin).unwrap();
-            let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
-                .await
-                .unwrap();
-            kube::Client::try_from(cfg).unwrap()
-        });
-        RemoteApi { child, rt, client }
+        let mut api = RemoteApi::connect(dir);
+        api.child = Some(child);
+        api
+    }
+
+    /// A view of the emulator process another started, its kubeconfigs in `dir`.
+    fn connect(dir: &Path) -> RemoteApi {
+        let (rt, client) = admin_client(dir);
+        RemoteApi {
+            child: None,
+            rt,
+            client,
+        }
     }
 
     fn send(&self, method: &str, path: &str) -> Value {
@@ -965,44 +982,50 @@ impl RemoteApi {
         self.send("DELETE", "/_emulator/calls");
     }
 
-    /// Nodes of `names` labelled Unhealthy on both the Node and the record's ConfigMap, and
-    /// tainted or withheld by the budget (two label-selected lists, not a GET per node); and the
-    /// Nodes labelled Unhealthy, each with whether it is tainted.
-    fn settled(&self) -> (BTreeMap<String, bool>, BTreeMap<String, bool>) {
-        let sel = "labelSelector=faultline.io%2Fhealth%3DUnhealthy";
-        let nodes: BTreeMap<String, bool> = self
-            .items(&format!("/api/v1/nodes?{sel}"))
-            .into_iter()
-            .map(|n| {
-                let tainted = n["spec"]["taints"].as_array().is_some_and(|ts| {
-                    ts.iter()
-                        .any(|t| t["key"].as_str() == Some("faultline.io/unhealthy"))
-                });
-                (
-                    n["metadata"]["name"].as_str().unwrap_or("").to_string(),
-                    tainted,
-                )
-            })
-            .collect();
-        let mut settled = BTreeMap::new();
-        for cm in self.items(&format!("/api/v1/namespaces/{NS}/configmaps?{sel}")) {
-            let Some(node) = cm["metadata"]["labels"]["faultline.io/node"].as_str() else {
-                continue;
-            };
-            let Some(r) = cm["data"]["faults.json"]
-                .as_str()
-                .and_then(|d| serde_json::from_str::<Value>(d).ok())
-            else {
-                continue;
-            };
-            let Some(&tainted) = nodes.get(node) else {
-                continue;
-            };
-            if r["health"] == "Unhealthy" && (tainted || !r["agent"]["taintBudget"].is_null()) {
-                settled.insert(node.to_string(), tainted);
-            }
-        }
-        (settled, nodes)
+    /// Follows the Nodes and the records labelled Unhealthy with two watches, on a thread of its
+    /// own, until `stop` is cancelled: when each node was first seen in each state. (The bench
+    /// used to list them every 100 ms: at 2,000 failing nodes, two lists of 2,000 objects
+    /// per poll took a share of the server's CPU the agents needed; a watch sends each change
+    /// once.)
+    fn follow(
+        dir: &Path,
+        stop: tokio_util::sync::CancellationToken,
+    ) -> (Arc<Mutex<Progress>>, std::thread::JoinHandle<()>) {
+        use futures::StreamExt;
+        use k8s_openapi::api::core::v1::{ConfigMap, Node};
+        use kube::runtime::{watcher, WatchStreamExt};
+        let progress = Arc::new(Mutex::new(Progress::default()));
+        let out = progress.clone();
+        let dir = dir.to_path_buf();
+        let thread = std::thread::spawn(move || {
+            // A client of this thread's runtime: a kube client's requests are sent by a task
+            // on the runtime it was made on.
+            let (rt, client) = admin_client(&dir);
+            rt.block_on(async move {
+                let unhealthy =
+                    || watcher::Config::default().labels("faultline.io/health=Unhealthy");
+                let nodes = watcher(kube::Api::<Node>::all(client.clone()), unhealthy())
+                    .applied_objects()
+                    .map(|n| n.map(|n| Change::Node(Box::new(n))));
+                let records = watcher(kube::Api::<ConfigMap>::namespaced(client, NS), unhealthy())
+                    .applied_objects()
+                    .map(|c| c.map(|c| Change::Record(Box::new(c))));
+                let mut changes = std::pin::pin!(futures::stream::select(nodes, records));
+                loop {
+                    let change = tokio::select! {
+                        () = stop.cancelled() => break,
+                        c = changes.next() => c,
+                    };
+                    match change {
+                        Some(Ok(c)) => out.lock().unwrap().note(c, Instant::now()),
+                        // A failed watch is restarted by the watcher itself.
+                        Some(Err(_)) => {}
+                        None => break,
+                    }
+                }
+            });
+        });
+        (progress, thread)
     }
 
     /// Whether a coordinator holds the Lease `faultline-peercheck`.
@@ -1024,25 +1047,111 @@ impl RemoteApi {
 
 impl Drop for RemoteApi {
     fn drop(&mut self) {
-        drop(self.child.stdin.take());
-        let _ = self.child.wait();
+        if let Some(child) = &mut self.child {
+            drop(child.stdin.take());
+            let _ = child.wait();
+        }
+    }
+}
+
+/// A runtime on this thread, and the bench's client of the emulator process (its kubeconfigs in
+/// `dir`) made on it.
+fn admin_client(dir: &Path) -> (tokio::runtime::Runtime, kube::Client) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let client = rt.block_on(async {
+        let [_, _, admin] = kubeconfigs(dir);
+        let kc = kube::config::Kubeconfig::read_from(admin).unwrap();
+        let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+            .await
+            .unwrap();
+        kube::Client::try_from(cfg).unwrap()
+    });
+    (rt, client)
+}
+
+/// A change `RemoteApi::follow` saw.
+enum Change {
+    Node(Box<k8s_openapi::api::core::v1::Node>),
+    Record(Box<k8s_openapi::api::core::v1::ConfigMap>),
+}
+
+/// When each node was first seen labelled Unhealthy on its Node, tainted, recorded Unhealthy
+/// in its record's ConfigMap, and recorded Unhealthy with its taint withheld by the budget.
+#[derive(Debug, Default)]
+struct Progress {
+    labelled: BTreeMap<String, Instant>,
+    tainted: BTreeMap<String, Instant>,
+    recorded: BTreeMap<String, Instant>,
+    withheld: BTreeMap<String, Instant>,
+}
+
+impl Progress {
+    fn note(&mut self, change: Change, at: Instant) {
+        let first = |m: &mut BTreeMap<String, Instant>, name: &str| {
+            m.entry(name.to_string()).or_insert(at);
+        };
+        match change {
+            Change::Node(n) => {
+                let name = n.metadata.name.clone().unwrap_or_default();
+                first(&mut self.labelled, &name);
+                let taints = n.spec.and_then(|s| s.taints).unwrap_or_default();
+                if taints.iter().any(|t| t.key == "faultline.io/unhealthy") {
+                    first(&mut self.tainted, &name);
+                }
+            }
+            Change::Record(cm) => {
+                let labels = cm.metadata.labels.unwrap_or_default();
+                let Some(name) = labels.get("faultline.io/node") else {
+                    return;
+                };
+                let Some(r) = cm
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get("faults.json"))
+                    .and_then(|d| serde_json::from_str::<Value>(d).ok())
+                else {
+                    return;
+                };
+                if r["health"] != "Unhealthy" {
+                    return;
+                }
+                first(&mut self.recorded, name);
+                if !r["agent"]["taintBudget"].is_null() {
+                    first(&mut self.withheld, name);
+                }
+            }
+        }
+    }
+
+    /// When `node` was first labelled Unhealthy on both its Node and its record, and tainted or
+    /// withheld: settled.
+    fn settled(&self, node: &str) -> Option<Instant> {
+        let done = match (self.tainted.get(node), self.withheld.get(node)) {
+            (Some(a), Some(b)) => *a.min(b),
+            (Some(a), None) | (None, Some(a)) => *a,
+            (None, None) => return None,
+        };
+        Some(
+            done.max(*self.labelled.get(node)?)
+                .max(*self.recorded.get(node)?),
+        )
     }
 }
 
 /// How many agents `fleet-tasks` starts at a time.
 const START_BATCH: usize = 250;
 
-/// Panics, with their errors, if any of the agents' tasks has ended.
+/// The env var that turns this bench binary into one of `fleet-tasks`'s agents' processes: its
+/// value is the bench's directory (the kubeconfigs, one directory per node); `FLEET_AGENTS`
+/// (`from-to`) names the nodes it runs.
+const SERVE_AGENTS: &str = "FAULTLINE_BENCH_SERVE_AGENTS";
+
+/// The agents' errors, counted by their text; panics, with them, if any task has ended.
 fn ended(rt: &tokio::runtime::Runtime, tasks: &mut [tokio::task::JoinHandle<anyhow::Result<()>>]) {
-    let mut why: BTreeMap<String, usize> = BTreeMap::new();
-    for t in tasks.iter_mut().filter(|t| t.is_finished()) {
-        let r = match rt.block_on(t) {
-            Ok(Ok(())) => "no error".to_string(),
-            Ok(Err(e)) => format!("{e:#}"),
-            Err(e) => format!("the task: {e}"),
-        };
-        *why.entry(r).or_default() += 1;
-    }
+    let why = outcomes(rt, tasks.iter_mut().filter(|t| t.is_finished()));
     assert!(
         why.is_empty(),
         "fleet-tasks: {} agents ended before the incident (open files {}): {why:?}",
@@ -1051,14 +1160,30 @@ fn ended(rt: &tokio::runtime::Runtime, tasks: &mut [tokio::task::JoinHandle<anyh
     );
 }
 
-/// Many agents as tasks of this process (each its own state directory, kernel log, HTTP port
-/// and Kubernetes clients, sharing nothing but the API server), against the emulator in a
-/// process of its own whose writes take `latency_ms` (a real API server's 5-20 ms). When all
-/// have written their ConfigMaps and the coordinator (a process of its own) holds the Lease,
-/// `fail_percent` of the nodes get an Xid 79 at the same moment: how long until each is
-/// labelled Unhealthy and tainted or withheld by the budget, how many are tainted against the
-/// budget's limit, and the API requests per failing node, the agents' and the coordinator's.
-fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
+/// How the given agents' tasks ended, counted by their errors' text (`no error` for a clean end).
+fn outcomes<'a>(
+    rt: &tokio::runtime::Runtime,
+    tasks: impl Iterator<Item = &'a mut tokio::task::JoinHandle<anyhow::Result<()>>>,
+) -> BTreeMap<String, usize> {
+    let mut why: BTreeMap<String, usize> = BTreeMap::new();
+    for t in tasks {
+        let r = match rt.block_on(t) {
+            Ok(Ok(())) => "no error".to_string(),
+            Ok(Err(e)) => format!("{e:#}"),
+            Err(e) => format!("the task: {e}"),
+        };
+        *why.entry(r).or_default() += 1;
+    }
+    why
+}
+
+/// One of `fleet-tasks`'s agents' processes: runs the agents of nodes `FLEET_AGENTS` (`from-to`,
+/// `to` excluded) as tasks (each its own state directory, kernel log, HTTP port and Kubernetes
+/// clients, sharing nothing but the API server), started a batch at a time; prints `ready` once
+/// all have written their ConfigMaps, runs them until its stdin closes, then stops them and
+/// prints `ended` with how they ended (JSON). One process cannot hold 2,000 agents under a
+/// 20,000 open-file limit once every one of them also asks the coordinator.
+fn serve_agents(dir: &Path) {
     use clap::Parser;
     // The agents' errors (RUST_LOG=error by default here) on stderr.
     if std::env::var_os("RUST_LOG").is_none() {
@@ -1066,24 +1191,21 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
     }
     faultline_agent::cli::init_tracing("text");
     let files = faultline_agent::listen::raise_file_limit();
-    let names: Vec<String> = (0..agents).map(|i| format!("node-{i:04}")).collect();
-    let dir = tempfile::tempdir().unwrap();
-    let api = RemoteApi::start(agents, latency_ms, dir.path());
-    let [kubeconfig, coordinator_kubeconfig, _] = kubeconfigs(dir.path());
-    let (coordinator, metrics) = start_coordinator(dir.path(), &coordinator_kubeconfig);
-    // Stopped however this ends, a failed assertion included.
-    let coordinator = Stopping(coordinator);
+    let range = std::env::var("FLEET_AGENTS").unwrap();
+    let (from, to) = range.split_once('-').unwrap();
+    let (from, to): (usize, usize) = (from.parse().unwrap(), to.parse().unwrap());
+    let api = RemoteApi::connect(dir);
+    let [kubeconfig, _, _] = kubeconfigs(dir);
     let rt = runtime();
     let shutdown = tokio_util::sync::CancellationToken::new();
-    let t_start = Instant::now();
-    let mut dirs = Vec::new();
     let mut tasks = Vec::new();
-    for n in &names {
-        let dir = dir.path().join(n);
+    for i in from..to {
+        let n = format!("node-{i:04}");
+        let dir = dir.join(&n);
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(dir.join("kmsg"), b"").unwrap();
         std::fs::write(dir.join("boot_id"), b"boot-1\n").unwrap();
-        std::fs::write(dir.join("peer-token"), format!("{}\n", peer_token(n))).unwrap();
+        std::fs::write(dir.join("peer-token"), format!("{}\n", peer_token(&n))).unwrap();
         let p = |x: &str| dir.join(x).to_str().unwrap().to_string();
         let argv = [
             "faultline-agent".to_string(),
@@ -1116,24 +1238,130 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         // Each agent its own token: one that fails to start cancels its own, not the fleet's.
         let stop = shutdown.child_token();
         tasks.push(rt.spawn(faultline_agent::daemon::run(cfg, stop)));
-        dirs.push(dir);
         // Started a batch at a time, as a DaemonSet's rollout starts them, each batch once the
-        // one before has written its ConfigMaps: all 2,000 connecting in the same second took
-        // the bench process to its 20,000 open files, and agents that could not open their
-        // listeners ended.
-        if tasks.len() % START_BATCH == 0 {
+        // one before has written its ConfigMaps (the processes before this one have written
+        // theirs): all 2,000 connecting in the same second took the process to its 20,000
+        // open files, and agents that could not open their listeners ended.
+        let started = i + 1 - from;
+        if started % START_BATCH == 0 || i + 1 == to {
             let t = Instant::now();
-            while api.records_written() < tasks.len() && t.elapsed() < Duration::from_secs(60) {
+            while api.records_written() < i + 1 && t.elapsed() < Duration::from_secs(60) {
                 ended(&rt, &mut tasks);
                 std::thread::sleep(Duration::from_millis(200));
             }
         }
     }
+    ended(&rt, &mut tasks);
+    println!("ready (open-file limit {files:?}, {} open)", open_files());
+    let mut sink = Vec::new();
+    // Run until the bench closes our stdin (or dies).
+    let _ = std::io::Read::read_to_end(&mut std::io::stdin(), &mut sink);
+    shutdown.cancel();
+    let why = outcomes(&rt, tasks.iter_mut());
+    println!("ended {}", serde_json::to_string(&why).unwrap());
+}
+
+/// One of `fleet-tasks`'s agents' processes, seen from the bench.
+struct Agents {
+    child: Child,
+    out: std::io::BufReader<std::process::ChildStdout>,
+    /// Reaped by `stop`: not to be signalled again.
+    reaped: bool,
+}
+
+impl Agents {
+    /// Starts the agents of nodes `from..to` and waits until they have written their ConfigMaps.
+    fn start(dir: &Path, from: usize, to: usize) -> Agents {
+        use std::io::BufRead;
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .env(SERVE_AGENTS, dir)
+            .env("FLEET_AGENTS", format!("{from}-{to}"))
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        out.read_line(&mut line).unwrap();
+        assert!(
+            line.starts_with("ready"),
+            "agents' process {from}..{to}: {line:?}"
+        );
+        println!(
+            "fleet-tasks: agents' process for nodes {from}..{to} {}",
+            line.trim()
+        );
+        Agents {
+            child,
+            out,
+            reaped: false,
+        }
+    }
+
+    fn pid(&self) -> String {
+        self.child.id().to_string()
+    }
+
+    /// Open file descriptors of the process.
+    fn open_files(&self) -> usize {
+        open_files_of(&self.pid())
+    }
+
+    /// Stops the agents and says how they ended (their errors' text, counted).
+    fn stop(mut self) -> BTreeMap<String, usize> {
+        use std::io::BufRead;
+        drop(self.child.stdin.take());
+        let mut line = String::new();
+        self.out.read_line(&mut line).unwrap();
+        let _ = self.child.wait();
+        self.reaped = true;
+        let json = line.strip_prefix("ended ").unwrap_or_else(|| {
+            panic!("agents' process: {line:?}");
+        });
+        serde_json::from_str(json).unwrap()
+    }
+}
+
+impl Drop for Agents {
+    fn drop(&mut self) {
+        if self.reaped {
+            return;
+        }
+        sigterm(&self.child);
+        let _ = self.child.wait();
+    }
+}
+
+/// Many agents as tasks of `processes` processes (`serve_agents`), against the emulator in a
+/// process of its own whose writes take `latency_ms` (a real API server's 5-20 ms). When all
+/// have written their ConfigMaps and the coordinator (a process of its own) holds the Lease,
+/// `fail_percent` of the nodes get an Xid 79 at the same moment: how long until each is
+/// labelled Unhealthy and tainted or withheld by the budget, how many are tainted against the
+/// budget's limit, and the API requests per failing node, the agents' and the coordinator's.
+fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64), processes: usize) {
+    let names: Vec<String> = (0..agents).map(|i| format!("node-{i:04}")).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let api = RemoteApi::start(agents, latency_ms, dir.path());
+    let [_, coordinator_kubeconfig, _] = kubeconfigs(dir.path());
+    let (coordinator, metrics) = start_coordinator(dir.path(), &coordinator_kubeconfig);
+    // Stopped however this ends, a failed assertion included.
+    let coordinator = Stopping(coordinator);
+    let t_start = Instant::now();
+    let processes = processes.clamp(1, agents.max(1));
+    let fleet: Vec<Agents> = (0..processes)
+        .map(|p| {
+            Agents::start(
+                dir.path(),
+                agents * p / processes,
+                agents * (p + 1) / processes,
+            )
+        })
+        .collect();
+    let dirs: Vec<PathBuf> = names.iter().map(|n| dir.path().join(n)).collect();
     // Steady state: every agent has written its ConfigMap and the coordinator holds the
     // Lease (it counts the members and reads the ledger at the first admission, as a
     // coordinator that has admitted nothing for a minute does).
     let up = loop {
-        ended(&rt, &mut tasks);
         let written = api.records_written();
         let held = api.lease_held();
         if written == agents && held {
@@ -1145,104 +1373,111 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         );
         std::thread::sleep(Duration::from_millis(200));
     };
+    let open = || fleet.iter().map(Agents::open_files).collect::<Vec<_>>();
+    let agents_cpu = || fleet.iter().map(|a| cpu_seconds_of(&a.pid())).sum::<f64>();
     let start = Requests::of(&api.calls());
     println!(
-        "fleet-tasks: {agents} agents (open-file limit {files:?}, {} open) started and wrote their ConfigMaps, and the coordinator holds the Lease, in {:.1} s; the agents' API requests {} ({:.1} per node), the coordinator's {}",
-        open_files(),
+        "fleet-tasks: {agents} agents in {processes} processes (open files {:?}, the emulator's {}) started and wrote their ConfigMaps, and the coordinator holds the Lease, in {:.1} s; the agents' API requests {} ({:.1} per node), the coordinator's {}",
+        open(),
+        open_files_of(&api.child.as_ref().unwrap().id().to_string()),
         up.as_secs_f64(),
         start.agents,
         start.agents as f64 / agents as f64,
         start.coordinator
     );
-    let (cpu0, w0) = (cpu_seconds(), Instant::now());
+    let (cpu0, w0) = (agents_cpu(), Instant::now());
     std::thread::sleep(Duration::from_secs(2));
     println!(
-        "fleet-tasks: idle, the agents' process uses {:.2} cores",
-        (cpu_seconds() - cpu0) / w0.elapsed().as_secs_f64()
+        "fleet-tasks: idle, the agents' processes use {:.2} cores",
+        (agents_cpu() - cpu0) / w0.elapsed().as_secs_f64()
     );
     api.clear_calls();
     let failing: Vec<usize> = (0..agents)
         .filter(|i| i * 100 / agents < fail_percent)
         .collect();
     let t0 = Instant::now();
-    let cpu0 = cpu_seconds();
-    let emu_pid = api.child.id().to_string();
+    let cpu0 = agents_cpu();
+    let emu_pid = api.child.as_ref().unwrap().id().to_string();
     let emu_cpu0 = cpu_seconds_of(&emu_pid);
     let coordinator_pid = coordinator.0.id().to_string();
     let coordinator_cpu0 = cpu_seconds_of(&coordinator_pid);
+    let stop_following = tokio_util::sync::CancellationToken::new();
+    let (progress, follower) = RemoteApi::follow(dir.path(), stop_following.clone());
     for (k, i) in failing.iter().enumerate() {
         append(&dirs[*i], &xid(10 + k as u64, "3b", 79));
     }
-    let mut first_label = None;
-    // When each failing node was first seen labelled on its Node (whatever its taint).
-    let mut labelled: BTreeMap<String, f64> = BTreeMap::new();
-    // When each failing node was first seen settled (polled every 100 ms: each poll lists up to
-    // 200 Nodes and ConfigMaps, and polling every 25 ms cost the server, on the same two cores
-    // as the agents, a visible share of its time).
-    let mut seen: BTreeMap<String, f64> = BTreeMap::new();
-    // The most files this process had open at a poll (its limit is 20,000 here).
-    let mut peak_files = 0;
+    // The most files each agents' process had open at a poll (each one's limit is 20,000 here).
+    let mut peak_files = vec![0; processes];
+    // And the emulator's (its limit is 20,000 too: each agent's connections end there).
+    let mut emu_files = 0;
     let mut unsettled = None;
-    let (took, settled) = loop {
-        peak_files = peak_files.max(open_files());
-        let (settled, on_nodes) = api.settled();
-        let unhealthy = on_nodes.len();
-        let now = t0.elapsed();
-        if unhealthy > 0 && first_label.is_none() {
-            first_label = Some(now);
+    let took = loop {
+        for (peak, now) in peak_files.iter_mut().zip(open()) {
+            *peak = now.max(*peak);
         }
-        for n in on_nodes.keys() {
-            labelled.entry(n.clone()).or_insert(now.as_secs_f64());
-        }
-        for n in settled.keys() {
-            seen.entry(n.clone()).or_insert(now.as_secs_f64());
-        }
-        let done = failing
-            .iter()
-            .filter(|i| settled.contains_key(&names[**i]))
-            .count();
+        emu_files = emu_files.max(open_files_of(&emu_pid));
+        let (done, labelled) = {
+            let p = progress.lock().unwrap();
+            let done = failing
+                .iter()
+                .filter(|i| p.settled(&names[**i]).is_some())
+                .count();
+            (done, p.labelled.len())
+        };
         if done == failing.len() {
-            break (now, settled);
+            break t0.elapsed();
         }
         if t0.elapsed() > Duration::from_secs(300) {
             // Reported like a finished run (the figures of the nodes that settled), then failed.
-            let ended = tasks.iter().filter(|t| t.is_finished()).count();
             let errors = api.calls().iter().filter(|x| x.status >= 400).count();
             let why = format!(
-                "after 300 s only {done} of {} failing nodes are labelled and tainted or withheld ({unhealthy} labelled); {errors} API errors; open files {}; {ended} agent tasks have ended",
+                "after 300 s only {done} of {} failing nodes are labelled and tainted or withheld ({labelled} labelled); {errors} API errors; open files {:?}",
                 failing.len(),
-                open_files()
+                open()
             );
             println!("fleet-tasks: NOT SETTLED: {why}");
             unsettled = Some(why);
-            break (now, settled);
+            break t0.elapsed();
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    let busy = (cpu_seconds() - cpu0) / took.as_secs_f64();
+    // Settled nodes' times come from the watches: `took` is when the bench saw the last one.
+    stop_following.cancel();
+    follower.join().unwrap();
+    let progress = std::mem::take(&mut *progress.lock().unwrap());
+    let since = |m: &BTreeMap<String, Instant>| -> Vec<f64> {
+        let mut v: Vec<f64> = m
+            .values()
+            .map(|t| t.saturating_duration_since(t0).as_secs_f64())
+            .collect();
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    let busy = (agents_cpu() - cpu0) / took.as_secs_f64();
     let emu_busy = (cpu_seconds_of(&emu_pid) - emu_cpu0) / took.as_secs_f64();
     let coordinator_busy =
         (cpu_seconds_of(&coordinator_pid) - coordinator_cpu0) / took.as_secs_f64();
-    let mut times: Vec<f64> = seen.into_values().collect();
-    times.sort_by(f64::total_cmp);
+    let settled_at: BTreeMap<String, Instant> = names
+        .iter()
+        .filter_map(|n| Some((n.clone(), progress.settled(n)?)))
+        .collect();
+    let times = since(&settled_at);
+    let label_times = since(&progress.labelled);
     println!(
-        "fleet-tasks: first node labelled after {:.2} s; failing nodes settled after (s): first {:.2}, median {:.2}, p90 {:.2}, last {:.2}; the agents' process used {busy:.2} cores meanwhile, the emulator's {emu_busy:.2}, the coordinator's {coordinator_busy:.2}",
-        first_label.unwrap_or_default().as_secs_f64(),
+        "fleet-tasks: failing nodes settled after (s): first {:.2}, median {:.2}, p90 {:.2}, last {:.2}; the agents' processes used {busy:.2} cores meanwhile, the emulator's {emu_busy:.2}, the coordinator's {coordinator_busy:.2}",
         times.first().copied().unwrap_or_default(),
         quantile(&times, 0.5),
         quantile(&times, 0.9),
-        took.as_secs_f64()
+        times.last().copied().unwrap_or_default(),
     );
-    let mut label_times: Vec<f64> = labelled.into_values().collect();
-    label_times.sort_by(f64::total_cmp);
     println!(
-        "fleet-tasks: failing nodes labelled after (s): first {:.2}, median {:.2}, p90 {:.2}, last {:.2}; open files at most {peak_files} meanwhile",
+        "fleet-tasks: failing nodes labelled after (s): first {:.2}, median {:.2}, p90 {:.2}, last {:.2}; open files at most {peak_files:?} meanwhile, the emulator's {emu_files}",
         label_times.first().copied().unwrap_or_default(),
         quantile(&label_times, 0.5),
         quantile(&label_times, 0.9),
         label_times.last().copied().unwrap_or_default(),
     );
-    let tainted = settled.values().filter(|t| **t).count();
+    let tainted = progress.tainted.len();
     let limit = (agents * 10 / 100).max(1);
     let calls = api.calls();
     let requests = Requests::of(&calls);
@@ -1263,7 +1498,7 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         latency_ms.0,
         latency_ms.1,
         if unsettled.is_some() {
-            format!("only {} of them", settled.len())
+            format!("only {} of them", settled_at.len())
         } else {
             "every one".to_string()
         },
@@ -1274,27 +1509,24 @@ fn fleet_tasks(agents: usize, fail_percent: usize, latency_ms: (u64, u64)) {
         tainted <= limit,
         "the budget was overrun: {tainted} > {limit}"
     );
-    shutdown.cancel();
-    // Each error's text, counted.
-    let failed_runs: BTreeMap<String, usize> = rt.block_on(async {
-        let mut out = BTreeMap::new();
-        for t in tasks {
-            let why = match t.await {
-                Ok(Ok(())) => continue,
-                Ok(Err(e)) => format!("{e:#}"),
-                Err(e) => format!("the task: {e}"),
-            };
-            *out.entry(why).or_default() += 1;
+    let mut failed_runs: BTreeMap<String, usize> = BTreeMap::new();
+    for a in fleet {
+        for (why, n) in a.stop() {
+            *failed_runs.entry(why).or_default() += n;
         }
-        out
-    });
+    }
+    failed_runs.remove("no error");
     println!(
         "fleet-tasks: agents that ended with an error: {} {failed_runs:?}",
         failed_runs.values().sum::<usize>()
     );
     coordinator_report("fleet-tasks", dir.path(), metrics);
+    // Its Deployment's memory limit is 256 MiB (manifests/base/coordinator.yaml).
+    println!(
+        "fleet-tasks: the coordinator's peak resident memory {:.1} MiB",
+        peak_rss_mib(&coordinator_pid).unwrap_or(f64::NAN)
+    );
     drop(coordinator);
-    drop(rt);
     drop(api);
     assert!(unsettled.is_none(), "{}", unsettled.unwrap_or_default());
 }
@@ -1312,6 +1544,10 @@ impl Drop for Stopping {
 fn main() {
     if let Some(dir) = std::env::var_os(SERVE_EMULATOR) {
         serve_emulator(Path::new(&dir));
+        return;
+    }
+    if let Some(dir) = std::env::var_os(SERVE_AGENTS) {
+        serve_agents(Path::new(&dir));
         return;
     }
     let args = common::Args::from_env();
@@ -1341,6 +1577,7 @@ fn main() {
                 args.flag("--latency-min-ms", 5),
                 args.flag("--latency-max-ms", 20),
             ),
+            args.flag("--agent-processes", 1) as usize,
         );
     }
 }
