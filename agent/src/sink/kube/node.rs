@@ -547,6 +547,25 @@ mod tests {
             .get_or_insert_default()
     }
 
+    /// A sink for n1 on `client`, asking `budget`, sending its notices to `notices`.
+    fn sink_on(client: Client, budget: Budget, notices: mpsc::Sender<Notice>) -> NodeSink {
+        NodeSink::new(
+            client,
+            KubeSinkConfig::new("n1"),
+            budget,
+            notices,
+            watch::channel(SinkReport::default()).0,
+            Arc::new(Metrics::new()),
+            Arc::new(crate::runtime::SystemClock),
+        )
+    }
+
+    /// n1 as the emulator holds it.
+    fn n1_in(emu: &faultline_kube_emulator::Emulator) -> Node {
+        let n1 = emu.get(&faultline_kube_emulator::ResourceRef::node("n1"));
+        serde_json::from_value(n1.unwrap()).unwrap()
+    }
+
     /// The withheld taint is announced once per change of the list, so a notice queue that is
     /// full (the API unreachable long enough for 1,024 notices) must not drop it: it waits and
     /// goes out once there is room; a list that changes meanwhile replaces it.
@@ -554,19 +573,9 @@ mod tests {
     async fn the_withheld_taint_notice_waits_for_room_in_a_full_queue() {
         let emu = faultline_kube_emulator::Emulator::start().await.unwrap();
         let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
-        let cfg = KubeSinkConfig::new("n1");
         let budget = Budget::new("n1", Arc::new(watch::channel(None).1), None);
         let (tx, mut rx) = mpsc::channel(1);
-        let (report, _report_rx) = watch::channel(SinkReport::default());
-        let mut sink = NodeSink::new(
-            client,
-            cfg,
-            budget,
-            tx.clone(),
-            report,
-            Arc::new(Metrics::new()),
-            Arc::new(crate::runtime::SystemClock),
-        );
+        let mut sink = sink_on(client, budget, tx.clone());
         let filler = || Notice::TaintWithheld {
             taints: vec!["filler".into()],
             used: 0,
@@ -655,31 +664,19 @@ mod tests {
     #[tokio::test]
     async fn the_label_and_condition_are_written_before_the_budget_is_asked() {
         use crate::peer::authz::CoordinatorId;
-        use faultline_kube_emulator::{Emulator, ResourceRef};
+        use faultline_kube_emulator::Emulator;
         let emu = Emulator::start().await.unwrap();
         emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "faultline-system"}}));
         emu.put(faultline_kube_emulator::node("n1", &[]));
         let (client, dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
         let token = dir.path().join("token");
         std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
-        let cfg = KubeSinkConfig::new("n1");
         // Nobody coordinates yet.
         let (who, who_rx) = watch::channel(None);
         let budget = Budget::new("n1", Arc::new(who_rx), Some(token));
         let (tx, _rx) = mpsc::channel(8);
-        let (report, _report_rx) = watch::channel(SinkReport::default());
-        let mut sink = NodeSink::new(
-            client,
-            cfg,
-            budget,
-            tx,
-            report,
-            Arc::new(Metrics::new()),
-            Arc::new(crate::runtime::SystemClock),
-        );
-        let node = || -> Node {
-            serde_json::from_value(emu.get(&ResourceRef::node("n1")).unwrap()).unwrap()
-        };
+        let mut sink = sink_on(client, budget, tx);
+        let node = || n1_in(&emu);
 
         let d = desired();
         let first = sink.reconcile(&d, None).await;
@@ -754,25 +751,14 @@ mod tests {
     /// failing node in the fleet bench, most of them a withheld taint's rechecks.)
     #[tokio::test]
     async fn the_node_is_read_only_when_the_watch_is_not_at_the_sinks_last_version() {
-        use faultline_kube_emulator::{Emulator, ResourceRef};
+        use faultline_kube_emulator::Emulator;
         let emu = Emulator::start().await.unwrap();
         emu.put(faultline_kube_emulator::node("n1", &[]));
         let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
         let budget = Budget::new("n1", Arc::new(watch::channel(None).1), None);
         let (tx, _rx) = mpsc::channel(8);
-        let (report, _report_rx) = watch::channel(SinkReport::default());
-        let mut sink = NodeSink::new(
-            client,
-            KubeSinkConfig::new("n1"),
-            budget,
-            tx,
-            report,
-            Arc::new(Metrics::new()),
-            Arc::new(crate::runtime::SystemClock),
-        );
-        let node = || -> Node {
-            serde_json::from_value(emu.get(&ResourceRef::node("n1")).unwrap()).unwrap()
-        };
+        let mut sink = sink_on(client, budget, tx);
+        let node = || n1_in(&emu);
         // Taints need no admission here: the budget is not what this test is about.
         let healthy = Desired {
             labels: BTreeMap::from([("faultline.io/health".into(), "Healthy".into())]),
