@@ -95,6 +95,9 @@ pub struct NodeSink {
     metrics: Arc<Metrics>,
     clock: Arc<dyn Clock>,
     started: Instant,
+    /// When the sink last read the Node itself: the watch's copy stands in for a read only
+    /// within a resync interval of it (a watch that fails keeps its last copy).
+    read_at: Option<Instant>,
     /// The taints withheld at the last pass (to announce only changes).
     withheld: Vec<String>,
     /// The announcement of `withheld` when the notice queue was full (the API unreachable for
@@ -135,6 +138,7 @@ impl NodeSink {
             metrics,
             clock,
             started: Instant::now(),
+            read_at: None,
             withheld,
             unsent: None,
             versions: OwnVersions::default(),
@@ -250,10 +254,16 @@ impl NodeSink {
             return false;
         };
         match &*rx.borrow_and_update() {
+            // The sink's own intermediate versions; its latest is checked like any other: a
+            // change someone made between its last read and its last write is in that write's
+            // result, which the pass did not check.
             Seen::Present(node)
                 if self
                     .versions
-                    .ours(node.metadata.resource_version.as_deref()) =>
+                    .ours(node.metadata.resource_version.as_deref())
+                    && !self
+                        .versions
+                        .is_latest(node.metadata.resource_version.as_deref()) =>
             {
                 false
             }
@@ -274,25 +284,34 @@ impl NodeSink {
     }
 
     /// One pass: read the Node, write what differs. `watched`: the Node as the own-node watch
-    /// last delivered it; when that is the version this sink itself wrote or read last, nobody
-    /// has changed the Node since as far as the watch knows, and it is not read again (a new
-    /// fault costs its writes alone, a withheld taint's recheck only its admission). A change
-    /// the watch has not delivered yet is one a read could have missed too: the taint's write
-    /// names the version it read and fails on a newer one, and a label or condition taken away
-    /// meanwhile is drift, repaired when the watch delivers it.
+    /// last delivered it; when that is the version this sink itself wrote or read last, and the
+    /// sink read the Node itself within the last resync interval, nobody has changed the Node
+    /// since as far as the watch knows, and it is not read again (a new fault costs its writes
+    /// alone, a withheld taint's recheck only its admission). A change the watch has not
+    /// delivered yet is one a read could have missed too: the taint's write names the version
+    /// it started from and fails on a newer one, and a label or condition taken away meanwhile
+    /// is in the result of the pass's last write, which `drifted` checks when the watch
+    /// delivers it. A watch that keeps failing keeps its last copy: the resync's read is the
+    /// backstop.
     async fn reconcile(
         &mut self,
         desired: &Desired,
         watched: Option<Arc<Node>>,
     ) -> Result<Outcome, KubeSinkError> {
         let name = self.cfg.node.clone();
+        let recent = self
+            .read_at
+            .is_some_and(|at| at.elapsed() < self.cfg.resync);
         let mut node = match watched.filter(|n| {
-            self.versions
-                .is_latest(n.metadata.resource_version.as_deref())
+            recent
+                && self
+                    .versions
+                    .is_latest(n.metadata.resource_version.as_deref())
         }) {
             Some(node) => Arc::unwrap_or_clone(node),
             None => {
                 let node = self.nodes.get(&name).await.map_err(api("read the node"))?;
+                self.read_at = Some(Instant::now());
                 self.versions.note_of(&node);
                 node
             }
@@ -399,6 +418,7 @@ impl NodeSink {
                 Err(e) if is_conflict(&e) && attempt < MAX_TAINT_CONFLICTS => {
                     debug!(attempt, "node changed meanwhile; reading it again");
                     node = self.nodes.get(&name).await.map_err(api("read the node"))?;
+                    self.read_at = Some(Instant::now());
                     self.versions.note_of(&node);
                 }
                 Err(e) => return Err(api("write the node's taints")(e)),
@@ -841,6 +861,66 @@ mod tests {
         );
         assert_eq!(calls(), ["GET /api/v1/nodes/n1", "PATCH /api/v1/nodes/n1"]);
         assert!(unhealthy.carried_by(&node(), false, Timestamp::UNIX_EPOCH));
+        // The watch at the sink's version, but the sink's own last read older than a resync
+        // interval (a watch that fails keeps its last copy): read.
+        let watched = node();
+        emu.clear_calls();
+        sink.cfg.resync = Duration::ZERO;
+        sink.reconcile(&unhealthy, Some(Arc::new(watched)))
+            .await
+            .unwrap();
+        assert_eq!(calls(), ["GET /api/v1/nodes/n1"]);
+    }
+
+    /// A label someone removes after the sink's last read, while the watch still holds that
+    /// read, is carried into the result of the sink's next write (a condition here), which the
+    /// pass does not check: when the watch delivers that result, the sink's own latest version,
+    /// it is drift. The sink's earlier versions are not.
+    #[tokio::test]
+    async fn the_sinks_own_latest_version_is_drift_when_it_lacks_what_is_desired() {
+        let emu = faultline_kube_emulator::Emulator::start().await.unwrap();
+        emu.put(faultline_kube_emulator::node("n1", &[]));
+        let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
+        let budget = Budget::new("n1", Arc::new(watch::channel(None).1), None);
+        let mut sink = sink_on(client, budget, mpsc::channel(8).0);
+        let first = Desired {
+            taints: Vec::new(),
+            ..desired()
+        };
+        sink.reconcile(&first, None).await.unwrap();
+        let echo = n1_in(&emu);
+        let watching = |n: Node| Some(watch::channel(Seen::Present(Arc::new(n))).1);
+        assert!(!sink.drifted(&mut watching(echo.clone()), &first));
+        // Someone takes the label away; the watch has not delivered it.
+        let mut theirs = echo.clone();
+        theirs.metadata.labels = None;
+        theirs.metadata.resource_version = None;
+        emu.put(serde_json::to_value(&theirs).unwrap());
+        // A new condition: written from the watch's copy, which has the label.
+        let second = Desired {
+            condition: DesiredCondition {
+                message: "Xid79 and Xid48".into(),
+                ..first.condition.clone()
+            },
+            ..first.clone()
+        };
+        sink.reconcile(&second, Some(Arc::new(echo.clone())))
+            .await
+            .unwrap();
+        let result = n1_in(&emu);
+        assert!(
+            !second.carried_by(&result, false, Timestamp::UNIX_EPOCH),
+            "the write kept their change: {:?}",
+            result.metadata.labels
+        );
+        assert!(
+            sink.drifted(&mut watching(result), &second),
+            "the sink's own latest version lacks the label: drift"
+        );
+        assert!(
+            !sink.drifted(&mut watching(echo), &second),
+            "an earlier version of the sink's own is not"
+        );
     }
 
     /// What counts as drift: only faultline's own label, taints and condition; a hard taint the
