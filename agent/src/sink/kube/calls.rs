@@ -11,8 +11,9 @@
 //! server-side apply is a `patch`, and when it creates the object the server also checks
 //! `create` on its name (k8s.io/apiserver `handlers/patch.go`; a PUT that creates likewise in
 //! `handlers/update.go`). So every object the agent applies into existence has a `create` row
-//! too. Nodes have none on purpose: the agent has read or watched its Node before each write and must never
-//! create one (an apply to a deleted Node is refused, not turned into a bare Node).
+//! too. Nodes have none on purpose: the agent has read or watched its Node before each write
+//! and must never create one (an apply to a deleted Node is refused, not turned into a bare
+//! Node).
 
 /// Where a call's target lives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -10,10 +10,10 @@
 //!
 //! Every change starts from the Node as it is (the own-Node watch's copy when that is the
 //! version the sink itself last wrote or read, else a read), and writes happen only where the
-//! Node differs from the desired state: a restarted agent adopts what is there and writes nothing. The label and the
-//! condition are written before the taints: only a new hard taint asks the cluster's taint
-//! [`Budget`], and neither its answer nor its failure to answer holds the other two back
-//! (docs/operations.md, "When the taint budget cannot answer").
+//! Node differs from the desired state: a restarted agent adopts what is there and writes
+//! nothing. The label and the condition are written before the taints: only a new hard taint
+//! asks the cluster's taint [`Budget`], and neither its answer nor its failure to answer holds
+//! the other two back (docs/operations.md, "When the taint budget cannot answer").
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -283,6 +283,14 @@ impl NodeSink {
             .inc();
     }
 
+    /// Reads the Node, noting when and its version.
+    async fn read(&mut self, name: &str) -> Result<Node, KubeSinkError> {
+        let node = self.nodes.get(name).await.map_err(api("read the node"))?;
+        self.read_at = Some(Instant::now());
+        self.versions.note_of(&node);
+        Ok(node)
+    }
+
     /// One pass: read the Node, write what differs. `watched`: the Node as the own-node watch
     /// last delivered it; when that is the version this sink itself wrote or read last, and the
     /// sink read the Node itself within the last resync interval, nobody has changed the Node
@@ -309,12 +317,7 @@ impl NodeSink {
                     .is_latest(n.metadata.resource_version.as_deref())
         }) {
             Some(node) => Arc::unwrap_or_clone(node),
-            None => {
-                let node = self.nodes.get(&name).await.map_err(api("read the node"))?;
-                self.read_at = Some(Instant::now());
-                self.versions.note_of(&node);
-                node
-            }
+            None => self.read(&name).await?,
         };
         let labels = node.metadata.labels.clone();
         if self.started.elapsed() < self.cfg.settle
@@ -417,9 +420,7 @@ impl NodeSink {
                 }
                 Err(e) if is_conflict(&e) && attempt < MAX_TAINT_CONFLICTS => {
                     debug!(attempt, "node changed meanwhile; reading it again");
-                    node = self.nodes.get(&name).await.map_err(api("read the node"))?;
-                    self.read_at = Some(Instant::now());
-                    self.versions.note_of(&node);
+                    node = self.read(&name).await?;
                 }
                 Err(e) => return Err(api("write the node's taints")(e)),
             }
