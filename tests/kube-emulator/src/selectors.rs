@@ -207,7 +207,13 @@ impl LabelSelector {
 
     /// Whether an object's `metadata.labels` satisfy every requirement.
     pub fn matches(&self, obj: &Value) -> bool {
-        let labels = obj.pointer("/metadata/labels").and_then(Value::as_object);
+        if self.reqs.is_empty() {
+            return true;
+        }
+        let labels = obj
+            .get("metadata")
+            .and_then(|m| m.get("labels"))
+            .and_then(Value::as_object);
         let get = |k: &str| labels.and_then(|l| l.get(k)).and_then(Value::as_str);
         self.reqs.iter().all(|r| {
             let v = get(&r.key);

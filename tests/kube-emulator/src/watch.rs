@@ -51,6 +51,9 @@ struct WatchState {
     rx: notify::Receiver<u64>,
     /// For a watcher of one object: the store's epoch channel (see `Store::subscribe_named`).
     epoch: Option<notify::Receiver<u64>>,
+    /// Whether the history after `last_rv` was scanned once: from then on the object's own
+    /// channel (`rx`) carries the version of its every change.
+    scanned: bool,
     deadline: Option<Instant>,
     done: bool,
 }
@@ -121,12 +124,25 @@ impl WatchState {
         }
     }
 
-    /// Queues events for changes after `last_rv`.
+    /// Queues events for changes after `last_rv`. A watcher of one object that has scanned
+    /// once, woken with no change of its object since (the epoch, a bookmark), moves its
+    /// cursor to the head without scanning: the watch cache indexes such a watcher by its
+    /// trigger value and never shows it other objects' events (k8s.io/apiserver
+    /// pkg/storage/cacher/cacher.go: `startDispatching` picks the watchers of the event's
+    /// trigger values from `watchers indexedWatchers`, and the unindexed ones). Scanning
+    /// the history there cost 2,000 Node watchers a scan of every Node change at each epoch:
+    /// 60 % of the emulator's CPU with 2,000 agents failing at once.
     fn collect(&mut self) {
+        if self.scanned && self.epoch.is_some() && *self.rx.borrow() <= self.last_rv {
+            let head = lock(&self.inner.store).resource_version();
+            self.last_rv = self.last_rv.max(head);
+            return;
+        }
         let (changes, head) = {
             let store = lock(&self.inner.store);
             (store.changes_since(self.last_rv), store.resource_version())
         };
+        self.scanned = true;
         match changes {
             Ok(changes) => {
                 for c in &changes {
@@ -209,6 +225,7 @@ pub(crate) fn start(inner: &Arc<Inner>, spec: WatchSpec) -> Result<Response<Body
             queue,
             rx,
             epoch,
+            scanned: false,
             done,
         }
     };

@@ -395,3 +395,47 @@ async fn a_watch_of_one_object_sees_it_and_outlives_others_changes() {
         other => panic!("{other:?}"),
     }
 }
+
+/// A watch of one object resumed from a version before that object's last change sees the
+/// change (the history is scanned once from the version asked for), and then only its own
+/// object's later changes.
+#[tokio::test]
+async fn a_resumed_watch_of_one_object_sees_its_change_before_the_watch() {
+    let emu = Emulator::start().await.unwrap();
+    let cms: Api<ConfigMap> = Api::namespaced(client(&emu, "t").await, "default");
+    for n in ["mine", "other"] {
+        cms.create(&PostParams::default(), &cm(n, json!({})))
+            .await
+            .unwrap();
+    }
+    let before = emu.resource_version();
+    let patch = |name: &'static str, v: &'static str| {
+        let cms = cms.clone();
+        async move {
+            cms.patch(
+                name,
+                &PatchParams::default(),
+                &Patch::Merge(json!({"data": {"x": v}})),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    patch("mine", "1").await;
+    patch("other", "1").await;
+    let wp = WatchParams::default().fields("metadata.name=mine");
+    let mut events = cms.watch(&wp, &before).await.unwrap().boxed();
+    match next(&mut events).await {
+        Ok(WatchEvent::Modified(o)) => assert_eq!(o.data.unwrap()["x"], "1"),
+        other => panic!("expected mine's change before the watch, got {other:?}"),
+    }
+    patch("other", "2").await;
+    patch("mine", "2").await;
+    match next(&mut events).await {
+        Ok(WatchEvent::Modified(o)) => {
+            assert_eq!(o.metadata.name.as_deref(), Some("mine"));
+            assert_eq!(o.data.unwrap()["x"], "2");
+        }
+        other => panic!("expected mine's second change, got {other:?}"),
+    }
+}
