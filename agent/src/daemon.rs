@@ -95,7 +95,8 @@ pub struct AgentConfig {
     /// Never talk to Kubernetes, even inside a cluster.
     #[arg(long, env = "FAULTLINE_STANDALONE", value_parser = clap::builder::BoolishValueParser::new())]
     pub standalone: bool,
-    /// Kubernetes: the namespace of the fault ConfigMaps and the taint ledger.
+    /// Kubernetes: the namespace of the fault ConfigMaps, the coordinator's Lease and Service
+    /// (the default `--coordinator`).
     #[arg(long, env = "POD_NAMESPACE", default_value = crate::sink::kube::DEFAULT_NAMESPACE)]
     pub namespace: String,
     /// Kubernetes: this agent's pod name (the reporting instance of its Events).
@@ -163,6 +164,12 @@ pub struct AgentConfig {
     /// never newly tainted, and takes no part in peer checks.
     #[arg(long, env = "FAULTLINE_NODE_TOKEN_FILE")]
     pub node_token_file: Option<PathBuf>,
+    /// Kubernetes: where the taint budget is asked (`host:port`), the coordinator's Service.
+    /// Default: `faultline-coordinator.<namespace>.svc.cluster.local.:20262`; set it in a
+    /// cluster whose domain is not `cluster.local`. (`faultline check --coordinator` reads the
+    /// same variable.)
+    #[arg(long, env = "FAULTLINE_COORDINATOR")]
+    pub coordinator: Option<String>,
     /// Peer checks without Kubernetes: this node's own key (`faultline keys node`); its reports
     /// are signed with it, and no other node holds it.
     #[arg(long, env = "FAULTLINE_PEER_NODE_KEY_FILE")]
@@ -1139,6 +1146,11 @@ impl Components {
                 settle: self.cfg.settle,
                 budget_recheck: self.cfg.budget_recheck,
                 node_token_file: self.cfg.node_token_file.clone(),
+                coordinator: self
+                    .cfg
+                    .coordinator
+                    .clone()
+                    .unwrap_or_else(|| kube_sink::coordinator_service(&self.cfg.namespace)),
                 resync: self.cfg.resync,
                 write_interval: self.cfg.kube_write_interval,
                 event_rate: self.cfg.kube_event_rate,

@@ -9,7 +9,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use faultline_proto::auth::{AuthError, Key, Verifier, VerifyKey};
+use faultline_proto::auth::{AuthError, Key, Verifier, VerifyKey, COORDINATOR_ROLE};
 use faultline_proto::v1::{AdmitRequest, CheckReport};
 use tonic::Status;
 
@@ -37,7 +37,10 @@ impl Refusal {
     }
 }
 
-/// What an agent sends the coordinator.
+/// What an agent sends the coordinator. A report goes to the replica that assigned its check
+/// and must name it; an admission goes to the Service, so it may name the coordinator role
+/// instead (only the active replica answers it, and an admission replayed to the other replica
+/// within the freshness window only repeats the node's own recent request).
 #[derive(Debug, Clone, Copy)]
 pub enum FromAgent<'a> {
     Report(&'a CheckReport),
@@ -49,9 +52,9 @@ impl FromAgent<'_> {
         let now = wire::now_ms();
         match (self, key) {
             (FromAgent::Report(m), None) => v.verify(m, now),
-            (FromAgent::Admit(m), None) => v.verify(m, now),
+            (FromAgent::Admit(m), None) => v.verify_or_role(m, now, COORDINATOR_ROLE),
             (FromAgent::Report(m), Some(k)) => v.verify_with(k, m, now),
-            (FromAgent::Admit(m), Some(k)) => v.verify_with(k, m, now),
+            (FromAgent::Admit(m), Some(k)) => v.verify_with_or_role(k, m, now, COORDINATOR_ROLE),
         }
     }
 }

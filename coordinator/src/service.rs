@@ -359,7 +359,7 @@ mod tests {
     use crate::transport::GrpcTransport;
     use faultline_agent::peer::wire::{CoordinatorSigner, Signer};
     use faultline_core::policy::PeerPolicy;
-    use faultline_proto::auth::{node_key, CoordinatorKey, Key};
+    use faultline_proto::auth::{node_key, CoordinatorKey, Key, COORDINATOR_ROLE};
     use tokio::sync::watch;
 
     const MASTER: &[u8] = b"the coordinator's master, 32 b..";
@@ -756,12 +756,17 @@ mod tests {
         }
     }
 
+    /// An admission as an agent sends it: to the coordinator's Service, so for the role.
     fn admit_with_token(token: &str, as_: &str, node: &str) -> Request<AdmitRequest> {
+        admit_for(COORDINATOR_ROLE, token, as_, node)
+    }
+
+    fn admit_for(receiver: &str, token: &str, as_: &str, node: &str) -> Request<AdmitRequest> {
         let msg = Signer {
             key: Key::new(token.as_bytes()).unwrap(),
             sender: as_.into(),
         }
-        .sign(admit_request(node), "c0");
+        .sign(admit_request(node), receiver);
         let mut r = Request::new(msg);
         faultline_agent::peer::service::bearer(&mut r, token).unwrap();
         r
@@ -770,8 +775,9 @@ mod tests {
     /// Issue 28: the taint budget is the coordinator's. An agent's admission counts only for
     /// the node its token names: a member holding every agent credential cannot spend the
     /// budget in another node's name (nor under its own name for another node), a replayed
-    /// admission is refused, and the ledger holds only the admitted node. Budget of one: the
-    /// second node is denied, with the numbers the agent shows.
+    /// admission is refused, as is one signed for the other replica, and the ledger holds only
+    /// the admitted node. Budget of one: the second node is denied, with the numbers the agent
+    /// shows.
     #[tokio::test]
     async fn a_taint_admission_counts_only_for_the_node_its_token_names() {
         let kept = Arc::new(Kept::default());
@@ -796,6 +802,13 @@ mod tests {
                 tonic::Code::Unauthenticated,
                 "must carry",
             ),
+            // Signed for the other replica by name: not for this one (the role, or this
+            // replica's own name, is).
+            (
+                admit_for("c1", &tok("n1"), "n1", "n1"),
+                tonic::Code::Unauthenticated,
+                "addressed to \"c1\"",
+            ),
         ] {
             let e = svc.admit(r).await.unwrap_err();
             assert_eq!(e.code(), code, "{e:?}");
@@ -812,6 +825,13 @@ mod tests {
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
         let d = svc
             .admit(admit_with_token(&tok("n2"), "n2", "n2"))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!((d.allowed, d.used, d.limit, d.nodes), (false, 1, 1, 2));
+        // Addressed to this replica by its own name: taken as well.
+        let d = svc
+            .admit(admit_for("c0", &tok("n2"), "n2", "n2"))
             .await
             .unwrap()
             .into_inner();

@@ -156,25 +156,39 @@ fn write_kubeconfigs(emu: &Emulator, dir: &Path) {
     emu.write_kubeconfig(&admin, ADMIN_TOKEN).unwrap();
 }
 
+/// The file in the bench's directory that holds the coordinator's gRPC address.
+const COORDINATOR_ADDRESS: &str = "coordinator-address";
+
+/// Where the agents ask the taint budget (the coordinator's gRPC address).
+fn coordinator_address(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join(COORDINATOR_ADDRESS)).unwrap()
+}
+
 /// The real coordinator (`faultline-coordinator`, built with this bench) against the API server
 /// of `kubeconfig`, logging to `dir/coordinator.log` (the budget's answers among it), its
 /// metrics on the returned port.
 fn start_coordinator(dir: &Path, kubeconfig: &Path) -> (Child, u16) {
     let policy = dir.join("coordinator-policy.yaml");
     std::fs::write(&policy, COORDINATOR_POLICY).unwrap();
-    // A free port for its metrics (a race with another process for it is unlikely).
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // Free ports for its metrics and its gRPC service (a race with another process for them is
+    // unlikely). The agents ask the budget at the gRPC address, as at its Service on a cluster.
+    let free_port = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let port = free_port();
+    let peer = format!("127.0.0.1:{}", free_port());
+    std::fs::write(dir.join(COORDINATOR_ADDRESS), &peer).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_faultline-coordinator"))
         .args(["--name", COORDINATOR, "--namespace", NS])
         .arg("--kubeconfig")
         .arg(kubeconfig)
         .arg("--policy")
         .arg(&policy)
-        .args(["--peer-listen", "127.0.0.1:0", "--listen"])
+        .args(["--peer-listen", &peer, "--listen"])
         .arg(format!("127.0.0.1:{port}"))
         // Every agent here connects from 127.0.0.1; on a cluster each has its own pod address.
         .args(["--max-connections-per-address", "8192"])
@@ -364,6 +378,7 @@ impl Cluster {
             .arg(dir.join("boot_id"))
             .arg("--node-token-file")
             .arg(dir.join("peer-token"))
+            .args(["--coordinator", &coordinator_address(self.dir.path())])
             .args(extra)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null())
@@ -1196,6 +1211,7 @@ fn serve_agents(dir: &Path) {
     let (from, to): (usize, usize) = (from.parse().unwrap(), to.parse().unwrap());
     let api = RemoteApi::connect(dir);
     let [kubeconfig, _, _] = kubeconfigs(dir);
+    let coordinator = coordinator_address(dir);
     let rt = runtime();
     let shutdown = tokio_util::sync::CancellationToken::new();
     let mut tasks = Vec::new();
@@ -1231,6 +1247,8 @@ fn serve_agents(dir: &Path) {
             "0s".into(),
             "--node-token-file".into(),
             p("peer-token"),
+            "--coordinator".into(),
+            coordinator.clone(),
             "--peer-listen".into(),
             "127.0.0.1:0".into(),
         ];

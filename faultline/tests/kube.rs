@@ -35,6 +35,8 @@ struct Cluster {
     /// The policy file of the coordinator (and of the agents that are given it).
     policy: PathBuf,
     coordinator: Option<std::process::Child>,
+    /// Where the agents ask the taint budget (the coordinator's Service on a cluster).
+    coordinator_address: String,
     _dir: tempfile::TempDir,
 }
 
@@ -128,6 +130,7 @@ impl Cluster {
             kubeconfig,
             policy: policy_file,
             coordinator: Some(coordinator),
+            coordinator_address: format!("127.0.0.1:{port}"),
             _dir: dir,
         };
         c.wait("the coordinator to hold the Lease", None, |c| {
@@ -172,6 +175,8 @@ impl Cluster {
             "2s",
             "--node-token-file",
             token.to_str().unwrap(),
+            "--coordinator",
+            &self.coordinator_address,
             "--peer-listen",
             "127.0.0.1:0",
         ];

@@ -52,7 +52,9 @@ pub const NONCE_BYTES: usize = 16;
 pub const MAX_AHEAD: Duration = Duration::from_secs(2);
 /// The receiver a requester names on `Run` when it knows only the coordinator's address
 /// (`faultline check --coordinator ADDR`): a role, not a node (the colon is not allowed in a
-/// node name, so it names no agent). Only `Run` accepts it ([`Verifier::verify_or_role`]).
+/// node name, so it names no agent). Only `Run` and an agent's `Admit`, both sent to the
+/// coordinator's Service, accept it ([`Verifier::verify_or_role`],
+/// [`Verifier::verify_with_or_role`]).
 pub const COORDINATOR_ROLE: &str = "role:coordinator";
 
 /// Why a request was refused. The text is sent back to the caller (it names no secret).
@@ -446,7 +448,7 @@ impl Verifier {
     }
 
     /// As [`Verifier::verify`], but a request addressed to `role` (e.g. [`COORDINATOR_ROLE`])
-    /// is accepted too: for the one RPC whose requester may know only the role's address.
+    /// is accepted too: for a request whose sender may know only the role's address.
     pub fn verify_or_role<M: Signed>(
         &mut self,
         msg: &M,
@@ -466,6 +468,19 @@ impl Verifier {
         now_ms: i64,
     ) -> Result<String, AuthError> {
         self.check_with(key, msg, now_ms, None)
+    }
+
+    /// [`Verifier::verify_with`] and [`Verifier::verify_or_role`] at once: a sender whose key
+    /// comes with its request, reaching this receiver through the role's address (an agent's
+    /// taint admission sent to the coordinator's Service).
+    pub fn verify_with_or_role<M: Signed>(
+        &mut self,
+        key: &VerifyKey,
+        msg: &M,
+        now_ms: i64,
+        role: &str,
+    ) -> Result<String, AuthError> {
+        self.check_with(key, msg, now_ms, Some(role))
     }
 
     fn check<M: Signed>(

@@ -327,6 +327,11 @@ fn the_service_reaches_the_ready_coordinator_only() {
     let ports = spec.ports.expect("ports");
     assert_eq!(ports.len(), 1);
     assert_eq!(ports[0].port, port(&c, "peer"));
+    // The agents ask the taint budget here by default
+    // (`faultline_agent::sink::kube::coordinator_service`, tested there to be
+    // `faultline-coordinator.<namespace>.svc.cluster.local.:20262`).
+    assert_eq!(svc.metadata.name.as_deref(), Some("faultline-coordinator"));
+    assert_eq!(ports[0].port, 20262);
     assert_eq!(ports[0].name.as_deref(), Some("peer"));
     assert_eq!(
         ports[0].target_port,

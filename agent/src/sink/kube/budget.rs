@@ -1,22 +1,22 @@
 //! The node sink's side of the cluster's taint budget: before it newly taints its own Node the
 //! agent asks the active coordinator (`Admit`), which alone keeps the budget
-//! (`faultline_coordinator::budget`). The coordinator is the holder of the Lease
-//! `faultline-peercheck` (its address is in the holder identity); the request is signed with
-//! the agent's projected service-account token and carries it, so it counts only for this
-//! node. No answer (no coordinator, none reachable, an error) is an error: the taint waits and
-//! the sink asks again with its backoff.
+//! (`faultline_coordinator::budget`). It asks at the coordinator's Service, which sends
+//! requests to the replica holding the Lease only (only that one is Ready), so finding the
+//! coordinator costs no API request; the request is signed for the coordinator role with the
+//! agent's projected service-account token and carries it, so it counts only for this node.
+//! No answer (no coordinator, none reachable, an error) is an error: the taint waits and the
+//! sink asks again with its backoff.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
+use faultline_proto::auth::COORDINATOR_ROLE;
 use faultline_proto::v1::coordinator_client::CoordinatorClient;
 use faultline_proto::v1::AdmitRequest;
 use faultline_proto::{MAX_MESSAGE_BYTES, PROTOCOL};
 use tracing::info;
 
 use super::KubeSinkError;
-use crate::peer::authz::WhoCoordinates;
 use crate::peer::service::{bearer, endpoint, timed};
 use crate::peer::wire::NodeCredential;
 
@@ -35,22 +35,23 @@ pub enum Answer {
 #[derive(Debug, Clone)]
 pub struct Budget {
     node: String,
-    coordinator: Arc<dyn WhoCoordinates>,
+    /// The coordinator's Service (`host:port`).
+    coordinator: String,
     /// The projected token file (`--node-token-file`); `None`: this agent cannot be admitted.
     token: Option<PathBuf>,
 }
 
 impl Budget {
-    pub fn new(node: &str, coordinator: Arc<dyn WhoCoordinates>, token: Option<PathBuf>) -> Budget {
+    pub fn new(node: &str, coordinator: &str, token: Option<PathBuf>) -> Budget {
         Budget {
             node: node.to_string(),
-            coordinator,
+            coordinator: coordinator.to_string(),
             token,
         }
     }
 
     /// Asks whether this node may be newly tainted now: within [`ADMIT_CALL_TIMEOUT`] in all
-    /// (the Lease's read included: the API client's own retries could take minutes).
+    /// (connecting included).
     pub async fn admit(&self) -> Result<Answer, KubeSinkError> {
         tokio::time::timeout(ADMIT_CALL_TIMEOUT, self.ask())
             .await
@@ -67,22 +68,7 @@ impl Budget {
                     .into(),
             ));
         };
-        let Some(who) = self
-            .coordinator
-            .current(false)
-            .await
-            .map_err(|e| refused(e.to_string()))?
-        else {
-            return Err(refused(
-                "no coordinator holds the Lease faultline-peercheck".into(),
-            ));
-        };
-        let Some(address) = &who.address else {
-            return Err(refused(format!(
-                "the coordinator {} names no address",
-                who.node
-            )));
-        };
+        let address = &self.coordinator;
         let signed = NodeCredential::Token(token.clone())
             .sign(
                 AdmitRequest {
@@ -91,7 +77,7 @@ impl Budget {
                     ..Default::default()
                 },
                 &self.node,
-                &who.node,
+                COORDINATOR_ROLE,
             )
             .map_err(|e| refused(e.to_string()))?;
         let mut request = timed(signed.msg, ADMIT_CALL_TIMEOUT);

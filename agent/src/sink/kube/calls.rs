@@ -104,7 +104,7 @@ pub const API_CALLS: &[ApiCall] = &[
         "leases",
         "get",
         Scope::AgentNamespace,
-        "peer (the faultline-peercheck Lease, read only: which coordinator is active, and its public key, the only key an agent accepts assignments and conclusions under), sink::kube::budget (where the active coordinator listens: a new taint asks it first)",
+        "peer (the faultline-peercheck Lease, read only: which coordinator is active, and its public key, the only key an agent accepts assignments and conclusions under)",
     )
     .only(LEASE),
     call(

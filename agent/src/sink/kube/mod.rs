@@ -44,6 +44,16 @@ use faultline_core::engine::EngineEvent;
 pub use crate::kube_client::FIELD_MANAGER;
 /// The agent's namespace unless configured otherwise.
 pub const DEFAULT_NAMESPACE: &str = "faultline-system";
+
+/// Where the coordinator's Service listens (`manifests/base/coordinator.yaml`): the taint budget
+/// is asked there unless `--coordinator` says otherwise. A fully qualified name in the default
+/// cluster domain, with its final dot: a shorter name goes through the pod's DNS search list,
+/// whose first tries (`...svc.<namespace>.svc.cluster.local`, `...svc.svc.cluster.local`)
+/// could be answered by a Service in a namespace someone else controls, and the agent's token
+/// would go there. Another cluster domain: set `--coordinator`.
+pub fn coordinator_service(namespace: &str) -> String {
+    format!("faultline-coordinator.{namespace}.svc.cluster.local.:20262")
+}
 /// The fault ConfigMap's default write budget for changes of counts and last-seen times alone
 /// (`--kube-write-interval`): a fault repeating all day costs the API server one write of the
 /// record every 10 s at most.
@@ -53,7 +63,7 @@ pub const DEFAULT_WRITE_INTERVAL: Duration = Duration::from_secs(10);
 #[derive(Debug, Clone)]
 pub struct KubeSinkConfig {
     pub node: String,
-    /// Where the fault ConfigMap and the Lease naming the coordinator live.
+    /// Where the fault ConfigMap lives.
     pub namespace: String,
     /// The reporting instance of Events (the pod name); defaults to the node name.
     pub instance: Option<String>,
@@ -67,6 +77,8 @@ pub struct KubeSinkConfig {
     /// The agent's projected service-account token (`--node-token-file`): what the
     /// coordinator knows this node by when it asks the taint budget.
     pub node_token_file: Option<std::path::PathBuf>,
+    /// Where the taint budget is asked (`host:port`): the coordinator's Service.
+    pub coordinator: String,
     /// The fault ConfigMap's write budget: a change of counts and last-seen times alone is
     /// written at most once per this interval ([`plan::when_to_write`]); `ZERO` writes every
     /// change at once.
@@ -86,6 +98,7 @@ impl KubeSinkConfig {
             resync: Duration::from_secs(300),
             budget_recheck: Duration::from_secs(15),
             node_token_file: None,
+            coordinator: coordinator_service(DEFAULT_NAMESPACE),
             write_interval: DEFAULT_WRITE_INTERVAL,
             event_rate: events::RATE_PER_MINUTE,
             event_burst: events::BURST,
@@ -209,14 +222,7 @@ pub fn spawn(
         }
     };
     let client = clients.calls;
-    let budget = budget::Budget::new(
-        &cfg.node,
-        Arc::new(crate::peer::authz::LeaseHolder::new(
-            client.clone(),
-            cfg.namespace.clone(),
-        )),
-        cfg.node_token_file.clone(),
-    );
+    let budget = budget::Budget::new(&cfg.node, &cfg.coordinator, cfg.node_token_file.clone());
     let node_sink = node::NodeSink::new(
         client.clone(),
         cfg.clone(),
@@ -287,6 +293,23 @@ pub async fn emulator_client(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The taint budget is asked at the coordinator's Service (manifests/base/coordinator.yaml:
+    /// `faultline-coordinator`, port 20262, checked by the manifests tests) under its fully
+    /// qualified name, so the pod's DNS search list never tries another namespace's name first;
+    /// the daemon's default follows its namespace.
+    #[test]
+    fn the_budget_is_asked_at_the_services_fully_qualified_name() {
+        assert_eq!(
+            coordinator_service("faultline-system"),
+            "faultline-coordinator.faultline-system.svc.cluster.local.:20262"
+        );
+        assert_eq!(
+            KubeSinkConfig::new("n1").coordinator,
+            coordinator_service(DEFAULT_NAMESPACE)
+        );
+        assert!(crate::peer::service::endpoint(&coordinator_service("ops")).is_ok());
+    }
 
     /// The backoff starts at 200 ms (up to twice that with jitter), reaches its ceiling and
     /// never passes 30 s, jitter included; a reset starts over.

@@ -594,7 +594,7 @@ mod tests {
     async fn the_withheld_taint_notice_waits_for_room_in_a_full_queue() {
         let emu = faultline_kube_emulator::Emulator::start().await.unwrap();
         let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
-        let budget = Budget::new("n1", Arc::new(watch::channel(None).1), None);
+        let budget = Budget::new("n1", "127.0.0.1:9", None);
         let (tx, mut rx) = mpsc::channel(1);
         let mut sink = sink_on(client, budget, tx.clone());
         let filler = || Notice::TaintWithheld {
@@ -663,7 +663,10 @@ mod tests {
             assert_eq!(bearer, format!("Bearer {TOKEN}"));
             let r = r.into_inner();
             assert_eq!(r.node, "n1");
-            assert_eq!(r.auth.unwrap().receiver, "c0");
+            assert_eq!(
+                r.auth.unwrap().receiver,
+                faultline_proto::auth::COORDINATOR_ROLE
+            );
             self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             Ok(tonic::Response::new(faultline_proto::v1::AdmitReply {
                 allowed: true,
@@ -684,7 +687,6 @@ mod tests {
     /// a budget under contention or refused held them back.)
     #[tokio::test]
     async fn the_label_and_condition_are_written_before_the_budget_is_asked() {
-        use crate::peer::authz::CoordinatorId;
         use faultline_kube_emulator::Emulator;
         let emu = Emulator::start().await.unwrap();
         emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "faultline-system"}}));
@@ -692,9 +694,12 @@ mod tests {
         let (client, dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
         let token = dir.path().join("token");
         std::fs::write(&token, format!("{TOKEN}\n")).unwrap();
-        // Nobody coordinates yet.
-        let (who, who_rx) = watch::channel(None);
-        let budget = Budget::new("n1", Arc::new(who_rx), Some(token));
+        // Nobody answers at the coordinator's address yet.
+        let address = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let budget = Budget::new("n1", &address.to_string(), Some(token));
         let (tx, _rx) = mpsc::channel(8);
         let mut sink = sink_on(client, budget, tx);
         let node = || n1_in(&emu);
@@ -702,7 +707,7 @@ mod tests {
         let d = desired();
         let first = sink.reconcile(&d, None).await;
         assert!(
-            matches!(&first, Err(KubeSinkError::Budget(why)) if why.contains("no coordinator")),
+            matches!(&first, Err(KubeSinkError::Budget(why)) if why.contains(&address.to_string())),
             "the pass fails, to be retried: {first:?}"
         );
         let n = node();
@@ -723,8 +728,7 @@ mod tests {
         assert_eq!(writes, ["/api/v1/nodes/n1", "/api/v1/nodes/n1/status"]);
 
         // A coordinator answers: the taint follows, and nothing else is written again.
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let address = listener.local_addr().unwrap().to_string();
+        let listener = tokio::net::TcpListener::bind(address).await.unwrap();
         let admits = Admits(Arc::default());
         tokio::spawn(
             tonic::transport::Server::builder()
@@ -738,13 +742,6 @@ mod tests {
                     "coordinator",
                 )),
         );
-        who.send_replace(Some(CoordinatorId {
-            node: "c0".into(),
-            address: Some(address),
-            key: faultline_proto::auth::CoordinatorKey::generate()
-                .unwrap()
-                .public_key(),
-        }));
         emu.clear_calls();
         let second = sink.reconcile(&d, None).await.unwrap();
         assert_eq!(
@@ -776,7 +773,7 @@ mod tests {
         let emu = Emulator::start().await.unwrap();
         emu.put(faultline_kube_emulator::node("n1", &[]));
         let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
-        let budget = Budget::new("n1", Arc::new(watch::channel(None).1), None);
+        let budget = Budget::new("n1", "127.0.0.1:9", None);
         let (tx, _rx) = mpsc::channel(8);
         let mut sink = sink_on(client, budget, tx);
         let node = || n1_in(&emu);
@@ -882,7 +879,7 @@ mod tests {
         let emu = faultline_kube_emulator::Emulator::start().await.unwrap();
         emu.put(faultline_kube_emulator::node("n1", &[]));
         let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
-        let budget = Budget::new("n1", Arc::new(watch::channel(None).1), None);
+        let budget = Budget::new("n1", "127.0.0.1:9", None);
         let mut sink = sink_on(client, budget, mpsc::channel(8).0);
         let first = Desired {
             taints: Vec::new(),
