@@ -384,7 +384,7 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
     // faults.json, read once: the engine is rebuilt from it when state.json is unusable, and
     // the withheld taints come from it in every case.
     let record = crate::cli::read_record(&cfg.state_dir.join(file::FAULTS_FILE));
-    let (origin, mut persisted) = match read_durable_state(cfg, node) {
+    let (origin, persisted) = match read_durable_state(cfg, node) {
         Ok(Some(p)) => (Origin::State, p),
         // No usable state.json (deleted alone, or unreadable): the record is rebuilt.
         missing_or_bad => {
@@ -409,8 +409,6 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
             }
         }
     };
-    // Faults saved by an older agent, brought under the current level domains.
-    persisted.engine.upgrade();
     let boot_time = kmsg::boot_time(&cfg.proc_stat_path).map(|t| t.as_second());
     let same_boot = same_boot(
         (persisted.engine.boot_id(), persisted.boot_time),
@@ -427,7 +425,7 @@ fn restore(cfg: &AgentConfig, node: &str, catalog: &Catalog) -> Restored {
         kmsg_cursor,
         boot_time,
         kmsg_skip_through,
-        // Saved with the state (kept by a reboot); from the record for state from before.
+        // Saved with the state (kept by a reboot); from the record when the state was lost.
         taint_budget: persisted.taint_budget.or_else(|| {
             record
                 .ok()
@@ -477,16 +475,14 @@ fn same_boot(saved: (Option<&str>, Option<i64>), now: (Option<&str>, Option<i64>
     }
 }
 
-/// `state.json` from the data directory. An agent from before `--data-dir` kept it in the state
-/// directory: found there and newer than the data directory's copy (or the only one), it is
-/// moved; older, it is removed. A file of another version is refused and set aside as
-/// `state.json.v<N>` (the agent that wrote it may come back after a rollback), a file of
+/// `state.json` from the data directory. A file of another version is refused and set aside
+/// as `state.json.v<N>` (the agent that wrote it may come back after a rollback), a file of
 /// another node as `state.json.node-<name>`; neither is merged nor overwritten.
 fn read_durable_state(
     cfg: &AgentConfig,
     node: &str,
 ) -> Result<Option<crate::runtime::PersistedState>, String> {
-    let refused = |e: file::StateReadError| {
+    file::read_state(&cfg.data_dir, node).map_err(|e| {
         if let Some((path, name)) = set_aside_name(&e) {
             let aside = path.with_file_name(name);
             match std::fs::rename(&path, &aside) {
@@ -499,110 +495,7 @@ fn read_durable_state(
             }
         }
         e.to_string()
-    };
-    if cfg.data_dir == cfg.state_dir {
-        return file::read_state(&cfg.data_dir, node).map_err(refused);
-    }
-    // A `state.json` in the state directory is an agent's from before `--data-dir` (or one rolled
-    // back to such an agent, and forward again, in the same boot). The newer of the two copies
-    // wins: after a roll back the old agent went on in /run, and the /var/lib copy is stale.
-    let from = cfg.state_dir.join(file::STATE_FILE);
-    let to = cfg.data_dir.join(file::STATE_FILE);
-    let legacy = legacy_copy(&from, &to);
-    if legacy != Legacy::Newer {
-        let data = file::read_state(&cfg.data_dir, node);
-        // Superseded, once the data directory's copy is known good: an agent rolled back to
-        // would otherwise restore it.
-        if matches!(data, Ok(Some(_))) && legacy == Legacy::Older {
-            match std::fs::remove_file(&from) {
-                Ok(()) => {
-                    info!(stale = %from.display(), kept = %to.display(), "an older saved state in the state directory removed")
-                }
-                Err(e) => {
-                    warn!(error = %e, stale = %from.display(), "cannot remove an older saved state")
-                }
-            }
-        }
-        return data.map_err(refused);
-    }
-    let legacy = match file::read_state(&cfg.state_dir, node) {
-        Ok(Some(p)) => p,
-        // Unreadable (set aside when of another version): the data directory's copy, if any,
-        // is the better one.
-        other if to.exists() => {
-            if let Err(e) = other {
-                let _ = refused(e);
-            }
-            return file::read_state(&cfg.data_dir, node).map_err(refused);
-        }
-        other => return other.map_err(refused),
-    };
-    match move_file(&from, &to) {
-        Ok(()) => {
-            info!(from = %from.display(), to = %to.display(), "saved state moved to the data directory")
-        }
-        Err(e) => {
-            warn!(error = %e, from = %from.display(), to = %to.display(), "cannot move the saved state; using it where it is")
-        }
-    }
-    Ok(Some(legacy))
-}
-
-/// Moves `name` from the state directory (where agents from before `--data-dir` kept it) to the
-/// data directory when it is the newer copy (the rule `state.json` follows too); an older copy
-/// is removed. Failing, the file stays and is logged.
-fn move_legacy_file(state_dir: &Path, data_dir: &Path, name: &str) {
-    let (from, to) = (state_dir.join(name), data_dir.join(name));
-    if state_dir == data_dir {
-        return;
-    }
-    match legacy_copy(&from, &to) {
-        Legacy::Absent => {}
-        Legacy::Older => {
-            if let Err(e) = std::fs::remove_file(&from) {
-                warn!(error = %e, stale = %from.display(), "cannot remove an older copy");
-            }
-        }
-        Legacy::Newer => match move_file(&from, &to) {
-            Ok(()) => {
-                info!(from = %from.display(), to = %to.display(), "moved to the data directory")
-            }
-            Err(e) => {
-                warn!(error = %e, from = %from.display(), "cannot move to the data directory")
-            }
-        },
-    }
-}
-
-/// A file an agent from before `--data-dir` kept in the state directory, against the data
-/// directory's copy of it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Legacy {
-    /// No such file in the state directory.
-    Absent,
-    /// Not newer than the data directory's copy (by modification time).
-    Older,
-    /// Newer, or the data directory has none.
-    Newer,
-}
-
-fn legacy_copy(legacy: &Path, data: &Path) -> Legacy {
-    let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    if !legacy.is_file() {
-        return Legacy::Absent;
-    }
-    match (modified(data), modified(legacy)) {
-        (Some(d), Some(l)) if l <= d => Legacy::Older,
-        _ => Legacy::Newer,
-    }
-}
-
-/// Moves a file to another file system (/run is a tmpfs): written atomically there, then
-/// removed here.
-fn move_file(from: &Path, to: &Path) -> Result<(), String> {
-    let bytes = std::fs::read(from).map_err(|e| e.to_string())?;
-    crate::atomic_file::write(to, &bytes).map_err(|e| e.to_string())?;
-    std::fs::remove_file(from).map_err(|e| e.to_string())
+    })
 }
 
 /// An engine rebuilt from a record, and the time up to which the record counted kernel-log
@@ -1111,14 +1004,10 @@ impl Components {
                 let p =
                     kube_sink::deviceinfo::DeviceInfoPublisher::new(c.calls.clone(), &self.node);
                 self.spawn_sink("mindcluster", mind.with_publisher(p).run());
-                // Public faults go to ClusterD, which exists only in a cluster.
-                // The outbox is durable state: after a reboot, the faults the reboot ended
-                // must still be retracted (ClusterD clears a public fault only on `recover`).
-                move_legacy_file(
-                    &self.cfg.state_dir,
-                    &self.cfg.data_dir,
-                    crate::sink::publicfault::OUTBOX_FILE,
-                );
+                // Public faults go to ClusterD, which exists only in a cluster. The outbox is
+                // durable state (the data directory): after a reboot, the faults the reboot
+                // ended must still be retracted (ClusterD clears a public fault only on
+                // `recover`).
                 let public = crate::sink::publicfault::PublicFaultSink {
                     node: self.node.clone(),
                     dir: self.cfg.data_dir.clone(),
@@ -1389,7 +1278,7 @@ mod tests {
         assert!(same_boot((None, t1), (None, t1)));
         assert!(same_boot((None, t1), (b1, t1)));
         assert!(!same_boot((None, t1), (None, t2)), "a reboot");
-        // Nothing known (a state from before boot times were saved): a new boot.
+        // Nothing known: a new boot.
         assert!(!same_boot((None, None), (None, None)));
         assert!(!same_boot((b1, None), (None, t1)));
     }

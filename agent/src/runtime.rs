@@ -98,7 +98,7 @@ impl Clock for SystemClock {
     }
 }
 
-/// What the agent saves across restarts (`state.json` in the state directory).
+/// What the agent saves across restarts (`state.json` in the data directory, `--data-dir`).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PersistedState {
     pub version: u32,
@@ -123,7 +123,7 @@ pub struct PersistedState {
     pub boot_time: Option<i64>,
     pub engine: Engine,
     /// The engine's timeline in the boot that wrote this (a restart in the same boot goes on
-    /// with it). Absent in files from before it existed: a new one is anchored.
+    /// with it). `None`: a new one is anchored.
     #[serde(default)]
     pub timeline: Option<Timeline>,
     /// The taint budget's last answer (the taints it withholds and since when), so that a

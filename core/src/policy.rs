@@ -157,15 +157,6 @@ impl Default for PublicFaultPolicy {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct AscendPolicy {
-    /// Obsolete and ignored: which `npu-smi` runs is the agent's `--npu-smi` flag, because the
-    /// tools run as root and whoever may edit the policy must not choose what runs. Still
-    /// accepted, so that a policy written for an older agent loads; [`Policy::warnings`] names
-    /// it.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub npu_smi: Option<String>,
-    /// Obsolete and ignored, like `npu_smi`: the agent's `--hccn-tool` flag says which runs.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub hccn_tool: Option<String>,
     #[serde(with = "humantime_serde")]
     pub poll_interval: Duration,
     /// A tool call running longer than this is killed and the detector marked down.
@@ -188,8 +179,6 @@ pub struct AscendPolicy {
 impl Default for AscendPolicy {
     fn default() -> Self {
         AscendPolicy {
-            npu_smi: None,
-            hccn_tool: None,
             poll_interval: Duration::from_secs(10),
             call_timeout: Duration::from_secs(10),
             fault_code_file: None,
@@ -442,7 +431,8 @@ pub fn default_health(h: Handling) -> Health {
     }
 }
 
-/// The default node action for a level (DESIGN.md's table); its health is [`default_health`].
+/// The default node action for a level (docs/policy.md's table); its health is
+/// [`default_health`].
 pub fn default_node_action(h: Handling) -> NodeAction {
     use Handling::*;
     let taint = |key: &str, effect| {
@@ -562,47 +552,26 @@ impl Policy {
         Ok(self)
     }
 
-    /// What the policy says that is ignored, one message per field: the obsolete tool paths
-    /// (`ascend.npu_smi`, `ascend.hccn_tool`). The agent logs these when it loads the policy.
+    /// What the agent warns about when it loads the policy: a node action that the shipped
+    /// admission policy refuses, and the notes of the Ascend tables.
     pub fn warnings(&self) -> Vec<String> {
-        let a = &self.ascend;
-        [
-            ("npu_smi", &a.npu_smi, "--npu-smi", "FAULTLINE_NPU_SMI"),
-            (
-                "hccn_tool",
-                &a.hccn_tool,
-                "--hccn-tool",
-                "FAULTLINE_HCCN_TOOL",
-            ),
-        ]
-        .into_iter()
-        .filter_map(|(field, value, flag, env)| {
-            value.as_ref().map(|v| {
+        self.node_actions
+            .iter()
+            .filter(|(_, a)| {
+                a.taint
+                    .as_ref()
+                    .is_some_and(|t| t.effect == TaintEffect::NoExecute)
+            })
+            .map(|(level, _)| {
                 format!(
-                    "field ascend.{field} ({v:?}) is ignored: the tool that runs is set by the \
-                     agent's {flag} flag ({env}); remove the field from the policy"
+                    "node_actions.{level:?} taints with NoExecute: the shipped admission \
+                     policy (manifests/base/admission.yaml) refuses that effect, and every \
+                     taint write of this node with it, until its taintEffects variable \
+                     includes NoExecute"
                 )
             })
-        })
-        .chain(
-            self.node_actions
-                .iter()
-                .filter(|(_, a)| {
-                    a.taint
-                        .as_ref()
-                        .is_some_and(|t| t.effect == TaintEffect::NoExecute)
-                })
-                .map(|(level, _)| {
-                    format!(
-                        "node_actions.{level:?} taints with NoExecute: the shipped admission \
-                         policy (manifests/base/admission.yaml) refuses that effect, and every \
-                         taint write of this node with it, until its taintEffects variable \
-                         includes NoExecute"
-                    )
-                }),
-        )
-        .chain(self.ascend_tables.notes.iter().cloned())
-        .collect()
+            .chain(self.ascend_tables.notes.iter().cloned())
+            .collect()
     }
 
     /// Every escalation rule in force: the policy's own, then the Ascend customization's.
@@ -1177,33 +1146,20 @@ expected_gpus: 8
         );
     }
 
+    /// The policy cannot name the Ascend tools, which run as root: whoever may edit it must not
+    /// choose what runs (the agent's `--npu-smi` and `--hccn-tool` do). A policy that tries is
+    /// refused, naming the field.
     #[test]
-    fn obsolete_tool_paths_load_with_a_warning() {
-        let p = Policy::parse(
-            "ascend:\n  npu_smi: /tmp/evil\n  hccn_tool: hccn_tool\n  poll_interval: 5s\n",
-        )
-        .unwrap();
-        assert_eq!(p.ascend.poll_interval, Duration::from_secs(5));
-        let w = p.warnings();
-        assert_eq!(w.len(), 2, "{w:?}");
-        assert!(
-            w[0].contains("ascend.npu_smi")
-                && w[0].contains("/tmp/evil")
-                && w[0].contains("--npu-smi")
-                && w[0].contains("ignored"),
-            "{}",
-            w[0]
-        );
-        assert!(
-            w[1].contains("ascend.hccn_tool") && w[1].contains("--hccn-tool"),
-            "{}",
-            w[1]
-        );
+    fn a_policy_naming_a_tool_is_refused() {
+        for field in ["npu_smi", "hccn_tool"] {
+            let e = Policy::parse(&format!(
+                "ascend:\n  {field}: /tmp/evil\n  poll_interval: 5s\n"
+            ))
+            .unwrap_err()
+            .to_string();
+            assert!(e.contains(field), "{e}");
+        }
         assert!(Policy::default().warnings().is_empty());
-        assert!(Policy::parse("ascend: { poll_interval: 5s }\n")
-            .unwrap()
-            .warnings()
-            .is_empty());
     }
 
     /// Deep nesting and repeated keys are refused with a location. The parser streams into the

@@ -1,7 +1,7 @@
 //! The fault record: faultline's public contract (`faultline.io/v1`).
 //!
 //! These types are serialized into the node-local `faults.json` and, on Kubernetes, into the
-//! per-node ConfigMap. Field names follow DESIGN.md: camelCase at the top, MindCluster's
+//! per-node ConfigMap. Field names (docs/record.md): camelCase at the top, MindCluster's
 //! snake_case inside each fault. `docs/record.schema.json` validates the output (a test checks).
 
 use std::fmt;

@@ -303,33 +303,14 @@ fn a_reboot_keeps_operator_held_faults_and_escalation_counts() {
 
 /// A `state.json` written by a newer agent (another version) is refused with a clear message,
 /// never misread: it is set aside as `state.json.v2` (a rollback's agent finds it there), and
-/// the faults are rebuilt from the record. An agent from before `--data-dir` left its
-/// `state.json` in the state directory: it is moved, and nothing is lost.
+/// the faults are rebuilt from the record.
 #[test]
-fn state_of_another_version_is_set_aside_and_old_state_is_moved() {
+fn state_of_another_version_is_set_aside() {
     let dir = tempfile::tempdir().unwrap();
     let agent = Agent::start(dir.path(), &[]);
     agent.append(&xid79(1, "3b"));
     agent.wait_for("the fault", |r| fault(r, "Xid79").is_some());
     let data = agent.data();
-    let state = agent.state();
-    assert_eq!(agent.stop(), 0);
-
-    // Moved from the state directory.
-    std::fs::rename(data.join("state.json"), state.join("state.json")).unwrap();
-    let agent = Agent::start(dir.path(), &[]);
-    let r = agent.wait_for("restarted", |r| {
-        agent
-            .log()
-            .contains("saved state moved to the data directory")
-            && r.agent.detectors.iter().any(|d| d.name == "kmsg")
-    });
-    assert_eq!(
-        fault(&r, "Xid79").map(|f| (f.active, f.count)),
-        Some((true, 1))
-    );
-    assert!(data.join("state.json").is_file());
-    assert!(!state.join("state.json").exists());
     assert_eq!(agent.stop(), 0);
 
     // A newer version.
@@ -360,68 +341,6 @@ fn state_of_another_version_is_set_aside_and_old_state_is_moved() {
         newer,
         "set aside untouched"
     );
-    assert_eq!(agent.stop(), 0);
-}
-
-/// Rolled back to an agent from before `--data-dir` and forward again within one boot: the old
-/// agent went on in the state directory, so that copy is the newer one and wins (it is moved to
-/// the data directory). An older copy left in the state directory is removed, never restored.
-/// Before, the data directory's copy always won, restoring state from before the roll back.
-#[test]
-fn after_a_roll_back_and_forward_the_newer_saved_state_wins() {
-    let dir = tempfile::tempdir().unwrap();
-    let agent = Agent::start(dir.path(), &[]);
-    agent.append(&xid79(1, "3b"));
-    agent.wait_for("the fault", |r| fault(r, "Xid79").is_some());
-    let (data, state) = (agent.data(), agent.state());
-    assert_eq!(agent.stop(), 0);
-    let set_count = |doc: &mut serde_json::Value, n: u64| {
-        let faults = doc["engine"]["faults"].as_object_mut().unwrap();
-        let (_, f) = faults.iter_mut().next().unwrap();
-        f["fault"]["count"] = n.into();
-    };
-    let saved: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(data.join("state.json")).unwrap()).unwrap();
-    // The rolled-back agent counted two more in /run, after the data directory's last write.
-    let mut newer = saved.clone();
-    set_count(&mut newer, 3);
-    std::thread::sleep(Duration::from_millis(20));
-    std::fs::write(state.join("state.json"), newer.to_string()).unwrap();
-    // A record written by this run, not the last one's (still on disk at start).
-    let since = faultline_core::time::Timestamp::now();
-    let agent = Agent::start(dir.path(), &[]);
-    let r = agent.wait_for("restarted on the newer copy", |r| {
-        r.update_time > since && r.agent.detectors.iter().any(|d| d.name == "kmsg")
-    });
-    assert!(agent
-        .log()
-        .contains("saved state moved to the data directory"));
-    assert_eq!(fault(&r, "Xid79").map(|f| f.count), Some(3));
-    assert!(!state.join("state.json").exists());
-    assert_eq!(agent.stop(), 0);
-
-    // An older copy in /run: the data directory's wins and the old copy is removed.
-    let mut older = saved;
-    set_count(&mut older, 1);
-    let path = state.join("state.json");
-    std::fs::write(&path, older.to_string()).unwrap();
-    let an_hour_ago = std::time::SystemTime::now() - Duration::from_secs(3600);
-    std::fs::File::options()
-        .write(true)
-        .open(&path)
-        .unwrap()
-        .set_modified(an_hour_ago)
-        .unwrap();
-    let since = faultline_core::time::Timestamp::now();
-    let agent = Agent::start(dir.path(), &[]);
-    let r = agent.wait_for("restarted on the data directory's copy", |r| {
-        r.update_time > since && r.agent.detectors.iter().any(|d| d.name == "kmsg")
-    });
-    assert!(agent
-        .log()
-        .contains("an older saved state in the state directory removed"));
-    assert_eq!(fault(&r, "Xid79").map(|f| f.count), Some(3));
-    assert!(!path.exists());
     assert_eq!(agent.stop(), 0);
 }
 

@@ -403,8 +403,6 @@ async fn run_node(n: &NodeTimeline, with_restarts: bool) -> Run {
         if agent.is_none() {
             // Started again: restore what the last run saved and read the log from its start.
             let state = read_state(dir.path(), &n.name).unwrap().unwrap();
-            let mut state = state;
-            state.engine.upgrade();
             let same_boot = state.engine.boot_id() == Some(BOOT_ID);
             let resume = state.kmsg_position().filter(|_| same_boot);
             clock.set(t);

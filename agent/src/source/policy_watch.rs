@@ -203,7 +203,7 @@ pub fn apply_load(
             metrics.policy_valid.set(1);
             info!(path = %path.display(), checksum = %sum, "policy loaded");
             for warning in policy.warnings() {
-                warn!(path = %path.display(), warning = %warning, "policy field ignored");
+                warn!(path = %path.display(), warning = %warning, "policy warning");
             }
             Some(LoadedPolicy {
                 policy: Arc::new(policy),

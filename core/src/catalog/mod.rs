@@ -1,6 +1,6 @@
 //! Catalogs: raw fault codes to `(fault_type, fault_code, fault_handling)`.
 //!
-//! The tables are data (`agent/catalog/*.yaml`, embedded at build time): NVIDIA's Xid and SXid
+//! The tables are data (`core/catalog/*.yaml`, embedded at build time): NVIDIA's Xid and SXid
 //! catalog with its recommended actions, and faultline's own named codes. The policy file can
 //! override any entry per code; `Catalog::classify` is what the engine calls. Ascend codes
 //! come from a table in MindCluster's `faultCode.json` format (`ascend`), built in and

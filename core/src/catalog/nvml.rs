@@ -3,8 +3,8 @@
 //! The NVML source sends one level-triggered observation per GPU, per reading, per poll: the
 //! domain names the reading, so a reading that failed this poll (no `Level` sent) leaves its
 //! conditions as they were, and a lost GPU, which reads nothing, keeps the rest. The table
-//! lives in the core because the engine needs it too: faults rebuilt from a record, or saved
-//! by an agent from before levels, get their domain from here so the next poll can end them.
+//! lives in the core because the engine needs it too: faults rebuilt from a record get their domain from here so the
+//! next poll can end them.
 
 /// `(fault code, domain)` of every NVML condition.
 pub const CONDITIONS: &[(&str, &str)] = &[

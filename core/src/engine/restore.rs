@@ -12,7 +12,7 @@ use std::collections::VecDeque;
 use super::{Ctx, Engine, FaultCodeRepr, FaultState};
 use crate::catalog::ascend::is_fault_code;
 use crate::catalog::{nvml, FaultCode};
-use crate::peer::verdicts;
+
 use crate::record::{Fault, FaultType, Handling, NodeRecord, Source};
 
 /// Which of a record's faults to rebuild.
@@ -86,31 +86,6 @@ fn level_domain(f: &Fault) -> Option<String> {
     match f.source {
         Source::Nvml => nvml::domain(&f.fault_code).map(str::to_string),
         _ => None,
-    }
-}
-
-impl Engine {
-    /// Brings faults saved by an older agent under the current level domains: NVML conditions
-    /// were edge-triggered (no domain), and a node's peer links shared the node's domain. Without
-    /// this, such a fault could never be ended by the source that raised it.
-    pub fn upgrade(&mut self) {
-        let mut changed = false;
-        for f in self.faults.values_mut() {
-            let domain = match (f.fault.source, f.domain.as_deref()) {
-                (Source::Nvml, None) => level_domain(&f.fault),
-                (Source::Peer, Some(verdicts::DOMAIN)) if f.device_key.starts_with("link:") => {
-                    Some(verdicts::LINK_DOMAIN.to_string())
-                }
-                _ => continue,
-            };
-            if domain.is_some() {
-                f.domain = domain;
-                changed = true;
-            }
-        }
-        if changed {
-            self.revision += 1;
-        }
     }
 }
 

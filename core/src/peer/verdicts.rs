@@ -339,39 +339,6 @@ mod tests {
         assert!(active(&e, policy).is_empty());
     }
 
-    /// A link fault saved by an agent from before the link domain (it shared the node's domain)
-    /// is brought under it on load and heals on a clean run.
-    #[test]
-    fn a_link_fault_saved_in_the_old_domain_heals() {
-        let (policy, ctx) = ctx();
-        let m = members(8);
-        let mut e = Engine::new();
-        let v = Verdicts {
-            broken_links: BTreeSet::from([Pair::new(4, 5)]),
-            ..Default::default()
-        };
-        for o in observe(&m, 4, &v, "run-1", None) {
-            e.step(ctx, o, t(0));
-        }
-        let text = serde_json::to_string(&e)
-            .unwrap()
-            .replace(&format!("\"{LINK_DOMAIN}\""), &format!("\"{DOMAIN}\""));
-        let mut old: Engine = serde_json::from_str(&text).unwrap();
-        let mut upgraded = old.clone();
-        upgraded.upgrade();
-        for e in [&mut old, &mut upgraded] {
-            for o in observe(&m, 4, &Verdicts::default(), "run-2", None) {
-                e.step(ctx, o, t(1800));
-            }
-        }
-        assert_eq!(
-            active(&old, policy),
-            ["PEER_LINK_FAILED@link:gpu-5"],
-            "without the upgrade the old fault never heals"
-        );
-        assert!(active(&upgraded, policy).is_empty());
-    }
-
     /// A run judges only the links to its own members: a job's pre-flight check of gpu-4 and
     /// gpu-5 leaves gpu-4's broken link to gpu-6 alone, and so does a run in which gpu-6 is
     /// `unknown`; a run that judges gpu-6 ends it. (A single level over all links ended it on

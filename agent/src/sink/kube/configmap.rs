@@ -1,5 +1,6 @@
 //! The fault ConfigMap sink: `faultline-<node>` in the agent's namespace holds the record as
-//! `faults.json`, with the labels of DESIGN.md, for schedulers and job scripts.
+//! `faults.json`, with the labels docs/kubernetes.md lists ("What the agent publishes"), for
+//! schedulers and job scripts.
 //!
 //! Written by server-side apply (one call creates or updates it) and only when the content
 //! changed: `updateTime` alone is not a change. A change of counts and last-seen times alone (a

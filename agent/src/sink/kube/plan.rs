@@ -196,7 +196,7 @@ pub fn label_value(s: &str) -> String {
 /// Selects the fault ConfigMaps, one per agent (`faultline cluster`).
 pub const RECORDS_SELECTOR: &str = "app.kubernetes.io/name=faultline,faultline.io/node";
 
-/// The labels of the fault ConfigMap (DESIGN.md).
+/// The labels of the fault ConfigMap (docs/kubernetes.md, "What the agent publishes").
 pub fn configmap_labels(node: &str, health: Health) -> BTreeMap<String, String> {
     BTreeMap::from([
         (

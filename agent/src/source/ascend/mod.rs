@@ -246,24 +246,8 @@ pub async fn run<T: Tools>(
                 if reported {
                     Vec::new()
                 } else {
-                    // A policy that still names the tool (the field is ignored since the tools
-                    // became flags) says this node has NPUs: the tool missing there is the
-                    // upgrade's mistake, not a node without Ascend hardware. Down, not Idle.
-                    let (state, reason) = match &p.npu_smi {
-                        Some(named) => {
-                            warn!(tool = %tool, policy = %named, "npu-smi not found, but the policy names one: set --npu-smi");
-                            (
-                                DetectorState::Down,
-                                format!(
-                                    "{tool} not found; the policy's ascend.npu_smi ({named}) is ignored: set the agent's --npu-smi"
-                                ),
-                            )
-                        }
-                        None => {
-                            info!(tool = %tool, "npu-smi not found (--npu-smi); the Ascend source is idle");
-                            (DetectorState::Idle, format!("{tool} not found"))
-                        }
-                    };
+                    info!(tool = %tool, "npu-smi not found (--npu-smi); the Ascend source is idle");
+                    let (state, reason) = (DetectorState::Idle, format!("{tool} not found"));
                     [DETECTOR_NPU_SMI, DETECTOR_HCCN]
                         .into_iter()
                         .map(|name| Observation::Detector {
