@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod atomic_file;
+pub(crate) mod backoff;
 pub mod child;
 pub mod cli;
 pub mod daemon;

@@ -344,7 +344,8 @@ pub async fn run(
     let mut written: Option<u64> = None;
     // The revision whose state was saved last in this run.
     let mut saved = 0u64;
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff =
+        crate::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(30));
     let mut flush_until: Option<Instant> = None;
     let mut last_write = tokio::time::Instant::now();
     // The heartbeat last written: kept, not renewed, while the engine loop is not running (a
@@ -431,7 +432,7 @@ pub async fn run(
                         *m = (*m).max(snap.marker);
                         newer
                     });
-                    backoff = Duration::from_millis(100);
+                    backoff.reset();
                     break;
                 }
                 Err(e) => {
@@ -451,8 +452,8 @@ pub async fn run(
                         }
                         first
                     });
-                    warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "writing the local record failed");
-                    let mut pause = backoff;
+                    let mut pause = backoff.next_delay();
+                    warn!(error = %e, retry_in_ms = pause.as_millis() as u64, "writing the local record failed");
                     if e.record_written() {
                         // Retried at least as often as the heartbeat, which the retry carries.
                         pause = pause.min(heartbeat.every);
@@ -472,7 +473,6 @@ pub async fn run(
                         // Shutdown during the pause: try again now, under the flush deadline.
                         _ = shutdown.cancelled(), if !shutdown.is_cancelled() => {}
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(30));
                 }
             }
         }

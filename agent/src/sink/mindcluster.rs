@@ -372,7 +372,7 @@ impl<P: Publisher> MindClusterSink<P> {
         };
         let mut file_written: Option<(BTreeMap<String, String>, Instant)> = None;
         let mut published: Option<(BTreeMap<String, String>, Instant)> = None;
-        let mut retry = crate::sink::kube::Retry::new();
+        let mut retry = crate::sink::kube::retry();
         let mut last_update = last_update_time(&self.dir.join(FILE_NAME));
         loop {
             let (enabled, resync) = {

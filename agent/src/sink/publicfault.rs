@@ -469,7 +469,7 @@ impl<P: Publisher> PublicFaultSink<P> {
         };
         let mut outbox = Outbox::load(&self.dir);
         let started = tokio::time::Instant::now();
-        let mut retry = crate::sink::kube::Retry::new();
+        let mut retry = crate::sink::kube::retry();
         let mut last_sent: Option<tokio::time::Instant> = None;
         let spread =
             u32::try_from(u64::from_str_radix(&hash16(&[&self.node])[..4], 16).unwrap_or(0) % 500)

@@ -205,7 +205,8 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
     let _span = tracing::info_span!("source", name = "kmsg", path = %cfg.path.display()).entered();
     set_reader_nice(cfg.nice);
     let mut reader: Option<KmsgReader> = None;
-    let mut retry = Duration::from_millis(500);
+    let mut retry =
+        crate::backoff::Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
     let mut follow = Follow::default();
     // Why the path is opened again: a read error (the same log, read again from its oldest
     // record) or a new file at the path (read from its beginning, all new).
@@ -235,8 +236,7 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
                 ) {
                     return;
                 }
-                std::thread::sleep(retry);
-                retry = (retry * 2).min(Duration::from_secs(30));
+                std::thread::sleep(retry.next_delay());
                 continue;
             }
         };
@@ -305,7 +305,7 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
             return;
         }
         info!(device = is_device, resume_after = ?cfg.resume_after, "reading the kernel log");
-        retry = Duration::from_millis(500);
+        retry.reset();
         let result = if is_device {
             read_device(file, r, &ctx).map(|()| Ended::Stopped)
         } else {
@@ -326,7 +326,7 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
                 if !detector(&ctx, DetectorState::Down, Some(format!("read failed: {e}"))) {
                     return;
                 }
-                std::thread::sleep(retry);
+                std::thread::sleep(retry.next_delay());
             }
         }
     }

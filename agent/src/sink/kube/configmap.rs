@@ -27,7 +27,7 @@ use tracing::{debug, info, warn};
 
 use super::own::{self, DriftPacer, OwnVersions, Seen};
 use super::plan::{self, CountsPacer, RecordKeys, WriteWhen, CONFIGMAP_LIMIT, RECORD_KEY};
-use super::{api, KubeSinkConfig, KubeSinkError, Retry, FIELD_MANAGER};
+use super::{api, KubeSinkConfig, KubeSinkError, FIELD_MANAGER};
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::Snapshot;
 use faultline_core::record::NodeRecord;
@@ -57,7 +57,7 @@ pub async fn run(
         None => (None, None),
     };
     let adopted = written.clone();
-    let mut retry = Retry::new();
+    let mut retry = super::retry();
     // When a failed write is tried again (a content change does not wait for it).
     let mut retry_at: Option<Instant> = None;
     // The keys of the attempt that failed, while its retry is pending.

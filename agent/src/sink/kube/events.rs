@@ -34,7 +34,7 @@ use tracing::{debug, warn};
 
 use super::own::Seen;
 use super::plan::{self, EventSpec, Notice};
-use super::{KubeSinkConfig, Retry};
+use super::{retry, KubeSinkConfig};
 use crate::metrics::{Metrics, SinkLabel};
 use crate::pace::{LogPacer, WriteBudget};
 
@@ -117,7 +117,7 @@ pub async fn run(
     let label = SinkLabel { sink: "event" };
     let mut queue: VecDeque<EventSpec> = VecDeque::new();
     let mut budget = EventBudget::new(&cfg);
-    let mut retry = Retry::new();
+    let mut retry = retry();
     let mut wake: Option<Instant> = None;
     let mut open = true;
     while open || !queue.is_empty() {

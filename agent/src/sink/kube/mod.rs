@@ -31,11 +31,11 @@ pub mod plan;
 use std::sync::Arc;
 use std::time::Duration;
 
-use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::backoff::Backoff;
 use crate::metrics::Metrics;
 use crate::runtime::{Clock, SinkReport, Snapshot};
 use faultline_core::engine::EngineEvent;
@@ -153,39 +153,14 @@ pub(crate) async fn changed_or_woken<T>(
     }
 }
 
-/// Exponential backoff with jitter between failed attempts: 200 ms doubling, at most 30 s. The
-/// jitter adds up to the delay itself on top of it, so the delay before jitter stops at half of
-/// [`Retry::MAX`]: at the ceiling the delays spread over 15-30 s, and a DaemonSet whose API
-/// failed for all nodes at once does not retry in step (with a 30 s cap before jitter, delays
-/// reached 60 s, twice what the docs say; clamping them to 30 s would have put every node on
-/// the same 30 s period).
-#[derive(Debug)]
-pub(crate) struct Retry {
-    current: ExponentialBackoff,
-}
+/// The ceiling of the sinks' delay between failed attempts.
+pub(crate) const RETRY_MAX: Duration = Duration::from_secs(30);
 
-impl Retry {
-    fn builder() -> ExponentialBuilder {
-        ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(200))
-            .with_max_delay(Self::MAX / 2)
-            .with_factor(2.0)
-            .with_jitter()
-            .without_max_times()
-    }
-    pub(crate) fn new() -> Self {
-        Retry {
-            current: Self::builder().build(),
-        }
-    }
-    pub(crate) const MAX: Duration = Duration::from_secs(30);
-
-    pub(crate) fn next_delay(&mut self) -> Duration {
-        self.current.next().map_or(Self::MAX, |d| d.min(Self::MAX))
-    }
-    pub(crate) fn reset(&mut self) {
-        self.current = Self::builder().build();
-    }
+/// The delays between a sink's failed attempts: 200 ms doubling, at most [`RETRY_MAX`], with
+/// jitter (at the ceiling they spread over 15-30 s: a DaemonSet whose API failed for all nodes
+/// at once does not retry in step).
+pub(crate) fn retry() -> Backoff {
+    Backoff::new(Duration::from_millis(200), RETRY_MAX)
 }
 
 /// The channels the sinks need from the rest of the agent.
@@ -315,18 +290,18 @@ mod tests {
     /// never passes 30 s, jitter included; a reset starts over.
     #[test]
     fn retry_delays_stay_within_200ms_and_30s() {
-        let mut r = Retry::new();
+        let mut r = retry();
         let first = r.next_delay();
         assert!(
             (Duration::from_millis(200)..=Duration::from_millis(400)).contains(&first),
             "{first:?}"
         );
         let delays: Vec<Duration> = (0..200).map(|_| r.next_delay()).collect();
-        assert!(delays.iter().all(|d| *d <= Retry::MAX), "{delays:?}");
+        assert!(delays.iter().all(|d| *d <= RETRY_MAX), "{delays:?}");
         // At the ceiling (the last 100) the delays still spread: nodes do not retry in step.
         let late = &delays[100..];
         assert!(
-            late.iter().all(|d| *d >= Retry::MAX / 2),
+            late.iter().all(|d| *d >= RETRY_MAX / 2),
             "the ceiling is reached: {late:?}"
         );
         let (lo, hi) = (late.iter().min().unwrap(), late.iter().max().unwrap());

@@ -31,7 +31,7 @@ use tracing::{debug, info, warn};
 use super::budget::{Answer, Budget};
 use super::own::{self, DriftPacer, OwnVersions, Seen};
 use super::plan::{self, Notice};
-use super::{api, is_conflict, KubeSinkConfig, KubeSinkError, Retry, FIELD_MANAGER};
+use super::{api, is_conflict, KubeSinkConfig, KubeSinkError, FIELD_MANAGER};
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::{Clock, SinkReport, Snapshot};
 use faultline_core::engine::{DesiredCondition, DesiredTaint};
@@ -157,7 +157,7 @@ impl NodeSink {
     ) {
         let mut done: Option<Desired> = None;
         let mut wake: Option<Instant> = None;
-        let mut retry = Retry::new();
+        let mut retry = super::retry();
         let mut woke_by_own = false;
         let mut settling = own::Settling::default();
         // A repair the pacer put off: counted when it is written.

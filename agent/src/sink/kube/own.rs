@@ -21,6 +21,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
+use crate::backoff::Backoff;
+
 /// After a watched change, how long a sink waits for the object to settle before comparing it:
 /// the agent's own multi-call passes (taints, then condition, then labels) produce intermediate
 /// versions that are not drift.
@@ -150,19 +152,22 @@ impl OwnVersions {
 
 /// Paces drift repairs when something keeps undoing them (a second agent with the same node
 /// name, a mutating webhook, a GitOps controller): the first repair goes out at once; each one
-/// within [`DriftPacer::CALM`] of the previous waits twice as long as the last wait, from 1 s up
-/// to 30 s. A minute without drift starts over.
+/// within [`DriftPacer::CALM`] of the previous waits longer, by the doubling, jittered delays
+/// of [`Backoff`] from 1 s up to 30 s (so a fleet whose labels one controller keeps undoing
+/// does not repair in step). A minute without drift starts over.
 #[derive(Debug)]
 pub struct DriftPacer {
     last: Option<tokio::time::Instant>,
-    delay: Duration,
+    wait: Duration,
+    delays: Backoff,
 }
 
 impl Default for DriftPacer {
     fn default() -> Self {
         DriftPacer {
             last: None,
-            delay: Self::FIRST,
+            wait: Duration::ZERO,
+            delays: Backoff::new(Self::FIRST, Self::MAX),
         }
     }
 }
@@ -175,15 +180,14 @@ impl DriftPacer {
     /// `Ok`: repair now. `Err(at)`: not before `at`.
     pub fn ask(&mut self, now: tokio::time::Instant) -> Result<(), tokio::time::Instant> {
         if let Some(last) = self.last {
-            if now < last + self.delay {
-                return Err(last + self.delay);
+            if now < last + self.wait {
+                return Err(last + self.wait);
             }
-            self.delay = if now.duration_since(last) < Self::CALM {
-                (self.delay * 2).min(Self::MAX)
-            } else {
-                Self::FIRST
-            };
+            if now.duration_since(last) >= Self::CALM {
+                self.delays.reset();
+            }
         }
+        self.wait = self.delays.next_delay();
         self.last = Some(now);
         Ok(())
     }
@@ -194,29 +198,43 @@ mod tests {
     use super::*;
     use tokio::time::Instant;
 
+    /// Each wait is at least the last one's double before jitter: within `[1, 2)` s, then
+    /// `[2, 4)` s, ...; none passes 30 s; a calm minute starts over at `[1, 2)` s.
     #[test]
     fn repeated_drift_is_repaired_ever_more_slowly_and_calm_starts_over() {
         let t0 = Instant::now();
         let s = Duration::from_secs;
         let mut p = DriftPacer::default();
         assert_eq!(p.ask(t0), Ok(()), "the first repair at once");
-        assert_eq!(p.ask(t0 + Duration::from_millis(300)), Err(t0 + s(1)));
-        assert_eq!(p.ask(t0 + s(1)), Ok(()));
-        assert_eq!(p.ask(t0 + s(2)), Err(t0 + s(3)), "the wait doubled");
-        assert_eq!(p.ask(t0 + s(3)), Ok(()));
-        let mut t = t0 + s(3);
-        for _ in 0..10 {
-            t = match p.ask(t) {
-                Ok(()) => t,
-                Err(at) => at,
-            };
+        let at = p.ask(t0 + Duration::from_millis(300)).unwrap_err();
+        assert!((t0 + s(1)..t0 + s(2)).contains(&at), "{:?}", at - t0);
+        assert_eq!(p.ask(at), Ok(()));
+        let next = p.ask(at).unwrap_err();
+        assert!(
+            (at + s(2)..at + s(4)).contains(&next),
+            "the wait doubled: {:?}",
+            next - at
+        );
+        let mut t = next;
+        for _ in 0..20 {
+            assert_eq!(p.ask(t), Ok(()));
+            let after = p.ask(t).unwrap_err();
+            assert!(after - t <= s(30), "capped at 30 s: {:?}", after - t);
+            t = after;
         }
-        assert_eq!(p.ask(t + s(29)), Err(t + s(30)), "capped at 30 s");
-        assert_eq!(p.ask(t + s(30) + s(61)), Ok(()));
-        assert_eq!(
-            p.ask(t + s(30) + s(61) + s(1)),
-            Ok(()),
-            "after a calm minute the wait is 1 s again"
+        assert!(
+            t - t0 > s(300),
+            "at the ceiling, waits of 15-30 s: {:?}",
+            t - t0
+        );
+        assert_eq!(p.ask(t), Ok(()));
+        let calm = t + s(61);
+        assert!(p.ask(calm).is_ok(), "a calm minute: repaired at once");
+        let again = p.ask(calm).unwrap_err();
+        assert!(
+            (calm + s(1)..calm + s(2)).contains(&again),
+            "after a calm minute the wait is 1-2 s again: {:?}",
+            again - calm
         );
     }
 

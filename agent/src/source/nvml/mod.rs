@@ -84,7 +84,7 @@ pub async fn run(
     label_count: watch::Receiver<GpuCountLabel>,
     ctx: SourceContext,
 ) {
-    let mut retry = Duration::from_secs(60);
+    let mut retry = crate::backoff::Backoff::new(Duration::from_secs(60), Duration::from_secs(600));
     loop {
         let timeout = policy.borrow().policy.nvml.call_timeout;
         let lib = cfg.library.clone();
@@ -117,9 +117,8 @@ pub async fn run(
         }
         tokio::select! {
             _ = ctx.shutdown.cancelled() => return,
-            _ = tokio::time::sleep(retry) => {}
+            _ = tokio::time::sleep(retry.next_delay()) => {}
         }
-        retry = (retry * 2).min(Duration::from_secs(600));
     }
 }
 
@@ -249,7 +248,8 @@ pub async fn run_with(
         let died = tx.clone();
         let (b, tx, ctx2) = (backend.clone(), tx.clone(), ctx.clone());
         spawn_thread("nvml-events".into(), &ctx, died, move || {
-            let mut backoff = Duration::from_secs(1);
+            let mut backoff =
+                crate::backoff::Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
             while !ctx2.shutdown.is_cancelled() {
                 let mut events = match b.events() {
                     Ok(e) => e,
@@ -265,14 +265,13 @@ pub async fn run_with(
                             if tx.blocking_send(Msg::Event(ev)).is_err() {
                                 return;
                             }
-                            backoff = Duration::from_secs(1);
+                            backoff.reset();
                         }
                         Ok(None) => {}
                         Err(e) => {
                             // A lost GPU shows in its polling thread; here only back off.
                             warn!(error = ?e, "waiting for NVML events failed");
-                            nap(backoff, &ctx2);
-                            backoff = (backoff * 2).min(Duration::from_secs(60));
+                            nap(backoff.next_delay(), &ctx2);
                             break;
                         }
                     }
