@@ -14,6 +14,7 @@
 
 pub mod catalog;
 pub mod engine;
+pub mod kmsg_position;
 pub mod kmsg_reader;
 pub mod parse;
 pub mod peer;

@@ -19,6 +19,10 @@ use crate::catalog::{Catalog, Classification, FaultCode};
 use crate::record::{FaultType, Handling, Health, PolicyStatus, Source};
 pub use crate::rules::{EscalationRule, RecoveryRule};
 
+/// Most occurrences the engine remembers per fault: frequency rules need at most `count` of
+/// them, so the policy refuses a larger `count`.
+pub const MAX_OCCURRENCES: usize = 100;
+
 /// Override of one code's classification.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -777,7 +781,7 @@ impl Policy {
             if let Some(c) = r.count {
                 // The engine remembers this many occurrences per fault: a larger count could
                 // never be reached (MindCluster's `Times` is at most 100 too).
-                let most = crate::engine::MAX_OCCURRENCES as u64;
+                let most = MAX_OCCURRENCES as u64;
                 v.push((format!("escalation[{i}].count"), u64::from(c), 1, most));
             }
         }

@@ -18,7 +18,7 @@ use cudarc::driver::{CudaContext, DeviceRepr, DriverError, ValidAsZeroBits};
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::{Comm, Id};
 
-use crate::accel::{
+use crate::backend::{
     Backend, CublasGemmConfig, CublasGemmResult, Dtype, GpuError, NcclAllgatherConfig,
     NcclAllgatherResult,
 };

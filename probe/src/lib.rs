@@ -16,6 +16,7 @@
 
 pub mod accel;
 pub mod allgather;
+mod backend;
 #[cfg(feature = "gpu")]
 #[allow(unsafe_code)]
 mod gpu;

@@ -633,7 +633,7 @@ mod tests {
                         uuid: Some(wide(i)),
                         ..Default::default()
                     };
-                    for n in 0..faultline_core::engine::MAX_OCCURRENCES {
+                    for n in 0..faultline_core::policy::MAX_OCCURRENCES {
                         let mut s = Signal::new(
                             sources[n % sources.len()],
                             FaultCode::named(&code),

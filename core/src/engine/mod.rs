@@ -22,9 +22,9 @@ use crate::time::{signed, since};
 use serde::{Deserialize, Serialize};
 
 use crate::catalog::{Catalog, FaultCode};
-pub use crate::kmsg_reader::KmsgPosition;
+pub use crate::kmsg_position::KmsgPosition;
 use crate::parse::PciAddr;
-use crate::policy::{Policy, TaintEffect};
+use crate::policy::{Policy, TaintEffect, MAX_OCCURRENCES};
 use crate::record::{Fault, Handling, Health, Source};
 use escalation::{escalate, sticky};
 use recovery::{recover, resolve};
@@ -418,10 +418,6 @@ impl PartialEq for HealthCache {
     }
 }
 impl Eq for HealthCache {}
-
-/// Most occurrences remembered per fault (frequency rules need at most `count` of them; the
-/// policy refuses a larger `count`).
-pub const MAX_OCCURRENCES: usize = 100;
 
 /// A taint the node should carry.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
