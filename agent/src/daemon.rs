@@ -710,7 +710,7 @@ struct Components {
     clock: Arc<dyn Clock>,
     heartbeat: Arc<Heartbeat>,
     /// What the file sink last managed with the record (`/readyz`, the `record-file` detector).
-    record_status: watch::Sender<file::RecordStatus>,
+    record_status: watch::Sender<crate::runtime::RecordStatus>,
     /// The highest engine-loop marker the file sink has written (clear requests wait for it).
     persisted: watch::Sender<u64>,
     /// The engine loop's reports on clear requests (the sender goes to the engine loop)...
@@ -770,7 +770,7 @@ impl Components {
             metrics,
             clock: Arc::new(SystemClock),
             heartbeat: Arc::new(Heartbeat::default()),
-            record_status: watch::channel(file::RecordStatus::NotYetWritten).0,
+            record_status: watch::channel(crate::runtime::RecordStatus::NotYetWritten).0,
             persisted: watch::channel(0).0,
             clear_results,
             clear_reports: Some(clear_reports),

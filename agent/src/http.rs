@@ -28,10 +28,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
 use crate::metrics::Metrics;
-use crate::runtime::{Clock, Heartbeat, Snapshot};
-
-/// The engine loop beats every tick; this long without a beat means it is stuck.
-pub(crate) const STALE_MS: i64 = 30_000;
+use crate::runtime::{Clock, Heartbeat, RecordStatus, Snapshot, STALE_MS};
 
 /// Shared state of the endpoints.
 #[derive(Debug, Clone)]
@@ -40,7 +37,7 @@ pub struct HttpState {
     pub heartbeat: Arc<Heartbeat>,
     pub clock: Arc<dyn Clock>,
     /// `/readyz` is 200 while the newest record is on disk.
-    pub record: watch::Receiver<crate::sink::file::RecordStatus>,
+    pub record: watch::Receiver<RecordStatus>,
     pub snapshots: watch::Receiver<Option<Snapshot>>,
     /// `/v1/record`'s body, shared by every request.
     pub record_body: Arc<RecordBody>,
@@ -314,7 +311,7 @@ mod tests {
             metrics: Arc::new(Metrics::new()),
             heartbeat,
             clock,
-            record: watch::channel(crate::sink::file::RecordStatus::Written).1,
+            record: watch::channel(RecordStatus::Written).1,
             snapshots: watch::channel(None).1,
             record_body: Default::default(),
         };
@@ -418,7 +415,7 @@ mod tests {
             metrics: Arc::new(Metrics::new()),
             heartbeat,
             clock,
-            record: watch::channel(crate::sink::file::RecordStatus::Written).1,
+            record: watch::channel(RecordStatus::Written).1,
             snapshots: rx,
             record_body: body.clone(),
         };

@@ -102,13 +102,24 @@ pub enum PeerCheckResult {
 /// The value of a fault label that is not in its bounded set.
 pub const OTHER: &str = "other";
 
-/// The detectors, the devices of `DETECTOR_DOWN` faults: a fixed set.
+/// The kernel-log source's detector.
+pub const DETECTOR_KMSG: &str = "kmsg";
+/// The NVML source's detector.
+pub const DETECTOR_NVML: &str = "nvml";
+/// The Ascend source's detectors, one per tool.
+pub const DETECTOR_NPU_SMI: &str = "npu-smi";
+pub const DETECTOR_HCCN: &str = "hccn_tool";
+/// The detector under which a failing record write shows in the record and metrics.
+pub const DETECTOR_RECORD_FILE: &str = "record-file";
+
+/// The detectors, the devices of `DETECTOR_DOWN` faults: a fixed set, named here so that the
+/// sources and the file sink take their names from the metrics' label set.
 pub const DETECTORS: [&str; 5] = [
-    "kmsg",
-    crate::source::nvml::DETECTOR,
-    crate::source::ascend::analyze::DETECTOR_NPU_SMI,
-    crate::source::ascend::analyze::DETECTOR_HCCN,
-    crate::sink::file::RECORD_DETECTOR,
+    DETECTOR_KMSG,
+    DETECTOR_NVML,
+    DETECTOR_NPU_SMI,
+    DETECTOR_HCCN,
+    DETECTOR_RECORD_FILE,
 ];
 
 /// NVSwitches named `nvswitch<N>` below this are label values. The number comes from the

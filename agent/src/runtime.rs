@@ -267,7 +267,7 @@ pub struct EngineLoop {
     pub sink_report: watch::Receiver<SinkReport>,
     /// What the file sink last managed: shown as the `record-file` detector (down while
     /// writes fail, running once one succeeds).
-    pub record_writer: watch::Receiver<crate::sink::file::RecordStatus>,
+    pub record_writer: watch::Receiver<RecordStatus>,
     pub shutdown: CancellationToken,
 }
 
@@ -299,9 +299,32 @@ fn moves_deadline(input: &Input) -> bool {
     }
 }
 
-/// How often an idle engine loop beats: three beats within the [`crate::http::STALE_MS`] that
+/// What the file sink last managed with the record: `/readyz` is 200 while it is `Written`,
+/// and the engine loop shows `Failing` as the `record-file` detector being down.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub enum RecordStatus {
+    /// Nothing written yet in this run.
+    #[default]
+    NotYetWritten,
+    /// The newest record is on disk.
+    Written,
+    /// The last write failed: why (the first failure's reason, until a write succeeds).
+    Failing(String),
+}
+
+impl RecordStatus {
+    pub fn is_written(&self) -> bool {
+        *self == RecordStatus::Written
+    }
+}
+
+/// The engine loop beats every tick; this long without a beat means it is stuck (`/healthz`,
+/// and the file sink's heartbeat).
+pub const STALE_MS: i64 = 30_000;
+
+/// How often an idle engine loop beats: three beats within the [`STALE_MS`] that
 /// `/healthz` allows, as the record's heartbeat fits three in its readers' 30 s.
-pub const LIVENESS: Duration = Duration::from_millis(crate::http::STALE_MS as u64 / 3);
+pub const LIVENESS: Duration = Duration::from_millis(STALE_MS as u64 / 3);
 
 /// Most inputs applied before a snapshot is published.
 const BATCH: usize = 4096;
@@ -379,14 +402,13 @@ impl EngineLoop {
                     }
                 }
                 Ok(()) = self.record_writer.changed() => {
-                    use crate::sink::file::RecordStatus;
                     let detector = match self.record_writer.borrow_and_update().clone() {
                         RecordStatus::NotYetWritten => None,
                         RecordStatus::Written => Some((DetectorState::Running, None)),
                         RecordStatus::Failing(why) => Some((DetectorState::Down, Some(why))),
                     };
                     if let Some((state, reason)) = detector {
-                        let name = crate::sink::file::RECORD_DETECTOR.into();
+                        let name = crate::metrics::DETECTOR_RECORD_FILE.into();
                         let obs = Observation::Detector { name, state, reason };
                         replan = true;
                         urgent |= self.apply(&loaded, Input::Obs(obs), &mut replay);
@@ -928,7 +950,7 @@ recovery:
                 liveness,
                 events: None,
                 sink_report: watch::channel(SinkReport::default()).1,
-                record_writer: watch::channel(crate::sink::file::RecordStatus::Written).1,
+                record_writer: watch::channel(RecordStatus::Written).1,
                 shutdown: shutdown.clone(),
             };
             tokio::spawn(engine_loop.run());

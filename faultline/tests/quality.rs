@@ -24,10 +24,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use faultline_agent::metrics::Metrics;
+use faultline_agent::runtime::RecordStatus;
 use faultline_agent::runtime::{
     Clock, EngineLoop, Heartbeat, PersistedState, SinkReport, Snapshot,
 };
-use faultline_agent::sink::file::{read_state, RecordStatus, STATE_FILE};
+use faultline_agent::sink::file::{read_state, STATE_FILE};
 use faultline_core::catalog::Catalog;
 use faultline_core::engine::{Input, KmsgPosition, Observation};
 use faultline_core::kmsg_reader::{KmsgReader, Tally};

@@ -19,7 +19,7 @@ use tracing::{debug, warn};
 use crate::atomic_file::write as write_atomic;
 use crate::metrics::{Metrics, SinkLabel};
 use crate::pace::WriteBudget;
-use crate::runtime::{Clock, Heartbeat, PersistedState, Snapshot};
+use crate::runtime::{Clock, Heartbeat, PersistedState, RecordStatus, Snapshot};
 use faultline_core::record::BootClock;
 use faultline_core::time::Timestamp;
 
@@ -206,7 +206,7 @@ pub struct HeartbeatConfig {
 
 impl HeartbeatConfig {
     fn engine_alive(&self) -> bool {
-        self.engine.age_ms(&*self.clock) <= crate::http::STALE_MS
+        self.engine.age_ms(&*self.clock) <= crate::runtime::STALE_MS
     }
 }
 
@@ -297,25 +297,6 @@ pub fn read_state(dir: &Path, node: &str) -> Result<Option<PersistedState>, Stat
 /// it managed to write (a restart continues from there).
 pub const FLUSH_DEADLINE: Duration = Duration::from_secs(5);
 
-/// What the file sink last managed with the record: `/readyz` is 200 while it is `Written`,
-/// and the engine loop shows `Failing` as the `record-file` detector being down.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub enum RecordStatus {
-    /// Nothing written yet in this run.
-    #[default]
-    NotYetWritten,
-    /// The newest record is on disk.
-    Written,
-    /// The last write failed: why (the first failure's reason, until a write succeeds).
-    Failing(String),
-}
-
-impl RecordStatus {
-    pub fn is_written(&self) -> bool {
-        *self == RecordStatus::Written
-    }
-}
-
 /// The file sink's outputs besides the files.
 #[derive(Debug, Clone)]
 pub struct FileSinkSignals {
@@ -323,9 +304,6 @@ pub struct FileSinkSignals {
     /// The highest engine-loop marker written to `state.json` (a clear request waits for it).
     pub persisted: watch::Sender<u64>,
 }
-
-/// The detector name under which a failing record write shows in the record and metrics.
-pub const RECORD_DETECTOR: &str = "record-file";
 
 /// Runs the sink until the snapshot channel closes (the engine stopped) or shutdown; at shutdown
 /// it writes the last snapshot it saw, trying for at most [`FLUSH_DEADLINE`].

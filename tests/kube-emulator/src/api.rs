@@ -11,8 +11,8 @@ use serde_json::{json, Value};
 use crate::auth::{self, Attributes};
 use crate::error::{ApiError, Cause};
 use crate::resources::{self, ResourceId, RESOURCES};
+use crate::response::{error_response, json_response, Body};
 use crate::selectors::{FieldSelector, LabelSelector};
-use crate::server::{error_response, json_response, Body};
 use crate::store::{PatchType, WriteOpts};
 use crate::util::{percent_decode_path, Query};
 use crate::watch::{self, WatchSpec};
@@ -144,7 +144,7 @@ pub(crate) fn serve(inner: &Arc<Inner>, r: &RequestCtx<'_>) -> Response<Body> {
                 return error_response(&ApiError::method_not_allowed(r.method));
             }
             if let Route::Health = other {
-                let mut resp = Response::new(crate::server::full("ok"));
+                let mut resp = Response::new(crate::response::full("ok"));
                 resp.headers_mut().insert(
                     http::header::CONTENT_TYPE,
                     http::HeaderValue::from_static("text/plain; charset=utf-8"),

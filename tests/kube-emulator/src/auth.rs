@@ -12,6 +12,10 @@ use serde_json::{json, Map, Value};
 
 use crate::error::ApiError;
 
+/// The audience of the emulated API server: tokens without explicit audiences have it, and only
+/// tokens that have it authenticate requests to the API itself.
+pub const API_AUDIENCE: &str = "https://kubernetes.default.svc.cluster.local";
+
 /// The identity a token authenticates as.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct UserInfo {
@@ -101,7 +105,7 @@ impl Rule {
 pub(crate) struct Grant {
     pub user: UserInfo,
     pub rules: Vec<Rule>,
-    /// The token's audiences; empty: the API server's (`reviews::API_AUDIENCE`).
+    /// The token's audiences; empty: the API server's ([`API_AUDIENCE`]).
     pub audiences: Vec<String>,
 }
 
@@ -109,7 +113,7 @@ impl Grant {
     /// The token's audiences, the API server's when none were given.
     pub fn token_audiences(&self) -> Vec<String> {
         if self.audiences.is_empty() {
-            vec![crate::reviews::API_AUDIENCE.to_string()]
+            vec![API_AUDIENCE.to_string()]
         } else {
             self.audiences.clone()
         }

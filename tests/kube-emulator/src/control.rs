@@ -6,7 +6,7 @@ use serde_json::{json, Value};
 
 use crate::error::ApiError;
 use crate::faults::FaultRule;
-use crate::server::{error_response, json_response, Body};
+use crate::response::{error_response, json_response, Body};
 use crate::Inner;
 
 pub(crate) fn handle(inner: &Inner, method: &str, path: &str, body: &[u8]) -> Response<Body> {

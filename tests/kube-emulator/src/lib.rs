@@ -27,6 +27,7 @@ mod faults;
 mod objects;
 mod patch;
 mod resources;
+mod response;
 mod reviews;
 mod schema;
 mod selectors;
@@ -174,11 +175,7 @@ impl Inner {
             // accepted by the API server itself.
             Some(t) => grants
                 .get(t)
-                .filter(|g| {
-                    g.token_audiences()
-                        .iter()
-                        .any(|a| a == reviews::API_AUDIENCE)
-                })
+                .filter(|g| g.token_audiences().iter().any(|a| a == auth::API_AUDIENCE))
                 .cloned()
                 .map(Some)
                 .ok_or_else(error::ApiError::unauthorized),
@@ -439,7 +436,7 @@ impl Emulator {
     }
 
     /// The emulated API server's own audience (tokens without explicit audiences).
-    pub const API_AUDIENCE: &'static str = reviews::API_AUDIENCE;
+    pub const API_AUDIENCE: &'static str = auth::API_AUDIENCE;
 
     /// How long a watch with `allowWatchBookmarks=true` stays quiet before a
     /// BOOKMARK is sent (default 60 s, as kube-apiserver's watch cache:

@@ -28,10 +28,6 @@ use serde_json::{json, Value};
 use crate::auth::{self, Attributes, Grant, UserInfo};
 use crate::error::{ApiError, Cause};
 
-/// The audience of the emulated API server: tokens without explicit audiences have it, and only
-/// tokens that have it authenticate requests to the API itself.
-pub const API_AUDIENCE: &str = "https://kubernetes.default.svc.cluster.local";
-
 pub(crate) const TOKEN_REVIEWS: &str = "/apis/authentication.k8s.io/v1/tokenreviews";
 pub(crate) const ACCESS_REVIEWS: &str = "/apis/authorization.k8s.io/v1/subjectaccessreviews";
 
@@ -90,7 +86,7 @@ pub(crate) fn token_review(
     let token = spec["token"].as_str().unwrap_or("");
     let mut wanted = strings(&spec["audiences"]);
     if wanted.is_empty() {
-        wanted.push(API_AUDIENCE.to_string());
+        wanted.push(crate::auth::API_AUDIENCE.to_string());
     }
     let status = match grants.get(token).filter(|_| !token.is_empty()) {
         None => json!({"authenticated": false, "error": "[invalid bearer token]"}),

@@ -11,13 +11,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::SystemTime;
 
-use bytes::Bytes;
-use http::{HeaderValue, Request, Response, StatusCode};
-use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full, Limited};
+use http::{Request, Response};
+use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use serde_json::Value;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::task::{JoinHandle, JoinSet};
@@ -25,39 +23,12 @@ use tokio_util::sync::CancellationToken;
 
 use crate::error::ApiError;
 use crate::faults::{Call, FaultAction};
+use crate::response::{error_response, Body};
 use crate::util::Query;
 use crate::Inner;
 
-/// Response body type.
-pub(crate) type Body = UnsyncBoxBody<Bytes, Infallible>;
-
 /// Largest request body accepted (the apiserver's 3 MiB limit).
 const MAX_BODY: usize = 3 * 1024 * 1024;
-
-pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into()).boxed_unsync()
-}
-
-pub(crate) fn json_response(code: u16, v: &Value) -> Response<Body> {
-    let body = serde_json::to_vec(v).unwrap_or_default();
-    let mut resp = Response::new(full(body));
-    *resp.status_mut() = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    resp.headers_mut().insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
-    );
-    resp
-}
-
-pub(crate) fn error_response(e: &ApiError) -> Response<Body> {
-    let mut resp = json_response(e.code, &e.to_status());
-    if let Some(s) = e.retry_after {
-        if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
-            resp.headers_mut().insert(http::header::RETRY_AFTER, v);
-        }
-    }
-    resp
-}
 
 /// A running accept loop.
 #[derive(Debug)]

@@ -19,8 +19,8 @@ use tokio::time::Instant;
 
 use crate::error::ApiError;
 use crate::resources::{self, ResourceId};
+use crate::response::Body;
 use crate::selectors::{FieldSelector, LabelSelector};
-use crate::server::Body;
 use crate::store::{Change, ChangeType};
 use crate::{lock, Inner};
 

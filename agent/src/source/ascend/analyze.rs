@@ -21,8 +21,7 @@ pub const DOMAIN_CHIP: &str = "npu-chip";
 pub const DOMAIN_LINK: &str = "npu-link";
 pub const DOMAIN_NET: &str = "npu-net";
 /// Detector names (one per tool).
-pub const DETECTOR_NPU_SMI: &str = "npu-smi";
-pub const DETECTOR_HCCN: &str = "hccn_tool";
+pub use crate::metrics::{DETECTOR_HCCN, DETECTOR_NPU_SMI};
 
 /// One port's readings; `None` where the query was not made (not configured).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -29,7 +29,7 @@ use super::{Input, SourceContext};
 use faultline_core::engine::{DetectorState, Observation};
 use faultline_core::policy::LoadedPolicy;
 
-pub const DETECTOR: &str = "nvml";
+pub const DETECTOR: &str = crate::metrics::DETECTOR_NVML;
 
 /// Where NVML comes from.
 #[derive(Debug, Clone, Default)]
