@@ -23,7 +23,9 @@ use std::future::Future as _;
 use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -164,7 +166,7 @@ struct AddressSlot {
 impl AddressSlot {
     /// Takes a place for `ip`, or `None` when it already has `max` connections.
     fn take(counts: &PerAddress, ip: IpAddr, max: usize) -> Option<AddressSlot> {
-        let mut m = counts.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = counts.lock();
         let n = m.entry(ip).or_insert(0);
         if *n >= max {
             return None;
@@ -179,7 +181,7 @@ impl AddressSlot {
 
 impl Drop for AddressSlot {
     fn drop(&mut self) {
-        let mut m = self.counts.lock().unwrap_or_else(|p| p.into_inner());
+        let mut m = self.counts.lock();
         if let Some(n) = m.get_mut(&self.ip) {
             *n = n.saturating_sub(1);
             if *n == 0 {

@@ -6,6 +6,7 @@
 //! node's inventory define ([`code_label`], [`device_label`]); anything else is `other`. Never
 //! a message, and never a value a kernel-log line can invent.
 
+use parking_lot::Mutex;
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -15,7 +16,6 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;
-use std::sync::Mutex;
 
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabel {
@@ -164,7 +164,7 @@ pub struct ActiveFaults {
 impl ActiveFaults {
     /// Sets every series to `counts`; the series not in it are removed.
     pub fn set_all(&self, counts: HashMap<ActiveFaultLabel, i64>) {
-        let mut shown = self.shown.lock().unwrap_or_else(|p| p.into_inner());
+        let mut shown = self.shown.lock();
         for (labels, n) in &counts {
             self.family.get_or_create(labels).set(*n);
         }

@@ -1715,7 +1715,7 @@ recovery:
 /// An injected clock for tests (this crate's, and other crates' through the `test-support`
 /// feature).
 #[cfg(any(test, feature = "test-support"))]
-#[allow(clippy::unwrap_used)] // a test double: a poisoned lock is a test that already failed
+#[allow(clippy::unwrap_used)] // a test double: a time out of range is a test that already failed
 pub mod testing {
     use super::*;
     use std::sync::atomic::AtomicU64;
@@ -1725,7 +1725,7 @@ pub mod testing {
     pub struct FakeClock {
         wall_ms: AtomicI64,
         boot_ms: AtomicU64,
-        boot_id: std::sync::Mutex<Option<String>>,
+        boot_id: parking_lot::Mutex<Option<String>>,
         /// Wakes the sleepers of `sleep_until_boot` when the time since boot moves.
         moved: tokio::sync::Notify,
     }
@@ -1738,7 +1738,7 @@ pub mod testing {
             Duration::from_millis(self.boot_ms.load(Ordering::SeqCst))
         }
         fn boot_id(&self) -> Option<String> {
-            self.boot_id.lock().unwrap().clone()
+            self.boot_id.lock().clone()
         }
         /// Wakes when the test has moved the time since boot to `at`; never on tokio's clock.
         fn sleep_until_boot(&self, at: Duration) -> BoxSleep<'_> {
@@ -1762,7 +1762,7 @@ pub mod testing {
             FakeClock {
                 wall_ms: AtomicI64::new(wall_ms),
                 boot_ms: AtomicU64::new(boot_ms),
-                boot_id: std::sync::Mutex::new(Some("boot-1".into())),
+                boot_id: parking_lot::Mutex::new(Some("boot-1".into())),
                 moved: tokio::sync::Notify::new(),
             }
         }
@@ -1779,7 +1779,7 @@ pub mod testing {
         }
         /// A reboot `boot_ms` ago (the wall clock runs on), or a boot id that cannot be read.
         pub fn reboot(&self, boot_id: Option<&str>, boot_ms: u64) {
-            *self.boot_id.lock().unwrap() = boot_id.map(str::to_string);
+            *self.boot_id.lock() = boot_id.map(str::to_string);
             self.boot_ms.store(boot_ms, Ordering::SeqCst);
             self.moved.notify_waiters();
         }

@@ -7,7 +7,9 @@
 //! - Without Kubernetes ([`NodeKeys`]): the report is signed with the node's own key, which the
 //!   coordinator derives from its master for the node the report names (`auth::node_key`).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use faultline_proto::auth::{AuthError, Key, Verifier, VerifyKey, COORDINATOR_ROLE};
 use faultline_proto::v1::{AdmitRequest, CheckReport};
@@ -67,11 +69,6 @@ pub trait Agents: Send + Sync + std::fmt::Debug {
     async fn verify(&self, msg: FromAgent<'_>, token: Option<&str>) -> Result<String, Refusal>;
 }
 
-fn locked(v: &Mutex<Verifier>) -> Result<std::sync::MutexGuard<'_, Verifier>, Refusal> {
-    v.lock()
-        .map_err(|_| Refusal::Unavailable("verifier poisoned".into()))
-}
-
 /// Without Kubernetes: each node's own key, derived from the master.
 #[derive(Debug)]
 pub struct NodeKeys(Mutex<Verifier>);
@@ -90,7 +87,7 @@ impl NodeKeys {
 #[async_trait::async_trait]
 impl Agents for NodeKeys {
     async fn verify(&self, msg: FromAgent<'_>, _token: Option<&str>) -> Result<String, Refusal> {
-        msg.verify(&mut *locked(&self.0)?, None)
+        msg.verify(&mut self.0.lock(), None)
             .map_err(|e| Refusal::Unauthenticated(e.to_string()))
     }
 }
@@ -130,7 +127,7 @@ impl Agents for Tokens {
         // The signature, receiver, time and nonce first: a replayed, stale or altered report
         // costs the API server no review.
         let sender = msg
-            .verify(&mut *locked(&self.verifier)?, Some(&VerifyKey::Hmac(key)))
+            .verify(&mut self.verifier.lock(), Some(&VerifyKey::Hmac(key)))
             .map_err(|e| Refusal::Unauthenticated(e.to_string()))?;
         let node = self.tokens.node_of(token).await.map_err(|e| match e {
             TokenRefusal::Unavailable(m) => Refusal::Unavailable(m),

@@ -30,7 +30,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 pub use faultline_agent::peer::wire::{kind_from_name, kind_name};
@@ -270,12 +272,10 @@ pub struct MemoryPublisher(pub Mutex<Vec<RunState>>);
 #[async_trait::async_trait]
 impl Publisher for MemoryPublisher {
     async fn publish(&self, state: &RunState) {
-        if let Ok(mut v) = self.0.lock() {
-            v.push(state.clone());
-        }
+        self.0.lock().push(state.clone());
     }
     async fn last(&self) -> Option<RunState> {
-        self.0.lock().ok().and_then(|v| v.last().cloned())
+        self.0.lock().last().cloned()
     }
 }
 
@@ -312,9 +312,7 @@ pub struct Claim {
 
 impl Drop for Claim {
     fn drop(&mut self) {
-        if let Ok(mut c) = self.coordinator.claimed.lock() {
-            c.remove(&self.id);
-        }
+        self.coordinator.claimed.lock().remove(&self.id);
         self.coordinator.finished.send_modify(|_| {});
     }
 }
@@ -374,7 +372,7 @@ impl Coordinator {
 
     /// Claims a request id: None when a run with it is already claimed here.
     pub fn claim(self: &Arc<Self>, id: &str) -> Option<Claim> {
-        let mut c = self.claimed.lock().ok()?;
+        let mut c = self.claimed.lock();
         c.insert(id.to_string()).then(|| Claim {
             coordinator: Arc::clone(self),
             id: id.to_string(),
@@ -384,9 +382,7 @@ impl Coordinator {
     /// No run starts before `t` (a new coordinator: the previous one's probes may still hold
     /// their ports). A run already waiting for the lock waits for this too.
     pub fn hold_until(&self, t: tokio::time::Instant) {
-        if let Ok(mut h) = self.not_before.lock() {
-            *h = Some(t);
-        }
+        *self.not_before.lock() = Some(t);
     }
 
     /// Runs a requested run in a task of its own, so a requester that goes away (a dropped
@@ -430,7 +426,7 @@ impl Coordinator {
         if let Some(s) = self.publisher.last().await.filter(is_it) {
             return Some(Ok(s));
         }
-        let claimed = |c: &Coordinator| c.claimed.lock().ok().is_some_and(|c| c.contains(id));
+        let claimed = |c: &Coordinator| c.claimed.lock().contains(id);
         if !claimed(self) {
             // It may have finished between the looks above and this one.
             return done.borrow_and_update().clone().filter(is_it).map(Ok);
@@ -467,12 +463,12 @@ impl Coordinator {
     /// Whether a check of a run here waits for this report (its run, round, node and partner).
     pub fn waits_for(&self, r: &CheckReport) -> bool {
         let key = (r.run_id.clone(), r.round, r.node.clone(), r.partner.clone());
-        self.reports.lock().is_ok_and(|m| m.contains_key(&key))
+        self.reports.lock().contains_key(&key)
     }
 
     pub fn deliver(&self, r: CheckReport) -> bool {
         let key = (r.run_id.clone(), r.round, r.node.clone(), r.partner.clone());
-        let tx = self.reports.lock().ok().and_then(|mut m| m.remove(&key));
+        let tx = self.reports.lock().remove(&key);
         match tx {
             Some(tx) => tx.send(r).is_ok(),
             None => false,
@@ -481,16 +477,12 @@ impl Coordinator {
 
     pub(crate) fn expect(&self, key: ReportKey) -> oneshot::Receiver<CheckReport> {
         let (tx, rx) = oneshot::channel();
-        if let Ok(mut m) = self.reports.lock() {
-            m.insert(key, tx);
-        }
+        self.reports.lock().insert(key, tx);
         rx
     }
 
     fn forget(&self, key: &ReportKey) {
-        if let Ok(mut m) = self.reports.lock() {
-            m.remove(key);
-        }
+        self.reports.lock().remove(key);
     }
 
     /// Runs one run among `members` (plus `missing`: requested nodes without an agent, reported
@@ -505,7 +497,7 @@ impl Coordinator {
         request_id: Option<String>,
     ) -> Result<RunState, Aborted> {
         let _one_at_a_time = self.lock.lock().await;
-        let hold = self.not_before.lock().ok().and_then(|h| *h);
+        let hold = *self.not_before.lock();
         if let Some(t) = hold {
             tokio::select! {
                 _ = tokio::time::sleep_until(t) => {}
@@ -542,9 +534,7 @@ impl Coordinator {
             }
             Err(e) => {
                 // Checks still waiting for reports are dropped with the run.
-                if let Ok(mut m) = self.reports.lock() {
-                    m.retain(|k, _| k.0 != run_id);
-                }
+                self.reports.lock().retain(|k, _| k.0 != run_id);
                 warn!(run_id = %run_id, why = %e.why, "peer-check run aborted; nothing concluded");
             }
         }

@@ -371,7 +371,7 @@ async fn run(n: usize, scenario: Scenario) -> (RunState, Arc<Fake>, Duration) {
         .unwrap();
     let took = start.elapsed();
     // Published once per round and once at the end; the last is the finished run.
-    let published = publisher.0.lock().unwrap().clone();
+    let published = publisher.0.lock().clone();
     assert_eq!(published.len(), state.rounds.len() + 1);
     assert_eq!(published.last(), Some(&state));
     assert!(published[..published.len() - 1]
@@ -702,10 +702,10 @@ async fn losing_the_role_mid_run_aborts_and_concludes_nothing() {
         start.elapsed()
     );
     assert!(fake.concluded.lock().unwrap().is_empty());
-    let published = publisher.0.lock().unwrap().clone();
+    let published = publisher.0.lock().clone();
     assert!(published.iter().all(|s| !s.is_finished()), "{published:?}");
     // Its checks no longer wait for reports.
-    assert!(c.reports.lock().unwrap().is_empty());
+    assert!(c.reports.lock().is_empty());
     // And without the role it does not start another.
     let again = c
         .run(members(8), BTreeMap::new(), &spec(), Trigger::Request, None)
@@ -726,7 +726,7 @@ async fn no_conclusion_unless_the_lease_confirms() {
         .unwrap_err();
     assert!(e.why.contains("n4@"), "{e}");
     assert!(fake.concluded.lock().unwrap().is_empty());
-    assert!(publisher.0.lock().unwrap().iter().all(|s| !s.is_finished()));
+    assert!(publisher.0.lock().iter().all(|s| !s.is_finished()));
 }
 
 /// A requester that asks again with the same request id (its first coordinator froze, the new
@@ -769,14 +769,7 @@ async fn a_retried_request_attaches_to_its_run() {
     );
     assert!(c.attach("req-2").await.is_none());
     assert_eq!(
-        publisher
-            .0
-            .lock()
-            .unwrap()
-            .last()
-            .unwrap()
-            .request_id
-            .as_deref(),
+        publisher.0.lock().last().unwrap().request_id.as_deref(),
         Some("req-1")
     );
 }

@@ -2,7 +2,9 @@
 //! the node it describes), `Run` (a requester's run) and `Admit` (may an agent newly taint its
 //! own node: the taint budget), the last two answered only by the active replica.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use faultline_proto::auth::Verifier;
@@ -75,12 +77,7 @@ impl CoordinatorService {
 
     /// Logs a refusal (at most one line per `REFUSAL_LOG_EVERY`, with the count) and returns it.
     fn refused(&self, rpc: &str, s: Status) -> Status {
-        let due = self
-            .0
-            .refusals
-            .lock()
-            .ok()
-            .and_then(|mut p| p.note(1, tokio::time::Instant::now()));
+        let due = self.0.refusals.lock().note(1, tokio::time::Instant::now());
         if let Some((since, total)) = due {
             warn!(rpc, code = ?s.code(), reason = s.message(), refused_since_last_line = since.times, refused_total = total.times, "coordinator request refused");
         }
@@ -142,9 +139,7 @@ impl CoordinatorService {
                 ),
             ));
         };
-        let mut v = r
-            .lock()
-            .map_err(|_| Status::internal("verifier poisoned"))?;
+        let mut v = r.lock();
         v.verify_or_role(msg, wire::now_ms(), faultline_proto::auth::COORDINATOR_ROLE)
             .map_err(|e| self.refused("Run", Status::unauthenticated(e.to_string())))
     }
@@ -706,14 +701,14 @@ mod tests {
         async fn read(
             &self,
         ) -> Result<(crate::budget::Ledger, Option<String>), crate::budget::StoreError> {
-            Ok((self.0.lock().unwrap().clone().unwrap_or_default(), None))
+            Ok((self.0.lock().clone().unwrap_or_default(), None))
         }
         async fn write(
             &self,
             ledger: &crate::budget::Ledger,
             _version: Option<&str>,
         ) -> Result<String, crate::budget::StoreError> {
-            *self.0.lock().unwrap() = Some(ledger.clone());
+            *self.0.lock() = Some(ledger.clone());
             Ok("1".into())
         }
     }
@@ -814,7 +809,7 @@ mod tests {
             assert_eq!(e.code(), code, "{e:?}");
             assert!(e.message().contains(why), "{e:?}");
         }
-        assert!(kept.0.lock().unwrap().is_none(), "nothing was admitted");
+        assert!(kept.0.lock().is_none(), "nothing was admitted");
         let first = admit_with_token(&tok("n1"), "n1", "n1");
         let replay = Request::new(first.get_ref().clone());
         let mut replay = replay;
@@ -839,7 +834,6 @@ mod tests {
         let held: Vec<String> = kept
             .0
             .lock()
-            .unwrap()
             .as_ref()
             .unwrap()
             .entries

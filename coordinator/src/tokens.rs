@@ -15,7 +15,9 @@
 //! per minute; refusals are never remembered.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use sha2::{Digest, Sha256};
@@ -131,21 +133,18 @@ impl KubeAgentTokens {
 impl AgentTokens for KubeAgentTokens {
     async fn node_of(&self, token: &str) -> Result<String, TokenRefusal> {
         let id: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        let cached = lock(&self.cache).get(&id, self.clock.since_boot());
+        let cached = self.cache.lock().get(&id, self.clock.since_boot());
         if let Some(node) = cached {
             return Ok(node);
         }
         // Not held across the review: agents' reviews run side by side. Two reports with the
         // same new token at once may both be reviewed; the cache then holds the later answer.
         let node = self.review(token).await?;
-        lock(&self.cache).insert(id, node.clone(), self.clock.since_boot());
+        self.cache
+            .lock()
+            .insert(id, node.clone(), self.clock.since_boot());
         Ok(node)
     }
-}
-
-fn lock(m: &Mutex<TokenCache>) -> std::sync::MutexGuard<'_, TokenCache> {
-    // The cache holds no invariant a panic elsewhere could break halfway.
-    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Accepted tokens by SHA-256: node and when accepted (time since boot). Entries enter in time

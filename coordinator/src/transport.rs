@@ -4,8 +4,8 @@
 //! concluded through another (`Forward`): the inner message is still signed for its member, the
 //! envelope for the relay.
 
+use parking_lot::Mutex;
 use std::collections::BTreeMap;
-use std::sync::Mutex;
 use std::time::Duration;
 
 use faultline_proto::v1::peer_check_client::PeerCheckClient;
@@ -53,7 +53,7 @@ impl GrpcTransport {
     }
 
     fn client(&self, to: &Member) -> Result<PeerCheckClient<Channel>, String> {
-        let mut map = self.channels.lock().map_err(|_| "poisoned".to_string())?;
+        let mut map = self.channels.lock();
         let ch = match map.get(&to.address) {
             Some(c) => c.clone(),
             None => {

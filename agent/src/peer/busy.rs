@@ -3,8 +3,8 @@
 //! on first use and kept; when it cannot tell (not loadable, a call fails), the node counts as
 //! busy: a scheduled check is not worth disturbing a job that might be there.
 
+use parking_lot::Mutex;
 use std::path::PathBuf;
-use std::sync::Mutex;
 
 use nvml_wrapper::Nvml;
 
@@ -56,9 +56,7 @@ impl NvmlBusy {
 
 impl Busy for NvmlBusy {
     fn busy(&self) -> Option<String> {
-        let Ok(mut guard) = self.nvml.lock() else {
-            return Some("cannot tell (lock poisoned)".into());
-        };
+        let mut guard = self.nvml.lock();
         if guard.is_none() {
             let mut b = Nvml::builder();
             if let Some(p) = &self.library {

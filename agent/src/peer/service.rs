@@ -17,7 +17,9 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use faultline_proto::auth::{AuthError, CoordinatorPublicKey, Signed, Verifier};
@@ -163,10 +165,7 @@ impl CoordinatorAuth {
                 }
             };
             let verified = {
-                let mut v = self
-                    .verifiers
-                    .lock()
-                    .map_err(|_| NotCoordinator::Unknown("verifier poisoned".into()))?;
+                let mut v = self.verifiers.lock();
                 if !v.iter().any(|(k, _)| *k == id.key) {
                     if v.len() >= KEYS_REMEMBERED {
                         v.pop_front();
@@ -268,11 +267,7 @@ impl PeerService {
     /// Logs a refusal (at most one line per `REFUSAL_LOG_EVERY`, with the count since the
     /// last line) and returns it.
     fn refused(&self, rpc: &str, s: Status) -> Status {
-        let due = self
-            .refusals
-            .lock()
-            .ok()
-            .and_then(|mut p| p.note(1, tokio::time::Instant::now()));
+        let due = self.refusals.lock().note(1, tokio::time::Instant::now());
         if let Some((since, total)) = due {
             warn!(rpc, code = ?s.code(), reason = s.message(), refused_since_last_line = since.times, refused_total = total.times, "peer request refused");
         }
@@ -302,10 +297,9 @@ impl PeerService {
     }
 
     fn remember_coordinator(&self, address: &str) {
-        if let Ok(mut a) = self.coordinator_address.lock() {
-            if a.as_deref() != Some(address) {
-                *a = Some(address.to_string());
-            }
+        let mut a = self.coordinator_address.lock();
+        if a.as_deref() != Some(address) {
+            *a = Some(address.to_string());
         }
     }
 }
@@ -390,10 +384,7 @@ impl PeerCheck for PeerHandle {
         self.remember_coordinator(&a.coordinator);
         let cancel = CancellationToken::new();
         {
-            let mut running = self
-                .running
-                .lock()
-                .map_err(|_| Status::internal("poisoned"))?;
+            let mut running = self.running.lock();
             if running.len() >= MAX_CONCURRENT_CHECKS {
                 return refuse(format!("{} checks already running", running.len()));
             }
@@ -417,9 +408,7 @@ impl PeerCheck for PeerHandle {
                 let report = me
                     .run_check(&a, admitted, rank, &partner, peers, cancel)
                     .await;
-                if let Ok(mut r) = me.running.lock() {
-                    r.remove(&key);
-                }
+                me.running.lock().remove(&key);
                 if let Some(report) = report {
                     match &a.report_via {
                         Some(via) => me.send_report_via(via, &coordinator_node, report).await,
@@ -451,7 +440,7 @@ impl PeerCheck for PeerHandle {
             ));
         }
         let found = check_key(&a, &self.node)
-            .and_then(|(key, _, _)| self.running.lock().ok()?.get(&key).cloned());
+            .and_then(|(key, _, _)| self.running.lock().get(&key).cloned());
         if let Some(c) = &found {
             c.cancel();
         }
@@ -497,11 +486,7 @@ impl PeerCheck for PeerHandle {
         if let Some(k) = &report_key {
             // Only the report of a check whose assignment went through here (anyone may send a
             // report to be passed on: it is not this relay's to verify).
-            let known = self
-                .relayed
-                .lock()
-                .map_err(|_| Status::internal("poisoned"))?
-                .contains(k);
+            let known = self.relayed.lock().contains(k);
             if !known {
                 return Err(self.refused(
                     "Forward",
@@ -512,11 +497,7 @@ impl PeerCheck for PeerHandle {
                 ));
             }
         }
-        let taken = self
-            .forwards
-            .lock()
-            .map_err(|_| Status::internal("poisoned"))?
-            .take(tokio::time::Instant::now());
+        let taken = self.forwards.lock().take(tokio::time::Instant::now());
         if !taken {
             return Err(self.refused(
                 "Forward",
@@ -528,20 +509,15 @@ impl PeerCheck for PeerHandle {
                 // A member's report, to the coordinator as its own last message named it: the
                 // report's signature is its author's, checked by the coordinator; this relay
                 // cannot change it, and sends it nowhere else.
-                let address = self
-                    .coordinator_address
-                    .lock()
-                    .map_err(|_| Status::internal("poisoned"))?
-                    .clone()
-                    .ok_or_else(|| {
-                        Status::unavailable("this relay has had no message from the coordinator")
-                    })?;
+                let address = self.coordinator_address.lock().clone().ok_or_else(|| {
+                    Status::unavailable("this relay has had no message from the coordinator")
+                })?;
                 let token = (!f.token.is_empty()).then_some(f.token.as_str());
                 pass_report_on(&address, r, token)
                     .await
                     .map_err(Status::unavailable)?;
-                if let (Ok(mut relayed), Some(k)) = (self.relayed.lock(), &report_key) {
-                    relayed.retain(|x| x != k);
+                if let Some(k) = &report_key {
+                    self.relayed.lock().retain(|x| x != k);
                 }
                 return Ok(Response::new(ForwardReply::default()));
             }
@@ -566,7 +542,8 @@ impl PeerCheck for PeerHandle {
                 .find(|m| m.node != to.node)
                 .map(|m| m.node.clone())
                 .unwrap_or_default();
-            if let Ok(mut relayed) = self.relayed.lock() {
+            {
+                let mut relayed = self.relayed.lock();
                 if relayed.len() >= RELAYED_CHECKS {
                     relayed.pop_front();
                 }
@@ -602,11 +579,12 @@ impl PeerCheck for PeerHandle {
             )));
         };
         // Named only when every failure of this node in the run was its probe not starting.
-        let own = self.own_failures.lock().ok().and_then(|f| {
-            f.iter()
-                .find(|r| r.run_id == c.run_id && !r.other_failures)
-                .and_then(|r| r.cannot_run.clone())
-        });
+        let own = self
+            .own_failures
+            .lock()
+            .iter()
+            .find(|r| r.run_id == c.run_id && !r.other_failures)
+            .and_then(|r| r.cannot_run.clone());
         let obs = faultline_core::peer::verdicts::observe(
             &c.members,
             me,
@@ -716,9 +694,7 @@ impl PeerService {
     /// Remembers a failed check of this node in `run_id`: its probe could not start (`cause`),
     /// or it failed otherwise.
     fn note_failure(&self, run_id: &str, cause: Option<&str>) {
-        let Ok(mut f) = self.own_failures.lock() else {
-            return;
-        };
+        let mut f = self.own_failures.lock();
         if !f.iter().any(|r| r.run_id == run_id) {
             if f.len() >= OWN_FAILURES_KEPT {
                 f.pop_front();
@@ -1155,7 +1131,7 @@ mod tests {
                 .into_inner();
             assert!(!r.accepted && r.reason.contains(why), "{why}: {r:?}");
         }
-        assert!(svc.running.lock().unwrap().is_empty(), "nothing started");
+        assert!(svc.running.lock().is_empty(), "nothing started");
         // Issue 28 review: a Cancel is the same message as an Assign; one replayed as the other
         // (by a relay, or on the path) is refused.
         let cancel = c.sign(
@@ -1172,7 +1148,7 @@ mod tests {
             .await
             .unwrap_err();
         assert!(s.message().contains("not a cancellation"), "{s:?}");
-        assert!(svc.running.lock().unwrap().is_empty(), "nothing started");
+        assert!(svc.running.lock().is_empty(), "nothing started");
         let mut a = assignment();
         a.protocol = PROTOCOL + 1;
         let s = svc.assign(Request::new(c.sign(a, "n1"))).await.unwrap_err();
@@ -1254,7 +1230,7 @@ mod tests {
         );
         assert_eq!(refused, hmac_forgers.len());
         assert!(inputs.try_recv().is_err(), "nothing recorded");
-        assert!(svc.running.lock().unwrap().is_empty(), "no slot taken");
+        assert!(svc.running.lock().is_empty(), "no slot taken");
         // The coordinator's own: taken.
         svc.conclude(Request::new(c.sign(conclusion("n1"), "n1")))
             .await
@@ -1338,7 +1314,7 @@ mod tests {
         a.a.as_mut().unwrap().node = "n2".into();
         let e = n2.assign(Request::new(c.sign(a, "n1"))).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
-        assert!(n2.running.lock().unwrap().is_empty(), "nothing started");
+        assert!(n2.running.lock().is_empty(), "nothing started");
     }
 
     /// Issue 28: a Conclude signed 25 s ahead of the agent's clock was accepted (30 s either
@@ -1507,10 +1483,7 @@ mod tests {
             let sender = Verifier::new(key, Duration::from_secs(30), to)
                 .verify(m, wire::now_ms())
                 .map_err(|e| Status::unauthenticated(e.to_string()))?;
-            self.got
-                .lock()
-                .unwrap()
-                .push(format!("{what} from {sender}"));
+            self.got.lock().push(format!("{what} from {sender}"));
             Ok(())
         }
 
@@ -1695,10 +1668,10 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(
-            n2_at.got.lock().unwrap().clone(),
+            n2_at.got.lock().clone(),
             vec!["ping from c0", "assign from c0", "conclude from c0"]
         );
-        let got = coordinator_at.got.lock().unwrap().clone();
+        let got = coordinator_at.got.lock().clone();
         assert!(got.contains(&"report from n2".to_string()), "{got:?}");
         // The relay's own reports go through the relay its assignment names, signed with its
         // own node's key.
@@ -1718,7 +1691,7 @@ mod tests {
             )
             .await;
         assert_eq!(
-            n2_at.got.lock().unwrap()[3..].to_vec(),
+            n2_at.got.lock()[3..].to_vec(),
             vec!["forwarded report from n1"]
         );
     }

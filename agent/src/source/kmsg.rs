@@ -9,11 +9,11 @@
 //! into engine inputs is `faultline_core::kmsg_reader::KmsgReader`, which reports what it reads
 //! through [`ReaderCounters`], implemented here by the agent's metrics and logs.
 
+use parking_lot::Mutex;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Seek, Write};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -61,11 +61,7 @@ impl ReaderCounters for Counters {
     }
     fn lost(&self, lost: u64, next_seq: u64) {
         self.metrics.kmsg_lost.inc_by(lost);
-        let due = self
-            .gaps
-            .lock()
-            .ok()
-            .and_then(|mut p| p.note(lost, Instant::now()));
+        let due = self.gaps.lock().note(lost, Instant::now());
         if let Some((since, total)) = due {
             warn!(
                 lost = since.amount,

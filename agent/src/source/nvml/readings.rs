@@ -4,7 +4,7 @@
 //! nvml-wrapper (tested against the fake `libnvidia-ml.so` in `tests/fake-nvml`), and unit tests
 //! feed the analyzer hand-made readings.
 
-use std::sync::Mutex;
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 use faultline_core::parse::PciAddr;
@@ -146,20 +146,15 @@ pub struct CallTracker(Mutex<Option<(&'static str, Instant)>>);
 impl CallTracker {
     /// Runs `f` as the NVML call `name`.
     pub fn call<T>(&self, name: &'static str, f: impl FnOnce() -> T) -> T {
-        if let Ok(mut g) = self.0.lock() {
-            *g = Some((name, Instant::now()));
-        }
+        *self.0.lock() = Some((name, Instant::now()));
         let out = f();
-        if let Ok(mut g) = self.0.lock() {
-            *g = None;
-        }
+        *self.0.lock() = None;
         out
     }
 
     /// The call running for longer than `limit`, with how long.
     pub fn stuck(&self, limit: Duration, now: Instant) -> Option<(&'static str, Duration)> {
-        let g = self.0.lock().ok()?;
-        let (name, since) = (*g)?;
+        let (name, since) = (*self.0.lock())?;
         let d = now.saturating_duration_since(since);
         (d > limit).then_some((name, d))
     }
