@@ -20,6 +20,7 @@ pub mod metrics;
 pub mod operator_file;
 pub mod pace;
 pub mod peer;
+pub(crate) mod restore;
 pub mod runtime;
 pub mod signals;
 pub mod sink;
