@@ -548,7 +548,7 @@ impl Components {
                 library: self.cfg.nvml_lib.clone(),
             };
             let source = nvml::run(ncfg, self.policy.clone(), gpu_count_label, self.ctx());
-            self.spawn_source("nvml", &[nvml::DETECTOR], source);
+            self.spawn_source("nvml", &[crate::metrics::DETECTOR_NVML], source);
         }
         if self.cfg.no_ascend {
             info!("Ascend source disabled");
@@ -562,8 +562,8 @@ impl Components {
             self.spawn_source(
                 "ascend",
                 &[
-                    ascend::analyze::DETECTOR_NPU_SMI,
-                    ascend::analyze::DETECTOR_HCCN,
+                    crate::metrics::DETECTOR_NPU_SMI,
+                    crate::metrics::DETECTOR_HCCN,
                 ],
                 source,
             );

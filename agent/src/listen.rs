@@ -24,12 +24,11 @@ use std::io;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::Arc;
-
-use parking_lot::Mutex;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::Stream;
+use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};

@@ -104,18 +104,19 @@ impl Cluster {
             // The agent pod the coordinator counts, and its pod-bound token.
             common::agent_pod(&emu, NS, n, "127.0.0.1", &node_token(n));
         }
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
+        // Its gRPC address, where the agents ask the taint budget (its Service on a cluster).
+        let coordinator_address = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
             .unwrap()
-            .port();
+            .to_string();
         let coordinator = std::process::Command::new(env!("CARGO_BIN_EXE_faultline-coordinator"))
             .args(["--name", "faultline-coordinator-0", "--namespace", NS])
             .arg("--kubeconfig")
             .arg(&coordinator_kubeconfig)
             .arg("--policy")
             .arg(&policy_file)
-            .args(["--peer-listen", &format!("127.0.0.1:{port}")])
+            .args(["--peer-listen", &coordinator_address])
             .args(["--listen", "127.0.0.1:0"])
             .env("RUST_LOG", "info,faultline_coordinator::service=debug")
             .stdout(std::process::Stdio::null())
@@ -130,7 +131,7 @@ impl Cluster {
             kubeconfig,
             policy: policy_file,
             coordinator: Some(coordinator),
-            coordinator_address: format!("127.0.0.1:{port}"),
+            coordinator_address,
             _dir: dir,
         };
         c.wait("the coordinator to hold the Lease", None, |c| {

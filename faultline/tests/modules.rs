@@ -141,6 +141,12 @@ fn use_tree(t: &[char], mut i: usize) -> (Vec<Vec<String>>, usize) {
     (vec![vec![seg]], i)
 }
 
+/// Whether `t[i..]` starts with `word`.
+fn at(t: &[char], i: usize, word: &str) -> bool {
+    t.get(i..)
+        .is_some_and(|rest| rest.iter().copied().take(word.len()).eq(word.chars()))
+}
+
 /// Every path the code names from `crate::` (ups: `None`) or from `super::` (ups: how many).
 fn paths(code: &str) -> Vec<(Option<usize>, Vec<String>)> {
     let t: Vec<char> = code.chars().collect();
@@ -148,15 +154,14 @@ fn paths(code: &str) -> Vec<(Option<usize>, Vec<String>)> {
     let mut i = 0;
     while i < t.len() {
         let boundary = i == 0 || !is_ident(t[i - 1]);
-        let rest: String = t[i..t.len().min(i + 7)].iter().collect();
-        if boundary && rest.starts_with("crate::") {
+        if boundary && at(&t, i, "crate::") {
             let (p, next) = use_tree(&t, i + 7);
             out.extend(p.into_iter().map(|p| (None, p)));
             i = next.max(i + 1);
-        } else if boundary && rest.starts_with("super::") {
+        } else if boundary && at(&t, i, "super::") {
             let mut ups = 0;
             let mut j = i;
-            while t[j..].iter().take(7).collect::<String>() == "super::" {
+            while at(&t, j, "super::") {
                 ups += 1;
                 j += 7;
             }

@@ -3,10 +3,10 @@
 //! on first use and kept; when it cannot tell (not loadable, a call fails), the node counts as
 //! busy: a scheduled check is not worth disturbing a job that might be there.
 
-use parking_lot::Mutex;
 use std::path::PathBuf;
 
 use nvml_wrapper::Nvml;
+use parking_lot::Mutex;
 
 use super::service::Busy;
 

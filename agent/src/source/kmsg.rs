@@ -9,13 +9,13 @@
 //! into engine inputs is `faultline_core::kmsg_reader::KmsgReader`, which reports what it reads
 //! through [`ReaderCounters`], implemented here by the agent's metrics and logs.
 
-use parking_lot::Mutex;
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Seek, Write};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::time::Instant;
 
 use faultline_core::time::Timestamp;
@@ -27,7 +27,7 @@ use faultline_core::parse::kmsg::RecordError;
 use sha2::{Digest, Sha256};
 
 use super::{Input, SourceContext};
-use crate::metrics::{KindLabel, Metrics};
+use crate::metrics::{KindLabel, Metrics, DETECTOR_KMSG};
 use crate::pace::LogPacer;
 
 /// How often overruns and gaps are logged while they go on.
@@ -154,7 +154,7 @@ pub fn boot_time(proc_stat: &Path) -> Option<Timestamp> {
 /// reported as the detector being down, and the thread retries.
 /// If the thread dies (a panic), the detector is reported Down.
 pub fn spawn(cfg: KmsgConfig, ctx: SourceContext) -> std::thread::JoinHandle<()> {
-    let on_death = super::report_down("kmsg", &ctx);
+    let on_death = super::report_down(DETECTOR_KMSG, &ctx);
     let shutdown = ctx.shutdown.clone();
     super::spawn_watched("kmsg", shutdown, move || run(cfg, ctx), on_death)
         .unwrap_or_else(|e| panic!("cannot start the kmsg thread: {e}"))
@@ -171,7 +171,7 @@ fn send_all(ctx: &SourceContext, out: &mut Vec<Input>) -> bool {
 
 fn detector(ctx: &SourceContext, state: DetectorState, reason: Option<String>) -> bool {
     let obs = Observation::Detector {
-        name: "kmsg".into(),
+        name: DETECTOR_KMSG.into(),
         state,
         reason,
     };

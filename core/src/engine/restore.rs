@@ -12,7 +12,6 @@ use std::collections::VecDeque;
 use super::{Ctx, Engine, FaultCodeRepr, FaultState};
 use crate::catalog::ascend::is_fault_code;
 use crate::catalog::{nvml, FaultCode};
-
 use crate::record::{Fault, FaultType, Handling, NodeRecord, Source};
 
 /// Which of a record's faults to rebuild.

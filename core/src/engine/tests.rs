@@ -73,7 +73,8 @@ fn healthy_node_view() {
     assert_eq!(v.labels[HEALTH_LABEL], "Healthy");
 }
 
-/// Each row: the Xid, the verdict, the taint, the condition status (the default node actions of docs/policy.md).
+/// Each row: the Xid, the verdict, the taint, the condition status (the default node actions of
+/// docs/policy.md).
 #[test]
 fn xid_to_node_actions() {
     type Row = (

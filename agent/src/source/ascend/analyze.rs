@@ -16,12 +16,12 @@ use faultline_core::parse::ascend::{ChipHealth, LinkStatus, NetHealth, NpuChip, 
 use faultline_core::policy::AscendPolicy;
 use faultline_core::record::Source;
 
+use crate::metrics::{DETECTOR_HCCN, DETECTOR_NPU_SMI};
+
 pub use faultline_core::catalog::ascend::{family_of, KIND, LINK_DOWN_CODE};
 pub const DOMAIN_CHIP: &str = "npu-chip";
 pub const DOMAIN_LINK: &str = "npu-link";
 pub const DOMAIN_NET: &str = "npu-net";
-/// Detector names (one per tool).
-pub use crate::metrics::{DETECTOR_HCCN, DETECTOR_NPU_SMI};
 
 /// One port's readings; `None` where the query was not made (not configured).
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -18,10 +18,11 @@ use std::time::Instant;
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
-use self::analyze::{Analyzer, LinkPoll, Poll, DETECTOR_HCCN, DETECTOR_NPU_SMI};
+use self::analyze::{Analyzer, LinkPoll, Poll};
 use self::tools::{Tool, ToolError, Tools};
 use super::{Input, SourceContext};
 use crate::metrics::{Metrics, ToolLabel};
+use crate::metrics::{DETECTOR_HCCN, DETECTOR_NPU_SMI};
 use faultline_core::engine::{DetectorState, Observation};
 use faultline_core::parse::ascend::{self as parse, AscendParseError};
 use faultline_core::policy::AscendPolicy;
@@ -247,13 +248,12 @@ pub async fn run<T: Tools>(
                     Vec::new()
                 } else {
                     info!(tool = %tool, "npu-smi not found (--npu-smi); the Ascend source is idle");
-                    let (state, reason) = (DetectorState::Idle, format!("{tool} not found"));
                     [DETECTOR_NPU_SMI, DETECTOR_HCCN]
                         .into_iter()
                         .map(|name| Observation::Detector {
                             name: name.into(),
-                            state,
-                            reason: Some(reason.clone()),
+                            state: DetectorState::Idle,
+                            reason: Some(format!("{tool} not found")),
                         })
                         .collect()
                 }

@@ -26,10 +26,9 @@ use self::analyze::Analyzer;
 use self::readings::{CallTracker, DeviceReadings, Identity, NvmlBackend, NvmlEvent, Reading};
 use super::node::GpuCountLabel;
 use super::{Input, SourceContext};
+use crate::metrics::DETECTOR_NVML;
 use faultline_core::engine::{DetectorState, Observation};
 use faultline_core::policy::LoadedPolicy;
-
-pub const DETECTOR: &str = crate::metrics::DETECTOR_NVML;
 
 /// Where NVML comes from.
 #[derive(Debug, Clone, Default)]
@@ -49,7 +48,7 @@ enum Msg {
 
 async fn detector(ctx: &SourceContext, state: DetectorState, reason: Option<String>) -> bool {
     let obs = Observation::Detector {
-        name: DETECTOR.into(),
+        name: DETECTOR_NVML.into(),
         state,
         reason,
     };
