@@ -27,8 +27,78 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
+use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::Metrics;
 use crate::runtime::{Clock, Heartbeat, RecordStatus, Snapshot, STALE_MS};
+
+/// Port of the endpoints when `--listen` is not given.
+pub const DEFAULT_PORT: u16 = 20260;
+
+/// Written into the state directory while the agent runs: the address its endpoints are bound
+/// to (useful with `--listen …:0`).
+pub const LISTEN_ADDR_FILE: &str = "listen.addr";
+
+/// The endpoints' flags.
+#[derive(Debug, Clone, clap::Args)]
+#[group(skip)]
+pub struct Flags {
+    /// Address of /metrics, /healthz, /readyz and /v1/record. Default: 0.0.0.0:20260 in a pod,
+    /// 127.0.0.1:20260 elsewhere.
+    #[arg(long, env = "FAULTLINE_LISTEN")]
+    pub listen: Option<SocketAddr>,
+}
+
+/// Where the endpoints listen when `--listen` is not given: every interface in a pod (its own
+/// network namespace; the kubelet's probes and scrapers come to the pod IP), only loopback
+/// elsewhere, where every interface is the host's (bare metal, Slurm).
+pub fn default_listen(in_pod: bool) -> SocketAddr {
+    let ip = if in_pod {
+        std::net::Ipv4Addr::UNSPECIFIED
+    } else {
+        std::net::Ipv4Addr::LOCALHOST
+    };
+    SocketAddr::from((ip, DEFAULT_PORT))
+}
+
+/// The endpoints, as the daemon starts them.
+#[derive(Debug)]
+pub struct Endpoints {
+    pub flags: Flags,
+    /// Where the bound address is written ([`LISTEN_ADDR_FILE`]), and removed at the end.
+    pub state_dir: std::path::PathBuf,
+    pub heartbeat: Arc<Heartbeat>,
+    pub record: watch::Receiver<RecordStatus>,
+}
+
+impl Component for Endpoints {
+    const NAME: &'static str = "http";
+
+    async fn start(self, cx: &Context) -> Result<Handle, StartError> {
+        let in_pod = crate::kube_client::in_pod();
+        let addr = self.flags.listen.unwrap_or_else(|| default_listen(in_pod));
+        let listen = |source| StartError::Listen { addr, source };
+        let listener = bind(addr).await.map_err(listen)?;
+        let bound = listener.local_addr().map_err(listen)?;
+        tracing::info!(addr = %bound, state_dir = %self.state_dir.display(), "faultline agent running");
+        let addr_file = self.state_dir.join(LISTEN_ADDR_FILE);
+        let _ = crate::atomic_file::write(&addr_file, bound.to_string().as_bytes());
+        let state = HttpState {
+            metrics: cx.metrics.clone(),
+            heartbeat: self.heartbeat,
+            clock: cx.clock.clone(),
+            record: self.record,
+            snapshots: cx.snapshots.clone(),
+            record_body: Default::default(),
+        };
+        let shutdown = cx.shutdown.clone();
+        Ok(Handle::spawn(Self::NAME, async move {
+            if let Err(e) = serve(listener, state, shutdown).await {
+                tracing::warn!(error = %e, "HTTP server stopped");
+            }
+            let _ = std::fs::remove_file(addr_file);
+        }))
+    }
+}
 
 /// Shared state of the endpoints.
 #[derive(Debug, Clone)]

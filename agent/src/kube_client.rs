@@ -22,6 +22,61 @@ pub const FIELD_MANAGER: &str = "faultline";
 /// The field manager of the CLI's writes.
 pub const CLI_FIELD_MANAGER: &str = "faultline-cli";
 
+/// The agent's namespace unless configured otherwise.
+pub const DEFAULT_NAMESPACE: &str = "faultline-system";
+
+/// How the agent reaches Kubernetes and who it is there: flags every Kubernetes part shares.
+#[derive(Debug, Clone, clap::Args)]
+#[group(skip)]
+pub struct Flags {
+    /// Kubernetes: use this kubeconfig instead of the in-cluster service account.
+    #[arg(long, env = "FAULTLINE_KUBECONFIG")]
+    pub kubeconfig: Option<std::path::PathBuf>,
+    /// Never talk to Kubernetes, even inside a cluster.
+    #[arg(long, env = "FAULTLINE_STANDALONE", value_parser = clap::builder::BoolishValueParser::new())]
+    pub standalone: bool,
+    /// Kubernetes: the namespace of the fault ConfigMaps, the coordinator's Lease and Service
+    /// (the default `--coordinator`).
+    #[arg(long, env = "POD_NAMESPACE", default_value = DEFAULT_NAMESPACE)]
+    pub namespace: String,
+    /// Kubernetes: this agent's pod name (the reporting instance of its Events).
+    #[arg(long, env = "POD_NAME")]
+    pub pod_name: Option<String>,
+    /// Kubernetes: this agent's projected service-account token (audience `faultline-peer`),
+    /// what the coordinator knows this node by: its peer-check reports and its taint-budget
+    /// admissions carry it, and the coordinator takes the node's name from it (TokenReview).
+    /// Re-read for every request (the kubelet rotates it). Without it the node is labelled but
+    /// never newly tainted, and takes no part in peer checks.
+    #[arg(long, env = "FAULTLINE_NODE_TOKEN_FILE")]
+    pub node_token_file: Option<std::path::PathBuf>,
+}
+
+impl Flags {
+    /// Kubernetes mode: a kubeconfig was given, or the agent runs in a pod. A failure leaves
+    /// the agent standalone (said why): detection never waits for the API.
+    pub async fn connect(&self, node: &str) -> Option<Clients> {
+        if self.standalone || (self.kubeconfig.is_none() && !in_pod()) {
+            return None;
+        }
+        match clients(self.kubeconfig.as_deref(), node).await {
+            Ok(c) => {
+                tracing::info!(node, namespace = %self.namespace, "Kubernetes mode");
+                Some(c)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot reach Kubernetes; running standalone");
+                None
+            }
+        }
+    }
+}
+
+/// Whether this process runs in a Kubernetes pod (the kubelet sets this variable in every
+/// container).
+pub fn in_pod() -> bool {
+    std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
+}
+
 /// Who sends the requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Sender<'a> {

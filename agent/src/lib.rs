@@ -10,7 +10,9 @@
 pub mod atomic_file;
 pub(crate) mod backoff;
 pub mod child;
+pub mod clear;
 pub mod cli;
+pub mod component;
 pub mod daemon;
 pub mod http;
 pub mod kube_client;

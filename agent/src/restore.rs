@@ -1,7 +1,8 @@
 //! What the last run left for this one: `state.json` from the data directory (a file of
 //! another version or node set aside), else the faults rebuilt from the record (`faults.json`),
 //! else, on Kubernetes, from the fault ConfigMap or from the taints an operator must clear; the
-//! kernel-log cursor when the boot is the same.
+//! kernel-log cursor when the boot is the same. Before any of it, the agent takes its
+//! directories ([`take_directories`]).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -24,6 +25,72 @@ pub(crate) struct RestoreConfig {
     pub boot_id_path: PathBuf,
     pub proc_stat_path: PathBuf,
     pub namespace: String,
+}
+
+/// Why the agent cannot use its directories.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum DirError {
+    #[error("cannot create state directory {}", .path.display())]
+    State {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "cannot create data directory {} (it holds the state a restart and a reboot need; not \
+         running as root, give --data-dir a directory you can write, on a disk that survives a \
+         reboot)",
+        .path.display()
+    )]
+    Data {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Lock(#[from] crate::lock::LockError),
+    #[error("taking the directory locks")]
+    Join(#[from] tokio::task::JoinError),
+}
+
+/// Creates the state and data directories and takes the agent's lock on each, before anything
+/// in them is read or written: a second agent stops here, having changed nothing. The locks
+/// are held while the returned values live (the kernel releases them if the process dies).
+/// Then removes the temporary files of writes a kill interrupted (only the agent writes there).
+pub(crate) async fn take_directories(
+    cfg: &RestoreConfig,
+    node: &str,
+) -> Result<Vec<crate::lock::DirLock>, DirError> {
+    // 0755 whatever the umask (a user's 0002 would make them group-writable, which the lock
+    // refuses): only the agent writes there; jobs read the record as other users.
+    use std::os::unix::fs::DirBuilderExt;
+    let mut builder = std::fs::DirBuilder::new();
+    builder.recursive(true).mode(0o755);
+    let (state, data) = (cfg.state_dir.clone(), cfg.data_dir.clone());
+    builder.create(&state).map_err(|source| DirError::State {
+        path: state.clone(),
+        source,
+    })?;
+    builder.create(&data).map_err(|source| DirError::Data {
+        path: data.clone(),
+        source,
+    })?;
+    let holder = crate::lock::Holder::this_process(node);
+    // On a blocking thread: file system calls.
+    let locks =
+        tokio::task::spawn_blocking(move || crate::lock::acquire_all(&[&state, &data], &holder))
+            .await??;
+    for dir in [&cfg.state_dir, &cfg.data_dir] {
+        match crate::atomic_file::remove_stale_temps(dir) {
+            Ok(0) => {}
+            Ok(n) => {
+                info!(removed = n, dir = %dir.display(), "removed temporary files left by an interrupted write")
+            }
+            Err(e) => warn!(error = %e, dir = %dir.display(), "cannot clean temporary files"),
+        }
+    }
+    let _ = std::fs::create_dir_all(cfg.state_dir.join(control::CLEAR_DIR));
+    Ok(locks)
 }
 
 fn read_boot_id(path: &Path) -> Option<String> {
@@ -68,7 +135,7 @@ pub(crate) struct Restored {
     /// The engine's timeline saved by the last run (kept when it is of this boot).
     pub(crate) saved_timeline: Option<faultline_core::time::Timeline>,
     /// The clear requests the last run applied (from `state.json`).
-    pub(crate) clears: control::AppliedClears,
+    pub(crate) clears: crate::clear::AppliedClears,
 }
 
 pub(crate) fn restore(cfg: &RestoreConfig, node: &str, catalog: &Catalog) -> Restored {
@@ -261,7 +328,7 @@ fn held_code(
 /// policy holds for an operator becomes an active fault on `node` again (source `agent`, the
 /// message saying where it came from), so the node stays tainted until an operator runs
 /// `faultline clear`. `None` when the Node cannot be read or carries no such taint.
-pub(crate) async fn rebuild_from_taints(
+async fn rebuild_from_taints(
     client: kube::Client,
     node: &str,
     policy: &faultline_core::policy::Policy,
@@ -319,18 +386,62 @@ pub(crate) async fn rebuild_from_taints(
 /// how far the kernel log is skipped.
 const MAX_RECORD_SKEW: Duration = Duration::from_secs(300);
 
+/// What the cluster holds of this node's last record.
+enum ClusterRecord {
+    Found(Rebuilt, Box<NodeRecord>),
+    Absent,
+    NoAnswer,
+}
+
+/// In Kubernetes, when nothing was found on this node ([`Origin::Empty`]), the state is rebuilt
+/// from the cluster: the fault ConfigMap's record, else the Node's taints. Standalone there is
+/// no taint budget, and nothing is withheld.
+pub(crate) async fn from_cluster(
+    mut restored: Restored,
+    kube: Option<kube::Client>,
+    cfg: &RestoreConfig,
+    node: &str,
+    catalog: &Catalog,
+    policy: &faultline_core::policy::Policy,
+    now: faultline_core::time::Timestamp,
+) -> Restored {
+    let Some(client) = kube else {
+        restored.taint_budget = None;
+        return restored;
+    };
+    if restored.origin != Origin::Empty {
+        return restored;
+    }
+    match rebuild_from_cluster(client.clone(), cfg, node, catalog).await {
+        ClusterRecord::Found((engine, skip), record) => {
+            restored.origin = Origin::Record;
+            restored.engine = engine;
+            restored.kmsg_skip_through = skip;
+            restored.taint_budget = record.agent.taint_budget;
+        }
+        ClusterRecord::Absent => {
+            if let Some(engine) = rebuild_from_taints(client, node, policy, catalog, now).await {
+                restored.origin = Origin::Record;
+                restored.engine = engine;
+            }
+        }
+        ClusterRecord::NoAnswer => {}
+    }
+    restored
+}
+
 /// When nothing survived locally (the state directory was lost, or a reboot emptied a tmpfs),
 /// the fault ConfigMap may still hold this node's last record: rebuild from it, so operator-held
-/// faults are not published as Healthy. Waits at most [`CLUSTER_RESTORE_WAIT`]. `Err` when the
-/// API did not answer in time (nothing else is asked then: detection has waited long enough);
-/// `Ok(None)` when it answered without a usable record (the node's taints are asked next,
-/// [`rebuild_from_taints`]).
-pub(crate) async fn rebuild_from_cluster(
+/// faults are not published as Healthy. Waits at most [`CLUSTER_RESTORE_WAIT`].
+/// API did not answer in time ([`ClusterRecord::NoAnswer`]: nothing else is asked then,
+/// detection has waited long enough); [`ClusterRecord::Absent`] when it answered without a
+/// usable record (the node's taints are asked next, [`rebuild_from_taints`]).
+async fn rebuild_from_cluster(
     client: kube::Client,
     cfg: &RestoreConfig,
     node: &str,
     catalog: &Catalog,
-) -> Result<Option<(Rebuilt, NodeRecord)>, ()> {
+) -> ClusterRecord {
     let cms: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
         kube::Api::namespaced(client, &cfg.namespace);
     use kube_sink::configmap::{read_back, ReadBackError};
@@ -339,10 +450,10 @@ pub(crate) async fn rebuild_from_cluster(
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         match tokio::time::timeout(left, read_back(&cms, node)).await {
             Ok(Ok(Some(r))) => break r,
-            Ok(Ok(None)) => return Ok(None),
+            Ok(Ok(None)) => return ClusterRecord::Absent,
             Ok(Err(e @ ReadBackError::Unreadable(_))) => {
                 warn!(error = %e, "no local state, and the cluster's record cannot be used");
-                return Ok(None);
+                return ClusterRecord::Absent;
             }
             Ok(Err(e)) if !left.is_zero() => {
                 debug!(error = %e, "reading the cluster's record failed; trying again");
@@ -353,7 +464,7 @@ pub(crate) async fn rebuild_from_cluster(
                     waited_ms = CLUSTER_RESTORE_WAIT.as_millis() as u64,
                     "no local state, and the API did not give this node's record in time; starting empty"
                 );
-                return Err(());
+                return ClusterRecord::NoAnswer;
             }
         }
     };
@@ -361,11 +472,11 @@ pub(crate) async fn rebuild_from_cluster(
         faultline_core::time::since(record.update_time, faultline_core::time::Timestamp::now());
     if ahead > faultline_core::time::signed(MAX_RECORD_SKEW) {
         warn!(record_time = %record.update_time, "the cluster's record is dated in the future; not used");
-        return Ok(None);
+        return ClusterRecord::Absent;
     }
     let rebuilt = engine_from_record(&record, cfg, catalog);
     warn!(faults = rebuilt.0.faults().count(), record_time = %record.update_time, "no local state; faults rebuilt from the cluster's record");
-    Ok(Some((rebuilt, record)))
+    ClusterRecord::Found(rebuilt, Box::new(record))
 }
 
 /// A record's active faults, minus what the next polls will report anyway, and minus

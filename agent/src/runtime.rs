@@ -14,8 +14,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
+use crate::clear::{AppliedClears, ClearApplied, ClearResult};
 use crate::metrics::{ActiveFaultLabel, FaultLabel, HandlingLabel, KindLabel, Metrics};
-use crate::source::control::{AppliedClears, ClearApplied, ClearResult};
 use crate::source::Input;
 use faultline_core::catalog::Catalog;
 use faultline_core::engine::{
@@ -1596,7 +1596,7 @@ recovery:
         assert_eq!(report.result.cleared, 1);
         assert_eq!(
             report.result.faults,
-            [crate::source::control::ClearedFault {
+            [crate::clear::ClearedFault {
                 code: "Xid79".into(),
                 device: "GPU-0".into()
             }]

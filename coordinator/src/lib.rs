@@ -95,7 +95,7 @@ pub struct CoordinatorConfig {
     #[arg(long, env = "FAULTLINE_KUBECONFIG")]
     pub kubeconfig: Option<PathBuf>,
     /// Kubernetes: the namespace of the agents, the Lease and the published run.
-    #[arg(long, env = "POD_NAMESPACE", default_value = faultline_agent::sink::kube::DEFAULT_NAMESPACE)]
+    #[arg(long, env = "POD_NAMESPACE", default_value = faultline_agent::kube_client::DEFAULT_NAMESPACE)]
     pub namespace: String,
     /// Kubernetes: label selector of the agent pods.
     #[arg(long, env = "FAULTLINE_PEER_SELECTOR", default_value = members::DEFAULT_SELECTOR)]
@@ -448,16 +448,15 @@ async fn follow_policy(
     .await;
     let (tx, rx) = watch::channel(loaded);
     if let Some(path) = cfg.policy.clone() {
-        tokio::spawn(policy_watch::watch_policy(
+        let file = policy_watch::PolicyFile {
             path,
             tx,
-            metrics.clone(),
-            shutdown.clone(),
-            Duration::from_secs(60),
+            recheck: Duration::from_secs(60),
             reload,
-            policy_watch::file_reader(),
+            reader: policy_watch::file_reader(),
             first,
-        ));
+        };
+        tokio::spawn(file.run(metrics.clone(), shutdown.clone()));
     }
     rx
 }

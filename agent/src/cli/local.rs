@@ -11,11 +11,12 @@ use serde_json::{json, Value};
 
 use super::{columns, Accept, Outcome};
 use crate::atomic_file::write as write_atomic;
+use crate::clear::ClearResult;
 use crate::runtime::Clock;
 use crate::sink::file::FAULTS_FILE;
 use crate::source::control::{
     is_pending, is_rejected, is_taken, parse_request, read_result, remove_result, withdraw,
-    ClearRequest, ClearResult, CLEAR_DIR,
+    ClearRequest, CLEAR_DIR,
 };
 
 /// Where the local record is.
@@ -554,10 +555,10 @@ fn clear_json(
 mod tests {
     use super::super::test_records::{HEALTHY, UNHEALTHY};
     use super::*;
+    use crate::clear::ClearResult;
     use crate::runtime::testing::FakeClock;
     use crate::runtime::SystemClock;
     use crate::sink::file::{Beat, STALE_AFTER};
-    use crate::source::control::ClearResult;
 
     fn file(body: &str) -> (tempfile::TempDir, PathBuf) {
         let d = tempfile::tempdir().unwrap();
@@ -968,7 +969,7 @@ mod tests {
                 std::thread::sleep(Duration::from_millis(600));
                 let result = ClearResult {
                     cleared: 1,
-                    faults: vec![crate::source::control::ClearedFault {
+                    faults: vec![crate::clear::ClearedFault {
                         code: "Xid79".into(),
                         device: "GPU-3".into(),
                     }],
@@ -1047,11 +1048,11 @@ mod tests {
         let two = ClearResult {
             cleared: 2,
             faults: vec![
-                crate::source::control::ClearedFault {
+                crate::clear::ClearedFault {
                     code: "Xid79".into(),
                     device: "GPU-0000:3b:00.0".into(),
                 },
-                crate::source::control::ClearedFault {
+                crate::clear::ClearedFault {
                     code: "Xid13".into(),
                     device: "GPU-0000:3b:00.0".into(),
                 },

@@ -4,11 +4,21 @@
 //! busy: a scheduled check is not worth disturbing a job that might be there.
 
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use nvml_wrapper::Nvml;
 use parking_lot::Mutex;
 
 use super::service::Busy;
+
+/// What tells whether the GPUs are busy: NVML, unless the agent was told not to use it.
+pub fn from_flags(nvml: &crate::source::nvml::Flags) -> Arc<dyn Busy> {
+    if nvml.no_nvml {
+        Arc::new(super::service::NeverBusy)
+    } else {
+        Arc::new(NvmlBusy::new(nvml.nvml_lib.clone()))
+    }
+}
 
 /// Busy when any GPU has a compute process.
 pub struct NvmlBusy {

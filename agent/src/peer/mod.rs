@@ -11,7 +11,7 @@
 //!
 //! - `lease`: the Lease as agents read it (its holder: the active coordinator and its key).
 //!
-//! [`start`] wires the service into the agent on its own port.
+//! [`Peer`] wires the service into the agent on its own port.
 
 pub mod authz;
 pub mod busy;
@@ -21,6 +21,8 @@ pub mod runner;
 pub mod service;
 pub mod wire;
 
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -32,6 +34,7 @@ use tracing::{info, warn, Instrument};
 
 use service::{Busy, PeerHandle, PeerService, ProbeSetup};
 
+use crate::component::{Component, Context, Handle, StartError};
 use crate::source::Input;
 use faultline_core::policy::LoadedPolicy;
 use faultline_core::policy::PeerPolicy;
@@ -45,9 +48,141 @@ pub const MAX_SKEW: Duration = Duration::from_secs(30);
 /// its own work to seconds). A client's shorter `grpc-timeout` is honoured.
 pub const MAX_REQUEST: Duration = Duration::from_secs(15 * 60);
 
+/// Default address of the peer-check service.
+pub const DEFAULT_LISTEN: &str = "0.0.0.0:20261";
+
+/// The peer-check service's flags (in Kubernetes the node's credential is its service-account
+/// token: `--node-token-file`).
+#[derive(Debug, Clone, clap::Args)]
+#[group(skip)]
+pub struct Flags {
+    /// Peer checks without Kubernetes: this node's own key (`faultline keys node`); its reports
+    /// are signed with it, and no other node holds it.
+    #[arg(long, env = "FAULTLINE_PEER_NODE_KEY_FILE")]
+    pub peer_node_key_file: Option<PathBuf>,
+    /// Peer checks without Kubernetes: the coordinator's public key (`faultline keys
+    /// coordinator` prints it). Only messages it signed assign checks or conclude runs here.
+    /// (Its text may begin with `-`: it is taken as the value.)
+    #[arg(
+        long,
+        env = "FAULTLINE_PEER_COORDINATOR_KEY",
+        allow_hyphen_values = true
+    )]
+    pub peer_coordinator_key: Option<String>,
+    /// Peer checks: where this agent's gRPC service listens.
+    #[arg(long, env = "FAULTLINE_PEER_LISTEN", default_value = DEFAULT_LISTEN)]
+    pub peer_listen: SocketAddr,
+    /// The `faultline-probe` binary. Default: next to this binary, else on PATH.
+    #[arg(long, env = "FAULTLINE_PROBE")]
+    pub probe_bin: Option<PathBuf>,
+    /// First of the 32 ports the probes listen on during checks.
+    #[arg(long, env = "FAULTLINE_PROBE_PORT_BASE", default_value_t = 20270)]
+    pub probe_port_base: u16,
+}
+
+/// The peer-check service, as the daemon starts it.
+#[derive(Debug)]
+pub struct Peer {
+    pub flags: Flags,
+    /// Kubernetes: the service-account token the coordinator knows this node by.
+    pub node_token_file: Option<PathBuf>,
+    /// Kubernetes: the namespace of the coordinator's Lease.
+    pub namespace: String,
+    /// Whether the GPUs run work (a check waits for them to be idle).
+    pub busy: Arc<dyn Busy>,
+}
+
+impl Component for Peer {
+    const NAME: &'static str = "peer";
+
+    /// Starts nothing (and says why) when this node has no credential or does not know the
+    /// coordinator's.
+    async fn start(self, cx: &Context) -> Result<Handle, StartError> {
+        Ok(match self.setup(cx).await? {
+            Some(setup) => Handle::of(start(setup)),
+            None => Handle::none(),
+        })
+    }
+}
+
+impl Peer {
+    /// Everything peer checks need, or `None` when this agent cannot take part (said why).
+    async fn setup(self, cx: &Context) -> Result<Option<PeerSetup>, StartError> {
+        let (coordinator, credential): (Arc<dyn authz::WhoCoordinates>, wire::NodeCredential) =
+            match &cx.kube {
+                Some(client) => {
+                    let Some(token) = self.node_token_file else {
+                        info!("peer checks disabled (no --node-token-file: the service-account token the coordinator knows this node by)");
+                        return Ok(None);
+                    };
+                    let holder = authz::LeaseHolder::new(client.calls.clone(), self.namespace);
+                    (Arc::new(holder), wire::NodeCredential::Token(token))
+                }
+                None => match (&self.flags.peer_node_key_file, &self.flags.peer_coordinator_key)
+                {
+                    (Some(key), Some(public)) => {
+                        let public = public.parse().map_err(|e| StartError::Key {
+                            what: "--peer-coordinator-key is not the coordinator's public key",
+                            source: Box::new(e),
+                        })?;
+                        let key = wire::load_node_key(key).map_err(|e| StartError::Key {
+                            what: "--peer-node-key-file cannot be used",
+                            source: Box::new(e),
+                        })?;
+                        (
+                            Arc::new(authz::fixed(public)),
+                            wire::NodeCredential::Key(key),
+                        )
+                    }
+                    (None, None) => {
+                        info!("peer checks disabled (without Kubernetes they need --peer-node-key-file and --peer-coordinator-key)");
+                        return Ok(None);
+                    }
+                    _ => return Err(StartError::Flags(
+                        "peer checks without Kubernetes need both --peer-node-key-file and --peer-coordinator-key",
+                    )),
+                },
+            };
+        let addr = self.flags.peer_listen;
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| StartError::Listen { addr, source })?;
+        let probe = ProbeSetup {
+            bin: probe_bin(self.flags.probe_bin.as_deref()),
+            gpu: cx.policy.borrow().policy.peer.gpu,
+        };
+        info!(listen = %addr, probe = %probe.bin.display(), "peer checks enabled");
+        Ok(Some(PeerSetup {
+            node: cx.node.clone(),
+            listener,
+            probe,
+            probe_port_base: self.flags.probe_port_base,
+            busy: self.busy,
+            coordinator,
+            credential,
+            policy: cx.policy.clone(),
+            inputs: cx.inputs.clone(),
+            metrics: cx.metrics.clone(),
+            shutdown: cx.shutdown.clone(),
+        }))
+    }
+}
+
+/// The probe binary: the flag, else `faultline-probe` next to this binary, else on PATH.
+fn probe_bin(flag: Option<&Path>) -> PathBuf {
+    if let Some(p) = flag {
+        return p.to_path_buf();
+    }
+    let sibling = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("faultline-probe")))
+        .filter(|p| p.exists());
+    sibling.unwrap_or_else(|| PathBuf::from("faultline-probe"))
+}
+
 /// Everything the peer-check part of the agent needs.
 #[derive(Debug)]
-pub struct PeerSetup {
+struct PeerSetup {
     pub node: String,
     pub listener: tokio::net::TcpListener,
     pub probe: ProbeSetup,
@@ -85,7 +220,7 @@ pub fn follow_policy(
 }
 
 /// Starts the service; returns its task.
-pub fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
+fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
     let policy = follow_policy(s.policy, s.shutdown.clone());
     let svc = PeerHandle(Arc::new(PeerService::new(service::ServiceSetup {
         node: s.node,

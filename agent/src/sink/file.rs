@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::atomic_file::write as write_atomic;
+use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::{Metrics, SinkLabel};
 use crate::pace::WriteBudget;
 use crate::runtime::{Clock, Heartbeat, PersistedState, RecordStatus, Snapshot};
@@ -303,6 +304,70 @@ pub struct FileSinkSignals {
     pub status: watch::Sender<RecordStatus>,
     /// The highest engine-loop marker written to `state.json` (a clear request waits for it).
     pub persisted: watch::Sender<u64>,
+}
+
+/// The file sink's flags.
+#[derive(Debug, Clone, clap::Args)]
+#[group(skip)]
+pub struct Flags {
+    /// Local record writes: after a burst of `--write-burst` writes, at most one per this
+    /// interval; changes in between are coalesced into the next write.
+    #[arg(long, env = "FAULTLINE_WRITE_INTERVAL", default_value = "200ms", value_parser = humantime::parse_duration)]
+    pub write_interval: Duration,
+    /// Local record writes that may go out back to back before `--write-interval` applies.
+    #[arg(long, env = "FAULTLINE_WRITE_BURST", default_value_t = 3)]
+    pub write_burst: u32,
+    /// How often the local record is rewritten when nothing changed, so that its
+    /// `heartbeatTime` shows the agent alive (`faultline wait-healthy` checks it).
+    #[arg(long, env = "FAULTLINE_HEARTBEAT_INTERVAL", default_value = "10s", value_parser = parse_heartbeat)]
+    pub heartbeat_interval: Duration,
+}
+
+/// `--heartbeat-interval`: between 1 s and 10 s, so that three heartbeats fit in the 30 s that
+/// readers (`faultline wait-healthy --stale-after`) allow by default.
+fn parse_heartbeat(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if !(Duration::from_secs(1)..=Duration::from_secs(10)).contains(&d) {
+        return Err(format!("{s} is outside 1s..=10s"));
+    }
+    Ok(d)
+}
+
+/// The file sink, as the daemon starts it.
+#[derive(Debug)]
+pub struct FileSink {
+    pub dirs: Dirs,
+    pub flags: Flags,
+    pub signals: FileSinkSignals,
+    /// The engine loop's heartbeat: the record beats only while the engine does.
+    pub engine: Arc<Heartbeat>,
+}
+
+impl Component for FileSink {
+    const NAME: &'static str = "file";
+
+    async fn start(self, cx: &Context) -> Result<Handle, StartError> {
+        let budget = WriteBudget::new(
+            self.flags.write_interval,
+            self.flags.write_burst,
+            tokio::time::Instant::now(),
+        );
+        let heartbeat = HeartbeatConfig {
+            every: self.flags.heartbeat_interval,
+            clock: cx.clock.clone(),
+            engine: self.engine,
+        };
+        let task = run(
+            self.dirs,
+            cx.snapshots.clone(),
+            cx.metrics.clone(),
+            budget,
+            self.signals,
+            heartbeat,
+            cx.shutdown.clone(),
+        );
+        Ok(Handle::spawn(Self::NAME, task))
+    }
 }
 
 /// Runs the sink until the snapshot channel closes (the engine stopped) or shutdown; at shutdown

@@ -8,6 +8,58 @@ pub mod kube;
 pub mod mindcluster;
 pub mod publicfault;
 
+use std::path::PathBuf;
+use std::time::Duration;
+
+use crate::component::{Component, Context, Handle, StartError};
+use kube::deviceinfo::DeviceInfoPublisher;
+
+/// MindCluster's outputs, as the daemon starts them: the `DeviceInfoCfg` document (a local file
+/// and, in Kubernetes, its ConfigMap) and, in Kubernetes only, the public faults for ClusterD.
+#[derive(Debug)]
+pub struct MindCluster {
+    /// The document's local file.
+    pub state_dir: PathBuf,
+    /// The public faults' outbox: durable state, since after a reboot the faults the reboot
+    /// ended must still be retracted (ClusterD clears a public fault only on `recover`).
+    pub data_dir: PathBuf,
+    /// How long after start a retraction waits (`--settle`).
+    pub settle: Duration,
+}
+
+impl Component for MindCluster {
+    const NAME: &'static str = "mindcluster";
+
+    async fn start(self, cx: &Context) -> Result<Handle, StartError> {
+        let document = mindcluster::MindClusterSink {
+            dir: self.state_dir,
+            publisher: mindcluster::FileOnly,
+            snapshots: cx.snapshots.clone(),
+            policy: cx.policy.clone(),
+            clock: cx.clock.clone(),
+            metrics: cx.metrics.clone(),
+            shutdown: cx.shutdown.clone(),
+        };
+        let Some(kube) = &cx.kube else {
+            return Ok(Handle::spawn(Self::NAME, document.run()));
+        };
+        let publisher = DeviceInfoPublisher::new(kube.calls.clone(), &cx.node);
+        let public = publicfault::PublicFaultSink {
+            node: cx.node.clone(),
+            dir: self.data_dir,
+            settle: self.settle,
+            publisher: DeviceInfoPublisher::public_faults(kube.calls.clone(), &cx.node),
+            snapshots: cx.snapshots.clone(),
+            policy: cx.policy.clone(),
+            clock: cx.clock.clone(),
+            metrics: cx.metrics.clone(),
+            shutdown: cx.shutdown.clone(),
+        };
+        let document = Handle::spawn(Self::NAME, document.with_publisher(publisher).run());
+        Ok(document.join_with(Handle::spawn("publicfault", public.run())))
+    }
+}
+
 /// What ended a sink's wait.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Woke {

@@ -33,20 +33,20 @@
 //! read again in this run, whatever its name. So a request that cannot be renamed or removed
 //! (a read-only directory) is applied once and then left alone, not applied and logged every
 //! second; a new request, even under the same name, is a new file and is read. Across runs, the
-//! engine loop remembers the last [`REMEMBERED_CLEARS`] requests it applied (name and identity,
-//! [`AppliedClears`]) in the state it saves with the clear itself: a request found again after a
+//! engine loop remembers the last [`REMEMBERED_CLEARS`](crate::clear::REMEMBERED_CLEARS) requests it applied (name and identity,
+//! [`AppliedClears`](crate::clear::AppliedClears)) in the state it saves with the clear itself: a request found again after a
 //! restart is answered with what it did then, not applied again.
 //!
 //! Durability and the answer: a request is first renamed to `*.json.applying` (taken), then
-//! applied; the engine loop reports what it cleared ([`ClearApplied`]); once the file sink reports
-//! the clear written to `state.json`, the answer is written to `*.json.done` ([`ClearResult`],
+//! applied; the engine loop reports what it cleared ([`ClearApplied`](crate::clear::ClearApplied)); once the file sink reports
+//! the clear written to `state.json`, the answer is written to `*.json.done` ([`ClearResult`](crate::clear::ClearResult),
 //! atomically) and only then is the request removed, without holding up later requests. The CLI
 //! reads the answer, removes it, and says how many faults were cleared. A kill before the clear
 //! was saved leaves `*.applying`, which the next start applies (it was never applied as far as
 //! the saved state goes); a kill after leaves it too, and the next start answers it from the
 //! saved state.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 use std::ffi::CString;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
@@ -58,8 +58,9 @@ use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
 
 use super::{Input, SourceContext};
+use crate::clear::{ClearApplied, ClearResult, MAX_RESULT_BYTES};
+use crate::component::{Component, Context, Handle, StartError};
 use crate::operator_file::{read_bytes, read_opened, OperatorFileError};
-use faultline_core::engine::EngineEvent;
 
 pub const CLEAR_DIR: &str = "clear.d";
 /// A request that is taken and being applied.
@@ -101,77 +102,6 @@ fn present_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Strin
 
 /// The suffix of a request's answer: `<name>.json.done`.
 pub const DONE_SUFFIX: &str = ".done";
-/// Most cleared faults an answer names (its count is always the whole number).
-pub const MAX_LISTED: usize = 20;
-/// The largest answer the CLI reads: [`MAX_LISTED`] faults of two fields of at most a few KiB.
-pub const MAX_RESULT_BYTES: u64 = 256 << 10;
-/// How many applied requests the saved state remembers (a restart finds at most the few requests
-/// that were in flight).
-pub const REMEMBERED_CLEARS: usize = 16;
-
-/// One fault a clear ended, as `faultline get` shows it.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ClearedFault {
-    pub code: String,
-    pub device: String,
-}
-
-/// What a request did: the answer the agent writes to `<name>.json.done` once the clear is on
-/// disk.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ClearResult {
-    /// How many active faults it ended (0: none matched).
-    pub cleared: u64,
-    /// The first [`MAX_LISTED`] of them.
-    pub faults: Vec<ClearedFault>,
-}
-
-impl ClearResult {
-    /// The faults the engine step of a clear ended: its `Recovered` events.
-    pub fn of(events: &[EngineEvent]) -> ClearResult {
-        let mut r = ClearResult::default();
-        for e in events {
-            if let EngineEvent::Recovered { code, device, .. } = e {
-                r.cleared += 1;
-                if r.faults.len() < MAX_LISTED {
-                    r.faults.push(ClearedFault {
-                        code: code.clone(),
-                        device: device.clone(),
-                    });
-                }
-            }
-        }
-        r
-    }
-}
-
-/// The engine loop's report on one [`Input::Clear`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ClearApplied {
-    pub marker: u64,
-    pub result: ClearResult,
-}
-
-/// The requests the engine loop applied lately, by identity (see [`Pending::key`]), with what each
-/// did; oldest first, at most [`REMEMBERED_CLEARS`]. Saved with the engine state.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct AppliedClears(VecDeque<(String, ClearResult)>);
-
-impl AppliedClears {
-    /// What request `key` did, if it was applied.
-    pub fn get(&self, key: &str) -> Option<&ClearResult> {
-        self.0.iter().find(|(k, _)| k == key).map(|(_, r)| r)
-    }
-
-    /// Remembers that request `key` was applied, forgetting the oldest beyond the bound.
-    pub fn insert(&mut self, key: String, result: ClearResult) {
-        self.0.push_back((key, result));
-        while self.0.len() > REMEMBERED_CLEARS {
-            self.0.pop_front();
-        }
-    }
-}
-
 /// Why a request was not applied.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RequestError {
@@ -731,6 +661,33 @@ impl std::fmt::Debug for DirWatch {
     }
 }
 
+/// The clear requests' source, as the daemon starts it.
+#[derive(Debug)]
+pub struct Control {
+    pub state_dir: PathBuf,
+    /// The highest engine-loop marker the file sink has written to disk.
+    pub persisted: watch::Receiver<u64>,
+    /// The engine loop's reports on the requests sent to it.
+    pub results: mpsc::UnboundedReceiver<ClearApplied>,
+}
+
+impl Component for Control {
+    const NAME: &'static str = "control";
+
+    async fn start(self, cx: &Context) -> Result<Handle, StartError> {
+        // Read again after a passing failure; read on changes (inotify) otherwise.
+        let retry = Duration::from_secs(1);
+        let task = run(
+            self.state_dir,
+            cx.source(),
+            self.persisted,
+            self.results,
+            retry,
+        );
+        Ok(Handle::watched(Self::NAME, &[], cx, task))
+    }
+}
+
 /// Reads the request directory whenever it changes, until shutdown. `results` are the engine
 /// loop's reports on the requests sent to it; `persisted` is the highest marker the file sink
 /// has written to disk. `retry`: how soon a read that met a passing failure is tried again
@@ -834,6 +791,7 @@ pub async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::clear::ClearedFault;
     use std::os::unix::fs::symlink;
 
     fn write(dir: &Path, name: &str, body: &[u8]) {
@@ -1048,20 +1006,6 @@ mod tests {
             .to_string();
         assert!(e.contains("`device`"), "{e}");
         assert_eq!(parse_request(b"{}"), Ok(ClearRequest::default()));
-    }
-
-    /// The saved memory of applied requests is bounded: the oldest goes first.
-    #[test]
-    fn applied_clears_keep_the_newest() {
-        let mut a = AppliedClears::default();
-        for i in 0..=REMEMBERED_CLEARS as u64 {
-            a.insert(format!("{i}.json"), answer(i));
-        }
-        assert_eq!(a.get("0.json"), None, "forgotten");
-        assert_eq!(a.get("1.json"), Some(&answer(1)));
-        let last = format!("{REMEMBERED_CLEARS}.json");
-        assert_eq!(a.get(&last), Some(&answer(REMEMBERED_CLEARS as u64)));
-        assert_eq!(a.0.len(), REMEMBERED_CLEARS);
     }
 
     /// `null` is not "any": what `jq -n '{code: env.CODE}'` writes with `CODE` unset clears

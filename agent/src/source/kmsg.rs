@@ -27,6 +27,7 @@ use faultline_core::parse::kmsg::RecordError;
 use sha2::{Digest, Sha256};
 
 use super::{Input, SourceContext};
+use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::{KindLabel, Metrics, DETECTOR_KMSG};
 use crate::pace::LogPacer;
 
@@ -121,6 +122,53 @@ impl ReaderCounters for Metrics {
 /// Longest line kept from a file; the rest of a longer line is dropped and counted.
 pub const MAX_LINE: usize = 64 * 1024;
 
+/// The kernel-log source's flags.
+#[derive(Debug, Clone, clap::Args)]
+#[group(skip)]
+pub struct Flags {
+    /// Kernel log to read: `/dev/kmsg`, or a file or FIFO of kmsg records or dmesg lines.
+    #[arg(long, env = "FAULTLINE_KMSG_PATH", default_value = "/dev/kmsg")]
+    pub kmsg_path: PathBuf,
+    /// Do not read the kernel log at all.
+    #[arg(long, env = "FAULTLINE_NO_KMSG", value_parser = clap::builder::BoolishValueParser::new())]
+    pub no_kmsg: bool,
+    /// How often a kernel log file at its end is checked for growth.
+    #[arg(long, env = "FAULTLINE_FOLLOW_INTERVAL", default_value = "10ms", value_parser = humantime::parse_duration)]
+    pub follow_interval: Duration,
+    /// Nice value of the kernel-log reader's thread (-20 to 19; 0 leaves it). A reader that
+    /// falls behind the kernel's ring loses records (`faultline_kmsg_lost_records_total`); at
+    /// -5 the reader weighs three times a normal process while records arrive, and uses no CPU
+    /// otherwise. Needs CAP_SYS_NICE (the DaemonSet is privileged); without it the agent says so
+    /// and reads at its own priority.
+    #[arg(long, env = "FAULTLINE_KMSG_NICE", default_value_t = -5, allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i32).range(-20..=19))]
+    pub kmsg_nice: i32,
+}
+
+impl Flags {
+    /// The source's configuration, resuming where the restored state left off; `None` with
+    /// `--no-kmsg`.
+    pub fn config(
+        &self,
+        resume_after: Option<faultline_core::engine::KmsgPosition>,
+        skip_through: Option<Timestamp>,
+        boot_time: Timestamp,
+    ) -> Option<KmsgConfig> {
+        if self.no_kmsg {
+            info!("kernel log source disabled");
+            return None;
+        }
+        Some(KmsgConfig {
+            path: self.kmsg_path.clone(),
+            resume_after,
+            skip_through,
+            boot_time: Some(boot_time),
+            follow_interval: self.follow_interval,
+            nice: self.kmsg_nice,
+        })
+    }
+}
+
 /// Configuration of the kernel log source.
 #[derive(Debug, Clone)]
 pub struct KmsgConfig {
@@ -158,6 +206,17 @@ pub fn spawn(cfg: KmsgConfig, ctx: SourceContext) -> std::thread::JoinHandle<()>
     let shutdown = ctx.shutdown.clone();
     super::spawn_watched("kmsg", shutdown, move || run(cfg, ctx), on_death)
         .unwrap_or_else(|e| panic!("cannot start the kmsg thread: {e}"))
+}
+
+impl Component for KmsgConfig {
+    const NAME: &'static str = "kmsg";
+
+    /// On a thread of its own: a read of `/dev/kmsg` cannot be cancelled, so the thread is not
+    /// joined; it stops at its next record after shutdown.
+    async fn start(self, cx: &Context) -> Result<Handle, StartError> {
+        spawn(self, cx.source());
+        Ok(Handle::none())
+    }
 }
 
 fn send_all(ctx: &SourceContext, out: &mut Vec<Input>) -> bool {

@@ -13,6 +13,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
+use crate::component::{Component, Context, Handle, StartError};
+
 /// The label GPU feature discovery puts on GPU nodes.
 pub const GPU_COUNT_LABEL: &str = "nvidia.com/gpu.count";
 
@@ -32,6 +34,43 @@ pub fn gpu_count(labels: &BTreeMap<String, String>) -> Option<u32> {
     labels
         .get(GPU_COUNT_LABEL)
         .and_then(|v| v.trim().parse().ok())
+}
+
+/// The source that reads this node's GPU-count label, as the daemon starts it.
+#[derive(Debug)]
+pub struct GpuCountWatch(watch::Sender<GpuCountLabel>);
+
+impl GpuCountWatch {
+    /// The source and the channel it publishes on: `Unread` until the first read in Kubernetes
+    /// mode; standalone there is no label to wait for.
+    pub fn new(kubernetes: bool) -> (Self, watch::Receiver<GpuCountLabel>) {
+        let first = if kubernetes {
+            GpuCountLabel::Unread
+        } else {
+            GpuCountLabel::Read(None)
+        };
+        let (tx, rx) = watch::channel(first);
+        (GpuCountWatch(tx), rx)
+    }
+}
+
+impl Component for GpuCountWatch {
+    const NAME: &'static str = "node";
+
+    async fn start(self, cx: &Context) -> Result<Handle, StartError> {
+        let Some(kube) = &cx.kube else {
+            return Ok(Handle::none());
+        };
+        let every = Duration::from_secs(60);
+        let w = watch_gpu_count(
+            kube.calls.clone(),
+            cx.node.clone(),
+            self.0,
+            every,
+            cx.shutdown.clone(),
+        );
+        Ok(Handle::watched(Self::NAME, &[], cx, w))
+    }
 }
 
 /// Reads the node's labels every `every` and publishes the GPU count they state.

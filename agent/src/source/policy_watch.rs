@@ -25,6 +25,7 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::{Metrics, ReloadLabel, ReloadResult};
 use crate::operator_file::{read_text, MAX_POLICY_BYTES, MAX_TABLE_BYTES};
 use faultline_core::policy::{checksum, LoadedPolicy, Policy};
@@ -265,7 +266,7 @@ pub fn file_reader() -> Reader {
     Arc::new(read_policy_seen)
 }
 
-/// The start-up load, handed to [`watch_policy`]: finished (what it read, so that the watcher
+/// The start-up load, handed to [`PolicyFile`]: finished (what it read, so that the watcher
 /// does not read an unchanged file again), or still running (the watcher finishes it).
 #[derive(Debug)]
 pub enum FirstLoad {
@@ -289,7 +290,7 @@ fn joined(done: Result<Loaded, tokio::task::JoinError>) -> Loaded {
 
 /// Loads the policy at start, waiting at most `wait`. A file on a hung or slow filesystem must
 /// not delay detection: past `wait`, the built-in policy is in force (the status says which file
-/// is still loading) and the load goes on in the background, handed to [`watch_policy`].
+/// is still loading) and the load goes on in the background, handed to [`PolicyFile`].
 pub async fn initial_bounded(
     path: Option<&Path>,
     metrics: &Metrics,
@@ -329,20 +330,53 @@ enum Wake {
     Recheck,
 }
 
-/// Watches `path` and publishes every change on `tx` until shutdown. `reload` (SIGHUP) makes it
-/// re-read the file at once. A running start-up load (`first`) is finished (and published)
-/// first.
-#[allow(clippy::too_many_arguments)] // one per input; a struct would only rename them
-pub async fn watch_policy(
-    path: PathBuf,
-    tx: watch::Sender<LoadedPolicy>,
-    metrics: Arc<Metrics>,
-    shutdown: CancellationToken,
-    recheck: Duration,
-    reload: Arc<tokio::sync::Notify>,
-    reader: Reader,
-    first: Option<FirstLoad>,
-) {
+/// The policy file's watcher: the source of policy changes.
+pub struct PolicyFile {
+    pub path: PathBuf,
+    /// Where every change is published.
+    pub tx: watch::Sender<LoadedPolicy>,
+    /// How often the file is read and compared by content, whatever the file events said.
+    pub recheck: Duration,
+    /// Re-read the file now (SIGHUP).
+    pub reload: Arc<tokio::sync::Notify>,
+    pub reader: Reader,
+    /// The start-up load, finished first (and published) when it is still running.
+    pub first: Option<FirstLoad>,
+}
+
+impl std::fmt::Debug for PolicyFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyFile")
+            .field("path", &self.path)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Component for PolicyFile {
+    const NAME: &'static str = "policy";
+
+    async fn start(self, cx: &Context) -> Result<Handle, StartError> {
+        let task = self.run(cx.metrics.clone(), cx.shutdown.clone());
+        Ok(Handle::watched(Self::NAME, &[], cx, task))
+    }
+}
+
+impl PolicyFile {
+    /// Watches the file and publishes every change until shutdown.
+    pub async fn run(self, metrics: Arc<Metrics>, shutdown: CancellationToken) {
+        watch_policy(self, metrics, shutdown).await
+    }
+}
+
+async fn watch_policy(file: PolicyFile, metrics: Arc<Metrics>, shutdown: CancellationToken) {
+    let PolicyFile {
+        path,
+        tx,
+        recheck,
+        reload,
+        reader,
+        first,
+    } = file;
     let mut seen = match first {
         Some(FirstLoad::Done(seen)) => Some(seen),
         Some(FirstLoad::Running(load)) => {
@@ -429,16 +463,17 @@ mod tests {
         pending: Option<FirstLoad>,
     ) -> (CancellationToken, tokio::task::JoinHandle<()>) {
         let stop = CancellationToken::new();
-        let task = tokio::spawn(watch_policy(
-            path.to_path_buf(),
-            tx,
-            m,
-            stop.clone(),
-            Duration::from_secs(3600),
-            reload,
-            file_reader(),
-            pending,
-        ));
+        let task = tokio::spawn(
+            PolicyFile {
+                path: path.to_path_buf(),
+                tx,
+                recheck: Duration::from_secs(3600),
+                reload,
+                reader: file_reader(),
+                first: pending,
+            }
+            .run(m, stop.clone()),
+        );
         (stop, task)
     }
 
@@ -663,16 +698,17 @@ mod tests {
         assert_eq!(first.status.error, None);
         let (tx, mut rx) = watch::channel(first);
         let stop = CancellationToken::new();
-        let task = tokio::spawn(watch_policy(
-            path.clone(),
-            tx,
-            m,
-            stop.clone(),
-            Duration::from_secs(3600),
-            Arc::default(),
-            reader,
-            load,
-        ));
+        let task = tokio::spawn(
+            PolicyFile {
+                path: path.clone(),
+                tx,
+                recheck: Duration::from_secs(3600),
+                reload: Arc::default(),
+                reader,
+                first: load,
+            }
+            .run(m, stop.clone()),
+        );
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(reads.load(std::sync::atomic::Ordering::SeqCst), 1);
 
@@ -712,16 +748,17 @@ mod tests {
         );
         let (tx, _rx) = watch::channel(first);
         let stop = CancellationToken::new();
-        let task = tokio::spawn(watch_policy(
-            path.to_path_buf(),
-            tx,
-            m,
-            stop.clone(),
-            Duration::from_secs(3600),
-            Arc::default(),
-            reader,
-            load,
-        ));
+        let task = tokio::spawn(
+            PolicyFile {
+                path: path.to_path_buf(),
+                tx,
+                recheck: Duration::from_secs(3600),
+                reload: Arc::default(),
+                reader,
+                first: load,
+            }
+            .run(m, stop.clone()),
+        );
         tokio::time::sleep(Duration::from_secs(2)).await;
         assert_eq!(reads.load(std::sync::atomic::Ordering::SeqCst), 1);
         stop.cancel();

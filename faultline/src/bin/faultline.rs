@@ -156,7 +156,7 @@ enum Command {
         #[arg(long, conflicts_with = "pods", requires = "slots")]
         members: Option<PathBuf>,
         /// The agents' HTTP port (with --members).
-        #[arg(long, default_value_t = faultline_agent::daemon::DEFAULT_HTTP_PORT, requires = "members")]
+        #[arg(long, default_value_t = faultline_agent::http::DEFAULT_PORT, requires = "members")]
         agent_port: u16,
         /// A member whose agent's last heartbeat is older than this is left out (with
         /// --members; the agents' clocks are compared with this host's, and may be off from it

@@ -209,6 +209,38 @@ pub fn flags(args: &[String]) -> Vec<(String, Option<String>)> {
     out
 }
 
+/// The agent's command line, as its own parser (`faultline_agent::daemon::AgentConfig`)
+/// defines it.
+pub fn agent_command() -> clap::Command {
+    use clap::CommandFactory;
+    #[derive(clap::Parser)]
+    struct Agent {
+        #[command(flatten)]
+        _cfg: faultline_agent::daemon::AgentConfig,
+    }
+    Agent::command()
+}
+
+/// The agent's long flags (`--state-dir`).
+pub fn agent_flags() -> Vec<String> {
+    agent_command()
+        .get_arguments()
+        .filter_map(|a| a.get_long().map(|l| format!("--{l}")))
+        .collect()
+}
+
+/// The agent flag's default value, as its parser has it.
+pub fn agent_default(long: &str) -> String {
+    let cmd = agent_command();
+    let arg = cmd
+        .get_arguments()
+        .find(|a| a.get_long() == Some(long))
+        .unwrap_or_else(|| panic!("no --{long}"));
+    let values: Vec<_> = arg.get_default_values().iter().collect();
+    assert_eq!(values.len(), 1, "--{long}: {values:?}");
+    values[0].to_string_lossy().into_owned()
+}
+
 /// The long flags clap derives from the `pub` fields of `struct NAME {` (or the fields of the
 /// enum variant `NAME {`) in a Rust source file: `state_dir` becomes `--state-dir`.
 pub fn clap_flags(source_file: &str, item: &str) -> Vec<String> {

@@ -81,7 +81,7 @@ fn the_agent_runs_with_flags_it_has() {
         c.command.as_deref(),
         Some(&["faultline-agent".to_string()][..])
     );
-    let mut known = common::clap_flags("agent/src/daemon.rs", "pub struct AgentConfig");
+    let mut known = common::agent_flags();
     let bin = common::clap_flags("faultline/src/bin/faultline-agent.rs", "struct Cli");
     assert!(bin.contains(&"--log-format".to_string()), "{bin:?}");
     known.push("--log-format".into());
@@ -125,11 +125,11 @@ fn the_downward_api_and_nvidia_environment_are_set() {
     }
     // The agent reads its node name, namespace and pod name from these (POD_IP is for the
     // peer checks).
-    let daemon = std::fs::read_to_string(common::repo_root().join("agent/src/daemon.rs"))
-        .expect("daemon.rs");
+    let cmd = common::agent_command();
     for name in ["NODE_NAME", "POD_NAMESPACE", "POD_NAME"] {
         assert!(
-            daemon.contains(&format!("env = \"{name}\"")),
+            cmd.get_arguments()
+                .any(|a| a.get_env().is_some_and(|e| e == name)),
             "the agent reads {name}"
         );
     }
@@ -284,26 +284,17 @@ fn resources_probes_and_privileges() {
     // The listening port: the agent's default port, named http, used by both probes. The
     // address is given, on every interface of the pod (the agent's own default off a pod is
     // loopback, where the kubelet's probes would not reach it).
-    let daemon = std::fs::read_to_string(common::repo_root().join("agent/src/daemon.rs"))
-        .expect("daemon.rs");
-    let port: i32 = daemon
-        .split("DEFAULT_HTTP_PORT: u16 = ")
-        .nth(1)
-        .and_then(|s| s.split(';').next())
-        .and_then(|p| p.trim().parse().ok())
-        .expect("DEFAULT_HTTP_PORT in daemon.rs");
+    let port = i32::from(faultline_agent::http::DEFAULT_PORT);
     assert_eq!(flag(&a, "--listen"), format!("0.0.0.0:{port}"));
     let ports = c.ports.clone().unwrap_or_default();
     assert_eq!(ports.len(), 2);
     assert_eq!(ports[0].container_port, port);
     assert_eq!(ports[0].name.as_deref(), Some("http"));
-    let peer_port: i32 = daemon
-        .split("DEFAULT_PEER_LISTEN: &str = \"")
-        .nth(1)
-        .and_then(|s| s.split('"').next())
-        .and_then(|addr| addr.rsplit(':').next())
+    let peer_port: i32 = common::agent_default("peer-listen")
+        .rsplit(':')
+        .next()
         .and_then(|p| p.parse().ok())
-        .expect("DEFAULT_PEER_LISTEN in daemon.rs");
+        .expect("--peer-listen's default port");
     assert_eq!(ports[1].container_port, peer_port);
     assert_eq!(ports[1].name.as_deref(), Some("peer"));
     for (probe, path) in [

@@ -27,15 +27,11 @@ fn source_u16(file: &str, name: &str) -> u16 {
     value.trim().parse().expect("a number")
 }
 
-/// The default of `--probe-port-base` (agent/src/daemon.rs).
+/// The default of `--probe-port-base`, from the agent's parser.
 fn probe_port_base() -> u16 {
-    let text =
-        std::fs::read_to_string(common::repo_root().join("agent/src/daemon.rs")).expect("source");
-    let at = text.find("pub probe_port_base: u16").expect("the flag");
-    let before = &text[..at];
-    let d = before.rfind("default_value_t = ").expect("a default") + "default_value_t = ".len();
-    let end = before[d..].find(')').expect(")") + d;
-    before[d..end].trim().parse().expect("a number")
+    common::agent_default("probe-port-base")
+        .parse()
+        .expect("a number")
 }
 
 fn port_of(p: &NetworkPolicyPort) -> (i32, i32) {

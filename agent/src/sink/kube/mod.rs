@@ -36,14 +36,14 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::backoff::Backoff;
+use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::Metrics;
 use crate::runtime::{Clock, SinkReport, Snapshot};
 use faultline_core::engine::EngineEvent;
 
+use crate::kube_client::DEFAULT_NAMESPACE;
 /// The field manager of every write (server-side apply ownership, `managedFields`).
 pub use crate::kube_client::FIELD_MANAGER;
-/// The agent's namespace unless configured otherwise.
-pub const DEFAULT_NAMESPACE: &str = "faultline-system";
 
 /// Where the coordinator's Service listens (`manifests/base/coordinator.yaml`): the taint budget
 /// is asked there unless `--coordinator` says otherwise. A fully qualified name in the default
@@ -103,6 +103,112 @@ impl KubeSinkConfig {
             event_rate: events::RATE_PER_MINUTE,
             event_burst: events::BURST,
         }
+    }
+}
+
+/// The Kubernetes sinks' flags.
+#[derive(Debug, Clone, clap::Args)]
+#[group(skip)]
+pub struct Flags {
+    /// Kubernetes: after start, changes that make the node look healthier wait this long (so a
+    /// restarted agent re-detects standing faults before it untaints anything).
+    #[arg(long, env = "FAULTLINE_SETTLE", default_value = "30s", value_parser = humantime::parse_duration)]
+    pub settle: Duration,
+    /// Kubernetes: how often a withheld taint asks the taint budget again.
+    #[arg(long, env = "FAULTLINE_BUDGET_RECHECK", default_value = "15s", value_parser = humantime::parse_duration, hide = true)]
+    pub budget_recheck: Duration,
+    /// Kubernetes: how often the node is re-read to repair drift.
+    #[arg(long, env = "FAULTLINE_RESYNC", default_value = "5m", value_parser = humantime::parse_duration, hide = true)]
+    pub resync: Duration,
+    /// Kubernetes: a change of the fault ConfigMap that only moves counts and last-seen times
+    /// (a fault repeating) is written at most once per this interval, the newest count at the
+    /// end of it; a change of health, handling or the set of faults is written at once.
+    /// `0s` writes every change at once; at most 10m.
+    #[arg(long, env = "FAULTLINE_KUBE_WRITE_INTERVAL", default_value = "10s", value_parser = parse_kube_write_interval)]
+    pub kube_write_interval: Duration,
+    /// Kubernetes: Events published per minute once the burst is spent (a token bucket);
+    /// notices over the budget get no Event (counted in
+    /// `faultline_kube_events_rate_limited_total`).
+    #[arg(long, env = "FAULTLINE_KUBE_EVENT_RATE", default_value_t = events::RATE_PER_MINUTE,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub kube_event_rate: u32,
+    /// Kubernetes: Events that may be published back to back (the token bucket's size).
+    #[arg(long, env = "FAULTLINE_KUBE_EVENT_BURST", default_value_t = events::BURST,
+          value_parser = clap::value_parser!(u32).range(1..))]
+    pub kube_event_burst: u32,
+    /// Kubernetes: where the taint budget is asked (`host:port`), the coordinator's Service.
+    /// Default: `faultline-coordinator.<namespace>.svc.cluster.local.:20262`; set it in a
+    /// cluster whose domain is not `cluster.local`. (`faultline check --coordinator` reads the
+    /// same variable.)
+    #[arg(long, env = "FAULTLINE_COORDINATOR")]
+    pub coordinator: Option<String>,
+}
+
+/// `--kube-write-interval`: counts held back longer than 10 minutes would make the ConfigMap
+/// useless to a scheduler reading it (and an absurd value would overflow the clock).
+fn parse_kube_write_interval(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+    if d > Duration::from_secs(600) {
+        return Err(format!("{s} is longer than 10m"));
+    }
+    Ok(d)
+}
+
+impl Flags {
+    /// The sinks' settings for this node, known to Kubernetes as `identity` says.
+    pub fn config(&self, node: &str, identity: &crate::kube_client::Flags) -> KubeSinkConfig {
+        KubeSinkConfig {
+            namespace: identity.namespace.clone(),
+            instance: identity.pod_name.clone(),
+            settle: self.settle,
+            budget_recheck: self.budget_recheck,
+            node_token_file: identity.node_token_file.clone(),
+            coordinator: self
+                .coordinator
+                .clone()
+                .unwrap_or_else(|| coordinator_service(&identity.namespace)),
+            resync: self.resync,
+            write_interval: self.kube_write_interval,
+            event_rate: self.kube_event_rate,
+            event_burst: self.kube_event_burst,
+            ..KubeSinkConfig::new(node)
+        }
+    }
+}
+
+/// The Kubernetes sinks (the Node, the fault ConfigMap, Events), as the daemon starts them.
+#[derive(Debug)]
+pub struct KubeSinks {
+    pub config: KubeSinkConfig,
+    pub events: mpsc::Receiver<EngineEvent>,
+    /// Where the node sink reports a withheld taint (shown in the record).
+    pub report: watch::Sender<SinkReport>,
+}
+
+impl Component for KubeSinks {
+    const NAME: &'static str = "kube";
+
+    /// Starts nothing without Kubernetes.
+    async fn start(self, cx: &Context) -> Result<Handle, StartError> {
+        let Some(clients) = cx.kube.clone() else {
+            return Ok(Handle::none());
+        };
+        if self.config.node_token_file.is_none() {
+            tracing::warn!("no --node-token-file: the coordinator cannot know this node, so it is labelled when unhealthy but never newly tainted");
+        }
+        let inputs = KubeSinkInputs {
+            snapshots: cx.snapshots.clone(),
+            events: self.events,
+            report: self.report,
+        };
+        Ok(Handle::of(spawn(
+            clients,
+            self.config,
+            inputs,
+            cx.metrics.clone(),
+            cx.clock.clone(),
+            cx.shutdown.clone(),
+        )))
     }
 }
 

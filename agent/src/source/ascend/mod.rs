@@ -21,6 +21,7 @@ use tracing::{debug, info, warn};
 use self::analyze::{Analyzer, LinkPoll, Poll};
 use self::tools::{Tool, ToolError, Tools};
 use super::{Input, SourceContext};
+use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::{Metrics, ToolLabel};
 use crate::metrics::{DETECTOR_HCCN, DETECTOR_NPU_SMI};
 use faultline_core::engine::{DetectorState, Observation};
@@ -226,6 +227,50 @@ pub async fn poll_once<T: Tools>(
 /// after the agent started (a driver DaemonSet) is seen soon; later, within this, or at once
 /// with a policy change or a restart.
 pub const ABSENT_RECHECK: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The Ascend source's flags.
+#[derive(Debug, Clone, clap::Args)]
+#[group(skip)]
+pub struct Flags {
+    /// Do not poll the Ascend tools (npu-smi, hccn_tool) at all.
+    #[arg(long, env = "FAULTLINE_NO_ASCEND", value_parser = clap::builder::BoolishValueParser::new())]
+    pub no_ascend: bool,
+    /// The `npu-smi` to run (as root): a path, or a name looked up on the agent's PATH. Only
+    /// a flag, never the policy: changing it takes a rollout.
+    #[arg(long, env = "FAULTLINE_NPU_SMI", default_value = "npu-smi")]
+    pub npu_smi: std::path::PathBuf,
+    /// The `hccn_tool` to run (as root): a path, or a name looked up on the agent's PATH.
+    #[arg(long, env = "FAULTLINE_HCCN_TOOL", default_value = "hccn_tool")]
+    pub hccn_tool: std::path::PathBuf,
+}
+
+impl Flags {
+    /// The source, running the tools the flags name; `None` with `--no-ascend`.
+    pub fn source(&self) -> Option<Ascend> {
+        if self.no_ascend {
+            info!("Ascend source disabled");
+            return None;
+        }
+        Some(Ascend(tools::RealTools::new(tools::ToolPaths {
+            npu_smi: self.npu_smi.clone(),
+            hccn_tool: self.hccn_tool.clone(),
+        })))
+    }
+}
+
+/// The Ascend source, as the daemon starts it.
+#[derive(Debug)]
+pub struct Ascend(tools::RealTools);
+
+impl Component for Ascend {
+    const NAME: &'static str = "ascend";
+
+    async fn start(self, cx: &Context) -> Result<Handle, StartError> {
+        let source = run(Arc::new(self.0), cx.policy.clone(), cx.source());
+        let detectors = &[DETECTOR_NPU_SMI, DETECTOR_HCCN];
+        Ok(Handle::watched(Self::NAME, detectors, cx, source))
+    }
+}
 
 /// Runs the source until shutdown.
 pub async fn run<T: Tools>(

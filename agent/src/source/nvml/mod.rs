@@ -26,15 +26,53 @@ use self::analyze::Analyzer;
 use self::readings::{CallTracker, DeviceReadings, Identity, NvmlBackend, NvmlEvent, Reading};
 use super::node::GpuCountLabel;
 use super::{Input, SourceContext};
+use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::DETECTOR_NVML;
 use faultline_core::engine::{DetectorState, Observation};
 use faultline_core::policy::LoadedPolicy;
 
-/// Where NVML comes from.
-#[derive(Debug, Clone, Default)]
-pub struct NvmlConfig {
+/// The NVML source's flags.
+#[derive(Debug, Clone, clap::Args)]
+#[group(skip)]
+pub struct Flags {
+    /// NVML library to load instead of the system's `libnvidia-ml.so.1`.
+    #[arg(long, env = "FAULTLINE_NVML_LIB")]
+    pub nvml_lib: Option<PathBuf>,
+    /// Do not use NVML at all.
+    #[arg(long, env = "FAULTLINE_NO_NVML", value_parser = clap::builder::BoolishValueParser::new())]
+    pub no_nvml: bool,
+}
+
+impl Flags {
+    /// The source, reading the GPU count the node's label states; `None` with `--no-nvml`.
+    pub fn source(&self, label: watch::Receiver<GpuCountLabel>) -> Option<Nvml> {
+        if self.no_nvml {
+            info!("NVML source disabled");
+            return None;
+        }
+        Some(Nvml {
+            library: self.nvml_lib.clone(),
+            label,
+        })
+    }
+}
+
+/// The NVML source, as the daemon starts it.
+#[derive(Debug)]
+pub struct Nvml {
     /// The library to load; default: the system's `libnvidia-ml.so.1`.
-    pub library: Option<PathBuf>,
+    library: Option<PathBuf>,
+    /// The GPU count the node's labels state (Kubernetes mode).
+    label: watch::Receiver<GpuCountLabel>,
+}
+
+impl Component for Nvml {
+    const NAME: &'static str = "nvml";
+
+    async fn start(self, cx: &Context) -> Result<Handle, StartError> {
+        let source = run(self.library, cx.policy.clone(), self.label, cx.source());
+        Ok(Handle::watched(Self::NAME, &[DETECTOR_NVML], cx, source))
+    }
 }
 
 enum Msg {
@@ -78,7 +116,7 @@ fn expected(policy: &LoadedPolicy, label: GpuCountLabel, waited: bool) -> Option
 /// Opens NVML and runs the source until shutdown. `label_count` is the GPU count the node's
 /// labels state (Kubernetes mode; always `None` standalone).
 pub async fn run(
-    cfg: NvmlConfig,
+    library: Option<PathBuf>,
     policy: watch::Receiver<LoadedPolicy>,
     label_count: watch::Receiver<GpuCountLabel>,
     ctx: SourceContext,
@@ -86,7 +124,7 @@ pub async fn run(
     let mut retry = crate::backoff::Backoff::new(Duration::from_secs(60), Duration::from_secs(600));
     loop {
         let timeout = policy.borrow().policy.nvml.call_timeout;
-        let lib = cfg.library.clone();
+        let lib = library.clone();
         let opened = tokio::time::timeout(
             timeout,
             tokio::task::spawn_blocking(move || real::open(lib.as_deref())),
