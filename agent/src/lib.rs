@@ -11,6 +11,8 @@ pub mod atomic_file;
 pub(crate) mod backoff;
 pub mod child;
 pub mod cli;
+pub mod clock;
+#[allow(clippy::disallowed_methods)] // TODO(clock): time from the injected Clock
 pub mod daemon;
 pub mod http;
 pub mod kube_client;

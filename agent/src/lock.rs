@@ -52,10 +52,12 @@ pub struct Holder {
 impl Holder {
     /// This process, on `node`, now.
     pub fn this_process(node: &str) -> Holder {
+        use crate::clock::Clock;
         Holder {
             pid: std::process::id(),
             node: node.to_string(),
-            started: faultline_core::time::Timestamp::now(),
+            // TODO(clock): the daemon's clock, once daemon.rs passes it in.
+            started: crate::clock::SystemClock.now(),
         }
     }
 }

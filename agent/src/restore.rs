@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use tracing::{debug, error, info, warn};
 
+use crate::clock::{Clock, SystemClock};
 use crate::sink::file;
 use crate::sink::kube as kube_sink;
 use crate::source::{control, kmsg};
@@ -334,9 +335,11 @@ pub(crate) async fn rebuild_from_cluster(
     let cms: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
         kube::Api::namespaced(client, &cfg.namespace);
     use kube_sink::configmap::{read_back, ReadBackError};
-    let deadline = tokio::time::Instant::now() + CLUSTER_RESTORE_WAIT;
+    // TODO(clock): the daemon's clock, once daemon.rs passes it in.
+    let clock = SystemClock;
+    let deadline = clock.instant() + CLUSTER_RESTORE_WAIT;
     let record = loop {
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let left = deadline.saturating_duration_since(clock.instant());
         match tokio::time::timeout(left, read_back(&cms, node)).await {
             Ok(Ok(Some(r))) => break r,
             Ok(Ok(None)) => return Ok(None),
@@ -357,8 +360,7 @@ pub(crate) async fn rebuild_from_cluster(
             }
         }
     };
-    let ahead =
-        faultline_core::time::since(record.update_time, faultline_core::time::Timestamp::now());
+    let ahead = faultline_core::time::since(record.update_time, clock.now());
     if ahead > faultline_core::time::signed(MAX_RECORD_SKEW) {
         warn!(record_time = %record.update_time, "the cluster's record is dated in the future; not used");
         return Ok(None);
@@ -386,9 +388,8 @@ fn engine_from_record(record: &NodeRecord, cfg: &RestoreConfig, catalog: &Catalo
         ctx,
     );
     // The record's time bounds what the kernel-log reader skips: never beyond now.
-    let written = record
-        .update_time
-        .min(faultline_core::time::Timestamp::now());
+    // TODO(clock): the daemon's clock, once daemon.rs passes it in.
+    let written = record.update_time.min(SystemClock.now());
     (engine, same_boot.then_some(written))
 }
 

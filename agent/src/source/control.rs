@@ -753,8 +753,9 @@ pub async fn run(
     let mut awaiting: Vec<(Pending, u64, Option<ClearResult>)> = Vec::new();
     let mut marker = 0u64;
     let mut rd: Option<RequestDir> = None;
+    let clock = ctx.clock();
     loop {
-        let retry_at = again.unwrap_or_else(tokio::time::Instant::now);
+        let retry_at = again.unwrap_or_else(|| clock.instant());
         tokio::select! {
             _ = ctx.shutdown.cancelled() => return,
             () = wake.notified() => {
@@ -792,7 +793,7 @@ pub async fn run(
         .await;
         // A panicked task (it cannot, short of a bug) loses what it remembered, not the loop.
         let Ok((opened, remembered)) = taken else {
-            again = Some(tokio::time::Instant::now() + retry);
+            again = Some(clock.instant() + retry);
             continue;
         };
         done = remembered;
@@ -813,7 +814,7 @@ pub async fn run(
             wake.notify_one();
         }
         let retry_after = passing || !watch.watching();
-        again = retry_after.then(|| tokio::time::Instant::now() + retry);
+        again = retry_after.then(|| clock.instant() + retry);
         for p in requests {
             info!(code = ?p.request.code, device = ?p.request.device, request = p.name, "operator clear");
             marker += 1;

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::clock::{Clock, SystemClock};
 use crate::metrics::Metrics;
 use faultline_core::engine::{DetectorState, Observation};
 
@@ -28,6 +29,14 @@ pub struct SourceContext {
     pub tx: mpsc::Sender<Input>,
     pub metrics: Arc<Metrics>,
     pub shutdown: CancellationToken,
+}
+
+impl SourceContext {
+    /// The clock sources read time on.
+    // TODO(clock): the daemon's clock, once the component context carries it (daemon.rs).
+    pub fn clock(&self) -> Arc<dyn Clock> {
+        Arc::new(SystemClock)
+    }
 }
 
 /// Starts `body` on a thread named `name`. If the thread dies of a panic while the agent is not
@@ -136,6 +145,7 @@ pub(crate) fn counter_growth(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
     use super::*;
 

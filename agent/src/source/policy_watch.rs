@@ -377,8 +377,9 @@ pub async fn watch_policy(
             None
         }
     };
-    // The first re-check one period from now: the file was just read.
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + recheck, recheck);
+    // The first re-check one period from now (`reset`): the file was just read.
+    let mut tick = tokio::time::interval(recheck);
+    tick.reset();
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let wake = tokio::select! {
