@@ -140,6 +140,7 @@ pub fn first_line(text: &str, max: usize) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
     use super::*;
 

@@ -48,6 +48,7 @@ impl Context {
         SourceContext {
             tx: self.inputs.clone(),
             metrics: self.metrics.clone(),
+            clock: self.clock.clone(),
             shutdown: self.shutdown.clone(),
         }
     }

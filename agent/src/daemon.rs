@@ -128,12 +128,14 @@ async fn run_node(
     shutdown: CancellationToken,
     reload: Arc<tokio::sync::Notify>,
 ) -> anyhow::Result<()> {
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let restore_cfg = RestoreConfig {
         state_dir: cfg.state_dir.clone(),
         data_dir: cfg.data_dir.clone(),
         boot_id_path: cfg.boot_id_path.clone(),
         proc_stat_path: cfg.proc_stat_path.clone(),
         namespace: cfg.kube.namespace.clone(),
+        clock: clock.clone(),
     };
     let _locks = restore::take_directories(&restore_cfg, &node).await?;
     let catalog = Arc::new(Catalog::builtin().context("built-in catalog")?);
@@ -158,7 +160,6 @@ async fn run_node(
     let (policy_tx, policy) = watch::channel(loaded);
     let (inputs_tx, inputs) = mpsc::channel::<Input>(8192);
     let (snapshots_tx, snapshots) = watch::channel(None);
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let heartbeat = Arc::new(Heartbeat::default());
     heartbeat.beat(&*clock);
     let kube = cfg.kube.connect(&node).await;

@@ -133,7 +133,8 @@ pub struct RecordBody {
 struct CachedBody {
     revision: u64,
     heartbeat: Option<faultline_core::time::Timestamp>,
-    at: std::time::Instant,
+    /// When it was serialized, as time since boot.
+    at: Duration,
     bytes: Bytes,
 }
 
@@ -141,18 +142,18 @@ impl RecordBody {
     /// How long a serialized body is served to requests of newer snapshots or heartbeats.
     pub const FRESH: Duration = Duration::from_secs(1);
 
-    /// The body for `snap` stamped with `heartbeat` at `now`: the shared bytes when they are of
-    /// both, or younger than [`RecordBody::FRESH`].
+    /// The body for `snap` stamped with `heartbeat` at `now` (time since boot): the shared
+    /// bytes when they are of both, or younger than [`RecordBody::FRESH`].
     async fn get(
         &self,
         snap: &Snapshot,
         heartbeat: Option<faultline_core::time::Timestamp>,
-        now: std::time::Instant,
+        now: Duration,
     ) -> Result<Bytes, serde_json::Error> {
         let mut cached = self.cached.lock().await;
         if let Some(c) = cached.as_ref() {
             let same = c.revision == snap.revision && c.heartbeat == heartbeat;
-            if same || now.saturating_duration_since(c.at) < Self::FRESH {
+            if same || now.saturating_sub(c.at) < Self::FRESH {
                 return Ok(c.bytes.clone());
             }
         }
@@ -238,7 +239,7 @@ async fn record(State(s): State<HttpState>) -> Response {
     };
     match s
         .record_body
-        .get(&snap, s.heartbeat.last(), std::time::Instant::now())
+        .get(&snap, s.heartbeat.last(), s.clock.since_boot())
         .await
     {
         Ok(bytes) => Response::builder()
@@ -363,6 +364,7 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> 
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
     use super::*;
     use crate::listen::Limits;
@@ -593,7 +595,7 @@ mod tests {
     #[tokio::test]
     async fn a_new_body_at_most_once_a_second() {
         let body = RecordBody::default();
-        let t0 = std::time::Instant::now();
+        let t0 = Duration::from_secs(600);
         let beat = |s| Some(faultline_core::time::Timestamp::from_second(s).unwrap());
         let faults = |b: Bytes| {
             serde_json::from_slice::<faultline_core::record::NodeRecord>(&b)

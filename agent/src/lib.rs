@@ -12,6 +12,7 @@ pub(crate) mod backoff;
 pub mod child;
 pub mod clear;
 pub mod cli;
+pub mod clock;
 pub mod component;
 pub mod daemon;
 pub mod http;

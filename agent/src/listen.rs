@@ -35,6 +35,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 use tracing::warn;
 
+use crate::clock::{Clock, SystemClock};
 use crate::metrics::{Metrics, ServerLabel};
 
 /// What one listener allows.
@@ -134,7 +135,7 @@ impl Guarded {
     }
 
     fn touch(&mut self) {
-        self.deadline.as_mut().reset(Instant::now() + self.idle);
+        self.deadline.set(tokio::time::sleep(self.idle));
     }
 
     /// Whether the idle deadline or the maximum age has passed (both timers are polled, so the
@@ -193,9 +194,10 @@ impl Drop for AddressSlot {
 /// Whether a warning may be logged now: at most one a minute (the running totals are in the
 /// metrics).
 fn may_warn(last: &mut Option<Instant>) -> bool {
-    let due = last.is_none_or(|t| t.elapsed() >= Duration::from_secs(60));
+    let now = SystemClock.instant();
+    let due = last.is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_secs(60));
     if due {
-        *last = Some(Instant::now());
+        *last = Some(now);
     }
     due
 }
@@ -332,6 +334,7 @@ pub fn incoming(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
     use super::*;
     use futures::StreamExt;

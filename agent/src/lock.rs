@@ -50,12 +50,12 @@ pub struct Holder {
 }
 
 impl Holder {
-    /// This process, on `node`, now.
-    pub fn this_process(node: &str) -> Holder {
+    /// This process, on `node`, started at `started`.
+    pub fn this_process(node: &str, started: faultline_core::time::Timestamp) -> Holder {
         Holder {
             pid: std::process::id(),
             node: node.to_string(),
-            started: faultline_core::time::Timestamp::now(),
+            started,
         }
     }
 }

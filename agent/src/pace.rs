@@ -10,7 +10,8 @@
 //! `LogPacer` paces a log line the same way: at most one per interval, with the count since the
 //! last line and the running total.
 //!
-//! Times are `tokio::time::Instant`, so tests can pause and advance the clock.
+//! Times are `tokio::time::Instant`s read from [`Clock::instant`](crate::clock::Clock::instant):
+//! the waits they decide are tokio timers, and tests pause and advance tokio's clock.
 
 use std::time::Duration;
 
@@ -117,6 +118,7 @@ impl LogPacer {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
     use super::*;
 

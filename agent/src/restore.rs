@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use tracing::{debug, error, info, warn};
 
+use crate::clock::Clock;
 use crate::sink::file;
 use crate::sink::kube as kube_sink;
 use crate::source::{control, kmsg};
@@ -25,6 +26,8 @@ pub(crate) struct RestoreConfig {
     pub boot_id_path: PathBuf,
     pub proc_stat_path: PathBuf,
     pub namespace: String,
+    /// The agent's clock: a record's age, the lock's start time, the wait for the API.
+    pub clock: std::sync::Arc<dyn Clock>,
 }
 
 /// Why the agent cannot use its directories.
@@ -75,7 +78,7 @@ pub(crate) async fn take_directories(
         path: data.clone(),
         source,
     })?;
-    let holder = crate::lock::Holder::this_process(node);
+    let holder = crate::lock::Holder::this_process(node, cfg.clock.now());
     // On a blocking thread: file system calls.
     let locks =
         tokio::task::spawn_blocking(move || crate::lock::acquire_all(&[&state, &data], &holder))
@@ -445,9 +448,10 @@ async fn rebuild_from_cluster(
     let cms: kube::Api<k8s_openapi::api::core::v1::ConfigMap> =
         kube::Api::namespaced(client, &cfg.namespace);
     use kube_sink::configmap::{read_back, ReadBackError};
-    let deadline = tokio::time::Instant::now() + CLUSTER_RESTORE_WAIT;
+    let clock = &cfg.clock;
+    let deadline = clock.instant() + CLUSTER_RESTORE_WAIT;
     let record = loop {
-        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        let left = deadline.saturating_duration_since(clock.instant());
         match tokio::time::timeout(left, read_back(&cms, node)).await {
             Ok(Ok(Some(r))) => break r,
             Ok(Ok(None)) => return ClusterRecord::Absent,
@@ -468,8 +472,7 @@ async fn rebuild_from_cluster(
             }
         }
     };
-    let ahead =
-        faultline_core::time::since(record.update_time, faultline_core::time::Timestamp::now());
+    let ahead = faultline_core::time::since(record.update_time, clock.now());
     if ahead > faultline_core::time::signed(MAX_RECORD_SKEW) {
         warn!(record_time = %record.update_time, "the cluster's record is dated in the future; not used");
         return ClusterRecord::Absent;
@@ -497,9 +500,7 @@ fn engine_from_record(record: &NodeRecord, cfg: &RestoreConfig, catalog: &Catalo
         ctx,
     );
     // The record's time bounds what the kernel-log reader skips: never beyond now.
-    let written = record
-        .update_time
-        .min(faultline_core::time::Timestamp::now());
+    let written = record.update_time.min(cfg.clock.now());
     (engine, same_boot.then_some(written))
 }
 

@@ -2,6 +2,7 @@
 //! acquire, renew, release on shutdown), held by the active replica under its name, address and
 //! public key; [`LeaseFence`] fences runs with it.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::coordination::v1::Lease;
@@ -11,6 +12,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use faultline_agent::clock::Clock;
 use faultline_agent::peer::lease::{GRACE_SECONDS, LEASE_SECONDS, NAME};
 
 /// Runs the Lease election until shutdown as `identity` (the holder identity), with the field
@@ -87,6 +89,7 @@ pub struct LeaseFence {
     pub client: Client,
     pub namespace: String,
     pub identity: String,
+    pub clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for LeaseFence {
@@ -142,11 +145,7 @@ impl super::runs::Fence for LeaseFence {
             .await
             .map_err(|e| format!("cannot read the Lease to confirm it: {e}"))?
             .ok_or("the Lease is gone")?;
-        held_by(
-            &lease,
-            &self.identity,
-            faultline_core::time::Timestamp::now(),
-        )
+        held_by(&lease, &self.identity, self.clock.now())
     }
 }
 

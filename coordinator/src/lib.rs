@@ -48,6 +48,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
+use faultline_agent::clock::{Clock, SystemClock};
 use faultline_agent::metrics::Metrics;
 use faultline_agent::peer::wire::{self, CoordinatorSigner};
 use faultline_agent::peer::{authz, jittered, runner, MAX_REQUEST, MAX_SKEW};
@@ -249,6 +250,7 @@ pub async fn run(
     // would refuse a fleet-wide incident's calls.
     let files = faultline_agent::listen::raise_file_limit();
     let metrics = Arc::new(Metrics::new());
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock);
     let listener = tokio::net::TcpListener::bind(cfg.peer_listen)
         .await
         .with_context(|| format!("cannot listen on {}", cfg.peer_listen))?;
@@ -337,6 +339,7 @@ pub async fn run(
                     client: client.lease.clone(),
                     namespace: cfg.namespace.clone(),
                     identity,
+                    clock: clock.clone(),
                 }),
                 Arc::new(agents::Tokens::new(
                     Arc::new(tokens::KubeAgentTokens::new(
@@ -368,13 +371,14 @@ pub async fn run(
         Arc::new(GrpcTransport::new(signer)),
         publisher,
         fence.clone(),
+        clock.clone(),
     ));
     let leader = fence.watch();
     let admissions = ledger.map(|store| {
         let ledger = Arc::new(budget::TaintLedger::new(
             store,
             members.clone(),
-            Arc::new(faultline_agent::runtime::SystemClock),
+            clock.clone(),
         ));
         tokio::spawn(ledger.clone().follow(leader.clone()));
         budget::Admissions {
@@ -515,7 +519,7 @@ async fn schedule(l: Leadership, shutdown: CancellationToken) {
         // Until the last published run is read, no run starts for as long as any probe of a
         // previous replica could still hold its port; then for as long as that run's last
         // round says (nothing, when it finished).
-        let took_over = tokio::time::Instant::now();
+        let took_over = l.coordinator.clock().instant();
         let longest = l
             .policy
             .borrow()

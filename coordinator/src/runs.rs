@@ -47,6 +47,7 @@ use tracing::{debug, info, warn, Instrument};
 
 use super::members::Member;
 use super::wire;
+use faultline_agent::clock::Clock;
 use faultline_core::peer::pairing::{
     neighbour_order, NodeId, Outcome, Pair, PairingConfig, Planner, Verdicts,
 };
@@ -300,6 +301,7 @@ pub struct Coordinator {
     not_before: Mutex<Option<tokio::time::Instant>>,
     /// The last run that finished here (requesters waiting on a claimed id watch it).
     finished: watch::Sender<Option<RunState>>,
+    clock: Arc<dyn Clock>,
 }
 
 /// A claimed request id, released when dropped (which wakes requesters waiting on it: a run
@@ -354,6 +356,7 @@ impl Coordinator {
         transport: Arc<dyn Transport>,
         publisher: Arc<dyn Publisher>,
         fence: Arc<dyn Fence>,
+        clock: Arc<dyn Clock>,
     ) -> Coordinator {
         Coordinator {
             node,
@@ -367,7 +370,13 @@ impl Coordinator {
             claimed: Mutex::new(BTreeSet::new()),
             not_before: Mutex::new(None),
             finished: watch::channel(None).0,
+            clock,
         }
+    }
+
+    /// The clock this coordinator reads time on.
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        &self.clock
     }
 
     /// Claims a request id: None when a run with it is already claimed here.
@@ -507,7 +516,7 @@ impl Coordinator {
                 }),
             }
         }
-        let started = Timestamp::now();
+        let started = self.clock.now();
         let run_id = new_run_id(started);
         let span = tracing::info_span!("peer_run", run_id = %run_id, trigger = ?trigger);
         let inner = self
@@ -766,7 +775,7 @@ impl Coordinator {
         if let Err(why) = self.fence.confirm().await {
             return Err(Aborted { run_id, why });
         }
-        state.finished = Some(Timestamp::now());
+        state.finished = Some(self.clock.now());
         self.publisher.publish(&state).await;
         info!(
             rounds = state.rounds.len(),
@@ -1242,4 +1251,5 @@ pub fn validate_report(r: &CheckReport) -> Result<(), String> {
 
 #[cfg(test)]
 #[path = "runs_tests.rs"]
+#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests;

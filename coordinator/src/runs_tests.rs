@@ -357,6 +357,7 @@ fn coordinator(
         fake.clone(),
         publisher.clone(),
         fence,
+        Arc::new(faultline_agent::runtime::SystemClock),
     ));
     fake.coordinator.set(Arc::downgrade(&c)).unwrap();
     (c, fake, publisher)

@@ -77,7 +77,11 @@ impl CoordinatorService {
 
     /// Logs a refusal (at most one line per `REFUSAL_LOG_EVERY`, with the count) and returns it.
     fn refused(&self, rpc: &str, s: Status) -> Status {
-        let due = self.0.refusals.lock().note(1, tokio::time::Instant::now());
+        let due = self
+            .0
+            .refusals
+            .lock()
+            .note(1, self.0.leadership.coordinator.clock().instant());
         if let Some((since, total)) = due {
             warn!(rpc, code = ?s.code(), reason = s.message(), refused_since_last_line = since.times, refused_total = total.times, "coordinator request refused");
         }
@@ -411,6 +415,7 @@ mod tests {
             })),
             Arc::new(MemoryPublisher::default()),
             Arc::new(WatchFence(watch::channel(active).1)),
+            Arc::new(faultline_agent::runtime::SystemClock),
         ));
         CoordinatorService::new(
             Leadership::new(

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use super::Outcome;
+use crate::clock::{Clock, SystemClock};
 
 /// `faultline check`: where to send the request and how long to try.
 #[derive(Debug, Clone)]
@@ -56,7 +57,7 @@ pub async fn job_nodes(
             }
             return Ok(nodes);
         }
-        if tokio::time::Instant::now() >= deadline {
+        if SystemClock.instant() >= deadline {
             return Err(format!(
                 "pods not scheduled yet: {} (of {} matching {selector:?})",
                 pending.join(", "),
@@ -229,7 +230,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
             })
         }
     };
-    let deadline = tokio::time::Instant::now() + args.timeout;
+    let deadline = SystemClock.instant() + args.timeout;
     // One id for every attempt: a coordinator that took over from the one first asked resumes
     // the run under it, and answers a retry with that run instead of starting another.
     let request_id = format!("{:016x}", crate::peer::wire::random_u64());
@@ -254,7 +255,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
         client_kube = Some(client);
     }
     loop {
-        let now = tokio::time::Instant::now();
+        let now = SystemClock.instant();
         if now >= deadline {
             return Outcome::error(format!(
                 "error: no result within {}: {last_error}",
@@ -340,7 +341,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 }
                 (None, None) => return Err("no credential".to_string()),
             };
-            request.set_timeout(deadline.saturating_duration_since(tokio::time::Instant::now()));
+            request.set_timeout(deadline.saturating_duration_since(SystemClock.instant()));
             let answer = CoordinatorClient::new(channel)
                 .max_decoding_message_size(faultline_proto::MAX_MESSAGE_BYTES)
                 .run(request)
@@ -379,8 +380,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
             Err(e) => e,
         };
         tokio::time::sleep(
-            Duration::from_secs(2)
-                .min(deadline.saturating_duration_since(tokio::time::Instant::now())),
+            Duration::from_secs(2).min(deadline.saturating_duration_since(SystemClock.instant())),
         )
         .await;
     }

@@ -3,7 +3,7 @@
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use faultline_core::record::{BootClock, NodeRecord};
 use faultline_core::time::{signed, since, SignedDuration, Timestamp};
@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use super::{columns, Accept, Outcome};
 use crate::atomic_file::write as write_atomic;
 use crate::clear::ClearResult;
-use crate::runtime::Clock;
+use crate::clock::{Clock, SystemClock};
 use crate::sink::file::FAULTS_FILE;
 use crate::source::control::{
     is_pending, is_rejected, is_taken, parse_request, read_result, remove_result, withdraw,
@@ -286,7 +286,7 @@ pub fn wait_healthy(
     stale_after: Duration,
     clock: &dyn Clock,
 ) -> Outcome {
-    let deadline = Instant::now() + timeout;
+    let deadline = clock.instant() + timeout;
     loop {
         let last = read_record(path);
         let mut dead = None;
@@ -303,7 +303,7 @@ pub fn wait_healthy(
             Err(e @ ReadError::Invalid(..)) => return Outcome::error(format!("error: {e}")),
             _ => {}
         }
-        if Instant::now() >= deadline {
+        if clock.instant() >= deadline {
             return match (last, dead) {
                 (_, Some(why)) => Outcome::error(format!("error: {why}")),
                 (Ok(r), None) => {
@@ -320,7 +320,7 @@ pub fn wait_healthy(
         }
         std::thread::sleep(
             interval
-                .min(deadline.saturating_duration_since(Instant::now()))
+                .min(deadline.saturating_duration_since(clock.instant()))
                 .max(Duration::from_millis(1)),
         );
     }
@@ -363,20 +363,18 @@ pub fn clear(
     if let Err(e) = std::fs::create_dir_all(&dir) {
         return Outcome::error(format!("error: cannot create {}: {e}", dir.display()));
     }
+    let clock = SystemClock;
     let name = format!(
         "{}-{}.json",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
+        clock.now().as_nanosecond().max(0),
         std::process::id()
     );
     let path = dir.join(&name);
     if let Err(e) = write_atomic(&path, &body) {
         return Outcome::error(format!("error: {e}"));
     }
-    let deadline = Instant::now() + wait;
-    while Instant::now() < deadline {
+    let deadline = clock.instant() + wait;
+    while clock.instant() < deadline {
         if is_rejected(&dir, &name) {
             return Outcome::error(format!(
                 "error: the agent rejected the request (its log says why): {}",
@@ -416,7 +414,7 @@ pub fn clear(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
             // The agent took it first, maybe at the last moment: its answer follows as soon as
             // the clear is saved, so wait a little longer for it before saying anything.
-            let grace = Instant::now() + TAKEN_GRACE;
+            let grace = clock.instant() + TAKEN_GRACE;
             loop {
                 if is_rejected(&dir, &name) {
                     return Outcome::error(format!(
@@ -434,7 +432,7 @@ pub fn clear(
                             "error: cannot read the agent's answer: {e}"
                         ))
                     }
-                    None if Instant::now() >= grace => break,
+                    None if clock.instant() >= grace => break,
                     None => std::thread::sleep(Duration::from_millis(50)),
                 }
             }
@@ -552,6 +550,7 @@ fn clear_json(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
     use super::super::test_records::{HEALTHY, UNHEALTHY};
     use super::*;

@@ -15,6 +15,7 @@ use http_body_util::BodyExt;
 use serde_json::json;
 
 use super::{not_alive, Accept, Hosts, Now, Outcome};
+use crate::clock::{Clock, SystemClock};
 use crate::peer::members::{parse_members, Member};
 
 /// The most of one agent's answer read: above the largest record the policy's caps allow (about
@@ -160,7 +161,8 @@ pub async fn hosts(
             "error: no member's agent answered on port {agent_port} (start the agents with --listen <ip>:{agent_port}); {first}"
         ));
     }
-    let (usable, left_out) = usable_members(&answers, slots, accept, Timestamp::now(), stale_after);
+    let (usable, left_out) =
+        usable_members(&answers, slots, accept, SystemClock.now(), stale_after);
     let data = json!({
         "hosts": usable.iter().map(|(h, s)| json!({"host": h, "slots": s})).collect::<Vec<_>>(),
         "leftOut": left_out.iter().map(|(n, w)| json!({"node": n, "why": w})).collect::<Vec<_>>(),

@@ -24,6 +24,8 @@ use faultline_proto::v1::CheckAssignment;
 use tokio::sync::{watch, Mutex};
 use tokio::time::Instant;
 
+use crate::clock::{Clock, SystemClock};
+
 /// The coordinator as the agents know it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CoordinatorId {
@@ -142,7 +144,7 @@ impl Cache {
         F: std::future::Future<Output = Result<Option<(CoordinatorId, i64)>, String>>,
     {
         let mut c = this.lock().await;
-        let now = Instant::now();
+        let now = SystemClock.instant();
         if c.known && c.fresh(recheck, now) {
             return c.answer(now_ms());
         }
@@ -330,6 +332,7 @@ pub fn admit(a: &CheckAssignment, policy: &PeerPolicy) -> Result<Admitted, Strin
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
     use faultline_proto::v1::Member as WireMember;
 

@@ -320,6 +320,7 @@ pub fn jittered(interval: Duration, jitter: f64) -> Duration {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
 
     /// Failures that may pass are tried again up to the count, a pause apart; an answer (a

@@ -40,6 +40,7 @@ use tracing::{debug, info, warn, Instrument};
 use super::authz::{self, CoordinatorId, WhoCoordinates};
 use super::runner::{self, ProbeOutcome, ProbeSpec};
 use super::wire::{self, NodeCredential};
+use crate::clock::{Clock, SystemClock};
 use crate::metrics::{PeerCheckLabel, PeerCheckResult};
 use crate::source::Input;
 use faultline_core::policy::PeerPolicy;
@@ -267,7 +268,7 @@ impl PeerService {
     /// Logs a refusal (at most one line per `REFUSAL_LOG_EVERY`, with the count since the
     /// last line) and returns it.
     fn refused(&self, rpc: &str, s: Status) -> Status {
-        let due = self.refusals.lock().note(1, tokio::time::Instant::now());
+        let due = self.refusals.lock().note(1, SystemClock.instant());
         if let Some((since, total)) = due {
             warn!(rpc, code = ?s.code(), reason = s.message(), refused_since_last_line = since.times, refused_total = total.times, "peer request refused");
         }
@@ -497,7 +498,7 @@ impl PeerCheck for PeerHandle {
                 ));
             }
         }
-        let taken = self.forwards.lock().take(tokio::time::Instant::now());
+        let taken = self.forwards.lock().take(SystemClock.instant());
         if !taken {
             return Err(self.refused(
                 "Forward",

@@ -5,19 +5,17 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use faultline_proto::auth::{sign, CoordinatorKey, Key, Signed, NONCE_BYTES};
 use faultline_proto::v1::{verdict::Kind, Verdict};
 
 use faultline_core::peer::pairing::{NodeId, Pair, Verdicts};
 
+use crate::clock::{Clock, SystemClock};
+
 /// Milliseconds since the Unix epoch by the system clock (what `Auth.unix_ms` carries).
 pub fn now_ms() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
+    SystemClock.now().as_millisecond()
 }
 
 /// A fresh random value (nonces, run ids, jitter).

@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -350,7 +350,7 @@ impl Component for FileSink {
         let budget = WriteBudget::new(
             self.flags.write_interval,
             self.flags.write_burst,
-            tokio::time::Instant::now(),
+            cx.clock.instant(),
         );
         let heartbeat = HeartbeatConfig {
             every: self.flags.heartbeat_interval,
@@ -384,13 +384,14 @@ pub async fn run(
     shutdown: CancellationToken,
 ) {
     let label = SinkLabel { sink: "file" };
+    let clock = heartbeat.clock.clone();
     let mut written: Option<u64> = None;
     // The revision whose state was saved last in this run.
     let mut saved = 0u64;
     let mut backoff =
         crate::backoff::Backoff::new(Duration::from_millis(100), Duration::from_secs(30));
-    let mut flush_until: Option<Instant> = None;
-    let mut last_write = tokio::time::Instant::now();
+    let mut flush_until: Option<tokio::time::Instant> = None;
+    let mut last_write = clock.instant();
     // The heartbeat last written: kept, not renewed, while the engine loop is not running (a
     // retry of a state that cannot be saved rewrites the record too).
     let mut stamped: Option<Beat> = None;
@@ -403,7 +404,7 @@ pub async fn run(
                 false
             }
         };
-        let wait = budget.wait(tokio::time::Instant::now());
+        let wait = budget.wait(clock.instant());
         if !closed && !wait.is_zero() && !shutdown.is_cancelled() {
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
@@ -418,12 +419,12 @@ pub async fn run(
                 if beat {
                     warn!("the engine loop has not run for 30 s; the record's heartbeat stops");
                     // Checked again at the next interval.
-                    last_write = tokio::time::Instant::now();
+                    last_write = clock.instant();
                 }
                 break;
             }
             let d = dirs.clone();
-            let started = Instant::now();
+            let started = clock.since_boot();
             let snap2 = snap.clone();
             let now = match &stamped {
                 Some(last) if !heartbeat.engine_alive() => last.clone(),
@@ -447,10 +448,13 @@ pub async fn run(
                     metrics
                         .sink_write_seconds
                         .get_or_create(&label)
-                        .observe(started.elapsed().as_secs_f64());
+                        .observe(clock.since_boot().saturating_sub(started).as_secs_f64());
                     debug!(
                         revision = snap.revision,
-                        latency_us = snap.applied_at.elapsed().as_micros() as u64,
+                        latency_us = clock
+                            .instant()
+                            .saturating_duration_since(snap.applied_at)
+                            .as_micros() as u64,
                         "record written"
                     );
                     written = Some(snap.revision);
@@ -459,9 +463,9 @@ pub async fn run(
                     }
                     set_heartbeat(&metrics, &beat_written);
                     stamped = Some(beat_written);
-                    last_write = tokio::time::Instant::now();
+                    last_write = clock.instant();
                     if !record_only {
-                        budget.spend(tokio::time::Instant::now());
+                        budget.spend(clock.instant());
                     }
                     // Reported on the first success of a run too, which clears a record-file
                     // fault an earlier run left behind.
@@ -482,7 +486,7 @@ pub async fn run(
                     metrics.sink_errors.get_or_create(&label).inc();
                     if e.record_written() {
                         // The heartbeat is fresh; the state is retried with the backoff.
-                        last_write = tokio::time::Instant::now();
+                        last_write = clock.instant();
                         set_heartbeat(&metrics, &beat_written);
                         stamped = Some(beat_written);
                     }
@@ -503,8 +507,8 @@ pub async fn run(
                     }
                     if shutdown.is_cancelled() {
                         let until =
-                            *flush_until.get_or_insert_with(|| Instant::now() + FLUSH_DEADLINE);
-                        let left = until.saturating_duration_since(Instant::now());
+                            *flush_until.get_or_insert_with(|| clock.instant() + FLUSH_DEADLINE);
+                        let left = until.saturating_duration_since(clock.instant());
                         if left.is_zero() {
                             warn!(deadline_s = FLUSH_DEADLINE.as_secs(), "giving up on writing the final record; the last one written stays on disk");
                             return;
@@ -526,6 +530,7 @@ pub async fn run(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
     use super::*;
     use crate::runtime::test_snapshot;
@@ -1298,7 +1303,7 @@ mod tests {
         tx.send_replace(Some(test_snapshot(1, 0)));
         tokio::time::sleep(Duration::from_millis(300)).await;
         shutdown.cancel();
-        let started = Instant::now();
+        let started = std::time::Instant::now();
         tokio::time::timeout(FLUSH_DEADLINE + Duration::from_secs(5), task)
             .await
             .expect("the sink stopped after its flush deadline")

@@ -387,7 +387,7 @@ impl<P: Publisher> MindClusterSink<P> {
                 .map(|snap| device_list(snap.into()))
                 .filter(has_chips);
             if let Some(list) = list {
-                let now = Instant::now();
+                let now = self.clock.instant();
                 let due = |w: &Option<(BTreeMap<String, String>, Instant)>| {
                     w.as_ref()
                         .is_none_or(|(l, at)| *l != list || now.duration_since(*at) >= resync)

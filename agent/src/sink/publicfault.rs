@@ -468,7 +468,7 @@ impl<P: Publisher> PublicFaultSink<P> {
             sink: "publicfault",
         };
         let mut outbox = Outbox::load(&self.dir);
-        let started = tokio::time::Instant::now();
+        let started = self.clock.instant();
         let mut retry = crate::sink::kube::retry();
         let mut last_sent: Option<tokio::time::Instant> = None;
         let spread =
@@ -488,7 +488,7 @@ impl<P: Publisher> PublicFaultSink<P> {
             let snap = self.snapshots.borrow_and_update().clone();
             let have_snapshot = snap.is_some();
             let now = self.clock.now();
-            let tick = tokio::time::Instant::now();
+            let tick = self.clock.instant();
             let mut wake = None;
             if outbox.occurring.is_empty() && outbox.resource != resource {
                 // Nothing published under the old name (or none yet): take the new one; the

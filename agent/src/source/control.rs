@@ -710,8 +710,9 @@ pub async fn run(
     let mut awaiting: Vec<(Pending, u64, Option<ClearResult>)> = Vec::new();
     let mut marker = 0u64;
     let mut rd: Option<RequestDir> = None;
+    let clock = ctx.clock.clone();
     loop {
-        let retry_at = again.unwrap_or_else(tokio::time::Instant::now);
+        let retry_at = again.unwrap_or_else(|| clock.instant());
         tokio::select! {
             _ = ctx.shutdown.cancelled() => return,
             () = wake.notified() => {
@@ -749,7 +750,7 @@ pub async fn run(
         .await;
         // A panicked task (it cannot, short of a bug) loses what it remembered, not the loop.
         let Ok((opened, remembered)) = taken else {
-            again = Some(tokio::time::Instant::now() + retry);
+            again = Some(clock.instant() + retry);
             continue;
         };
         done = remembered;
@@ -770,7 +771,7 @@ pub async fn run(
             wake.notify_one();
         }
         let retry_after = passing || !watch.watching();
-        again = retry_after.then(|| tokio::time::Instant::now() + retry);
+        again = retry_after.then(|| clock.instant() + retry);
         for p in requests {
             info!(code = ?p.request.code, device = ?p.request.device, request = p.name, "operator clear");
             marker += 1;
@@ -1050,6 +1051,7 @@ mod tests {
         let ctx = SourceContext {
             tx,
             metrics: std::sync::Arc::new(crate::metrics::Metrics::new()),
+            clock: std::sync::Arc::new(crate::clock::SystemClock),
             shutdown: tokio_util::sync::CancellationToken::new(),
         };
         (ctx, rx)

@@ -16,7 +16,6 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use tokio::time::Instant;
 
 use faultline_core::time::Timestamp;
 use tracing::{debug, info, warn};
@@ -27,6 +26,7 @@ use faultline_core::parse::kmsg::RecordError;
 use sha2::{Digest, Sha256};
 
 use super::{Input, SourceContext};
+use crate::clock::Clock;
 use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::{KindLabel, Metrics, DETECTOR_KMSG};
 use crate::pace::LogPacer;
@@ -39,13 +39,15 @@ const LOSS_LOG_EVERY: Duration = Duration::from_secs(10);
 pub(crate) struct Counters {
     metrics: std::sync::Arc<Metrics>,
     gaps: Mutex<LogPacer>,
+    clock: std::sync::Arc<dyn Clock>,
 }
 
 impl Counters {
-    pub(crate) fn new(metrics: std::sync::Arc<Metrics>) -> Self {
+    pub(crate) fn new(metrics: std::sync::Arc<Metrics>, clock: std::sync::Arc<dyn Clock>) -> Self {
         Counters {
             metrics,
             gaps: Mutex::new(LogPacer::new(LOSS_LOG_EVERY)),
+            clock,
         }
     }
 }
@@ -62,7 +64,7 @@ impl ReaderCounters for Counters {
     }
     fn lost(&self, lost: u64, next_seq: u64) {
         self.metrics.kmsg_lost.inc_by(lost);
-        let due = self.gaps.lock().note(lost, Instant::now());
+        let due = self.gaps.lock().note(lost, self.clock.instant());
         if let Some((since, total)) = due {
             warn!(
                 lost = since.amount,
@@ -305,7 +307,7 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
                 cfg.resume_after,
                 cfg.boot_time,
                 is_device,
-                std::sync::Arc::new(Counters::new(ctx.metrics.clone())),
+                std::sync::Arc::new(Counters::new(ctx.metrics.clone(), ctx.clock.clone())),
             )
             .skip_through(cfg.skip_through)
         });
@@ -502,6 +504,7 @@ fn read_device(mut file: File, r: &mut KmsgReader, ctx: &SourceContext) -> io::R
     let mut out = Vec::new();
     let mut since_marker = 0u32;
     let mut overruns = LogPacer::new(LOSS_LOG_EVERY);
+    let clock = ctx.clock.clone();
     loop {
         let flush = match file.read(&mut buf) {
             // Not the kernel's device (another character device given as the path): nothing
@@ -524,7 +527,7 @@ fn read_device(mut file: File, r: &mut KmsgReader, ctx: &SourceContext) -> io::R
                 // EPIPE: the ring buffer overwrote records we had not read. The next read
                 // returns the oldest record; the seq gap counts the loss.
                 ctx.metrics.kmsg_overruns.inc();
-                if let Some((since, total)) = overruns.note(1, Instant::now()) {
+                if let Some((since, total)) = overruns.note(1, clock.instant()) {
                     warn!(
                         overruns = since.times,
                         overruns_total = total.times,

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
+use crate::clock::Clock;
 use crate::metrics::Metrics;
 use faultline_core::engine::{DetectorState, Observation};
 
@@ -27,6 +28,8 @@ pub use faultline_core::engine::Input;
 pub struct SourceContext {
     pub tx: mpsc::Sender<Input>,
     pub metrics: Arc<Metrics>,
+    /// The clock sources read time on.
+    pub clock: Arc<dyn Clock>,
     pub shutdown: CancellationToken,
 }
 
@@ -136,6 +139,7 @@ pub(crate) fn counter_growth(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
     use super::*;
 
@@ -147,6 +151,7 @@ mod tests {
         let ctx = SourceContext {
             tx,
             metrics: Arc::new(Metrics::default()),
+            clock: std::sync::Arc::new(crate::clock::SystemClock),
             shutdown: CancellationToken::new(),
         };
         let dies = async { panic!("called `Option::unwrap()` on a `None` value") };
@@ -187,6 +192,7 @@ mod tests {
         let ctx = SourceContext {
             tx,
             metrics: Arc::new(Metrics::default()),
+            clock: std::sync::Arc::new(crate::clock::SystemClock),
             shutdown: CancellationToken::new(),
         };
         let h = spawn_watched(

@@ -411,8 +411,9 @@ async fn watch_policy(file: PolicyFile, metrics: Arc<Metrics>, shutdown: Cancell
             None
         }
     };
-    // The first re-check one period from now: the file was just read.
-    let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + recheck, recheck);
+    // The first re-check one period from now (`reset`): the file was just read.
+    let mut tick = tokio::time::interval(recheck);
+    tick.reset();
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         let wake = tokio::select! {

@@ -21,11 +21,16 @@
 
 pub mod budget;
 pub mod calls;
+#[allow(clippy::disallowed_methods)] // TODO(clock): time from the injected Clock
 pub mod configmap;
 pub mod deviceinfo;
+#[allow(clippy::disallowed_methods)] // TODO(clock): time from the injected Clock
 pub mod events;
+#[allow(clippy::disallowed_methods)] // TODO(clock): time from the injected Clock
 pub mod node;
+#[allow(clippy::disallowed_methods)] // TODO(clock): time from the injected Clock
 pub mod own;
+#[allow(clippy::disallowed_methods)] // TODO(clock): time from the injected Clock
 pub mod plan;
 
 use std::sync::Arc;

@@ -353,6 +353,7 @@ fn detector_from(name: &str, errors: &[String], absent: bool) -> Observation {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
     use super::*;
     use std::time::Duration;

@@ -13,7 +13,6 @@ pub mod tools;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
-use std::time::Instant;
 
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
@@ -281,9 +280,10 @@ pub async fn run<T: Tools>(
     let mut analyzer = Analyzer::default();
     // While the tool is missing (reported once): how long until the next look.
     let mut absent_wait: Option<std::time::Duration> = None;
+    let clock = ctx.clock.clone();
     loop {
         let p = policy.borrow_and_update().policy.ascend.clone();
-        let started = Instant::now();
+        let started = clock.since_boot();
         let observations = match poll_once(&*tools, &p, &ctx.metrics).await {
             Err(NotInstalled(tool)) => {
                 let reported = absent_wait.is_some();
@@ -310,11 +310,11 @@ pub async fn run<T: Tools>(
                 if let Err(why) = &poll.chips {
                     warn!(reason = %why, "npu-smi info failed");
                 }
-                analyzer.analyze(&poll, &p, Instant::now())
+                analyzer.analyze(&poll, &p, clock.instant().into_std())
             }
         };
         debug!(
-            took_ms = started.elapsed().as_millis() as u64,
+            took_ms = clock.since_boot().saturating_sub(started).as_millis() as u64,
             n = observations.len(),
             "ascend poll"
         );
@@ -369,6 +369,7 @@ mod tests {
         let ctx = SourceContext {
             tx,
             metrics: Arc::new(Metrics::new()),
+            clock: std::sync::Arc::new(crate::clock::SystemClock),
             shutdown: shutdown.clone(),
         };
         let task = tokio::spawn(run(tools.clone(), policy, ctx));

@@ -141,6 +141,7 @@ pub fn excerpt(s: &str) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
     use super::*;
     use std::os::unix::fs::PermissionsExt;

@@ -409,6 +409,7 @@ impl Analyzer {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
     use super::super::readings::{Link, Pcie, Remap};
     use super::*;

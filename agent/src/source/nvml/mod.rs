@@ -17,7 +17,7 @@ pub mod real;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
 use tracing::{info, warn};
@@ -176,9 +176,10 @@ fn spawn_thread(
 
 /// Sleeps `total` in short steps, returning early at shutdown.
 fn nap(total: Duration, ctx: &SourceContext) {
-    let until = Instant::now() + total;
+    let clock = ctx.clock.clone();
+    let until = clock.since_boot() + total;
     while !ctx.shutdown.is_cancelled() {
-        let left = until.saturating_duration_since(Instant::now());
+        let left = until.saturating_sub(clock.since_boot());
         if left.is_zero() {
             return;
         }
@@ -199,7 +200,8 @@ pub async fn run_with(
     let (tx, mut rx) = mpsc::channel::<Msg>(256);
 
     // The device count, once now (it decides how many GPU threads run) and then every interval.
-    let inventory_calls = Arc::new(CallTracker::default());
+    let clock = ctx.clock.clone();
+    let inventory_calls = Arc::new(CallTracker::new(clock.clone()));
     let count = {
         let (b, c) = (backend.clone(), inventory_calls.clone());
         let t = policy.borrow().policy.nvml.call_timeout;
@@ -243,7 +245,7 @@ pub async fn run_with(
     }
     let mut trackers: Vec<(u32, Arc<CallTracker>)> = vec![(u32::MAX, inventory_calls)];
     for i in 0..count {
-        let calls = Arc::new(CallTracker::default());
+        let calls = Arc::new(CallTracker::new(clock.clone()));
         trackers.push((i, calls.clone()));
         let died = tx.clone();
         let (b, tx, ctx2, iv) = (
@@ -319,8 +321,8 @@ pub async fn run_with(
     drop(tx);
 
     let mut analyzer = Analyzer::new();
-    let started = tokio::time::Instant::now();
-    let waited = || started.elapsed() >= LOADING_WAIT;
+    let started = clock.instant();
+    let waited = || clock.instant().saturating_duration_since(started) >= LOADING_WAIT;
     let mut last_count: Option<u32> = None;
     let mut hung = false;
     // A thread died: the detector stays down (nothing watches its GPU any more).
@@ -355,7 +357,7 @@ pub async fn run_with(
                         warn!(error = ?e, "nvmlDeviceGetCount failed");
                         Vec::new()
                     }
-                    Msg::Readings(r) => analyzer.readings(&loaded.policy.nvml, &r, Instant::now()),
+                    Msg::Readings(r) => analyzer.readings(&loaded.policy.nvml, &r, clock.instant().into_std()),
                     Msg::Event(ev) => analyzer.event(&ev),
                     Msg::Died(why) => {
                         if !dead {
@@ -373,7 +375,7 @@ pub async fn run_with(
                     continue;
                 }
                 let limit = policy.borrow().policy.nvml.call_timeout;
-                let now = Instant::now();
+                let now = clock.since_boot();
                 let stuck = trackers.iter().find_map(|(i, t)| t.stuck(limit, now).map(|(name, d)| (*i, name, d)));
                 match (stuck, hung) {
                     (Some((i, name, d)), false) => {
@@ -501,6 +503,7 @@ mod tests {
         let ctx = SourceContext {
             tx,
             metrics: Arc::new(Metrics::default()),
+            clock: std::sync::Arc::new(crate::clock::SystemClock),
             shutdown: CancellationToken::new(),
         };
         let mut loaded = LoadedPolicy::builtin();
@@ -558,6 +561,7 @@ mod tests {
         let ctx = SourceContext {
             tx,
             metrics: Arc::new(Metrics::default()),
+            clock: std::sync::Arc::new(crate::clock::SystemClock),
             shutdown: CancellationToken::new(),
         };
         let mut loaded = LoadedPolicy::builtin();

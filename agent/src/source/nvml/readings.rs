@@ -5,9 +5,12 @@
 //! feed the analyzer hand-made readings.
 
 use parking_lot::Mutex;
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use faultline_core::parse::PciAddr;
+
+use crate::clock::Clock;
 
 /// Why one NVML call gave no value.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,23 +142,34 @@ pub struct NvmlEvent {
     pub kind: EventKind,
 }
 
-/// Which NVML call is running, and since when: lets a watchdog see a hung call.
-#[derive(Debug, Default)]
-pub struct CallTracker(Mutex<Option<(&'static str, Instant)>>);
+/// Which NVML call is running, and since when (time since boot on `clock`): lets a watchdog
+/// see a hung call.
+#[derive(Debug)]
+pub struct CallTracker {
+    clock: Arc<dyn Clock>,
+    running: Mutex<Option<(&'static str, Duration)>>,
+}
 
 impl CallTracker {
+    pub fn new(clock: Arc<dyn Clock>) -> Self {
+        CallTracker {
+            clock,
+            running: Mutex::new(None),
+        }
+    }
+
     /// Runs `f` as the NVML call `name`.
     pub fn call<T>(&self, name: &'static str, f: impl FnOnce() -> T) -> T {
-        *self.0.lock() = Some((name, Instant::now()));
+        *self.running.lock() = Some((name, self.clock.since_boot()));
         let out = f();
-        *self.0.lock() = None;
+        *self.running.lock() = None;
         out
     }
 
-    /// The call running for longer than `limit`, with how long.
-    pub fn stuck(&self, limit: Duration, now: Instant) -> Option<(&'static str, Duration)> {
-        let (name, since) = (*self.0.lock())?;
-        let d = now.saturating_duration_since(since);
+    /// The call running for longer than `limit` at `now` (time since boot), with how long.
+    pub fn stuck(&self, limit: Duration, now: Duration) -> Option<(&'static str, Duration)> {
+        let (name, since) = (*self.running.lock())?;
+        let d = now.saturating_sub(since);
         (d > limit).then_some((name, d))
     }
 }
