@@ -34,34 +34,34 @@ pub async fn job_nodes(
     namespace: &str,
     selector: &str,
     deadline: tokio::time::Instant,
-) -> Result<Vec<String>, String> {
+) -> anyhow::Result<Vec<String>> {
     use k8s_openapi::api::core::v1::Pod;
     let pods: kube::Api<Pod> = kube::Api::namespaced(client, namespace);
     loop {
         let list = pods
             .list(&kube::api::ListParams::default().labels(selector))
             .await
-            .map_err(|e| format!("cannot list the pods {selector:?} in {namespace}: {e}"))?;
+            .map_err(|e| {
+                anyhow::anyhow!("cannot list the pods {selector:?} in {namespace}: {e}")
+            })?;
         if list.items.is_empty() {
-            return Err(format!(
-                "no pod matches {selector:?} in namespace {namespace}"
-            ));
+            anyhow::bail!("no pod matches {selector:?} in namespace {namespace}");
         }
         let (nodes, pending) = job_nodes_of(&list.items);
         if pending.is_empty() {
             if nodes.is_empty() {
-                return Err(format!(
+                anyhow::bail!(
                     "no live pod matches {selector:?} in namespace {namespace} (all finished or being deleted)"
-                ));
+                );
             }
             return Ok(nodes);
         }
         if tokio::time::Instant::now() >= deadline {
-            return Err(format!(
+            anyhow::bail!(
                 "pods not scheduled yet: {} (of {} matching {selector:?})",
                 pending.join(", "),
                 list.items.len()
-            ));
+            );
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
@@ -167,21 +167,30 @@ pub fn check_report(r: &faultline_proto::v1::RunResult, json: bool) -> Outcome {
 /// or changing, until `timeout`.
 /// What a run request must name: at least two nodes, none empty, none twice (a check pairs
 /// nodes; a duplicate or a lone node would come back as a silent de-duplication or "unknown").
-pub fn validate_nodes(nodes: &[String]) -> Result<(), String> {
+pub fn validate_nodes(nodes: &[String]) -> Result<(), BadNodes> {
     if let Some(i) = nodes.iter().position(|n| n.trim().is_empty()) {
-        return Err(format!("node {} of the list is empty", i + 1));
+        return Err(BadNodes::Empty(i + 1));
     }
     let mut seen = std::collections::BTreeSet::new();
     if let Some(d) = nodes.iter().find(|n| !seen.insert(n.as_str())) {
-        return Err(format!("node {d:?} is listed twice"));
+        return Err(BadNodes::Twice(d.clone()));
     }
     if nodes.len() < 2 {
-        return Err(format!(
-            "a peer check needs at least two nodes, got {}",
-            nodes.len()
-        ));
+        return Err(BadNodes::TooFew(nodes.len()));
     }
     Ok(())
+}
+
+/// Why a list of nodes cannot be checked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadNodes {
+    /// The (1-based) position of an empty name.
+    #[error("node {0} of the list is empty")]
+    Empty(usize),
+    #[error("node {0:?} is listed twice")]
+    Twice(String),
+    #[error("a peer check needs at least two nodes, got {0}")]
+    TooFew(usize),
 }
 
 /// HTTP/2 keep-alive of the call to the coordinator: ping interval, and how long a ping may go
@@ -393,13 +402,19 @@ mod tests {
     fn a_run_names_two_or_more_distinct_nodes() {
         let v = |n: &[&str]| validate_nodes(&n.iter().map(|s| s.to_string()).collect::<Vec<_>>());
         assert_eq!(v(&["a", "b"]), Ok(()));
-        assert_eq!(v(&["a", "a"]).unwrap_err(), "node \"a\" is listed twice");
         assert_eq!(
-            v(&["a", "", "b"]).unwrap_err(),
+            v(&["a", "a"]).unwrap_err().to_string(),
+            "node \"a\" is listed twice"
+        );
+        assert_eq!(
+            v(&["a", "", "b"]).unwrap_err().to_string(),
             "node 2 of the list is empty"
         );
-        assert!(v(&["a"]).unwrap_err().contains("at least two nodes, got 1"));
-        assert!(v(&[]).unwrap_err().contains("got 0"));
+        assert!(v(&["a"])
+            .unwrap_err()
+            .to_string()
+            .contains("at least two nodes, got 1"));
+        assert!(v(&[]).unwrap_err().to_string().contains("got 0"));
     }
 
     use super::*;

@@ -19,7 +19,7 @@
 //! - Ascend hex codes stay out: the device plugin reports those itself.
 //!
 //! Building a message is pure ([`entries`], [`Outbox::message`]); [`PublicFaultSink::run`]
-//! writes it through a [`Publisher`].
+//! writes it through a [`DocumentPublisher`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -37,7 +37,7 @@ use tracing::{debug, warn};
 
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::{Clock, Snapshot};
-use crate::sink::mindcluster::Publisher;
+use crate::sink::mindcluster::DocumentPublisher;
 
 pub const CONFIGMAP_PREFIX: &str = "faultline-publicfault-";
 pub const NAMESPACE: &str = "kube-system";
@@ -438,7 +438,7 @@ const EARLIEST_MS: i64 = 1_735_689_600_000;
 
 /// Everything `run` needs.
 #[derive(Debug)]
-pub struct PublicFaultSink<P: Publisher> {
+pub struct PublicFaultSink<P: DocumentPublisher> {
     pub node: String,
     /// The state directory (the outbox file).
     pub dir: std::path::PathBuf,
@@ -455,7 +455,7 @@ pub struct PublicFaultSink<P: Publisher> {
     pub shutdown: CancellationToken,
 }
 
-impl<P: Publisher> PublicFaultSink<P> {
+impl<P: DocumentPublisher> PublicFaultSink<P> {
     /// Runs until shutdown or the engine stops. Writes when the faults change, when the policy
     /// turns the output off (every published fault as `recover`) or renames the resource (the
     /// same under the old name first), while recoveries are being repeated, and again every
