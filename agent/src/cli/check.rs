@@ -293,8 +293,8 @@ pub async fn check(args: CheckArgs) -> Outcome {
                     Some(c) => match crate::peer::lease::holder(c.clone(), &args.namespace).await {
                         Ok(Some(id)) => crate::peer::authz::CoordinatorId::from_holder(&id)
                             .and_then(|c| Some((c.address?, c.node)))
-                            .ok_or_else(|| format!("Lease holder {id:?} names no address")),
-                        Ok(None) => Err("no coordinator holds the Lease yet".to_string()),
+                            .ok_or_else(|| anyhow::anyhow!("Lease holder {id:?} names no address")),
+                        Ok(None) => Err(anyhow::anyhow!("no coordinator holds the Lease yet")),
                         Err(kube::Error::Api(s)) if s.code == 401 || s.code == 403 => {
                             return Outcome::error(format!(
                                 "error: cannot read the coordinator Lease {}/{}: {} (this client needs get on leases)",
@@ -303,9 +303,9 @@ pub async fn check(args: CheckArgs) -> Outcome {
                                 s.message
                             ))
                         }
-                        Err(e) => Err(format!("cannot read the coordinator Lease: {e}")),
+                        Err(e) => Err(anyhow::anyhow!("cannot read the coordinator Lease: {e}")),
                     },
-                    None => Err("no Kubernetes client".to_string()),
+                    None => Err(anyhow::anyhow!("no Kubernetes client")),
                 }
             }
         };
@@ -315,14 +315,14 @@ pub async fn check(args: CheckArgs) -> Outcome {
             // HTTP/2 keep-alive: a coordinator that froze (SIGSTOP, a hung node) answers no
             // ping, and the call ends within seconds instead of at --timeout.
             let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-                .map_err(|e| format!("bad coordinator address {address:?}: {e}"))?
+                .map_err(|e| anyhow::anyhow!("bad coordinator address {address:?}: {e}"))?
                 .connect_timeout(Duration::from_secs(3))
                 .http2_keep_alive_interval(KEEPALIVE)
                 .keep_alive_timeout(KEEPALIVE)
                 .keep_alive_while_idle(true)
                 .connect()
                 .await
-                .map_err(|e| format!("cannot reach the coordinator at {address}: {e}"))?;
+                .map_err(|e| anyhow::anyhow!("cannot reach the coordinator at {address}: {e}"))?;
             let req = RunRequest {
                 auth: None,
                 protocol: faultline_proto::PROTOCOL,
@@ -336,25 +336,26 @@ pub async fn check(args: CheckArgs) -> Outcome {
             let mut request = match (&signer, &args.token_file) {
                 (Some(s), _) => tonic::Request::new(s.sign(req, &receiver)),
                 (None, Some(path)) => {
-                    let token = std::fs::read_to_string(path)
-                        .map_err(|e| format!("cannot read the token {}: {e}", path.display()))?;
+                    let token = std::fs::read_to_string(path).map_err(|e| {
+                        anyhow::anyhow!("cannot read the token {}: {e}", path.display())
+                    })?;
                     let value = format!("Bearer {}", token.trim())
                         .parse::<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>()
                         .map_err(|_| {
-                            format!("the token {} is not printable text", path.display())
+                            anyhow::anyhow!("the token {} is not printable text", path.display())
                         })?;
                     let mut r = tonic::Request::new(req);
                     r.metadata_mut().insert("authorization", value);
                     r
                 }
-                (None, None) => return Err("no credential".to_string()),
+                (None, None) => anyhow::bail!("no credential"),
             };
             request.set_timeout(deadline.saturating_duration_since(tokio::time::Instant::now()));
             let answer = CoordinatorClient::new(channel)
                 .max_decoding_message_size(faultline_proto::MAX_MESSAGE_BYTES)
                 .run(request)
                 .await;
-            Ok::<_, String>((address, answer))
+            Ok::<_, anyhow::Error>((address, answer))
         };
         // Could not ask (no coordinator yet, unreachable): retry. Asked and refused for the
         // request itself (secret, arguments): stop. Any other answer (not the coordinator any
@@ -369,7 +370,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
         };
         let answered = tokio::select! {
             r = attempt => r,
-            holder = moved => Err(format!("the coordinator Lease moved to {holder} during the call")),
+            holder = moved => Err(anyhow::anyhow!("the coordinator Lease moved to {holder} during the call")),
         };
         last_error = match answered {
             Ok((_, Ok(result))) => return check_report(&result.into_inner(), args.json),
@@ -385,7 +386,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 ))
             }
             Ok((address, Err(s))) => format!("the coordinator at {address}: {}", s.message()),
-            Err(e) => e,
+            Err(e) => e.to_string(),
         };
         tokio::time::sleep(
             Duration::from_secs(2)
