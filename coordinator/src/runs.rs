@@ -234,7 +234,8 @@ pub enum FenceError {
     NotHeld(#[from] NotHeld),
 }
 
-/// Why a Lease does not make this agent the coordinator now.
+/// Why a Lease does not make this agent the coordinator now (`lease::held_by`'s answer; here
+/// beside `FenceError` so that this module does not import `lease`, which imports it).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum NotHeld {
     #[error("the Lease has no spec")]

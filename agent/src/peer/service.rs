@@ -729,15 +729,7 @@ impl PeerService {
                     .map_err(|e| (false, e))?
                     .connect()
                     .await
-                    .map_err(|source| {
-                        (
-                            true,
-                            CallError::Connect {
-                                address: coordinator.to_string(),
-                                source,
-                            },
-                        )
-                    })?;
+                    .map_err(|e| (true, CallError::Transport(e)))?;
                 let mut c = CoordinatorClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
                 let mut request = timed(signed.msg, CALL_TIMEOUT);
                 if let Some(t) = &signed.token {
@@ -867,6 +859,9 @@ pub enum CallError {
         #[source]
         source: tonic::transport::Error,
     },
+    /// The connection failed (a caller that names the address itself).
+    #[error(transparent)]
+    Transport(tonic::transport::Error),
     #[error("the token is not a valid header value")]
     Token,
     /// The receiver's answer was an error status (its message, as the receiver wrote it).
