@@ -95,6 +95,17 @@ pub enum StartError {
     },
 }
 
+/// Why a flag's value was refused (clap prints it with the flag's name).
+#[derive(Debug, thiserror::Error)]
+pub enum FlagError {
+    #[error(transparent)]
+    Duration(#[from] humantime::DurationError),
+    #[error("{value} is outside {range}")]
+    Outside { value: String, range: &'static str },
+    #[error("{value} is longer than {max}")]
+    TooLong { value: String, max: &'static str },
+}
+
 /// The tasks a started component runs, awaited at shutdown. Empty for a component that is
 /// disabled, or whose work runs on a thread that cannot be joined (the kernel-log reader's
 /// blocking read: it ends at its next record after shutdown).

@@ -180,7 +180,7 @@ pub enum ClientError {
     #[error("client: {0}")]
     Client(#[from] kube::Error),
     #[error("no Kubernetes configuration found (give --kubeconfig): {0}")]
-    Infer(String),
+    Infer(#[source] kube::config::InferConfigError),
     #[error("User-Agent {0:?} is not a valid header value")]
     UserAgent(String),
 }
@@ -225,9 +225,7 @@ pub async fn client_infer(kubeconfig: Option<&Path>) -> Result<Client, ClientErr
     if kubeconfig.is_some() {
         return client(kubeconfig, Sender::Cli).await;
     }
-    let config = Config::infer()
-        .await
-        .map_err(|e| ClientError::Infer(e.to_string()))?;
+    let config = Config::infer().await.map_err(ClientError::Infer)?;
     build(config, Sender::Cli, Purpose::Calls)
 }
 

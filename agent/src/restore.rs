@@ -155,7 +155,9 @@ pub(crate) fn restore(cfg: &RestoreConfig, node: &str, catalog: &Catalog) -> Res
             match rebuild_from_record(&record, node, cfg, catalog) {
                 Some((engine, written)) => {
                     kmsg_skip_through = written;
-                    let why = unreadable.as_deref().unwrap_or("no saved state");
+                    let why = unreadable
+                        .as_ref()
+                        .map_or_else(|| "no saved state".to_string(), |e| e.to_string());
                     warn!(error = %why, faults = engine.faults().count(), "saved state missing or unreadable; faults rebuilt from the record");
                     let state = crate::runtime::PersistedState {
                         engine,
@@ -244,9 +246,9 @@ fn same_boot(saved: (Option<&str>, Option<i64>), now: (Option<&str>, Option<i64>
 fn read_durable_state(
     cfg: &RestoreConfig,
     node: &str,
-) -> Result<Option<crate::runtime::PersistedState>, String> {
-    file::read_state(&cfg.data_dir, node).map_err(|e| {
-        if let Some((path, name)) = set_aside_name(&e) {
+) -> Result<Option<crate::runtime::PersistedState>, file::StateReadError> {
+    file::read_state(&cfg.data_dir, node).inspect_err(|e| {
+        if let Some((path, name)) = set_aside_name(e) {
             let aside = path.with_file_name(name);
             match std::fs::rename(&path, &aside) {
                 Ok(()) => {
@@ -257,7 +259,6 @@ fn read_durable_state(
                 }
             }
         }
-        e.to_string()
     })
 }
 
@@ -293,6 +294,7 @@ fn rebuild_from_record(
 /// How long start-up waits for the cluster's copy of the record when nothing survived locally
 /// (trying again every second meanwhile).
 const CLUSTER_RESTORE_WAIT: Duration = Duration::from_secs(10);
+
 /// The fault an operator-held taint stands for, when nothing else is left of it: the code in
 /// the taint's value, if the policy in force holds that code for an operator
 /// (`ManuallySeparateNPU`). A taint of a fault that recovers by itself is not held: if the fault

@@ -12,6 +12,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use super::runs::{Fence, FenceError, NotHeld};
 use faultline_agent::clock::Clock;
 use faultline_agent::peer::lease::{GRACE_SECONDS, LEASE_SECONDS, NAME};
 
@@ -106,46 +107,47 @@ pub fn held_by(
     lease: &Lease,
     identity: &str,
     now: faultline_core::time::Timestamp,
-) -> Result<(), String> {
-    let spec = lease.spec.as_ref().ok_or("the Lease has no spec")?;
+) -> Result<(), NotHeld> {
+    let spec = lease.spec.as_ref().ok_or(NotHeld::NoSpec)?;
     let holder = spec.holder_identity.as_deref().unwrap_or("");
     if holder != identity {
-        return Err(format!("the Lease is held by {holder:?}, not {identity:?}"));
+        return Err(NotHeld::Other {
+            holder: holder.to_string(),
+            identity: identity.to_string(),
+        });
     }
     let renewed = spec
         .renew_time
         .as_ref()
         .or(spec.acquire_time.as_ref())
-        .ok_or("the Lease has no renew time")?;
+        .ok_or(NotHeld::NoRenewTime)?;
     let seconds = i64::from(spec.lease_duration_seconds.unwrap_or(0).max(0));
     let until = renewed.0 + faultline_core::time::SignedDuration::from_secs(seconds);
     // At least the renewal grace must be left: other candidates judge expiry by their own
     // clocks, and what follows the confirmation (publish, conclude) takes a moment.
     let margin = faultline_core::time::SignedDuration::from_secs(GRACE_SECONDS as i64);
     if until - margin <= now {
-        return Err(format!(
-            "this agent's Lease runs out at {until}, less than {GRACE_SECONDS} s from now"
-        ));
+        return Err(NotHeld::RunsOut { until });
     }
     Ok(())
 }
 
 #[async_trait::async_trait]
-impl super::runs::Fence for LeaseFence {
+impl Fence for LeaseFence {
     fn watch(&self) -> watch::Receiver<bool> {
         self.held.clone()
     }
-    async fn confirm(&self) -> Result<(), String> {
+    async fn confirm(&self) -> Result<(), FenceError> {
         if !*self.held.borrow() {
-            return Err("this agent no longer holds the Lease".into());
+            return Err(FenceError::LeaseLost);
         }
         let api: Api<Lease> = Api::namespaced(self.client.clone(), &self.namespace);
         let lease = api
             .get_opt(NAME)
             .await
-            .map_err(|e| format!("cannot read the Lease to confirm it: {e}"))?
-            .ok_or("the Lease is gone")?;
-        held_by(&lease, &self.identity, self.clock.now())
+            .map_err(FenceError::LeaseUnreadable)?
+            .ok_or(FenceError::LeaseGone)?;
+        Ok(held_by(&lease, &self.identity, self.clock.now())?)
     }
 }
 
@@ -173,12 +175,12 @@ mod tests {
         let now = t("2026-11-24T12:00:09Z");
         assert_eq!(held_by(&lease(me, "2026-11-24T12:00:00Z"), me, now), Ok(()));
         let other = held_by(&lease("n4@10.0.0.5:20261", "2026-11-24T12:00:00Z"), me, now);
-        assert!(other.unwrap_err().contains("held by \"n4@"));
+        assert!(other.unwrap_err().to_string().contains("held by \"n4@"));
         let expired = held_by(&lease(me, "2026-11-24T11:59:50Z"), me, now);
-        assert!(expired.unwrap_err().contains("runs out"));
+        assert!(expired.unwrap_err().to_string().contains("runs out"));
         // 4 s left: less than the renewal grace.
         let late = held_by(&lease(me, "2026-11-24T11:59:58Z"), me, now);
-        assert!(late.unwrap_err().contains("less than 5 s"));
+        assert!(late.unwrap_err().to_string().contains("less than 5 s"));
         assert!(held_by(&Lease::default(), me, now).is_err());
     }
 }

@@ -54,7 +54,7 @@ use faultline_agent::peer::wire::{self, CoordinatorSigner};
 use faultline_agent::peer::{authz, jittered, runner, MAX_REQUEST, MAX_SKEW};
 use faultline_proto::auth::CoordinatorKey;
 use members::Members;
-use runs::{Coordinator, Fence, Publisher, RunSpec, Trigger};
+use runs::{Coordinator, Fence, RunPublisher, RunSpec, Trigger};
 use transport::GrpcTransport;
 
 /// Where the coordinator's gRPC service listens by default.
@@ -275,7 +275,7 @@ pub async fn run(
 
     type Parts = (
         Arc<dyn Members>,
-        Arc<dyn Publisher>,
+        Arc<dyn RunPublisher>,
         Arc<dyn Fence>,
         Arc<dyn agents::Agents>,
         Option<Arc<dyn requesters::Requesters>>,

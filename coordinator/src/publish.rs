@@ -11,7 +11,7 @@ use kube::{Api, Client};
 use serde_json::json;
 use tracing::warn;
 
-use super::runs::{Publisher, RunState};
+use super::runs::{RunPublisher, RunState};
 use faultline_agent::peer::lease::NAME;
 
 /// Its key holding the current (or last) run as JSON.
@@ -33,7 +33,7 @@ pub struct KubePublisher {
 }
 
 #[async_trait::async_trait]
-impl Publisher for KubePublisher {
+impl RunPublisher for KubePublisher {
     async fn publish(&self, state: &RunState) {
         let api: Api<ConfigMap> = Api::namespaced(self.client.clone(), &self.namespace);
         let text = match serde_json::to_string_pretty(state) {
@@ -96,7 +96,7 @@ pub struct FilePublisher {
 }
 
 #[async_trait::async_trait]
-impl Publisher for FilePublisher {
+impl RunPublisher for FilePublisher {
     async fn publish(&self, state: &RunState) {
         let bytes = match serde_json::to_vec_pretty(state) {
             Ok(b) => b,

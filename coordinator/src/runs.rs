@@ -1,6 +1,6 @@
 //! The coordinator: runs a peer-check run among members, round by round as the planner
 //! (`pairing`) says, over a [`Transport`] to the agents, and publishes each round's plan and the
-//! verdicts through a [`Publisher`]. Only the agent holding the Lease runs it (`lease`).
+//! verdicts through a [`RunPublisher`]. Only the agent holding the Lease runs it (`lease`).
 //!
 //! One check: the coordinator assigns it to both members at once (each runs its probe and sends
 //! its `CheckReport` back here); the check passes when both report a pass, and fails as soon as
@@ -180,20 +180,36 @@ impl RunState {
     }
 }
 
+/// Why the coordinator got no answer from a member.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    #[error(transparent)]
+    Call(#[from] faultline_agent::peer::service::CallError),
+    /// The relay answered, but the member did not answer it.
+    #[error("{to} did not answer {via}: {why}")]
+    NotRelayed {
+        to: String,
+        via: String,
+        why: String,
+    },
+    #[error("{via} passed on no answer from {to}")]
+    NoAnswer { via: String, to: String },
+}
+
 /// The coordinator's way to the agents.
 #[async_trait::async_trait]
 pub trait Transport: Send + Sync + std::fmt::Debug {
-    async fn ping(&self, to: &Member) -> Result<PingReply, String>;
+    async fn ping(&self, to: &Member) -> Result<PingReply, SendError>;
     /// Asks `via` to ping `targets` (members the coordinator cannot reach): whether each
     /// answered it. A target missing from the answer is one `via` could not be asked about.
     async fn reach(
         &self,
         via: &Member,
         targets: &[Member],
-    ) -> Result<Vec<faultline_proto::v1::Reached>, String>;
-    async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String>;
+    ) -> Result<Vec<faultline_proto::v1::Reached>, SendError>;
+    async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, SendError>;
     async fn cancel(&self, to: &Member, a: CheckAssignment);
-    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String>;
+    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), SendError>;
     /// Sends `msg` to `to` through `via`, a member that reaches `to` when the coordinator
     /// cannot: the answer of `to` (a conclusion's is `accepted`).
     async fn forward(
@@ -201,7 +217,41 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
         via: &Member,
         to: &Member,
         msg: Relayed,
-    ) -> Result<CheckAccepted, String>;
+    ) -> Result<CheckAccepted, SendError>;
+}
+
+/// Why this agent may not act as the coordinator now.
+#[derive(Debug, thiserror::Error)]
+pub enum FenceError {
+    #[error("this agent no longer coordinates")]
+    NotCoordinating,
+    #[error("this agent no longer holds the Lease")]
+    LeaseLost,
+    #[error("cannot read the Lease to confirm it: {0}")]
+    LeaseUnreadable(#[source] kube::Error),
+    #[error("the Lease is gone")]
+    LeaseGone,
+    #[error(transparent)]
+    NotHeld(#[from] NotHeld),
+}
+
+/// Why a Lease does not make this agent the coordinator now (`lease::held_by`'s answer; here
+/// beside `FenceError` so that this module does not import `lease`, which imports it).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum NotHeld {
+    #[error("the Lease has no spec")]
+    NoSpec,
+    #[error("the Lease is held by {holder:?}, not {identity:?}")]
+    Other { holder: String, identity: String },
+    #[error("the Lease has no renew time")]
+    NoRenewTime,
+    #[error(
+        "this agent's Lease runs out at {until}, less than {} s from now",
+        faultline_agent::peer::lease::GRACE_SECONDS
+    )]
+    RunsOut {
+        until: faultline_core::time::Timestamp,
+    },
 }
 
 /// Whether this agent may act as the coordinator: the Lease on Kubernetes, the members-file
@@ -213,7 +263,7 @@ pub trait Fence: Send + Sync + std::fmt::Debug {
     fn watch(&self) -> watch::Receiver<bool>;
     /// Asks the source of truth again, right before an act that must not happen without the
     /// role (concluding a run): why not, when this agent does not hold it now.
-    async fn confirm(&self) -> Result<(), String>;
+    async fn confirm(&self) -> Result<(), FenceError>;
 }
 
 /// A fence that is only its watch (a fixed role, tests).
@@ -225,11 +275,11 @@ impl Fence for WatchFence {
     fn watch(&self) -> watch::Receiver<bool> {
         self.0.clone()
     }
-    async fn confirm(&self) -> Result<(), String> {
+    async fn confirm(&self) -> Result<(), FenceError> {
         if *self.0.borrow() {
             Ok(())
         } else {
-            Err("this agent no longer coordinates".into())
+            Err(FenceError::NotCoordinating)
         }
     }
 }
@@ -260,7 +310,7 @@ pub async fn role_lost(mut leader: watch::Receiver<bool>) {
 
 /// Where runs are published. Failures are the publisher's to log: a run never waits on them.
 #[async_trait::async_trait]
-pub trait Publisher: Send + Sync + std::fmt::Debug {
+pub trait RunPublisher: Send + Sync + std::fmt::Debug {
     async fn publish(&self, state: &RunState);
     /// The last published run (a new coordinator resumes it when it is unfinished).
     async fn last(&self) -> Option<RunState>;
@@ -271,7 +321,7 @@ pub trait Publisher: Send + Sync + std::fmt::Debug {
 pub struct MemoryPublisher(pub Mutex<Vec<RunState>>);
 
 #[async_trait::async_trait]
-impl Publisher for MemoryPublisher {
+impl RunPublisher for MemoryPublisher {
     async fn publish(&self, state: &RunState) {
         self.0.lock().push(state.clone());
     }
@@ -291,7 +341,7 @@ pub struct Coordinator {
     pub address: String,
     pub probe_port_base: u16,
     transport: Arc<dyn Transport>,
-    publisher: Arc<dyn Publisher>,
+    publisher: Arc<dyn RunPublisher>,
     fence: Arc<dyn Fence>,
     reports: Mutex<HashMap<ReportKey, oneshot::Sender<CheckReport>>>,
     lock: tokio::sync::Mutex<()>,
@@ -354,7 +404,7 @@ impl Coordinator {
         address: String,
         probe_port_base: u16,
         transport: Arc<dyn Transport>,
-        publisher: Arc<dyn Publisher>,
+        publisher: Arc<dyn RunPublisher>,
         fence: Arc<dyn Fence>,
         clock: Arc<dyn Clock>,
     ) -> Coordinator {
@@ -463,7 +513,7 @@ impl Coordinator {
         }
     }
 
-    pub fn publisher(&self) -> &Arc<dyn Publisher> {
+    pub fn publisher(&self) -> &Arc<dyn RunPublisher> {
         &self.publisher
     }
 
@@ -588,7 +638,7 @@ impl Coordinator {
                 }
                 Ok(_) => pool.push(m),
                 Err(e) => {
-                    unreachable.insert(m.node.clone(), e);
+                    unreachable.insert(m.node.clone(), e.to_string());
                     pool.push(m);
                 }
             }
@@ -706,7 +756,10 @@ impl Coordinator {
             // Fenced: nothing is published or assigned without the role, asked of the source
             // of truth (a coordinator woken from a freeze may not have noticed the loss yet).
             if let Err(why) = self.fence.confirm().await {
-                return Err(Aborted { run_id, why });
+                return Err(Aborted {
+                    run_id,
+                    why: why.to_string(),
+                });
             }
             self.publisher.publish(&state).await;
             let results = futures::future::join_all(planned.iter().map(|(pair, pa, pb)| {
@@ -773,7 +826,10 @@ impl Coordinator {
         // Fenced: the verdicts go out only while this agent still holds the role, asked of the
         // source of truth itself (a coordinator frozen past its Lease may not have noticed yet).
         if let Err(why) = self.fence.confirm().await {
-            return Err(Aborted { run_id, why });
+            return Err(Aborted {
+                run_id,
+                why: why.to_string(),
+            });
         }
         state.finished = Some(self.clock.now());
         self.publisher.publish(&state).await;
@@ -820,7 +876,7 @@ impl Coordinator {
 
     /// Pings every member, each failed ping again up to `PING_ATTEMPTS` times: one lost ping
     /// does not make a member unreachable for the whole run.
-    async fn ping_all(&self, members: &[Member]) -> Vec<Result<PingReply, String>> {
+    async fn ping_all(&self, members: &[Member]) -> Vec<Result<PingReply, SendError>> {
         futures::future::join_all(members.iter().map(|m| {
             faultline_agent::peer::retried(
                 PING_ATTEMPTS,
@@ -879,7 +935,7 @@ impl Coordinator {
         to: &Member,
         a: CheckAssignment,
         routes: &BTreeMap<String, Member>,
-    ) -> Result<CheckAccepted, String> {
+    ) -> Result<CheckAccepted, SendError> {
         let Some(via) = routes.get(&to.node) else {
             return self.assign_retried(to, a).await;
         };
@@ -919,7 +975,7 @@ impl Coordinator {
         &self,
         to: &Member,
         a: CheckAssignment,
-    ) -> Result<CheckAccepted, String> {
+    ) -> Result<CheckAccepted, SendError> {
         faultline_agent::peer::retried(
             2,
             PING_RETRY_PAUSE,
@@ -988,7 +1044,7 @@ impl Coordinator {
             self.send_assign(a, assignment.clone(), routes),
             self.send_assign(b, assignment.clone(), routes)
         );
-        let refused = |m: &Member, r: &Result<CheckAccepted, String>| match r {
+        let refused = |m: &Member, r: &Result<CheckAccepted, SendError>| match r {
             Ok(acc) if acc.accepted => None,
             Ok(acc) => Some(format!("{} refused the check: {}", m.node, acc.reason)),
             Err(_) => None,
@@ -1106,7 +1162,7 @@ impl Coordinator {
             });
         }
         // Whoever has not reported is still running a probe for nothing: stop it.
-        let accepted = |r: &Result<CheckAccepted, String>| matches!(r, Ok(acc) if acc.accepted);
+        let accepted = |r: &Result<CheckAccepted, SendError>| matches!(r, Ok(acc) if acc.accepted);
         let cancels = [(&got_a, a, &ra), (&got_b, b, &rb)]
             .into_iter()
             .filter(|(got, _, assigned)| got.is_none() && accepted(assigned))
@@ -1223,17 +1279,38 @@ pub fn later_deadline(slowest: f64, iterations: u32, check_timeout: Duration) ->
         .min(check_timeout)
 }
 
+/// Why a report is refused at the boundary.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BadReport {
+    #[error("{name} {value} is not a number from 0 to {most}")]
+    Number {
+        name: &'static str,
+        value: f64,
+        most: f64,
+    },
+    #[error("{name} is {len} bytes, more than {most}")]
+    TooLong {
+        name: &'static str,
+        len: usize,
+        most: usize,
+    },
+}
+
 /// Checks a report's fields at the boundary: times and rates finite, not negative and within
 /// reason, identifiers and the error text of bounded length. The coordinator computes deadlines
 /// from `seconds` (a negative one used to panic it).
-pub fn validate_report(r: &CheckReport) -> Result<(), String> {
+pub fn validate_report(r: &CheckReport) -> Result<(), BadReport> {
     for (name, v, most) in [
         ("seconds", r.seconds, 86_400.0),
         ("busbw_gbps", r.busbw_gbps, 1e9),
         ("gemm_gflops", r.gemm_gflops, 1e12),
     ] {
         if !v.is_finite() || v < 0.0 || v > most {
-            return Err(format!("{name} {v} is not a number from 0 to {most}"));
+            return Err(BadReport::Number {
+                name,
+                value: v,
+                most,
+            });
         }
     }
     for (name, v, most) in [
@@ -1243,7 +1320,11 @@ pub fn validate_report(r: &CheckReport) -> Result<(), String> {
         ("error", &r.error, 4096),
     ] {
         if v.len() > most {
-            return Err(format!("{name} is {} bytes, more than {most}", v.len()));
+            return Err(BadReport::TooLong {
+                name,
+                len: v.len(),
+                most,
+            });
         }
     }
     Ok(())

@@ -15,6 +15,7 @@ use faultline_proto::PROTOCOL;
 
 use super::*;
 use crate::members::Member;
+use faultline_agent::peer::service::CallError;
 use faultline_core::policy::PeerPolicy;
 
 #[derive(Debug, Default, Clone)]
@@ -88,7 +89,7 @@ impl Fake {
 
 #[async_trait::async_trait]
 impl Transport for Fake {
-    async fn ping(&self, to: &Member) -> Result<PingReply, String> {
+    async fn ping(&self, to: &Member) -> Result<PingReply, SendError> {
         let n = {
             let mut p = self.pings.lock().unwrap();
             let n = p.entry(to.node.clone()).or_default();
@@ -97,10 +98,10 @@ impl Transport for Fake {
         };
         if self.scenario.dead.contains(&to.node) || self.scenario.coordinator_cut.contains(&to.node)
         {
-            return Err("connection refused".into());
+            return Err(refused());
         }
         if n == 1 && self.scenario.lost_first_ping.contains(&to.node) {
-            return Err("no answer within 2s".into());
+            return Err(CallError::Timeout(Duration::from_secs(2)).into());
         }
         Ok(PingReply {
             node: to.node.clone(),
@@ -114,7 +115,7 @@ impl Transport for Fake {
         &self,
         via: &Member,
         targets: &[Member],
-    ) -> Result<Vec<faultline_proto::v1::Reached>, String> {
+    ) -> Result<Vec<faultline_proto::v1::Reached>, SendError> {
         self.relayed.lock().unwrap().push((
             via.node.clone(),
             targets.iter().map(|t| t.node.clone()).collect(),
@@ -133,9 +134,9 @@ impl Transport for Fake {
             .collect())
     }
 
-    async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
+    async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, SendError> {
         if self.scenario.coordinator_cut.contains(&to.node) {
-            return Err("connection refused".into());
+            return Err(refused());
         }
         self.assign_at(to, a)
     }
@@ -145,7 +146,7 @@ impl Transport for Fake {
         via: &Member,
         to: &Member,
         msg: Relayed,
-    ) -> Result<CheckAccepted, String> {
+    ) -> Result<CheckAccepted, SendError> {
         let kind = match &msg {
             Relayed::Assign(_) => "assign",
             Relayed::Cancel(_) => "cancel",
@@ -158,7 +159,11 @@ impl Transport for Fake {
         let s = &self.scenario;
         if s.dead.contains(&via.node) || s.dead.contains(&to.node) || self.cut(&via.node, &to.node)
         {
-            return Err(format!("{} cannot reach {}", via.node, to.node));
+            return Err(SendError::NotRelayed {
+                to: to.node.clone(),
+                via: via.node.clone(),
+                why: "connection refused".into(),
+            });
         }
         let ok = CheckAccepted {
             accepted: true,
@@ -188,7 +193,7 @@ impl Transport for Fake {
         self.cancels.lock().unwrap().push(to.node.clone());
     }
 
-    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String> {
+    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), SendError> {
         self.concluded.lock().unwrap().push((to.node.clone(), c));
         Ok(())
     }
@@ -196,7 +201,7 @@ impl Transport for Fake {
 
 impl Fake {
     /// An assignment reaching `to`'s agent (directly or through a relay).
-    fn assign_at(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
+    fn assign_at(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, SendError> {
         // The deadline the member's agent gives its probe, by the agent's own rule and policy.
         let timeout = faultline_agent::peer::authz::admit(&a, &PeerPolicy::default())
             .unwrap()
@@ -211,7 +216,7 @@ impl Fake {
                 .assign_fails
                 .contains(&(to.node.clone(), a.round))
         {
-            return Err("connection refused".into());
+            return Err(refused());
         }
         if self.scenario.refuses.contains(&to.node) {
             return Ok(CheckAccepted {
@@ -315,18 +320,24 @@ fn spec() -> RunSpec {
     }
 }
 
-/// A fence the test moves: the role as its watch says, and `confirm` as `confirms` says.
+/// A call the member's agent did not answer (the connection was refused).
+fn refused() -> SendError {
+    CallError::Answer(tonic::Status::unavailable("connection refused")).into()
+}
+
+/// A fence the test moves: the role as its watch says, and `confirm` as `confirms` says
+/// (`None`: confirmed).
 #[derive(Debug)]
 struct TestFence {
     role: watch::Sender<bool>,
-    confirms: Mutex<Result<(), String>>,
+    confirms: Mutex<Option<NotHeld>>,
 }
 
 impl TestFence {
     fn new() -> Arc<TestFence> {
         Arc::new(TestFence {
             role: watch::channel(true).0,
-            confirms: Mutex::new(Ok(())),
+            confirms: Mutex::new(None),
         })
     }
 }
@@ -336,8 +347,11 @@ impl Fence for TestFence {
     fn watch(&self) -> watch::Receiver<bool> {
         self.role.subscribe()
     }
-    async fn confirm(&self) -> Result<(), String> {
-        self.confirms.lock().unwrap().clone()
+    async fn confirm(&self) -> Result<(), FenceError> {
+        match self.confirms.lock().unwrap().clone() {
+            None => Ok(()),
+            Some(why) => Err(why.into()),
+        }
     }
 }
 
@@ -655,7 +669,7 @@ fn reports_are_validated_and_deadlines_never_panic() {
         ),
     ];
     for (want, r) in bad {
-        let e = super::validate_report(&r).unwrap_err();
+        let e = super::validate_report(&r).unwrap_err().to_string();
         assert!(
             e.starts_with(want.split(' ').next().unwrap()),
             "{want}: {e}"
@@ -719,7 +733,10 @@ async fn losing_the_role_mid_run_aborts_and_concludes_nothing() {
 #[tokio::test(start_paused = true)]
 async fn no_conclusion_unless_the_lease_confirms() {
     let fence = TestFence::new();
-    *fence.confirms.lock().unwrap() = Err("the Lease is held by \"n4@10.0.0.5:20261\"".into());
+    *fence.confirms.lock().unwrap() = Some(NotHeld::Other {
+        holder: "n4@10.0.0.5:20261".into(),
+        identity: "n1@10.0.0.2:20261".into(),
+    });
     let (c, fake, publisher) = coordinator(Scenario::default(), fence);
     let e = c
         .run(members(6), BTreeMap::new(), &spec(), Trigger::Request, None)

@@ -17,7 +17,7 @@ use faultline_proto::{MAX_MESSAGE_BYTES, PROTOCOL};
 use tonic::transport::Channel;
 
 use crate::members::Member;
-use crate::runs::{self as runs, Relayed};
+use crate::runs::{self as runs, Relayed, SendError};
 use faultline_agent::peer::service::{
     endpoint, timed, within, CALL_TIMEOUT, CONCLUDE_TIMEOUT, FORWARD_TIMEOUT,
 };
@@ -52,7 +52,7 @@ impl GrpcTransport {
         }
     }
 
-    fn client(&self, to: &Member) -> Result<PeerCheckClient<Channel>, String> {
+    fn client(&self, to: &Member) -> Result<PeerCheckClient<Channel>, SendError> {
         let mut map = self.channels.lock();
         let ch = match map.get(&to.address) {
             Some(c) => c.clone(),
@@ -94,7 +94,7 @@ impl GrpcTransport {
         to: &Member,
         message: forward::Message,
         timeout: Duration,
-    ) -> Result<faultline_proto::v1::ForwardReply, String> {
+    ) -> Result<faultline_proto::v1::ForwardReply, SendError> {
         let envelope = self.signer.sign(
             Forward {
                 auth: None,
@@ -106,19 +106,19 @@ impl GrpcTransport {
             &via.node,
         );
         let mut c = self.client(via)?;
-        within(timeout, |t| c.forward(timed(envelope, t))).await
+        Ok(within(timeout, |t| c.forward(timed(envelope, t))).await?)
     }
 }
 
 #[async_trait::async_trait]
 impl runs::Transport for GrpcTransport {
-    async fn ping(&self, to: &Member) -> Result<PingReply, String> {
+    async fn ping(&self, to: &Member) -> Result<PingReply, SendError> {
         let msg = self.ping_for(to);
         let mut c = self.client(to)?;
-        within(CALL_TIMEOUT, |t| c.ping(timed(msg, t))).await
+        Ok(within(CALL_TIMEOUT, |t| c.ping(timed(msg, t))).await?)
     }
 
-    async fn reach(&self, via: &Member, targets: &[Member]) -> Result<Vec<Reached>, String> {
+    async fn reach(&self, via: &Member, targets: &[Member]) -> Result<Vec<Reached>, SendError> {
         use futures::StreamExt;
         let pings: Vec<_> = targets
             .iter()
@@ -131,10 +131,10 @@ impl runs::Transport for GrpcTransport {
         Ok(answers.into_iter().flatten().collect())
     }
 
-    async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, String> {
+    async fn assign(&self, to: &Member, a: CheckAssignment) -> Result<CheckAccepted, SendError> {
         let msg = self.signer.sign(a, &to.node);
         let mut c = self.client(to)?;
-        within(CALL_TIMEOUT, |t| c.assign(timed(msg, t))).await
+        Ok(within(CALL_TIMEOUT, |t| c.assign(timed(msg, t))).await?)
     }
 
     async fn cancel(&self, to: &Member, mut a: CheckAssignment) {
@@ -145,12 +145,11 @@ impl runs::Transport for GrpcTransport {
         }
     }
 
-    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), String> {
+    async fn conclude(&self, to: &Member, c: RunConclusion) -> Result<(), SendError> {
         let msg = self.signer.sign(c, &to.node);
         let mut client = self.client(to)?;
-        within(CONCLUDE_TIMEOUT, |t| client.conclude(timed(msg, t)))
-            .await
-            .map(|_| ())
+        within(CONCLUDE_TIMEOUT, |t| client.conclude(timed(msg, t))).await?;
+        Ok(())
     }
 
     async fn forward(
@@ -158,7 +157,7 @@ impl runs::Transport for GrpcTransport {
         via: &Member,
         to: &Member,
         msg: Relayed,
-    ) -> Result<CheckAccepted, String> {
+    ) -> Result<CheckAccepted, SendError> {
         let message = match msg {
             Relayed::Assign(a) => forward::Message::Assign(self.signer.sign(a, &to.node)),
             Relayed::Cancel(mut a) => {
@@ -170,10 +169,11 @@ impl runs::Transport for GrpcTransport {
         let concluding = matches!(message, forward::Message::Conclude(_));
         let reply = self.through(via, to, message, FORWARD_TIMEOUT).await?;
         if !reply.unreachable.is_empty() {
-            return Err(format!(
-                "{} did not answer {}: {}",
-                to.node, via.node, reply.unreachable
-            ));
+            return Err(SendError::NotRelayed {
+                to: to.node.clone(),
+                via: via.node.clone(),
+                why: reply.unreachable,
+            });
         }
         match (reply.accepted, concluding) {
             (Some(a), _) => Ok(a),
@@ -181,7 +181,10 @@ impl runs::Transport for GrpcTransport {
                 accepted: true,
                 reason: String::new(),
             }),
-            (None, false) => Err(format!("{} passed on no answer from {}", via.node, to.node)),
+            (None, false) => Err(SendError::NoAnswer {
+                via: via.node.clone(),
+                to: to.node.clone(),
+            }),
         }
     }
 }

@@ -35,34 +35,34 @@ pub async fn job_nodes(
     namespace: &str,
     selector: &str,
     deadline: tokio::time::Instant,
-) -> Result<Vec<String>, String> {
+) -> anyhow::Result<Vec<String>> {
     use k8s_openapi::api::core::v1::Pod;
     let pods: kube::Api<Pod> = kube::Api::namespaced(client, namespace);
     loop {
         let list = pods
             .list(&kube::api::ListParams::default().labels(selector))
             .await
-            .map_err(|e| format!("cannot list the pods {selector:?} in {namespace}: {e}"))?;
+            .map_err(|e| {
+                anyhow::anyhow!("cannot list the pods {selector:?} in {namespace}: {e}")
+            })?;
         if list.items.is_empty() {
-            return Err(format!(
-                "no pod matches {selector:?} in namespace {namespace}"
-            ));
+            anyhow::bail!("no pod matches {selector:?} in namespace {namespace}");
         }
         let (nodes, pending) = job_nodes_of(&list.items);
         if pending.is_empty() {
             if nodes.is_empty() {
-                return Err(format!(
+                anyhow::bail!(
                     "no live pod matches {selector:?} in namespace {namespace} (all finished or being deleted)"
-                ));
+                );
             }
             return Ok(nodes);
         }
         if SystemClock.instant() >= deadline {
-            return Err(format!(
+            anyhow::bail!(
                 "pods not scheduled yet: {} (of {} matching {selector:?})",
                 pending.join(", "),
                 list.items.len()
-            ));
+            );
         }
         tokio::time::sleep(Duration::from_secs(2)).await;
     }
@@ -168,21 +168,30 @@ pub fn check_report(r: &faultline_proto::v1::RunResult, json: bool) -> Outcome {
 /// or changing, until `timeout`.
 /// What a run request must name: at least two nodes, none empty, none twice (a check pairs
 /// nodes; a duplicate or a lone node would come back as a silent de-duplication or "unknown").
-pub fn validate_nodes(nodes: &[String]) -> Result<(), String> {
+pub fn validate_nodes(nodes: &[String]) -> Result<(), BadNodes> {
     if let Some(i) = nodes.iter().position(|n| n.trim().is_empty()) {
-        return Err(format!("node {} of the list is empty", i + 1));
+        return Err(BadNodes::Empty(i + 1));
     }
     let mut seen = std::collections::BTreeSet::new();
     if let Some(d) = nodes.iter().find(|n| !seen.insert(n.as_str())) {
-        return Err(format!("node {d:?} is listed twice"));
+        return Err(BadNodes::Twice(d.clone()));
     }
     if nodes.len() < 2 {
-        return Err(format!(
-            "a peer check needs at least two nodes, got {}",
-            nodes.len()
-        ));
+        return Err(BadNodes::TooFew(nodes.len()));
     }
     Ok(())
+}
+
+/// Why a list of nodes cannot be checked.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum BadNodes {
+    /// The (1-based) position of an empty name.
+    #[error("node {0} of the list is empty")]
+    Empty(usize),
+    #[error("node {0:?} is listed twice")]
+    Twice(String),
+    #[error("a peer check needs at least two nodes, got {0}")]
+    TooFew(usize),
 }
 
 /// HTTP/2 keep-alive of the call to the coordinator: ping interval, and how long a ping may go
@@ -285,8 +294,8 @@ pub async fn check(args: CheckArgs) -> Outcome {
                     Some(c) => match crate::peer::lease::holder(c.clone(), &args.namespace).await {
                         Ok(Some(id)) => crate::peer::authz::CoordinatorId::from_holder(&id)
                             .and_then(|c| Some((c.address?, c.node)))
-                            .ok_or_else(|| format!("Lease holder {id:?} names no address")),
-                        Ok(None) => Err("no coordinator holds the Lease yet".to_string()),
+                            .ok_or_else(|| anyhow::anyhow!("Lease holder {id:?} names no address")),
+                        Ok(None) => Err(anyhow::anyhow!("no coordinator holds the Lease yet")),
                         Err(kube::Error::Api(s)) if s.code == 401 || s.code == 403 => {
                             return Outcome::error(format!(
                                 "error: cannot read the coordinator Lease {}/{}: {} (this client needs get on leases)",
@@ -295,9 +304,9 @@ pub async fn check(args: CheckArgs) -> Outcome {
                                 s.message
                             ))
                         }
-                        Err(e) => Err(format!("cannot read the coordinator Lease: {e}")),
+                        Err(e) => Err(anyhow::anyhow!("cannot read the coordinator Lease: {e}")),
                     },
-                    None => Err("no Kubernetes client".to_string()),
+                    None => Err(anyhow::anyhow!("no Kubernetes client")),
                 }
             }
         };
@@ -307,14 +316,14 @@ pub async fn check(args: CheckArgs) -> Outcome {
             // HTTP/2 keep-alive: a coordinator that froze (SIGSTOP, a hung node) answers no
             // ping, and the call ends within seconds instead of at --timeout.
             let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-                .map_err(|e| format!("bad coordinator address {address:?}: {e}"))?
+                .map_err(|e| anyhow::anyhow!("bad coordinator address {address:?}: {e}"))?
                 .connect_timeout(Duration::from_secs(3))
                 .http2_keep_alive_interval(KEEPALIVE)
                 .keep_alive_timeout(KEEPALIVE)
                 .keep_alive_while_idle(true)
                 .connect()
                 .await
-                .map_err(|e| format!("cannot reach the coordinator at {address}: {e}"))?;
+                .map_err(|e| anyhow::anyhow!("cannot reach the coordinator at {address}: {e}"))?;
             let req = RunRequest {
                 auth: None,
                 protocol: faultline_proto::PROTOCOL,
@@ -328,25 +337,26 @@ pub async fn check(args: CheckArgs) -> Outcome {
             let mut request = match (&signer, &args.token_file) {
                 (Some(s), _) => tonic::Request::new(s.sign(req, &receiver)),
                 (None, Some(path)) => {
-                    let token = std::fs::read_to_string(path)
-                        .map_err(|e| format!("cannot read the token {}: {e}", path.display()))?;
+                    let token = std::fs::read_to_string(path).map_err(|e| {
+                        anyhow::anyhow!("cannot read the token {}: {e}", path.display())
+                    })?;
                     let value = format!("Bearer {}", token.trim())
                         .parse::<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>()
                         .map_err(|_| {
-                            format!("the token {} is not printable text", path.display())
+                            anyhow::anyhow!("the token {} is not printable text", path.display())
                         })?;
                     let mut r = tonic::Request::new(req);
                     r.metadata_mut().insert("authorization", value);
                     r
                 }
-                (None, None) => return Err("no credential".to_string()),
+                (None, None) => anyhow::bail!("no credential"),
             };
             request.set_timeout(deadline.saturating_duration_since(SystemClock.instant()));
             let answer = CoordinatorClient::new(channel)
                 .max_decoding_message_size(faultline_proto::MAX_MESSAGE_BYTES)
                 .run(request)
                 .await;
-            Ok::<_, String>((address, answer))
+            Ok::<_, anyhow::Error>((address, answer))
         };
         // Could not ask (no coordinator yet, unreachable): retry. Asked and refused for the
         // request itself (secret, arguments): stop. Any other answer (not the coordinator any
@@ -361,7 +371,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
         };
         let answered = tokio::select! {
             r = attempt => r,
-            holder = moved => Err(format!("the coordinator Lease moved to {holder} during the call")),
+            holder = moved => Err(anyhow::anyhow!("the coordinator Lease moved to {holder} during the call")),
         };
         last_error = match answered {
             Ok((_, Ok(result))) => return check_report(&result.into_inner(), args.json),
@@ -377,7 +387,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 ))
             }
             Ok((address, Err(s))) => format!("the coordinator at {address}: {}", s.message()),
-            Err(e) => e,
+            Err(e) => e.to_string(),
         };
         tokio::time::sleep(
             Duration::from_secs(2).min(deadline.saturating_duration_since(SystemClock.instant())),
@@ -393,13 +403,19 @@ mod tests {
     fn a_run_names_two_or_more_distinct_nodes() {
         let v = |n: &[&str]| validate_nodes(&n.iter().map(|s| s.to_string()).collect::<Vec<_>>());
         assert_eq!(v(&["a", "b"]), Ok(()));
-        assert_eq!(v(&["a", "a"]).unwrap_err(), "node \"a\" is listed twice");
         assert_eq!(
-            v(&["a", "", "b"]).unwrap_err(),
+            v(&["a", "a"]).unwrap_err().to_string(),
+            "node \"a\" is listed twice"
+        );
+        assert_eq!(
+            v(&["a", "", "b"]).unwrap_err().to_string(),
             "node 2 of the list is empty"
         );
-        assert!(v(&["a"]).unwrap_err().contains("at least two nodes, got 1"));
-        assert!(v(&[]).unwrap_err().contains("got 0"));
+        assert!(v(&["a"])
+            .unwrap_err()
+            .to_string()
+            .contains("at least two nodes, got 1"));
+        assert!(v(&[]).unwrap_err().to_string().contains("got 0"));
     }
 
     use super::*;

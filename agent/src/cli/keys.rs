@@ -8,49 +8,49 @@ use std::io::Write;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
+use anyhow::Context as _;
 use faultline_proto::auth::{node_key, CoordinatorKey};
 
 use super::Outcome;
 
 /// Writes `bytes` to a new file only its owner can read; an existing file is never replaced
 /// (a key overwritten by mistake locks every agent out).
-fn write_new(path: &Path, bytes: &[u8]) -> Result<(), String> {
+fn write_new(path: &Path, bytes: &[u8]) -> anyhow::Result<()> {
     let mut f = std::fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .open(path)
-        .map_err(|e| format!("cannot create {}: {e}", path.display()))?;
+        .with_context(|| format!("cannot create {}", path.display()))?;
     f.write_all(bytes)
         .and_then(|()| f.sync_all())
-        .map_err(|e| format!("cannot write {}: {e}", path.display()))
+        .with_context(|| format!("cannot write {}", path.display()))
 }
 
 /// `faultline keys coordinator --out FILE`: a new coordinator key (PKCS#8); prints its public
 /// key, which every agent is given (`--peer-coordinator-key`).
 pub fn coordinator(out: &Path) -> Outcome {
     let made = CoordinatorKey::generate_pkcs8()
-        .map_err(|e| e.to_string())
+        .map_err(anyhow::Error::from)
         .and_then(|doc| {
-            let key = CoordinatorKey::from_pkcs8(&doc).map_err(|e| e.to_string())?;
+            let key = CoordinatorKey::from_pkcs8(&doc)?;
             write_new(out, &doc)?;
             Ok(key.public_key())
         });
     match made {
         Ok(public) => Outcome::ok(public.to_string()),
-        Err(e) => Outcome::error(format!("error: {e}")),
+        Err(e) => Outcome::error(format!("error: {e:#}")),
     }
 }
 
 /// `faultline keys public --key FILE`: the public key of a coordinator key.
 pub fn public(key: &Path) -> Outcome {
     match std::fs::read(key)
-        .map_err(|e| format!("cannot read {}: {e}", key.display()))
-        .and_then(|doc| {
-            CoordinatorKey::from_pkcs8(&doc).map_err(|e| format!("{}: {e}", key.display()))
-        }) {
+        .with_context(|| format!("cannot read {}", key.display()))
+        .and_then(|doc| CoordinatorKey::from_pkcs8(&doc).with_context(|| key.display().to_string()))
+    {
         Ok(k) => Outcome::ok(k.public_key().to_string()),
-        Err(e) => Outcome::error(format!("error: {e}")),
+        Err(e) => Outcome::error(format!("error: {e:#}")),
     }
 }
 
@@ -63,7 +63,7 @@ pub fn master(out: &Path) -> Outcome {
     }
     match write_new(out, hex::encode(b).as_bytes()) {
         Ok(()) => Outcome::ok(format!("wrote {}", out.display())),
-        Err(e) => Outcome::error(format!("error: {e}")),
+        Err(e) => Outcome::error(format!("error: {e:#}")),
     }
 }
 
@@ -80,6 +80,6 @@ pub fn node(master: &Path, node: &str, out: &Path) -> Outcome {
     let key = node_key(&master, node);
     match write_new(out, hex::encode(key.bytes()).as_bytes()) {
         Ok(()) => Outcome::ok(format!("wrote {} for node {node}", out.display())),
-        Err(e) => Outcome::error(format!("error: {e}")),
+        Err(e) => Outcome::error(format!("error: {e:#}")),
     }
 }

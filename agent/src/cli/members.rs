@@ -37,7 +37,7 @@ pub enum Answer {
 pub async fn fetch_record(addr: SocketAddr, timeout: Duration) -> Answer {
     match tokio::time::timeout(timeout, fetch(addr)).await {
         Ok(Ok(r)) => Answer::Record(Box::new(r)),
-        Ok(Err(why)) => Answer::Failed(why),
+        Ok(Err(why)) => Answer::Failed(format!("its agent at {addr}: {why}")),
         Err(_) => Answer::Failed(format!(
             "its agent at {addr} did not answer within {}",
             humantime::format_duration(timeout)
@@ -45,32 +45,27 @@ pub async fn fetch_record(addr: SocketAddr, timeout: Duration) -> Answer {
     }
 }
 
-async fn fetch(addr: SocketAddr) -> Result<NodeRecord, String> {
-    let at = |e: &dyn std::fmt::Display| format!("its agent at {addr}: {e}");
-    let stream = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| at(&e))?;
+/// The record of the agent at `addr`; the error reads after "its agent at ADDR: ".
+async fn fetch(addr: SocketAddr) -> anyhow::Result<NodeRecord> {
+    let stream = tokio::net::TcpStream::connect(addr).await?;
     let (mut sender, conn) =
-        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
-            .await
-            .map_err(|e| at(&e))?;
+        hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream)).await?;
     let driver = tokio::spawn(conn);
     let req = http::Request::get("/v1/record")
         .header(http::header::HOST, addr.to_string())
-        .body(http_body_util::Empty::<hyper::body::Bytes>::new())
-        .map_err(|e| at(&e))?;
-    let resp = sender.send_request(req).await.map_err(|e| at(&e))?;
+        .body(http_body_util::Empty::<hyper::body::Bytes>::new())?;
+    let resp = sender.send_request(req).await?;
     let status = resp.status();
     let body = http_body_util::Limited::new(resp.into_body(), MAX_ANSWER_BYTES)
         .collect()
         .await
-        .map_err(|e| at(&format!("reading the answer: {e}")))?
+        .map_err(|e| anyhow::anyhow!("reading the answer: {e}"))?
         .to_bytes();
     driver.abort();
     if !status.is_success() {
-        return Err(at(&format!("answered {status}")));
+        anyhow::bail!("answered {status}");
     }
-    serde_json::from_slice::<NodeRecord>(&body).map_err(|e| at(&format!("not a record: {e}")))
+    serde_json::from_slice::<NodeRecord>(&body).map_err(|e| anyhow::anyhow!("not a record: {e}"))
 }
 
 /// The usable members with `slots` each, in the file's order, and the others with why.

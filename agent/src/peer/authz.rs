@@ -16,6 +16,7 @@
 //! (`faultline_coordinator::requesters`).
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use faultline_core::policy::PeerPolicy;
@@ -67,10 +68,11 @@ pub fn fixed(key: CoordinatorPublicKey) -> watch::Receiver<Option<CoordinatorId>
     .1
 }
 
-/// Why the coordinator cannot be told.
+/// Why the coordinator cannot be told: the Lease could not be read (shared: a cached answer
+/// repeats the last read's error).
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("cannot tell who coordinates peer checks: {0}")]
-pub struct WhoError(pub String);
+#[error("cannot tell who coordinates peer checks: reading the Lease: {0}")]
+pub struct WhoError(#[source] pub Arc<kube::Error>);
 
 /// Who coordinates now: what the service reads before it obeys `Assign`, `Cancel`, `Conclude`.
 #[async_trait::async_trait]
@@ -104,7 +106,7 @@ struct Cache {
     value: Option<(CoordinatorId, i64)>,
     known: bool,
     /// Why the last read failed (`None`: it answered).
-    failed: Option<String>,
+    failed: Option<WhoError>,
 }
 
 impl Cache {
@@ -121,7 +123,7 @@ impl Cache {
     /// says why, and is still refused).
     fn answer(&self, now_ms: i64) -> Result<Option<CoordinatorId>, WhoError> {
         match (self.holder(now_ms), &self.failed) {
-            (None, Some(e)) => Err(WhoError(e.clone())),
+            (None, Some(e)) => Err(e.clone()),
             (h, _) => Ok(h),
         }
     }
@@ -141,7 +143,7 @@ impl Cache {
         read: F,
     ) -> Result<Option<CoordinatorId>, WhoError>
     where
-        F: std::future::Future<Output = Result<Option<(CoordinatorId, i64)>, String>>,
+        F: std::future::Future<Output = Result<Option<(CoordinatorId, i64)>, WhoError>>,
     {
         let mut c = this.lock().await;
         let now = SystemClock.instant();
@@ -162,7 +164,7 @@ impl Cache {
                 c.failed = Some(e);
                 c.answer(now_ms())
             }
-            Err(e) => Err(WhoError(e)),
+            Err(e) => Err(e),
         }
     }
 }
@@ -200,10 +202,33 @@ impl WhoCoordinates for LeaseHolder {
             super::lease::live_holder(self.client.clone(), &self.namespace)
                 .await
                 .map(|h| h.and_then(|(h, until)| Some((CoordinatorId::from_holder(&h)?, until))))
-                .map_err(|e| format!("reading the Lease: {e}"))
+                .map_err(|e| WhoError(Arc::new(e)))
         };
         Cache::get(&self.cache, recheck, super::wire::now_ms, read).await
     }
+}
+
+/// Why an assignment is refused (its text is the refusal's reason on the wire).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("{name} {probe:?} is not ip:port")]
+    ProbeAddress { name: &'static str, probe: String },
+    #[error("{name} {probe}: port not among the probe ports {}..{}", ports.start, ports.end)]
+    ProbePort {
+        name: &'static str,
+        probe: String,
+        ports: std::ops::Range<u16>,
+    },
+    #[error("bytes, iterations and timeout must be set")]
+    Unset,
+    #[error("bytes {bytes} over this agent's limit {max} ({POLICY_SLACK}x its policy's peer.bytes {policy}, at most {MAX_BYTES})")]
+    Bytes { bytes: u64, max: u64, policy: u64 },
+    #[error("iterations {iterations} over this agent's limit {max} ({POLICY_SLACK}x its policy's peer.iterations {policy}, at most {MAX_ITERATIONS})")]
+    Iterations {
+        iterations: u32,
+        max: u32,
+        policy: u32,
+    },
 }
 
 /// Checks that an assignment's probe addresses are `ip:port` on this agent's probe ports
@@ -211,18 +236,20 @@ impl WhoCoordinates for LeaseHolder {
 pub fn check_probes(
     a: &CheckAssignment,
     probe_ports: std::ops::Range<u16>,
-) -> Result<Vec<SocketAddr>, String> {
+) -> Result<Vec<SocketAddr>, Refusal> {
     [("probe_a", &a.probe_a), ("probe_b", &a.probe_b)]
         .into_iter()
         .map(|(name, probe)| {
-            let sa: SocketAddr = probe
-                .parse()
-                .map_err(|_| format!("{name} {probe:?} is not ip:port"))?;
+            let sa: SocketAddr = probe.parse().map_err(|_| Refusal::ProbeAddress {
+                name,
+                probe: probe.clone(),
+            })?;
             if !probe_ports.contains(&sa.port()) {
-                return Err(format!(
-                    "{name} {probe}: port not among the probe ports {}..{}",
-                    probe_ports.start, probe_ports.end
-                ));
+                return Err(Refusal::ProbePort {
+                    name,
+                    probe: probe.clone(),
+                    ports: probe_ports.clone(),
+                });
             }
             Ok(sa)
         })
@@ -298,9 +325,9 @@ pub const MAX_ITERATIONS: u32 = 1000;
 /// probe must get it, or the retry times out as the first try did), clamped to the policy's
 /// `check_timeout_ceiling` (a shorter probe deadline is always safe: the coordinator waits for
 /// its own).
-pub fn admit(a: &CheckAssignment, policy: &PeerPolicy) -> Result<Admitted, String> {
+pub fn admit(a: &CheckAssignment, policy: &PeerPolicy) -> Result<Admitted, Refusal> {
     if a.timeout_ms == 0 || a.iterations == 0 || a.bytes == 0 {
-        return Err("bytes, iterations and timeout must be set".into());
+        return Err(Refusal::Unset);
     }
     let max_bytes = policy
         .bytes
@@ -308,19 +335,21 @@ pub fn admit(a: &CheckAssignment, policy: &PeerPolicy) -> Result<Admitted, Strin
         .saturating_mul(POLICY_SLACK)
         .min(MAX_BYTES);
     if a.bytes > max_bytes {
-        return Err(format!(
-            "bytes {} over this agent's limit {max_bytes} ({POLICY_SLACK}x its policy's peer.bytes {}, at most {MAX_BYTES})",
-            a.bytes, policy.bytes
-        ));
+        return Err(Refusal::Bytes {
+            bytes: a.bytes,
+            max: max_bytes,
+            policy: policy.bytes,
+        });
     }
     let max_iterations = u64::from(policy.iterations.max(1))
         .saturating_mul(POLICY_SLACK)
         .min(u64::from(MAX_ITERATIONS)) as u32;
     if a.iterations > max_iterations {
-        return Err(format!(
-            "iterations {} over this agent's limit {max_iterations} ({POLICY_SLACK}x its policy's peer.iterations {}, at most {MAX_ITERATIONS})",
-            a.iterations, policy.iterations
-        ));
+        return Err(Refusal::Iterations {
+            iterations: a.iterations,
+            max: max_iterations,
+            policy: policy.iterations,
+        });
     }
     Ok(Admitted {
         bytes: a.bytes,
@@ -384,7 +413,7 @@ mod tests {
         for (edit, why) in cases {
             let mut a = assignment();
             edit(&mut a);
-            let e = check_probes(&a, ports.clone()).unwrap_err();
+            let e = check_probes(&a, ports.clone()).unwrap_err().to_string();
             assert!(e.contains(why), "{why}: {e}");
         }
     }
@@ -398,7 +427,7 @@ mod tests {
         assert_eq!(ok.bytes, 64 << 20);
         let mut a = assignment();
         a.bytes = 4 << 30;
-        let e = admit(&a, &p).unwrap_err();
+        let e = admit(&a, &p).unwrap_err().to_string();
         assert!(
             e.contains("bytes 4294967296 over this agent's limit"),
             "{e}"
@@ -410,7 +439,7 @@ mod tests {
         assert!(admit(&a, &p).is_err());
         let mut a = assignment();
         a.iterations = u32::MAX;
-        let e = admit(&a, &p).unwrap_err();
+        let e = admit(&a, &p).unwrap_err().to_string();
         assert!(e.contains("iterations 4294967295 over"), "{e}");
         let mut a = assignment();
         a.timeout_ms = u32::MAX; // 49.7 days
@@ -422,7 +451,10 @@ mod tests {
         ] {
             let mut a = assignment();
             zero(&mut a);
-            assert!(admit(&a, &p).unwrap_err().contains("must be set"));
+            assert!(admit(&a, &p)
+                .unwrap_err()
+                .to_string()
+                .contains("must be set"));
         }
         // A policy asking for more than the hard cap still gets the cap.
         let big = PeerPolicy {
@@ -493,8 +525,10 @@ mod tests {
         let now = std::sync::atomic::AtomicI64::new(1_000);
         let clock = || now.load(std::sync::atomic::Ordering::Relaxed);
         let read_ok = |v: Option<(CoordinatorId, i64)>| async move { Ok(v) };
-        let read_fails =
-            || async { Err::<Option<(CoordinatorId, i64)>, _>("API down".to_string()) };
+        let read_fails = || async {
+            let down = kube::Error::Service(Box::new(std::io::Error::other("API down")));
+            Err::<Option<(CoordinatorId, i64)>, _>(WhoError(Arc::new(down)))
+        };
         let got = Cache::get(&cache, false, clock, read_ok(Some((id.clone(), 20_000)))).await;
         assert_eq!(got.unwrap(), Some(id.clone()));
         // The reads fail from now on: within the term the holder stands...

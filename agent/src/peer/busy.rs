@@ -6,6 +6,7 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
 use parking_lot::Mutex;
 
@@ -18,6 +19,19 @@ pub fn from_flags(nvml: &crate::source::nvml::Flags) -> Arc<dyn Busy> {
     } else {
         Arc::new(NvmlBusy::new(nvml.nvml_lib.clone()))
     }
+}
+
+/// Why NVML cannot tell whether the GPUs are busy.
+#[derive(Debug, thiserror::Error)]
+enum CheckError {
+    #[error("{0}")]
+    Count(#[source] NvmlError),
+    #[error("GPU {index}: {source}")]
+    Gpu {
+        index: u32,
+        #[source]
+        source: NvmlError,
+    },
 }
 
 /// Busy when any GPU has a compute process.
@@ -43,16 +57,13 @@ impl NvmlBusy {
         }
     }
 
-    fn check(nvml: &Nvml) -> Result<Option<String>, String> {
-        let count = nvml.device_count().map_err(|e| e.to_string())?;
+    fn check(nvml: &Nvml) -> Result<Option<String>, CheckError> {
+        let count = nvml.device_count().map_err(CheckError::Count)?;
         let mut busy = Vec::new();
         for i in 0..count {
-            let d = nvml
-                .device_by_index(i)
-                .map_err(|e| format!("GPU {i}: {e}"))?;
-            let n = d
-                .running_compute_processes_count()
-                .map_err(|e| format!("GPU {i}: {e}"))?;
+            let gpu = |source| CheckError::Gpu { index: i, source };
+            let d = nvml.device_by_index(i).map_err(gpu)?;
+            let n = d.running_compute_processes_count().map_err(gpu)?;
             if n > 0 {
                 busy.push(format!(
                     "GPU {i}: {n} compute process{}",

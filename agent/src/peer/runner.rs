@@ -137,12 +137,30 @@ struct GemmReport {
     gflops: f64,
 }
 
+/// Why a GEMM timing has no result.
+#[derive(Debug, thiserror::Error)]
+pub enum GemmError {
+    #[error("unreadable GEMM output ({source}): {stdout}")]
+    Unreadable {
+        #[source]
+        source: serde_json::Error,
+        stdout: String,
+    },
+    #[error("gemm {status}: {stderr}")]
+    Failed {
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+    #[error("gemm: {0:?}")]
+    Child(crate::child::ChildError),
+}
+
 /// Times a GEMM (`faultline-probe gemm`, on the CPU or with cuBLAS); its GFLOP/s.
 pub async fn run_gemm(
     probe: &std::path::Path,
     gpu: bool,
     timeout: Duration,
-) -> Result<f64, String> {
+) -> Result<f64, GemmError> {
     let mut cmd = tokio::process::Command::new(probe);
     cmd.arg("gemm")
         .args(["--backend", if gpu { "cublas" } else { "cpu" }])
@@ -150,8 +168,14 @@ pub async fn run_gemm(
     match crate::child::run(&mut cmd, timeout).await {
         Ok(out) if out.status.success() => serde_json::from_slice::<GemmReport>(&out.stdout)
             .map(|g| g.gflops)
-            .map_err(|e| format!("unreadable GEMM output ({e}): {}", excerpt(&out.stdout))),
-        Ok(out) => Err(format!("gemm {}: {}", out.status, excerpt(&out.stderr))),
-        Err(e) => Err(format!("gemm: {e:?}")),
+            .map_err(|source| GemmError::Unreadable {
+                source,
+                stdout: excerpt(&out.stdout),
+            }),
+        Ok(out) => Err(GemmError::Failed {
+            status: out.status,
+            stderr: excerpt(&out.stderr),
+        }),
+        Err(e) => Err(GemmError::Child(e)),
     }
 }

@@ -372,7 +372,7 @@ impl PeerCheck for PeerHandle {
         };
         let peers = match authz::check_probes(&a, self.probe_ports.clone()) {
             Ok(p) => p,
-            Err(why) => return refuse(why),
+            Err(why) => return refuse(why.to_string()),
         };
         if a.coordinator.parse::<std::net::SocketAddr>().is_err() {
             return refuse("coordinator address is not ip:port".into());
@@ -380,7 +380,7 @@ impl PeerCheck for PeerHandle {
         let policy = self.policy.borrow().clone();
         let admitted = match authz::admit(&a, &policy) {
             Ok(x) => x,
-            Err(why) => return refuse(why),
+            Err(why) => return refuse(why.to_string()),
         };
         self.remember_coordinator(&a.coordinator);
         let cancel = CancellationToken::new();
@@ -516,7 +516,7 @@ impl PeerCheck for PeerHandle {
                 let token = (!f.token.is_empty()).then_some(f.token.as_str());
                 pass_report_on(&address, r, token)
                     .await
-                    .map_err(Status::unavailable)?;
+                    .map_err(|e| Status::unavailable(e.to_string()))?;
                 if let Some(k) = &report_key {
                     self.relayed.lock().retain(|x| x != k);
                 }
@@ -558,7 +558,7 @@ impl PeerCheck for PeerHandle {
             pass_on(&to.address, msg)
                 .await
                 .unwrap_or_else(|why| ForwardReply {
-                    unreachable: why,
+                    unreachable: why.to_string(),
                     ..Default::default()
                 }),
         ))
@@ -571,8 +571,8 @@ impl PeerCheck for PeerHandle {
         let c = request.into_inner();
         self.verify("Conclude", &c).await?;
         PeerService::check_protocol(c.protocol)?;
-        let verdicts =
-            wire::from_proto(&c.members, &c.verdicts).map_err(Status::invalid_argument)?;
+        let verdicts = wire::from_proto(&c.members, &c.verdicts)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let Some(me) = c.members.iter().position(|m| m == &self.node) else {
             return Err(Status::invalid_argument(format!(
                 "{} is not a member of run {}",
@@ -725,12 +725,12 @@ impl PeerService {
         let attempt = || {
             let signed = self.credential.sign(report.clone(), &self.node, to);
             async move {
-                let signed = signed.map_err(|e| (false, e.to_string()))?;
+                let signed = signed.map_err(|e| (false, CallError::from(e)))?;
                 let ch = endpoint(coordinator)
                     .map_err(|e| (false, e))?
                     .connect()
                     .await
-                    .map_err(|e| (true, e.to_string()))?;
+                    .map_err(|e| (true, CallError::Transport(e)))?;
                 let mut c = CoordinatorClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
                 let mut request = timed(signed.msg, CALL_TIMEOUT);
                 if let Some(t) = &signed.token {
@@ -743,9 +743,9 @@ impl PeerService {
                             s.code(),
                             tonic::Code::Unavailable | tonic::Code::DeadlineExceeded
                         ),
-                        s.message().to_string(),
+                        CallError::Answer(s),
                     )),
-                    Err(_) => Err((true, format!("no answer within {CALL_TIMEOUT:?}"))),
+                    Err(_) => Err((true, CallError::Timeout(CALL_TIMEOUT))),
                 }
             }
         };
@@ -768,7 +768,7 @@ impl PeerService {
         let attempt = || {
             let signed = self.credential.sign(report.clone(), &self.node, to);
             async move {
-                let signed = signed.map_err(|e| (false, e.to_string()))?;
+                let signed = signed.map_err(|e| (false, CallError::from(e)))?;
                 let envelope = Forward {
                     auth: None,
                     protocol: PROTOCOL,
@@ -795,11 +795,18 @@ impl PeerService {
 
 /// A relay passes a member's report on to the coordinator, verbatim, with its token (one
 /// attempt: the member tries again, signing anew).
-async fn pass_report_on(address: &str, r: CheckReport, token: Option<&str>) -> Result<(), String> {
+async fn pass_report_on(
+    address: &str,
+    r: CheckReport,
+    token: Option<&str>,
+) -> Result<(), CallError> {
     let ch = endpoint(address)?
         .connect()
         .await
-        .map_err(|e| format!("cannot reach the coordinator at {address}: {e}"))?;
+        .map_err(|source| CallError::Connect {
+            address: address.to_string(),
+            source,
+        })?;
     let mut c = CoordinatorClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
     let mut request = timed(r, CALL_TIMEOUT);
     if let Some(t) = token {
@@ -807,14 +814,14 @@ async fn pass_report_on(address: &str, r: CheckReport, token: Option<&str>) -> R
     }
     match tokio::time::timeout(CALL_TIMEOUT, c.report(request)).await {
         Ok(Ok(_)) => Ok(()),
-        Ok(Err(s)) => Err(s.message().to_string()),
-        Err(_) => Err(format!("no answer within {CALL_TIMEOUT:?}")),
+        Ok(Err(s)) => Err(CallError::Answer(s)),
+        Err(_) => Err(CallError::Timeout(CALL_TIMEOUT)),
     }
 }
 
 /// A relay's call onward: the coordinator's message to the member at `address`, verbatim (its
 /// signature is the coordinator's); the receiver's answer.
-async fn pass_on(address: &str, msg: forward::Message) -> Result<ForwardReply, String> {
+async fn pass_on(address: &str, msg: forward::Message) -> Result<ForwardReply, CallError> {
     let ch = endpoint(address)?.connect_lazy();
     let mut c = PeerCheckClient::new(ch).max_decoding_message_size(MAX_MESSAGE_BYTES);
     Ok(match msg {
@@ -834,15 +841,49 @@ async fn pass_on(address: &str, msg: forward::Message) -> Result<ForwardReply, S
             within(CONCLUDE_TIMEOUT, |t| c.conclude(timed(m, t))).await?;
             ForwardReply::default()
         }
-        forward::Message::Report(_) => return Err("a report goes to the coordinator".into()),
+        forward::Message::Report(_) => return Err(CallError::ReportToMember),
     })
 }
 
+/// Why a call to another agent or to the coordinator got no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    #[error("bad address {address:?}: {source}")]
+    BadAddress {
+        address: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    #[error("cannot reach the coordinator at {address}: {source}")]
+    Connect {
+        address: String,
+        #[source]
+        source: tonic::transport::Error,
+    },
+    /// The connection failed (a caller that names the address itself).
+    #[error(transparent)]
+    Transport(tonic::transport::Error),
+    #[error("the token is not a valid header value")]
+    Token,
+    /// The receiver's answer was an error status (its message, as the receiver wrote it).
+    #[error("{}", .0.message())]
+    Answer(#[source] Status),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    #[error("a report goes to the coordinator")]
+    ReportToMember,
+    #[error(transparent)]
+    Sign(#[from] wire::SecretError),
+}
+
 /// A client endpoint for `address` (`ip:port`).
-pub fn endpoint(address: &str) -> Result<Endpoint, String> {
+pub fn endpoint(address: &str) -> Result<Endpoint, CallError> {
     Endpoint::from_shared(format!("http://{address}"))
         .map(|e| e.connect_timeout(CALL_TIMEOUT).tcp_nodelay(true))
-        .map_err(|e| format!("bad address {address:?}: {e}"))
+        .map_err(|source| CallError::BadAddress {
+            address: address.to_string(),
+            source,
+        })
 }
 
 /// A request with a deadline the server learns (`grpc-timeout`).
@@ -853,24 +894,27 @@ pub fn timed<T>(msg: T, timeout: Duration) -> Request<T> {
 }
 
 /// Adds `authorization: Bearer <token>`.
-pub fn bearer<T>(r: &mut Request<T>, token: &str) -> Result<(), String> {
+pub fn bearer<T>(r: &mut Request<T>, token: &str) -> Result<(), CallError> {
     let value = format!("Bearer {token}")
         .parse()
-        .map_err(|_| "the token is not a valid header value".to_string())?;
+        .map_err(|_| CallError::Token)?;
     r.metadata_mut().insert("authorization", value);
     Ok(())
 }
 
 /// One call with a deadline (`call` gets it to send to the server; it is also enforced here in
 /// case the server never answers): the answer, or why there is none.
-pub async fn within<T, F>(timeout: Duration, call: impl FnOnce(Duration) -> F) -> Result<T, String>
+pub async fn within<T, F>(
+    timeout: Duration,
+    call: impl FnOnce(Duration) -> F,
+) -> Result<T, CallError>
 where
     F: std::future::Future<Output = Result<Response<T>, Status>>,
 {
     match tokio::time::timeout(timeout, call(timeout)).await {
         Ok(Ok(r)) => Ok(r.into_inner()),
-        Ok(Err(s)) => Err(s.message().to_string()),
-        Err(_) => Err(format!("no answer within {timeout:?}")),
+        Ok(Err(s)) => Err(CallError::Answer(s)),
+        Err(_) => Err(CallError::Timeout(timeout)),
     }
 }
 

@@ -258,19 +258,38 @@ pub fn to_proto(members: &[String], v: &Verdicts) -> Vec<Verdict> {
     out
 }
 
+/// Why wire verdicts are refused.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum VerdictError {
+    #[error("verdict names {0:?}, not a member of the run")]
+    NotMember(String),
+    #[error("verdict needs one node, has {0}")]
+    NodeCount(usize),
+    #[error("a broken link needs two distinct nodes")]
+    BrokenLinkNodes,
+    #[error("a degraded link needs two distinct nodes")]
+    DegradedLinkNodes,
+    #[error("degraded link slowdown {0} is not a ratio >= 1")]
+    DegradedSlowdown(f64),
+    #[error("straggler slowdown {0} is not a ratio >= 1")]
+    StragglerSlowdown(f64),
+    #[error("verdict kind {0} is not known")]
+    Kind(i32),
+}
+
 /// Wire verdicts back into `Verdicts` over `members`; a verdict naming a node that is not a
 /// member, or of an unknown kind, is an error (a peer that sends one is not trusted at all).
-pub fn from_proto(members: &[String], verdicts: &[Verdict]) -> Result<Verdicts, String> {
-    let id = |name: &str| -> Result<NodeId, String> {
+pub fn from_proto(members: &[String], verdicts: &[Verdict]) -> Result<Verdicts, VerdictError> {
+    let id = |name: &str| -> Result<NodeId, VerdictError> {
         members
             .iter()
             .position(|m| m == name)
-            .ok_or_else(|| format!("verdict names {name:?}, not a member of the run"))
+            .ok_or_else(|| VerdictError::NotMember(name.to_string()))
     };
-    let one = |v: &Verdict| -> Result<NodeId, String> {
+    let one = |v: &Verdict| -> Result<NodeId, VerdictError> {
         match v.nodes.as_slice() {
             [n] => id(n),
-            other => Err(format!("verdict needs one node, has {}", other.len())),
+            other => Err(VerdictError::NodeCount(other.len())),
         }
     };
     let mut out = Verdicts::default();
@@ -283,34 +302,28 @@ pub fn from_proto(members: &[String], verdicts: &[Verdict]) -> Result<Verdicts, 
                 [a, b] if a != b => {
                     out.broken_links.insert(Pair::new(id(a)?, id(b)?));
                 }
-                _ => return Err("a broken link needs two distinct nodes".into()),
+                _ => return Err(VerdictError::BrokenLinkNodes),
             },
             Ok(Kind::DegradedLink) => match v.nodes.as_slice() {
                 [a, b] if a != b => {
                     if !(v.slowdown.is_finite() && v.slowdown >= 1.0) {
-                        return Err(format!(
-                            "degraded link slowdown {} is not a ratio >= 1",
-                            v.slowdown
-                        ));
+                        return Err(VerdictError::DegradedSlowdown(v.slowdown));
                     }
                     out.degraded_links
                         .insert(Pair::new(id(a)?, id(b)?), v.slowdown);
                 }
-                _ => return Err("a degraded link needs two distinct nodes".into()),
+                _ => return Err(VerdictError::DegradedLinkNodes),
             },
             Ok(Kind::Straggler) => {
                 if !(v.slowdown.is_finite() && v.slowdown >= 1.0) {
-                    return Err(format!(
-                        "straggler slowdown {} is not a ratio >= 1",
-                        v.slowdown
-                    ));
+                    return Err(VerdictError::StragglerSlowdown(v.slowdown));
                 }
                 out.stragglers.insert(one(v)?, v.slowdown);
             }
             Ok(Kind::Unknown) => {
                 out.unknown.insert(one(v)?, v.reason.clone());
             }
-            _ => return Err(format!("verdict kind {} is not known", v.kind)),
+            _ => return Err(VerdictError::Kind(v.kind)),
         }
     }
     Ok(out)
@@ -425,7 +438,7 @@ mod tests {
             (v(Kind::DegradedLink, &["a", "b"], 0.0), "ratio"),
             (v(Kind::Unspecified, &["a"], 0.0), "not known"),
         ] {
-            let e = from_proto(&members, &[bad]).unwrap_err();
+            let e = from_proto(&members, &[bad]).unwrap_err().to_string();
             assert!(e.contains(why), "{e}");
         }
     }

@@ -17,7 +17,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::atomic_file::write as write_atomic;
-use crate::component::{Component, Context, Handle, StartError};
+use crate::component::{Component, Context, FlagError, Handle, StartError};
 use crate::metrics::{Metrics, SinkLabel};
 use crate::pace::WriteBudget;
 use crate::runtime::{Clock, Heartbeat, PersistedState, RecordStatus, Snapshot};
@@ -325,10 +325,14 @@ pub struct Flags {
 
 /// `--heartbeat-interval`: between 1 s and 10 s, so that three heartbeats fit in the 30 s that
 /// readers (`faultline wait-healthy --stale-after`) allow by default.
-fn parse_heartbeat(s: &str) -> Result<Duration, String> {
-    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+fn parse_heartbeat(s: &str) -> Result<Duration, FlagError> {
+    let d = humantime::parse_duration(s)?;
     if !(Duration::from_secs(1)..=Duration::from_secs(10)).contains(&d) {
-        return Err(format!("{s} is outside 1s..=10s"));
+        let range = "1s..=10s";
+        return Err(FlagError::Outside {
+            value: s.into(),
+            range,
+        });
     }
     Ok(d)
 }

@@ -320,28 +320,32 @@ fn last_update_time(path: &std::path::Path) -> Option<i64> {
     v["DeviceInfo"]["UpdateTime"].as_i64()
 }
 
-/// Where the document goes besides the local file.
-pub trait Publisher: Send + Sync + 'static {
+/// Where a document (this sink's `DeviceInfoCfg`, `publicfault`'s message) goes besides the
+/// local file.
+pub trait DocumentPublisher: Send + Sync + 'static {
+    /// Why a document could not be written.
+    type Error: std::error::Error + Send;
     /// Writes the document; the error is logged and retried.
     fn publish(
         &self,
         document: &str,
-    ) -> impl std::future::Future<Output = Result<(), String>> + Send;
+    ) -> impl std::future::Future<Output = Result<(), Self::Error>> + Send;
 }
 
 /// No Kubernetes: the local file only.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct FileOnly;
 
-impl Publisher for FileOnly {
-    async fn publish(&self, _document: &str) -> Result<(), String> {
+impl DocumentPublisher for FileOnly {
+    type Error = std::convert::Infallible;
+    async fn publish(&self, _document: &str) -> Result<(), Self::Error> {
         Ok(())
     }
 }
 
 /// Everything `run` needs.
 #[derive(Debug)]
-pub struct MindClusterSink<P: Publisher> {
+pub struct MindClusterSink<P: DocumentPublisher> {
     pub dir: PathBuf,
     pub publisher: P,
     pub snapshots: watch::Receiver<Option<Snapshot>>,
@@ -351,9 +355,9 @@ pub struct MindClusterSink<P: Publisher> {
     pub shutdown: CancellationToken,
 }
 
-impl<P: Publisher> MindClusterSink<P> {
+impl<P: DocumentPublisher> MindClusterSink<P> {
     /// The same sink publishing somewhere else as well.
-    pub fn with_publisher<Q: Publisher>(self, publisher: Q) -> MindClusterSink<Q> {
+    pub fn with_publisher<Q: DocumentPublisher>(self, publisher: Q) -> MindClusterSink<Q> {
         MindClusterSink {
             dir: self.dir,
             publisher,
@@ -404,10 +408,11 @@ impl<P: Publisher> MindClusterSink<P> {
                 if let (true, Some(doc)) = (file_due, &doc) {
                     let path = self.dir.join(FILE_NAME);
                     let bytes = doc.clone().into_bytes();
-                    let r = tokio::task::spawn_blocking(move || write_atomic(&path, &bytes))
-                        .await
-                        .map_err(|e| e.to_string())
-                        .and_then(|r| r.map_err(|e| e.to_string()));
+                    let r: Result<(), Box<dyn std::error::Error + Send + Sync>> =
+                        tokio::task::spawn_blocking(move || write_atomic(&path, &bytes))
+                            .await
+                            .map_err(Into::into)
+                            .and_then(|r| r.map_err(Into::into));
                     match r {
                         Ok(()) => file_written = Some((list.clone(), now)),
                         Err(e) => {

@@ -19,7 +19,7 @@
 //! - Ascend hex codes stay out: the device plugin reports those itself.
 //!
 //! Building a message is pure ([`entries`], [`Outbox::message`]); [`PublicFaultSink::run`]
-//! writes it through a [`Publisher`].
+//! writes it through a [`DocumentPublisher`].
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -37,7 +37,7 @@ use tracing::{debug, warn};
 
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::{Clock, Snapshot};
-use crate::sink::mindcluster::Publisher;
+use crate::sink::mindcluster::DocumentPublisher;
 
 pub const CONFIGMAP_PREFIX: &str = "faultline-publicfault-";
 pub const NAMESPACE: &str = "kube-system";
@@ -438,7 +438,7 @@ const EARLIEST_MS: i64 = 1_735_689_600_000;
 
 /// Everything `run` needs.
 #[derive(Debug)]
-pub struct PublicFaultSink<P: Publisher> {
+pub struct PublicFaultSink<P: DocumentPublisher> {
     pub node: String,
     /// The state directory (the outbox file).
     pub dir: std::path::PathBuf,
@@ -455,7 +455,7 @@ pub struct PublicFaultSink<P: Publisher> {
     pub shutdown: CancellationToken,
 }
 
-impl<P: Publisher> PublicFaultSink<P> {
+impl<P: DocumentPublisher> PublicFaultSink<P> {
     /// Runs until shutdown or the engine stops. Writes when the faults change, when the policy
     /// turns the output off (every published fault as `recover`) or renames the resource (the
     /// same under the old name first), while recoveries are being repeated, and again every
@@ -609,6 +609,7 @@ impl<P: Publisher> PublicFaultSink<P> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use anyhow::Context as _;
 
     fn t(s: i64) -> Timestamp {
         Timestamp::from_second(1_790_000_000 + s).unwrap()
@@ -679,63 +680,63 @@ mod tests {
     /// ClusterD's check of one public-fault message, restated from its checker: any failure
     /// discards the whole message. Parsed into a plain JSON value first, as ClusterD decodes
     /// into its own structs (so our struct cannot hide a missing or misnamed field).
-    fn clusterd_check(text: &str, cfg: &ClusterdConfig) -> Result<(), String> {
-        let v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    fn clusterd_check(text: &str, cfg: &ClusterdConfig) -> anyhow::Result<()> {
+        let v: serde_json::Value = serde_json::from_str(text)?;
         let s = |x: &serde_json::Value, k: &str| x[k].as_str().unwrap_or_default().to_string();
         if !id_ok(&s(&v, "id")) {
-            return Err("id".into());
+            anyhow::bail!("id");
         }
         if !v["timestamp"].as_i64().is_some_and(ms_ok) {
-            return Err("timestamp".into());
+            anyhow::bail!("timestamp");
         }
         if s(&v, "version") != "1.0" {
-            return Err("version".into());
+            anyhow::bail!("version");
         }
         if !cfg.public_fault_resource.contains(&s(&v, "resource")) {
-            return Err("resource".into());
+            anyhow::bail!("resource");
         }
-        let faults = v["faults"].as_array().ok_or("faults")?;
+        let faults = v["faults"].as_array().context("faults")?;
         if !(1..=100).contains(&faults.len()) {
-            return Err("faults count".into());
+            anyhow::bail!("faults count");
         }
         let codes: BTreeSet<&String> = cfg.public_fault_code.values().flatten().collect();
         for f in faults {
             if !id_ok(&s(f, "faultId")) {
-                return Err("faultId".into());
+                anyhow::bail!("faultId");
             }
             if !["NPU", "Node", "Network", "Storage"].contains(&s(f, "faultType").as_str()) {
-                return Err("faultType".into());
+                anyhow::bail!("faultType");
             }
             let code = s(f, "faultCode");
             if code.chars().count() != 9 || !codes.contains(&code) {
-                return Err(format!("faultCode {code}"));
+                anyhow::bail!("faultCode {code}");
             }
             if !f["faultTime"].as_i64().is_some_and(ms_ok) {
-                return Err("faultTime".into());
+                anyhow::bail!("faultTime");
             }
             if !["occur", "recover"].contains(&s(f, "assertion").as_str()) {
-                return Err("assertion".into());
+                anyhow::bail!("assertion");
             }
-            let loc = f["faultLocation"].as_object().ok_or("faultLocation")?;
+            let loc = f["faultLocation"].as_object().context("faultLocation")?;
             if loc.len() > 10
                 || loc.iter().any(|(k, v)| {
                     // Go's len(): bytes.
                     k.len() > 16 || v.as_str().is_none_or(|v| v.len() > 128)
                 })
             {
-                return Err("faultLocation".into());
+                anyhow::bail!("faultLocation");
             }
-            let inf = f["influence"].as_array().ok_or("influence")?;
+            let inf = f["influence"].as_array().context("influence")?;
             if !(1..=1000).contains(&inf.len()) {
-                return Err("influence count".into());
+                anyhow::bail!("influence count");
             }
             for i in inf {
                 if !valid_node_name(&s(i, "nodeName")) {
-                    return Err("nodeName".into());
+                    anyhow::bail!("nodeName");
                 }
                 let ids: Vec<i64> = i["deviceIds"]
                     .as_array()
-                    .ok_or("deviceIds")?
+                    .context("deviceIds")?
                     .iter()
                     .map(|x| x.as_i64().unwrap_or(-1))
                     .collect();
@@ -744,12 +745,12 @@ mod tests {
                     || unique.len() != ids.len()
                     || ids.iter().any(|d| !(0..=31).contains(d))
                 {
-                    return Err("deviceIds".into());
+                    anyhow::bail!("deviceIds");
                 }
             }
             let d = s(f, "description");
             if d.chars().count() > 512 || d.chars().any(|c| c.is_whitespace() && c != ' ') {
-                return Err("description".into());
+                anyhow::bail!("description");
             }
         }
         Ok(())
@@ -824,7 +825,9 @@ mod tests {
             .unwrap();
         let text = serde_json::to_string(&msg).unwrap();
         let cfg = shipped_config();
-        assert_eq!(clusterd_check(&text, &cfg), Ok(()), "{text}");
+        if let Err(e) = clusterd_check(&text, &cfg) {
+            panic!("{e}: {text}");
+        }
         // What the mindcluster component's admission policy requires of it (its CEL, restated):
         // printable ASCII, no backslash, no nodeSN, every nodeName key the agent's own node.
         assert!(text.bytes().all(|b| (b' '..=b'~').contains(&b)), "{text}");
@@ -887,7 +890,9 @@ mod tests {
         for (want, edit) in breaks {
             let mut v = good.clone();
             edit(&mut v);
-            let e = clusterd_check(&v.to_string(), &cfg).unwrap_err();
+            let e = clusterd_check(&v.to_string(), &cfg)
+                .unwrap_err()
+                .to_string();
             assert!(e.starts_with(want), "{want}: {e}");
         }
     }

@@ -503,14 +503,33 @@ fn done_name(name: &str) -> String {
     format!("{name}{DONE_SUFFIX}")
 }
 
+/// An answer file that is there but is not a readable answer.
+#[derive(Debug, thiserror::Error)]
+pub enum ResultError {
+    #[error("{}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: OperatorFileError,
+    },
+    #[error("{}: {source}", path.display())]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: serde_json::Error,
+    },
+}
+
 /// The agent's answer to the request named `name` (`*.json`) in `dir`, if it has answered: for
 /// the CLI. `Err` when the file there is not a readable answer.
-pub fn read_result(dir: &Path, name: &str) -> Option<Result<ClearResult, String>> {
+pub fn read_result(dir: &Path, name: &str) -> Option<Result<ClearResult, ResultError>> {
     let path = dir.join(done_name(name));
     match read_bytes(&path, MAX_RESULT_BYTES) {
         Err(OperatorFileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => None,
-        Err(e) => Some(Err(format!("{}: {e}", path.display()))),
-        Ok(b) => Some(serde_json::from_slice(&b).map_err(|e| format!("{}: {e}", path.display()))),
+        Err(source) => Some(Err(ResultError::Read { path, source })),
+        Ok(b) => {
+            Some(serde_json::from_slice(&b).map_err(|source| ResultError::Parse { path, source }))
+        }
     }
 }
 
@@ -1166,12 +1185,12 @@ mod tests {
         assert_eq!(names(&d), ["1.json.applying", "2.json.applying"]);
         persist_tx.send_replace(1);
         until("the first answered", || !is_pending(&d, "1.json")).await;
-        assert_eq!(read_result(&d, "1.json"), Some(Ok(answer(2))));
+        assert_eq!(read_result(&d, "1.json").unwrap().unwrap(), answer(2));
         assert!(is_pending(&d, "2.json"), "its marker is not on disk yet");
         assert!(read_result(&d, "2.json").is_none());
         persist_tx.send_replace(2);
         until("the second answered", || !is_pending(&d, "2.json")).await;
-        assert_eq!(read_result(&d, "2.json"), Some(Ok(answer(0))));
+        assert_eq!(read_result(&d, "2.json").unwrap().unwrap(), answer(0));
         remove_result(&d, "1.json").unwrap();
         remove_result(&d, "2.json").unwrap();
         assert_eq!(names(&d), Vec::<String>::new(), "nothing left behind");

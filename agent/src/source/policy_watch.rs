@@ -27,8 +27,8 @@ use tracing::{info, warn};
 
 use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::{Metrics, ReloadLabel, ReloadResult};
-use crate::operator_file::{read_text, MAX_POLICY_BYTES, MAX_TABLE_BYTES};
-use faultline_core::policy::{checksum, LoadedPolicy, Policy};
+use crate::operator_file::{read_text, OperatorFileError, MAX_POLICY_BYTES, MAX_TABLE_BYTES};
+use faultline_core::policy::{checksum, LoadedPolicy, Policy, PolicyError};
 use faultline_core::record::PolicyStatus;
 
 /// How a file looked, read without opening it.
@@ -61,6 +61,32 @@ fn stamp(path: &Path) -> Stamp {
     }
 }
 
+/// Why a policy file was rejected (its text is the policy status's `error`).
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("cannot read {}: {source}", path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: OperatorFileError,
+    },
+    #[error("{}: {source}", path.display())]
+    Invalid {
+        path: PathBuf,
+        #[source]
+        source: PolicyError,
+    },
+    #[error("policy reader failed: {0}")]
+    Reader(#[source] tokio::task::JoinError),
+}
+
+fn read_error(path: &Path) -> impl FnOnce(OperatorFileError) -> LoadError + '_ {
+    |source| LoadError::Read {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
 /// The files a load read (the policy, then the tables it names), how each looked just before it
 /// was read, and a digest of what was read (or why not).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -71,9 +97,14 @@ pub struct Seen {
 
 impl Seen {
     /// Reads `path` (at most `max` bytes, a regular file only) and notes it.
-    fn read(&mut self, hasher: &mut sha2::Sha256, path: &Path, max: u64) -> Result<String, String> {
+    fn read(
+        &mut self,
+        hasher: &mut sha2::Sha256,
+        path: &Path,
+        max: u64,
+    ) -> Result<String, LoadError> {
         self.files.push((path.to_path_buf(), max, stamp(path)));
-        let text = read_text(path, max).map_err(|e| format!("cannot read {}: {e}", path.display()));
+        let text = read_text(path, max).map_err(read_error(path));
         digest_one(hasher, path, &text);
         text
     }
@@ -89,14 +120,14 @@ impl Seen {
         }
         let mut hasher = sha2::Sha256::new();
         for (p, max, _) in &self.files {
-            let text = read_text(p, *max).map_err(|e| format!("cannot read {}: {e}", p.display()));
+            let text = read_text(p, *max).map_err(read_error(p));
             digest_one(&mut hasher, p, &text);
         }
         hasher.finalize().as_slice() == self.digest.as_slice()
     }
 }
 
-fn digest_one(hasher: &mut sha2::Sha256, path: &Path, text: &Result<String, String>) {
+fn digest_one(hasher: &mut sha2::Sha256, path: &Path, text: &Result<String, LoadError>) {
     hasher.update(path.as_os_str().as_encoded_bytes());
     hasher.update([0]);
     match text {
@@ -106,6 +137,7 @@ fn digest_one(hasher: &mut sha2::Sha256, path: &Path, text: &Result<String, Stri
             hasher.update(t.as_bytes());
         }
         Err(e) => {
+            let e = e.to_string();
             hasher.update([2]);
             hasher.update(e.len().to_le_bytes());
             hasher.update(e.as_bytes());
@@ -116,13 +148,13 @@ fn digest_one(hasher: &mut sha2::Sha256, path: &Path, text: &Result<String, Stri
 /// A load's result and what it read.
 #[derive(Debug)]
 pub struct Loaded {
-    pub result: Result<(Policy, String), String>,
+    pub result: Result<(Policy, String), LoadError>,
     pub seen: Seen,
 }
 
 /// Reads and validates the file and the Ascend tables it names; on error returns the message
 /// for the status. The checksum covers all of them, so an edited table is reloaded too.
-pub fn read_policy(path: &Path) -> Result<(Policy, String), String> {
+pub fn read_policy(path: &Path) -> Result<(Policy, String), LoadError> {
     read_policy_seen(path).result
 }
 
@@ -139,12 +171,16 @@ fn read_and_parse(
     path: &Path,
     seen: &mut Seen,
     hasher: &mut sha2::Sha256,
-) -> Result<(Policy, String), String> {
+) -> Result<(Policy, String), LoadError> {
+    let invalid = |source| LoadError::Invalid {
+        path: path.to_path_buf(),
+        source,
+    };
     let text = seen.read(hasher, path, MAX_POLICY_BYTES)?;
-    let policy = Policy::parse(&text).map_err(|e| format!("{}: {e}", path.display()))?;
+    let policy = Policy::parse(&text).map_err(invalid)?;
     // Relative table paths are relative to the policy file.
     let base = path.parent().unwrap_or(Path::new("."));
-    let mut table = |p: &Option<PathBuf>| -> Result<Option<(String, String)>, String> {
+    let mut table = |p: &Option<PathBuf>| -> Result<Option<(String, String)>, LoadError> {
         p.as_ref()
             .map(|p| {
                 let full = base.join(p);
@@ -165,7 +201,7 @@ fn read_and_parse(
             codes.as_ref().map(|(p, t)| (p.as_str(), t.as_str())),
             custom.as_ref().map(|(p, t)| (p.as_str(), t.as_str())),
         )
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+        .map_err(invalid)?;
     Ok((policy, checksum(&all)))
 }
 
@@ -184,7 +220,7 @@ pub(crate) fn is_change(kind: &EventKind) -> bool {
 pub fn apply_load(
     current: &LoadedPolicy,
     path: &Path,
-    result: Result<(Policy, String), String>,
+    result: Result<(Policy, String), LoadError>,
     metrics: &Metrics,
 ) -> Option<LoadedPolicy> {
     match result {
@@ -216,7 +252,8 @@ pub fn apply_load(
                 },
             })
         }
-        Err(msg) => {
+        Err(e) => {
+            let msg = e.to_string();
             if current.status.error.as_deref() == Some(msg.as_str())
                 && current.status.loading.is_none()
             {
@@ -283,7 +320,7 @@ impl FirstLoad {
 
 fn joined(done: Result<Loaded, tokio::task::JoinError>) -> Loaded {
     done.unwrap_or_else(|e| Loaded {
-        result: Err(format!("policy reader failed: {e}")),
+        result: Err(LoadError::Reader(e)),
         seen: Seen::default(),
     })
 }
@@ -820,13 +857,13 @@ mod tests {
             rustix::fs::Mode::from_raw_mode(0o600),
         )
         .unwrap();
-        let err = read_policy(&fifo).unwrap_err();
+        let err = read_policy(&fifo).unwrap_err().to_string();
         assert!(err.contains("not a regular file"), "{err}");
-        let err = read_policy(Path::new("/dev/zero")).unwrap_err();
+        let err = read_policy(Path::new("/dev/zero")).unwrap_err().to_string();
         assert!(err.contains("not a regular file"), "{err}");
         let big = dir.path().join("big.yaml");
         std::fs::write(&big, vec![b'#'; (MAX_POLICY_BYTES + 1) as usize]).unwrap();
-        let err = read_policy(&big).unwrap_err();
+        let err = read_policy(&big).unwrap_err().to_string();
         assert!(err.contains("larger than 1048576 bytes"), "{err}");
     }
 }

@@ -82,9 +82,11 @@ impl Budget {
             .map_err(|e| refused(e.to_string()))?;
         let mut request = timed(signed.msg, ADMIT_CALL_TIMEOUT);
         if let Some(t) = &signed.token {
-            bearer(&mut request, t).map_err(refused)?;
+            bearer(&mut request, t).map_err(|e| refused(e.to_string()))?;
         }
-        let channel = endpoint(address).map_err(refused)?.connect_lazy();
+        let channel = endpoint(address)
+            .map_err(|e| refused(e.to_string()))?
+            .connect_lazy();
         let mut client =
             CoordinatorClient::new(channel).max_decoding_message_size(MAX_MESSAGE_BYTES);
         let reply = tokio::time::timeout(ADMIT_CALL_TIMEOUT, client.admit(request))

@@ -10,8 +10,20 @@ use kube::Api;
 use serde_json::json;
 
 use super::FIELD_MANAGER;
-use crate::sink::mindcluster::{Publisher, CONFIGMAP_PREFIX, CONSUMER_LABEL, DATA_KEY, NAMESPACE};
+use crate::sink::mindcluster::{
+    DocumentPublisher, CONFIGMAP_PREFIX, CONSUMER_LABEL, DATA_KEY, NAMESPACE,
+};
 use crate::sink::publicfault;
+
+/// A document the API server did not take.
+#[derive(Debug, thiserror::Error)]
+#[error("apply ConfigMap {namespace}/{name}: {source}")]
+pub struct PublishError {
+    pub namespace: &'static str,
+    pub name: String,
+    #[source]
+    pub source: kube::Error,
+}
 
 /// One labelled ConfigMap in `kube-system` holding one document under one key.
 #[derive(Clone, Debug)]
@@ -47,8 +59,9 @@ impl DeviceInfoPublisher {
     }
 }
 
-impl Publisher for DeviceInfoPublisher {
-    async fn publish(&self, document: &str) -> Result<(), String> {
+impl DocumentPublisher for DeviceInfoPublisher {
+    type Error = PublishError;
+    async fn publish(&self, document: &str) -> Result<(), PublishError> {
         let body = json!({
             "apiVersion": "v1",
             "kind": "ConfigMap",
@@ -67,6 +80,10 @@ impl Publisher for DeviceInfoPublisher {
             )
             .await
             .map(|_| ())
-            .map_err(|e| format!("apply ConfigMap {}/{}: {e}", self.namespace, self.name))
+            .map_err(|source| PublishError {
+                namespace: self.namespace,
+                name: self.name.clone(),
+                source,
+            })
     }
 }

@@ -41,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::backoff::Backoff;
-use crate::component::{Component, Context, Handle, StartError};
+use crate::component::{Component, Context, FlagError, Handle, StartError};
 use crate::metrics::Metrics;
 use crate::runtime::{Clock, SinkReport, Snapshot};
 use faultline_core::engine::EngineEvent;
@@ -151,10 +151,14 @@ pub struct Flags {
 
 /// `--kube-write-interval`: counts held back longer than 10 minutes would make the ConfigMap
 /// useless to a scheduler reading it (and an absurd value would overflow the clock).
-fn parse_kube_write_interval(s: &str) -> Result<Duration, String> {
-    let d = humantime::parse_duration(s).map_err(|e| e.to_string())?;
+fn parse_kube_write_interval(s: &str) -> Result<Duration, FlagError> {
+    let d = humantime::parse_duration(s)?;
     if d > Duration::from_secs(600) {
-        return Err(format!("{s} is longer than 10m"));
+        let max = "10m";
+        return Err(FlagError::TooLong {
+            value: s.into(),
+            max,
+        });
     }
     Ok(d)
 }

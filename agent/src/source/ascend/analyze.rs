@@ -12,10 +12,13 @@ use std::time::Instant;
 
 use faultline_core::catalog::FaultCode;
 use faultline_core::engine::{DetectorState, DeviceRef, Observation, Signal};
-use faultline_core::parse::ascend::{ChipHealth, LinkStatus, NetHealth, NpuChip, NpuHealth};
+use faultline_core::parse::ascend::{
+    AscendParseError, ChipHealth, LinkStatus, NetHealth, NpuChip, NpuHealth,
+};
 use faultline_core::policy::AscendPolicy;
 use faultline_core::record::Source;
 
+use super::tools::ToolError;
 use crate::metrics::{DETECTOR_HCCN, DETECTOR_NPU_SMI};
 
 pub use faultline_core::catalog::ascend::{family_of, KIND, LINK_DOWN_CODE};
@@ -23,25 +26,63 @@ pub const DOMAIN_CHIP: &str = "npu-chip";
 pub const DOMAIN_LINK: &str = "npu-link";
 pub const DOMAIN_NET: &str = "npu-net";
 
+/// Why a query gave no reading; its text is the reason in the detector status.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Unread {
+    /// The tool is not installed.
+    #[error("{0} not found")]
+    Absent(String),
+    /// The tool (`call`: its command line) failed or did not answer.
+    #[error("{call}: {source}")]
+    Tool {
+        call: String,
+        #[source]
+        source: ToolError,
+    },
+    /// The tool's output could not be read.
+    #[error("{call}: {source}")]
+    Garbage {
+        call: String,
+        #[source]
+        source: AscendParseError,
+    },
+    /// Not asked: an earlier call to the same tool in this poll hung.
+    #[error("skipped after {0}")]
+    Skipped(Box<Unread>),
+}
+
+impl Unread {
+    /// The call timed out: further calls to the same tool in this poll are skipped.
+    pub fn is_hung(&self) -> bool {
+        matches!(
+            self,
+            Unread::Tool {
+                source: ToolError::Timeout(_),
+                ..
+            }
+        )
+    }
+}
+
 /// One port's readings; `None` where the query was not made (not configured).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LinkPoll {
-    pub status: Result<LinkStatus, String>,
-    pub speed_mbps: Option<Result<u64, String>>,
-    pub up_count: Option<Result<u64, String>>,
-    pub net: Result<NetHealth, String>,
+    pub status: Result<LinkStatus, Unread>,
+    pub speed_mbps: Option<Result<u64, Unread>>,
+    pub up_count: Option<Result<u64, Unread>>,
+    pub net: Result<NetHealth, Unread>,
 }
 
-/// What one poll read. Errors are the reason, ready for the detector status.
+/// What one poll read. Errors are the reason for the detector status.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Poll {
-    pub chips: Result<Vec<NpuChip>, String>,
+    pub chips: Result<Vec<NpuChip>, Unread>,
     /// Per chip (by logical id): its health query.
-    pub health: BTreeMap<u32, Result<ChipHealth, String>>,
+    pub health: BTreeMap<u32, Result<ChipHealth, Unread>>,
     /// Per chip (by logical id): its port, when hccn_tool is present.
     pub links: BTreeMap<u32, LinkPoll>,
     /// Why links were not read at all (`None`: they were, or hccn_tool is absent).
-    pub hccn_error: Option<String>,
+    pub hccn_error: Option<Unread>,
     /// hccn_tool is not installed (no ports to check: normal on inference cards).
     pub hccn_absent: bool,
 }
@@ -101,13 +142,13 @@ impl Analyzer {
                 out.push(detector(
                     DETECTOR_NPU_SMI,
                     DetectorState::Down,
-                    Some(why.clone()),
+                    Some(why.to_string()),
                 ));
                 return out;
             }
         };
         let mut npu_smi_errors = Vec::new();
-        let mut hccn_errors: Vec<String> = poll.hccn_error.iter().cloned().collect();
+        let mut hccn_errors: Vec<String> = poll.hccn_error.iter().map(|e| e.to_string()).collect();
         // Chips gone since the last poll.
         for (key, old) in &self.seen {
             if !chips.iter().any(|c| c.logical_id() == *key) {
@@ -171,7 +212,7 @@ impl Analyzer {
         l: &LinkPoll,
         policy: &AscendPolicy,
         now: Instant,
-    ) -> Result<Observation, String> {
+    ) -> Result<Observation, Unread> {
         let status = l.status.clone()?;
         let mut present = Vec::new();
         if status == LinkStatus::Down {
@@ -378,6 +419,14 @@ mod tests {
         }
     }
 
+    /// A call that failed with `why`.
+    fn failed(why: &str) -> Unread {
+        Unread::Tool {
+            call: "npu-smi info".into(),
+            source: ToolError::Io(why.into()),
+        }
+    }
+
     fn up() -> LinkPoll {
         LinkPoll {
             status: Ok(LinkStatus::Up),
@@ -497,8 +546,8 @@ mod tests {
             (
                 "a failed query sends no Level for its domain and downs the detector",
                 Box::new(|p| {
-                    p.health.insert(0, Err("garbage".into()));
-                    p.links.get_mut(&1).unwrap().status = Err("no answer".into());
+                    p.health.insert(0, Err(failed("garbage")));
+                    p.links.get_mut(&1).unwrap().status = Err(failed("no answer"));
                 }),
                 vec![
                     "inventory:2",
@@ -512,7 +561,7 @@ mod tests {
             ),
             (
                 "npu-smi info failing says only that",
-                Box::new(|p| p.chips = Err("npu-smi info: no chip rows found".into())),
+                Box::new(|p| p.chips = Err(failed("no chip rows found"))),
                 vec!["npu-smi=Down"],
             ),
             (

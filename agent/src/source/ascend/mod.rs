@@ -17,7 +17,7 @@ use std::sync::Arc;
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
-use self::analyze::{Analyzer, LinkPoll, Poll};
+use self::analyze::{Analyzer, LinkPoll, Poll, Unread};
 use self::tools::{Tool, ToolError, Tools};
 use super::{Input, SourceContext};
 use crate::component::{Component, Context, Handle, StartError};
@@ -37,17 +37,15 @@ async fn call<T: Tools, R>(
     tool: Tool,
     args: &[&str],
     parse: impl FnOnce(&str) -> Result<R, AscendParseError>,
-) -> Result<R, CallError> {
+) -> Result<R, Unread> {
     let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    let shown = format!("{} {}", tool.as_str(), args.join(" "));
+    let call = format!("{} {}", tool.as_str(), args.join(" "));
     let result = match tools.run(tool, &args, policy.call_timeout).await {
-        Ok(out) => parse(&out).map_err(|e| ("garbage", CallError::Other(format!("{shown}: {e}")))),
+        Ok(out) => parse(&out).map_err(|source| ("garbage", Unread::Garbage { call, source })),
         // Not installed (a node without Ascend NPUs) is no failed call.
-        Err(ToolError::NotFound(n)) => Err(("absent", CallError::Absent(n))),
-        Err(e @ ToolError::Timeout(_)) => {
-            Err(("timeout", CallError::Hung(format!("{shown}: {e}"))))
-        }
-        Err(e) => Err(("failed", CallError::Other(format!("{shown}: {e}")))),
+        Err(ToolError::NotFound(n)) => Err(("absent", Unread::Absent(n))),
+        Err(source @ ToolError::Timeout(_)) => Err(("timeout", Unread::Tool { call, source })),
+        Err(source) => Err(("failed", Unread::Tool { call, source })),
     };
     let label = match &result {
         Ok(_) => "ok",
@@ -61,23 +59,6 @@ async fn call<T: Tools, R>(
         })
         .inc();
     result.map_err(|(_, e)| e)
-}
-
-#[derive(Debug)]
-enum CallError {
-    Absent(String),
-    /// Timed out: further calls to the same tool in this poll are skipped.
-    Hung(String),
-    Other(String),
-}
-
-impl CallError {
-    fn reason(self) -> String {
-        match self {
-            CallError::Absent(n) => format!("{n} not found"),
-            CallError::Hung(s) | CallError::Other(s) => s,
-        }
-    }
 }
 
 /// `npu-smi` is not installed (under the name or path the agent was given).
@@ -100,9 +81,8 @@ pub async fn poll_once<T: Tools>(
     )
     .await
     {
-        Err(CallError::Absent(name)) => return Err(NotInstalled(name)),
-        Err(e) => Err(e.reason()),
-        Ok(c) => Ok(c),
+        Err(Unread::Absent(name)) => return Err(NotInstalled(name)),
+        r => r,
     };
     let mut poll = Poll {
         chips,
@@ -114,11 +94,12 @@ pub async fn poll_once<T: Tools>(
     let Ok(chips) = poll.chips.clone() else {
         return Ok(poll);
     };
-    let mut npu_smi_hung: Option<String> = None;
+    let mut npu_smi_hung: Option<Unread> = None;
     for c in &chips {
         let id = c.logical_id();
         if let Some(h) = &npu_smi_hung {
-            poll.health.insert(id, Err(format!("skipped after {h}")));
+            poll.health
+                .insert(id, Err(Unread::Skipped(Box::new(h.clone()))));
             continue;
         }
         let (npu, chip) = (c.npu.to_string(), c.chip.to_string());
@@ -140,12 +121,11 @@ pub async fn poll_once<T: Tools>(
             parse::parse_chip_health,
         )
         .await;
-        let r = r.map_err(|e| {
-            if let CallError::Hung(s) = &e {
-                npu_smi_hung = Some(s.clone());
+        if let Err(e) = &r {
+            if e.is_hung() {
+                npu_smi_hung = Some(e.clone());
             }
-            e.reason()
-        });
+        }
         poll.health.insert(id, r);
     }
     for c in &chips {
@@ -162,15 +142,15 @@ pub async fn poll_once<T: Tools>(
         )
         .await
         {
-            Err(CallError::Absent(_)) => {
+            Err(Unread::Absent(_)) => {
                 poll.hccn_absent = true;
                 break;
             }
-            Err(CallError::Hung(s)) => {
-                poll.hccn_error = Some(s);
+            Err(e) if e.is_hung() => {
+                poll.hccn_error = Some(e);
                 break;
             }
-            r => r.map_err(CallError::reason),
+            r => r,
         };
         // The counters asked for only when the policy uses them.
         let counter =
@@ -180,8 +160,7 @@ pub async fn poll_once<T: Tools>(
                     if !on {
                         return None;
                     }
-                    let r = call(tools, metrics, policy, Tool::HccnTool, &args, parse).await;
-                    Some(r.map_err(CallError::reason))
+                    Some(call(tools, metrics, policy, Tool::HccnTool, &args, parse).await)
                 }
             };
         let speed_mbps = counter(
@@ -204,8 +183,7 @@ pub async fn poll_once<T: Tools>(
             &q("-net_health"),
             parse::parse_net_health,
         )
-        .await
-        .map_err(CallError::reason);
+        .await;
         poll.links.insert(
             id,
             LinkPoll {
