@@ -140,8 +140,8 @@ pub fn first_line(text: &str, max: usize) -> String {
 }
 
 #[cfg(test)]
-#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
 
     fn sh(script: &str) -> tokio::process::Command {

@@ -334,8 +334,8 @@ pub fn incoming(
 }
 
 #[cfg(test)]
-#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
     use futures::StreamExt;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

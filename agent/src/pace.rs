@@ -118,8 +118,8 @@ impl LogPacer {
 }
 
 #[cfg(test)]
-#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
 
     /// A storm of 100,000 overruns in 25 s makes 3 lines (at 0, 10 and 20 s), each with the

@@ -1572,7 +1572,7 @@ fn the_daemonset_the_deployment_and_the_image_agree() {
         &[
             (
                 "POD_IP",
-                "the agent's peer address (agent/src/daemon.rs, peer_setup)",
+                "the agent's peer address (agent/src/peer/mod.rs, Peer::setup)",
             ),
             ("NVIDIA_VISIBLE_DEVICES", "the NVIDIA container runtime"),
             ("NVIDIA_DRIVER_CAPABILITIES", "the NVIDIA container runtime"),

@@ -550,8 +550,8 @@ fn clear_json(
 }
 
 #[cfg(test)]
-#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::super::test_records::{HEALTHY, UNHEALTHY};
     use super::*;
     use crate::clear::ClearResult;

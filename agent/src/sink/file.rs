@@ -534,8 +534,8 @@ pub async fn run(
 }
 
 #[cfg(test)]
-#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
     use crate::runtime::test_snapshot;
 

@@ -139,8 +139,8 @@ pub(crate) fn counter_growth(
 }
 
 #[cfg(test)]
-#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
 
     /// A source task that panics is reported like a thread: each of its detectors goes Down

@@ -394,8 +394,8 @@ fn detector_from(name: &str, errors: &[String], absent: bool) -> Observation {
 }
 
 #[cfg(test)]
-#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
     use std::time::Duration;
 

@@ -141,8 +141,8 @@ pub fn excerpt(s: &str) -> String {
 }
 
 #[cfg(test)]
-#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
     use std::os::unix::fs::PermissionsExt;
 

@@ -409,8 +409,8 @@ impl Analyzer {
 }
 
 #[cfg(test)]
-#[allow(clippy::disallowed_methods)] // tests read the real clock freely
 mod tests {
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::super::readings::{Link, Pcie, Remap};
     use super::*;
     use faultline_core::catalog::Catalog;
