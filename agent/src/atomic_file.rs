@@ -7,7 +7,7 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Temporary files start with this; a kill between create and rename leaves one behind.
-pub const TEMP_PREFIX: &str = ".faultline-";
+pub(crate) const TEMP_PREFIX: &str = ".faultline-";
 
 /// A file that could not be replaced.
 #[derive(Debug, thiserror::Error)]
@@ -48,7 +48,7 @@ pub fn write(path: &Path, bytes: &[u8]) -> Result<(), WriteError> {
 
 /// Removes the temporary files (`.faultline-*`, regular files only) that writes interrupted by
 /// a kill left in `dir`. Only for directories no other program writes into at the same time.
-pub fn remove_stale_temps(dir: &Path) -> std::io::Result<usize> {
+pub(crate) fn remove_stale_temps(dir: &Path) -> std::io::Result<usize> {
     let mut n = 0;
     for entry in std::fs::read_dir(dir)? {
         let entry = entry?;

@@ -13,13 +13,13 @@ use rustix::process::{kill_process_group, Pid, Signal};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// At most this much standard output is kept.
-pub const MAX_STDOUT: u64 = 1 << 20;
+pub(crate) const MAX_STDOUT: u64 = 1 << 20;
 /// At most this much standard error is kept.
-pub const MAX_STDERR: u64 = 4096;
+pub(crate) const MAX_STDERR: u64 = 4096;
 
 /// What a child printed and how it exited.
 #[derive(Debug)]
-pub struct ChildOutput {
+pub(crate) struct ChildOutput {
     pub status: ExitStatus,
     pub stdout: Vec<u8>,
     pub stderr: Vec<u8>,
@@ -77,7 +77,7 @@ impl Drop for Group {
 
 /// Runs `cmd` (its stdio and process group are set here) and returns its output, or kills it and
 /// everything it started at `deadline`.
-pub async fn run(
+pub(crate) async fn run(
     cmd: &mut tokio::process::Command,
     deadline: Duration,
 ) -> Result<ChildOutput, ChildError> {
@@ -126,7 +126,7 @@ pub async fn run(
 
 /// The first line with text, shortened to `max` characters (`…` marks a cut): enough for a
 /// reason in a record or a log line.
-pub fn first_line(text: &str, max: usize) -> String {
+pub(crate) fn first_line(text: &str, max: usize) -> String {
     let line = text
         .lines()
         .map(str::trim)

@@ -9,12 +9,12 @@ use faultline_core::engine::EngineEvent;
 use serde::{Deserialize, Serialize};
 
 /// Most cleared faults an answer names (its count is always the whole number).
-pub const MAX_LISTED: usize = 20;
+pub(crate) const MAX_LISTED: usize = 20;
 /// The largest answer the CLI reads: [`MAX_LISTED`] faults of two fields of at most a few KiB.
-pub const MAX_RESULT_BYTES: u64 = 256 << 10;
+pub(crate) const MAX_RESULT_BYTES: u64 = 256 << 10;
 /// How many applied requests the saved state remembers (a restart finds at most the few requests
 /// that were in flight).
-pub const REMEMBERED_CLEARS: usize = 16;
+pub(crate) const REMEMBERED_CLEARS: usize = 16;
 
 /// One fault a clear ended, as `faultline get` shows it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -35,7 +35,7 @@ pub struct ClearResult {
 
 impl ClearResult {
     /// The faults the engine step of a clear ended: its `Recovered` events.
-    pub fn of(events: &[EngineEvent]) -> ClearResult {
+    pub(crate) fn of(events: &[EngineEvent]) -> ClearResult {
         let mut r = ClearResult::default();
         for e in events {
             if let EngineEvent::Recovered { code, device, .. } = e {
@@ -71,7 +71,7 @@ impl AppliedClears {
     }
 
     /// Remembers that request `key` was applied, forgetting the oldest beyond the bound.
-    pub fn insert(&mut self, key: String, result: ClearResult) {
+    pub(crate) fn insert(&mut self, key: String, result: ClearResult) {
         self.0.push_back((key, result));
         while self.0.len() > REMEMBERED_CLEARS {
             self.0.pop_front();

@@ -23,7 +23,7 @@ use faultline_core::policy::LoadedPolicy;
 
 /// What every component is started with.
 #[derive(Debug, Clone)]
-pub struct Context {
+pub(crate) struct Context {
     /// This node's name.
     pub node: String,
     /// Where sources send what they observe; the engine loop reads it.
@@ -44,7 +44,7 @@ pub struct Context {
 
 impl Context {
     /// The narrower context the sources' own functions take.
-    pub fn source(&self) -> SourceContext {
+    pub(crate) fn source(&self) -> SourceContext {
         SourceContext {
             tx: self.inputs.clone(),
             metrics: self.metrics.clone(),
@@ -55,7 +55,7 @@ impl Context {
 }
 
 /// A source or a sink.
-pub trait Component: Sized {
+pub(crate) trait Component: Sized {
     /// The name its logs and its tracing span carry.
     const NAME: &'static str;
 
@@ -78,7 +78,7 @@ impl<C: Component + Send> Component for Option<C> {
 
 /// Why a component did not start.
 #[derive(Debug, thiserror::Error)]
-pub enum StartError {
+pub(crate) enum StartError {
     #[error("cannot listen on {addr}")]
     Listen {
         addr: std::net::SocketAddr,
@@ -97,7 +97,7 @@ pub enum StartError {
 
 /// Why a flag's value was refused (clap prints it with the flag's name).
 #[derive(Debug, thiserror::Error)]
-pub enum FlagError {
+pub(crate) enum FlagError {
     #[error(transparent)]
     Duration(#[from] humantime::DurationError),
     #[error("{value} is outside {range}")]
@@ -111,16 +111,19 @@ pub enum FlagError {
 /// blocking read: it ends at its next record after shutdown).
 #[derive(Debug, Default)]
 #[must_use = "the daemon waits on a component's handle at shutdown"]
-pub struct Handle(Vec<JoinHandle<()>>);
+pub(crate) struct Handle(Vec<JoinHandle<()>>);
 
 impl Handle {
     /// Nothing to wait for.
-    pub fn none() -> Self {
+    pub(crate) fn none() -> Self {
         Handle::default()
     }
 
     /// Runs `task` under the component's span.
-    pub fn spawn(name: &'static str, task: impl Future<Output = ()> + Send + 'static) -> Self {
+    pub(crate) fn spawn(
+        name: &'static str,
+        task: impl Future<Output = ()> + Send + 'static,
+    ) -> Self {
         Handle(vec![tokio::spawn(
             task.instrument(tracing::info_span!("component", name)),
         )])
@@ -128,7 +131,7 @@ impl Handle {
 
     /// A source's task: if it dies of a panic, `detectors` are reported down
     /// ([`watched_task`](crate::source::watched_task)) unless the agent is stopping.
-    pub fn watched(
+    pub(crate) fn watched(
         name: &'static str,
         detectors: &'static [&'static str],
         cx: &Context,
@@ -141,18 +144,18 @@ impl Handle {
     }
 
     /// Tasks already running.
-    pub fn of(tasks: Vec<JoinHandle<()>>) -> Self {
+    pub(crate) fn of(tasks: Vec<JoinHandle<()>>) -> Self {
         Handle(tasks)
     }
 
     /// One handle for several components.
-    pub fn join_with(mut self, other: Handle) -> Self {
+    pub(crate) fn join_with(mut self, other: Handle) -> Self {
         self.0.extend(other.0);
         self
     }
 
     /// Waits until every task has ended (a task that panicked counts as ended).
-    pub async fn join(self) {
+    pub(crate) async fn join(self) {
         for t in self.0 {
             let _ = t.await;
         }

@@ -36,7 +36,7 @@ pub const DEFAULT_PORT: u16 = 20260;
 
 /// Written into the state directory while the agent runs: the address its endpoints are bound
 /// to (useful with `--listen …:0`).
-pub const LISTEN_ADDR_FILE: &str = "listen.addr";
+pub(crate) const LISTEN_ADDR_FILE: &str = "listen.addr";
 
 /// The endpoints' flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -51,7 +51,7 @@ pub struct Flags {
 /// Where the endpoints listen when `--listen` is not given: every interface in a pod (its own
 /// network namespace; the kubelet's probes and scrapers come to the pod IP), only loopback
 /// elsewhere, where every interface is the host's (bare metal, Slurm).
-pub fn default_listen(in_pod: bool) -> SocketAddr {
+pub(crate) fn default_listen(in_pod: bool) -> SocketAddr {
     let ip = if in_pod {
         std::net::Ipv4Addr::UNSPECIFIED
     } else {
@@ -62,7 +62,7 @@ pub fn default_listen(in_pod: bool) -> SocketAddr {
 
 /// The endpoints, as the daemon starts them.
 #[derive(Debug)]
-pub struct Endpoints {
+pub(crate) struct Endpoints {
     pub flags: Flags,
     /// Where the bound address is written ([`LISTEN_ADDR_FILE`]), and removed at the end.
     pub state_dir: std::path::PathBuf,
@@ -102,7 +102,7 @@ impl Component for Endpoints {
 
 /// Shared state of the endpoints.
 #[derive(Debug, Clone)]
-pub struct HttpState {
+pub(crate) struct HttpState {
     pub metrics: Arc<Metrics>,
     pub heartbeat: Arc<Heartbeat>,
     pub clock: Arc<dyn Clock>,
@@ -123,7 +123,7 @@ pub struct HttpState {
 /// inside the 30 s after which a reader calls an agent dead), so at most one serialization a
 /// second, and at most `request deadline / FRESH` (15) bodies alive, whatever the requests.
 #[derive(Debug, Default)]
-pub struct RecordBody {
+pub(crate) struct RecordBody {
     cached: tokio::sync::Mutex<Option<CachedBody>>,
     /// How many times a body was serialized (tests).
     serialized: std::sync::atomic::AtomicU64,
@@ -140,7 +140,7 @@ struct CachedBody {
 
 impl RecordBody {
     /// How long a serialized body is served to requests of newer snapshots or heartbeats.
-    pub const FRESH: Duration = Duration::from_secs(1);
+    pub(crate) const FRESH: Duration = Duration::from_secs(1);
 
     /// The body for `snap` stamped with `heartbeat` at `now` (time since boot): the shared
     /// bytes when they are of both, or younger than [`RecordBody::FRESH`].
@@ -179,7 +179,7 @@ impl RecordBody {
     }
 }
 
-pub fn router(state: HttpState) -> Router {
+pub(crate) fn router(state: HttpState) -> Router {
     Router::new()
         .route("/metrics", get(metrics))
         .route("/healthz", get(healthz))
@@ -280,7 +280,7 @@ pub const LIMITS: ServeLimits = ServeLimits {
 };
 
 /// Serves until shutdown, within [`LIMITS`].
-pub async fn serve(
+pub(crate) async fn serve(
     listener: tokio::net::TcpListener,
     state: HttpState,
     shutdown: CancellationToken,
@@ -290,7 +290,7 @@ pub async fn serve(
 
 /// Serves until shutdown. Connections come through [`crate::listen::incoming`] (the caps and the
 /// idle timeout); each carries one HTTP/1.1 request (no keep-alive) under `limits`.
-pub async fn serve_with(
+pub(crate) async fn serve_with(
     listener: tokio::net::TcpListener,
     state: HttpState,
     shutdown: CancellationToken,

@@ -20,7 +20,7 @@ use kube::{Client, Config};
 /// The server-side apply field manager of the agent's writes.
 pub const FIELD_MANAGER: &str = "faultline";
 /// The field manager of the CLI's writes.
-pub const CLI_FIELD_MANAGER: &str = "faultline-cli";
+pub(crate) const CLI_FIELD_MANAGER: &str = "faultline-cli";
 
 /// The agent's namespace unless configured otherwise.
 pub const DEFAULT_NAMESPACE: &str = "faultline-system";
@@ -54,7 +54,7 @@ pub struct Flags {
 impl Flags {
     /// Kubernetes mode: a kubeconfig was given, or the agent runs in a pod. A failure leaves
     /// the agent standalone (said why): detection never waits for the API.
-    pub async fn connect(&self, node: &str) -> Option<Clients> {
+    pub(crate) async fn connect(&self, node: &str) -> Option<Clients> {
         if self.standalone || (self.kubeconfig.is_none() && !in_pod()) {
             return None;
         }
@@ -73,13 +73,13 @@ impl Flags {
 
 /// Whether this process runs in a Kubernetes pod (the kubelet sets this variable in every
 /// container).
-pub fn in_pod() -> bool {
+pub(crate) fn in_pod() -> bool {
     std::env::var_os("KUBERNETES_SERVICE_HOST").is_some()
 }
 
 /// Who sends the requests.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Sender<'a> {
+pub(crate) enum Sender<'a> {
     /// The agent on this node.
     Agent { node: &'a str },
     /// The `faultline` command.
@@ -88,7 +88,7 @@ pub enum Sender<'a> {
 
 impl Sender<'_> {
     /// The User-Agent header: `faultline-agent/<version> (<node>)` or `faultline/<version> (cli)`.
-    pub fn user_agent(&self) -> String {
+    pub(crate) fn user_agent(&self) -> String {
         let version = env!("CARGO_PKG_VERSION");
         match self {
             // A node name is a DNS subdomain, so it is always a valid header value; anything
@@ -134,7 +134,7 @@ impl Sender<'_> {
 /// Connecting is bounded by 3 s everywhere (1 s for the Lease): an API server that does not
 /// accept a connection in that time is down, and every caller retries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Purpose {
+pub(crate) enum Purpose {
     Calls,
     Lease,
     Watch,
@@ -142,7 +142,7 @@ pub enum Purpose {
 
 impl Purpose {
     /// (connect, read, write) timeouts.
-    pub fn timeouts(self) -> (Duration, Duration, Duration) {
+    pub(crate) fn timeouts(self) -> (Duration, Duration, Duration) {
         let s = Duration::from_secs;
         match self {
             Purpose::Calls => (s(3), s(10), s(10)),
@@ -215,7 +215,10 @@ pub async fn clients(kubeconfig: Option<&Path>, node: &str) -> Result<Clients, C
 }
 
 /// One client for calls, from an explicit kubeconfig or the in-cluster service account.
-pub async fn client(kubeconfig: Option<&Path>, sender: Sender<'_>) -> Result<Client, ClientError> {
+pub(crate) async fn client(
+    kubeconfig: Option<&Path>,
+    sender: Sender<'_>,
+) -> Result<Client, ClientError> {
     build(config_from(kubeconfig).await?, sender, Purpose::Calls)
 }
 
@@ -230,7 +233,7 @@ pub async fn client_infer(kubeconfig: Option<&Path>) -> Result<Client, ClientErr
 }
 
 /// A client for `purpose`, whose requests name `sender`.
-pub fn build(
+pub(crate) fn build(
     mut config: Config,
     sender: Sender<'_>,
     purpose: Purpose,

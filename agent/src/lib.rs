@@ -9,18 +9,18 @@
 
 pub mod atomic_file;
 pub(crate) mod backoff;
-pub mod child;
+pub(crate) mod child;
 pub mod clear;
 pub mod cli;
 pub mod clock;
-pub mod component;
+pub(crate) mod component;
 pub mod daemon;
 pub mod http;
 pub mod kube_client;
 pub mod listen;
-pub mod lock;
+pub(crate) mod lock;
 pub mod metrics;
-pub mod operator_file;
+pub(crate) mod operator_file;
 pub mod pace;
 pub mod peer;
 pub(crate) mod restore;

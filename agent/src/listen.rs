@@ -52,7 +52,7 @@ pub struct Limits {
 }
 
 /// The metrics and health endpoints: scrapers and probes, a handful at a time.
-pub const HTTP_LIMITS: Limits = Limits {
+pub(crate) const HTTP_LIMITS: Limits = Limits {
     max_connections: 64,
     max_per_address: 16,
     idle: Duration::from_secs(30),
@@ -60,7 +60,7 @@ pub const HTTP_LIMITS: Limits = Limits {
 };
 
 /// The peer-check service: the coordinator and the CLI (a node is in at most a few checks).
-pub const PEER_LIMITS: Limits = Limits {
+pub(crate) const PEER_LIMITS: Limits = Limits {
     max_connections: 128,
     max_per_address: 16,
     idle: Duration::from_secs(120),
@@ -82,7 +82,7 @@ pub const COORDINATOR_LIMITS: Limits = Limits {
 /// The most the soft limit is raised to: far above what the capped servers and the agent use,
 /// and not so high that a child process which closes every descriptor up to the limit (the
 /// Ascend tools, the probe inherit it) crawls.
-pub const FILE_LIMIT_CEILING: u64 = 65_536;
+pub(crate) const FILE_LIMIT_CEILING: u64 = 65_536;
 
 /// Raises this process's open-file soft limit towards its hard limit (at most
 /// [`FILE_LIMIT_CEILING`]); returns the limit in force.

@@ -33,7 +33,7 @@ use rustix::io::Errno;
 use tracing::warn;
 
 /// The lock file, in the data directory and in the state directory.
-pub const LOCK_FILE: &str = "agent.lock";
+pub(crate) const LOCK_FILE: &str = "agent.lock";
 
 /// The agent's process name (`/proc/<pid>/comm`: the executable's name, at most 15 bytes).
 const AGENT_COMM: &str = "faultline-agent";
@@ -43,7 +43,7 @@ const MAX_HOLDER_BYTES: u64 = 4096;
 
 /// Who holds the lock, as its holder wrote it.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Holder {
+pub(crate) struct Holder {
     pub pid: u32,
     pub node: String,
     pub started: faultline_core::time::Timestamp,
@@ -51,7 +51,7 @@ pub struct Holder {
 
 impl Holder {
     /// This process, on `node`, started at `started`.
-    pub fn this_process(node: &str, started: faultline_core::time::Timestamp) -> Holder {
+    pub(crate) fn this_process(node: &str, started: faultline_core::time::Timestamp) -> Holder {
         Holder {
             pid: std::process::id(),
             node: node.to_string(),
@@ -80,7 +80,7 @@ fn claim(named: &Option<u32>) -> String {
 
 /// Why the lock was not taken.
 #[derive(Debug, thiserror::Error)]
-pub enum LockError {
+pub(crate) enum LockError {
     #[error(
         "another faultline agent holds {path} ({holder}): one agent per state and data directory. \
          Stop that agent first, or give this one its own --state-dir and --data-dir"
@@ -120,9 +120,8 @@ pub enum LockError {
 
 /// An exclusive lock on a directory, held until dropped (or the process ends).
 #[derive(Debug)]
-pub struct DirLock {
+pub(crate) struct DirLock {
     _file: File,
-    pub path: PathBuf,
 }
 
 /// Refuses a directory that someone other than this euid or root can write (or could make
@@ -239,7 +238,7 @@ fn cannot_write(e: &std::io::Error) -> bool {
 /// same (opened read-only); with none, `Ok(None)`: there is nothing to lock, and nothing this
 /// agent could overwrite there (the agent runs on, as with a disk that failed later). A holder
 /// that cannot be written (a full disk) leaves the lock held, the file not naming it.
-pub fn acquire(dir: &Path, holder: &Holder) -> Result<Option<DirLock>, LockError> {
+pub(crate) fn acquire(dir: &Path, holder: &Holder) -> Result<Option<DirLock>, LockError> {
     let (file, path) = match open(dir, true) {
         Err(LockError::Io { source, .. }) if cannot_write(&source) => match open(dir, false) {
             Err(LockError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
@@ -268,14 +267,14 @@ pub fn acquire(dir: &Path, holder: &Holder) -> Result<Option<DirLock>, LockError
     if let Err(e) = written {
         warn!(path = %path.display(), error = %e, "the lock is held, but cannot name its holder");
     }
-    Ok(Some(DirLock { _file: file, path }))
+    Ok(Some(DirLock { _file: file }))
 }
 
 /// Takes the locks of every directory in `dirs`, in order; a directory named twice (by two
 /// paths, a link, or two mounts of one host directory) is locked once: directories are told
 /// apart by device and inode, since a second lock of the same file by this process would
 /// conflict with the first.
-pub fn acquire_all(dirs: &[&Path], holder: &Holder) -> Result<Vec<DirLock>, LockError> {
+pub(crate) fn acquire_all(dirs: &[&Path], holder: &Holder) -> Result<Vec<DirLock>, LockError> {
     use std::os::unix::fs::MetadataExt;
     let mut seen = Vec::new();
     let mut locks = Vec::new();

@@ -67,7 +67,7 @@ pub struct FaultLabel {
 
 /// [`FaultLabel`] with the fault's handling level.
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ActiveFaultLabel {
+pub(crate) struct ActiveFaultLabel {
     pub code: String,
     pub device: String,
     pub handling: &'static str,
@@ -100,21 +100,21 @@ pub enum PeerCheckResult {
 }
 
 /// The value of a fault label that is not in its bounded set.
-pub const OTHER: &str = "other";
+pub(crate) const OTHER: &str = "other";
 
 /// The kernel-log source's detector.
-pub const DETECTOR_KMSG: &str = "kmsg";
+pub(crate) const DETECTOR_KMSG: &str = "kmsg";
 /// The NVML source's detector.
-pub const DETECTOR_NVML: &str = "nvml";
+pub(crate) const DETECTOR_NVML: &str = "nvml";
 /// The Ascend source's detectors, one per tool.
-pub const DETECTOR_NPU_SMI: &str = "npu-smi";
-pub const DETECTOR_HCCN: &str = "hccn_tool";
+pub(crate) const DETECTOR_NPU_SMI: &str = "npu-smi";
+pub(crate) const DETECTOR_HCCN: &str = "hccn_tool";
 /// The detector under which a failing record write shows in the record and metrics.
-pub const DETECTOR_RECORD_FILE: &str = "record-file";
+pub(crate) const DETECTOR_RECORD_FILE: &str = "record-file";
 
 /// The detectors, the devices of `DETECTOR_DOWN` faults: a fixed set, named here so that the
 /// sources and the file sink take their names from the metrics' label set.
-pub const DETECTORS: [&str; 5] = [
+pub(crate) const DETECTORS: [&str; 5] = [
     DETECTOR_KMSG,
     DETECTOR_NVML,
     DETECTOR_NPU_SMI,
@@ -126,11 +126,11 @@ pub const DETECTORS: [&str; 5] = [
 /// driver's SXid lines (facility 0: the kernel's, no process can write one into /dev/kmsg);
 /// NVML does not list switches, so this bound stands in for an inventory: HGX and DGX boards
 /// carry 2 to 6.
-pub const MAX_NVSWITCHES: u32 = 16;
+pub(crate) const MAX_NVSWITCHES: u32 = 16;
 
 /// The `code` label of a record's `fault_code`: the code when the catalog lists it or the
 /// policy names it (`defined`: [`faultline_core::policy::Policy::defines`]), else `other`.
-pub fn code_label(code: &str, defined: bool) -> String {
+pub(crate) fn code_label(code: &str, defined: bool) -> String {
     if defined { code } else { OTHER }.to_string()
 }
 
@@ -139,7 +139,7 @@ pub fn code_label(code: &str, defined: bool) -> String {
 /// GPU as `GPU-<index>` or `pci-<address>`, an Ascend chip); `nvswitch<N>` below
 /// [`MAX_NVSWITCHES`]; a detector of [`DETECTORS`] for `DETECTOR_DOWN`; else `other` (a GPU the
 /// kernel log alone names, `GPU-<pci bus id>`; a PCI address; a peer link `link:<node>`).
-pub fn device_label(code: &str, device: &str, in_inventory: bool) -> String {
+pub(crate) fn device_label(code: &str, device: &str, in_inventory: bool) -> String {
     let nvswitch = device
         .strip_prefix("nvswitch")
         .and_then(|n| n.parse::<u32>().ok().filter(|i| i.to_string() == n))
@@ -163,7 +163,7 @@ pub struct ActiveFaults {
 
 impl ActiveFaults {
     /// Sets every series to `counts`; the series not in it are removed.
-    pub fn set_all(&self, counts: HashMap<ActiveFaultLabel, i64>) {
+    pub(crate) fn set_all(&self, counts: HashMap<ActiveFaultLabel, i64>) {
         let mut shown = self.shown.lock();
         for (labels, n) in &counts {
             self.family.get_or_create(labels).set(*n);
@@ -454,7 +454,7 @@ impl Metrics {
     }
 
     /// The OpenMetrics text format (what the registry writes).
-    pub fn encode(&self) -> String {
+    pub(crate) fn encode(&self) -> String {
         let mut out = String::new();
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);

@@ -9,9 +9,9 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 
 /// The largest policy file read.
-pub const MAX_POLICY_BYTES: u64 = 1024 * 1024;
+pub(crate) const MAX_POLICY_BYTES: u64 = 1024 * 1024;
 /// The largest Ascend table (`faultCode.json`, `faultCustomization.json`) read.
-pub const MAX_TABLE_BYTES: u64 = 4 * 1024 * 1024;
+pub(crate) const MAX_TABLE_BYTES: u64 = 4 * 1024 * 1024;
 
 /// Why an operator file was not read.
 #[derive(Debug, thiserror::Error)]
@@ -27,7 +27,7 @@ pub enum OperatorFileError {
 }
 
 /// Reads `path` as text: a regular file of at most `max` bytes.
-pub fn read_text(path: &Path, max: u64) -> Result<String, OperatorFileError> {
+pub(crate) fn read_text(path: &Path, max: u64) -> Result<String, OperatorFileError> {
     String::from_utf8(read_bytes(path, max)?).map_err(|_| OperatorFileError::NotText)
 }
 
@@ -36,7 +36,7 @@ pub fn read_text(path: &Path, max: u64) -> Result<String, OperatorFileError> {
 /// their place cannot hang or exhaust the agent. Anything but a regular file is refused before
 /// it is opened (opening a device can act on it); one swapped in between is still refused by
 /// the check of what was opened.
-pub fn read_bytes(path: &Path, max: u64) -> Result<Vec<u8>, OperatorFileError> {
+pub(crate) fn read_bytes(path: &Path, max: u64) -> Result<Vec<u8>, OperatorFileError> {
     if !std::fs::metadata(path)?.file_type().is_file() {
         return Err(OperatorFileError::NotRegular);
     }
@@ -50,7 +50,7 @@ pub fn read_bytes(path: &Path, max: u64) -> Result<Vec<u8>, OperatorFileError> {
 
 /// Reads an opened file: a regular file of at most `max` bytes (however it was opened: the
 /// clear requests are opened relative to their directory, without following links).
-pub fn read_opened(file: std::fs::File, max: u64) -> Result<Vec<u8>, OperatorFileError> {
+pub(crate) fn read_opened(file: std::fs::File, max: u64) -> Result<Vec<u8>, OperatorFileError> {
     let meta = file.metadata()?;
     if !meta.file_type().is_file() {
         return Err(OperatorFileError::NotRegular);

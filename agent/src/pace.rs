@@ -19,7 +19,7 @@ use tokio::time::Instant;
 
 /// A generic cell rate limiter (GCRA): up to `burst` writes at once, then one per `interval`.
 #[derive(Debug, Clone)]
-pub struct WriteBudget {
+pub(crate) struct WriteBudget {
     interval: Duration,
     burst: u32,
     /// The theoretical time of the next write if writes were evenly spaced.
@@ -27,7 +27,7 @@ pub struct WriteBudget {
 }
 
 impl WriteBudget {
-    pub fn new(interval: Duration, burst: u32, now: Instant) -> Self {
+    pub(crate) fn new(interval: Duration, burst: u32, now: Instant) -> Self {
         WriteBudget {
             interval,
             burst: burst.max(1),
@@ -37,31 +37,31 @@ impl WriteBudget {
 
     /// `per_minute` writes a minute after a burst of `burst`: a token bucket holding `burst`
     /// tokens, refilled by one every `60 s / per_minute` (0 counts as 1).
-    pub fn per_minute(per_minute: u32, burst: u32, now: Instant) -> Self {
+    pub(crate) fn per_minute(per_minute: u32, burst: u32, now: Instant) -> Self {
         WriteBudget::new(Duration::from_secs(60) / per_minute.max(1), burst, now)
     }
 
     /// How long to wait before the next write may go out.
-    pub fn wait(&self, now: Instant) -> Duration {
+    pub(crate) fn wait(&self, now: Instant) -> Duration {
         let slack = self.interval * (self.burst - 1);
         (self.tat.checked_sub(slack).unwrap_or(now)).saturating_duration_since(now)
     }
 
     /// Records a write made at `now`.
-    pub fn spend(&mut self, now: Instant) {
+    pub(crate) fn spend(&mut self, now: Instant) {
         self.tat = self.tat.max(now) + self.interval;
     }
 
     /// Records a write that went out whatever the budget said (a change that cannot wait): the
     /// next paced write waits at least one interval from it, but such writes run up no debt,
     /// so three of them in a row do not hold the next paced write back three intervals.
-    pub fn note_forced(&mut self, now: Instant) {
+    pub(crate) fn note_forced(&mut self, now: Instant) {
         self.tat = self.tat.max(now + self.interval);
     }
 
     /// Spends one write if one may go out at `now`; false (nothing spent) when the budget is
     /// used up.
-    pub fn try_spend(&mut self, now: Instant) -> bool {
+    pub(crate) fn try_spend(&mut self, now: Instant) -> bool {
         let free = self.wait(now).is_zero();
         if free {
             self.spend(now);

@@ -74,7 +74,7 @@ pub struct PersistedState {
     pub clears: AppliedClears,
 }
 
-pub const STATE_VERSION: u32 = 1;
+pub(crate) const STATE_VERSION: u32 = 1;
 
 fn is_zero(n: &u64) -> bool {
     *n == 0
@@ -134,20 +134,20 @@ pub struct Heartbeat {
 }
 
 impl Heartbeat {
-    pub fn beat(&self, clock: &dyn Clock) {
+    pub(crate) fn beat(&self, clock: &dyn Clock) {
         self.wall_ms
             .store(clock.now().as_millisecond(), Ordering::Relaxed);
         self.boot_ms.store(boot_ms(clock) + 1, Ordering::Relaxed);
     }
     /// When the last beat was, by the wall clock, if there was one.
-    pub fn last(&self) -> Option<Timestamp> {
+    pub(crate) fn last(&self) -> Option<Timestamp> {
         match self.boot_ms.load(Ordering::Relaxed) {
             0 => None,
             _ => Timestamp::from_millisecond(self.wall_ms.load(Ordering::Relaxed)).ok(),
         }
     }
     /// Milliseconds since the last beat (`i64::MAX` before the first).
-    pub fn age_ms(&self, clock: &dyn Clock) -> i64 {
+    pub(crate) fn age_ms(&self, clock: &dyn Clock) -> i64 {
         match self.boot_ms.load(Ordering::Relaxed) {
             0 => i64::MAX,
             b => boot_ms(clock) + 1 - b,
@@ -247,18 +247,18 @@ pub enum RecordStatus {
 }
 
 impl RecordStatus {
-    pub fn is_written(&self) -> bool {
+    pub(crate) fn is_written(&self) -> bool {
         *self == RecordStatus::Written
     }
 }
 
 /// The engine loop beats every tick; this long without a beat means it is stuck (`/healthz`,
 /// and the file sink's heartbeat).
-pub const STALE_MS: i64 = 30_000;
+pub(crate) const STALE_MS: i64 = 30_000;
 
 /// How often an idle engine loop beats: three beats within the [`STALE_MS`] that
 /// `/healthz` allows, as the record's heartbeat fits three in its readers' 30 s.
-pub const LIVENESS: Duration = Duration::from_millis(STALE_MS as u64 / 3);
+pub(crate) const LIVENESS: Duration = Duration::from_millis(STALE_MS as u64 / 3);
 
 /// Most inputs applied before a snapshot is published.
 const BATCH: usize = 4096;
@@ -268,7 +268,7 @@ const BATCH: usize = 4096;
 /// change), a marker a source waits for, a policy or sink-report change is published at once.
 /// A snapshot costs a pass over every fault (the view, the saved state); published after every
 /// batch, a storm with 450 standing faults cost 30 us per record against 6.6 us with 20.
-pub const PUBLISH_EVERY: Duration = Duration::from_millis(100);
+pub(crate) const PUBLISH_EVERY: Duration = Duration::from_millis(100);
 
 impl EngineLoop {
     /// Runs until shutdown; then applies what is already queued and publishes a final snapshot.

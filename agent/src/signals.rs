@@ -40,11 +40,11 @@ pub struct Handled {
 /// musl keeps three (`src/internal/pthread_impl.h`: `SIGTIMER`, `SIGCANCEL`, `SIGSYNCCALL`).
 /// A handler installed on those would break the C library's threads.
 #[cfg(not(target_env = "musl"))]
-pub const RT_MIN: i32 = 34;
+pub(crate) const RT_MIN: i32 = 34;
 #[cfg(target_env = "musl")]
-pub const RT_MIN: i32 = 35;
+pub(crate) const RT_MIN: i32 = 35;
 /// The kernel's last signal (`_NSIG`, include/uapi/asm-generic/signal.h).
-pub const RT_MAX: i32 = 64;
+pub(crate) const RT_MAX: i32 = 64;
 
 /// Every handled signal and what it does.
 ///

@@ -30,7 +30,7 @@ pub struct CheckArgs {
 /// The nodes a job's pods run on, from a list of the pods in the job's own namespace: a
 /// launcher needs no cluster-wide right (no list of Nodes) for it. Waits, until `deadline`,
 /// for every matching pod to be scheduled; none matching is an error.
-pub async fn job_nodes(
+pub(crate) async fn job_nodes(
     client: kube::Client,
     namespace: &str,
     selector: &str,
@@ -70,7 +70,7 @@ pub async fn job_nodes(
 
 /// The sorted, distinct nodes of the pods that are scheduled, and the names of those that are
 /// not (a finished or deleted pod does not count).
-pub fn job_nodes_of(pods: &[k8s_openapi::api::core::v1::Pod]) -> (Vec<String>, Vec<String>) {
+pub(crate) fn job_nodes_of(pods: &[k8s_openapi::api::core::v1::Pod]) -> (Vec<String>, Vec<String>) {
     let mut nodes = std::collections::BTreeSet::new();
     let mut pending = Vec::new();
     for p in pods {

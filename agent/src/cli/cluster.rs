@@ -25,7 +25,7 @@ pub struct ClusterFilter {
 }
 
 impl ClusterFilter {
-    pub fn matches(&self, r: &NodeRecord) -> bool {
+    pub(crate) fn matches(&self, r: &NodeRecord) -> bool {
         self.node.as_ref().is_none_or(|n| &r.node == n)
             && (self.health.is_empty() || self.health.contains(&r.health))
             && self.code.as_ref().is_none_or(|c| {
@@ -142,7 +142,7 @@ pub async fn get_cluster(
 }
 
 /// Extended resources that are accelerators (device plugins' names).
-pub const ACCELERATOR_RESOURCES: [&str; 6] = [
+pub(crate) const ACCELERATOR_RESOURCES: [&str; 6] = [
     "nvidia.com/gpu",
     "amd.com/gpu",
     "huawei.com/Ascend910",
@@ -154,7 +154,7 @@ pub const ACCELERATOR_RESOURCES: [&str; 6] = [
 /// A whole count from a resource quantity as the API writes it (`8`, `1k`, `2Ki`); `None` for
 /// a fraction or anything else. A node or pod offering several accelerator resources counts the
 /// largest (the same devices can be advertised under two names).
-pub fn count_of(q: &str) -> Option<u32> {
+pub(crate) fn count_of(q: &str) -> Option<u32> {
     let q = q.trim();
     let digits = q.bytes().take_while(u8::is_ascii_digit).count();
     let n: u64 = q[..digits].parse().ok()?;
@@ -171,7 +171,7 @@ pub fn count_of(q: &str) -> Option<u32> {
 
 /// What `hosts` needs to know about a Node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct NodeFacts {
+pub(crate) struct NodeFacts {
     /// Condition `Ready` is `True`.
     pub ready: bool,
     /// Allocatable accelerators (the sum over [`ACCELERATOR_RESOURCES`]).
@@ -179,7 +179,7 @@ pub struct NodeFacts {
 }
 
 impl NodeFacts {
-    pub fn of(node: &k8s_openapi::api::core::v1::Node) -> NodeFacts {
+    pub(crate) fn of(node: &k8s_openapi::api::core::v1::Node) -> NodeFacts {
         let status = node.status.as_ref();
         let ready = status
             .and_then(|s| s.conditions.as_ref())
@@ -207,7 +207,7 @@ pub type Hosts = (Vec<(String, u32)>, Vec<(String, String)>);
 
 /// The usable nodes with their slots (`slots`, or the node's accelerators when `None`), sorted
 /// by name, and every other record's node with why it is left out.
-pub fn usable_hosts(
+pub(crate) fn usable_hosts(
     records: &[NodeRecord],
     nodes: &BTreeMap<String, NodeFacts>,
     agents_ready: &BTreeMap<String, bool>,
@@ -264,7 +264,7 @@ pub struct PodQuery {
 
 /// What `hosts --pods` needs to know about one pod.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PodFacts {
+pub(crate) struct PodFacts {
     pub name: String,
     pub node: Option<String>,
     /// `hostname[.subdomain]` (the name other pods resolve through a headless Service).
@@ -277,7 +277,7 @@ pub struct PodFacts {
 }
 
 impl PodFacts {
-    pub fn of(p: &k8s_openapi::api::core::v1::Pod) -> PodFacts {
+    pub(crate) fn of(p: &k8s_openapi::api::core::v1::Pod) -> PodFacts {
         let name = p.metadata.name.clone().unwrap_or_default();
         let spec = p.spec.as_ref();
         let host = spec
@@ -322,7 +322,7 @@ impl PodFacts {
 /// The job's pods a launcher can use: running, on a node `usable_hosts` accepts, printed as
 /// their hostname (or IP) with the accelerators they ask for (or `slots`), sorted by pod name;
 /// the others with why.
-pub fn usable_pods(pods: &[PodFacts], nodes: &Hosts, slots: Option<u32>, ip: bool) -> Hosts {
+pub(crate) fn usable_pods(pods: &[PodFacts], nodes: &Hosts, slots: Option<u32>, ip: bool) -> Hosts {
     let usable_nodes: BTreeMap<&str, u32> = nodes.0.iter().map(|(n, s)| (n.as_str(), *s)).collect();
     let left_nodes: BTreeMap<&str, &str> = nodes
         .1
@@ -463,7 +463,7 @@ pub async fn hosts(
 }
 
 /// The agent pods (the DaemonSet's pod template labels).
-pub const AGENT_POD_SELECTOR: &str =
+pub(crate) const AGENT_POD_SELECTOR: &str =
     "app.kubernetes.io/name=faultline,app.kubernetes.io/component=agent";
 
 #[cfg(test)]

@@ -228,7 +228,7 @@ impl Now {
 
     /// A reader of a record from another node, at `wall`: its clock may be off from this one
     /// either way by as much as `tolerance`.
-    pub fn remote(wall: Timestamp, tolerance: Duration) -> Now {
+    pub(crate) fn remote(wall: Timestamp, tolerance: Duration) -> Now {
         Now {
             wall,
             boot: None,

@@ -27,14 +27,14 @@ const CONCURRENCY: usize = 64;
 
 /// What asking one member's agent gave.
 #[derive(Debug, Clone, PartialEq)]
-pub enum Answer {
+pub(crate) enum Answer {
     Record(Box<NodeRecord>),
     /// Why there is no usable record (unreachable, refused, too slow, not a record).
     Failed(String),
 }
 
 /// Asks `addr` for `/v1/record` within `timeout`, reading at most [`MAX_ANSWER_BYTES`].
-pub async fn fetch_record(addr: SocketAddr, timeout: Duration) -> Answer {
+pub(crate) async fn fetch_record(addr: SocketAddr, timeout: Duration) -> Answer {
     match tokio::time::timeout(timeout, fetch(addr)).await {
         Ok(Ok(r)) => Answer::Record(Box::new(r)),
         Ok(Err(why)) => Answer::Failed(format!("its agent at {addr}: {why}")),
@@ -69,7 +69,7 @@ async fn fetch(addr: SocketAddr) -> anyhow::Result<NodeRecord> {
 }
 
 /// The usable members with `slots` each, in the file's order, and the others with why.
-pub fn usable_members(
+pub(crate) fn usable_members(
     members: &[(Member, Answer)],
     slots: u32,
     accept: Accept,

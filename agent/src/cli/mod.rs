@@ -175,10 +175,10 @@ pub struct Accept {
 
 impl Accept {
     /// Healthy only (the default).
-    pub const HEALTHY: Accept = Accept { max_handling: None };
+    pub(crate) const HEALTHY: Accept = Accept { max_handling: None };
     /// `--allow-degraded`: faults whose handling is a restart of the job at most
     /// (RestartBusiness and below), never a chip reset or an isolation.
-    pub const DEGRADED: Accept = Accept {
+    pub(crate) const DEGRADED: Accept = Accept {
         max_handling: Some(Handling::RestartBusiness),
     };
 
@@ -193,7 +193,7 @@ impl Accept {
         }
     }
 
-    pub fn accepts(&self, r: &NodeRecord) -> bool {
+    pub(crate) fn accepts(&self, r: &NodeRecord) -> bool {
         match r.health {
             Health::Healthy => true,
             Health::Unhealthy => false,

@@ -24,12 +24,12 @@ use crate::runtime::{Clock, Heartbeat, PersistedState, RecordStatus, Snapshot};
 use faultline_core::record::BootClock;
 use faultline_core::time::Timestamp;
 
-pub const FAULTS_FILE: &str = "faults.json";
+pub(crate) const FAULTS_FILE: &str = "faults.json";
 pub const STATE_FILE: &str = "state.json";
 
 /// Errors of the file sink.
 #[derive(Debug, thiserror::Error)]
-pub enum FileSinkError {
+pub(crate) enum FileSinkError {
     #[error("cannot write {path}: {source}")]
     Io {
         path: PathBuf,
@@ -53,14 +53,14 @@ pub enum FileSinkError {
 
 impl FileSinkError {
     /// The record itself reached the disk.
-    pub fn record_written(&self) -> bool {
+    pub(crate) fn record_written(&self) -> bool {
         matches!(self, FileSinkError::StateNotSaved(_))
     }
 }
 
 /// Where the file sink writes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Dirs {
+pub(crate) struct Dirs {
     /// `faults.json`: where job scripts and the CLI read it (`--state-dir`, default
     /// `/run/faultline`; a tmpfs is fine).
     pub record: PathBuf,
@@ -71,7 +71,8 @@ pub struct Dirs {
 
 impl Dirs {
     /// Both files in one directory (tests).
-    pub fn one(dir: PathBuf) -> Self {
+    #[cfg(test)]
+    pub(crate) fn one(dir: PathBuf) -> Self {
         Dirs {
             record: dir.clone(),
             data: dir,
@@ -81,7 +82,7 @@ impl Dirs {
 
 /// Which of the two files of a snapshot goes first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Order {
+pub(crate) enum Order {
     /// The state, then the record: the snapshot holds a change that a restart would not make
     /// again ([`Snapshot::save_first`]), so no reader sees it before it is saved.
     StateFirst,
@@ -113,7 +114,7 @@ impl Order {
 /// ([`FileSinkError::StateNotSaved`]) says the state is behind. Before, a failed state write
 /// skipped the record too, so a broken `/var/lib` looked like a dead agent. Likewise a record
 /// that cannot be written does not stop the state.
-pub fn write_snapshot(
+pub(crate) fn write_snapshot(
     dirs: &Dirs,
     snap: &Snapshot,
     heartbeat: &Beat,
@@ -165,13 +166,13 @@ fn write_record(dirs: &Dirs, snap: &Snapshot, heartbeat: &Beat) -> Result<(), Fi
 /// on the boot clock, which readers on this node judge liveness by (a wall-clock step moves the
 /// first, never the second).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Beat {
+pub(crate) struct Beat {
     pub wall: Timestamp,
     pub boot: Option<BootClock>,
 }
 
 impl Beat {
-    pub fn now(clock: &dyn Clock) -> Beat {
+    pub(crate) fn now(clock: &dyn Clock) -> Beat {
         Beat {
             wall: clock.now(),
             boot: clock.boot_clock(),
@@ -190,16 +191,18 @@ fn set_heartbeat(metrics: &Metrics, beat: &Beat) {
 
 /// How often the record is rewritten when nothing changed, so its `heartbeatTime` says the
 /// agent is alive (readers call an agent dead after [`STALE_AFTER`]).
-pub const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
+#[cfg(test)]
+pub(crate) const HEARTBEAT_INTERVAL: Duration = Duration::from_secs(10);
 /// How old a record's heartbeat may be while the agent still counts as alive: three missed
 /// heartbeats.
-pub const STALE_AFTER: Duration = Duration::from_secs(30);
+#[cfg(test)]
+pub(crate) const STALE_AFTER: Duration = Duration::from_secs(30);
 
 /// The local heartbeat: how often, the clock it is stamped with, and the engine loop's own
 /// heartbeat (the one `/healthz` reads): the record beats only while the engine does, so a
 /// wedged engine does not look alive through a sink that still runs.
 #[derive(Debug, Clone)]
-pub struct HeartbeatConfig {
+pub(crate) struct HeartbeatConfig {
     pub every: Duration,
     pub clock: Arc<dyn Clock>,
     pub engine: Arc<Heartbeat>,
@@ -244,7 +247,7 @@ fn saved_by(found: &str) -> String {
 
 /// Largest `state.json` read. A node's state is a few hundred faults at most (well under a
 /// megabyte); anything bigger is not ours to parse.
-pub const MAX_STATE_BYTES: u64 = 32 << 20;
+pub(crate) const MAX_STATE_BYTES: u64 = 32 << 20;
 
 /// Reads `state.json`; a missing file is `Ok(None)`. The version is read first and must be
 /// [`STATE_VERSION`](crate::runtime::STATE_VERSION): a file of another version is refused,
@@ -296,11 +299,11 @@ pub fn read_state(dir: &Path, node: &str) -> Result<Option<PersistedState>, Stat
 /// After shutdown, how long the sink keeps trying to write the final snapshot. A disk that is
 /// full or read-only must not hold the agent: past this the process exits with the last state
 /// it managed to write (a restart continues from there).
-pub const FLUSH_DEADLINE: Duration = Duration::from_secs(5);
+pub(crate) const FLUSH_DEADLINE: Duration = Duration::from_secs(5);
 
 /// The file sink's outputs besides the files.
 #[derive(Debug, Clone)]
-pub struct FileSinkSignals {
+pub(crate) struct FileSinkSignals {
     pub status: watch::Sender<RecordStatus>,
     /// The highest engine-loop marker written to `state.json` (a clear request waits for it).
     pub persisted: watch::Sender<u64>,
@@ -339,7 +342,7 @@ fn parse_heartbeat(s: &str) -> Result<Duration, FlagError> {
 
 /// The file sink, as the daemon starts it.
 #[derive(Debug)]
-pub struct FileSink {
+pub(crate) struct FileSink {
     pub dirs: Dirs,
     pub flags: Flags,
     pub signals: FileSinkSignals,
@@ -378,7 +381,7 @@ impl Component for FileSink {
 /// it writes the last snapshot it saw, trying for at most [`FLUSH_DEADLINE`].
 /// Between changes the record is rewritten every `heartbeat.every` (only the record, with a new
 /// `heartbeatTime`); while writes fail the heartbeat stops with them.
-pub async fn run(
+pub(crate) async fn run(
     dirs: Dirs,
     mut rx: watch::Receiver<Option<Snapshot>>,
     metrics: Arc<Metrics>,

@@ -45,19 +45,20 @@ use faultline_core::engine::NodeView;
 use faultline_core::policy::LoadedPolicy;
 use faultline_core::record::{Fault, FaultType, Handling, Source};
 
-pub const CONFIGMAP_PREFIX: &str = "mindx-dl-deviceinfo-";
-pub const NAMESPACE: &str = "kube-system";
-pub const DATA_KEY: &str = "DeviceInfoCfg";
-pub const CONSUMER_LABEL: (&str, &str) = ("mx-consumer-cim", "true");
-pub const FILE_NAME: &str = "deviceinfo.json";
+pub(crate) const CONFIGMAP_PREFIX: &str = "mindx-dl-deviceinfo-";
+pub(crate) const NAMESPACE: &str = "kube-system";
+pub(crate) const DATA_KEY: &str = "DeviceInfoCfg";
+pub(crate) const CONSUMER_LABEL: (&str, &str) = ("mx-consumer-cim", "true");
+pub(crate) const FILE_NAME: &str = "deviceinfo.json";
 
 /// `huawei.com/Ascend910` and its suffixed keys.
-pub fn key(suffix: &str) -> String {
+#[cfg(test)]
+pub(crate) fn key(suffix: &str) -> String {
     family_key(KIND, suffix)
 }
 
 /// `huawei.com/<family>` and its suffixed keys (`huawei.com/Ascend310P-Fault`).
-pub fn family_key(family: &str, suffix: &str) -> String {
+pub(crate) fn family_key(family: &str, suffix: &str) -> String {
     if suffix.is_empty() {
         format!("huawei.com/{family}")
     } else {
@@ -72,7 +73,7 @@ fn has_network_lists(family: &str) -> bool {
 
 /// One element of the `-Fault` list.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct DeviceFault {
+pub(crate) struct DeviceFault {
     pub fault_type: FaultType,
     pub npu_name: String,
     pub large_model_fault_level: Handling,
@@ -83,7 +84,7 @@ pub struct DeviceFault {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct TimeAndLevel {
+pub(crate) struct TimeAndLevel {
     /// Unix milliseconds of the fault's first sighting.
     pub fault_time: i64,
     pub fault_level: Handling,
@@ -127,7 +128,7 @@ fn join(names: &BTreeSet<String>) -> String {
 /// What the `DeviceList` is built from: the engine's published view (faults, the Ascend chips
 /// the source last saw, and the faults waiting out a recovery hold).
 #[derive(Debug, Clone, Copy)]
-pub struct DeviceListInput<'a> {
+pub(crate) struct DeviceListInput<'a> {
     pub faults: &'a [Fault],
     pub inventory: &'a BTreeMap<String, BTreeSet<String>>,
     pub recovering: &'a BTreeSet<(String, String)>,
@@ -155,7 +156,7 @@ impl<'a> From<&'a NodeView> for DeviceListInput<'a> {
 
 /// The `DeviceList` map from the engine's published view: chips from the Ascend inventory,
 /// faults from the Ascend source; the keys of each chip family present.
-pub fn device_list(input: DeviceListInput<'_>) -> BTreeMap<String, String> {
+pub(crate) fn device_list(input: DeviceListInput<'_>) -> BTreeMap<String, String> {
     let mut out = BTreeMap::new();
     for family in FAMILIES {
         let prefix = format!("{family}-");
@@ -280,7 +281,7 @@ fn family_list(family: &str, input: DeviceListInput<'_>) -> BTreeMap<String, Str
 
 /// The `DeviceInfoCfg` document: `CheckCode` is the hex sha256 of the JSON of `DeviceInfo`,
 /// fields in MindCluster's order, `SuperPodID` and `ServerIndex` -2 (not part of a super pod).
-pub fn render(list: &BTreeMap<String, String>, update_time: i64) -> String {
+pub(crate) fn render(list: &BTreeMap<String, String>, update_time: i64) -> String {
     let info = DeviceInfo {
         device_list: list,
         update_time,
@@ -298,13 +299,13 @@ pub fn render(list: &BTreeMap<String, String>, update_time: i64) -> String {
 /// The `UpdateTime` (Unix seconds) of the next document: now, but always after the last one.
 /// Volcano skips a document whose UpdateTime is not newer than the one it holds, so two
 /// changes within one second (or a clock stepped back) would lose the second.
-pub fn next_update_time(last: Option<i64>, now: i64) -> i64 {
+pub(crate) fn next_update_time(last: Option<i64>, now: i64) -> i64 {
     last.map_or(now, |l| now.max(l.saturating_add(1)))
 }
 
 /// Whether the lists name any chip. A node without chips gets no document, as MindCluster's
 /// device plugin publishes none there (it exits when it finds no device).
-pub fn has_chips(list: &BTreeMap<String, String>) -> bool {
+pub(crate) fn has_chips(list: &BTreeMap<String, String>) -> bool {
     FAMILIES.iter().any(|f| {
         ["", "Unhealthy", "NetworkUnhealthy", "Recovering"]
             .iter()
@@ -322,7 +323,7 @@ fn last_update_time(path: &std::path::Path) -> Option<i64> {
 
 /// Where a document (this sink's `DeviceInfoCfg`, `publicfault`'s message) goes besides the
 /// local file.
-pub trait DocumentPublisher: Send + Sync + 'static {
+pub(crate) trait DocumentPublisher: Send + Sync + 'static {
     /// Why a document could not be written.
     type Error: std::error::Error + Send;
     /// Writes the document; the error is logged and retried.
@@ -334,7 +335,7 @@ pub trait DocumentPublisher: Send + Sync + 'static {
 
 /// No Kubernetes: the local file only.
 #[derive(Debug, Clone, Copy, Default)]
-pub struct FileOnly;
+pub(crate) struct FileOnly;
 
 impl DocumentPublisher for FileOnly {
     type Error = std::convert::Infallible;
@@ -345,7 +346,7 @@ impl DocumentPublisher for FileOnly {
 
 /// Everything `run` needs.
 #[derive(Debug)]
-pub struct MindClusterSink<P: DocumentPublisher> {
+pub(crate) struct MindClusterSink<P: DocumentPublisher> {
     pub dir: PathBuf,
     pub publisher: P,
     pub snapshots: watch::Receiver<Option<Snapshot>>,
@@ -357,7 +358,7 @@ pub struct MindClusterSink<P: DocumentPublisher> {
 
 impl<P: DocumentPublisher> MindClusterSink<P> {
     /// The same sink publishing somewhere else as well.
-    pub fn with_publisher<Q: DocumentPublisher>(self, publisher: Q) -> MindClusterSink<Q> {
+    pub(crate) fn with_publisher<Q: DocumentPublisher>(self, publisher: Q) -> MindClusterSink<Q> {
         MindClusterSink {
             dir: self.dir,
             publisher,
@@ -370,7 +371,7 @@ impl<P: DocumentPublisher> MindClusterSink<P> {
     }
 
     /// Runs until shutdown or the engine stops. Does nothing while the output is disabled.
-    pub async fn run(mut self) {
+    pub(crate) async fn run(mut self) {
         let label = SinkLabel {
             sink: "mindcluster",
         };

@@ -5,8 +5,8 @@
 
 pub mod file;
 pub mod kube;
-pub mod mindcluster;
-pub mod publicfault;
+pub(crate) mod mindcluster;
+pub(crate) mod publicfault;
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -17,7 +17,7 @@ use kube::deviceinfo::DeviceInfoPublisher;
 /// MindCluster's outputs, as the daemon starts them: the `DeviceInfoCfg` document (a local file
 /// and, in Kubernetes, its ConfigMap) and, in Kubernetes only, the public faults for ClusterD.
 #[derive(Debug)]
-pub struct MindCluster {
+pub(crate) struct MindCluster {
     /// The document's local file.
     pub state_dir: PathBuf,
     /// The public faults' outbox: durable state, since after a reboot the faults the reboot
@@ -62,7 +62,7 @@ impl Component for MindCluster {
 
 /// What ended a sink's wait.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Woke {
+pub(crate) enum Woke {
     /// A new snapshot, or `wake` passed.
     Snapshot,
     /// The policy changed.
@@ -73,7 +73,7 @@ pub enum Woke {
 
 /// The wait of a sink that follows both the snapshots and the policy (the MindCluster outputs):
 /// until a new snapshot, `wake` (`None`: no deadline), a policy change or shutdown.
-pub async fn next_input<T, P>(
+pub(crate) async fn next_input<T, P>(
     shutdown: &tokio_util::sync::CancellationToken,
     snapshots: &mut tokio::sync::watch::Receiver<T>,
     policy: &mut tokio::sync::watch::Receiver<P>,

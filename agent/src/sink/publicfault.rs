@@ -39,14 +39,14 @@ use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::{Clock, Snapshot};
 use crate::sink::mindcluster::DocumentPublisher;
 
-pub const CONFIGMAP_PREFIX: &str = "faultline-publicfault-";
-pub const NAMESPACE: &str = "kube-system";
-pub const DATA_KEY: &str = "PublicFault";
-pub const CONSUMER_LABEL: (&str, &str) = ("mc-consumer-publicfault", "true");
+pub(crate) const CONFIGMAP_PREFIX: &str = "faultline-publicfault-";
+pub(crate) const NAMESPACE: &str = "kube-system";
+pub(crate) const DATA_KEY: &str = "PublicFault";
+pub(crate) const CONSUMER_LABEL: (&str, &str) = ("mc-consumer-publicfault", "true");
 /// ClusterD takes 1 to 100 faults per message.
-pub const MAX_FAULTS: usize = 100;
+pub(crate) const MAX_FAULTS: usize = 100;
 /// How long a `recover` entry is repeated in later messages.
-pub const RECOVER_KEPT: Duration = Duration::from_secs(600);
+pub(crate) const RECOVER_KEPT: Duration = Duration::from_secs(600);
 /// ClusterD's limits on free text and locations.
 const DESCRIPTION_MAX: usize = 512;
 const LOCATION_VALUE_MAX: usize = 128;
@@ -56,7 +56,7 @@ const MAX_DEVICE_ID: i32 = 31;
 /// One public-fault message (`PubFaultInfo` in ClusterD's terms).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Message {
+pub(crate) struct Message {
     pub id: String,
     /// Unix milliseconds.
     pub timestamp: i64,
@@ -67,7 +67,7 @@ pub struct Message {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct PublicFault {
+pub(crate) struct PublicFault {
     pub fault_id: String,
     /// `NPU`, `Network` or `Node`.
     pub fault_type: String,
@@ -83,14 +83,14 @@ pub struct PublicFault {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Influence {
+pub(crate) struct Influence {
     pub node_name: String,
     pub device_ids: Vec<i32>,
 }
 
 /// The levels ClusterD gives public faults, most severe last.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum PublicLevel {
+pub(crate) enum PublicLevel {
     NotHandleFault,
     SubHealthFault,
     PreSeparateNPU,
@@ -100,7 +100,7 @@ pub enum PublicLevel {
 impl PublicLevel {
     /// faultline's level in ClusterD's four: the restart levels (which a scheduler treats as
     /// "degraded") are SubHealthFault, a chip reset or a pre-separation PreSeparateNPU.
-    pub fn of(h: Handling) -> PublicLevel {
+    pub(crate) fn of(h: Handling) -> PublicLevel {
         match h {
             Handling::NotHandleFault => PublicLevel::NotHandleFault,
             Handling::SubHealthFault | Handling::RestartRequest | Handling::RestartBusiness => {
@@ -113,7 +113,8 @@ impl PublicLevel {
         }
     }
 
-    pub const ALL: [PublicLevel; 4] = [
+    #[cfg(test)]
+    pub(crate) const ALL: [PublicLevel; 4] = [
         PublicLevel::NotHandleFault,
         PublicLevel::SubHealthFault,
         PublicLevel::PreSeparateNPU,
@@ -121,7 +122,8 @@ impl PublicLevel {
     ];
 
     /// The key of ClusterD's `publicFaultCode` table for this level.
-    pub fn table_key(self) -> &'static str {
+    #[cfg(test)]
+    pub(crate) fn table_key(self) -> &'static str {
         match self {
             PublicLevel::NotHandleFault => "NotHandleFaultCodes",
             PublicLevel::SubHealthFault => "SubHealthFaultCodes",
@@ -132,12 +134,13 @@ impl PublicLevel {
 }
 
 /// ClusterD's fault types.
-pub const FAULT_TYPES: [&str; 3] = ["NPU", "Network", "Node"];
+#[cfg(test)]
+pub(crate) const FAULT_TYPES: [&str; 3] = ["NPU", "Network", "Node"];
 
 /// faultline's public fault code for a kind and a level: nine characters, `9` (faultline),
 /// the kind (`1` NPU, `2` Network, `3` Node), `0000`, the level (`1` NotHandleFault ...
 /// `4` SeparateNPU) as three digits. No code ClusterD ships starts with 9.
-pub fn public_code(fault_type: &str, level: PublicLevel) -> String {
+pub(crate) fn public_code(fault_type: &str, level: PublicLevel) -> String {
     let kind = match fault_type {
         "NPU" => 1,
         "Network" => 2,
@@ -197,7 +200,7 @@ fn hash16(parts: &[&str]) -> String {
 }
 
 /// Whether ClusterD accepts a node name (a lowercase DNS name, as Kubernetes Node names are).
-pub fn valid_node_name(n: &str) -> bool {
+pub(crate) fn valid_node_name(n: &str) -> bool {
     let b = n.as_bytes();
     !b.is_empty()
         && b.len() <= 253
@@ -210,7 +213,7 @@ pub fn valid_node_name(n: &str) -> bool {
 /// The `occur` entries for a record: every active fault but the Ascend hex codes (the device
 /// plugin reports those), worst first. Empty on a node with no Ascend chip (ClusterD takes
 /// public faults only for nodes its device plugin serves) or with a name it would refuse.
-pub fn entries(
+pub(crate) fn entries(
     node: &str,
     faults: &[Fault],
     inventory: &BTreeMap<String, BTreeSet<String>>,
@@ -294,7 +297,7 @@ pub fn entries(
 /// (`publicfault.json`, kept by a reboot), so a restarted or rebooted agent still retracts what
 /// it published before: ClusterD clears a public fault only on its `recover`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Outbox {
+pub(crate) struct Outbox {
     /// The resource the entries were sent under.
     resource: String,
     /// The `occur` entries of the last message, by faultId.
@@ -307,20 +310,20 @@ pub struct Outbox {
 }
 
 /// The outbox's file in the data directory.
-pub const OUTBOX_FILE: &str = "publicfault.json";
+pub(crate) const OUTBOX_FILE: &str = "publicfault.json";
 /// The most of it read back (a hundred entries of at most about 1.5 KiB each, twice).
 const OUTBOX_MAX_BYTES: u64 = 1 << 20;
 
 impl Outbox {
     /// Whether nothing is published that could need a `recover`.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.occurring.is_empty() && self.recovered.is_empty()
     }
 
     /// Whether `current` differs from what the last message was made of. The faultId holds
     /// the code, the level and the chips, so comparing ids is comparing all ClusterD keeps (a
     /// new description alone is no reason to write).
-    pub fn changed(&self, current: &[PublicFault]) -> bool {
+    pub(crate) fn changed(&self, current: &[PublicFault]) -> bool {
         current.len() != self.considered.len()
             || current
                 .iter()
@@ -328,7 +331,7 @@ impl Outbox {
     }
 
     /// Whether a repeated `recover` has been repeated long enough.
-    pub fn expiring(&self, now: Timestamp) -> bool {
+    pub(crate) fn expiring(&self, now: Timestamp) -> bool {
         let kept = i64::try_from(RECOVER_KEPT.as_millis()).unwrap_or(i64::MAX);
         self.recovered
             .values()
@@ -340,7 +343,7 @@ impl Outbox {
     /// fault that just ended goes first (as `recover`), then the current ones worst first, then
     /// repeated recoveries; past [`MAX_FAULTS`] the rest waits: an ended fault stays pending,
     /// a current one not sent counts as not published.
-    pub fn message(
+    pub(crate) fn message(
         &self,
         node: &str,
         resource: &str,
@@ -410,7 +413,7 @@ impl Outbox {
 
     /// Reads the outbox a previous run left; a missing, oversized or unreadable file is an
     /// empty outbox (with a warning for the last two).
-    pub fn load(dir: &std::path::Path) -> Outbox {
+    pub(crate) fn load(dir: &std::path::Path) -> Outbox {
         use std::io::Read;
         let path = dir.join(OUTBOX_FILE);
         let Ok(f) = std::fs::File::open(&path) else {
@@ -438,7 +441,7 @@ const EARLIEST_MS: i64 = 1_735_689_600_000;
 
 /// Everything `run` needs.
 #[derive(Debug)]
-pub struct PublicFaultSink<P: DocumentPublisher> {
+pub(crate) struct PublicFaultSink<P: DocumentPublisher> {
     pub node: String,
     /// The state directory (the outbox file).
     pub dir: std::path::PathBuf,
@@ -463,7 +466,7 @@ impl<P: DocumentPublisher> PublicFaultSink<P> {
     /// messages beyond its rate limit (100 at once, then 1 a second per resource) and after a
     /// restart replays only the last one. A failed write is retried with backoff and never
     /// holds up detection.
-    pub async fn run(mut self) {
+    pub(crate) async fn run(mut self) {
         let label = SinkLabel {
             sink: "publicfault",
         };

@@ -62,23 +62,23 @@ use crate::clear::{ClearApplied, ClearResult, MAX_RESULT_BYTES};
 use crate::component::{Component, Context, Handle, StartError};
 use crate::operator_file::{read_bytes, read_opened, OperatorFileError};
 
-pub const CLEAR_DIR: &str = "clear.d";
+pub(crate) const CLEAR_DIR: &str = "clear.d";
 /// A request that is taken and being applied.
-pub const APPLYING_SUFFIX: &str = ".applying";
+pub(crate) const APPLYING_SUFFIX: &str = ".applying";
 /// The largest request read. A clear request is a few dozen bytes; the largest valid one, as
 /// `faultline clear` writes it (two fields of [`MAX_FIELD_CHARS`] characters; JSON takes at
 /// most 6 bytes for a character, a control character's `\u00XX`), is about 3 KiB. Anything
 /// longer is not a request, and is refused without being read into memory.
-pub const MAX_REQUEST_BYTES: u64 = 4096;
+pub(crate) const MAX_REQUEST_BYTES: u64 = 4096;
 /// The longest `code` or `device` accepted.
-pub const MAX_FIELD_CHARS: usize = 256;
+pub(crate) const MAX_FIELD_CHARS: usize = 256;
 
 /// One clear request; both fields absent clears every active fault. A field that is present
 /// must be a string: `{"code": null}` (what `jq -n '{code: env.CODE}'` writes with `CODE` unset)
 /// is refused, never read as "any code".
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct ClearRequest {
+pub(crate) struct ClearRequest {
     #[serde(
         default,
         deserialize_with = "present_string",
@@ -101,10 +101,10 @@ fn present_string<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Strin
 }
 
 /// The suffix of a request's answer: `<name>.json.done`.
-pub const DONE_SUFFIX: &str = ".done";
+pub(crate) const DONE_SUFFIX: &str = ".done";
 /// Why a request was not applied.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum RequestError {
+pub(crate) enum RequestError {
     #[error("a symbolic link (refused: a request must be a regular file in the directory)")]
     Symlink,
     #[error("not a regular file (FIFOs, devices and directories are refused)")]
@@ -122,7 +122,7 @@ pub enum RequestError {
 
 /// Parses a request: a JSON object with at most `code` and `device`, each at most once and a
 /// string.
-pub fn parse_request(bytes: &[u8]) -> Result<ClearRequest, RequestError> {
+pub(crate) fn parse_request(bytes: &[u8]) -> Result<ClearRequest, RequestError> {
     let v: serde_json::Value =
         serde_json::from_slice(bytes).map_err(|e| RequestError::Schema(e.to_string()))?;
     // A struct is read from an array too (`[]` would be `{}`).
@@ -156,7 +156,7 @@ fn kind(v: &serde_json::Value) -> &'static str {
 /// A request file's identity: the same file keeps it when renamed; a new file (a new request,
 /// even under an old name) or a file rewritten has another.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct FileId {
+pub(crate) struct FileId {
     dev: u64,
     ino: u64,
     mtime: (i64, i64),
@@ -177,7 +177,7 @@ impl FileId {
 /// The requests acted on (applied or rejected) in this run whose files are still in the
 /// directory: they are not read again.
 #[derive(Debug, Default)]
-pub struct Done(HashSet<FileId>);
+pub(crate) struct Done(HashSet<FileId>);
 
 /// One directory entry, read or recognised.
 #[derive(Debug)]
@@ -193,7 +193,7 @@ enum Entry {
 
 /// The request directory, opened without following a symlink.
 #[derive(Debug)]
-pub struct RequestDir {
+pub(crate) struct RequestDir {
     fd: OwnedFd,
     path: PathBuf,
     /// Tests: every rename and removal fails, as in a read-only directory (root, which the
@@ -203,7 +203,7 @@ pub struct RequestDir {
 
 /// One request found in the directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Pending {
+pub(crate) struct Pending {
     /// Its name now (`*.json.applying` once taken).
     pub name: String,
     pub request: ClearRequest,
@@ -234,7 +234,7 @@ fn request_key(name: &str, id: Option<FileId>) -> String {
 
 impl RequestDir {
     /// Opens `dir`; a symlink or anything but a directory is an error.
-    pub fn open(dir: &Path) -> std::io::Result<RequestDir> {
+    pub(crate) fn open(dir: &Path) -> std::io::Result<RequestDir> {
         let flags = OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC;
         let fd = rustix::fs::open(dir, flags, Mode::empty())?;
         Ok(RequestDir {
@@ -408,7 +408,8 @@ impl RequestDir {
     /// `*.rejected`. Requests already `*.applying` (left by a run that was killed) are returned
     /// too. A file in `done` is skipped; every file acted on is added to it before it is
     /// returned, and `done` forgets files no longer in the directory. Oldest name first.
-    pub fn take(&self, done: &mut Done) -> Vec<Pending> {
+    #[cfg(test)]
+    pub(crate) fn take(&self, done: &mut Done) -> Vec<Pending> {
         self.scan(done).0
     }
 
@@ -505,7 +506,7 @@ fn done_name(name: &str) -> String {
 
 /// An answer file that is there but is not a readable answer.
 #[derive(Debug, thiserror::Error)]
-pub enum ResultError {
+pub(crate) enum ResultError {
     #[error("{}: {source}", path.display())]
     Read {
         path: PathBuf,
@@ -522,7 +523,7 @@ pub enum ResultError {
 
 /// The agent's answer to the request named `name` (`*.json`) in `dir`, if it has answered: for
 /// the CLI. `Err` when the file there is not a readable answer.
-pub fn read_result(dir: &Path, name: &str) -> Option<Result<ClearResult, ResultError>> {
+pub(crate) fn read_result(dir: &Path, name: &str) -> Option<Result<ClearResult, ResultError>> {
     let path = dir.join(done_name(name));
     match read_bytes(&path, MAX_RESULT_BYTES) {
         Err(OperatorFileError::Io(e)) if e.kind() == std::io::ErrorKind::NotFound => None,
@@ -534,30 +535,30 @@ pub fn read_result(dir: &Path, name: &str) -> Option<Result<ClearResult, ResultE
 }
 
 /// Removes the answer to the request named `name` once read: for the CLI.
-pub fn remove_result(dir: &Path, name: &str) -> std::io::Result<()> {
+pub(crate) fn remove_result(dir: &Path, name: &str) -> std::io::Result<()> {
     std::fs::remove_file(dir.join(done_name(name)))
 }
 
 /// Whether a request named `name` (`*.json`) is still pending in `dir`: for the CLI.
-pub fn is_pending(dir: &Path, name: &str) -> bool {
+pub(crate) fn is_pending(dir: &Path, name: &str) -> bool {
     dir.join(name).exists() || dir.join(applying_name(name)).exists()
 }
 
 /// Whether the agent has taken the request named `name` (`*.json`) and not yet answered it (it
 /// is `*.json.applying`): for the CLI.
-pub fn is_taken(dir: &Path, name: &str) -> bool {
+pub(crate) fn is_taken(dir: &Path, name: &str) -> bool {
     dir.join(applying_name(name)).exists()
 }
 
 /// Withdraws the request named `name` (`*.json`) that the agent has not taken: for the CLI, once
 /// it stops waiting. The agent takes a request by renaming it, so exactly one of the two
 /// succeeds; `NotFound` means the agent took it first (or it was never there).
-pub fn withdraw(dir: &Path, name: &str) -> std::io::Result<()> {
+pub(crate) fn withdraw(dir: &Path, name: &str) -> std::io::Result<()> {
     std::fs::remove_file(dir.join(name))
 }
 
 /// Whether the agent rejected the request named `name` (`*.json`): for the CLI.
-pub fn is_rejected(dir: &Path, name: &str) -> bool {
+pub(crate) fn is_rejected(dir: &Path, name: &str) -> bool {
     dir.join(rejected_name(name)).exists()
 }
 
@@ -682,7 +683,7 @@ impl std::fmt::Debug for DirWatch {
 
 /// The clear requests' source, as the daemon starts it.
 #[derive(Debug)]
-pub struct Control {
+pub(crate) struct Control {
     pub state_dir: PathBuf,
     /// The highest engine-loop marker the file sink has written to disk.
     pub persisted: watch::Receiver<u64>,
@@ -711,7 +712,7 @@ impl Component for Control {
 /// loop's reports on the requests sent to it; `persisted` is the highest marker the file sink
 /// has written to disk. `retry`: how soon a read that met a passing failure is tried again
 /// (and how often the directory is read when inotify cannot be used).
-pub async fn run(
+pub(crate) async fn run(
     state_dir: PathBuf,
     ctx: SourceContext,
     mut persisted: watch::Receiver<u64>,

@@ -21,7 +21,7 @@ use faultline_core::time::Timestamp;
 use tracing::{debug, info, warn};
 
 use faultline_core::engine::{DetectorState, Observation};
-pub use faultline_core::kmsg_reader::{to_observation, Extent, KmsgReader, ReaderCounters};
+pub(crate) use faultline_core::kmsg_reader::{Extent, KmsgReader, ReaderCounters};
 use faultline_core::parse::kmsg::RecordError;
 use sha2::{Digest, Sha256};
 
@@ -122,7 +122,7 @@ impl ReaderCounters for Metrics {
 }
 
 /// Longest line kept from a file; the rest of a longer line is dropped and counted.
-pub const MAX_LINE: usize = 64 * 1024;
+pub(crate) const MAX_LINE: usize = 64 * 1024;
 
 /// The kernel-log source's flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -150,7 +150,7 @@ pub struct Flags {
 impl Flags {
     /// The source's configuration, resuming where the restored state left off; `None` with
     /// `--no-kmsg`.
-    pub fn config(
+    pub(crate) fn config(
         &self,
         resume_after: Option<faultline_core::engine::KmsgPosition>,
         skip_through: Option<Timestamp>,
@@ -173,7 +173,7 @@ impl Flags {
 
 /// Configuration of the kernel log source.
 #[derive(Debug, Clone)]
-pub struct KmsgConfig {
+pub(crate) struct KmsgConfig {
     pub path: PathBuf,
     /// Skip records up to this position (same boot, already counted).
     pub resume_after: Option<faultline_core::engine::KmsgPosition>,
@@ -189,7 +189,7 @@ pub struct KmsgConfig {
 }
 
 /// Reads `/proc/stat`'s `btime`: the wall-clock time of boot.
-pub fn boot_time(proc_stat: &Path) -> Option<Timestamp> {
+pub(crate) fn boot_time(proc_stat: &Path) -> Option<Timestamp> {
     let text = std::fs::read_to_string(proc_stat).ok()?;
     let secs: i64 = text
         .lines()
@@ -203,7 +203,7 @@ pub fn boot_time(proc_stat: &Path) -> Option<Timestamp> {
 /// Runs the source on a dedicated thread until shutdown. Never returns an error: failures are
 /// reported as the detector being down, and the thread retries.
 /// If the thread dies (a panic), the detector is reported Down.
-pub fn spawn(cfg: KmsgConfig, ctx: SourceContext) -> std::thread::JoinHandle<()> {
+pub(crate) fn spawn(cfg: KmsgConfig, ctx: SourceContext) -> std::thread::JoinHandle<()> {
     let on_death = super::report_down(DETECTOR_KMSG, &ctx);
     let shutdown = ctx.shutdown.clone();
     super::spawn_watched("kmsg", shutdown, move || run(cfg, ctx), on_death)

@@ -3,10 +3,10 @@
 //! Each source runs on its own task or thread, gets a [`SourceContext`] with the channel to the
 //! engine, the metrics and the shutdown token, and never blocks another source.
 
-pub mod ascend;
-pub mod control;
-pub mod kmsg;
-pub mod node;
+pub(crate) mod ascend;
+pub(crate) mod control;
+pub(crate) mod kmsg;
+pub(crate) mod node;
 pub mod nvml;
 pub mod policy_watch;
 
@@ -21,11 +21,11 @@ use crate::clock::Clock;
 use crate::metrics::Metrics;
 use faultline_core::engine::{DetectorState, Observation};
 
-pub use faultline_core::engine::Input;
+pub(crate) use faultline_core::engine::Input;
 
 /// What every source gets.
 #[derive(Debug, Clone)]
-pub struct SourceContext {
+pub(crate) struct SourceContext {
     pub tx: mpsc::Sender<Input>,
     pub metrics: Arc<Metrics>,
     /// The clock sources read time on.

@@ -16,11 +16,11 @@ use tracing::{debug, info, warn};
 use crate::component::{Component, Context, Handle, StartError};
 
 /// The label GPU feature discovery puts on GPU nodes.
-pub const GPU_COUNT_LABEL: &str = "nvidia.com/gpu.count";
+pub(crate) const GPU_COUNT_LABEL: &str = "nvidia.com/gpu.count";
 
 /// What the node's labels say of the expected GPU count.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuCountLabel {
+pub(crate) enum GpuCountLabel {
     /// The Node has not been read yet (Kubernetes mode, just started, or the API slow): no
     /// expectation can be judged, so a GPU_MISSING restored from state is neither ended nor
     /// raised again until it is read.
@@ -30,7 +30,7 @@ pub enum GpuCountLabel {
 }
 
 /// The expected GPU count a node's labels state, if any.
-pub fn gpu_count(labels: &BTreeMap<String, String>) -> Option<u32> {
+pub(crate) fn gpu_count(labels: &BTreeMap<String, String>) -> Option<u32> {
     labels
         .get(GPU_COUNT_LABEL)
         .and_then(|v| v.trim().parse().ok())
@@ -38,12 +38,12 @@ pub fn gpu_count(labels: &BTreeMap<String, String>) -> Option<u32> {
 
 /// The source that reads this node's GPU-count label, as the daemon starts it.
 #[derive(Debug)]
-pub struct GpuCountWatch(watch::Sender<GpuCountLabel>);
+pub(crate) struct GpuCountWatch(watch::Sender<GpuCountLabel>);
 
 impl GpuCountWatch {
     /// The source and the channel it publishes on: `Unread` until the first read in Kubernetes
     /// mode; standalone there is no label to wait for.
-    pub fn new(kubernetes: bool) -> (Self, watch::Receiver<GpuCountLabel>) {
+    pub(crate) fn new(kubernetes: bool) -> (Self, watch::Receiver<GpuCountLabel>) {
         let first = if kubernetes {
             GpuCountLabel::Unread
         } else {
@@ -74,7 +74,7 @@ impl Component for GpuCountWatch {
 }
 
 /// Reads the node's labels every `every` and publishes the GPU count they state.
-pub async fn watch_gpu_count(
+pub(crate) async fn watch_gpu_count(
     client: Client,
     node: String,
     tx: watch::Sender<GpuCountLabel>,

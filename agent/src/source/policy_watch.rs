@@ -154,12 +154,13 @@ pub struct Loaded {
 
 /// Reads and validates the file and the Ascend tables it names; on error returns the message
 /// for the status. The checksum covers all of them, so an edited table is reloaded too.
-pub fn read_policy(path: &Path) -> Result<(Policy, String), LoadError> {
+#[cfg(test)]
+pub(crate) fn read_policy(path: &Path) -> Result<(Policy, String), LoadError> {
     read_policy_seen(path).result
 }
 
 /// [`read_policy`], saying what it read.
-pub fn read_policy_seen(path: &Path) -> Loaded {
+pub(crate) fn read_policy_seen(path: &Path) -> Loaded {
     let mut seen = Seen::default();
     let mut hasher = sha2::Sha256::new();
     let result = read_and_parse(path, &mut seen, &mut hasher);
@@ -217,7 +218,7 @@ pub(crate) fn is_change(kind: &EventKind) -> bool {
 }
 /// Applies a (re)load result to the current state. Returns the new state, or `None` when
 /// nothing changed.
-pub fn apply_load(
+pub(crate) fn apply_load(
     current: &LoadedPolicy,
     path: &Path,
     result: Result<(Policy, String), LoadError>,
@@ -280,7 +281,8 @@ pub fn apply_load(
 }
 
 /// Loads the policy once (the built-in default when `path` is `None`).
-pub fn initial(path: Option<&Path>, metrics: &Metrics) -> LoadedPolicy {
+#[cfg(test)]
+pub(crate) fn initial(path: Option<&Path>, metrics: &Metrics) -> LoadedPolicy {
     let builtin = LoadedPolicy::builtin();
     match path {
         None => {
@@ -296,7 +298,7 @@ pub const START_WAIT: Duration = Duration::from_secs(2);
 
 /// Reads and validates a policy file ([`read_policy_seen`]; tests substitute a slow or counting
 /// one).
-pub type Reader = Arc<dyn Fn(&Path) -> Loaded + Send + Sync>;
+pub(crate) type Reader = Arc<dyn Fn(&Path) -> Loaded + Send + Sync>;
 
 /// The reader the agent uses.
 pub fn file_reader() -> Reader {
@@ -313,7 +315,8 @@ pub enum FirstLoad {
 
 impl FirstLoad {
     /// Whether the load was still running when detection started.
-    pub fn is_running(&self) -> bool {
+    #[cfg(test)]
+    pub(crate) fn is_running(&self) -> bool {
         matches!(self, FirstLoad::Running(_))
     }
 }

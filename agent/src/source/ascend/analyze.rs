@@ -21,14 +21,14 @@ use faultline_core::record::Source;
 use super::tools::ToolError;
 use crate::metrics::{DETECTOR_HCCN, DETECTOR_NPU_SMI};
 
-pub use faultline_core::catalog::ascend::{family_of, KIND, LINK_DOWN_CODE};
-pub const DOMAIN_CHIP: &str = "npu-chip";
-pub const DOMAIN_LINK: &str = "npu-link";
-pub const DOMAIN_NET: &str = "npu-net";
+pub(crate) use faultline_core::catalog::ascend::{family_of, LINK_DOWN_CODE};
+pub(crate) const DOMAIN_CHIP: &str = "npu-chip";
+pub(crate) const DOMAIN_LINK: &str = "npu-link";
+pub(crate) const DOMAIN_NET: &str = "npu-net";
 
 /// Why a query gave no reading; its text is the reason in the detector status.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum Unread {
+pub(crate) enum Unread {
     /// The tool is not installed.
     #[error("{0} not found")]
     Absent(String),
@@ -53,7 +53,7 @@ pub enum Unread {
 
 impl Unread {
     /// The call timed out: further calls to the same tool in this poll are skipped.
-    pub fn is_hung(&self) -> bool {
+    pub(crate) fn is_hung(&self) -> bool {
         matches!(
             self,
             Unread::Tool {
@@ -66,7 +66,7 @@ impl Unread {
 
 /// One port's readings; `None` where the query was not made (not configured).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LinkPoll {
+pub(crate) struct LinkPoll {
     pub status: Result<LinkStatus, Unread>,
     pub speed_mbps: Option<Result<u64, Unread>>,
     pub up_count: Option<Result<u64, Unread>>,
@@ -75,7 +75,7 @@ pub struct LinkPoll {
 
 /// What one poll read. Errors are the reason for the detector status.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Poll {
+pub(crate) struct Poll {
     pub chips: Result<Vec<NpuChip>, Unread>,
     /// Per chip (by logical id): its health query.
     pub health: BTreeMap<u32, Result<ChipHealth, Unread>>,
@@ -90,13 +90,13 @@ pub struct Poll {
 /// A chip as MindCluster names it: its family (from the model npu-smi shows, `310P3` ->
 /// `Ascend310P`) and its number: `Ascend910-3`, `Ascend310P-0`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct ChipId {
+pub(crate) struct ChipId {
     pub family: &'static str,
     pub id: u32,
 }
 
 impl ChipId {
-    pub fn of(c: &NpuChip) -> ChipId {
+    pub(crate) fn of(c: &NpuChip) -> ChipId {
         ChipId {
             family: family_of(&c.name),
             id: c.logical_id(),
@@ -111,7 +111,7 @@ impl std::fmt::Display for ChipId {
 }
 
 /// `Ascend910-<n>`, `Ascend310P-<n>`.
-pub fn chip_name(id: ChipId) -> String {
+pub(crate) fn chip_name(id: ChipId) -> String {
     id.to_string()
 }
 
@@ -121,7 +121,7 @@ fn device(id: ChipId) -> DeviceRef {
 
 /// The analyzer's memory between polls.
 #[derive(Debug, Default)]
-pub struct Analyzer {
+pub(crate) struct Analyzer {
     /// Chips seen so far, by logical id.
     seen: BTreeMap<u32, NpuChip>,
     /// Link-up counter samples per chip.
@@ -129,7 +129,7 @@ pub struct Analyzer {
 }
 
 impl Analyzer {
-    pub fn analyze(
+    pub(crate) fn analyze(
         &mut self,
         poll: &Poll,
         policy: &AscendPolicy,

@@ -8,8 +8,8 @@
 //! killed at `ascend.call_timeout`; a tool that fails or prints something unparseable marks its
 //! detector `Down` with the reason. Neither stops the agent nor loses a fault already known.
 
-pub mod analyze;
-pub mod tools;
+pub(crate) mod analyze;
+pub(crate) mod tools;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -63,10 +63,10 @@ async fn call<T: Tools, R>(
 
 /// `npu-smi` is not installed (under the name or path the agent was given).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NotInstalled(pub String);
+pub(crate) struct NotInstalled(pub String);
 
 /// Reads everything once.
-pub async fn poll_once<T: Tools>(
+pub(crate) async fn poll_once<T: Tools>(
     tools: &T,
     policy: &AscendPolicy,
     metrics: &Metrics,
@@ -203,7 +203,7 @@ pub async fn poll_once<T: Tools>(
 /// most frequent wake-up on every node without NPUs (issue 27 §2). A driver installed soon
 /// after the agent started (a driver DaemonSet) is seen soon; later, within this, or at once
 /// with a policy change or a restart.
-pub const ABSENT_RECHECK: std::time::Duration = std::time::Duration::from_secs(300);
+pub(crate) const ABSENT_RECHECK: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// The Ascend source's flags.
 #[derive(Debug, Clone, clap::Args)]
@@ -223,7 +223,7 @@ pub struct Flags {
 
 impl Flags {
     /// The source, running the tools the flags name; `None` with `--no-ascend`.
-    pub fn source(&self) -> Option<Ascend> {
+    pub(crate) fn source(&self) -> Option<Ascend> {
         if self.no_ascend {
             info!("Ascend source disabled");
             return None;
@@ -237,7 +237,7 @@ impl Flags {
 
 /// The Ascend source, as the daemon starts it.
 #[derive(Debug)]
-pub struct Ascend(tools::RealTools);
+pub(crate) struct Ascend(tools::RealTools);
 
 impl Component for Ascend {
     const NAME: &'static str = "ascend";
@@ -250,7 +250,7 @@ impl Component for Ascend {
 }
 
 /// Runs the source until shutdown.
-pub async fn run<T: Tools>(
+pub(crate) async fn run<T: Tools>(
     tools: Arc<T>,
     mut policy: watch::Receiver<LoadedPolicy>,
     ctx: SourceContext,

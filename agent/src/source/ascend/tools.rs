@@ -16,17 +16,17 @@ use std::time::Duration;
 use crate::child::{self, ChildError};
 
 /// `PATH` of a tool's process (for whatever it runs itself).
-pub const TOOL_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+pub(crate) const TOOL_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// The two tools the source calls.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Tool {
+pub(crate) enum Tool {
     NpuSmi,
     HccnTool,
 }
 
 impl Tool {
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Tool::NpuSmi => "npu-smi",
             Tool::HccnTool => "hccn_tool",
@@ -36,7 +36,7 @@ impl Tool {
 
 /// Why a call produced no output to parse.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ToolError {
+pub(crate) enum ToolError {
     /// Not installed: normal on a node without Ascend hardware.
     #[error("{0} not found")]
     NotFound(String),
@@ -49,7 +49,7 @@ pub enum ToolError {
 }
 
 /// Runs one tool invocation and returns its standard output.
-pub trait Tools: Send + Sync + 'static {
+pub(crate) trait Tools: Send + Sync + 'static {
     fn run(
         &self,
         tool: Tool,
@@ -61,7 +61,7 @@ pub trait Tools: Send + Sync + 'static {
 /// The executables to run, from the agent's flags: each a path, or a name looked up on the
 /// agent's own `PATH` (set by its deployment, like the flags).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ToolPaths {
+pub(crate) struct ToolPaths {
     pub npu_smi: PathBuf,
     pub hccn_tool: PathBuf,
 }
@@ -69,12 +69,12 @@ pub struct ToolPaths {
 /// The real tools. Looked up on every call, so a driver installed (or a tool replaced) after
 /// the agent started is picked up.
 #[derive(Debug, Clone)]
-pub struct RealTools {
+pub(crate) struct RealTools {
     paths: ToolPaths,
 }
 
 impl RealTools {
-    pub fn new(paths: ToolPaths) -> Self {
+    pub(crate) fn new(paths: ToolPaths) -> Self {
         RealTools { paths }
     }
 
@@ -136,7 +136,7 @@ impl Tools for RealTools {
 }
 
 /// The first line with text, shortened: enough for a reason in the record.
-pub fn excerpt(s: &str) -> String {
+pub(crate) fn excerpt(s: &str) -> String {
     child::first_line(s, 120)
 }
 

@@ -43,7 +43,7 @@ struct DevState {
 
 /// The analyzer's memory between passes (counter history only; no raised conditions).
 #[derive(Debug, Default)]
-pub struct Analyzer {
+pub(crate) struct Analyzer {
     devices: BTreeMap<u32, DevState>,
 }
 
@@ -72,12 +72,12 @@ fn device_ref(id: &Identity) -> DeviceRef {
 }
 
 impl Analyzer {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Analyzer::default()
     }
 
     /// A GPU's identity (at start): names it for the engine.
-    pub fn identity(&mut self, id: Identity) -> Vec<Observation> {
+    pub(crate) fn identity(&mut self, id: Identity) -> Vec<Observation> {
         let mut out = Vec::new();
         if let Some(pci) = id.pci {
             out.push(Observation::DeviceSeen {
@@ -94,7 +94,7 @@ impl Analyzer {
     /// The device count against the expected count (0, no expectation: nothing missing). An
     /// expectation not known yet (`None`) judges nothing: no level, so what the engine holds
     /// stays as it is.
-    pub fn inventory(&mut self, count: u32, expected: Option<u32>) -> Vec<Observation> {
+    pub(crate) fn inventory(&mut self, count: u32, expected: Option<u32>) -> Vec<Observation> {
         let Some(expected) = expected else {
             return Vec::new();
         };
@@ -118,7 +118,7 @@ impl Analyzer {
 
     /// One polling pass over one GPU: a `Level` per reading that succeeded, and a signal per
     /// uncorrectable ECC increase seen since this process's previous pass.
-    pub fn readings(
+    pub(crate) fn readings(
         &mut self,
         p: &NvmlPolicy,
         r: &DeviceReadings,
@@ -377,7 +377,7 @@ impl Analyzer {
     }
 
     /// An NVML event.
-    pub fn event(&mut self, ev: &NvmlEvent) -> Vec<Observation> {
+    pub(crate) fn event(&mut self, ev: &NvmlEvent) -> Vec<Observation> {
         let id = ev
             .index
             .and_then(|i| self.devices.get(&i))

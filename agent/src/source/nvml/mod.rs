@@ -10,7 +10,7 @@
 //! GPU is no longer watched. No NVML on the machine (no library, no driver) is normal: the
 //! detector is `Idle`, with one info line.
 
-pub mod analyze;
+pub(crate) mod analyze;
 pub mod readings;
 pub mod real;
 
@@ -45,7 +45,7 @@ pub struct Flags {
 
 impl Flags {
     /// The source, reading the GPU count the node's label states; `None` with `--no-nvml`.
-    pub fn source(&self, label: watch::Receiver<GpuCountLabel>) -> Option<Nvml> {
+    pub(crate) fn source(&self, label: watch::Receiver<GpuCountLabel>) -> Option<Nvml> {
         if self.no_nvml {
             info!("NVML source disabled");
             return None;
@@ -59,7 +59,7 @@ impl Flags {
 
 /// The NVML source, as the daemon starts it.
 #[derive(Debug)]
-pub struct Nvml {
+pub(crate) struct Nvml {
     /// The library to load; default: the system's `libnvidia-ml.so.1`.
     library: Option<PathBuf>,
     /// The GPU count the node's labels state (Kubernetes mode).
@@ -115,7 +115,7 @@ fn expected(policy: &LoadedPolicy, label: GpuCountLabel, waited: bool) -> Option
 
 /// Opens NVML and runs the source until shutdown. `label_count` is the GPU count the node's
 /// labels state (Kubernetes mode; always `None` standalone).
-pub async fn run(
+pub(crate) async fn run(
     library: Option<PathBuf>,
     policy: watch::Receiver<LoadedPolicy>,
     label_count: watch::Receiver<GpuCountLabel>,
@@ -188,7 +188,7 @@ fn nap(total: Duration, ctx: &SourceContext) {
 }
 
 /// Runs the source over an opened backend until shutdown.
-pub async fn run_with(
+pub(crate) async fn run_with(
     backend: Arc<dyn NvmlBackend>,
     mut policy: watch::Receiver<LoadedPolicy>,
     mut label_count: watch::Receiver<GpuCountLabel>,

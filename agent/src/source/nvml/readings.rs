@@ -26,12 +26,12 @@ pub enum CallError {
 }
 
 impl CallError {
-    pub fn is_lost(&self) -> bool {
+    pub(crate) fn is_lost(&self) -> bool {
         matches!(self, CallError::GpuLost | CallError::ResetRequired)
     }
 }
 
-pub type Reading<T> = Result<T, CallError>;
+pub(crate) type Reading<T> = Result<T, CallError>;
 
 /// A GPU's identity.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -86,7 +86,7 @@ pub struct DeviceReadings {
 
 impl DeviceReadings {
     /// Readings where every call failed the same way (a lost GPU).
-    pub fn all_failed(index: u32, e: CallError) -> Self {
+    pub(crate) fn all_failed(index: u32, e: CallError) -> Self {
         DeviceReadings {
             index,
             ecc_volatile: Err(e.clone()),
@@ -115,7 +115,7 @@ impl DeviceReadings {
     }
 
     /// The first lost/reset-required error among the readings, if any.
-    pub fn lost(&self) -> Option<CallError> {
+    pub(crate) fn lost(&self) -> Option<CallError> {
         self.errors()
             .into_iter()
             .flatten()
@@ -124,7 +124,7 @@ impl DeviceReadings {
     }
 
     /// At least one reading succeeded.
-    pub fn any_read(&self) -> bool {
+    pub(crate) fn any_read(&self) -> bool {
         self.errors().iter().any(Option::is_none)
     }
 }
@@ -159,7 +159,7 @@ impl CallTracker {
     }
 
     /// Runs `f` as the NVML call `name`.
-    pub fn call<T>(&self, name: &'static str, f: impl FnOnce() -> T) -> T {
+    pub(crate) fn call<T>(&self, name: &'static str, f: impl FnOnce() -> T) -> T {
         *self.running.lock() = Some((name, self.clock.since_boot()));
         let out = f();
         *self.running.lock() = None;
@@ -167,7 +167,7 @@ impl CallTracker {
     }
 
     /// The call running for longer than `limit` at `now` (time since boot), with how long.
-    pub fn stuck(&self, limit: Duration, now: Duration) -> Option<(&'static str, Duration)> {
+    pub(crate) fn stuck(&self, limit: Duration, now: Duration) -> Option<(&'static str, Duration)> {
         let (name, since) = (*self.running.lock())?;
         let d = now.saturating_sub(since);
         (d > limit).then_some((name, d))

@@ -97,7 +97,7 @@ fn open_with(lib: Option<&Path>, driver_loaded: &Path) -> Result<RealNvml, OpenE
 }
 
 impl RealNvml {
-    pub fn driver_version(&self) -> Option<String> {
+    pub(crate) fn driver_version(&self) -> Option<String> {
         self.nvml.sys_driver_version().ok()
     }
 }
