@@ -15,7 +15,8 @@
 //! The Node and the ConfigMap are also watched by name ([`own`]), so that a deletion or an
 //! overwrite by someone else is repaired within seconds; the periodic resync is the backstop.
 //!
-//! What to write is decided by the pure functions in [`plan`]. Every API call they make is
+//! What to write is decided by pure functions beside each sink (`node::plan`,
+//! `configmap::plan`, `events::plan`). Every API call they make is
 //! listed in [`calls`]. An API error never reaches the engine or the local file: the sink logs,
 //! counts, backs off and tries again with whatever is newest then.
 
@@ -26,7 +27,6 @@ pub mod deviceinfo;
 pub mod events;
 pub mod node;
 pub mod own;
-pub mod plan;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -80,7 +80,7 @@ pub struct KubeSinkConfig {
     /// Where the taint budget is asked (`host:port`): the coordinator's Service.
     pub coordinator: String,
     /// The fault ConfigMap's write budget: a change of counts and last-seen times alone is
-    /// written at most once per this interval ([`plan::when_to_write`]); `ZERO` writes every
+    /// written at most once per this interval ([`configmap::plan::when_to_write`]); `ZERO` writes every
     /// change at once.
     pub write_interval: Duration,
     /// The Event sink's token bucket: Events a minute once `event_burst` are spent.
@@ -190,7 +190,7 @@ pub fn spawn(
         let metrics = metrics.clone();
         async move {
             while let Some(e) = rx.recv().await {
-                if tx.try_send(plan::Notice::Engine(e)).is_err() {
+                if tx.try_send(events::plan::Notice::Engine(e)).is_err() {
                     metrics.events_dropped.inc();
                 }
             }

@@ -20,6 +20,8 @@
 //! still one API write (a POST or a PATCH): the Recorder has no rate limit, so the bucket here
 //! is what bounds the write rate.
 
+pub mod plan;
+
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,10 +35,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::own::Seen;
-use super::plan::{self, EventSpec, Notice};
 use super::{retry, KubeSinkConfig};
 use crate::metrics::{Metrics, SinkLabel};
 use crate::pace::{LogPacer, WriteBudget};
+use plan::{EventSpec, Notice};
 
 /// Most notices held while the API is unreachable.
 pub const QUEUE: usize = 1024;

@@ -15,6 +15,8 @@
 //! asks the cluster's taint [`Budget`], and neither its answer nor its failure to answer holds
 //! the other two back (docs/operations.md, "When the taint budget cannot answer").
 
+pub mod plan;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,8 +31,8 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::budget::{Answer, Budget};
+use super::events::plan::Notice;
 use super::own::{self, DriftPacer, OwnVersions, Seen};
-use super::plan::{self, Notice};
 use super::{api, is_conflict, KubeSinkConfig, KubeSinkError, FIELD_MANAGER};
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::{Clock, SinkReport, Snapshot};

@@ -13,6 +13,8 @@
 //! in detectors that have not reported yet (their states are not restored) is not written.
 //! The record is cut to fit Kubernetes' 1 MiB limit ([`plan::fit_record`]).
 
+pub mod plan;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,11 +28,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::own::{self, DriftPacer, OwnVersions, Seen};
-use super::plan::{self, CountsPacer, RecordKeys, WriteWhen, CONFIGMAP_LIMIT, RECORD_KEY};
 use super::{api, KubeSinkConfig, KubeSinkError, FIELD_MANAGER};
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::Snapshot;
 use faultline_core::record::NodeRecord;
+use plan::{CountsPacer, RecordKeys, WriteWhen, CONFIGMAP_LIMIT, RECORD_KEY};
 
 /// The fault ConfigMap's name for a node.
 pub fn name(node: &str) -> String {
