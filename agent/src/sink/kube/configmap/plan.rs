@@ -265,6 +265,7 @@ impl CountsPacer {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
     use faultline_core::record::{AgentStatus, Fault, FaultType, Handling, PolicyStatus, Source};
 
