@@ -29,7 +29,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Patch, PatchParams};
-use kube::runtime::controller::{Action, Controller};
+use kube::runtime::controller::{self, Action, Controller};
 use kube::runtime::watcher;
 use kube::{Api, Client};
 use serde_json::json;
@@ -218,8 +218,12 @@ impl NodeSink {
                 ctx.clone(),
             )
             .for_each(|r| async move {
-                if let Err(e) = r {
-                    debug!(error = %e, "the node's controller");
+                match r {
+                    Err(controller::Error::QueueError(e)) => {
+                        warn!(error = %e, "watching the node failed; the periodic resync still repairs it");
+                    }
+                    Err(e) => debug!(error = %e, "the node's controller"),
+                    Ok(_) => {}
                 }
             })
             .await;
@@ -271,9 +275,13 @@ impl NodeSink {
         let (done, next) = match outcome {
             Ok(Outcome::Done { withheld, wrote }) => {
                 if wrote {
+                    // TODO(clock): `self.clock.instant() - snap.applied_at` once `applied_at` is
+                    // the clock's tokio Instant (the clock branch makes it one).
+                    #[allow(clippy::disallowed_methods)]
+                    let latency = snap.applied_at.elapsed();
                     self.metrics
                         .kube_publish_seconds
-                        .observe(snap.applied_at.elapsed().as_secs_f64());
+                        .observe(latency.as_secs_f64());
                 }
                 if wrote && repair {
                     info!("the node had lost what faultline wrote; repaired");
