@@ -122,21 +122,7 @@ pub async fn run(
     let mut budget = EventBudget::new(&cfg, clock.instant());
     let mut retry = retry();
     let mut wake: Option<Instant> = None;
-    let mut open = true;
-    while open || !queue.is_empty() {
-        if !open {
-            // Stopping: a last, bounded flush.
-            let deadline = clock.instant() + Duration::from_secs(2);
-            while let Some(ev) = queue.front() {
-                match tokio::time::timeout_at(deadline, publish(&recorder, &reference, ev)).await {
-                    Ok(Ok(())) => {
-                        queue.pop_front();
-                    }
-                    _ => break,
-                }
-            }
-            break;
-        }
+    loop {
         let sleep = async {
             match wake {
                 Some(w) => tokio::time::sleep_until(w).await,
@@ -144,20 +130,18 @@ pub async fn run(
             }
         };
         tokio::select! {
-            n = notices.recv() => match n {
-                Some(n) => {
+            n = notices.recv() => {
+                let Some(n) = n else { break };
+                enqueue(&mut queue, &mut budget, &n, &metrics, clock.instant());
+                while let Ok(n) = notices.try_recv() {
                     enqueue(&mut queue, &mut budget, &n, &metrics, clock.instant());
-                    while let Ok(n) = notices.try_recv() {
-                        enqueue(&mut queue, &mut budget, &n, &metrics, clock.instant());
-                    }
-                    if wake.is_some() {
-                        continue; // backing off: keep collecting
-                    }
                 }
-                None => { open = false; continue; }
-            },
-            _ = sleep => { wake = None; }
-            _ = shutdown.cancelled(), if wake.is_some() => { open = false; continue; }
+                if wake.is_some() {
+                    continue; // backing off: keep collecting
+                }
+            }
+            () = sleep => wake = None,
+            () = shutdown.cancelled(), if wake.is_some() => break,
         }
         // The uid ties the Event to this incarnation of the Node, taken from the node sink's
         // store of it, so an incident costs no read of it; best effort: none before the
@@ -181,6 +165,16 @@ pub async fn run(
                     break;
                 }
             }
+        }
+    }
+    // Stopping: a last, bounded flush.
+    let deadline = clock.instant() + Duration::from_secs(2);
+    while let Some(ev) = queue.front() {
+        match tokio::time::timeout_at(deadline, publish(&recorder, &reference, ev)).await {
+            Ok(Ok(())) => {
+                queue.pop_front();
+            }
+            _ => break,
         }
     }
 }
