@@ -45,7 +45,10 @@ pub async fn cluster_records(
     use k8s_openapi::api::core::v1::ConfigMap;
     let cms: kube::Api<ConfigMap> = kube::Api::namespaced(client, namespace);
     let list = cms
-        .list(&kube::api::ListParams::default().labels(crate::sink::kube::plan::RECORDS_SELECTOR))
+        .list(
+            &kube::api::ListParams::default()
+                .labels(crate::sink::kube::configmap::plan::RECORDS_SELECTOR),
+        )
         .await?;
     let mut records = Vec::new();
     let mut bad = Vec::new();
@@ -54,7 +57,7 @@ pub async fn cluster_records(
         let text = cm
             .data
             .as_ref()
-            .and_then(|d| d.get(crate::sink::kube::plan::RECORD_KEY));
+            .and_then(|d| d.get(crate::sink::kube::configmap::plan::RECORD_KEY));
         match text.map(|t| serde_json::from_str::<NodeRecord>(t)) {
             Some(Ok(r)) => records.push(r),
             Some(Err(e)) => bad.push((name, e.to_string())),

@@ -12,26 +12,23 @@
 //! - [`events`]: Events on the Node through kube-runtime's `Recorder`, under a token bucket
 //!   (`--kube-event-burst`, then `--kube-event-rate` a minute).
 //!
-//! The Node and the ConfigMap are also watched by name ([`own`]), so that a deletion or an
-//! overwrite by someone else is repaired within seconds; the periodic resync is the backstop.
+//! The Node and the ConfigMap are also watched by name through kube-runtime (the node sink is a
+//! `Controller` of its one Node; the ConfigMap sink follows `watch_object`), so that a deletion
+//! or an overwrite by someone else is repaired within seconds ([`own`]: what the two share); the
+//! periodic resync is the backstop.
 //!
-//! What to write is decided by the pure functions in [`plan`]. Every API call they make is
+//! What to write is decided by pure functions beside each sink (`node::plan`,
+//! `configmap::plan`, `events::plan`). Every API call they make is
 //! listed in [`calls`]. An API error never reaches the engine or the local file: the sink logs,
 //! counts, backs off and tries again with whatever is newest then.
 
 pub mod budget;
 pub mod calls;
-#[allow(clippy::disallowed_methods)] // TODO(clock): time from the injected Clock
 pub mod configmap;
 pub mod deviceinfo;
-#[allow(clippy::disallowed_methods)] // TODO(clock): time from the injected Clock
 pub mod events;
-#[allow(clippy::disallowed_methods)] // TODO(clock): time from the injected Clock
 pub mod node;
-#[allow(clippy::disallowed_methods)] // TODO(clock): time from the injected Clock
 pub mod own;
-#[allow(clippy::disallowed_methods)] // TODO(clock): time from the injected Clock
-pub mod plan;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -85,7 +82,7 @@ pub struct KubeSinkConfig {
     /// Where the taint budget is asked (`host:port`): the coordinator's Service.
     pub coordinator: String,
     /// The fault ConfigMap's write budget: a change of counts and last-seen times alone is
-    /// written at most once per this interval ([`plan::when_to_write`]); `ZERO` writes every
+    /// written at most once per this interval ([`configmap::plan::when_to_write`]); `ZERO` writes every
     /// change at once.
     pub write_interval: Duration,
     /// The Event sink's token bucket: Events a minute once `event_burst` are spent.
@@ -305,7 +302,7 @@ pub fn spawn(
         let metrics = metrics.clone();
         async move {
             while let Some(e) = rx.recv().await {
-                if tx.try_send(plan::Notice::Engine(e)).is_err() {
+                if tx.try_send(events::plan::Notice::Engine(e)).is_err() {
                     metrics.events_dropped.inc();
                 }
             }
@@ -322,36 +319,22 @@ pub fn spawn(
         metrics.clone(),
         clock.clone(),
     );
-    let (own_node, node_watch) = own::watch_one(
+    let node_controller = node::controller(
         kube::Api::<k8s_openapi::api::core::v1::Node>::all(clients.watch.clone()),
         &cfg.node,
-        shutdown.clone(),
     );
-    let (own_cm, cm_watch) = own::watch_one(
-        kube::Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(
-            clients.watch,
-            &cfg.namespace,
-        ),
-        &configmap::name(&cfg.node),
-        shutdown.clone(),
-    );
-    let node_task = node_sink.run(
-        inputs.snapshots.clone(),
-        Some(own_node.clone()),
-        shutdown.clone(),
-    );
+    let node_store = node_controller.store();
+    let node_task = node_sink.run(node_controller, inputs.snapshots.clone());
     let cm_task = configmap::run(
         client.clone(),
+        kube::Api::namespaced(clients.watch, &cfg.namespace),
         cfg.clone(),
         inputs.snapshots,
-        Some(own_cm),
         metrics.clone(),
-        shutdown.clone(),
+        clock.clone(),
     );
-    let ev_task = events::run(client, cfg, notice_rx, own_node, metrics, shutdown);
+    let ev_task = events::run(client, cfg, notice_rx, node_store, metrics, clock, shutdown);
     vec![
-        node_watch,
-        cm_watch,
         tokio::spawn(forward),
         tokio::spawn(node_task.instrument(tracing::info_span!("sink", name = "node"))),
         tokio::spawn(cm_task.instrument(tracing::info_span!("sink", name = "configmap"))),

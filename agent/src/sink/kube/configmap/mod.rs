@@ -13,45 +13,50 @@
 //! in detectors that have not reported yet (their states are not restored) is not written.
 //! The record is cut to fit Kubernetes' 1 MiB limit ([`plan::fit_record`]).
 
+pub mod plan;
+
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Patch, PatchParams};
+use kube::runtime::watcher::watch_object;
+use kube::runtime::WatchStreamExt;
 use kube::{Api, Client};
 use serde_json::json;
 use tokio::sync::watch;
 use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use super::own::{self, DriftPacer, OwnVersions, Seen};
-use super::plan::{self, CountsPacer, RecordKeys, WriteWhen, CONFIGMAP_LIMIT, RECORD_KEY};
+use super::own::{DriftPacer, OwnVersions};
 use super::{api, KubeSinkConfig, KubeSinkError, FIELD_MANAGER};
 use crate::metrics::{Metrics, SinkLabel};
-use crate::runtime::Snapshot;
+use crate::runtime::{Clock, Snapshot};
 use faultline_core::record::NodeRecord;
+use plan::{CountsPacer, RecordKeys, WriteWhen, CONFIGMAP_LIMIT, RECORD_KEY};
 
 /// The fault ConfigMap's name for a node.
 pub fn name(node: &str) -> String {
     format!("faultline-{node}")
 }
 
-/// Runs until the snapshot channel closes, then makes one last bounded attempt. `own` is the
-/// watch of this ConfigMap ([`own::watch_one`]): when it is deleted or rewritten by someone else,
-/// the sink writes it again at once.
+/// Runs until the snapshot channel closes, then makes one last bounded attempt. `watched`: where
+/// the ConfigMap is watched by name (kube-runtime's `watch_object`): when someone else deletes
+/// or rewrites it, the sink writes it again at once.
 pub async fn run(
     client: Client,
+    watched: Api<ConfigMap>,
     cfg: KubeSinkConfig,
     mut snapshots: watch::Receiver<Option<Snapshot>>,
-    mut own: Option<watch::Receiver<Seen<ConfigMap>>>,
     metrics: Arc<Metrics>,
-    _shutdown: CancellationToken,
+    clock: Arc<dyn Clock>,
 ) {
     let cms: Api<ConfigMap> = Api::namespaced(client, &cfg.namespace);
     let name = name(&cfg.node);
     let label = SinkLabel { sink: "configmap" };
-    let started = Instant::now();
+    let mut own = watch_object(watched, &name).default_backoff().boxed();
+    let started = clock.instant();
     let (mut written, adopted_base) = match adopt(&cms, &cfg.node).await {
         Some((keys, base)) => (Some(keys), Some(base)),
         None => (None, None),
@@ -63,33 +68,30 @@ pub async fn run(
     // The keys of the attempt that failed, while its retry is pending.
     let mut failed: Option<RecordKeys> = None;
     // Writes of counters alone: one per interval, an interval after any write.
-    let mut counts = CountsPacer::new(cfg.write_interval, Instant::now());
+    let mut counts = CountsPacer::new(cfg.write_interval, started);
     let mut wake: Option<Instant> = None;
     let mut versions = OwnVersions::default();
     let mut pacer = DriftPacer::default();
-    let mut woke_by_own = false;
-    let mut settling = own::Settling::default();
+    // What the watch reported since the last turn, if anything.
+    let mut seen: Option<Option<ConfigMap>> = None;
     // A repair the pacer put off: counted when it is written.
     let mut repair = false;
     loop {
-        let now = Instant::now();
-        // Only a new report of the watch counts (`own::Settling` marked it seen): an old one
-        // compared again would undo what the sink wrote since.
-        if let Some(rx) = own.as_ref().filter(|_| woke_by_own) {
-            let seen = rx.borrow().clone();
-            let echo = matches!(&seen, Seen::Present(cm)
-                if versions.ours(cm.metadata.resource_version.as_deref()));
-            match on_server(&seen, &cfg.node) {
-                Some(there) if !echo && there != written => {
-                    // What the server holds is what is compared from now on.
-                    repair |= written.is_some();
-                    written = there;
-                }
-                _ => {}
+        let now = clock.instant();
+        let woke_by_own = seen.is_some();
+        if let Some(cm) = seen.take() {
+            let echo = cm
+                .as_ref()
+                .is_some_and(|cm| versions.ours(cm.metadata.resource_version.as_deref()));
+            let there = on_server(cm.as_ref(), &cfg.node);
+            if !echo && there != written {
+                // What the server holds is what is compared from now on.
+                repair |= written.is_some();
+                written = there;
             }
         }
         let paced = if repair && woke_by_own {
-            pacer.ask(now).err()
+            pacer.ask(clock.since_boot()).err()
         } else {
             None
         };
@@ -101,7 +103,7 @@ pub async fn run(
         match (snap, paced) {
             (_, Some(at)) => {
                 debug!("the fault ConfigMap was changed again; pacing the repair");
-                wake = Some(at);
+                wake = Some(now + at.saturating_sub(clock.since_boot()));
             }
             // Just restarted, nothing written since adopting the ConfigMap, and the record
             // differs from it only in detectors that have not reported yet: wait for them
@@ -149,7 +151,7 @@ pub async fn run(
                                         repair = false;
                                     }
                                     versions.note(rv.as_deref());
-                                    counts.written(change, Instant::now());
+                                    counts.written(change, clock.instant());
                                     written = Some(prepared.keys);
                                     failed = None;
                                     retry.reset();
@@ -160,7 +162,7 @@ pub async fn run(
                                     metrics.sink_errors.get_or_create(&label).inc();
                                     let delay = retry.next_delay();
                                     warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "writing the fault ConfigMap failed; detection goes on");
-                                    let at = Instant::now() + delay;
+                                    let at = clock.instant() + delay;
                                     failed = Some(prepared.keys);
                                     retry_at = Some(at);
                                     wake = Some(at);
@@ -172,10 +174,12 @@ pub async fn run(
             },
             _ => {}
         }
-        woke_by_own = false;
         tokio::select! {
             going = super::changed_or_woken(&mut snapshots, wake) => if !going { break },
-            () = settling.next(&mut own) => woke_by_own = true,
+            Some(event) = own.next() => match event {
+                Ok(cm) => seen = Some(cm),
+                Err(e) => warn!(error = %e, "watching the fault ConfigMap failed; the periodic resync still repairs it"),
+            },
         }
     }
     // Stopping: the newest record, whatever the write budget says (one bounded attempt), so
@@ -194,24 +198,16 @@ pub async fn run(
     }
 }
 
-/// What the watch says the server holds: `Some(None)` when the ConfigMap is gone, holds no
-/// readable record or lacks its labels (the taint budget counts nodes by them), `Some(keys)`
-/// for a record, `None` when the watch has not answered yet.
-fn on_server(seen: &Seen<ConfigMap>, node: &str) -> Option<Option<RecordKeys>> {
-    match seen {
-        Seen::Unknown => None,
-        Seen::Absent => Some(None),
-        Seen::Present(cm) => {
-            let record = record_in(cm).ok();
-            let labelled = |r: &NodeRecord| {
-                let have = cm.metadata.labels.as_ref();
-                plan::configmap_labels(node, r.health)
-                    .iter()
-                    .all(|(k, v)| have.and_then(|l| l.get(k)) == Some(v))
-            };
-            Some(record.filter(|r| labelled(r)).map(|r| RecordKeys::of(&r)))
-        }
-    }
+/// What the watch says the server holds: `None` when the ConfigMap is gone, holds no readable
+/// record or lacks its labels (the taint budget counts nodes by them), else the record's keys.
+fn on_server(cm: Option<&ConfigMap>, node: &str) -> Option<RecordKeys> {
+    let cm = cm?;
+    let record = record_in(cm).ok()?;
+    let have = cm.metadata.labels.as_ref();
+    plan::configmap_labels(node, record.health)
+        .iter()
+        .all(|(k, v)| have.and_then(|l| l.get(k)) == Some(v))
+        .then(|| RecordKeys::of(&record))
 }
 
 /// Why the record could not be read back from the fault ConfigMap.
@@ -334,6 +330,7 @@ async fn apply(
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
     use faultline_kube_emulator::{Emulator, ResourceRef};
     use serde_json::Value;
@@ -382,10 +379,9 @@ mod tests {
     }
 
     /// The ConfigMap is deleted while snapshots with nothing new keep coming (a busy node: a
-    /// marker, a policy status, a repeat within the same content), one every 50 ms, each well
-    /// inside the watch's 300 ms settle. The deletion is still repaired: a snapshot that wins
-    /// the sink's `select!` during the settle used to drop the settle and the change with it, and
-    /// the ConfigMap stayed deleted until the record next changed.
+    /// marker, a policy status, a repeat within the same content), one every 50 ms: the watch's
+    /// report of the deletion is not lost to the snapshots winning the sink's `select!`, and the
+    /// ConfigMap is written again without waiting for the record to change.
     #[tokio::test]
     async fn a_deleted_configmap_is_written_again_while_snapshots_keep_coming() {
         let emu = Emulator::start().await.unwrap();
@@ -395,14 +391,13 @@ mod tests {
         cfg.namespace = "faultline-system".into();
         cfg.settle = Duration::ZERO;
         let (snapshots, snap_rx) = watch::channel(None);
-        let (own_tx, own_rx) = watch::channel(Seen::Unknown);
         let sink = tokio::spawn(run(
-            client,
+            client.clone(),
+            Api::namespaced(client, "faultline-system"),
             cfg,
             snap_rx,
-            Some(own_rx),
             Arc::new(Metrics::new()),
-            CancellationToken::new(),
+            Arc::new(crate::runtime::SystemClock),
         ));
         let cm_ref = ResourceRef::config_map("faultline-system", "faultline-n1");
         let mut revision = 1;
@@ -414,7 +409,6 @@ mod tests {
         }
 
         assert!(emu.delete(&cm_ref));
-        own_tx.send_replace(Seen::Absent);
         let deleted = Instant::now();
         while emu.get(&cm_ref).is_none() {
             assert!(
@@ -445,19 +439,17 @@ mod tests {
         let record: NodeRecord = serde_json::from_str(&text).unwrap();
         let mut with_labels = cm(json!({ RECORD_KEY: text }));
         with_labels["metadata"]["labels"] = json!(plan::configmap_labels("n1", record.health));
-        let present =
-            |v: Value| Seen::Present(Arc::new(serde_json::from_value::<ConfigMap>(v).unwrap()));
-        assert_eq!(on_server(&Seen::Unknown, "n1"), None);
-        assert_eq!(on_server(&Seen::Absent, "n1"), Some(None));
+        let present = |v: Value| serde_json::from_value::<ConfigMap>(v).unwrap();
+        assert_eq!(on_server(None, "n1"), None);
         assert_eq!(
-            on_server(&present(with_labels.clone()), "n1"),
-            Some(Some(RecordKeys::of(&record)))
+            on_server(Some(&present(with_labels.clone())), "n1"),
+            Some(RecordKeys::of(&record))
         );
         let mut stripped = with_labels.clone();
         stripped["metadata"]["labels"] = json!({"app.kubernetes.io/name": "faultline"});
-        assert_eq!(on_server(&present(stripped), "n1"), Some(None));
+        assert_eq!(on_server(Some(&present(stripped)), "n1"), None);
         let mut garbled = with_labels;
         garbled["data"][RECORD_KEY] = json!("{");
-        assert_eq!(on_server(&present(garbled), "n1"), Some(None));
+        assert_eq!(on_server(Some(&present(garbled)), "n1"), None);
     }
 }

@@ -8,30 +8,39 @@
 //! - Condition: a strategic merge patch of the status subresource; conditions merge by `type`,
 //!   so the kubelet's conditions survive.
 //!
-//! Every change starts from the Node as it is (the own-Node watch's copy when that is the
+//! The sink is a kube-runtime [`Controller`] of its one Node ([`controller`]): its watcher keeps
+//! the Node in a store, and [`NodeSink::step`] runs on every change of the Node, every new
+//! snapshot and every requeue (the resync, the budget's recheck, the end of the settle time; a
+//! failed pass is requeued by the error policy after the sink's jittered backoff).
+//!
+//! Every change starts from the Node as it is (the store's copy when that is the
 //! version the sink itself last wrote or read, else a read), and writes happen only where the
 //! Node differs from the desired state: a restarted agent adopts what is there and writes
 //! nothing. The label and the condition are written before the taints: only a new hard taint
 //! asks the cluster's taint [`Budget`], and neither its answer nor its failure to answer holds
 //! the other two back (docs/operations.md, "When the taint budget cannot answer").
 
+pub mod plan;
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::{self, Action, Controller};
+use kube::runtime::watcher;
 use kube::{Api, Client};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
-use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use super::budget::{Answer, Budget};
-use super::own::{self, DriftPacer, OwnVersions, Seen};
-use super::plan::{self, Notice};
+use super::events::plan::Notice;
+use super::own::{DriftPacer, OwnVersions};
 use super::{api, is_conflict, KubeSinkConfig, KubeSinkError, FIELD_MANAGER};
+use crate::backoff::Backoff;
 use crate::metrics::{Metrics, SinkLabel};
 use crate::runtime::{Clock, SinkReport, Snapshot};
 use faultline_core::engine::{DesiredCondition, DesiredTaint};
@@ -84,6 +93,26 @@ enum Outcome {
     Settling,
 }
 
+/// What the last pass was for, and when the next one is due with nothing new (the resync, the
+/// budget's recheck, the retry after a failure, the end of the settle time).
+#[derive(Debug)]
+struct Last {
+    desired: Desired,
+    /// The pass made the Node carry `desired`: a later change of the Node is drift.
+    done: bool,
+    /// Since boot ([`Clock::since_boot`]).
+    due: Duration,
+}
+
+/// A failed pass and when to try again: the controller's `error_policy` requeues by it.
+#[derive(Debug, thiserror::Error)]
+#[error("{source}")]
+pub struct Retry {
+    after: Duration,
+    #[source]
+    source: KubeSinkError,
+}
+
 /// Node sink state.
 #[derive(Debug)]
 pub struct NodeSink {
@@ -94,10 +123,11 @@ pub struct NodeSink {
     report: watch::Sender<SinkReport>,
     metrics: Arc<Metrics>,
     clock: Arc<dyn Clock>,
-    started: Instant,
+    /// Since boot, as every time below.
+    started: Duration,
     /// When the sink last read the Node itself: the watch's copy stands in for a read only
     /// within a resync interval of it (a watch that fails keeps its last copy).
-    read_at: Option<Instant>,
+    read_at: Option<Duration>,
     /// The taints withheld at the last pass (to announce only changes).
     withheld: Vec<String>,
     /// The announcement of `withheld` when the notice queue was full (the API unreachable for
@@ -106,9 +136,21 @@ pub struct NodeSink {
     /// Versions of the Node this sink wrote or read (their watch echoes are not drift).
     versions: OwnVersions,
     pacer: DriftPacer,
+    retry: Backoff,
+    last: Option<Last>,
 }
 
 const MAX_TAINT_CONFLICTS: u32 = 8;
+
+/// The controller of the agent's own Node: kube-runtime's watcher on that one Node
+/// (`fieldSelector=metadata.name=<node>`) keeps its store, and every change of the Node, every
+/// new snapshot and every requeue runs [`NodeSink::step`] on the newest of both.
+pub fn controller(api: Api<Node>, node: &str) -> Controller<Node> {
+    Controller::new(
+        api,
+        watcher::Config::default().fields(&format!("metadata.name={node}")),
+    )
+}
 
 impl NodeSink {
     pub fn new(
@@ -136,144 +178,162 @@ impl NodeSink {
             notices,
             report,
             metrics,
+            started: clock.since_boot(),
             clock,
-            started: Instant::now(),
             read_at: None,
             withheld,
             unsent: None,
             versions: OwnVersions::default(),
             pacer: DriftPacer::default(),
+            retry: super::retry(),
+            last: None,
         }
     }
 
-    /// Runs until the snapshot channel closes, then makes one last bounded attempt. `own` is the
-    /// watch of this Node ([`own::watch_one`]): a change that takes away what the sink wrote is
-    /// repaired at once, not at the next resync.
+    /// Runs `controller` (from [`controller`]) until the snapshot channel closes, then makes
+    /// one last bounded attempt. A failed pass is retried by the controller's error policy
+    /// after the sink's backoff.
     pub async fn run(
-        mut self,
-        mut snapshots: watch::Receiver<Option<Snapshot>>,
-        mut own: Option<watch::Receiver<Seen<Node>>>,
-        _shutdown: CancellationToken,
+        self,
+        controller: Controller<Node>,
+        snapshots: watch::Receiver<Option<Snapshot>>,
     ) {
-        let mut done: Option<Desired> = None;
-        let mut wake: Option<Instant> = None;
-        let mut retry = super::retry();
-        let mut woke_by_own = false;
-        let mut settling = own::Settling::default();
-        // A repair the pacer put off: counted when it is written.
-        let mut repair_pending = false;
-        loop {
-            self.send_unsent();
-            let snap = snapshots.borrow_and_update().clone();
-            if let Some(snap) = snap {
-                let desired = Desired::of(&snap);
-                let now = Instant::now();
-                let due = wake.is_some_and(|w| now >= w);
-                let mut repair = false;
-                if done.as_ref() == Some(&desired) && self.drifted(&mut own, &desired) {
-                    match self.pacer.ask(now) {
-                        Ok(()) => repair = true,
-                        Err(at) => {
-                            debug!("the node drifted again; pacing the repair");
-                            repair_pending = true;
-                            wake = Some(wake.map_or(at, |w| w.min(at)));
-                        }
+        let changes = futures::stream::unfold(snapshots.clone(), |mut rx| async move {
+            rx.changed().await.ok().map(|()| ((), rx))
+        });
+        let mut closed = snapshots.clone();
+        let ctx = Arc::new((tokio::sync::Mutex::new(self), snapshots));
+        controller
+            .reconcile_all_on(changes)
+            .graceful_shutdown_on(async move { while closed.changed().await.is_ok() {} })
+            .run(
+                |node, ctx| async move {
+                    let snap = ctx.1.borrow().clone();
+                    ctx.0.lock().await.step(node, snap).await
+                },
+                |_, e, _| {
+                    warn!(error = %e, retry_in_ms = e.after.as_millis() as u64, "updating the node failed; detection goes on");
+                    Action::requeue(e.after)
+                },
+                ctx.clone(),
+            )
+            .for_each(|r| async move {
+                match r {
+                    Err(controller::Error::QueueError(e)) => {
+                        warn!(error = %e, "watching the node failed; the periodic resync still repairs it");
                     }
+                    Err(e) => debug!(error = %e, "the node's controller"),
+                    Ok(_) => {}
                 }
-                // A change of the watched Node alone cuts neither a retry backoff nor the settle
-                // wait short.
-                let held = woke_by_own && done.is_none() && !due;
-                if !held && (done.as_ref() != Some(&desired) || due || repair) {
-                    let watched = own.as_ref().and_then(|rx| match &*rx.borrow() {
-                        Seen::Present(node) => Some(node.clone()),
-                        Seen::Absent | Seen::Unknown => None,
-                    });
-                    match self.reconcile(&desired, watched).await {
-                        Ok(Outcome::Done { withheld, wrote }) => {
-                            if wrote {
-                                self.metrics
-                                    .kube_publish_seconds
-                                    .observe(snap.applied_at.elapsed().as_secs_f64());
-                            }
-                            if wrote && (repair || repair_pending) {
-                                info!("the node had lost what faultline wrote; repaired");
-                                self.metrics
-                                    .drift_repairs
-                                    .get_or_create(&SinkLabel { sink: "node" })
-                                    .inc();
-                            }
-                            repair_pending = false;
-                            done = Some(desired);
-                            retry.reset();
-                            let next = if withheld {
-                                self.cfg.budget_recheck
-                            } else {
-                                self.cfg.resync
-                            };
-                            wake = Some(Instant::now() + next);
-                        }
-                        Ok(Outcome::Settling) => {
-                            debug!("holding an improvement until the agent has settled");
-                            done = None;
-                            wake = Some(self.started + self.cfg.settle);
-                        }
-                        Err(e) => {
-                            self.metrics
-                                .sink_errors
-                                .get_or_create(&SinkLabel { sink: "node" })
-                                .inc();
-                            let delay = retry.next_delay();
-                            warn!(error = %e, retry_in_ms = delay.as_millis() as u64, "updating the node failed; detection goes on");
-                            done = None;
-                            wake = Some(Instant::now() + delay);
-                        }
-                    }
-                }
-            }
-            woke_by_own = false;
-            tokio::select! {
-                going = super::changed_or_woken(&mut snapshots, wake) => if !going { break },
-                () = settling.next(&mut own) => woke_by_own = true,
-            }
-        }
+            })
+            .await;
         // The engine stopped: push its final state if it differs, briefly.
-        let last = snapshots.borrow().clone();
+        let mut sink = ctx.0.lock().await;
+        let last = ctx.1.borrow().clone();
         if let Some(snap) = last {
             let desired = Desired::of(&snap);
-            if done.as_ref() != Some(&desired) {
+            if sink
+                .last
+                .as_ref()
+                .is_none_or(|l| !l.done || l.desired != desired)
+            {
                 let _ =
-                    tokio::time::timeout(Duration::from_secs(3), self.reconcile(&desired, None))
+                    tokio::time::timeout(Duration::from_secs(3), sink.reconcile(&desired, None))
                         .await;
             }
         }
     }
 
-    /// Whether the watched Node has lost what the sink last made it carry.
-    fn drifted(&self, own: &mut Option<watch::Receiver<Seen<Node>>>, desired: &Desired) -> bool {
-        let Some(rx) = own.as_mut() else {
-            return false;
+    /// One run of the controller: a pass when the engine wants something new, a pass is due, or
+    /// the Node lost what the last pass made it carry (a repair, paced by [`DriftPacer`]).
+    async fn step(&mut self, watched: Arc<Node>, snap: Option<Snapshot>) -> Result<Action, Retry> {
+        self.send_unsent();
+        let Some(snap) = snap else {
+            return Ok(Action::await_change());
         };
-        match &*rx.borrow_and_update() {
-            // The sink's own intermediate versions; its latest is checked like any other: a
-            // change someone made between its last read and its last write is in that write's
-            // result, which the pass did not check.
-            Seen::Present(node)
-                if self
-                    .versions
-                    .ours(node.metadata.resource_version.as_deref())
-                    && !self
-                        .versions
-                        .is_latest(node.metadata.resource_version.as_deref()) =>
-            {
-                false
+        let desired = Desired::of(&snap);
+        let now = self.clock.since_boot();
+        let mut repair = false;
+        if let Some(last) = self
+            .last
+            .as_ref()
+            .filter(|l| l.desired == desired && now < l.due)
+        {
+            // Nothing new and no pass due (a change of the Node alone cuts neither a retry's
+            // backoff nor the settle time short): only drift needs a pass.
+            if !last.done || !self.drifted(&watched, &desired) {
+                return Ok(Action::requeue(last.due - now));
             }
-            Seen::Present(node) => {
-                !desired.carried_by(node, !self.withheld.is_empty(), self.clock.now())
+            if let Err(at) = self.pacer.ask(now) {
+                debug!("the node drifted again; pacing the repair");
+                return Ok(Action::requeue(at - now));
             }
-            // A deleted Node cannot be repaired by this agent; the kubelet re-registers it, and
-            // that is a change the watch reports.
-            Seen::Absent | Seen::Unknown => false,
+            repair = true;
         }
+        let outcome = self.reconcile(&desired, Some(watched)).await;
+        let now = self.clock.since_boot();
+        let (done, next) = match outcome {
+            Ok(Outcome::Done { withheld, wrote }) => {
+                if wrote {
+                    let latency = self
+                        .clock
+                        .instant()
+                        .saturating_duration_since(snap.applied_at);
+                    self.metrics
+                        .kube_publish_seconds
+                        .observe(latency.as_secs_f64());
+                }
+                if wrote && repair {
+                    info!("the node had lost what faultline wrote; repaired");
+                    self.metrics
+                        .drift_repairs
+                        .get_or_create(&SinkLabel { sink: "node" })
+                        .inc();
+                }
+                self.retry.reset();
+                let next = if withheld {
+                    self.cfg.budget_recheck
+                } else {
+                    self.cfg.resync
+                };
+                (true, next)
+            }
+            Ok(Outcome::Settling) => {
+                debug!("holding an improvement until the agent has settled");
+                (false, (self.started + self.cfg.settle).saturating_sub(now))
+            }
+            Err(source) => {
+                self.metrics
+                    .sink_errors
+                    .get_or_create(&SinkLabel { sink: "node" })
+                    .inc();
+                let after = self.retry.next_delay();
+                self.last = Some(Last {
+                    desired,
+                    done: false,
+                    due: now + after,
+                });
+                return Err(Retry { after, source });
+            }
+        };
+        self.last = Some(Last {
+            desired,
+            done,
+            due: now + next,
+        });
+        Ok(Action::requeue(next))
+    }
+
+    /// Whether the watched Node has lost what the sink last made it carry. The sink's own
+    /// intermediate versions are not; its latest is checked like any other: a change someone
+    /// made between its last read and its last write is in that write's result, which the pass
+    /// did not check.
+    fn drifted(&self, node: &Node, desired: &Desired) -> bool {
+        let rv = node.metadata.resource_version.as_deref();
+        if self.versions.ours(rv) && !self.versions.is_latest(rv) {
+            return false;
+        }
+        !desired.carried_by(node, !self.withheld.is_empty(), self.clock.now())
     }
 
     fn wrote(&self, what: &'static str) {
@@ -286,7 +346,7 @@ impl NodeSink {
     /// Reads the Node, noting when and its version.
     async fn read(&mut self, name: &str) -> Result<Node, KubeSinkError> {
         let node = self.nodes.get(name).await.map_err(api("read the node"))?;
-        self.read_at = Some(Instant::now());
+        self.read_at = Some(self.clock.since_boot());
         self.versions.note_of(&node);
         Ok(node)
     }
@@ -307,9 +367,10 @@ impl NodeSink {
         watched: Option<Arc<Node>>,
     ) -> Result<Outcome, KubeSinkError> {
         let name = self.cfg.node.clone();
+        let now = self.clock.since_boot();
         let recent = self
             .read_at
-            .is_some_and(|at| at.elapsed() < self.cfg.resync);
+            .is_some_and(|at| now.saturating_sub(at) < self.cfg.resync);
         let mut node = match watched.filter(|n| {
             recent
                 && self
@@ -320,7 +381,7 @@ impl NodeSink {
             None => self.read(&name).await?,
         };
         let labels = node.metadata.labels.clone();
-        if self.started.elapsed() < self.cfg.settle
+        if now.saturating_sub(self.started) < self.cfg.settle
             && plan::is_improvement(labels.as_ref(), &desired.labels)
         {
             return Ok(Outcome::Settling);
@@ -887,8 +948,7 @@ mod tests {
         };
         sink.reconcile(&first, None).await.unwrap();
         let echo = n1_in(&emu);
-        let watching = |n: Node| Some(watch::channel(Seen::Present(Arc::new(n))).1);
-        assert!(!sink.drifted(&mut watching(echo.clone()), &first));
+        assert!(!sink.drifted(&echo, &first));
         // Someone takes the label away; the watch has not delivered it.
         let mut theirs = echo.clone();
         theirs.metadata.labels = None;
@@ -912,11 +972,11 @@ mod tests {
             result.metadata.labels
         );
         assert!(
-            sink.drifted(&mut watching(result), &second),
+            sink.drifted(&result, &second),
             "the sink's own latest version lacks the label: drift"
         );
         assert!(
-            !sink.drifted(&mut watching(echo), &second),
+            !sink.drifted(&echo, &second),
             "an earlier version of the sink's own is not"
         );
     }

@@ -20,23 +20,26 @@
 //! still one API write (a POST or a PATCH): the Recorder has no rate limit, so the bucket here
 //! is what bounds the write rate.
 
+pub mod plan;
+
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{Node, ObjectReference};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::Client;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::own::Seen;
-use super::plan::{self, EventSpec, Notice};
 use super::{retry, KubeSinkConfig};
 use crate::metrics::{Metrics, SinkLabel};
 use crate::pace::{LogPacer, WriteBudget};
+use crate::runtime::Clock;
+use plan::{EventSpec, Notice};
 
 /// Most notices held while the API is unreachable.
 pub const QUEUE: usize = 1024;
@@ -56,16 +59,15 @@ struct EventBudget {
 }
 
 impl EventBudget {
-    fn new(cfg: &KubeSinkConfig) -> Self {
+    fn new(cfg: &KubeSinkConfig, now: Instant) -> Self {
         EventBudget {
-            bucket: WriteBudget::per_minute(cfg.event_rate, cfg.event_burst, Instant::now()),
+            bucket: WriteBudget::per_minute(cfg.event_rate, cfg.event_burst, now),
             refusals: LogPacer::new(DROP_LOG_EVERY),
         }
     }
 
     /// Whether the Event may be published; counts and (at most once a minute) logs a refusal.
-    fn admit(&mut self, ev: &EventSpec, metrics: &Metrics) -> bool {
-        let now = Instant::now();
+    fn admit(&mut self, ev: &EventSpec, metrics: &Metrics, now: Instant) -> bool {
         // A withheld taint is announced once per change of the withheld list (the node sink
         // sends it only then) and always after the incident's fault notices: it never waits
         // for tokens the incident spent, or it would be lost for good.
@@ -97,8 +99,9 @@ pub async fn run(
     client: Client,
     cfg: KubeSinkConfig,
     mut notices: mpsc::Receiver<Notice>,
-    own: watch::Receiver<Seen<Node>>,
+    node: Store<Node>,
     metrics: Arc<Metrics>,
+    clock: Arc<dyn Clock>,
     shutdown: CancellationToken,
 ) {
     let recorder = Recorder::new(
@@ -116,24 +119,10 @@ pub async fn run(
     };
     let label = SinkLabel { sink: "event" };
     let mut queue: VecDeque<EventSpec> = VecDeque::new();
-    let mut budget = EventBudget::new(&cfg);
+    let mut budget = EventBudget::new(&cfg, clock.instant());
     let mut retry = retry();
     let mut wake: Option<Instant> = None;
-    let mut open = true;
-    while open || !queue.is_empty() {
-        if !open {
-            // Stopping: a last, bounded flush.
-            let deadline = Instant::now() + Duration::from_secs(2);
-            while let Some(ev) = queue.front() {
-                match tokio::time::timeout_at(deadline, publish(&recorder, &reference, ev)).await {
-                    Ok(Ok(())) => {
-                        queue.pop_front();
-                    }
-                    _ => break,
-                }
-            }
-            break;
-        }
+    loop {
         let sleep = async {
             match wake {
                 Some(w) => tokio::time::sleep_until(w).await,
@@ -141,25 +130,23 @@ pub async fn run(
             }
         };
         tokio::select! {
-            n = notices.recv() => match n {
-                Some(n) => {
-                    enqueue(&mut queue, &mut budget, &n, &metrics);
-                    while let Ok(n) = notices.try_recv() {
-                        enqueue(&mut queue, &mut budget, &n, &metrics);
-                    }
-                    if wake.is_some() {
-                        continue; // backing off: keep collecting
-                    }
+            n = notices.recv() => {
+                let Some(n) = n else { break };
+                enqueue(&mut queue, &mut budget, &n, &metrics, clock.instant());
+                while let Ok(n) = notices.try_recv() {
+                    enqueue(&mut queue, &mut budget, &n, &metrics, clock.instant());
                 }
-                None => { open = false; continue; }
-            },
-            _ = sleep => { wake = None; }
-            _ = shutdown.cancelled(), if wake.is_some() => { open = false; continue; }
+                if wake.is_some() {
+                    continue; // backing off: keep collecting
+                }
+            }
+            () = sleep => wake = None,
+            () = shutdown.cancelled(), if wake.is_some() => break,
         }
-        // The uid ties the Event to this incarnation of the Node, taken from the watch of this
-        // Node (`own`), so an incident costs no read of it; best effort: none before the
+        // The uid ties the Event to this incarnation of the Node, taken from the node sink's
+        // store of it, so an incident costs no read of it; best effort: none before the
         // watch's first answer.
-        if let Seen::Present(n) = &*own.borrow() {
+        if let Some(n) = node.get(&ObjectRef::new(&cfg.node)) {
             reference.uid.clone_from(&n.metadata.uid);
         }
         while let Some(ev) = queue.front() {
@@ -174,10 +161,20 @@ pub async fn run(
                     metrics.sink_errors.get_or_create(&label).inc();
                     let delay = retry.next_delay();
                     warn!(error = %e, queued = queue.len(), retry_in_ms = delay.as_millis() as u64, "publishing an Event failed; it stays queued");
-                    wake = Some(Instant::now() + delay);
+                    wake = Some(clock.instant() + delay);
                     break;
                 }
             }
+        }
+    }
+    // Stopping: a last, bounded flush.
+    let deadline = clock.instant() + Duration::from_secs(2);
+    while let Some(ev) = queue.front() {
+        match tokio::time::timeout_at(deadline, publish(&recorder, &reference, ev)).await {
+            Ok(Ok(())) => {
+                queue.pop_front();
+            }
+            _ => break,
         }
     }
 }
@@ -188,11 +185,12 @@ fn enqueue(
     budget: &mut EventBudget,
     n: &Notice,
     metrics: &Metrics,
+    now: Instant,
 ) {
     let Some(ev) = plan::event_for(n) else {
         return;
     };
-    if !budget.admit(&ev, metrics) {
+    if !budget.admit(&ev, metrics, now) {
         return;
     }
     if queue.len() >= QUEUE {
@@ -227,6 +225,7 @@ async fn publish(
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
     use faultline_core::engine::EngineEvent;
     use faultline_core::record::Handling;
@@ -254,8 +253,9 @@ mod tests {
             client,
             cfg,
             rx,
-            watch::channel(Seen::Unknown).1,
+            kube::runtime::reflector::store().0,
             metrics.clone(),
+            Arc::new(crate::runtime::SystemClock),
             CancellationToken::new(),
         ));
         let new_fault = |code: String, device: &str| {
@@ -319,7 +319,8 @@ mod tests {
         let mut node = Node::default();
         node.metadata.name = Some("n1".into());
         node.metadata.uid = Some("uid-of-n1".into());
-        let (_own_tx, own) = watch::channel(Seen::Present(Arc::new(node)));
+        let (own, mut writer) = kube::runtime::reflector::store();
+        writer.apply_watcher_event(&kube::runtime::watcher::Event::Apply(node));
         let (tx, rx) = mpsc::channel(QUEUE);
         let task = tokio::spawn(run(
             client,
@@ -327,6 +328,7 @@ mod tests {
             rx,
             own,
             Arc::new(Metrics::new()),
+            Arc::new(crate::runtime::SystemClock),
             CancellationToken::new(),
         ));
         tx.send(Notice::Engine(EngineEvent::NewFault {
