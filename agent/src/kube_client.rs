@@ -123,9 +123,8 @@ impl Sender<'_> {
 ///   A Lease write is tiny; an API server that cannot answer it in a second is in trouble.
 /// - `Calls` (every other request: reads, the sinks' writes, the CLI): 10 s, shorter than the
 ///   Lease, so a coordinator's own writes cannot outlast its leadership unnoticed; the sinks
-///   retry with backoff, so a hung server costs a sink at most this before the next try. The
-///   earlier 15 s equalled the Lease duration.
-/// - `Watch` (this node's own Node and ConfigMap, `sink::kube::own`): a watch is quiet for
+///   retry with backoff, so a hung server costs a sink at most this before the next try.
+/// - `Watch` (the node and ConfigMap sinks' watches of this node's own objects): a watch is quiet for
 ///   minutes. The API server sends a bookmark only about once a minute (the watch cache's
 ///   `defaultBookmarkFrequency`) and ends the watch after the watcher's `timeoutSeconds` (290 s,
 ///   kube-runtime's default, which also gives up on a stream idle for 295 s). A read timeout

@@ -26,14 +26,14 @@ const ADMIT_CALL_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The budget's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Answer {
+pub(crate) enum Answer {
     Allowed,
     Denied { used: u32, limit: u32, nodes: u32 },
 }
 
 /// Asks the coordinator for this node.
 #[derive(Debug, Clone)]
-pub struct Budget {
+pub(crate) struct Budget {
     node: String,
     /// The coordinator's Service (`host:port`).
     coordinator: String,
@@ -42,7 +42,7 @@ pub struct Budget {
 }
 
 impl Budget {
-    pub fn new(node: &str, coordinator: &str, token: Option<PathBuf>) -> Budget {
+    pub(crate) fn new(node: &str, coordinator: &str, token: Option<PathBuf>) -> Budget {
         Budget {
             node: node.to_string(),
             coordinator: coordinator.to_string(),
@@ -52,7 +52,7 @@ impl Budget {
 
     /// Asks whether this node may be newly tainted now: within [`ADMIT_CALL_TIMEOUT`] in all
     /// (connecting included).
-    pub async fn admit(&self) -> Result<Answer, KubeSinkError> {
+    pub(crate) async fn admit(&self) -> Result<Answer, KubeSinkError> {
         tokio::time::timeout(ADMIT_CALL_TIMEOUT, self.ask())
             .await
             .map_err(|_| {

@@ -18,7 +18,7 @@ use crate::sink::publicfault;
 /// A document the API server did not take.
 #[derive(Debug, thiserror::Error)]
 #[error("apply ConfigMap {namespace}/{name}: {source}")]
-pub struct PublishError {
+pub(crate) struct PublishError {
     pub namespace: &'static str,
     pub name: String,
     #[source]
@@ -27,7 +27,7 @@ pub struct PublishError {
 
 /// One labelled ConfigMap in `kube-system` holding one document under one key.
 #[derive(Clone, Debug)]
-pub struct DeviceInfoPublisher {
+pub(crate) struct DeviceInfoPublisher {
     api: Api<ConfigMap>,
     namespace: &'static str,
     name: String,
@@ -37,7 +37,7 @@ pub struct DeviceInfoPublisher {
 
 impl DeviceInfoPublisher {
     /// `mindx-dl-deviceinfo-<node>`, label `mx-consumer-cim=true`, key `DeviceInfoCfg`.
-    pub fn new(client: kube::Client, node: &str) -> Self {
+    pub(crate) fn new(client: kube::Client, node: &str) -> Self {
         DeviceInfoPublisher {
             api: Api::namespaced(client, NAMESPACE),
             namespace: NAMESPACE,
@@ -48,7 +48,7 @@ impl DeviceInfoPublisher {
     }
 
     /// `faultline-publicfault-<node>`, label `mc-consumer-publicfault=true`, key `PublicFault`.
-    pub fn public_faults(client: kube::Client, node: &str) -> Self {
+    pub(crate) fn public_faults(client: kube::Client, node: &str) -> Self {
         DeviceInfoPublisher {
             api: Api::namespaced(client, publicfault::NAMESPACE),
             namespace: publicfault::NAMESPACE,

@@ -22,13 +22,13 @@
 //! listed in [`calls`]. An API error never reaches the engine or the local file: the sink logs,
 //! counts, backs off and tries again with whatever is newest then.
 
-pub mod budget;
+pub(crate) mod budget;
 pub mod calls;
-pub mod configmap;
-pub mod deviceinfo;
-pub mod events;
-pub mod node;
-pub mod own;
+pub(crate) mod configmap;
+pub(crate) mod deviceinfo;
+pub(crate) mod events;
+pub(crate) mod node;
+pub(crate) mod own;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,7 +45,7 @@ use faultline_core::engine::EngineEvent;
 
 use crate::kube_client::DEFAULT_NAMESPACE;
 /// The field manager of every write (server-side apply ownership, `managedFields`).
-pub use crate::kube_client::FIELD_MANAGER;
+pub(crate) use crate::kube_client::FIELD_MANAGER;
 
 /// Where the coordinator's Service listens (`manifests/base/coordinator.yaml`): the taint budget
 /// is asked there unless `--coordinator` says otherwise. A fully qualified name in the default
@@ -53,17 +53,17 @@ pub use crate::kube_client::FIELD_MANAGER;
 /// whose first tries (`...svc.<namespace>.svc.cluster.local`, `...svc.svc.cluster.local`)
 /// could be answered by a Service in a namespace someone else controls, and the agent's token
 /// would go there. Another cluster domain: set `--coordinator`.
-pub fn coordinator_service(namespace: &str) -> String {
+pub(crate) fn coordinator_service(namespace: &str) -> String {
     format!("faultline-coordinator.{namespace}.svc.cluster.local.:20262")
 }
 /// The fault ConfigMap's default write budget for changes of counts and last-seen times alone
 /// (`--kube-write-interval`): a fault repeating all day costs the API server one write of the
 /// record every 10 s at most.
-pub const DEFAULT_WRITE_INTERVAL: Duration = Duration::from_secs(10);
+pub(crate) const DEFAULT_WRITE_INTERVAL: Duration = Duration::from_secs(10);
 
 /// Settings of the Kubernetes sinks.
 #[derive(Debug, Clone)]
-pub struct KubeSinkConfig {
+pub(crate) struct KubeSinkConfig {
     pub node: String,
     /// Where the fault ConfigMap lives.
     pub namespace: String,
@@ -91,7 +91,7 @@ pub struct KubeSinkConfig {
 }
 
 impl KubeSinkConfig {
-    pub fn new(node: impl Into<String>) -> Self {
+    pub(crate) fn new(node: impl Into<String>) -> Self {
         KubeSinkConfig {
             node: node.into(),
             namespace: DEFAULT_NAMESPACE.to_string(),
@@ -162,7 +162,11 @@ fn parse_kube_write_interval(s: &str) -> Result<Duration, FlagError> {
 
 impl Flags {
     /// The sinks' settings for this node, known to Kubernetes as `identity` says.
-    pub fn config(&self, node: &str, identity: &crate::kube_client::Flags) -> KubeSinkConfig {
+    pub(crate) fn config(
+        &self,
+        node: &str,
+        identity: &crate::kube_client::Flags,
+    ) -> KubeSinkConfig {
         KubeSinkConfig {
             namespace: identity.namespace.clone(),
             instance: identity.pod_name.clone(),
@@ -184,7 +188,7 @@ impl Flags {
 
 /// The Kubernetes sinks (the Node, the fault ConfigMap, Events), as the daemon starts them.
 #[derive(Debug)]
-pub struct KubeSinks {
+pub(crate) struct KubeSinks {
     pub config: KubeSinkConfig,
     pub events: mpsc::Receiver<EngineEvent>,
     /// Where the node sink reports a withheld taint (shown in the record).
@@ -220,7 +224,7 @@ impl Component for KubeSinks {
 
 /// Errors of the Kubernetes sinks (all retried).
 #[derive(Debug, thiserror::Error)]
-pub enum KubeSinkError {
+pub(crate) enum KubeSinkError {
     #[error("{what}: {source}")]
     Api {
         what: &'static str,
@@ -277,7 +281,7 @@ pub(crate) fn retry() -> Backoff {
 
 /// The channels the sinks need from the rest of the agent.
 #[derive(Debug)]
-pub struct KubeSinkInputs {
+pub(crate) struct KubeSinkInputs {
     pub snapshots: watch::Receiver<Option<Snapshot>>,
     /// Engine events, for the Event sink.
     pub events: mpsc::Receiver<EngineEvent>,
@@ -287,7 +291,7 @@ pub struct KubeSinkInputs {
 
 /// Starts the three sinks. They stop when the snapshot channel closes (the engine stopped),
 /// after a last attempt bounded by a few seconds.
-pub fn spawn(
+pub(crate) fn spawn(
     clients: crate::kube_client::Clients,
     cfg: KubeSinkConfig,
     inputs: KubeSinkInputs,

@@ -12,12 +12,12 @@ use crate::backoff::Backoff;
 /// The resource versions a sink itself wrote or read last, the newest last: the watch's echo
 /// of them is not drift (the agent's own multi-call pass makes intermediate versions).
 #[derive(Debug, Default)]
-pub struct OwnVersions(std::collections::VecDeque<String>);
+pub(crate) struct OwnVersions(std::collections::VecDeque<String>);
 
 impl OwnVersions {
     const KEEP: usize = 16;
 
-    pub fn note(&mut self, rv: Option<&str>) {
+    pub(crate) fn note(&mut self, rv: Option<&str>) {
         let Some(rv) = rv else { return };
         self.0.retain(|x| x != rv);
         if self.0.len() == Self::KEEP {
@@ -27,16 +27,16 @@ impl OwnVersions {
     }
 
     /// Whether `rv` is the version the sink noted last.
-    pub fn is_latest(&self, rv: Option<&str>) -> bool {
+    pub(crate) fn is_latest(&self, rv: Option<&str>) -> bool {
         rv.is_some_and(|rv| self.0.back().is_some_and(|x| x == rv))
     }
 
     /// [`Self::note`] of an object's resourceVersion.
-    pub fn note_of<K: Resource>(&mut self, obj: &K) {
+    pub(crate) fn note_of<K: Resource>(&mut self, obj: &K) {
         self.note(obj.meta().resource_version.as_deref());
     }
 
-    pub fn ours(&self, rv: Option<&str>) -> bool {
+    pub(crate) fn ours(&self, rv: Option<&str>) -> bool {
         rv.is_some_and(|rv| self.0.iter().any(|x| x == rv))
     }
 }
@@ -47,7 +47,7 @@ impl OwnVersions {
 /// of [`Backoff`] from 1 s up to 30 s (so a fleet whose labels one controller keeps undoing
 /// does not repair in step). A minute without drift starts over.
 #[derive(Debug)]
-pub struct DriftPacer {
+pub(crate) struct DriftPacer {
     /// Since boot ([`crate::runtime::Clock::since_boot`]), as `ask`'s times.
     last: Option<Duration>,
     wait: Duration,
@@ -65,12 +65,12 @@ impl Default for DriftPacer {
 }
 
 impl DriftPacer {
-    pub const FIRST: Duration = Duration::from_secs(1);
-    pub const MAX: Duration = Duration::from_secs(30);
-    pub const CALM: Duration = Duration::from_secs(60);
+    pub(crate) const FIRST: Duration = Duration::from_secs(1);
+    pub(crate) const MAX: Duration = Duration::from_secs(30);
+    pub(crate) const CALM: Duration = Duration::from_secs(60);
 
     /// `Ok`: repair now. `Err(at)`: not before `at`.
-    pub fn ask(&mut self, now: Duration) -> Result<(), Duration> {
+    pub(crate) fn ask(&mut self, now: Duration) -> Result<(), Duration> {
         if let Some(last) = self.last {
             if now < last + self.wait {
                 return Err(last + self.wait);

@@ -13,7 +13,7 @@
 //! in detectors that have not reported yet (their states are not restored) is not written.
 //! The record is cut to fit Kubernetes' 1 MiB limit ([`plan::fit_record`]).
 
-pub mod plan;
+pub(crate) mod plan;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -37,14 +37,14 @@ use faultline_core::record::NodeRecord;
 use plan::{CountsPacer, RecordKeys, WriteWhen, CONFIGMAP_LIMIT, RECORD_KEY};
 
 /// The fault ConfigMap's name for a node.
-pub fn name(node: &str) -> String {
+pub(crate) fn name(node: &str) -> String {
     format!("faultline-{node}")
 }
 
 /// Runs until the snapshot channel closes, then makes one last bounded attempt. `watched`: where
 /// the ConfigMap is watched by name (kube-runtime's `watch_object`): when someone else deletes
 /// or rewrites it, the sink writes it again at once.
-pub async fn run(
+pub(crate) async fn run(
     client: Client,
     watched: Api<ConfigMap>,
     cfg: KubeSinkConfig,
@@ -212,7 +212,7 @@ fn on_server(cm: Option<&ConfigMap>, node: &str) -> Option<RecordKeys> {
 
 /// Why the record could not be read back from the fault ConfigMap.
 #[derive(Debug, thiserror::Error)]
-pub enum ReadBackError {
+pub(crate) enum ReadBackError {
     #[error("cannot read the fault ConfigMap: {0}")]
     Api(#[source] kube::Error),
     #[error("the fault ConfigMap holds no readable record: {0}")]
@@ -221,7 +221,7 @@ pub enum ReadBackError {
 
 /// This node's record as its fault ConfigMap holds it; `Ok(None)` when there is no ConfigMap.
 /// The content is untrusted: it must parse as a record and be about `node`.
-pub async fn read_back(
+pub(crate) async fn read_back(
     cms: &Api<ConfigMap>,
     node: &str,
 ) -> Result<Option<NodeRecord>, ReadBackError> {

@@ -12,7 +12,7 @@ use tokio::time::Instant;
 use crate::pace::WriteBudget;
 
 /// A Kubernetes label value for `s`: itself when valid, else a shortened form with a hash.
-pub fn label_value(s: &str) -> String {
+pub(crate) fn label_value(s: &str) -> String {
     let valid = s.len() <= 63
         && s.bytes()
             .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
@@ -42,10 +42,10 @@ pub fn label_value(s: &str) -> String {
 }
 
 /// Selects the fault ConfigMaps, one per agent (`faultline cluster`).
-pub const RECORDS_SELECTOR: &str = "app.kubernetes.io/name=faultline,faultline.io/node";
+pub(crate) const RECORDS_SELECTOR: &str = "app.kubernetes.io/name=faultline,faultline.io/node";
 
 /// The labels of the fault ConfigMap (docs/kubernetes.md, "What the agent publishes").
-pub fn configmap_labels(node: &str, health: Health) -> BTreeMap<String, String> {
+pub(crate) fn configmap_labels(node: &str, health: Health) -> BTreeMap<String, String> {
     BTreeMap::from([
         (
             "app.kubernetes.io/name".to_string(),
@@ -57,15 +57,15 @@ pub fn configmap_labels(node: &str, health: Health) -> BTreeMap<String, String> 
 }
 
 /// The most a ConfigMap may hold: 1 MiB over all keys and values.
-pub const CONFIGMAP_LIMIT: usize = 1024 * 1024;
+pub(crate) const CONFIGMAP_LIMIT: usize = 1024 * 1024;
 /// The data key of the fault ConfigMap.
-pub const RECORD_KEY: &str = "faults.json";
+pub(crate) const RECORD_KEY: &str = "faults.json";
 
 /// The record as it goes into the ConfigMap: at most `limit` bytes of JSON. When it is larger,
 /// the oldest recovered faults go first, then the least severe active ones (the record is
 /// sorted that way: active most severe first, then recovered newest first), `droppedFaults`
 /// grows by as many, and `checkCode` is computed over what is left.
-pub fn fit_record(
+pub(crate) fn fit_record(
     record: &NodeRecord,
     limit: usize,
 ) -> Result<(String, NodeRecord), serde_json::Error> {
@@ -105,7 +105,7 @@ pub fn fit_record(
 
 /// What decides whether the ConfigMap needs a write: everything in the record except
 /// `updateTime` (which changes with every snapshot).
-pub fn content_key(record: &NodeRecord) -> String {
+pub(crate) fn content_key(record: &NodeRecord) -> String {
     let mut r = record.clone();
     r.update_time = Timestamp::UNIX_EPOCH;
     let bytes = serde_json::to_vec(&r).unwrap_or_default();
@@ -115,7 +115,7 @@ pub fn content_key(record: &NodeRecord) -> String {
 /// The content key without the detectors' states: a restarted agent's first records lack the
 /// detectors that have not reported yet (they are not restored), which is no change worth a
 /// write while the agent settles.
-pub fn content_key_without_detectors(record: &NodeRecord) -> String {
+pub(crate) fn content_key_without_detectors(record: &NodeRecord) -> String {
     let mut r = record.clone();
     r.agent.detectors.clear();
     content_key(&r)
@@ -123,7 +123,7 @@ pub fn content_key_without_detectors(record: &NodeRecord) -> String {
 
 /// The keys the fault ConfigMap sink compares records by.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RecordKeys {
+pub(crate) struct RecordKeys {
     /// [`content_key`]: any difference needs a write.
     pub content: String,
     /// [`shape_key`]: a difference here is more than a fault repeating.
@@ -131,7 +131,7 @@ pub struct RecordKeys {
 }
 
 impl RecordKeys {
-    pub fn of(record: &NodeRecord) -> Self {
+    pub(crate) fn of(record: &NodeRecord) -> Self {
         RecordKeys {
             content: content_key(record),
             shape: shape_key(record),
@@ -143,7 +143,7 @@ impl RecordKeys {
 /// and the `checkCode` computed over them. What is left is the health, the handling, which
 /// faults there are and at which level (new, escalated, recovered), their messages and sources,
 /// the detectors and the taint budget's report: all written at once.
-pub fn shape_key(record: &NodeRecord) -> String {
+pub(crate) fn shape_key(record: &NodeRecord) -> String {
     let mut r = record.clone();
     for f in &mut r.faults {
         f.count = 0;
@@ -155,7 +155,7 @@ pub fn shape_key(record: &NodeRecord) -> String {
 
 /// How the newest record differs from the one the ConfigMap holds (as last written or read).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RecordChange {
+pub(crate) enum RecordChange {
     /// The same content: nothing to write.
     Same,
     /// Only counts and last-seen times moved (a fault repeating): written within the budget.
@@ -166,7 +166,7 @@ pub enum RecordChange {
 
 /// Compares by [`RecordKeys`]; `written` is `None` when the ConfigMap is missing, unreadable or
 /// not known yet.
-pub fn record_change(written: Option<&RecordKeys>, newest: &RecordKeys) -> RecordChange {
+pub(crate) fn record_change(written: Option<&RecordKeys>, newest: &RecordKeys) -> RecordChange {
     match written {
         Some(w) if w.content == newest.content => RecordChange::Same,
         Some(w) if w.shape == newest.shape => RecordChange::Counters,
@@ -176,7 +176,7 @@ pub fn record_change(written: Option<&RecordKeys>, newest: &RecordKeys) -> Recor
 
 /// When the fault ConfigMap sink writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum WriteWhen {
+pub(crate) enum WriteWhen {
     /// Nothing to write.
     Skip,
     Now,
@@ -196,7 +196,7 @@ pub enum WriteWhen {
 /// carried (plus counts) waits for the retry. Compared with the last successful write alone,
 /// every later count change looked like content and was sent at once, ~10 applies a second in a
 /// storm against a failing API server.
-pub fn when_to_write(
+pub(crate) fn when_to_write(
     change: RecordChange,
     since_failed: Option<RecordChange>,
     budget_wait: std::time::Duration,
@@ -227,13 +227,13 @@ pub fn when_to_write(
 /// report, one per interval, and the trailing write with the final count (plus one per content
 /// change, such as an escalation, in the middle).
 #[derive(Debug, Clone)]
-pub struct CountsPacer {
+pub(crate) struct CountsPacer {
     budget: WriteBudget,
 }
 
 impl CountsPacer {
     /// `interval`: `--kube-write-interval`; zero writes every change at once.
-    pub fn new(interval: std::time::Duration, now: Instant) -> Self {
+    pub(crate) fn new(interval: std::time::Duration, now: Instant) -> Self {
         CountsPacer {
             budget: WriteBudget::new(interval, 1, now),
         }
@@ -241,7 +241,7 @@ impl CountsPacer {
 
     /// When to write a record that differs from the written one by `change` (and from a failed
     /// attempt by `since_failed`); `retry_at`: when that failed write may be tried again.
-    pub fn decide(
+    pub(crate) fn decide(
         &self,
         change: RecordChange,
         since_failed: Option<RecordChange>,
@@ -255,7 +255,7 @@ impl CountsPacer {
     }
 
     /// Records a write of a record that differed by `change`, made at `now`.
-    pub fn written(&mut self, change: RecordChange, now: Instant) {
+    pub(crate) fn written(&mut self, change: RecordChange, now: Instant) {
         match change {
             RecordChange::Counters => self.budget.spend(now),
             RecordChange::Content | RecordChange::Same => self.budget.note_forced(now),

@@ -20,7 +20,7 @@
 //! still one API write (a POST or a PATCH): the Recorder has no rate limit, so the bucket here
 //! is what bounds the write rate.
 
-pub mod plan;
+pub(crate) mod plan;
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -42,12 +42,12 @@ use crate::runtime::Clock;
 use plan::{EventSpec, Notice};
 
 /// Most notices held while the API is unreachable.
-pub const QUEUE: usize = 1024;
+pub(crate) const QUEUE: usize = 1024;
 /// Events a minute once the burst is spent (`--kube-event-rate`).
-pub const RATE_PER_MINUTE: u32 = 30;
+pub(crate) const RATE_PER_MINUTE: u32 = 30;
 /// Events that may go out back to back (`--kube-event-burst`): one incident's new faults on a
 /// few devices, and their escalations.
-pub const BURST: u32 = 10;
+pub(crate) const BURST: u32 = 10;
 /// How often at most the sink logs that Events were left out for the budget.
 const DROP_LOG_EVERY: Duration = Duration::from_secs(60);
 
@@ -92,10 +92,10 @@ impl EventBudget {
 }
 
 /// The reporting controller named in every Event.
-pub const CONTROLLER: &str = "faultline-agent";
+pub(crate) const CONTROLLER: &str = "faultline-agent";
 
 /// Runs until the notice channel closes (the agent is stopping), then flushes for a moment.
-pub async fn run(
+pub(crate) async fn run(
     client: Client,
     cfg: KubeSinkConfig,
     mut notices: mpsc::Receiver<Notice>,

@@ -4,11 +4,11 @@
 use faultline_core::engine::EngineEvent;
 
 /// The reason of the Event that says the taint budget withholds a taint.
-pub const TAINT_WITHHELD_REASON: &str = "TaintBudgetExceeded";
+pub(crate) const TAINT_WITHHELD_REASON: &str = "TaintBudgetExceeded";
 
 /// Something the Event sink publishes.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Notice {
+pub(crate) enum Notice {
     Engine(EngineEvent),
     /// The budget held back these taints.
     TaintWithheld {
@@ -21,7 +21,7 @@ pub enum Notice {
 
 /// An Event on the Node.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct EventSpec {
+pub(crate) struct EventSpec {
     pub warning: bool,
     pub reason: &'static str,
     /// The Recorder groups repeats by (type, reason, action): the action names the fault, so
@@ -44,7 +44,7 @@ fn clip(mut s: String, max: usize) -> String {
 
 /// The Event for a notice, if it gets one (new faults, escalations, recoveries, withheld
 /// taints; policy reclassifications and verdict changes are in the condition and the record).
-pub fn event_for(n: &Notice) -> Option<EventSpec> {
+pub(crate) fn event_for(n: &Notice) -> Option<EventSpec> {
     let spec = match n {
         Notice::Engine(EngineEvent::NewFault {
             code,

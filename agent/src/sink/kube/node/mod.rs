@@ -20,7 +20,7 @@
 //! asks the cluster's taint [`Budget`], and neither its answer nor its failure to answer holds
 //! the other two back (docs/operations.md, "When the taint budget cannot answer").
 
-pub mod plan;
+pub(crate) mod plan;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -49,14 +49,14 @@ use faultline_core::time::Timestamp;
 
 /// What the Node should carry.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Desired {
+pub(crate) struct Desired {
     pub labels: BTreeMap<String, String>,
     pub taints: Vec<DesiredTaint>,
     pub condition: DesiredCondition,
 }
 
 impl Desired {
-    pub fn of(s: &Snapshot) -> Self {
+    pub(crate) fn of(s: &Snapshot) -> Self {
         Desired {
             labels: s.labels.clone(),
             taints: s.taints.clone(),
@@ -67,7 +67,7 @@ impl Desired {
     /// Whether `node` carries this: the labels, the condition, and the faultline taints (hard
     /// taints not yet on the node are fine when `withholding`: the budget holds them back).
     /// Foreign labels, taints and conditions do not matter.
-    pub fn carried_by(&self, node: &Node, withholding: bool, now: Timestamp) -> bool {
+    pub(crate) fn carried_by(&self, node: &Node, withholding: bool, now: Timestamp) -> bool {
         let taints = node
             .spec
             .as_ref()
@@ -107,7 +107,7 @@ struct Last {
 /// A failed pass and when to try again: the controller's `error_policy` requeues by it.
 #[derive(Debug, thiserror::Error)]
 #[error("{source}")]
-pub struct Retry {
+pub(crate) struct Retry {
     after: Duration,
     #[source]
     source: KubeSinkError,
@@ -115,7 +115,7 @@ pub struct Retry {
 
 /// Node sink state.
 #[derive(Debug)]
-pub struct NodeSink {
+pub(crate) struct NodeSink {
     nodes: Api<Node>,
     cfg: KubeSinkConfig,
     budget: Budget,
@@ -145,7 +145,7 @@ const MAX_TAINT_CONFLICTS: u32 = 8;
 /// The controller of the agent's own Node: kube-runtime's watcher on that one Node
 /// (`fieldSelector=metadata.name=<node>`) keeps its store, and every change of the Node, every
 /// new snapshot and every requeue runs [`NodeSink::step`] on the newest of both.
-pub fn controller(api: Api<Node>, node: &str) -> Controller<Node> {
+pub(crate) fn controller(api: Api<Node>, node: &str) -> Controller<Node> {
     Controller::new(
         api,
         watcher::Config::default().fields(&format!("metadata.name={node}")),
@@ -153,7 +153,7 @@ pub fn controller(api: Api<Node>, node: &str) -> Controller<Node> {
 }
 
 impl NodeSink {
-    pub fn new(
+    pub(crate) fn new(
         client: Client,
         cfg: KubeSinkConfig,
         budget: Budget,
@@ -193,7 +193,7 @@ impl NodeSink {
     /// Runs `controller` (from [`controller`]) until the snapshot channel closes, then makes
     /// one last bounded attempt. A failed pass is retried by the controller's error policy
     /// after the sink's backoff.
-    pub async fn run(
+    pub(crate) async fn run(
         self,
         controller: Controller<Node>,
         snapshots: watch::Receiver<Option<Snapshot>>,

@@ -11,9 +11,9 @@ use k8s_openapi::api::core::v1::{NodeCondition, Taint};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
 /// Taints, labels and ConfigMaps the agent owns all live under this prefix.
-pub const OWNED_PREFIX: &str = "faultline.io/";
+pub(crate) const OWNED_PREFIX: &str = "faultline.io/";
 /// The condition type the agent owns.
-pub const CONDITION_TYPE: &str = "AcceleratorHealthy";
+pub(crate) const CONDITION_TYPE: &str = "AcceleratorHealthy";
 
 /// The record's and the API's time types are the same (jiff's `Timestamp`): no conversion.
 fn time(t: Timestamp) -> Time {
@@ -21,7 +21,7 @@ fn time(t: Timestamp) -> Time {
 }
 
 /// Taints that keep pods off a node (the budget counts these); `PreferNoSchedule` is a hint.
-pub fn is_hard(effect: &str) -> bool {
+pub(crate) fn is_hard(effect: &str) -> bool {
     effect == TaintEffect::NoSchedule.as_str() || effect == TaintEffect::NoExecute.as_str()
 }
 
@@ -30,13 +30,13 @@ fn owned(key: &str) -> bool {
 }
 
 /// `key=value:Effect`, as `kubectl` prints a taint.
-pub fn taint_string(t: &DesiredTaint) -> String {
+pub(crate) fn taint_string(t: &DesiredTaint) -> String {
     format!("{}={}:{}", t.key, t.value, t.effect.as_str())
 }
 
 /// Whether adding `desired` would newly taint the node, so the taint budget must admit it:
 /// the node carries no hard faultline taint yet and the engine wants one.
-pub fn needs_admission(actual: &[Taint], desired: &[DesiredTaint]) -> bool {
+pub(crate) fn needs_admission(actual: &[Taint], desired: &[DesiredTaint]) -> bool {
     let has_hard = actual.iter().any(|t| owned(&t.key) && is_hard(&t.effect));
     let wants_hard = desired.iter().any(|t| is_hard(t.effect.as_str()));
     wants_hard && !has_hard
@@ -46,7 +46,7 @@ pub fn needs_admission(actual: &[Taint], desired: &[DesiredTaint]) -> bool {
 /// operators), then the desired faultline taints, keeping `timeAdded` of those already present.
 /// With `withhold_hard`, hard faultline taints not already on the node are left out (the budget
 /// said no). Returns `None` when the node already carries exactly this set.
-pub fn plan_taints(
+pub(crate) fn plan_taints(
     actual: &[Taint],
     desired: &[DesiredTaint],
     withhold_hard: bool,
@@ -78,7 +78,7 @@ pub fn plan_taints(
 }
 
 /// The desired hard taints `plan_taints` leaves out when withholding.
-pub fn withheld(actual: &[Taint], desired: &[DesiredTaint]) -> Vec<DesiredTaint> {
+pub(crate) fn withheld(actual: &[Taint], desired: &[DesiredTaint]) -> Vec<DesiredTaint> {
     desired
         .iter()
         .filter(|d| is_hard(d.effect.as_str()))
@@ -97,7 +97,7 @@ pub fn withheld(actual: &[Taint], desired: &[DesiredTaint]) -> Vec<DesiredTaint>
 /// `lastTransitionTime` moves only when the status flips; `lastHeartbeatTime` is the time of the
 /// write (the agent does not write heartbeats when nothing changed: the record's `updateTime`
 /// and the agent's liveness probe say it is alive).
-pub fn plan_condition(
+pub(crate) fn plan_condition(
     actual: &[NodeCondition],
     desired: &DesiredCondition,
     now: Timestamp,
@@ -128,7 +128,7 @@ pub fn plan_condition(
 
 /// Whether the node's labels differ from the desired ones (only the desired keys matter:
 /// server-side apply removes a key this field manager stopped sending by itself).
-pub fn labels_differ(
+pub(crate) fn labels_differ(
     actual: Option<&BTreeMap<String, String>>,
     desired: &BTreeMap<String, String>,
 ) -> bool {
@@ -148,7 +148,7 @@ fn health_rank(label: Option<&String>) -> u8 {
 /// Whether the desired health label is better than the node's current one: after a restart,
 /// such changes wait until the agent has settled (re-read its sources), so a node whose state
 /// directory was lost does not lose its taint for the seconds it takes to re-detect the fault.
-pub fn is_improvement(
+pub(crate) fn is_improvement(
     actual: Option<&BTreeMap<String, String>>,
     desired: &BTreeMap<String, String>,
 ) -> bool {
