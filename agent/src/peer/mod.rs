@@ -3,8 +3,12 @@
 //! reports, relays for members the coordinator cannot reach, and records the verdicts about its
 //! own node.
 //!
-//! - `service`: the gRPC service every agent serves (`PeerCheck`);
+//! - `service`: the gRPC service every agent serves (`PeerCheck`): its handlers, and in its
+//!   own modules whether a request is the coordinator's (`auth`), running an assigned check
+//!   (`checks`) and passing messages on for others (`relay`);
 //! - `authz`: whose requests it takes (the coordinator's key) and within which bounds;
+//! - `client`: the gRPC client helpers agents and the coordinator share (`endpoint`, `within`,
+//!   `CallError`, the call timeouts);
 //! - `runner`: the probe as a child process with a hard deadline; `busy`: whether the GPUs run
 //!   work;
 //! - `wire`: the credentials (this node's, the coordinator's), verdicts on the wire.
@@ -15,10 +19,11 @@
 
 pub mod authz;
 pub mod busy;
+pub mod client;
 pub mod lease;
 pub mod members;
 pub mod runner;
-pub mod service;
+pub(crate) mod service;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -32,7 +37,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
-use service::{Busy, PeerHandle, PeerService, ProbeSetup};
+use busy::Busy;
+use service::{PeerService, ProbeSetup, ServiceSetup};
 
 use crate::component::{Component, Context, Handle, StartError};
 use crate::source::Input;
@@ -47,6 +53,9 @@ pub const MAX_SKEW: Duration = Duration::from_secs(30);
 /// No request is served longer than this (a `Run` lasts its rounds; every other RPC bounds
 /// its own work to seconds). A client's shorter `grpc-timeout` is honoured.
 pub const MAX_REQUEST: Duration = Duration::from_secs(15 * 60);
+/// Checks one agent runs at once (a node is in at most two per round); each is one probe, so
+/// the agent container's memory limit is derived from it (docs/kubernetes.md, "Memory").
+pub const MAX_CONCURRENT_CHECKS: usize = 4;
 
 /// Default address of the peer-check service.
 pub const DEFAULT_LISTEN: &str = "0.0.0.0:20261";
@@ -222,7 +231,7 @@ pub fn follow_policy(
 /// Starts the service; returns its task.
 fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
     let policy = follow_policy(s.policy, s.shutdown.clone());
-    let svc = PeerHandle(Arc::new(PeerService::new(service::ServiceSetup {
+    let svc = PeerService::new(ServiceSetup {
         node: s.node,
         coordinator: s.coordinator,
         credential: s.credential,
@@ -232,7 +241,7 @@ fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
         policy,
         probe_ports: s.probe_port_base..s.probe_port_base.saturating_add(PROBE_PORTS),
         metrics: s.metrics.clone(),
-    })));
+    });
     let shutdown = s.shutdown.clone();
     let address = s.listener.local_addr().ok();
     let incoming = crate::listen::incoming(
