@@ -148,11 +148,18 @@ mod tests {
     use tonic::Request;
 
     use super::super::test_fixtures::{
-        assignment, conclusion, coordinator, known, node_signer, recorded, service, service_on,
-        MASTER, REQUESTER,
+        assignment, conclusion, coordinator, known, node_signer, service, service_on, MASTER,
     };
     use super::*;
     use crate::peer::wire::{CoordinatorSigner, Signer};
+    use crate::source::Input;
+
+    const REQUESTER: &[u8] = b"requester secret, not the agents";
+
+    /// How many observations reached the engine since the last look.
+    fn recorded(inputs: &mut tokio::sync::mpsc::Receiver<Input>) -> usize {
+        std::iter::from_fn(|| inputs.try_recv().ok()).count()
+    }
 
     /// Issue 28: any member could act as the coordinator (the sender was a name it wrote,
     /// signed with the key every agent held). A member now holds its own node's key, a

@@ -252,8 +252,10 @@ impl PeerCheck for PeerService {
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
-    use super::test_fixtures::{assignment, conclusion, coordinator, service, Edit};
+    use super::test_fixtures::{assignment, conclusion, coordinator, service};
     use super::*;
+
+    type Edit = Box<dyn Fn(&mut CheckAssignment)>;
 
     /// Bad assignments from the coordinator are refused with the reason and start nothing;
     /// another protocol version and a conclusion naming a non-member are refused as a whole.

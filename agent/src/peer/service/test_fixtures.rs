@@ -17,8 +17,8 @@ use crate::peer::busy::NeverBusy;
 use crate::peer::wire::{CoordinatorSigner, NodeCredential, Signer};
 use crate::source::Input;
 
+/// The master key of bare metal's node keys.
 pub(super) const MASTER: &[u8] = b"the coordinator's master, 32 b..";
-pub(super) const REQUESTER: &[u8] = b"requester secret, not the agents";
 
 /// The coordinator "c0": its key, and its signer.
 pub(super) fn coordinator() -> CoordinatorSigner {
@@ -118,11 +118,4 @@ pub(super) fn conclusion(faulty: &str) -> RunConclusion {
             reason: String::new(),
         }],
     }
-}
-
-pub(super) type Edit = Box<dyn Fn(&mut CheckAssignment)>;
-
-/// How many observations reached the engine since the last look.
-pub(super) fn recorded(inputs: &mut mpsc::Receiver<Input>) -> usize {
-    std::iter::from_fn(|| inputs.try_recv().ok()).count()
 }
