@@ -184,7 +184,7 @@ impl RunState {
 #[derive(Debug, thiserror::Error)]
 pub enum SendError {
     #[error(transparent)]
-    Call(#[from] faultline_agent::peer::service::CallError),
+    Call(#[from] faultline_agent::peer::client::CallError),
     /// The relay answered, but the member did not answer it.
     #[error("{to} did not answer {via}: {why}")]
     NotRelayed {

@@ -15,7 +15,7 @@ use faultline_proto::PROTOCOL;
 
 use super::*;
 use crate::members::Member;
-use faultline_agent::peer::service::CallError;
+use faultline_agent::peer::client::CallError;
 use faultline_core::policy::PeerPolicy;
 
 #[derive(Debug, Default, Clone)]

@@ -519,7 +519,7 @@ mod tests {
 
     fn with_token(token: &str, msg: CheckReport) -> Request<CheckReport> {
         let mut r = Request::new(msg);
-        faultline_agent::peer::service::bearer(&mut r, token).unwrap();
+        faultline_agent::peer::client::bearer(&mut r, token).unwrap();
         r
     }
 
@@ -680,7 +680,7 @@ mod tests {
             .await
             .unwrap();
         let mut bearer = Request::new(run_request());
-        faultline_agent::peer::service::bearer(&mut bearer, "tok").unwrap();
+        faultline_agent::peer::client::bearer(&mut bearer, "tok").unwrap();
         let e = svc.run(bearer).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::Unauthenticated, "{e:?}");
         assert!(
@@ -768,7 +768,7 @@ mod tests {
         }
         .sign(admit_request(node), receiver);
         let mut r = Request::new(msg);
-        faultline_agent::peer::service::bearer(&mut r, token).unwrap();
+        faultline_agent::peer::client::bearer(&mut r, token).unwrap();
         r
     }
 
@@ -818,7 +818,7 @@ mod tests {
         let first = admit_with_token(&tok("n1"), "n1", "n1");
         let replay = Request::new(first.get_ref().clone());
         let mut replay = replay;
-        faultline_agent::peer::service::bearer(&mut replay, &tok("n1")).unwrap();
+        faultline_agent::peer::client::bearer(&mut replay, &tok("n1")).unwrap();
         let a = svc.admit(first).await.unwrap().into_inner();
         assert_eq!((a.allowed, a.used, a.limit, a.nodes), (true, 1, 1, 2));
         let e = svc.admit(replay).await.unwrap_err();

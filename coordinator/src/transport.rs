@@ -18,7 +18,7 @@ use tonic::transport::Channel;
 
 use crate::members::Member;
 use crate::runs::{self as runs, Relayed, SendError};
-use faultline_agent::peer::service::{
+use faultline_agent::peer::client::{
     endpoint, timed, within, CALL_TIMEOUT, CONCLUDE_TIMEOUT, FORWARD_TIMEOUT,
 };
 use faultline_agent::peer::wire::CoordinatorSigner;

@@ -7,8 +7,8 @@
 
 use std::path::{Path, PathBuf};
 
+use faultline_agent::peer::busy::Busy;
 use faultline_agent::peer::busy::NvmlBusy;
-use faultline_agent::peer::service::Busy;
 use serde_json::json;
 
 fn fake_lib() -> PathBuf {

@@ -29,14 +29,14 @@ use crate::clock::{Clock, SystemClock};
 
 /// The coordinator as the agents know it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CoordinatorId {
+pub(crate) struct CoordinatorId {
     /// Its name: the `sender` its signed requests carry (empty: any name; bare metal knows the
     /// coordinator by its key alone).
-    pub node: String,
+    pub(crate) node: String,
     /// Where its service listens (reports go there), when known.
-    pub address: Option<String>,
+    pub(crate) address: Option<String>,
     /// The public half of the key it signs with.
-    pub key: CoordinatorPublicKey,
+    pub(crate) key: CoordinatorPublicKey,
 }
 
 /// The Lease holder identity of a coordinator replica: `<name>@<ip:port>#<public key>`.
@@ -46,7 +46,7 @@ pub fn holder_identity(name: &str, address: &str, key: &CoordinatorPublicKey) ->
 
 impl CoordinatorId {
     /// From a Lease holder identity ([`holder_identity`]); `None` when it is not one.
-    pub fn from_holder(identity: &str) -> Option<CoordinatorId> {
+    pub(crate) fn from_holder(identity: &str) -> Option<CoordinatorId> {
         let (rest, key) = identity.rsplit_once('#')?;
         let key = CoordinatorPublicKey::parse(key).ok()?;
         let (node, address) = rest.rsplit_once('@')?;
@@ -59,7 +59,7 @@ impl CoordinatorId {
 }
 
 /// Bare metal: the coordinator known by its key alone.
-pub fn fixed(key: CoordinatorPublicKey) -> watch::Receiver<Option<CoordinatorId>> {
+pub(crate) fn fixed(key: CoordinatorPublicKey) -> watch::Receiver<Option<CoordinatorId>> {
     watch::channel(Some(CoordinatorId {
         node: String::new(),
         address: None,
@@ -72,11 +72,11 @@ pub fn fixed(key: CoordinatorPublicKey) -> watch::Receiver<Option<CoordinatorId>
 /// repeats the last read's error).
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("cannot tell who coordinates peer checks: reading the Lease: {0}")]
-pub struct WhoError(#[source] pub Arc<kube::Error>);
+pub(crate) struct WhoError(#[source] pub Arc<kube::Error>);
 
 /// Who coordinates now: what the service reads before it obeys `Assign`, `Cancel`, `Conclude`.
 #[async_trait::async_trait]
-pub trait WhoCoordinates: Send + Sync + std::fmt::Debug {
+pub(crate) trait WhoCoordinates: Send + Sync + std::fmt::Debug {
     /// The coordinator now (`None`: nobody). `recheck`: the caller has a request from someone
     /// else than the last answer; a cached answer is read again if it is not brand new.
     async fn current(&self, recheck: bool) -> Result<Option<CoordinatorId>, WhoError>;
@@ -90,10 +90,10 @@ impl WhoCoordinates for watch::Receiver<Option<CoordinatorId>> {
 }
 
 /// How long an answer read from the Lease or the members file is used.
-pub const WHO_TTL: Duration = Duration::from_secs(5);
+pub(crate) const WHO_TTL: Duration = Duration::from_secs(5);
 /// A recheck reads the source again only if the answer is older than this (a flood of requests
 /// from a non-coordinator costs at most one read per this interval).
-pub const RECHECK_AFTER: Duration = Duration::from_millis(500);
+pub(crate) const RECHECK_AFTER: Duration = Duration::from_millis(500);
 
 /// One source read, cached; on a failed read the last good answer stands (an API server
 /// outage must not fail every check), but only for the term the holder had then: a holder that
@@ -171,14 +171,14 @@ impl Cache {
 
 /// Kubernetes: the holder of the Lease `faultline-peercheck`, read on demand (every agent,
 /// not only the holder, must know it). An expired Lease has no holder.
-pub struct LeaseHolder {
-    pub client: kube::Client,
-    pub namespace: String,
+pub(crate) struct LeaseHolder {
+    pub(crate) client: kube::Client,
+    pub(crate) namespace: String,
     cache: Mutex<Cache>,
 }
 
 impl LeaseHolder {
-    pub fn new(client: kube::Client, namespace: String) -> LeaseHolder {
+    pub(crate) fn new(client: kube::Client, namespace: String) -> LeaseHolder {
         LeaseHolder {
             client,
             namespace,
@@ -233,7 +233,7 @@ pub enum Refusal {
 
 /// Checks that an assignment's probe addresses are `ip:port` on this agent's probe ports
 /// (`probe_ports`): the probe binds one and connects to the other.
-pub fn check_probes(
+pub(crate) fn check_probes(
     a: &CheckAssignment,
     probe_ports: std::ops::Range<u16>,
 ) -> Result<Vec<SocketAddr>, Refusal> {
@@ -259,18 +259,18 @@ pub fn check_probes(
 /// The largest assignment, cancel or report a relay forwards (a real one is under 6 KiB: names,
 /// addresses and a report's error of at most 4 KiB); a conclusion may be as large as any
 /// message (`MAX_MESSAGE_BYTES`: it lists the run's members).
-pub const MAX_FORWARDED_BYTES: usize = 16 * 1024;
+pub(crate) const MAX_FORWARDED_BYTES: usize = 16 * 1024;
 /// Forwards a relay makes per second, on average and in a burst: a member the coordinator
 /// reaches through it takes at most two checks a round (two assignments, two cancels, two
 /// reports), so this covers dozens of such members at once and bounds what a key holder can
 /// make a relay send.
-pub const FORWARD_RATE: f64 = 64.0;
-pub const FORWARD_BURST: f64 = 256.0;
+pub(crate) const FORWARD_RATE: f64 = 64.0;
+pub(crate) const FORWARD_BURST: f64 = 256.0;
 
 /// A token bucket for forwards: [`FORWARD_BURST`] at once, refilled at [`FORWARD_RATE`] per
 /// second.
 #[derive(Debug)]
-pub struct ForwardRate {
+pub(crate) struct ForwardRate {
     tokens: f64,
     at: Option<Instant>,
 }
@@ -286,7 +286,7 @@ impl Default for ForwardRate {
 
 impl ForwardRate {
     /// Takes one forward at `now`: false when the rate is spent.
-    pub fn take(&mut self, now: Instant) -> bool {
+    pub(crate) fn take(&mut self, now: Instant) -> bool {
         if let Some(at) = self.at {
             let refill = now.saturating_duration_since(at).as_secs_f64() * FORWARD_RATE;
             self.tokens = (self.tokens + refill).min(FORWARD_BURST);
@@ -313,10 +313,10 @@ pub struct Admitted {
 /// How far above this agent's policy an assignment's bytes and iterations may be: the policy
 /// ConfigMap reaches agents at different moments, and a run must not fail everywhere while a
 /// larger size rolls out.
-pub const POLICY_SLACK: u64 = 4;
+pub(crate) const POLICY_SLACK: u64 = 4;
 /// Never more than this per check, whatever the policy says.
-pub const MAX_BYTES: u64 = 1 << 30;
-pub const MAX_ITERATIONS: u32 = 1000;
+pub(crate) const MAX_BYTES: u64 = 1 << 30;
+pub(crate) const MAX_ITERATIONS: u32 = 1000;
 
 /// Admits an assignment under `policy`: bytes and iterations over `POLICY_SLACK` times the
 /// policy's (or over `MAX_BYTES` / `MAX_ITERATIONS`) are refused with the reason; both sides of

@@ -1,7 +1,8 @@
 //! Whether this node's GPUs run someone's work, for scheduled GPU peer checks (which would
-//! disturb it): NVML's count of processes with a compute context on each GPU. NVML is opened
-//! on first use and kept; when it cannot tell (not loadable, a call fails), the node counts as
-//! busy: a scheduled check is not worth disturbing a job that might be there.
+//! disturb it): the `Busy` trait a ping asks, and `NvmlBusy`, NVML's count of processes with a
+//! compute context on each GPU. NVML is opened on first use and kept; when it cannot tell (not
+//! loadable, a call fails), the node counts as busy: a scheduled check is not worth disturbing
+//! a job that might be there.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -10,12 +11,26 @@ use nvml_wrapper::error::NvmlError;
 use nvml_wrapper::Nvml;
 use parking_lot::Mutex;
 
-use super::service::Busy;
+/// Whether this node's accelerators run someone's work.
+pub trait Busy: Send + Sync + std::fmt::Debug + 'static {
+    /// `Some(reason)` when busy.
+    fn busy(&self) -> Option<String>;
+}
+
+/// Never busy (CPU/TCP checks disturb nothing that matters).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct NeverBusy;
+
+impl Busy for NeverBusy {
+    fn busy(&self) -> Option<String> {
+        None
+    }
+}
 
 /// What tells whether the GPUs are busy: NVML, unless the agent was told not to use it.
-pub fn from_flags(nvml: &crate::source::nvml::Flags) -> Arc<dyn Busy> {
+pub(crate) fn from_flags(nvml: &crate::source::nvml::Flags) -> Arc<dyn Busy> {
     if nvml.no_nvml {
-        Arc::new(super::service::NeverBusy)
+        Arc::new(NeverBusy)
     } else {
         Arc::new(NvmlBusy::new(nvml.nvml_lib.clone()))
     }

@@ -17,7 +17,7 @@ pub const GRACE_SECONDS: u64 = 5;
 const HOLDER_SLACK_MS: i64 = 5_000;
 
 /// The current holder's identity (for `faultline check`).
-pub async fn holder(client: Client, namespace: &str) -> Result<Option<String>, kube::Error> {
+pub(crate) async fn holder(client: Client, namespace: &str) -> Result<Option<String>, kube::Error> {
     let api: Api<Lease> = Api::namespaced(client, namespace);
     Ok(api
         .get_opt(NAME)
@@ -30,7 +30,7 @@ pub async fn holder(client: Client, namespace: &str) -> Result<Option<String>, k
 /// runs; `None` when nobody holds the Lease or its term is over (its holder stopped renewing
 /// it: dead, or frozen and not to be obeyed when it wakes). A Lease without a renew time or a
 /// duration has no term, and so no holder. For the agents (`authz::LeaseHolder`).
-pub async fn live_holder(
+pub(crate) async fn live_holder(
     client: Client,
     namespace: &str,
 ) -> Result<Option<(String, i64)>, kube::Error> {

@@ -3,8 +3,12 @@
 //! reports, relays for members the coordinator cannot reach, and records the verdicts about its
 //! own node.
 //!
-//! - `service`: the gRPC service every agent serves (`PeerCheck`);
+//! - `service`: the gRPC service every agent serves (`PeerCheck`): its handlers, and in its
+//!   own modules whether a request is the coordinator's (`auth`), running an assigned check
+//!   (`checks`) and passing messages on for others (`relay`);
 //! - `authz`: whose requests it takes (the coordinator's key) and within which bounds;
+//! - `client`: the gRPC client helpers agents and the coordinator share (`endpoint`, `within`,
+//!   `CallError`, the call timeouts);
 //! - `runner`: the probe as a child process with a hard deadline; `busy`: whether the GPUs run
 //!   work;
 //! - `wire`: the credentials (this node's, the coordinator's), verdicts on the wire.
@@ -15,10 +19,11 @@
 
 pub mod authz;
 pub mod busy;
+pub mod client;
 pub mod lease;
 pub mod members;
 pub mod runner;
-pub mod service;
+pub(crate) mod service;
 pub mod wire;
 
 use std::net::SocketAddr;
@@ -32,7 +37,8 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
-use service::{Busy, PeerHandle, PeerService, ProbeSetup};
+use busy::Busy;
+use service::{PeerService, ProbeSetup, ServiceSetup};
 
 use crate::component::{Component, Context, Handle, StartError};
 use crate::source::Input;
@@ -47,9 +53,12 @@ pub const MAX_SKEW: Duration = Duration::from_secs(30);
 /// No request is served longer than this (a `Run` lasts its rounds; every other RPC bounds
 /// its own work to seconds). A client's shorter `grpc-timeout` is honoured.
 pub const MAX_REQUEST: Duration = Duration::from_secs(15 * 60);
+/// Checks one agent runs at once (a node is in at most two per round); each is one probe, so
+/// the agent container's memory limit is derived from it (docs/kubernetes.md, "Memory").
+pub const MAX_CONCURRENT_CHECKS: usize = 4;
 
 /// Default address of the peer-check service.
-pub const DEFAULT_LISTEN: &str = "0.0.0.0:20261";
+pub(crate) const DEFAULT_LISTEN: &str = "0.0.0.0:20261";
 
 /// The peer-check service's flags (in Kubernetes the node's credential is its service-account
 /// token: `--node-token-file`).
@@ -59,7 +68,7 @@ pub struct Flags {
     /// Peer checks without Kubernetes: this node's own key (`faultline keys node`); its reports
     /// are signed with it, and no other node holds it.
     #[arg(long, env = "FAULTLINE_PEER_NODE_KEY_FILE")]
-    pub peer_node_key_file: Option<PathBuf>,
+    pub(crate) peer_node_key_file: Option<PathBuf>,
     /// Peer checks without Kubernetes: the coordinator's public key (`faultline keys
     /// coordinator` prints it). Only messages it signed assign checks or conclude runs here.
     /// (Its text may begin with `-`: it is taken as the value.)
@@ -68,28 +77,28 @@ pub struct Flags {
         env = "FAULTLINE_PEER_COORDINATOR_KEY",
         allow_hyphen_values = true
     )]
-    pub peer_coordinator_key: Option<String>,
+    pub(crate) peer_coordinator_key: Option<String>,
     /// Peer checks: where this agent's gRPC service listens.
     #[arg(long, env = "FAULTLINE_PEER_LISTEN", default_value = DEFAULT_LISTEN)]
-    pub peer_listen: SocketAddr,
+    pub(crate) peer_listen: SocketAddr,
     /// The `faultline-probe` binary. Default: next to this binary, else on PATH.
     #[arg(long, env = "FAULTLINE_PROBE")]
-    pub probe_bin: Option<PathBuf>,
+    pub(crate) probe_bin: Option<PathBuf>,
     /// First of the 32 ports the probes listen on during checks.
     #[arg(long, env = "FAULTLINE_PROBE_PORT_BASE", default_value_t = 20270)]
-    pub probe_port_base: u16,
+    pub(crate) probe_port_base: u16,
 }
 
 /// The peer-check service, as the daemon starts it.
 #[derive(Debug)]
-pub struct Peer {
-    pub flags: Flags,
+pub(crate) struct Peer {
+    pub(crate) flags: Flags,
     /// Kubernetes: the service-account token the coordinator knows this node by.
-    pub node_token_file: Option<PathBuf>,
+    pub(crate) node_token_file: Option<PathBuf>,
     /// Kubernetes: the namespace of the coordinator's Lease.
-    pub namespace: String,
+    pub(crate) namespace: String,
     /// Whether the GPUs run work (a check waits for them to be idle).
-    pub busy: Arc<dyn Busy>,
+    pub(crate) busy: Arc<dyn Busy>,
 }
 
 impl Component for Peer {
@@ -183,19 +192,19 @@ fn probe_bin(flag: Option<&Path>) -> PathBuf {
 /// Everything the peer-check part of the agent needs.
 #[derive(Debug)]
 struct PeerSetup {
-    pub node: String,
-    pub listener: tokio::net::TcpListener,
-    pub probe: ProbeSetup,
-    pub probe_port_base: u16,
-    pub busy: Arc<dyn Busy>,
+    node: String,
+    listener: tokio::net::TcpListener,
+    probe: ProbeSetup,
+    probe_port_base: u16,
+    busy: Arc<dyn Busy>,
     /// Who coordinates and with which key.
-    pub coordinator: Arc<dyn authz::WhoCoordinates>,
+    coordinator: Arc<dyn authz::WhoCoordinates>,
     /// This node's own credential, for its reports.
-    pub credential: wire::NodeCredential,
-    pub policy: watch::Receiver<LoadedPolicy>,
-    pub inputs: mpsc::Sender<Input>,
-    pub metrics: Arc<crate::metrics::Metrics>,
-    pub shutdown: CancellationToken,
+    credential: wire::NodeCredential,
+    policy: watch::Receiver<LoadedPolicy>,
+    inputs: mpsc::Sender<Input>,
+    metrics: Arc<crate::metrics::Metrics>,
+    shutdown: CancellationToken,
 }
 
 /// The peer-check policy, followed from the loaded policy.
@@ -222,7 +231,7 @@ pub fn follow_policy(
 /// Starts the service; returns its task.
 fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
     let policy = follow_policy(s.policy, s.shutdown.clone());
-    let svc = PeerHandle(Arc::new(PeerService::new(service::ServiceSetup {
+    let svc = PeerService::new(ServiceSetup {
         node: s.node,
         coordinator: s.coordinator,
         credential: s.credential,
@@ -232,7 +241,7 @@ fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
         policy,
         probe_ports: s.probe_port_base..s.probe_port_base.saturating_add(PROBE_PORTS),
         metrics: s.metrics.clone(),
-    })));
+    });
     let shutdown = s.shutdown.clone();
     let address = s.listener.local_addr().ok();
     let incoming = crate::listen::incoming(
@@ -269,7 +278,7 @@ fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
 /// How long a server, once shut down, waits for its connections to end: a peer that keeps its
 /// connection open (the coordinator's channels stay connected between runs) must not hold the
 /// agent's exit.
-pub const DRAIN: Duration = Duration::from_secs(2);
+const DRAIN: Duration = Duration::from_secs(2);
 
 /// Runs `server` (which stops taking requests at `shutdown`) until it ends, or [`DRAIN`] after
 /// `shutdown`: what is still open then is dropped.

@@ -53,7 +53,7 @@ pub enum ProbeOutcome {
 }
 
 /// The probe's exit status for a deadline that passed after the ranks connected.
-pub const PROBE_DEADLINE_EXIT: i32 = 3;
+pub(crate) const PROBE_DEADLINE_EXIT: i32 = 3;
 
 impl ProbeOutcome {
     /// The pairing planner's view.
@@ -75,7 +75,7 @@ fn excerpt(s: &[u8]) -> String {
 /// How long the two probes of a check may take to find each other: both are started at once
 /// (on the coordinator's word), so a partner missing after this is not coming; a third of the
 /// deadline, at least 3 s, at most the deadline.
-pub fn connect_timeout(timeout: Duration) -> Duration {
+pub(crate) fn connect_timeout(timeout: Duration) -> Duration {
     (timeout / 3).max(Duration::from_secs(3)).min(timeout)
 }
 
@@ -139,7 +139,7 @@ struct GemmReport {
 
 /// Why a GEMM timing has no result.
 #[derive(Debug, thiserror::Error)]
-pub enum GemmError {
+pub(crate) enum GemmError {
     #[error("unreadable GEMM output ({source}): {stdout}")]
     Unreadable {
         #[source]
@@ -156,7 +156,7 @@ pub enum GemmError {
 }
 
 /// Times a GEMM (`faultline-probe gemm`, on the CPU or with cuBLAS); its GFLOP/s.
-pub async fn run_gemm(
+pub(crate) async fn run_gemm(
     probe: &std::path::Path,
     gpu: bool,
     timeout: Duration,

@@ -92,7 +92,7 @@ pub fn load_private_key(path: &Path) -> Result<Key, SecretError> {
 }
 
 /// Reads a node's own key (`faultline keys node` writes it as hex), after [`ensure_private`].
-pub fn load_node_key(path: &Path) -> Result<Key, SecretError> {
+pub(crate) fn load_node_key(path: &Path) -> Result<Key, SecretError> {
     ensure_private(path)?;
     let text = std::fs::read_to_string(path).map_err(|source| SecretError::Read {
         path: path.display().to_string(),
@@ -142,7 +142,7 @@ fn nonce() -> [u8; NONCE_BYTES] {
 
 /// What an agent signs its reports with: a credential bound to its node, held by no other.
 #[derive(Debug, Clone)]
-pub enum NodeCredential {
+pub(crate) enum NodeCredential {
     /// Without Kubernetes: the node's own key (derived from the coordinator's master).
     Key(Key),
     /// Kubernetes: the file of the agent's projected service-account token, read for every
@@ -153,14 +153,14 @@ pub enum NodeCredential {
 
 /// A report signed for `receiver`, and the bearer token to send with it.
 #[derive(Debug, Clone)]
-pub struct SignedReport<M> {
-    pub msg: M,
-    pub token: Option<String>,
+pub(crate) struct SignedReport<M> {
+    pub(crate) msg: M,
+    pub(crate) token: Option<String>,
 }
 
 impl NodeCredential {
     /// Signs `msg` as `node` for `receiver`.
-    pub fn sign<M: Signed>(
+    pub(crate) fn sign<M: Signed>(
         &self,
         msg: M,
         node: &str,

@@ -25,8 +25,8 @@ const PROBE_PEAK: u64 = 7 * MIB;
 /// measured as memory.kmem.tcp.max_usage_in_bytes of a v1 cgroup (docs/benchmarks.md, "Probe
 /// memory"), rounded up to a MiB.
 const PROBE_SOCKETS_PEAK: u64 = 15 * MIB;
-/// Checks an agent runs at once (one probe each): `MAX_CONCURRENT_CHECKS` in
-/// agent/src/peer/service.rs, checked against the source below.
+/// Checks an agent runs at once (one probe each): the agent's `peer::MAX_CONCURRENT_CHECKS`,
+/// checked against it below.
 const MAX_CONCURRENT_CHECKS: u64 = 4;
 /// Headroom over the sum, in percent of it: measurement noise, allocator slack, a larger
 /// kernel-log burst than the bench's.
@@ -83,14 +83,7 @@ fn quantities_read_as_bytes() {
 
 #[test]
 fn the_inputs_follow_the_code() {
-    let src = std::fs::read_to_string(common::repo_root().join("agent/src/peer/service.rs"))
-        .expect("agent/src/peer/service.rs");
-    let n: u64 = src
-        .split("pub const MAX_CONCURRENT_CHECKS: usize = ")
-        .nth(1)
-        .and_then(|s| s.split(';').next())
-        .and_then(|n| n.trim().parse().ok())
-        .expect("MAX_CONCURRENT_CHECKS in agent/src/peer/service.rs");
+    let n = faultline_agent::peer::MAX_CONCURRENT_CHECKS as u64;
     assert_eq!(
         n, MAX_CONCURRENT_CHECKS,
         "the agent runs {n} checks at once: re-derive the memory limit (docs/kubernetes.md)"

@@ -17,7 +17,7 @@ use faultline_proto::{MAX_MESSAGE_BYTES, PROTOCOL};
 use tracing::info;
 
 use super::KubeSinkError;
-use crate::peer::service::{bearer, endpoint, timed};
+use crate::peer::client::{bearer, endpoint, timed};
 use crate::peer::wire::NodeCredential;
 
 /// How long one admission may take: the coordinator answers within 8 s (its

@@ -385,7 +385,7 @@ mod tests {
             KubeSinkConfig::new("n1").coordinator,
             coordinator_service(DEFAULT_NAMESPACE)
         );
-        assert!(crate::peer::service::endpoint(&coordinator_service("ops")).is_ok());
+        assert!(crate::peer::client::endpoint(&coordinator_service("ops")).is_ok());
     }
 
     /// The backoff starts at 200 ms (up to twice that with jitter), reaches its ceiling and
