@@ -18,7 +18,7 @@ pub trait Clock: Send + Sync + std::fmt::Debug {
     /// The boot that `since_boot` counts from (the kernel's boot id), if it can be read.
     fn boot_id(&self) -> Option<String>;
     /// Tokio's timer clock: for deadlines handed to tokio's timers (`sleep_until`) and for the
-    /// rate limits of [`crate::pace`], never for ages or dates. Every clock shares tokio's:
+    /// rate limits of [`crate::rate_limit`], never for ages or dates. Every clock shares tokio's:
     /// tests move it by pausing and advancing it (`tokio::time::pause`), the one test clock
     /// for waits.
     #[allow(clippy::disallowed_methods)] // the one reading of tokio's clock

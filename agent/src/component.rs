@@ -15,9 +15,10 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use crate::clock::Clock;
+use crate::engine_loop::Snapshot;
 use crate::kube_client::Clients;
 use crate::metrics::Metrics;
-use crate::runtime::{Clock, Snapshot};
 use crate::source::{Input, SourceContext};
 use faultline_core::policy::LoadedPolicy;
 

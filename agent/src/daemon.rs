@@ -11,12 +11,13 @@ use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
+use crate::clock::{Clock, SystemClock};
 use crate::component::{Component, Context, Handle};
+use crate::engine_loop::{EngineLoop, Heartbeat, RecordStatus, SinkReport};
 use crate::metrics::Metrics;
 use crate::restore::{self, RestoreConfig};
-use crate::runtime::{Clock, EngineLoop, Heartbeat, RecordStatus, SinkReport, SystemClock};
 use crate::sink::kube as kube_sink;
-use crate::source::{ascend, control, kmsg, node, nvml, policy_watch, Input};
+use crate::source::{ascend, control, gpu_count, kmsg, nvml, policy_watch, Input};
 use crate::{http, kube_client, peer, sink};
 use faultline_core::catalog::Catalog;
 use faultline_core::engine::Observation;
@@ -211,7 +212,7 @@ async fn run_node(
         persisted: persisted.subscribe(),
         results,
     };
-    let (gpu_count, gpu_count_label) = node::GpuCountWatch::new(cx.kube.is_some());
+    let (gpu_count, gpu_count_label) = gpu_count::GpuCountWatch::new(cx.kube.is_some());
     running.sources = policy_file.start(&sources).await?;
     running.sources = running.sources.join_with(clears.start(&sources).await?);
     running.sources = running.sources.join_with(gpu_count.start(&sources).await?);
@@ -275,7 +276,7 @@ async fn run_node(
         metrics: cx.metrics.clone(),
         clock: cx.clock.clone(),
         heartbeat: heartbeat.clone(),
-        liveness: crate::runtime::LIVENESS,
+        liveness: crate::engine_loop::LIVENESS,
         events: cx.kube.is_some().then_some(events_tx),
         sink_report: report_rx,
         record_writer: record_status.subscribe(),

@@ -27,9 +27,10 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
+use crate::clock::Clock;
 use crate::component::{Component, Context, Handle, StartError};
+use crate::engine_loop::{Heartbeat, RecordStatus, Snapshot, STALE_MS};
 use crate::metrics::Metrics;
-use crate::runtime::{Clock, Heartbeat, RecordStatus, Snapshot, STALE_MS};
 
 /// Port of the endpoints when `--listen` is not given.
 pub const DEFAULT_PORT: u16 = 20260;
@@ -367,8 +368,8 @@ pub async fn bind(addr: SocketAddr) -> std::io::Result<tokio::net::TcpListener> 
 mod tests {
     #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
+    use crate::clock::SystemClock;
     use crate::listen::Limits;
-    use crate::runtime::SystemClock;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::TcpStream;
 
@@ -498,7 +499,7 @@ mod tests {
 
     /// A snapshot whose record holds `n` faults with 1 KiB messages.
     fn big_snapshot(revision: u64, n: usize) -> Snapshot {
-        let mut snap = crate::runtime::test_snapshot(revision, 0);
+        let mut snap = crate::engine_loop::test_snapshot(revision, 0);
         let mut record = (*snap.record).clone();
         let at = faultline_core::time::Timestamp::from_second(1_700_000_000).unwrap();
         record.faults = (0..n)

@@ -159,7 +159,7 @@ pub(crate) fn restore(cfg: &RestoreConfig, node: &str, catalog: &Catalog) -> Res
                         .as_ref()
                         .map_or_else(|| "no saved state".to_string(), |e| e.to_string());
                     warn!(error = %why, faults = engine.faults().count(), "saved state missing or unreadable; faults rebuilt from the record");
-                    let state = crate::runtime::PersistedState {
+                    let state = crate::engine_loop::PersistedState {
                         engine,
                         ..Default::default()
                     };
@@ -246,7 +246,7 @@ fn same_boot(saved: (Option<&str>, Option<i64>), now: (Option<&str>, Option<i64>
 fn read_durable_state(
     cfg: &RestoreConfig,
     node: &str,
-) -> Result<Option<crate::runtime::PersistedState>, file::StateReadError> {
+) -> Result<Option<crate::engine_loop::PersistedState>, file::StateReadError> {
     file::read_state(&cfg.data_dir, node).inspect_err(|e| {
         if let Some((path, name)) = set_aside_name(e) {
             let aside = path.with_file_name(name);

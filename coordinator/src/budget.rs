@@ -26,7 +26,7 @@ use tokio::sync::{watch, Mutex};
 use tracing::{info, warn};
 
 use super::members::Members;
-use faultline_agent::runtime::Clock;
+use faultline_agent::clock::Clock;
 
 /// Name of the ledger ConfigMap.
 pub const LEDGER_NAME: &str = "faultline-taint-budget";

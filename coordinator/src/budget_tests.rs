@@ -7,7 +7,7 @@ use std::sync::Mutex as StdMutex;
 
 use super::*;
 use crate::members::{Member, MembersError};
-use faultline_agent::runtime::testing::FakeClock;
+use faultline_agent::clock::testing::FakeClock;
 
 fn t(s: i64) -> Timestamp {
     Timestamp::from_second(1_790_000_000 + s).unwrap()

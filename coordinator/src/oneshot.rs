@@ -99,7 +99,7 @@ pub async fn run(o: OneShot) -> anyhow::Result<RunResult> {
         })),
         Arc::new(MemoryPublisher::default()),
         Arc::new(WatchFence(leader.clone())),
-        Arc::new(faultline_agent::runtime::SystemClock),
+        Arc::new(faultline_agent::clock::SystemClock),
     ));
     let svc = service::CoordinatorService::new(
         Leadership::new(

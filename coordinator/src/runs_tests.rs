@@ -371,7 +371,7 @@ fn coordinator(
         fake.clone(),
         publisher.clone(),
         fence,
-        Arc::new(faultline_agent::runtime::SystemClock),
+        Arc::new(faultline_agent::clock::SystemClock),
     ));
     fake.coordinator.set(Arc::downgrade(&c)).unwrap();
     (c, fake, publisher)

@@ -56,7 +56,7 @@ struct Inner {
     requesters: Option<Arc<dyn requesters::Requesters>>,
     /// The taint budget (Kubernetes only: without it there are no taints).
     admissions: Option<Admissions>,
-    refusals: Mutex<faultline_agent::pace::LogPacer>,
+    refusals: Mutex<faultline_agent::rate_limit::LogPacer>,
 }
 
 impl CoordinatorService {
@@ -71,7 +71,9 @@ impl CoordinatorService {
             requester: authz.requester.map(Mutex::new),
             requesters: authz.requesters,
             admissions,
-            refusals: Mutex::new(faultline_agent::pace::LogPacer::new(REFUSAL_LOG_EVERY)),
+            refusals: Mutex::new(faultline_agent::rate_limit::LogPacer::new(
+                REFUSAL_LOG_EVERY,
+            )),
         }))
     }
 
@@ -415,7 +417,7 @@ mod tests {
             })),
             Arc::new(MemoryPublisher::default()),
             Arc::new(WatchFence(watch::channel(active).1)),
-            Arc::new(faultline_agent::runtime::SystemClock),
+            Arc::new(faultline_agent::clock::SystemClock),
         ));
         CoordinatorService::new(
             Leadership::new(
@@ -742,7 +744,7 @@ mod tests {
             ledger: Arc::new(crate::budget::TaintLedger::new(
                 kept,
                 Arc::new(TwoMembers),
-                Arc::new(faultline_agent::runtime::SystemClock),
+                Arc::new(faultline_agent::clock::SystemClock),
             )),
             policy: watch::channel(faultline_core::policy::LoadedPolicy::builtin()).1,
         }

@@ -23,7 +23,7 @@ use std::time::Duration;
 use sha2::{Digest, Sha256};
 
 use crate::requesters::TokenRefusal;
-use faultline_agent::runtime::{Clock, SystemClock};
+use faultline_agent::clock::{Clock, SystemClock};
 
 /// The audience an agent's projected service-account token must be issued for.
 pub const AGENT_AUDIENCE: &str = "faultline-peer";
@@ -199,7 +199,7 @@ impl TokenCache {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use faultline_agent::runtime::testing::FakeClock;
+    use faultline_agent::clock::testing::FakeClock;
     use faultline_kube_emulator::{Emulator, Rule, UserInfo};
 
     const NS: &str = "faultline-system";

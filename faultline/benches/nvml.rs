@@ -61,7 +61,7 @@ fn pass(lib: &Path) {
     std::env::set_var("FAKE_NVML_STATE", &p); // before the library loads; single-threaded here
     std::thread::sleep(Duration::from_millis(100)); // the fake trusts its cache once the file is 50 ms old
     let nvml = real::open(Some(lib)).expect("fake NVML opens");
-    let calls = CallTracker::new(std::sync::Arc::new(faultline_agent::runtime::SystemClock));
+    let calls = CallTracker::new(std::sync::Arc::new(faultline_agent::clock::SystemClock));
     let n = nvml.device_count(&calls).unwrap();
     assert_eq!(n, 8);
     for i in 0..n {

@@ -1,6 +1,6 @@
 //! Detection quality, measured: replays the incident timelines in tests/fixtures/incidents
 //! through the agent's own kernel-log reader (`faultline_core::kmsg_reader::KmsgReader`, as the
-//! kmsg source runs it on `/dev/kmsg`) and engine loop (`runtime::EngineLoop`, with the
+//! kmsg source runs it on `/dev/kmsg`) and engine loop (`engine_loop::EngineLoop`, with the
 //! built-in catalog and default policy), with time taken from the timeline, and scores each
 //! node's verdict, handling level and taints against the timeline's ground truth.
 //!
@@ -23,11 +23,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use faultline_agent::clock::Clock;
+use faultline_agent::engine_loop::RecordStatus;
+use faultline_agent::engine_loop::{EngineLoop, Heartbeat, PersistedState, SinkReport, Snapshot};
 use faultline_agent::metrics::Metrics;
-use faultline_agent::runtime::RecordStatus;
-use faultline_agent::runtime::{
-    Clock, EngineLoop, Heartbeat, PersistedState, SinkReport, Snapshot,
-};
 use faultline_agent::sink::file::{read_state, STATE_FILE};
 use faultline_core::catalog::Catalog;
 use faultline_core::engine::{Input, KmsgPosition, Observation};

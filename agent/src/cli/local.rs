@@ -555,8 +555,8 @@ mod tests {
     use super::super::test_records::{HEALTHY, UNHEALTHY};
     use super::*;
     use crate::clear::ClearResult;
-    use crate::runtime::testing::FakeClock;
-    use crate::runtime::SystemClock;
+    use crate::clock::testing::FakeClock;
+    use crate::clock::SystemClock;
     use crate::sink::file::{Beat, STALE_AFTER};
 
     fn file(body: &str) -> (tempfile::TempDir, PathBuf) {
@@ -748,7 +748,7 @@ mod tests {
     /// The agent writes its heartbeat on `clock` into a record in `dir`, as the file sink does.
     fn beat(dir: &Path, clock: &FakeClock) -> PathBuf {
         let dirs = crate::sink::file::Dirs::one(dir.to_path_buf());
-        let snap = crate::runtime::test_snapshot(1, 0);
+        let snap = crate::engine_loop::test_snapshot(1, 0);
         crate::sink::file::write_snapshot(
             &dirs,
             &snap,

@@ -3,7 +3,7 @@
 //!
 //! Each file is replaced atomically (write a temporary file in the same directory, fsync,
 //! rename), so a reader never sees a half-written file. Writes are rate-limited by a
-//! [`WriteBudget`] (shared with the Kubernetes sinks, [`crate::pace`]): a few writes back to
+//! [`WriteBudget`] (shared with the Kubernetes sinks, [`crate::rate_limit`]): a few writes back to
 //! back go out at once, after that one per interval, and every change in between is coalesced
 //! into the next write. A failed write is retried with
 //! backoff; the engine keeps running meanwhile.
@@ -17,10 +17,11 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::atomic_file::write as write_atomic;
+use crate::clock::Clock;
 use crate::component::{Component, Context, FlagError, Handle, StartError};
+use crate::engine_loop::{Heartbeat, PersistedState, RecordStatus, Snapshot};
 use crate::metrics::{Metrics, SinkLabel};
-use crate::pace::WriteBudget;
-use crate::runtime::{Clock, Heartbeat, PersistedState, RecordStatus, Snapshot};
+use crate::rate_limit::WriteBudget;
 use faultline_core::record::BootClock;
 use faultline_core::time::Timestamp;
 
@@ -210,7 +211,7 @@ pub(crate) struct HeartbeatConfig {
 
 impl HeartbeatConfig {
     fn engine_alive(&self) -> bool {
-        self.engine.age_ms(&*self.clock) <= crate::runtime::STALE_MS
+        self.engine.age_ms(&*self.clock) <= crate::engine_loop::STALE_MS
     }
 }
 
@@ -250,7 +251,7 @@ fn saved_by(found: &str) -> String {
 pub(crate) const MAX_STATE_BYTES: u64 = 32 << 20;
 
 /// Reads `state.json`; a missing file is `Ok(None)`. The version is read first and must be
-/// [`STATE_VERSION`](crate::runtime::STATE_VERSION): a file of another version is refused,
+/// [`STATE_VERSION`](crate::engine_loop::STATE_VERSION): a file of another version is refused,
 /// never read as if it were this one. A state that names another node than `node`, or none, is
 /// refused too: its faults cannot be told to be this node's.
 pub fn read_state(dir: &Path, node: &str) -> Result<Option<PersistedState>, StateReadError> {
@@ -271,7 +272,7 @@ pub fn read_state(dir: &Path, node: &str) -> Result<Option<PersistedState>, Stat
     struct Versioned {
         version: Option<serde_json::Value>,
     }
-    let known = crate::runtime::STATE_VERSION;
+    let known = crate::engine_loop::STATE_VERSION;
     let head: Versioned =
         serde_json::from_slice(&bytes).map_err(|e| unreadable(format!("cannot parse: {e}")))?;
     match head.version {
@@ -540,7 +541,7 @@ pub(crate) async fn run(
 mod tests {
     #![allow(clippy::disallowed_methods)] // tests read the real clock freely
     use super::*;
-    use crate::runtime::test_snapshot;
+    use crate::engine_loop::test_snapshot;
 
     #[test]
     fn corrupt_state_is_reported_not_fatal() {
@@ -562,7 +563,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join(STATE_FILE);
         let ours = serde_json::to_value(PersistedState {
-            version: crate::runtime::STATE_VERSION,
+            version: crate::engine_loop::STATE_VERSION,
             node: Some("n1".into()),
             ..Default::default()
         })
@@ -579,7 +580,7 @@ mod tests {
             StateReadError::UnknownVersion {
                 path: path.clone(),
                 found: 2,
-                known: crate::runtime::STATE_VERSION
+                known: crate::engine_loop::STATE_VERSION
             }
         );
         assert!(
@@ -611,7 +612,7 @@ mod tests {
         let path = dir.path().join(STATE_FILE);
         let write = |node: Option<&str>| {
             let state = PersistedState {
-                version: crate::runtime::STATE_VERSION,
+                version: crate::engine_loop::STATE_VERSION,
                 node: node.map(str::to_string),
                 ..Default::default()
             };
@@ -775,7 +776,7 @@ mod tests {
         let mut snap = test_snapshot(1, 0);
         snap.record = Arc::new(record);
         snap.state = Arc::new(PersistedState {
-            version: crate::runtime::STATE_VERSION,
+            version: crate::engine_loop::STATE_VERSION,
             kmsg_cursor: Some(u64::MAX),
             kmsg_unsequenced: u64::MAX,
             kmsg_log: Some(u64::MAX),
@@ -858,7 +859,7 @@ mod tests {
             signals.clone(),
             HeartbeatConfig {
                 every,
-                clock: Arc::new(crate::runtime::SystemClock),
+                clock: Arc::new(crate::clock::SystemClock),
                 engine: engine_beating(),
             },
             shutdown.clone(),
@@ -1032,7 +1033,7 @@ mod tests {
             signals.clone(),
             HeartbeatConfig {
                 every: HEARTBEAT_INTERVAL,
-                clock: Arc::new(crate::runtime::SystemClock),
+                clock: Arc::new(crate::clock::SystemClock),
                 engine: engine_beating(),
             },
             shutdown.clone(),
@@ -1092,7 +1093,7 @@ mod tests {
         let h = Arc::new(Heartbeat::default());
         let beating = h.clone();
         std::thread::spawn(move || loop {
-            beating.beat(&crate::runtime::SystemClock);
+            beating.beat(&crate::clock::SystemClock);
             std::thread::sleep(Duration::from_millis(50));
         });
         h
@@ -1112,7 +1113,7 @@ mod tests {
     /// reader of the record does.
     #[tokio::test]
     async fn the_heartbeat_metric_is_the_records_heartbeat() {
-        use crate::runtime::testing::FakeClock;
+        use crate::clock::testing::FakeClock;
         let tmp = tempfile::tempdir().unwrap();
         let dir = tmp.path().to_path_buf();
         let clock = Arc::new(FakeClock::new(1_790_000_000_500, 1_000));
@@ -1267,7 +1268,7 @@ mod tests {
             signals.clone(),
             HeartbeatConfig {
                 every: Duration::from_millis(50),
-                clock: Arc::new(crate::runtime::SystemClock),
+                clock: Arc::new(crate::clock::SystemClock),
                 engine: stuck.clone(),
             },
             shutdown.clone(),
@@ -1285,7 +1286,7 @@ mod tests {
             Some(written),
             "no heartbeat while the engine is stuck"
         );
-        stuck.beat(&crate::runtime::SystemClock);
+        stuck.beat(&crate::clock::SystemClock);
         let resumed = tokio::time::timeout(Duration::from_secs(5), async {
             while heartbeat_of(&dir) == Some(written) {
                 tokio::time::sleep(Duration::from_millis(20)).await;

@@ -38,8 +38,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::atomic_file::write as write_atomic;
+use crate::clock::Clock;
+use crate::engine_loop::Snapshot;
 use crate::metrics::{Metrics, SinkLabel};
-use crate::runtime::{Clock, Snapshot};
 use faultline_core::catalog::ascend::{is_fault_code, FAMILIES, KIND};
 use faultline_core::engine::NodeView;
 use faultline_core::policy::LoadedPolicy;

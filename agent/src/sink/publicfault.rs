@@ -35,8 +35,9 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+use crate::clock::Clock;
+use crate::engine_loop::Snapshot;
 use crate::metrics::{Metrics, SinkLabel};
-use crate::runtime::{Clock, Snapshot};
 use crate::sink::mindcluster::DocumentPublisher;
 
 pub(crate) const CONFIGMAP_PREFIX: &str = "faultline-publicfault-";

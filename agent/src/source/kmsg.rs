@@ -29,7 +29,7 @@ use super::{Input, SourceContext};
 use crate::clock::Clock;
 use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::{KindLabel, Metrics, DETECTOR_KMSG};
-use crate::pace::LogPacer;
+use crate::rate_limit::LogPacer;
 
 /// How often overruns and gaps are logged while they go on.
 const LOSS_LOG_EVERY: Duration = Duration::from_secs(10);

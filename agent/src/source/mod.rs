@@ -5,8 +5,8 @@
 
 pub(crate) mod ascend;
 pub(crate) mod control;
+pub(crate) mod gpu_count;
 pub(crate) mod kmsg;
-pub(crate) mod node;
 pub mod nvml;
 pub mod policy_watch;
 

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand, ValueEnum};
 use faultline_agent::cli;
-use faultline_agent::runtime::SystemClock;
+use faultline_agent::clock::SystemClock;
 use faultline_core::record::{Handling, Health};
 
 #[derive(Debug, Parser)]

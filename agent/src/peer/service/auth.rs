@@ -18,9 +18,9 @@ use tonic::Status;
 use tracing::warn;
 
 use crate::clock::{Clock, SystemClock};
-use crate::pace::LogPacer;
 use crate::peer::authz::{CoordinatorId, WhoCoordinates};
 use crate::peer::{wire, MAX_SKEW};
+use crate::rate_limit::LogPacer;
 
 /// How long the service waits to learn the coordinator's key (an answer must fit in the
 /// coordinator's `CALL_TIMEOUT`).

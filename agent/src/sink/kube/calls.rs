@@ -83,7 +83,7 @@ pub const API_CALLS: &[ApiCall] = &[
         "nodes",
         "get",
         Scope::Cluster,
-        "source::node (expected GPU count label), sink::kube::node (read before every change), daemon (at start with no local state and no fault ConfigMap: the taints that name operator-held faults)",
+        "source::gpu_count (expected GPU count label), sink::kube::node (read before every change), restore (at start with no local state and no fault ConfigMap: the taints that name operator-held faults)",
     ),
     call(
         "",

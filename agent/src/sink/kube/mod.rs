@@ -38,9 +38,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::backoff::Backoff;
+use crate::clock::Clock;
 use crate::component::{Component, Context, FlagError, Handle, StartError};
+use crate::engine_loop::{SinkReport, Snapshot};
 use crate::metrics::Metrics;
-use crate::runtime::{Clock, SinkReport, Snapshot};
 use faultline_core::engine::EngineEvent;
 
 use crate::kube_client::DEFAULT_NAMESPACE;

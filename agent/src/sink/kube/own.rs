@@ -48,7 +48,7 @@ impl OwnVersions {
 /// does not repair in step). A minute without drift starts over.
 #[derive(Debug)]
 pub(crate) struct DriftPacer {
-    /// Since boot ([`crate::runtime::Clock::since_boot`]), as `ask`'s times.
+    /// Since boot ([`crate::clock::Clock::since_boot`]), as `ask`'s times.
     last: Option<Duration>,
     wait: Duration,
     delays: Backoff,

@@ -24,7 +24,7 @@ use tracing::{info, warn};
 
 use self::analyze::Analyzer;
 use self::readings::{CallTracker, DeviceReadings, Identity, NvmlBackend, NvmlEvent, Reading};
-use super::node::GpuCountLabel;
+use super::gpu_count::GpuCountLabel;
 use super::{Input, SourceContext};
 use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::DETECTOR_NVML;

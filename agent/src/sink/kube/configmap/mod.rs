@@ -31,8 +31,9 @@ use tracing::{debug, info, warn};
 
 use super::own::{DriftPacer, OwnVersions};
 use super::{api, KubeSinkConfig, KubeSinkError, FIELD_MANAGER};
+use crate::clock::Clock;
+use crate::engine_loop::Snapshot;
 use crate::metrics::{Metrics, SinkLabel};
-use crate::runtime::{Clock, Snapshot};
 use faultline_core::record::NodeRecord;
 use plan::{CountsPacer, RecordKeys, WriteWhen, CONFIGMAP_LIMIT, RECORD_KEY};
 
@@ -397,11 +398,11 @@ mod tests {
             cfg,
             snap_rx,
             Arc::new(Metrics::new()),
-            Arc::new(crate::runtime::SystemClock),
+            Arc::new(crate::clock::SystemClock),
         ));
         let cm_ref = ResourceRef::config_map("faultline-system", "faultline-n1");
         let mut revision = 1;
-        snapshots.send_replace(Some(crate::runtime::test_snapshot(revision, 0)));
+        snapshots.send_replace(Some(crate::engine_loop::test_snapshot(revision, 0)));
         let start = Instant::now();
         while emu.get(&cm_ref).is_none() {
             assert!(start.elapsed() < Duration::from_secs(20), "never written");
@@ -417,7 +418,7 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
             revision += 1;
-            snapshots.send_replace(Some(crate::runtime::test_snapshot(revision, 0)));
+            snapshots.send_replace(Some(crate::engine_loop::test_snapshot(revision, 0)));
         }
         drop(snapshots);
         tokio::time::timeout(Duration::from_secs(10), sink)

@@ -9,7 +9,7 @@ use faultline_core::time::Timestamp;
 use sha2::{Digest, Sha256};
 use tokio::time::Instant;
 
-use crate::pace::WriteBudget;
+use crate::rate_limit::WriteBudget;
 
 /// A Kubernetes label value for `s`: itself when valid, else a shortened form with a hash.
 pub(crate) fn label_value(s: &str) -> String {

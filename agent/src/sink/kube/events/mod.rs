@@ -36,9 +36,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use super::{retry, KubeSinkConfig};
+use crate::clock::Clock;
 use crate::metrics::{Metrics, SinkLabel};
-use crate::pace::{LogPacer, WriteBudget};
-use crate::runtime::Clock;
+use crate::rate_limit::{LogPacer, WriteBudget};
 use plan::{EventSpec, Notice};
 
 /// Most notices held while the API is unreachable.
@@ -255,7 +255,7 @@ mod tests {
             rx,
             kube::runtime::reflector::store().0,
             metrics.clone(),
-            Arc::new(crate::runtime::SystemClock),
+            Arc::new(crate::clock::SystemClock),
             CancellationToken::new(),
         ));
         let new_fault = |code: String, device: &str| {
@@ -328,7 +328,7 @@ mod tests {
             rx,
             own,
             Arc::new(Metrics::new()),
-            Arc::new(crate::runtime::SystemClock),
+            Arc::new(crate::clock::SystemClock),
             CancellationToken::new(),
         ));
         tx.send(Notice::Engine(EngineEvent::NewFault {

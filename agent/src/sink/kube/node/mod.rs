@@ -41,8 +41,9 @@ use super::events::plan::Notice;
 use super::own::{DriftPacer, OwnVersions};
 use super::{api, is_conflict, KubeSinkConfig, KubeSinkError, FIELD_MANAGER};
 use crate::backoff::Backoff;
+use crate::clock::Clock;
+use crate::engine_loop::{SinkReport, Snapshot};
 use crate::metrics::{Metrics, SinkLabel};
-use crate::runtime::{Clock, SinkReport, Snapshot};
 use faultline_core::engine::{DesiredCondition, DesiredTaint};
 use faultline_core::record::TaintBudgetStatus;
 use faultline_core::time::Timestamp;
@@ -638,7 +639,7 @@ mod tests {
             notices,
             watch::channel(SinkReport::default()).0,
             Arc::new(Metrics::new()),
-            Arc::new(crate::runtime::SystemClock),
+            Arc::new(crate::clock::SystemClock),
         )
     }
 

@@ -15,9 +15,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn, Instrument};
 
 use crate::clear::{AppliedClears, ClearApplied, ClearResult};
-#[cfg(any(test, feature = "test-support"))]
-pub use crate::clock::testing;
-pub use crate::clock::{BoxSleep, Clock, SystemClock, KERNEL_BOOT_ID};
+use crate::clock::Clock;
 use crate::metrics::{ActiveFaultLabel, FaultLabel, HandlingLabel, KindLabel, Metrics};
 use crate::source::Input;
 use faultline_core::catalog::Catalog;
@@ -786,7 +784,7 @@ pub(crate) fn test_snapshot(revision: u64, marker: u64) -> Snapshot {
         state: Arc::new(PersistedState::default()),
         // Saved first, as every snapshot was before kernel-log changes went ahead.
         save_first: revision,
-        applied_at: SystemClock.instant(),
+        applied_at: crate::clock::SystemClock.instant(),
     }
 }
 
@@ -800,7 +798,7 @@ mod tests {
     use faultline_core::engine::{DeviceRef, Signal};
     use faultline_core::record::Source;
 
-    use crate::runtime::testing::FakeClock;
+    use crate::clock::testing::FakeClock;
 
     const POLICY: &str = "\
 escalation:
