@@ -79,21 +79,23 @@ impl AppliedClears {
     }
 }
 
+/// The answer to a clear that ended `n` faults, `Xid79` on `GPU-0`... (tests).
+#[cfg(test)]
+pub(crate) fn answer(n: u64) -> ClearResult {
+    ClearResult {
+        cleared: n,
+        faults: (0..n)
+            .map(|i| ClearedFault {
+                code: "Xid79".into(),
+                device: format!("GPU-{i}"),
+            })
+            .collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn answer(n: u64) -> ClearResult {
-        ClearResult {
-            cleared: n,
-            faults: (0..n)
-                .map(|i| ClearedFault {
-                    code: "Xid79".into(),
-                    device: format!("GPU-{i}"),
-                })
-                .collect(),
-        }
-    }
 
     /// The saved memory of applied requests is bounded: the oldest goes first.
     #[test]

@@ -812,7 +812,7 @@ pub(crate) async fn run(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::clear::ClearedFault;
+    use crate::clear::answer;
     use std::os::unix::fs::symlink;
 
     fn write(dir: &Path, name: &str, body: &[u8]) {
@@ -1139,18 +1139,6 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         panic!("timed out waiting for {what}");
-    }
-
-    fn answer(n: u64) -> ClearResult {
-        ClearResult {
-            cleared: n,
-            faults: (0..n)
-                .map(|i| ClearedFault {
-                    code: "Xid79".into(),
-                    device: format!("GPU-{i}"),
-                })
-                .collect(),
-        }
     }
 
     /// The request file stays until the clear is written to disk; then the answer is written
