@@ -325,8 +325,11 @@ pub(crate) fn spawn(
         clock.clone(),
     );
     let node_controller = node::controller(
-        kube::Api::<k8s_openapi::api::core::v1::Node>::all(clients.watch.clone()),
+        kube::Api::all(clients.watch.clone()),
+        kube::Api::all(client.clone()),
         &cfg.node,
+        cfg.resync,
+        clock.clone(),
     );
     let node_store = node_controller.store();
     let node_task = node_sink.run(node_controller, inputs.snapshots.clone());

@@ -29,8 +29,8 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Patch, PatchParams};
-use kube::runtime::controller::{self, Action, Controller};
-use kube::runtime::watcher;
+use kube::runtime::controller::{Action, Controller};
+use kube::runtime::{reflector, watcher, WatchStreamExt};
 use kube::{Api, Client};
 use serde_json::json;
 use tokio::sync::{mpsc, watch};
@@ -44,6 +44,7 @@ use crate::backoff::Backoff;
 use crate::clock::Clock;
 use crate::engine_loop::{SinkReport, Snapshot};
 use crate::metrics::{Metrics, SinkLabel};
+use crate::rate_limit::LogPacer;
 use faultline_core::engine::{DesiredCondition, DesiredTaint};
 use faultline_core::record::TaintBudgetStatus;
 use faultline_core::time::Timestamp;
@@ -143,14 +144,84 @@ pub(crate) struct NodeSink {
 
 const MAX_TAINT_CONFLICTS: u32 = 8;
 
-/// The controller of the agent's own Node: kube-runtime's watcher on that one Node
-/// (`fieldSelector=metadata.name=<node>`) keeps its store, and every change of the Node, every
-/// new snapshot and every requeue runs [`NodeSink::step`] on the newest of both.
-pub(crate) fn controller(api: Api<Node>, node: &str) -> Controller<Node> {
-    Controller::new(
-        api,
+/// The controller of the agent's own Node. Its store is fed from two sources:
+/// - a direct read of the Node: first, before anything else, as the initial list a watcher
+///   would make (which also marks the store ready, as a controller waits for), then every
+///   `resync` ([`read_node`]); so the sink works without the watch: a watch that RBAC denies or
+///   that cannot connect would leave the store empty, and a controller reconciles only what
+///   its store holds;
+/// - kube-runtime's watcher on that one Node (`fieldSelector=metadata.name=<node>`), so that
+///   someone else's change is repaired at once.
+///
+/// The watch's errors are logged here at a bounded rate and never reach the controller, whose
+/// own backoff would otherwise hold back the reads and the snapshots' wake-ups with them. Every
+/// change of the Node, every new snapshot and every requeue runs [`NodeSink::step`] on the
+/// newest of both.
+pub(crate) fn controller(
+    watch: Api<Node>,
+    calls: Api<Node>,
+    node: &str,
+    resync: Duration,
+    clock: Arc<dyn Clock>,
+) -> Controller<Node> {
+    use futures::stream::{self, StreamExt as _};
+    let (store, writer) = reflector::store();
+    let mut pacer = LogPacer::new(WATCH_WARN_EVERY);
+    let watched = watcher(
+        watch,
         watcher::Config::default().fields(&format!("metadata.name={node}")),
     )
+    .default_backoff()
+    .filter_map(move |r| {
+        let event = match r {
+            Ok(e) => Some(Ok(e)),
+            Err(e) => {
+                if let Some((since, _)) = pacer.note(1, clock.instant()) {
+                    warn!(error = %e, failures = since.times, "watching the node failed; it is read every resync instead");
+                }
+                None
+            }
+        };
+        std::future::ready(event)
+    });
+    let (calls, name) = (calls, node.to_string());
+    let first = stream::once(read_node(calls.clone(), name.clone())).flat_map(|n| {
+        let list = [
+            watcher::Event::Init,
+            watcher::Event::InitApply(n),
+            watcher::Event::InitDone,
+        ];
+        stream::iter(list.map(Ok))
+    });
+    let every = stream::unfold((), move |()| {
+        let (calls, name) = (calls.clone(), name.clone());
+        async move {
+            tokio::time::sleep(resync).await;
+            Some((Ok(watcher::Event::Apply(read_node(calls, name).await)), ()))
+        }
+    });
+    let nodes = first
+        .chain(stream::select(watched, every))
+        .reflect(writer)
+        .applied_objects();
+    Controller::for_stream(nodes, store)
+}
+
+/// How often a failing watch of the node is logged (with the count of failures since).
+const WATCH_WARN_EVERY: Duration = Duration::from_secs(300);
+
+/// The Node, read until a read succeeds (the sink's backoff between failures).
+async fn read_node(api: Api<Node>, node: String) -> Node {
+    let mut retry = super::retry();
+    loop {
+        match api.get(&node).await {
+            Ok(n) => return n,
+            Err(e) => {
+                debug!(error = %e, "reading the node failed; trying again");
+                tokio::time::sleep(retry.next_delay()).await;
+            }
+        }
+    }
 }
 
 impl NodeSink {
@@ -219,12 +290,8 @@ impl NodeSink {
                 ctx.clone(),
             )
             .for_each(|r| async move {
-                match r {
-                    Err(controller::Error::QueueError(e)) => {
-                        warn!(error = %e, "watching the node failed; the periodic resync still repairs it");
-                    }
-                    Err(e) => debug!(error = %e, "the node's controller"),
-                    Ok(_) => {}
+                if let Err(e) = r {
+                    debug!(error = %e, "the node's controller");
                 }
             })
             .await;
@@ -1037,5 +1104,57 @@ mod tests {
             !d.carried_by(&Node::default(), false, now),
             "a bare re-registered node"
         );
+    }
+
+    /// The watch is how the sink hears of others' changes, not what lets it write: with list
+    /// and watch denied by RBAC (get and patch allowed), the sink still labels the Node at
+    /// once, and follows a later snapshot, from its own reads of the Node.
+    #[tokio::test]
+    async fn the_sink_writes_without_the_watch() {
+        use faultline_kube_emulator::{Rule, UserInfo};
+        let emu = faultline_kube_emulator::Emulator::start().await.unwrap();
+        emu.put(faultline_kube_emulator::node("n1", &[]));
+        let (client, _dir) = crate::sink::kube::emulator_client(&emu, "n1").await;
+        let allowed = Rule::new(
+            &["get", "patch", "update"],
+            &[""],
+            &["nodes", "nodes/status"],
+        );
+        emu.authorize("t", UserInfo::new("agent"), vec![allowed]);
+        let (tx, _rx) = mpsc::channel(64);
+        let budget = Budget::new("n1", "127.0.0.1:9", None);
+        let mut sink = sink_on(client.clone(), budget, tx);
+        // Healthier states wait for the settle time after a start; none here.
+        sink.cfg.settle = Duration::ZERO;
+        let nodes = controller(
+            Api::all(client.clone()),
+            Api::all(client),
+            "n1",
+            Duration::from_secs(300),
+            Arc::new(crate::clock::SystemClock),
+        );
+        let (snapshots, rx) = watch::channel(None);
+        let task = tokio::spawn(sink.run(nodes, rx));
+        let health = |emu: &faultline_kube_emulator::Emulator| {
+            n1_in(emu)
+                .metadata
+                .labels
+                .unwrap_or_default()
+                .get("faultline.io/health")
+                .cloned()
+        };
+        for (revision, want) in [(1, "Unhealthy"), (2, "Healthy")] {
+            let mut s = crate::engine_loop::test_snapshot(revision, 0);
+            s.labels = BTreeMap::from([("faultline.io/health".into(), want.into())]);
+            snapshots.send_replace(Some(s));
+            let mut waited = Duration::ZERO;
+            while health(&emu).as_deref() != Some(want) {
+                assert!(waited < Duration::from_secs(10), "never labelled {want}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                waited += Duration::from_millis(50);
+            }
+        }
+        drop(snapshots);
+        task.await.unwrap();
     }
 }
