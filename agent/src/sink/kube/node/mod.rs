@@ -745,8 +745,7 @@ mod tests {
     /// written before the coordinator is asked, and stay written when none answers (the pass
     /// fails and is retried, the taint waits); the next pass, with the coordinator answering,
     /// adds only the taint. A new fault costs three node writes in all, and no write of any
-    /// ConfigMap of the budget's. (The label and the condition used to follow the admission, so
-    /// a budget under contention or refused held them back.)
+    /// ConfigMap of the budget's: a budget under contention or refused holds back only the taint.
     #[tokio::test]
     async fn the_label_and_condition_are_written_before_the_budget_is_asked() {
         use faultline_kube_emulator::Emulator;
@@ -827,8 +826,7 @@ mod tests {
     /// A pass reads the Node only when the watched one is not the version the sink itself wrote
     /// or read last: a new fault on a Node nobody else changed costs its writes alone, and a
     /// Node changed by someone else since, or a watch behind the sink's own last write, is read
-    /// first. (Every pass used to read the Node: at 2,000 nodes failing at once, 10 reads per
-    /// failing node in the fleet bench, most of them a withheld taint's rechecks.)
+    /// first (a withheld taint's rechecks, at 2,000 nodes failing at once, read nothing).
     #[tokio::test]
     async fn the_node_is_read_only_when_the_watch_is_not_at_the_sinks_last_version() {
         use faultline_kube_emulator::Emulator;
