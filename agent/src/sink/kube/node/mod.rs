@@ -337,7 +337,9 @@ impl NodeSink {
         !desired.carried_by(node, !self.withheld.is_empty(), self.clock.now())
     }
 
-    fn wrote(&self, what: &'static str) {
+    /// Counts a write of `what` and notes the Node it returned as the sink's own version.
+    fn wrote(&mut self, what: &'static str, node: &Node) {
+        self.versions.note_of(node);
         self.metrics
             .sink_writes
             .get_or_create(&SinkLabel { sink: what })
@@ -396,7 +398,7 @@ impl NodeSink {
                 "kind": "Node",
                 "metadata": { "name": name, "labels": desired.labels },
             });
-            let n = self
+            node = self
                 .nodes
                 .patch(
                     &name,
@@ -405,10 +407,8 @@ impl NodeSink {
                 )
                 .await
                 .map_err(api("apply the node's labels"))?;
-            node = n;
-            self.versions.note_of(&node);
+            self.wrote("node_labels", &node);
             info!(labels = ?desired.labels, "node labels applied");
-            self.wrote("node_labels");
             wrote = true;
         }
 
@@ -423,15 +423,13 @@ impl NodeSink {
                 field_manager: Some(FIELD_MANAGER.to_string()),
                 ..Default::default()
             };
-            let n = self
+            node = self
                 .nodes
                 .patch_status(&name, &pp, &Patch::Strategic(&body))
                 .await
                 .map_err(api("write the node's condition"))?;
-            node = n;
-            self.versions.note_of(&node);
+            self.wrote("node_condition", &node);
             info!(status = %c.status, reason = ?c.reason, "node condition updated");
-            self.wrote("node_condition");
             wrote = true;
         }
 
@@ -475,9 +473,8 @@ impl NodeSink {
             match self.nodes.patch(&name, &pp, &Patch::Merge(&body)).await {
                 Ok(n) => {
                     info!(taints = ?taints.iter().filter(|t| t.key.starts_with(plan::OWNED_PREFIX)).map(|t| format!("{}={}:{}", t.key, t.value.as_deref().unwrap_or(""), t.effect)).collect::<Vec<_>>(), "node taints updated");
-                    self.wrote("node_taints");
+                    self.wrote("node_taints", &n);
                     wrote = true;
-                    self.versions.note_of(&n);
                     break;
                 }
                 Err(e) if is_conflict(&e) && attempt < MAX_TAINT_CONFLICTS => {
