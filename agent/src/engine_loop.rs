@@ -276,8 +276,8 @@ impl EngineLoop {
     }
 
     async fn run_inner(mut self) {
-        let mut published = u64::MAX;
-        let mut published_marker = self.marker;
+        // What the last snapshot held: the engine's revision and the marker.
+        let mut published = (self.engine.revision(), self.marker);
         let mut seq = 0u64;
         let mut replay = Replay::default();
         // The newest snapshot with a change a restart would not make again.
@@ -297,23 +297,23 @@ impl EngineLoop {
         replay.unreplayed = true;
         let mut report = self.sink_report.borrow_and_update().clone();
         let mut offset = SignedDuration::ZERO;
-        // An engine event since the last snapshot: publish at once.
-        let mut urgent = false;
+        // Publish at once, changed or not, rather than within `PUBLISH_EVERY`: an engine event,
+        // a policy, sink-report or wall-clock change, and what was restored on the first pass.
+        let mut urgent = true;
         let mut last_publish = self.clock.instant();
-        // A count-only change waits for `last_publish + PUBLISH_EVERY`.
-        let mut pending = false;
         // When time alone next changes the engine, as time since boot; computed again only
         // after what can bring it forward (see `moves_deadline`).
         let mut deadline: Option<Duration> = None;
         let mut replan = true;
         let clock = self.clock.clone();
-        // The first pass publishes what was restored at once, whatever else happens.
-        let mut first = true;
+        let mut batch = Vec::new();
         loop {
             if replan {
                 deadline = self.next_deadline(&loaded);
                 replan = false;
             }
+            // A count-only change waits for `last_publish + PUBLISH_EVERY`.
+            let waiting = self.engine.revision() != published.0;
             let (next, clock) = (deadline, &clock);
             let due = async move {
                 match next {
@@ -324,12 +324,12 @@ impl EngineLoop {
             tokio::select! {
                 biased;
                 _ = self.shutdown.cancelled() => break,
-                _ = tokio::time::sleep_until(last_publish + PUBLISH_EVERY), if pending => {}
+                _ = tokio::time::sleep_until(last_publish + PUBLISH_EVERY), if waiting => {}
                 Ok(()) = self.sink_report.changed() => {
                     let next = self.sink_report.borrow_and_update().clone();
                     if next != report {
                         report = next;
-                        published = u64::MAX;
+                        urgent = true;
                         replay.unreplayed = true; // the withheld taints are saved
                     }
                 }
@@ -355,29 +355,19 @@ impl EngineLoop {
                     if policy_changed || first {
                         self.reclassify(&loaded);
                         restored_classified |= first;
-                        urgent = true;
                         replay.unreplayed = true;
                     }
-                    published = u64::MAX; // the policy status is part of the record
+                    urgent = true; // the policy status is part of the record
                 }
-                input = self.inputs.recv() => {
-                    let Some(first) = input else { break };
-                    replan |= moves_deadline(&first);
-                    let eventful = self.apply(&loaded, first, &mut replay);
-                    replan |= eventful;
-                    urgent |= eventful;
-                    let mut n = 1;
-                    while n < BATCH {
-                        match self.inputs.try_recv() {
-                            Ok(i) => {
-                                replan |= moves_deadline(&i);
-                                let eventful = self.apply(&loaded, i, &mut replay);
-                                replan |= eventful;
-                                urgent |= eventful;
-                                n += 1;
-                            }
-                            Err(_) => break,
-                        }
+                n = self.inputs.recv_many(&mut batch, BATCH) => {
+                    if n == 0 {
+                        break; // every source is gone
+                    }
+                    for input in batch.drain(..) {
+                        replan |= moves_deadline(&input);
+                        let eventful = self.apply(&loaded, input, &mut replay);
+                        replan |= eventful;
+                        urgent |= eventful;
                     }
                 }
                 () = due => {
@@ -386,9 +376,10 @@ impl EngineLoop {
                 }
                 // Nothing else happened for a while: beat (below) and look at the wall clock.
                 () = tokio::time::sleep(self.liveness) => {}
-                () = std::future::ready(()), if first => {}
+                // Urgent here only on the first pass (a later urgent change is published in
+                // the pass that made it): what was restored is published without waiting.
+                () = std::future::ready(()), if urgent => {}
             }
-            first = false;
             self.heartbeat.beat(&*self.clock);
             // A wall-clock step moves the faults' dates: publish them even if nothing else
             // changed, and save the offset for the next boot's timeline.
@@ -396,29 +387,24 @@ impl EngineLoop {
             if next != offset {
                 offset = next;
                 self.timeline.wall_offset_ms = i64::try_from(offset.as_millis()).unwrap_or(0);
-                published = u64::MAX;
+                urgent = true;
             }
-            // A marker is published even when nothing else changed: its sender waits for it.
-            if self.engine.revision() != published || self.marker != published_marker {
-                let now = self.clock.instant();
-                let due = urgent
-                    || published == u64::MAX
-                    || self.marker != published_marker
-                    || now >= last_publish + PUBLISH_EVERY;
-                if due {
-                    published = self.engine.revision();
-                    published_marker = self.marker;
-                    seq += 1;
-                    if std::mem::take(&mut replay.unreplayed) {
-                        save_first = seq;
-                    }
-                    self.publish(&loaded, &report, seq, offset, save_first);
-                    last_publish = now;
-                    urgent = false;
-                    pending = false;
-                } else {
-                    pending = true;
+            // A new marker is published at once, even alone: its sender waits for it. An engine
+            // event always comes with a new revision, so `urgent` publishes it too.
+            let current = (self.engine.revision(), self.marker);
+            let now = self.clock.instant();
+            if urgent
+                || current.1 != published.1
+                || (current.0 != published.0 && now >= last_publish + PUBLISH_EVERY)
+            {
+                published = current;
+                seq += 1;
+                if std::mem::take(&mut replay.unreplayed) {
+                    save_first = seq;
                 }
+                self.publish(&loaded, &report, seq, offset, save_first);
+                last_publish = now;
+                urgent = false;
             }
         }
         // Shutdown: nothing queued is dropped.
@@ -782,7 +768,7 @@ pub(crate) fn test_snapshot(revision: u64, marker: u64) -> Snapshot {
         inventory: Default::default(),
         recovering: Default::default(),
         state: Arc::new(PersistedState::default()),
-        // Saved first, as every snapshot was before kernel-log changes went ahead.
+        // Saved first: nothing in it replays.
         save_first: revision,
         applied_at: crate::clock::SystemClock.instant(),
     }
@@ -995,7 +981,7 @@ recovery:
         out
     }
 
-    /// Issue 26 §2: the faults by code and device, bounded. Hundreds of faults with crafted
+    /// The faults by code and device, bounded. Hundreds of faults with crafted
     /// codes and devices (unlisted Xids, GPUs and PCI addresses NVML does not list, switch
     /// numbers, names) make a few dozen series, everything unlisted under `other`; what the
     /// catalog, the policy and the inventory name keeps its name. A reload that names a code
@@ -1349,10 +1335,9 @@ recovery:
         assert_eq!(saved.wall_offset_ms, 3_600_000);
     }
 
-    /// Issue 27 §2: an idle engine loop applies nothing; the engine is ticked at its deadline
+    /// An idle engine loop applies nothing; the engine is ticked at its deadline
     /// (here a 10-minute quiet time), on the injected clock, whichever way the wall clock was
-    /// stepped meanwhile. Before, the loop ticked the engine every second whatever it held:
-    /// 60 inputs a minute on an idle node.
+    /// stepped meanwhile: an idle node costs no inputs.
     #[tokio::test(start_paused = true)]
     async fn the_engine_is_ticked_at_its_deadline_only() {
         for step in STEPS {
@@ -1409,7 +1394,7 @@ recovery:
 
     /// A repeating fault (1,000 repeats over one second, each its own batch) is published at
     /// most once per `PUBLISH_EVERY` after its first report, and the last count arrives; a new
-    /// fault in the middle is published at once. Before, every batch was a snapshot (1,001).
+    /// fault in the middle is published at once.
     #[tokio::test(start_paused = true)]
     async fn count_only_changes_are_published_at_a_bounded_rate() {
         let mut r = Rig::start();
@@ -1463,8 +1448,8 @@ recovery:
     const NOT_HANDLED: &str = "overrides:\n  Xid13: { handling: NotHandleFault }\n";
 
     /// A fault saved under a policy that overrode its level is classified under the policy in
-    /// force when the agent starts, and stays so when it recurs; before, it kept the old level
-    /// for as long as it lived, while the same code on another device got the new one.
+    /// force when the agent starts, and stays so when it recurs, as the same code on another
+    /// device is.
     #[tokio::test]
     async fn restored_faults_are_classified_under_the_policy_in_force() {
         let engine = saved_under(NOT_HANDLED);
@@ -1569,7 +1554,7 @@ recovery:
         );
     }
 
-    /// Issue 27 §1: what the file sink may show before it is saved. A record of a kernel log
+    /// What the file sink may show before it is saved. A record of a kernel log
     /// that replays (the device, a regular file) goes ahead: a restart reads it again past the
     /// saved cursor. The restored state, a record read from a FIFO (nothing reads it again),
     /// another source's report and an operator's clear are marked to be saved first, and the

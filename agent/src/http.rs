@@ -231,8 +231,9 @@ async fn readyz(State(s): State<HttpState>) -> Response {
 ///
 /// The body is the shared one of [`RecordBody`], sent with its `Content-Length`: a body cut by
 /// the connection's deadline ends the connection short of that length, which a client reports
-/// as an error. Before, every request serialized its own copy (16 concurrent requests of a large
-/// record took 1.3 GiB), and a record that could not be encoded was an empty 200.
+/// as an error. One copy for every request: 16 concurrent requests of a large record each
+/// serializing their own would take 1.3 GiB. A record that cannot be encoded is an error, not
+/// an empty 200.
 async fn record(State(s): State<HttpState>) -> Response {
     let snap = s.snapshots.borrow().clone();
     let Some(snap) = snap else {
@@ -566,8 +567,7 @@ mod tests {
     }
 
     /// Sixteen concurrent requests get the same whole body with its `Content-Length`, from one
-    /// serialization. Before, each request cloned and serialized the record for itself (16
-    /// requests of a large record took 1.3 GiB).
+    /// serialization.
     #[tokio::test]
     async fn concurrent_requests_share_one_body_with_its_length() {
         let (addr, shutdown, body, _tx) = record_server(LIMITS, big_snapshot(1, 2000)).await;

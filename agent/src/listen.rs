@@ -32,11 +32,12 @@ use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tokio::time::{Instant, Sleep};
+use tokio::time::Sleep;
 use tracing::warn;
 
 use crate::clock::{Clock, SystemClock};
 use crate::metrics::{Metrics, ServerLabel};
+use crate::rate_limit::LogPacer;
 
 /// What one listener allows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -191,17 +192,6 @@ impl Drop for AddressSlot {
     }
 }
 
-/// Whether a warning may be logged now: at most one a minute (the running totals are in the
-/// metrics).
-fn may_warn(last: &mut Option<Instant>) -> bool {
-    let now = SystemClock.instant();
-    let due = last.is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_secs(60));
-    if due {
-        *last = Some(now);
-    }
-    due
-}
-
 fn idle_error() -> io::Error {
     io::Error::new(io::ErrorKind::TimedOut, "connection idle")
 }
@@ -284,7 +274,8 @@ pub fn incoming(
         slots,
         per_address,
         metrics,
-        Option::<Instant>::None,
+        // At most one warning a minute (the running totals are in the metrics).
+        LogPacer::new(Duration::from_secs(60)),
     );
     futures::stream::unfold(
         state,
@@ -305,7 +296,7 @@ pub fn incoming(
                                 .connections_refused
                                 .get_or_create(&ServerLabel { server })
                                 .inc();
-                            if may_warn(&mut warned) {
+                            if warned.note(1, SystemClock.instant()).is_some() {
                                 // Which cap refused it: the address's own, or the listener's.
                                 let (cap, max) = match address {
                                     None => ("per address", limits.max_per_address),
@@ -322,7 +313,7 @@ pub fn incoming(
                         }
                     },
                     Err(e) => {
-                        if may_warn(&mut warned) {
+                        if warned.note(1, SystemClock.instant()).is_some() {
                             warn!(server, error = %e, "accept failed; backing off");
                         }
                         tokio::time::sleep(Duration::from_millis(100)).await;

@@ -404,8 +404,7 @@ mod tests {
 
     /// The lock file is created 0600, so no other user can open it, and so none can take the
     /// lock (exclusive or shared) while the agent is down and keep every later agent from
-    /// starting. Before, it was 0644 in a 0755 directory: `flock -x agent.lock sleep infinity`
-    /// as any user did that. The second half runs `flock` as uid 65534 (`setpriv`): needs root
+    /// starting (with 0644, `flock -x agent.lock sleep infinity` as any user would). The second half runs `flock` as uid 65534 (`setpriv`): needs root
     /// and util-linux, skipped otherwise.
     #[test]
     fn no_other_user_can_take_the_lock() {

@@ -70,10 +70,10 @@ impl WriteBudget {
     }
 }
 
-/// Logs a repeating condition (kernel-log overruns and gaps, Events left out) at most once per
-/// `every`, each line with what happened since the previous line and the running total. A
-/// storm that made one WARN per overrun wrote 112k lines (17 MB) in two storms; the metrics
-/// count every one.
+/// Logs a repeating condition (kernel-log overruns and gaps, Events left out, connections
+/// refused) at most once per `every`, each line with what happened since the previous line and
+/// the running total: one WARN per overrun would write 112k lines (17 MB) in two storms. The
+/// metrics count every one.
 #[derive(Debug)]
 pub struct LogPacer {
     every: Duration,

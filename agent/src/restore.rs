@@ -437,8 +437,8 @@ pub(crate) async fn from_cluster(
 
 /// When nothing survived locally (the state directory was lost, or a reboot emptied a tmpfs),
 /// the fault ConfigMap may still hold this node's last record: rebuild from it, so operator-held
-/// faults are not published as Healthy. Waits at most [`CLUSTER_RESTORE_WAIT`].
-/// API did not answer in time ([`ClusterRecord::NoAnswer`]: nothing else is asked then,
+/// faults are not published as Healthy. Waits at most [`CLUSTER_RESTORE_WAIT`]:
+/// [`ClusterRecord::NoAnswer`] when the API did not answer in time (nothing else is asked then,
 /// detection has waited long enough); [`ClusterRecord::Absent`] when it answered without a
 /// usable record (the node's taints are asked next, [`rebuild_from_taints`]).
 async fn rebuild_from_cluster(

@@ -112,9 +112,8 @@ impl Order {
 ///
 /// A state that cannot be written (the data directory full or read-only) does not stop the
 /// record: readers keep a current record and a live heartbeat, and the error
-/// ([`FileSinkError::StateNotSaved`]) says the state is behind. Before, a failed state write
-/// skipped the record too, so a broken `/var/lib` looked like a dead agent. Likewise a record
-/// that cannot be written does not stop the state.
+/// ([`FileSinkError::StateNotSaved`]) says the state is behind: a broken `/var/lib` must not
+/// look like a dead agent. Likewise a record that cannot be written does not stop the state.
 pub(crate) fn write_snapshot(
     dirs: &Dirs,
     snap: &Snapshot,
@@ -450,6 +449,16 @@ pub(crate) async fn run(
                     source: std::io::Error::other(e.to_string()),
                 })
             });
+            // The record is on disk with this heartbeat (even when the state is not: the state
+            // is retried with the backoff, the heartbeat is fresh).
+            if result
+                .as_ref()
+                .map_or_else(FileSinkError::record_written, |_| true)
+            {
+                set_heartbeat(&metrics, &beat_written);
+                stamped = Some(beat_written);
+                last_write = clock.instant();
+            }
             match result {
                 Ok(()) => {
                     metrics.sink_writes.get_or_create(&label).inc();
@@ -468,15 +477,10 @@ pub(crate) async fn run(
                     written = Some(snap.revision);
                     if !record_only {
                         saved = snap.revision;
-                    }
-                    set_heartbeat(&metrics, &beat_written);
-                    stamped = Some(beat_written);
-                    last_write = clock.instant();
-                    if !record_only {
                         budget.spend(clock.instant());
                     }
                     // Reported on the first success of a run too, which clears a record-file
-                    // fault an earlier run left behind.
+                    // fault the last run left behind.
                     signals.status.send_if_modified(|s| {
                         let changed = !s.is_written();
                         *s = RecordStatus::Written;
@@ -492,12 +496,6 @@ pub(crate) async fn run(
                 }
                 Err(e) => {
                     metrics.sink_errors.get_or_create(&label).inc();
-                    if e.record_written() {
-                        // The heartbeat is fresh; the state is retried with the backoff.
-                        last_write = clock.instant();
-                        set_heartbeat(&metrics, &beat_written);
-                        stamped = Some(beat_written);
-                    }
                     // What is on disk (the record, or the state behind it) is now older than
                     // the agent's state: not ready, and say so in the record the agent serves.
                     signals.status.send_if_modified(|s| {
@@ -637,9 +635,9 @@ mod tests {
     /// spare: `max_active` and `max_recovered` at their largest, plus the node's overflow fault
     /// and every detector down, each fault at its largest (the longest code the policy accepts,
     /// a message, device name and UUID of control characters, which JSON writes six bytes
-    /// each, 100 occurrences, every source, escalated); 1,024 device identities. Before the
-    /// caps nothing bounded them: 100,000 distinct faults made a 57 MiB state.json that the
-    /// next start refused, losing every fault.
+    /// each, 100 occurrences, every source, escalated); 1,024 device identities. Unbounded,
+    /// 100,000 distinct faults would make a 57 MiB state.json that the next start refuses,
+    /// losing every fault.
     #[test]
     fn the_largest_state_the_caps_allow_is_read_back() {
         use faultline_core::catalog::{Catalog, FaultCode};
@@ -921,8 +919,7 @@ mod tests {
     /// The data directory cannot take `state.json` (here a non-empty directory stands where the
     /// file goes: the rename fails, for root too). The record is still written and its heartbeat
     /// goes on; the failure is reported and nothing is acknowledged as persisted. When the data
-    /// directory works again, the state is saved and the marker reported. Before, the failed
-    /// state write skipped the record as well.
+    /// directory works again, the state is saved and the marker reported.
     #[tokio::test]
     async fn a_state_that_cannot_be_saved_does_not_stop_the_record() {
         let tmp = tempfile::tempdir().unwrap();
@@ -987,12 +984,11 @@ mod tests {
             .map(|r| r.update_time.as_second())
     }
 
-    /// Issue 27 §1: with a slow data disk (here its fsync waits until the test lets it go), a
+    /// With a slow data disk (here its fsync waits until the test lets it go), a
     /// record whose changes a restart makes again (kernel-log records past the saved cursor) is
     /// in `faults.json` while its state is still being saved; a record holding a change a
     /// restart would not make again (the restored state, an operator's clear) waits for its
-    /// state, as before. Before, every record waited for the fsyncs of `state.json` and of the
-    /// data directory.
+    /// state.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_record_a_restart_makes_again_does_not_wait_for_a_slow_state() {
         let tmp = tempfile::tempdir().unwrap();
@@ -1107,7 +1103,7 @@ mod tests {
             .heartbeat_time
     }
 
-    /// Issue 26 §2: `faultline_heartbeat_timestamp_seconds` is the heartbeat written into the
+    /// `faultline_heartbeat_timestamp_seconds` is the heartbeat written into the
     /// record (the injected clock's wall time, in seconds), renewed with it, and left at its last
     /// value while the engine loop does not run: an alert on its age sees the agent dead when a
     /// reader of the record does.

@@ -443,14 +443,12 @@ impl<P: DocumentPublisher> MindClusterSink<P> {
                     retry.reset();
                     None
                 };
-                let resync_at = [&file_written, &published]
+                // The retry or the next resync of either output, whichever comes first.
+                wake = [&file_written, &published]
                     .iter()
                     .filter_map(|w| w.as_ref().map(|(_, at)| *at + resync))
+                    .chain(retry_at)
                     .min();
-                wake = match (retry_at, resync_at) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
             }
             match crate::sink::next_input(
                 &self.shutdown,

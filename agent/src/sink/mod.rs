@@ -81,11 +81,31 @@ pub(crate) async fn next_input<T, P>(
 ) -> Woke {
     tokio::select! {
         _ = shutdown.cancelled() => Woke::Stop,
-        more = kube::changed_or_woken(snapshots, wake) => {
+        more = changed_or_woken(snapshots, wake) => {
             if more { Woke::Snapshot } else { Woke::Stop }
         }
         changed = policy.changed() => {
             if changed.is_ok() { Woke::Policy } else { Woke::Stop }
         }
+    }
+}
+
+/// Waits until the snapshot changes (true) or `wake` passes (true); false when the engine is
+/// gone. `None`: no deadline.
+pub(crate) async fn changed_or_woken<T>(
+    snapshots: &mut tokio::sync::watch::Receiver<T>,
+    wake: Option<tokio::time::Instant>,
+) -> bool {
+    tokio::select! {
+        changed = snapshots.changed() => changed.is_ok(),
+        () = sleep_until(wake) => true,
+    }
+}
+
+/// Sleeps until `wake`; forever when `None`.
+pub(crate) async fn sleep_until(wake: Option<tokio::time::Instant>) {
+    match wake {
+        Some(w) => tokio::time::sleep_until(w).await,
+        None => std::future::pending().await,
     }
 }

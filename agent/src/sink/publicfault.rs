@@ -316,6 +316,14 @@ pub(crate) const OUTBOX_FILE: &str = "publicfault.json";
 const OUTBOX_MAX_BYTES: u64 = 1 << 20;
 
 impl Outbox {
+    /// Nothing published yet under `resource`.
+    fn empty(resource: &str) -> Outbox {
+        Outbox {
+            resource: resource.to_string(),
+            ..Outbox::default()
+        }
+    }
+
     /// Whether nothing is published that could need a `recover`.
     pub(crate) fn is_empty(&self) -> bool {
         self.occurring.is_empty() && self.recovered.is_empty()
@@ -497,10 +505,7 @@ impl<P: DocumentPublisher> PublicFaultSink<P> {
             if outbox.occurring.is_empty() && outbox.resource != resource {
                 // Nothing published under the old name (or none yet): take the new one; the
                 // repeats of old recoveries stop.
-                outbox = Outbox {
-                    resource: resource.clone(),
-                    ..Outbox::default()
-                };
+                outbox = Outbox::empty(&resource);
             }
             // What to send now: (resource, current faults), or nothing.
             let job: Option<(String, Vec<PublicFault>)> = if !enabled || resource != outbox.resource
@@ -540,12 +545,7 @@ impl<P: DocumentPublisher> PublicFaultSink<P> {
                     wake = Some(tick + retry.next_delay());
                 } else {
                     match outbox.message(&self.node, &name, &current, now) {
-                        None => {
-                            outbox = Outbox {
-                                resource: resource.clone(),
-                                ..Outbox::default()
-                            }
-                        }
+                        None => outbox = Outbox::empty(&resource),
                         Some((msg, mut next)) => {
                             let text = serde_json::to_string(&msg).unwrap_or_default();
                             match self.publisher.publish(&text).await {
@@ -554,10 +554,7 @@ impl<P: DocumentPublisher> PublicFaultSink<P> {
                                     debug!(faults = msg.faults.len(), "public faults published");
                                     if name != resource || !enabled {
                                         // Retracted: what was under the old name is done.
-                                        next = Outbox {
-                                            resource: resource.clone(),
-                                            ..Outbox::default()
-                                        };
+                                        next = Outbox::empty(&resource);
                                     }
                                     outbox = next;
                                     last_sent = Some(tick);

@@ -30,18 +30,14 @@ pub(crate) mod events;
 pub(crate) mod node;
 pub(crate) mod own;
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::{mpsc, watch};
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use crate::backoff::Backoff;
-use crate::clock::Clock;
 use crate::component::{Component, Context, FlagError, Handle, StartError};
-use crate::engine_loop::{SinkReport, Snapshot};
-use crate::metrics::Metrics;
+use crate::engine_loop::SinkReport;
 use faultline_core::engine::EngineEvent;
 
 use crate::kube_client::DEFAULT_NAMESPACE;
@@ -199,27 +195,72 @@ pub(crate) struct KubeSinks {
 impl Component for KubeSinks {
     const NAME: &'static str = "kube";
 
-    /// Starts nothing without Kubernetes.
+    /// Starts the three sinks (nothing without Kubernetes). They stop when the snapshot
+    /// channel closes (the engine stopped), after a last attempt bounded by a few seconds.
     async fn start(self, cx: &Context) -> Result<Handle, StartError> {
         let Some(clients) = cx.kube.clone() else {
             return Ok(Handle::none());
         };
-        if self.config.node_token_file.is_none() {
+        let cfg = self.config;
+        if cfg.node_token_file.is_none() {
             tracing::warn!("no --node-token-file: the coordinator cannot know this node, so it is labelled when unhealthy but never newly tainted");
         }
-        let inputs = KubeSinkInputs {
-            snapshots: cx.snapshots.clone(),
-            events: self.events,
-            report: self.report,
+        let (notice_tx, notice_rx) = mpsc::channel(events::QUEUE);
+        let forward = {
+            let tx = notice_tx.clone();
+            let mut rx = self.events;
+            let metrics = cx.metrics.clone();
+            async move {
+                while let Some(e) = rx.recv().await {
+                    if tx.try_send(events::plan::Notice::Engine(e)).is_err() {
+                        metrics.events_dropped.inc();
+                    }
+                }
+            }
         };
-        Ok(Handle::of(spawn(
-            clients,
-            self.config,
-            inputs,
+        let client = clients.calls;
+        let budget = budget::Budget::new(&cfg.node, &cfg.coordinator, cfg.node_token_file.clone());
+        let node_sink = node::NodeSink::new(
+            client.clone(),
+            cfg.clone(),
+            budget,
+            notice_tx,
+            self.report,
+            cx.metrics.clone(),
+            cx.clock.clone(),
+        );
+        let node_controller = node::controller(
+            kube::Api::all(clients.watch.clone()),
+            kube::Api::all(client.clone()),
+            &cfg.node,
+            cfg.resync,
+            cx.clock.clone(),
+        );
+        let node_store = node_controller.store();
+        let node_task = node_sink.run(node_controller, cx.snapshots.clone());
+        let cm_task = configmap::run(
+            client.clone(),
+            kube::Api::namespaced(clients.watch, &cfg.namespace),
+            cfg.clone(),
+            cx.snapshots.clone(),
+            cx.metrics.clone(),
+            cx.clock.clone(),
+        );
+        let ev_task = events::run(
+            client,
+            cfg,
+            notice_rx,
+            node_store,
             cx.metrics.clone(),
             cx.clock.clone(),
             cx.shutdown.clone(),
-        )))
+        );
+        Ok(Handle::of(vec![
+            tokio::spawn(forward),
+            tokio::spawn(node_task.instrument(tracing::info_span!("sink", name = "node"))),
+            tokio::spawn(cm_task.instrument(tracing::info_span!("sink", name = "configmap"))),
+            tokio::spawn(ev_task.instrument(tracing::info_span!("sink", name = "events"))),
+        ]))
     }
 }
 
@@ -252,24 +293,6 @@ pub(crate) fn is_conflict(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 409)
 }
 
-/// Waits until the snapshot changes (true) or `wake` passes (true); false when the engine is
-/// gone. `None`: no deadline.
-pub(crate) async fn changed_or_woken<T>(
-    snapshots: &mut tokio::sync::watch::Receiver<T>,
-    wake: Option<tokio::time::Instant>,
-) -> bool {
-    let sleep = async {
-        match wake {
-            Some(w) => tokio::time::sleep_until(w).await,
-            None => std::future::pending().await,
-        }
-    };
-    tokio::select! {
-        changed = snapshots.changed() => changed.is_ok(),
-        _ = sleep => true,
-    }
-}
-
 /// The ceiling of the sinks' delay between failed attempts.
 pub(crate) const RETRY_MAX: Duration = Duration::from_secs(30);
 
@@ -278,76 +301,6 @@ pub(crate) const RETRY_MAX: Duration = Duration::from_secs(30);
 /// at once does not retry in step).
 pub(crate) fn retry() -> Backoff {
     Backoff::new(Duration::from_millis(200), RETRY_MAX)
-}
-
-/// The channels the sinks need from the rest of the agent.
-#[derive(Debug)]
-pub(crate) struct KubeSinkInputs {
-    pub snapshots: watch::Receiver<Option<Snapshot>>,
-    /// Engine events, for the Event sink.
-    pub events: mpsc::Receiver<EngineEvent>,
-    /// Where the node sink reports a withheld taint (shown in the record).
-    pub report: watch::Sender<SinkReport>,
-}
-
-/// Starts the three sinks. They stop when the snapshot channel closes (the engine stopped),
-/// after a last attempt bounded by a few seconds.
-pub(crate) fn spawn(
-    clients: crate::kube_client::Clients,
-    cfg: KubeSinkConfig,
-    inputs: KubeSinkInputs,
-    metrics: Arc<Metrics>,
-    clock: Arc<dyn Clock>,
-    shutdown: CancellationToken,
-) -> Vec<tokio::task::JoinHandle<()>> {
-    let (notice_tx, notice_rx) = mpsc::channel(events::QUEUE);
-    let forward = {
-        let tx = notice_tx.clone();
-        let mut rx = inputs.events;
-        let metrics = metrics.clone();
-        async move {
-            while let Some(e) = rx.recv().await {
-                if tx.try_send(events::plan::Notice::Engine(e)).is_err() {
-                    metrics.events_dropped.inc();
-                }
-            }
-        }
-    };
-    let client = clients.calls;
-    let budget = budget::Budget::new(&cfg.node, &cfg.coordinator, cfg.node_token_file.clone());
-    let node_sink = node::NodeSink::new(
-        client.clone(),
-        cfg.clone(),
-        budget,
-        notice_tx,
-        inputs.report,
-        metrics.clone(),
-        clock.clone(),
-    );
-    let node_controller = node::controller(
-        kube::Api::all(clients.watch.clone()),
-        kube::Api::all(client.clone()),
-        &cfg.node,
-        cfg.resync,
-        clock.clone(),
-    );
-    let node_store = node_controller.store();
-    let node_task = node_sink.run(node_controller, inputs.snapshots.clone());
-    let cm_task = configmap::run(
-        client.clone(),
-        kube::Api::namespaced(clients.watch, &cfg.namespace),
-        cfg.clone(),
-        inputs.snapshots,
-        metrics.clone(),
-        clock.clone(),
-    );
-    let ev_task = events::run(client, cfg, notice_rx, node_store, metrics, clock, shutdown);
-    vec![
-        tokio::spawn(forward),
-        tokio::spawn(node_task.instrument(tracing::info_span!("sink", name = "node"))),
-        tokio::spawn(cm_task.instrument(tracing::info_span!("sink", name = "configmap"))),
-        tokio::spawn(ev_task.instrument(tracing::info_span!("sink", name = "events"))),
-    ]
 }
 
 /// A client of the agent on node `node` against an API emulator (unit tests here and in the

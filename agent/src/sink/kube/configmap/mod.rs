@@ -176,7 +176,7 @@ pub(crate) async fn run(
             _ => {}
         }
         tokio::select! {
-            going = super::changed_or_woken(&mut snapshots, wake) => if !going { break },
+            going = crate::sink::changed_or_woken(&mut snapshots, wake) => if !going { break },
             Some(event) = own.next() => match event {
                 Ok(cm) => seen = Some(cm),
                 Err(e) => warn!(error = %e, "watching the fault ConfigMap failed; the periodic resync still repairs it"),

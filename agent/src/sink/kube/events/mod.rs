@@ -122,25 +122,21 @@ pub(crate) async fn run(
     let mut budget = EventBudget::new(&cfg, clock.instant());
     let mut retry = retry();
     let mut wake: Option<Instant> = None;
+    let mut batch = Vec::new();
     loop {
-        let sleep = async {
-            match wake {
-                Some(w) => tokio::time::sleep_until(w).await,
-                None => std::future::pending().await,
-            }
-        };
         tokio::select! {
-            n = notices.recv() => {
-                let Some(n) = n else { break };
-                enqueue(&mut queue, &mut budget, &n, &metrics, clock.instant());
-                while let Ok(n) = notices.try_recv() {
+            n = notices.recv_many(&mut batch, QUEUE) => {
+                if n == 0 {
+                    break; // the agent is stopping
+                }
+                for n in batch.drain(..) {
                     enqueue(&mut queue, &mut budget, &n, &metrics, clock.instant());
                 }
                 if wake.is_some() {
                     continue; // backing off: keep collecting
                 }
             }
-            () = sleep => wake = None,
+            () = crate::sink::sleep_until(wake) => wake = None,
             () = shutdown.cancelled(), if wake.is_some() => break,
         }
         // The uid ties the Event to this incarnation of the Node, taken from the node sink's
@@ -308,9 +304,8 @@ mod tests {
     }
 
     /// An Event names the Node's uid (this incarnation of the Node) from the watch of the own
-    /// Node, so announcing a new fault reads nothing: in an incident each failing node's Event
-    /// sink used to read its Node once for it (issue 28's fleet bench counted it against the
-    /// requests per failing node).
+    /// Node, so announcing a new fault reads nothing: in an incident a read per failing node
+    /// would count against the API server.
     #[tokio::test]
     async fn an_event_takes_the_nodes_uid_from_the_watch_and_reads_nothing() {
         let emu = Emulator::start().await.unwrap();
