@@ -25,8 +25,8 @@
 //! `create_dir_all`) the state directory is watched until it is back, and a new `clear.d` is
 //! watched anew and read. Whatever inotify reports that is not a plain change (a queue
 //! overflow, an error) makes a full read, which is what every wake-up does anyway. Without
-//! inotify (its instances used up on the node) the directory is read every retry interval, as
-//! it was before. The checks above are the same: inotify only says when to read.
+//! inotify (its instances used up on the node) the directory is read every retry interval. The
+//! checks above are the same: inotify only says when to read.
 //!
 //! Once: every request read is remembered by its file's identity ([`FileId`]: device, inode,
 //! modification time) before it is acted on, and a file with a remembered identity is never
@@ -1030,7 +1030,7 @@ mod tests {
     }
 
     /// `null` is not "any": what `jq -n '{code: env.CODE}'` writes with `CODE` unset clears
-    /// nothing, and says why. Before, it read as `{}` and cleared every active fault.
+    /// nothing, and says why (read as `{}`, it would clear every active fault).
     #[test]
     fn a_null_field_is_refused_not_read_as_any() {
         for (body, says) in [
@@ -1229,10 +1229,9 @@ mod tests {
         next.await.unwrap_or_else(|_| panic!("{what}: not read")).0
     }
 
-    /// Issue 27 §2: a request is read when it arrives, not at the next poll: with a retry
-    /// interval of an hour, requests dropped in one after the other (renamed in, as the CLI
-    /// does, and written in place by hand) are each read. Before, the directory was read on a
-    /// timer only (every second in the agent), so this waited an hour.
+    /// A request is read when it arrives, not at the next poll: with a retry interval of an
+    /// hour, requests dropped in one after the other (renamed in, as the CLI does, and written
+    /// in place by hand) are each read at once.
     #[tokio::test]
     async fn a_request_is_read_when_it_arrives() {
         let state = tempfile::tempdir().unwrap();

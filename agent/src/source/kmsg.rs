@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use faultline_core::time::Timestamp;
 use tracing::{debug, info, warn};
 
-use faultline_core::engine::{DetectorState, Observation};
+use faultline_core::engine::DetectorState;
 pub(crate) use faultline_core::kmsg_reader::{Extent, KmsgReader, ReaderCounters};
 use faultline_core::parse::kmsg::RecordError;
 use sha2::{Digest, Sha256};
@@ -231,18 +231,14 @@ fn send_all(ctx: &SourceContext, out: &mut Vec<Input>) -> bool {
 }
 
 fn detector(ctx: &SourceContext, state: DetectorState, reason: Option<String>) -> bool {
-    let obs = Observation::Detector {
-        name: DETECTOR_KMSG.into(),
-        state,
-        reason,
-    };
+    let obs = super::detector(DETECTOR_KMSG, state, reason);
     ctx.tx.blocking_send(Input::Obs(obs)).is_ok()
 }
 
 /// Sets the calling thread's nice value: on Linux `setpriority(PRIO_PROCESS, 0, …)` applies to
 /// the calling thread only (setpriority(2), NOTES: the nice value is a per-thread attribute).
 /// The kernel log must be read as fast as the kernel writes it: the ring overwrites what a
-/// reader starved of CPU has not read yet (issue 27 §2).
+/// reader starved of CPU has not read yet.
 fn set_reader_nice(nice: i32) {
     if nice == 0 {
         return;
@@ -466,8 +462,8 @@ impl Follow {
 /// How many records without a fault the device reader reads, at most, before it tells the
 /// engine how far it got (a fault carries its own position). Each message wakes the engine loop,
 /// and at a high record rate those wake-ups take the CPU the reader needs to keep up with the
-/// ring (issue 27 §2: at one per 256 records, 700 wake-ups a second at 180,000 records a
-/// second, and records lost where a plain reader lost none).
+/// ring (at one per 256 records: 700 wake-ups a second at 180,000 records a second, and
+/// records lost where a plain reader loses none).
 const CURSOR_EVERY: u32 = 4096;
 
 /// Once the reader has caught up with the ring, how long it waits for more before it tells the

@@ -206,16 +206,13 @@ fn read_and_parse(
     Ok((policy, checksum(&all)))
 }
 
-/// Whether a notify event can mean a changed file. The watcher's own reads fire open and
-/// close-without-write events on the directory; answering them with a read made it reload an
-/// unchanged policy about ten times a second, for ever.
+/// Whether a notify event can mean a changed file: any but an access, except a close after a
+/// write. The watcher's own reads fire open and close-without-write events on the directory;
+/// answering them with a read would reload an unchanged policy again and again.
 pub(crate) fn is_change(kind: &EventKind) -> bool {
-    match kind {
-        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
-        EventKind::Access(_) => false,
-        _ => true,
-    }
+    !matches!(kind, EventKind::Access(a) if *a != AccessKind::Close(AccessMode::Write))
 }
+
 /// Applies a (re)load result to the current state. Returns the new state, or `None` when
 /// nothing changed.
 pub(crate) fn apply_load(
@@ -232,13 +229,7 @@ pub(crate) fn apply_load(
             {
                 return None;
             }
-            metrics
-                .policy_reloads
-                .get_or_create(&ReloadLabel {
-                    result: ReloadResult::Ok,
-                })
-                .inc();
-            metrics.policy_valid.set(1);
+            count_reload(metrics, ReloadResult::Ok);
             info!(path = %path.display(), checksum = %sum, "policy loaded");
             for warning in policy.warnings() {
                 warn!(path = %path.display(), warning = %warning, "policy warning");
@@ -260,13 +251,7 @@ pub(crate) fn apply_load(
             {
                 return None;
             }
-            metrics
-                .policy_reloads
-                .get_or_create(&ReloadLabel {
-                    result: ReloadResult::Rejected,
-                })
-                .inc();
-            metrics.policy_valid.set(0);
+            count_reload(metrics, ReloadResult::Rejected);
             warn!(error = %msg, "policy rejected; the previous policy stays in force");
             Some(LoadedPolicy {
                 policy: current.policy.clone(),
@@ -278,6 +263,32 @@ pub(crate) fn apply_load(
             })
         }
     }
+}
+
+/// Counts a reload that changed the policy status, and whether the file in force is valid.
+fn count_reload(metrics: &Metrics, result: ReloadResult) {
+    let valid = matches!(result, ReloadResult::Ok);
+    metrics
+        .policy_reloads
+        .get_or_create(&ReloadLabel { result })
+        .inc();
+    metrics.policy_valid.set(i64::from(valid));
+}
+
+/// Publishes what a (re)load changed; nothing when it changed nothing.
+fn publish(
+    tx: &watch::Sender<LoadedPolicy>,
+    path: &Path,
+    result: Result<(Policy, String), LoadError>,
+    metrics: &Metrics,
+) -> bool {
+    tx.send_if_modified(|current| match apply_load(current, path, result, metrics) {
+        Some(next) => {
+            *current = next;
+            true
+        }
+        None => false,
+    })
 }
 
 /// Loads the policy once (the built-in default when `path` is `None`).
@@ -404,88 +415,79 @@ impl Component for PolicyFile {
 impl PolicyFile {
     /// Watches the file and publishes every change until shutdown.
     pub async fn run(self, metrics: Arc<Metrics>, shutdown: CancellationToken) {
-        watch_policy(self, metrics, shutdown).await
-    }
-}
-
-async fn watch_policy(file: PolicyFile, metrics: Arc<Metrics>, shutdown: CancellationToken) {
-    let PolicyFile {
-        path,
-        tx,
-        recheck,
-        reload,
-        reader,
-        first,
-    } = file;
-    let mut seen = match first {
-        Some(FirstLoad::Done(seen)) => Some(seen),
-        Some(FirstLoad::Running(load)) => {
-            let loaded = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                r = load => joined(r),
-            };
-            let current = tx.borrow().clone();
-            if let Some(next) = apply_load(&current, &path, loaded.result, &metrics) {
-                info!(path = %path.display(), "the slow policy load finished");
-                let _ = tx.send(next);
+        let PolicyFile {
+            path,
+            tx,
+            recheck,
+            reload,
+            reader,
+            first,
+        } = self;
+        let mut seen = match first {
+            Some(FirstLoad::Done(seen)) => Some(seen),
+            Some(FirstLoad::Running(load)) => {
+                let loaded = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    r = load => joined(r),
+                };
+                if publish(&tx, &path, loaded.result, &metrics) {
+                    info!(path = %path.display(), "the slow policy load finished");
+                }
+                Some(loaded.seen)
             }
-            Some(loaded.seen)
-        }
-        None => None,
-    };
-    let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<()>();
-    let dir = path
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
-    let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        if res.is_ok_and(|e| is_change(&e.kind)) {
-            let _ = ev_tx.send(());
-        }
-    })
-    .and_then(|mut w| w.watch(&dir, RecursiveMode::NonRecursive).map(|()| w));
-    let _watcher = match watcher {
-        Ok(w) => Some(w),
-        Err(e) => {
-            warn!(error = %e, dir = %dir.display(), "cannot watch the policy directory; re-checking periodically only");
-            None
-        }
-    };
-    // The first re-check one period from now (`reset`): the file was just read.
-    let mut tick = tokio::time::interval(recheck);
-    tick.reset();
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        let wake = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            Some(()) = ev_rx.recv() => {
-                // Let a burst of events (write, rename, symlink swap) settle.
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                while ev_rx.try_recv().is_ok() {}
-                Wake::Event
+            None => None,
+        };
+        let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<()>();
+        let dir = path
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."));
+        let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+            if res.is_ok_and(|e| is_change(&e.kind)) {
+                let _ = ev_tx.send(());
             }
-            _ = tick.tick() => Wake::Recheck,
-            _ = reload.notified() => {
-                info!(path = %path.display(), "re-reading the policy (SIGHUP)");
-                Wake::Recheck
+        })
+        .and_then(|mut w| w.watch(&dir, RecursiveMode::NonRecursive).map(|()| w));
+        let _watcher = match watcher {
+            Ok(w) => Some(w),
+            Err(e) => {
+                warn!(error = %e, dir = %dir.display(), "cannot watch the policy directory; re-checking periodically only");
+                None
             }
         };
-        if let Some(last) = seen.clone() {
-            let by_content = wake == Wake::Recheck;
-            let unchanged = tokio::task::spawn_blocking(move || last.unchanged(by_content))
-                .await
-                .unwrap_or(false);
-            if unchanged {
-                continue;
+        // The first re-check one period from now (`reset`): the file was just read.
+        let mut tick = tokio::time::interval(recheck);
+        tick.reset();
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let wake = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                Some(()) = ev_rx.recv() => {
+                    // Let a burst of events (write, rename, symlink swap) settle.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    while ev_rx.try_recv().is_ok() {}
+                    Wake::Event
+                }
+                _ = tick.tick() => Wake::Recheck,
+                _ = reload.notified() => {
+                    info!(path = %path.display(), "re-reading the policy (SIGHUP)");
+                    Wake::Recheck
+                }
+            };
+            if let Some(last) = seen.clone() {
+                let by_content = wake == Wake::Recheck;
+                let unchanged = tokio::task::spawn_blocking(move || last.unchanged(by_content))
+                    .await
+                    .unwrap_or(false);
+                if unchanged {
+                    continue;
+                }
             }
-        }
-        let p = path.clone();
-        let read = reader.clone();
-        let loaded = joined(tokio::task::spawn_blocking(move || read(&p)).await);
-        seen = Some(loaded.seen);
-        let current = tx.borrow().clone();
-        if let Some(next) = apply_load(&current, &path, loaded.result, &metrics) {
-            let _ = tx.send(next);
+            let p = path.clone();
+            let read = reader.clone();
+            let loaded = joined(tokio::task::spawn_blocking(move || read(&p)).await);
+            seen = Some(loaded.seen);
+            publish(&tx, &path, loaded.result, &metrics);
         }
     }
 }
@@ -773,8 +775,8 @@ mod tests {
     }
 
     /// A character device named as the policy is refused with the reason, and not opened
-    /// again while it stays what it is. Before, every read of it fired an event in /dev, which
-    /// made the watcher read it again, about ten times a second.
+    /// again while it stays what it is: each read of it fires an event in /dev, which would
+    /// make the watcher read it again and again.
     #[tokio::test]
     async fn a_device_as_the_policy_is_refused_and_not_read_again() {
         let path = Path::new("/dev/null");

@@ -20,6 +20,7 @@ use faultline_core::record::Source;
 
 use super::tools::ToolError;
 use crate::metrics::{DETECTOR_HCCN, DETECTOR_NPU_SMI};
+use crate::source::detector;
 
 pub(crate) use faultline_core::catalog::ascend::{family_of, LINK_DOWN_CODE};
 pub(crate) const DOMAIN_CHIP: &str = "npu-chip";
@@ -362,14 +363,6 @@ fn net_level(id: ChipId, n: &NetHealth) -> Observation {
         device: Some(device(id)),
         domain: DOMAIN_NET.into(),
         present,
-    }
-}
-
-fn detector(name: &str, state: DetectorState, reason: Option<String>) -> Observation {
-    Observation::Detector {
-        name: name.into(),
-        state,
-        reason,
     }
 }
 

@@ -23,7 +23,7 @@ use super::{Input, SourceContext};
 use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::{Metrics, ToolLabel};
 use crate::metrics::{DETECTOR_HCCN, DETECTOR_NPU_SMI};
-use faultline_core::engine::{DetectorState, Observation};
+use faultline_core::engine::DetectorState;
 use faultline_core::parse::ascend::{self as parse, AscendParseError};
 use faultline_core::policy::AscendPolicy;
 use faultline_core::policy::LoadedPolicy;
@@ -199,8 +199,8 @@ pub(crate) async fn poll_once<T: Tools>(
 
 /// The longest wait before a node without `npu-smi` is looked at again: the wait starts at the
 /// poll interval and doubles up to this. Each look is a search of the tool's `PATH` (11 `stat`
-/// calls with the DaemonSet's); at the poll interval (10 s) forever that was the idle agent's
-/// most frequent wake-up on every node without NPUs (issue 27 §2). A driver installed soon
+/// calls with the DaemonSet's); at the poll interval (10 s) forever it would be the idle
+/// agent's most frequent wake-up on every node without NPUs. A driver installed soon
 /// after the agent started (a driver DaemonSet) is seen soon; later, within this, or at once
 /// with a policy change or a restart.
 pub(crate) const ABSENT_RECHECK: std::time::Duration = std::time::Duration::from_secs(300);
@@ -273,10 +273,9 @@ pub(crate) async fn run<T: Tools>(
                     info!(tool = %tool, "npu-smi not found (--npu-smi); the Ascend source is idle");
                     [DETECTOR_NPU_SMI, DETECTOR_HCCN]
                         .into_iter()
-                        .map(|name| Observation::Detector {
-                            name: name.into(),
-                            state: DetectorState::Idle,
-                            reason: Some(format!("{tool} not found")),
+                        .map(|name| {
+                            let why = format!("{tool} not found");
+                            super::detector(name, DetectorState::Idle, Some(why))
                         })
                         .collect()
                 }
@@ -314,6 +313,7 @@ pub(crate) async fn run<T: Tools>(
 mod tests {
     use super::*;
     use crate::source::ascend::tools::{Tool, ToolError};
+    use faultline_core::engine::Observation;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
     use tokio_util::sync::CancellationToken;
@@ -334,10 +334,9 @@ mod tests {
         }
     }
 
-    /// Issue 27 §2: on a node without `npu-smi` the source looks for it after the poll interval
-    /// (10 s), then twice as long each time up to [`ABSENT_RECHECK`] (before: every 10 s, 91
-    /// times in 15 minutes), reports the detector idle once, and looks at once when the policy
-    /// changes.
+    /// On a node without `npu-smi` the source looks for it after the poll interval (10 s), then
+    /// twice as long each time up to [`ABSENT_RECHECK`] (not every 10 s: 91 times in 15
+    /// minutes), reports the detector idle once, and looks at once when the policy changes.
     #[tokio::test(start_paused = true)]
     async fn a_node_without_npu_smi_is_looked_at_rarely() {
         let tools = Arc::new(Absent::default());

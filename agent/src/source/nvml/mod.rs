@@ -28,7 +28,7 @@ use super::gpu_count::GpuCountLabel;
 use super::{Input, SourceContext};
 use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::DETECTOR_NVML;
-use faultline_core::engine::{DetectorState, Observation};
+use faultline_core::engine::DetectorState;
 use faultline_core::policy::LoadedPolicy;
 
 /// The NVML source's flags.
@@ -85,11 +85,7 @@ enum Msg {
 }
 
 async fn detector(ctx: &SourceContext, state: DetectorState, reason: Option<String>) -> bool {
-    let obs = Observation::Detector {
-        name: DETECTOR_NVML.into(),
-        state,
-        reason,
-    };
+    let obs = super::detector(DETECTOR_NVML, state, reason);
     ctx.tx.send(Input::Obs(obs)).await.is_ok()
 }
 
@@ -157,6 +153,25 @@ pub(crate) async fn run(
             _ = tokio::time::sleep(retry.next_delay()) => {}
         }
     }
+}
+
+/// Whether a GPU thread has read its GPU's identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdentityRead {
+    Unread,
+    /// Tried and failed (logged once); tried again every poll.
+    Failed,
+    Read,
+}
+
+/// The NVML detector's state as the loop last reported it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Health {
+    Running,
+    /// A call has not returned within the policy's `call_timeout`.
+    Hung,
+    /// A thread died: the detector stays down (nothing watches its GPU any more).
+    Dead,
 }
 
 /// Starts a source thread; its death (a panic) is reported to the source's loop.
@@ -256,23 +271,24 @@ pub(crate) async fn run_with(
         );
         spawn_thread(format!("nvml-gpu{i}"), &ctx, died, move || {
             // Read again every poll until it succeeds: a GPU lost at start has no identity yet,
-            // and its faults are keyed by PCI address once it is known.
-            let mut identified = false;
-            let mut warned = false;
+            // and its faults are keyed by PCI address once it is known. The first failure is
+            // logged.
+            let mut identity = IdentityRead::Unread;
             while !ctx2.shutdown.is_cancelled() {
-                if !identified {
+                if identity != IdentityRead::Read {
                     match b.identity(i, &calls) {
                         Ok(id) => {
-                            identified = true;
+                            identity = IdentityRead::Read;
                             if tx.blocking_send(Msg::Identity(id)).is_err() {
                                 return;
                             }
                         }
-                        Err(e) if !warned => {
-                            warned = true;
-                            warn!(gpu = i, error = ?e, "cannot read the GPU's identity; trying again every poll");
+                        Err(e) => {
+                            if identity == IdentityRead::Unread {
+                                warn!(gpu = i, error = ?e, "cannot read the GPU's identity; trying again every poll");
+                            }
+                            identity = IdentityRead::Failed;
                         }
-                        Err(_) => {}
                     }
                 }
                 let r = b.read(i, &calls);
@@ -320,13 +336,11 @@ pub(crate) async fn run_with(
     }
     drop(tx);
 
-    let mut analyzer = Analyzer::new();
+    let mut analyzer = Analyzer::default();
     let started = clock.instant();
     let waited = || clock.instant().saturating_duration_since(started) >= LOADING_WAIT;
     let mut last_count: Option<u32> = None;
-    let mut hung = false;
-    // A thread died: the detector stays down (nothing watches its GPU any more).
-    let mut dead = false;
+    let mut health = Health::Running;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -360,8 +374,8 @@ pub(crate) async fn run_with(
                     Msg::Readings(r) => analyzer.readings(&loaded.policy.nvml, &r, clock.instant().into_std()),
                     Msg::Event(ev) => analyzer.event(&ev),
                     Msg::Died(why) => {
-                        if !dead {
-                            dead = true;
+                        if health != Health::Dead {
+                            health = Health::Dead;
                             if !detector(&ctx, DetectorState::Down, Some(why)).await {
                                 return;
                             }
@@ -371,15 +385,15 @@ pub(crate) async fn run_with(
                 }
             }
             _ = tick.tick() => {
-                if dead {
+                if health == Health::Dead {
                     continue;
                 }
                 let limit = policy.borrow().policy.nvml.call_timeout;
                 let now = clock.since_boot();
                 let stuck = trackers.iter().find_map(|(i, t)| t.stuck(limit, now).map(|(name, d)| (*i, name, d)));
-                match (stuck, hung) {
-                    (Some((i, name, d)), false) => {
-                        hung = true;
+                match (stuck, health) {
+                    (Some((i, name, d)), Health::Running) => {
+                        health = Health::Hung;
                         let on = if i == u32::MAX { String::new() } else { format!(" on GPU {i}") };
                         let why = format!("{name}{on} has not returned for {} s", d.as_secs());
                         warn!(reason = %why, "NVML call hung");
@@ -387,8 +401,8 @@ pub(crate) async fn run_with(
                             return;
                         }
                     }
-                    (None, true) => {
-                        hung = false;
+                    (None, Health::Hung) => {
+                        health = Health::Running;
                         info!("NVML calls return again");
                         if !detector(&ctx, DetectorState::Running, None).await {
                             return;
@@ -412,6 +426,7 @@ mod tests {
     use super::readings::{CallError, EventWaiter};
     use super::*;
     use crate::metrics::Metrics;
+    use faultline_core::engine::Observation;
     use tokio_util::sync::CancellationToken;
 
     /// `count` GPUs whose readings are all unsupported (never a fault); reading GPU
