@@ -28,37 +28,44 @@ use faultline_core::parse::ascend::{self as parse, AscendParseError};
 use faultline_core::policy::AscendPolicy;
 use faultline_core::policy::LoadedPolicy;
 
-/// One call: runs the tool, counts the outcome, parses. The error is the reason for the
-/// detector status.
-async fn call<T: Tools, R>(
-    tools: &T,
-    metrics: &Metrics,
-    policy: &AscendPolicy,
-    tool: Tool,
-    args: &[&str],
-    parse: impl FnOnce(&str) -> Result<R, AscendParseError>,
-) -> Result<R, Unread> {
-    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    let call = format!("{} {}", tool.as_str(), args.join(" "));
-    let result = match tools.run(tool, &args, policy.call_timeout).await {
-        Ok(out) => parse(&out).map_err(|source| ("garbage", Unread::Garbage { call, source })),
-        // Not installed (a node without Ascend NPUs) is no failed call.
-        Err(ToolError::NotFound(n)) => Err(("absent", Unread::Absent(n))),
-        Err(source @ ToolError::Timeout(_)) => Err(("timeout", Unread::Tool { call, source })),
-        Err(source) => Err(("failed", Unread::Tool { call, source })),
-    };
-    let label = match &result {
-        Ok(_) => "ok",
-        Err((l, _)) => l,
-    };
-    metrics
-        .tool_calls
-        .get_or_create(&ToolLabel {
-            tool: tool.as_str(),
-            result: label,
-        })
-        .inc();
-    result.map_err(|(_, e)| e)
+/// What every call of one poll uses.
+struct Caller<'a, T> {
+    tools: &'a T,
+    metrics: &'a Metrics,
+    policy: &'a AscendPolicy,
+}
+
+impl<T: Tools> Caller<'_, T> {
+    /// One call: runs the tool, counts the outcome, parses. The error is the reason for the
+    /// detector status.
+    async fn call<R>(
+        &self,
+        tool: Tool,
+        args: &[&str],
+        parse: impl FnOnce(&str) -> Result<R, AscendParseError>,
+    ) -> Result<R, Unread> {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let call = format!("{} {}", tool.as_str(), args.join(" "));
+        let result = match self.tools.run(tool, &args, self.policy.call_timeout).await {
+            Ok(out) => parse(&out).map_err(|source| ("garbage", Unread::Garbage { call, source })),
+            // Not installed (a node without Ascend NPUs) is no failed call.
+            Err(ToolError::NotFound(n)) => Err(("absent", Unread::Absent(n))),
+            Err(source @ ToolError::Timeout(_)) => Err(("timeout", Unread::Tool { call, source })),
+            Err(source) => Err(("failed", Unread::Tool { call, source })),
+        };
+        let label = match &result {
+            Ok(_) => "ok",
+            Err((l, _)) => l,
+        };
+        self.metrics
+            .tool_calls
+            .get_or_create(&ToolLabel {
+                tool: tool.as_str(),
+                result: label,
+            })
+            .inc();
+        result.map_err(|(_, e)| e)
+    }
 }
 
 /// `npu-smi` is not installed (under the name or path the agent was given).
@@ -71,15 +78,14 @@ pub(crate) async fn poll_once<T: Tools>(
     policy: &AscendPolicy,
     metrics: &Metrics,
 ) -> Result<Poll, NotInstalled> {
-    let chips = match call(
+    let caller = &Caller {
         tools,
         metrics,
         policy,
-        Tool::NpuSmi,
-        &["info"],
-        parse::parse_npu_info,
-    )
-    .await
+    };
+    let chips = match caller
+        .call(Tool::NpuSmi, &["info"], parse::parse_npu_info)
+        .await
     {
         Err(Unread::Absent(name)) => return Err(NotInstalled(name)),
         r => r,
@@ -112,15 +118,9 @@ pub(crate) async fn poll_once<T: Tools>(
             "-c",
             chip.as_str(),
         ];
-        let r = call(
-            tools,
-            metrics,
-            policy,
-            Tool::NpuSmi,
-            &args,
-            parse::parse_chip_health,
-        )
-        .await;
+        let r = caller
+            .call(Tool::NpuSmi, &args, parse::parse_chip_health)
+            .await;
         if let Err(e) = &r {
             if e.is_hung() {
                 npu_smi_hung = Some(e.clone());
@@ -132,15 +132,9 @@ pub(crate) async fn poll_once<T: Tools>(
         let id = c.logical_id();
         let ids = id.to_string();
         let q = |what: &'static str| ["-i", ids.as_str(), what, "-g"];
-        let status = match call(
-            tools,
-            metrics,
-            policy,
-            Tool::HccnTool,
-            &q("-link"),
-            parse::parse_link_status,
-        )
-        .await
+        let status = match caller
+            .call(Tool::HccnTool, &q("-link"), parse::parse_link_status)
+            .await
         {
             Err(Unread::Absent(_)) => {
                 poll.hccn_absent = true;
@@ -160,7 +154,7 @@ pub(crate) async fn poll_once<T: Tools>(
                     if !on {
                         return None;
                     }
-                    Some(call(tools, metrics, policy, Tool::HccnTool, &args, parse).await)
+                    Some(caller.call(Tool::HccnTool, &args, parse).await)
                 }
             };
         let speed_mbps = counter(
@@ -175,15 +169,9 @@ pub(crate) async fn poll_once<T: Tools>(
             parse::parse_link_up_count,
         )
         .await;
-        let net = call(
-            tools,
-            metrics,
-            policy,
-            Tool::HccnTool,
-            &q("-net_health"),
-            parse::parse_net_health,
-        )
-        .await;
+        let net = caller
+            .call(Tool::HccnTool, &q("-net_health"), parse::parse_net_health)
+            .await;
         poll.links.insert(
             id,
             LinkPoll {
