@@ -174,17 +174,21 @@ enum Health {
     Dead,
 }
 
-/// Starts a source thread; its death (a panic) is reported to the source's loop.
+/// Starts a source thread running `f` with its own sender to the source's loop and its own
+/// context; its death (a panic) is reported to the loop.
 fn spawn_thread(
     name: String,
     ctx: &SourceContext,
-    died: mpsc::Sender<Msg>,
-    f: impl FnOnce() + Send + 'static,
+    tx: &mpsc::Sender<Msg>,
+    f: impl FnOnce(mpsc::Sender<Msg>, SourceContext) + Send + 'static,
 ) {
+    let died = tx.clone();
     let on_death = move |why: String| {
         let _ = died.blocking_send(Msg::Died(why));
     };
-    if let Err(e) = super::spawn_watched(&name, ctx.shutdown.clone(), f, on_death) {
+    let (tx, own) = (tx.clone(), ctx.clone());
+    let body = move || f(tx, own);
+    if let Err(e) = super::spawn_watched(&name, ctx.shutdown.clone(), body, on_death) {
         warn!(thread = %name, error = %e, "cannot start an NVML thread");
     }
 }
@@ -240,41 +244,29 @@ pub(crate) async fn run_with(
     }
     let _ = tx.send(Msg::Count(Ok(count))).await;
 
-    {
-        let died = tx.clone();
-        let (b, c, tx, ctx2, iv) = (
-            backend.clone(),
-            inventory_calls.clone(),
-            tx.clone(),
-            ctx.clone(),
-            interval_ms.clone(),
-        );
-        spawn_thread("nvml-count".into(), &ctx, died, move || loop {
-            nap(Duration::from_millis(iv.load(Ordering::Relaxed)), &ctx2);
-            if ctx2.shutdown.is_cancelled()
-                || tx.blocking_send(Msg::Count(b.device_count(&c))).is_err()
-            {
-                return;
-            }
-        });
-    }
+    let (b, c, iv) = (
+        backend.clone(),
+        inventory_calls.clone(),
+        interval_ms.clone(),
+    );
+    spawn_thread("nvml-count".into(), &ctx, &tx, move |tx, ctx| loop {
+        nap(Duration::from_millis(iv.load(Ordering::Relaxed)), &ctx);
+        if ctx.shutdown.is_cancelled() || tx.blocking_send(Msg::Count(b.device_count(&c))).is_err()
+        {
+            return;
+        }
+    });
     let mut trackers: Vec<(u32, Arc<CallTracker>)> = vec![(u32::MAX, inventory_calls)];
     for i in 0..count {
         let calls = Arc::new(CallTracker::new(clock.clone()));
         trackers.push((i, calls.clone()));
-        let died = tx.clone();
-        let (b, tx, ctx2, iv) = (
-            backend.clone(),
-            tx.clone(),
-            ctx.clone(),
-            interval_ms.clone(),
-        );
-        spawn_thread(format!("nvml-gpu{i}"), &ctx, died, move || {
+        let (b, iv) = (backend.clone(), interval_ms.clone());
+        spawn_thread(format!("nvml-gpu{i}"), &ctx, &tx, move |tx, ctx| {
             // Read again every poll until it succeeds: a GPU lost at start has no identity yet,
             // and its faults are keyed by PCI address once it is known. The first failure is
             // logged.
             let mut identity = IdentityRead::Unread;
-            while !ctx2.shutdown.is_cancelled() {
+            while !ctx.shutdown.is_cancelled() {
                 if identity != IdentityRead::Read {
                     match b.identity(i, &calls) {
                         Ok(id) => {
@@ -295,45 +287,42 @@ pub(crate) async fn run_with(
                 if tx.blocking_send(Msg::Readings(Box::new(r))).is_err() {
                     return;
                 }
-                nap(Duration::from_millis(iv.load(Ordering::Relaxed)), &ctx2);
+                nap(Duration::from_millis(iv.load(Ordering::Relaxed)), &ctx);
             }
         });
     }
-    {
-        let died = tx.clone();
-        let (b, tx, ctx2) = (backend.clone(), tx.clone(), ctx.clone());
-        spawn_thread("nvml-events".into(), &ctx, died, move || {
-            let mut backoff =
-                crate::backoff::Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
-            while !ctx2.shutdown.is_cancelled() {
-                let mut events = match b.events() {
-                    Ok(e) => e,
-                    Err(e) => {
-                        info!(error = ?e, "NVML events unavailable; polling only");
-                        nap(Duration::from_secs(300), &ctx2);
-                        continue;
+    let b = backend.clone();
+    spawn_thread("nvml-events".into(), &ctx, &tx, move |tx, ctx| {
+        let mut backoff =
+            crate::backoff::Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
+        while !ctx.shutdown.is_cancelled() {
+            let mut events = match b.events() {
+                Ok(e) => e,
+                Err(e) => {
+                    info!(error = ?e, "NVML events unavailable; polling only");
+                    nap(Duration::from_secs(300), &ctx);
+                    continue;
+                }
+            };
+            while !ctx.shutdown.is_cancelled() {
+                match events.wait(1000) {
+                    Ok(Some(ev)) => {
+                        if tx.blocking_send(Msg::Event(ev)).is_err() {
+                            return;
+                        }
+                        backoff.reset();
                     }
-                };
-                while !ctx2.shutdown.is_cancelled() {
-                    match events.wait(1000) {
-                        Ok(Some(ev)) => {
-                            if tx.blocking_send(Msg::Event(ev)).is_err() {
-                                return;
-                            }
-                            backoff.reset();
-                        }
-                        Ok(None) => {}
-                        Err(e) => {
-                            // A lost GPU shows in its polling thread; here only back off.
-                            warn!(error = ?e, "waiting for NVML events failed");
-                            nap(backoff.next_delay(), &ctx2);
-                            break;
-                        }
+                    Ok(None) => {}
+                    Err(e) => {
+                        // A lost GPU shows in its polling thread; here only back off.
+                        warn!(error = ?e, "waiting for NVML events failed");
+                        nap(backoff.next_delay(), &ctx);
+                        break;
                     }
                 }
             }
-        });
-    }
+        }
+    });
     drop(tx);
 
     let mut analyzer = Analyzer::default();
