@@ -427,20 +427,19 @@ impl RequestDir {
         let mut present = HashSet::new();
         let mut out = Vec::new();
         for name in names {
-            let taken = if let Some(base) = name.strip_suffix(APPLYING_SUFFIX) {
-                if !base.ends_with(".json") {
-                    continue;
-                }
-                name.clone()
-            } else if name.ends_with(".json") {
-                let taken = applying_name(&name);
-                if self.exists(&taken) {
-                    continue; // a request of the same name is still being applied: later
-                }
-                taken
-            } else {
-                continue; // temporary files of a writer, rejected requests, anything else
-            };
+            // `*.json`, or `*.json.applying` (taken by a run that was killed); anything else
+            // (temporary files of a writer, rejected requests) is not a request.
+            let base = name
+                .strip_suffix(APPLYING_SUFFIX)
+                .unwrap_or(&name)
+                .to_string();
+            if !base.ends_with(".json") {
+                continue;
+            }
+            let taken = applying_name(&base);
+            if taken != name && self.exists(&taken) {
+                continue; // a request of the same name is still being applied: later
+            }
             let (id, read) = match self.read_entry(&name, done) {
                 Entry::Done(id) => {
                     present.insert(id);
@@ -457,7 +456,7 @@ impl RequestDir {
                     if let Some(id) = id {
                         done.0.insert(id);
                     }
-                    let key = request_key(name.strip_suffix(APPLYING_SUFFIX).unwrap_or(&name), id);
+                    let key = request_key(&base, id);
                     if let Some(name) = self.claim(name, taken) {
                         out.push(Pending { name, request, key });
                     }
@@ -471,8 +470,7 @@ impl RequestDir {
                     if let Some(id) = id {
                         done.0.insert(id);
                     }
-                    let base = name.strip_suffix(APPLYING_SUFFIX).unwrap_or(&name);
-                    if self.rename(&name, &rejected_name(base)).is_err() {
+                    if self.rename(&name, &rejected_name(&base)).is_err() {
                         if let Err(e) = self.remove(&name) {
                             warn!(dir = %self.path.display(), name, error = %e, "cannot set a rejected clear request aside; it is ignored while the agent runs");
                         }
@@ -602,17 +600,14 @@ impl DirWatch {
             // opens and reads (the loop's own reads of the directory would wake it again).
             let wanted = match &e {
                 Ok(e) => {
-                    e.need_rescan()
-                        || (super::policy_watch::is_change(&e.kind)
-                            && e.paths.iter().any(|p| p.starts_with(&inside)))
+                    let change = super::policy_watch::is_change(&e.kind);
+                    if change && e.paths.contains(&inside) {
+                        moved_tx.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    e.need_rescan() || (change && e.paths.iter().any(|p| p.starts_with(&inside)))
                 }
                 Err(_) => true,
             };
-            if let Ok(e) = &e {
-                if super::policy_watch::is_change(&e.kind) && e.paths.contains(&inside) {
-                    moved_tx.store(true, std::sync::atomic::Ordering::SeqCst);
-                }
-            }
             if wanted {
                 wake.notify_one();
             }
