@@ -261,12 +261,9 @@ impl RequestDir {
     }
 
     /// The directory's identity (device, inode): a directory put in its place has another.
-    // The field types of `stat` differ between architectures; these casts widen or keep them.
-    #[allow(clippy::unnecessary_cast)]
     fn identity(&self) -> Option<(u64, u64)> {
-        rustix::fs::fstat(&self.fd)
-            .ok()
-            .map(|st| (st.st_dev as u64, st.st_ino as u64))
+        let id = FileId::of(&rustix::fs::fstat(&self.fd).ok()?);
+        Some((id.dev, id.ino))
     }
 
     fn names(&self) -> std::io::Result<Vec<String>> {

@@ -710,8 +710,7 @@ fn read_bounded_line<R: BufRead>(
         }
         line.extend_from_slice(&chunk[..chunk.len().min(room)]);
         let used = done.unwrap_or(buf.len());
-        taken.hash.update(&buf[..used]);
-        taken.bytes += used as u64;
+        taken.write_all(&buf[..used])?;
         r.consume(used);
         if done.is_some() {
             return Ok(LineRead::Line { truncated });

@@ -13,6 +13,7 @@
 //! again and compare their content (a write within the file system's timestamp granularity
 //! leaves the times as they were); the policy is parsed again only when the content differs.
 
+use std::borrow::Cow;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -80,13 +81,6 @@ pub enum LoadError {
     Reader(#[source] tokio::task::JoinError),
 }
 
-fn read_error(path: &Path) -> impl FnOnce(OperatorFileError) -> LoadError + '_ {
-    |source| LoadError::Read {
-        path: path.to_path_buf(),
-        source,
-    }
-}
-
 /// The files a load read (the policy, then the tables it names), how each looked just before it
 /// was read, and a digest of what was read (or why not).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -104,9 +98,7 @@ impl Seen {
         max: u64,
     ) -> Result<String, LoadError> {
         self.files.push((path.to_path_buf(), max, stamp(path)));
-        let text = read_text(path, max).map_err(read_error(path));
-        digest_one(hasher, path, &text);
-        text
+        read_digested(hasher, path, max)
     }
 
     /// Whether the files look as they did: by identity and times only, or (`by_content`) by
@@ -120,29 +112,28 @@ impl Seen {
         }
         let mut hasher = sha2::Sha256::new();
         for (p, max, _) in &self.files {
-            let text = read_text(p, *max).map_err(read_error(p));
-            digest_one(&mut hasher, p, &text);
+            let _ = read_digested(&mut hasher, p, *max);
         }
         hasher.finalize().as_slice() == self.digest.as_slice()
     }
 }
 
-fn digest_one(hasher: &mut sha2::Sha256, path: &Path, text: &Result<String, LoadError>) {
+/// Reads `path` (at most `max` bytes, a regular file only) and adds its name and what was read
+/// (or why not) to `hasher`.
+fn read_digested(hasher: &mut sha2::Sha256, path: &Path, max: u64) -> Result<String, LoadError> {
+    let text = read_text(path, max).map_err(|source| LoadError::Read {
+        path: path.to_path_buf(),
+        source,
+    });
+    let (tag, bytes) = match &text {
+        Ok(t) => (1u8, Cow::Borrowed(t.as_str())),
+        Err(e) => (2, Cow::Owned(e.to_string())),
+    };
     hasher.update(path.as_os_str().as_encoded_bytes());
-    hasher.update([0]);
-    match text {
-        Ok(t) => {
-            hasher.update([1]);
-            hasher.update(t.len().to_le_bytes());
-            hasher.update(t.as_bytes());
-        }
-        Err(e) => {
-            let e = e.to_string();
-            hasher.update([2]);
-            hasher.update(e.len().to_le_bytes());
-            hasher.update(e.as_bytes());
-        }
-    }
+    hasher.update([0, tag]);
+    hasher.update(bytes.len().to_le_bytes());
+    hasher.update(bytes.as_bytes());
+    text
 }
 
 /// A load's result and what it read.
