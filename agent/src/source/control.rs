@@ -25,8 +25,8 @@
 //! `create_dir_all`) the state directory is watched until it is back, and a new `clear.d` is
 //! watched anew and read. Whatever inotify reports that is not a plain change (a queue
 //! overflow, an error) makes a full read, which is what every wake-up does anyway. Without
-//! inotify (its instances used up on the node) the directory is read every retry interval, as
-//! it was before. The checks above are the same: inotify only says when to read.
+//! inotify (its instances used up on the node) the directory is read every retry interval. The
+//! checks above are the same: inotify only says when to read.
 //!
 //! Once: every request read is remembered by its file's identity ([`FileId`]: device, inode,
 //! modification time) before it is acted on, and a file with a remembered identity is never
@@ -261,12 +261,9 @@ impl RequestDir {
     }
 
     /// The directory's identity (device, inode): a directory put in its place has another.
-    // The field types of `stat` differ between architectures; these casts widen or keep them.
-    #[allow(clippy::unnecessary_cast)]
     fn identity(&self) -> Option<(u64, u64)> {
-        rustix::fs::fstat(&self.fd)
-            .ok()
-            .map(|st| (st.st_dev as u64, st.st_ino as u64))
+        let id = FileId::of(&rustix::fs::fstat(&self.fd).ok()?);
+        Some((id.dev, id.ino))
     }
 
     fn names(&self) -> std::io::Result<Vec<String>> {
@@ -427,20 +424,19 @@ impl RequestDir {
         let mut present = HashSet::new();
         let mut out = Vec::new();
         for name in names {
-            let taken = if let Some(base) = name.strip_suffix(APPLYING_SUFFIX) {
-                if !base.ends_with(".json") {
-                    continue;
-                }
-                name.clone()
-            } else if name.ends_with(".json") {
-                let taken = applying_name(&name);
-                if self.exists(&taken) {
-                    continue; // a request of the same name is still being applied: later
-                }
-                taken
-            } else {
-                continue; // temporary files of a writer, rejected requests, anything else
-            };
+            // `*.json`, or `*.json.applying` (taken by a run that was killed); anything else
+            // (temporary files of a writer, rejected requests) is not a request.
+            let base = name
+                .strip_suffix(APPLYING_SUFFIX)
+                .unwrap_or(&name)
+                .to_string();
+            if !base.ends_with(".json") {
+                continue;
+            }
+            let taken = applying_name(&base);
+            if taken != name && self.exists(&taken) {
+                continue; // a request of the same name is still being applied: later
+            }
             let (id, read) = match self.read_entry(&name, done) {
                 Entry::Done(id) => {
                     present.insert(id);
@@ -457,7 +453,7 @@ impl RequestDir {
                     if let Some(id) = id {
                         done.0.insert(id);
                     }
-                    let key = request_key(name.strip_suffix(APPLYING_SUFFIX).unwrap_or(&name), id);
+                    let key = request_key(&base, id);
                     if let Some(name) = self.claim(name, taken) {
                         out.push(Pending { name, request, key });
                     }
@@ -471,8 +467,7 @@ impl RequestDir {
                     if let Some(id) = id {
                         done.0.insert(id);
                     }
-                    let base = name.strip_suffix(APPLYING_SUFFIX).unwrap_or(&name);
-                    if self.rename(&name, &rejected_name(base)).is_err() {
+                    if self.rename(&name, &rejected_name(&base)).is_err() {
                         if let Err(e) = self.remove(&name) {
                             warn!(dir = %self.path.display(), name, error = %e, "cannot set a rejected clear request aside; it is ignored while the agent runs");
                         }
@@ -602,17 +597,14 @@ impl DirWatch {
             // opens and reads (the loop's own reads of the directory would wake it again).
             let wanted = match &e {
                 Ok(e) => {
-                    e.need_rescan()
-                        || (super::policy_watch::is_change(&e.kind)
-                            && e.paths.iter().any(|p| p.starts_with(&inside)))
+                    let change = super::policy_watch::is_change(&e.kind);
+                    if change && e.paths.contains(&inside) {
+                        moved_tx.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
+                    e.need_rescan() || (change && e.paths.iter().any(|p| p.starts_with(&inside)))
                 }
                 Err(_) => true,
             };
-            if let Ok(e) = &e {
-                if super::policy_watch::is_change(&e.kind) && e.paths.contains(&inside) {
-                    moved_tx.store(true, std::sync::atomic::Ordering::SeqCst);
-                }
-            }
             if wanted {
                 wake.notify_one();
             }
@@ -1030,7 +1022,7 @@ mod tests {
     }
 
     /// `null` is not "any": what `jq -n '{code: env.CODE}'` writes with `CODE` unset clears
-    /// nothing, and says why. Before, it read as `{}` and cleared every active fault.
+    /// nothing, and says why (read as `{}`, it would clear every active fault).
     #[test]
     fn a_null_field_is_refused_not_read_as_any() {
         for (body, says) in [
@@ -1229,10 +1221,9 @@ mod tests {
         next.await.unwrap_or_else(|_| panic!("{what}: not read")).0
     }
 
-    /// Issue 27 §2: a request is read when it arrives, not at the next poll: with a retry
-    /// interval of an hour, requests dropped in one after the other (renamed in, as the CLI
-    /// does, and written in place by hand) are each read. Before, the directory was read on a
-    /// timer only (every second in the agent), so this waited an hour.
+    /// A request is read when it arrives, not at the next poll: with a retry interval of an
+    /// hour, requests dropped in one after the other (renamed in, as the CLI does, and written
+    /// in place by hand) are each read at once.
     #[tokio::test]
     async fn a_request_is_read_when_it_arrives() {
         let state = tempfile::tempdir().unwrap();

@@ -92,9 +92,8 @@ pub(crate) async fn watch_gpu_count(
         }
         match nodes.get(&node).await {
             Ok(n) => {
-                if failing {
+                if std::mem::take(&mut failing) {
                     info!(node = %node, "reading the node works again");
-                    failing = false;
                 }
                 let count = GpuCountLabel::Read(n.metadata.labels.as_ref().and_then(gpu_count));
                 debug!(node = %node, count = ?count, "node labels read");
@@ -105,9 +104,8 @@ pub(crate) async fn watch_gpu_count(
                 });
             }
             Err(e) => {
-                if !failing {
+                if !std::mem::replace(&mut failing, true) {
                     warn!(node = %node, error = %e, "cannot read this node from the API; keeping the last known labels");
-                    failing = true;
                 }
             }
         }

@@ -7,7 +7,7 @@
 //! is a stream: nothing read from it is read again, so nothing in it is skipped as already
 //! counted. The I/O loop runs on a dedicated thread; the pure core that turns records
 //! into engine inputs is `faultline_core::kmsg_reader::KmsgReader`, which reports what it reads
-//! through [`ReaderCounters`], implemented here by the agent's metrics and logs.
+//! through [`ReaderCounters`], implemented here ([`Counters`]) by the agent's metrics and logs.
 
 use std::fs::File;
 use std::io::{self, BufRead, BufReader, Read, Seek, Write};
@@ -20,7 +20,7 @@ use parking_lot::Mutex;
 use faultline_core::time::Timestamp;
 use tracing::{debug, info, warn};
 
-use faultline_core::engine::{DetectorState, Observation};
+use faultline_core::engine::DetectorState;
 pub(crate) use faultline_core::kmsg_reader::{Extent, KmsgReader, ReaderCounters};
 use faultline_core::parse::kmsg::RecordError;
 use sha2::{Digest, Sha256};
@@ -54,13 +54,14 @@ impl Counters {
 
 impl ReaderCounters for Counters {
     fn record(&self) {
-        self.metrics.record();
+        self.metrics.kmsg_records.inc();
     }
     fn skipped(&self) {
-        self.metrics.skipped();
+        self.metrics.kmsg_skipped.inc();
     }
     fn malformed(&self, error: &RecordError, line: &str) {
-        self.metrics.malformed(error, line);
+        self.metrics.kmsg_malformed.inc();
+        debug!(%error, line, "malformed kmsg record");
     }
     fn lost(&self, lost: u64, next_seq: u64) {
         self.metrics.kmsg_lost.inc_by(lost);
@@ -77,43 +78,17 @@ impl ReaderCounters for Counters {
         }
     }
     fn matched(&self, kind: &'static str) {
-        self.metrics.matched(kind);
-    }
-    fn out_of_order(&self, seq: u64, last: u64) {
-        self.metrics.out_of_order(seq, last);
-    }
-    fn user_record(&self) {
-        self.metrics.user_record();
-    }
-}
-
-impl ReaderCounters for Metrics {
-    fn record(&self) {
-        self.kmsg_records.inc();
-    }
-    fn skipped(&self) {
-        self.kmsg_skipped.inc();
-    }
-    fn malformed(&self, error: &RecordError, line: &str) {
-        self.kmsg_malformed.inc();
-        debug!(%error, line, "malformed kmsg record");
-    }
-    fn lost(&self, lost: u64, next_seq: u64) {
-        self.kmsg_lost.inc_by(lost);
-        warn!(
-            lost,
-            next_seq, "kernel log records lost before they were read"
-        );
-    }
-    fn matched(&self, kind: &'static str) {
-        self.kmsg_matched.get_or_create(&KindLabel { kind }).inc();
+        self.metrics
+            .kmsg_matched
+            .get_or_create(&KindLabel { kind })
+            .inc();
     }
     fn user_record(&self) {
-        self.kmsg_user.inc();
+        self.metrics.kmsg_user.inc();
     }
     fn out_of_order(&self, seq: u64, last: u64) {
         // Counted with the malformed records: a sequence number that cannot be right.
-        self.kmsg_malformed.inc();
+        self.metrics.kmsg_malformed.inc();
         debug!(
             seq,
             last, "kernel log record out of sequence; scanned, cursor kept"
@@ -231,18 +206,14 @@ fn send_all(ctx: &SourceContext, out: &mut Vec<Input>) -> bool {
 }
 
 fn detector(ctx: &SourceContext, state: DetectorState, reason: Option<String>) -> bool {
-    let obs = Observation::Detector {
-        name: DETECTOR_KMSG.into(),
-        state,
-        reason,
-    };
+    let obs = super::detector(DETECTOR_KMSG, state, reason);
     ctx.tx.blocking_send(Input::Obs(obs)).is_ok()
 }
 
 /// Sets the calling thread's nice value: on Linux `setpriority(PRIO_PROCESS, 0, …)` applies to
 /// the calling thread only (setpriority(2), NOTES: the nice value is a per-thread attribute).
 /// The kernel log must be read as fast as the kernel writes it: the ring overwrites what a
-/// reader starved of CPU has not read yet (issue 27 §2).
+/// reader starved of CPU has not read yet.
 fn set_reader_nice(nice: i32) {
     if nice == 0 {
         return;
@@ -265,9 +236,7 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
     let mut retry =
         crate::backoff::Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
     let mut follow = Follow::default();
-    // Why the path is opened again: a read error (the same log, read again from its oldest
-    // record) or a new file at the path (read from its beginning, all new).
-    let mut new_file = false;
+    let mut opening = Opening::First;
     while !ctx.shutdown.is_cancelled() {
         let fifo = std::fs::metadata(&cfg.path).is_ok_and(|m| m.file_type().is_fifo());
         if fifo {
@@ -301,7 +270,10 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
         let is_device = meta
             .as_ref()
             .is_some_and(|m| m.file_type().is_char_device());
-        let reopened = reader.is_some();
+        let regular = meta.as_ref().is_some_and(|m| m.is_file());
+        // Anything but the device or a regular file (a FIFO) is a stream: read once, never
+        // replayed, so nothing read from it is skipped.
+        let stream = meta.is_some() && !regular && !is_device;
         let r = reader.get_or_insert_with(|| {
             KmsgReader::new(
                 cfg.resume_after,
@@ -316,38 +288,14 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
             .filter(|_| !is_device)
             .map(|m| (m.dev(), m.ino()));
         let log = identity.map(log_name);
-        if std::mem::take(&mut new_file) {
-            r.new_log(log);
-        } else if reopened {
-            r.reopened();
-        } else if r.in_log(log) {
-            warn!(
-                "the kernel-log file at the path is not the one the saved position was taken in \
-                 (replaced while the agent was not running); reading all of it as new"
-            );
-        } else if let Some(read) = cfg
-            .resume_after
-            .and_then(|p| p.read)
-            .filter(|_| meta.as_ref().is_some_and(|m| m.is_file()))
-        {
-            // Same device and inode, other bytes: a file rewritten in place (`O_TRUNC` keeps the
-            // inode), or a new one given the old inode number. A regular file only: reading a
-            // FIFO that took the old inode number would consume lines no one then parses. (A
-            // read error here is the read loop's to report.)
-            if starts_with(&file, read).is_ok_and(|same| !same) {
-                r.new_log(log);
-                warn!(
-                    "the kernel-log file at the path no longer starts with what the saved \
-                     position was taken after (rewritten while the agent was not running); \
-                     reading all of it as new"
-                );
+        match opening {
+            Opening::NewFile => r.new_log(log),
+            Opening::AfterError => r.reopened(),
+            Opening::First => {
+                let read = cfg.resume_after.and_then(|p| p.read).filter(|_| regular);
+                check_saved_log(r, &file, log, read);
             }
         }
-        // Anything but the device or a regular file (a FIFO) is a stream: read once, never
-        // replayed, so nothing read from it is skipped.
-        let stream = meta
-            .as_ref()
-            .is_some_and(|m| !m.is_file() && !m.file_type().is_char_device());
         if stream && r.stream() {
             info!(
                 "the kernel log is a FIFO: it replays nothing, so the saved position resumes \
@@ -369,7 +317,7 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
             let mut lines = Lines {
                 path: &cfg.path,
                 identity,
-                regular: meta.as_ref().is_some_and(|m| m.is_file()),
+                regular,
                 follow: &mut follow,
                 interval: cfg.follow_interval,
             };
@@ -377,14 +325,51 @@ fn run(cfg: KmsgConfig, ctx: SourceContext) {
         };
         match result {
             Ok(Ended::Stopped) => return, // shutdown or the engine is gone
-            Ok(Ended::Replaced) => new_file = true,
+            Ok(Ended::Replaced) => opening = Opening::NewFile,
             Err(e) => {
+                opening = Opening::AfterError;
                 warn!(error = %e, "kernel log read failed; reopening");
                 if !detector(&ctx, DetectorState::Down, Some(format!("read failed: {e}"))) {
                     return;
                 }
                 std::thread::sleep(retry.next_delay());
             }
+        }
+    }
+}
+
+/// Why the path is opened (again).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Opening {
+    /// At start: the saved position may resume in this log.
+    First,
+    /// After a read error: the same log, read again from its oldest record.
+    AfterError,
+    /// Another file is at the path: read from its beginning, all new.
+    NewFile,
+}
+
+/// At the first open, drops the saved position when the file at the path is not the log it
+/// was taken in: another file (device and inode), or the same one with other bytes up to
+/// `read` (a regular file's saved extent).
+fn check_saved_log(r: &mut KmsgReader, file: &File, log: Option<u64>, read: Option<Extent>) {
+    if r.in_log(log) {
+        warn!(
+            "the kernel-log file at the path is not the one the saved position was taken in \
+             (replaced while the agent was not running); reading all of it as new"
+        );
+    } else if let Some(read) = read {
+        // Same device and inode, other bytes: a file rewritten in place (`O_TRUNC` keeps the
+        // inode), or a new one given the old inode number. A regular file only: reading a
+        // FIFO that took the old inode number would consume lines no one then parses. (A
+        // read error here is the read loop's to report.)
+        if starts_with(file, read).is_ok_and(|same| !same) {
+            r.new_log(log);
+            warn!(
+                "the kernel-log file at the path no longer starts with what the saved \
+                 position was taken after (rewritten while the agent was not running); \
+                 reading all of it as new"
+            );
         }
     }
 }
@@ -466,8 +451,8 @@ impl Follow {
 /// How many records without a fault the device reader reads, at most, before it tells the
 /// engine how far it got (a fault carries its own position). Each message wakes the engine loop,
 /// and at a high record rate those wake-ups take the CPU the reader needs to keep up with the
-/// ring (issue 27 §2: at one per 256 records, 700 wake-ups a second at 180,000 records a
-/// second, and records lost where a plain reader lost none).
+/// ring (at one per 256 records: 700 wake-ups a second at 180,000 records a second, and
+/// records lost where a plain reader loses none).
 const CURSOR_EVERY: u32 = 4096;
 
 /// Once the reader has caught up with the ring, how long it waits for more before it tells the
@@ -725,8 +710,7 @@ fn read_bounded_line<R: BufRead>(
         }
         line.extend_from_slice(&chunk[..chunk.len().min(room)]);
         let used = done.unwrap_or(buf.len());
-        taken.hash.update(&buf[..used]);
-        taken.bytes += used as u64;
+        taken.write_all(&buf[..used])?;
         r.consume(used);
         if done.is_some() {
             return Ok(LineRead::Line { truncated });

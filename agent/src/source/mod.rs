@@ -87,12 +87,18 @@ pub(crate) async fn watched_task(
         return;
     }
     for d in detectors {
-        let obs = Observation::Detector {
-            name: (*d).into(),
-            state: DetectorState::Down,
-            reason: Some(format!("the {name} task stopped: {msg}")),
-        };
+        let why = format!("the {name} task stopped: {msg}");
+        let obs = detector(d, DetectorState::Down, Some(why));
         let _ = ctx.tx.send(Input::Obs(obs)).await;
+    }
+}
+
+/// The observation that detector `name` is in `state`, for `reason`.
+pub(crate) fn detector(name: &str, state: DetectorState, reason: Option<String>) -> Observation {
+    Observation::Detector {
+        name: name.into(),
+        state,
+        reason,
     }
 }
 
@@ -100,11 +106,7 @@ pub(crate) async fn watched_task(
 pub(crate) fn report_down(name: &'static str, ctx: &SourceContext) -> impl FnOnce(String) + Send {
     let tx = ctx.tx.clone();
     move |why| {
-        let obs = Observation::Detector {
-            name: name.into(),
-            state: DetectorState::Down,
-            reason: Some(why),
-        };
+        let obs = detector(name, DetectorState::Down, Some(why));
         // A std thread: blocking is fine, and an engine that is gone needs no report.
         let _ = tx.blocking_send(Input::Obs(obs));
     }

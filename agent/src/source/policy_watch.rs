@@ -13,6 +13,7 @@
 //! again and compare their content (a write within the file system's timestamp granularity
 //! leaves the times as they were); the policy is parsed again only when the content differs.
 
+use std::borrow::Cow;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -80,13 +81,6 @@ pub enum LoadError {
     Reader(#[source] tokio::task::JoinError),
 }
 
-fn read_error(path: &Path) -> impl FnOnce(OperatorFileError) -> LoadError + '_ {
-    |source| LoadError::Read {
-        path: path.to_path_buf(),
-        source,
-    }
-}
-
 /// The files a load read (the policy, then the tables it names), how each looked just before it
 /// was read, and a digest of what was read (or why not).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -104,9 +98,7 @@ impl Seen {
         max: u64,
     ) -> Result<String, LoadError> {
         self.files.push((path.to_path_buf(), max, stamp(path)));
-        let text = read_text(path, max).map_err(read_error(path));
-        digest_one(hasher, path, &text);
-        text
+        read_digested(hasher, path, max)
     }
 
     /// Whether the files look as they did: by identity and times only, or (`by_content`) by
@@ -120,29 +112,28 @@ impl Seen {
         }
         let mut hasher = sha2::Sha256::new();
         for (p, max, _) in &self.files {
-            let text = read_text(p, *max).map_err(read_error(p));
-            digest_one(&mut hasher, p, &text);
+            let _ = read_digested(&mut hasher, p, *max);
         }
         hasher.finalize().as_slice() == self.digest.as_slice()
     }
 }
 
-fn digest_one(hasher: &mut sha2::Sha256, path: &Path, text: &Result<String, LoadError>) {
+/// Reads `path` (at most `max` bytes, a regular file only) and adds its name and what was read
+/// (or why not) to `hasher`.
+fn read_digested(hasher: &mut sha2::Sha256, path: &Path, max: u64) -> Result<String, LoadError> {
+    let text = read_text(path, max).map_err(|source| LoadError::Read {
+        path: path.to_path_buf(),
+        source,
+    });
+    let (tag, bytes) = match &text {
+        Ok(t) => (1u8, Cow::Borrowed(t.as_str())),
+        Err(e) => (2, Cow::Owned(e.to_string())),
+    };
     hasher.update(path.as_os_str().as_encoded_bytes());
-    hasher.update([0]);
-    match text {
-        Ok(t) => {
-            hasher.update([1]);
-            hasher.update(t.len().to_le_bytes());
-            hasher.update(t.as_bytes());
-        }
-        Err(e) => {
-            let e = e.to_string();
-            hasher.update([2]);
-            hasher.update(e.len().to_le_bytes());
-            hasher.update(e.as_bytes());
-        }
-    }
+    hasher.update([0, tag]);
+    hasher.update(bytes.len().to_le_bytes());
+    hasher.update(bytes.as_bytes());
+    text
 }
 
 /// A load's result and what it read.
@@ -206,16 +197,13 @@ fn read_and_parse(
     Ok((policy, checksum(&all)))
 }
 
-/// Whether a notify event can mean a changed file. The watcher's own reads fire open and
-/// close-without-write events on the directory; answering them with a read made it reload an
-/// unchanged policy about ten times a second, for ever.
+/// Whether a notify event can mean a changed file: any but an access, except a close after a
+/// write. The watcher's own reads fire open and close-without-write events on the directory;
+/// answering them with a read would reload an unchanged policy again and again.
 pub(crate) fn is_change(kind: &EventKind) -> bool {
-    match kind {
-        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
-        EventKind::Access(_) => false,
-        _ => true,
-    }
+    !matches!(kind, EventKind::Access(a) if *a != AccessKind::Close(AccessMode::Write))
 }
+
 /// Applies a (re)load result to the current state. Returns the new state, or `None` when
 /// nothing changed.
 pub(crate) fn apply_load(
@@ -232,13 +220,7 @@ pub(crate) fn apply_load(
             {
                 return None;
             }
-            metrics
-                .policy_reloads
-                .get_or_create(&ReloadLabel {
-                    result: ReloadResult::Ok,
-                })
-                .inc();
-            metrics.policy_valid.set(1);
+            count_reload(metrics, ReloadResult::Ok);
             info!(path = %path.display(), checksum = %sum, "policy loaded");
             for warning in policy.warnings() {
                 warn!(path = %path.display(), warning = %warning, "policy warning");
@@ -260,13 +242,7 @@ pub(crate) fn apply_load(
             {
                 return None;
             }
-            metrics
-                .policy_reloads
-                .get_or_create(&ReloadLabel {
-                    result: ReloadResult::Rejected,
-                })
-                .inc();
-            metrics.policy_valid.set(0);
+            count_reload(metrics, ReloadResult::Rejected);
             warn!(error = %msg, "policy rejected; the previous policy stays in force");
             Some(LoadedPolicy {
                 policy: current.policy.clone(),
@@ -278,6 +254,32 @@ pub(crate) fn apply_load(
             })
         }
     }
+}
+
+/// Counts a reload that changed the policy status, and whether the file in force is valid.
+fn count_reload(metrics: &Metrics, result: ReloadResult) {
+    let valid = matches!(result, ReloadResult::Ok);
+    metrics
+        .policy_reloads
+        .get_or_create(&ReloadLabel { result })
+        .inc();
+    metrics.policy_valid.set(i64::from(valid));
+}
+
+/// Publishes what a (re)load changed; nothing when it changed nothing.
+fn publish(
+    tx: &watch::Sender<LoadedPolicy>,
+    path: &Path,
+    result: Result<(Policy, String), LoadError>,
+    metrics: &Metrics,
+) -> bool {
+    tx.send_if_modified(|current| match apply_load(current, path, result, metrics) {
+        Some(next) => {
+            *current = next;
+            true
+        }
+        None => false,
+    })
 }
 
 /// Loads the policy once (the built-in default when `path` is `None`).
@@ -404,88 +406,79 @@ impl Component for PolicyFile {
 impl PolicyFile {
     /// Watches the file and publishes every change until shutdown.
     pub async fn run(self, metrics: Arc<Metrics>, shutdown: CancellationToken) {
-        watch_policy(self, metrics, shutdown).await
-    }
-}
-
-async fn watch_policy(file: PolicyFile, metrics: Arc<Metrics>, shutdown: CancellationToken) {
-    let PolicyFile {
-        path,
-        tx,
-        recheck,
-        reload,
-        reader,
-        first,
-    } = file;
-    let mut seen = match first {
-        Some(FirstLoad::Done(seen)) => Some(seen),
-        Some(FirstLoad::Running(load)) => {
-            let loaded = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                r = load => joined(r),
-            };
-            let current = tx.borrow().clone();
-            if let Some(next) = apply_load(&current, &path, loaded.result, &metrics) {
-                info!(path = %path.display(), "the slow policy load finished");
-                let _ = tx.send(next);
+        let PolicyFile {
+            path,
+            tx,
+            recheck,
+            reload,
+            reader,
+            first,
+        } = self;
+        let mut seen = match first {
+            Some(FirstLoad::Done(seen)) => Some(seen),
+            Some(FirstLoad::Running(load)) => {
+                let loaded = tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    r = load => joined(r),
+                };
+                if publish(&tx, &path, loaded.result, &metrics) {
+                    info!(path = %path.display(), "the slow policy load finished");
+                }
+                Some(loaded.seen)
             }
-            Some(loaded.seen)
-        }
-        None => None,
-    };
-    let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<()>();
-    let dir = path
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_else(|| PathBuf::from("."));
-    let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-        if res.is_ok_and(|e| is_change(&e.kind)) {
-            let _ = ev_tx.send(());
-        }
-    })
-    .and_then(|mut w| w.watch(&dir, RecursiveMode::NonRecursive).map(|()| w));
-    let _watcher = match watcher {
-        Ok(w) => Some(w),
-        Err(e) => {
-            warn!(error = %e, dir = %dir.display(), "cannot watch the policy directory; re-checking periodically only");
-            None
-        }
-    };
-    // The first re-check one period from now (`reset`): the file was just read.
-    let mut tick = tokio::time::interval(recheck);
-    tick.reset();
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        let wake = tokio::select! {
-            _ = shutdown.cancelled() => return,
-            Some(()) = ev_rx.recv() => {
-                // Let a burst of events (write, rename, symlink swap) settle.
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                while ev_rx.try_recv().is_ok() {}
-                Wake::Event
+            None => None,
+        };
+        let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<()>();
+        let dir = path
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from("."));
+        let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+            if res.is_ok_and(|e| is_change(&e.kind)) {
+                let _ = ev_tx.send(());
             }
-            _ = tick.tick() => Wake::Recheck,
-            _ = reload.notified() => {
-                info!(path = %path.display(), "re-reading the policy (SIGHUP)");
-                Wake::Recheck
+        })
+        .and_then(|mut w| w.watch(&dir, RecursiveMode::NonRecursive).map(|()| w));
+        let _watcher = match watcher {
+            Ok(w) => Some(w),
+            Err(e) => {
+                warn!(error = %e, dir = %dir.display(), "cannot watch the policy directory; re-checking periodically only");
+                None
             }
         };
-        if let Some(last) = seen.clone() {
-            let by_content = wake == Wake::Recheck;
-            let unchanged = tokio::task::spawn_blocking(move || last.unchanged(by_content))
-                .await
-                .unwrap_or(false);
-            if unchanged {
-                continue;
+        // The first re-check one period from now (`reset`): the file was just read.
+        let mut tick = tokio::time::interval(recheck);
+        tick.reset();
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            let wake = tokio::select! {
+                _ = shutdown.cancelled() => return,
+                Some(()) = ev_rx.recv() => {
+                    // Let a burst of events (write, rename, symlink swap) settle.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    while ev_rx.try_recv().is_ok() {}
+                    Wake::Event
+                }
+                _ = tick.tick() => Wake::Recheck,
+                _ = reload.notified() => {
+                    info!(path = %path.display(), "re-reading the policy (SIGHUP)");
+                    Wake::Recheck
+                }
+            };
+            if let Some(last) = seen.clone() {
+                let by_content = wake == Wake::Recheck;
+                let unchanged = tokio::task::spawn_blocking(move || last.unchanged(by_content))
+                    .await
+                    .unwrap_or(false);
+                if unchanged {
+                    continue;
+                }
             }
-        }
-        let p = path.clone();
-        let read = reader.clone();
-        let loaded = joined(tokio::task::spawn_blocking(move || read(&p)).await);
-        seen = Some(loaded.seen);
-        let current = tx.borrow().clone();
-        if let Some(next) = apply_load(&current, &path, loaded.result, &metrics) {
-            let _ = tx.send(next);
+            let p = path.clone();
+            let read = reader.clone();
+            let loaded = joined(tokio::task::spawn_blocking(move || read(&p)).await);
+            seen = Some(loaded.seen);
+            publish(&tx, &path, loaded.result, &metrics);
         }
     }
 }
@@ -773,8 +766,8 @@ mod tests {
     }
 
     /// A character device named as the policy is refused with the reason, and not opened
-    /// again while it stays what it is. Before, every read of it fired an event in /dev, which
-    /// made the watcher read it again, about ten times a second.
+    /// again while it stays what it is: each read of it fires an event in /dev, which would
+    /// make the watcher read it again and again.
     #[tokio::test]
     async fn a_device_as_the_policy_is_refused_and_not_read_again() {
         let path = Path::new("/dev/null");

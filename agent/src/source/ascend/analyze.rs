@@ -20,6 +20,7 @@ use faultline_core::record::Source;
 
 use super::tools::ToolError;
 use crate::metrics::{DETECTOR_HCCN, DETECTOR_NPU_SMI};
+use crate::source::detector;
 
 pub(crate) use faultline_core::catalog::ascend::{family_of, LINK_DOWN_CODE};
 pub(crate) const DOMAIN_CHIP: &str = "npu-chip";
@@ -110,13 +111,18 @@ impl std::fmt::Display for ChipId {
     }
 }
 
-/// `Ascend910-<n>`, `Ascend310P-<n>`.
-pub(crate) fn chip_name(id: ChipId) -> String {
-    id.to_string()
+fn device(id: ChipId) -> DeviceRef {
+    DeviceRef::named(&id.to_string())
 }
 
-fn device(id: ChipId) -> DeviceRef {
-    DeviceRef::named(&chip_name(id))
+/// One poll's conditions of chip `id` in `domain`, sent as a `Level`.
+fn level(id: ChipId, domain: &str, present: Vec<Signal>) -> Observation {
+    Observation::Level {
+        source: Source::Ascend,
+        device: Some(device(id)),
+        domain: domain.into(),
+        present,
+    }
 }
 
 /// The analyzer's memory between polls.
@@ -135,18 +141,14 @@ impl Analyzer {
         policy: &AscendPolicy,
         now: Instant,
     ) -> Vec<Observation> {
-        let mut out = Vec::new();
         let chips = match &poll.chips {
             Ok(c) => c,
             Err(why) => {
-                out.push(detector(
-                    DETECTOR_NPU_SMI,
-                    DetectorState::Down,
-                    Some(why.to_string()),
-                ));
-                return out;
+                let why = Some(why.to_string());
+                return vec![detector(DETECTOR_NPU_SMI, DetectorState::Down, why)];
             }
         };
+        let mut out = Vec::new();
         let mut npu_smi_errors = Vec::new();
         let mut hccn_errors: Vec<String> = poll.hccn_error.iter().map(|e| e.to_string()).collect();
         // Chips gone since the last poll.
@@ -158,10 +160,8 @@ impl Analyzer {
                     FaultCode::named("NPU_LOST"),
                     Some(device(id)),
                     format!(
-                        "{} (NPU {} chip {}) is no longer listed by npu-smi",
-                        chip_name(id),
-                        old.npu,
-                        old.chip
+                        "{id} (NPU {} chip {}) is no longer listed by npu-smi",
+                        old.npu, old.chip
                     ),
                 )));
             }
@@ -174,7 +174,7 @@ impl Analyzer {
         let mut families: BTreeMap<&'static str, Vec<String>> = BTreeMap::new();
         for c in self.seen.values() {
             let id = ChipId::of(c);
-            families.entry(id.family).or_default().push(chip_name(id));
+            families.entry(id.family).or_default().push(id.to_string());
         }
         for (family, names) in families {
             out.push(Observation::Inventory {
@@ -187,17 +187,17 @@ impl Analyzer {
             let id = ChipId::of(c);
             match poll.health.get(&key) {
                 Some(Ok(h)) => out.push(chip_level(c, h)),
-                Some(Err(why)) => npu_smi_errors.push(format!("{}: {why}", chip_name(id))),
+                Some(Err(why)) => npu_smi_errors.push(format!("{id}: {why}")),
                 None => {}
             }
             if let Some(l) = poll.links.get(&key) {
                 match self.link_level(id, l, policy, now) {
                     Ok(o) => out.push(o),
-                    Err(why) => hccn_errors.push(format!("{}: {why}", chip_name(id))),
+                    Err(why) => hccn_errors.push(format!("{id}: {why}")),
                 }
                 match &l.net {
                     Ok(n) => out.push(net_level(id, n)),
-                    Err(why) => hccn_errors.push(format!("{}: {why}", chip_name(id))),
+                    Err(why) => hccn_errors.push(format!("{id}: {why}")),
                 }
             }
         }
@@ -223,10 +223,7 @@ impl Analyzer {
                     severe: false,
                 },
                 id,
-                format!(
-                    "{} network port is down (hccn_tool link status DOWN)",
-                    chip_name(id)
-                ),
+                format!("{id} network port is down (hccn_tool link status DOWN)"),
             ));
         }
         if let Some(speed) = &l.speed_mbps {
@@ -240,8 +237,7 @@ impl Analyzer {
                     FaultCode::named("NPU_LINK_SPEED_LOW"),
                     id,
                     format!(
-                        "{} network port runs at {speed} Mb/s, expected {} Mb/s",
-                        chip_name(id),
+                        "{id} network port runs at {speed} Mb/s, expected {} Mb/s",
                         policy.expected_speed_mbps
                     ),
                 ));
@@ -260,19 +256,13 @@ impl Analyzer {
                     FaultCode::named("NPU_LINK_FLAPPING"),
                     id,
                     format!(
-                        "{} network port came up {grew} times within {}",
-                        chip_name(id),
+                        "{id} network port came up {grew} times within {}",
                         humantime::format_duration(policy.link_flap_window)
                     ),
                 ));
             }
         }
-        Ok(Observation::Level {
-            source: Source::Ascend,
-            device: Some(device(id)),
-            domain: DOMAIN_LINK.into(),
-            present,
-        })
+        Ok(level(id, DOMAIN_LINK, present))
     }
 }
 
@@ -296,8 +286,7 @@ fn chip_level(c: &NpuChip, h: &ChipHealth) -> Observation {
         .map(|code| {
             let code = format!("{code:08X}");
             let mut msg = format!(
-                "{} reports error code {code} (health {})",
-                chip_name(id),
+                "{id} reports error code {code} (health {})",
                 health.as_str()
             );
             if !info.is_empty() && !info.eq_ignore_ascii_case("NA") {
@@ -322,29 +311,17 @@ fn chip_level(c: &NpuChip, h: &ChipHealth) -> Observation {
         present.push(signal(
             FaultCode::named("NPU_UNHEALTHY"),
             id,
-            format!(
-                "{} health is {} with no error code",
-                chip_name(id),
-                health.as_str()
-            ),
+            format!("{id} health is {} with no error code", health.as_str()),
         ));
     }
     if *health == NpuHealth::Unknown {
         present.push(signal(
             FaultCode::named("NPU_LOST"),
             id,
-            format!(
-                "{} health is UNKNOWN (absent or not started)",
-                chip_name(id)
-            ),
+            format!("{id} health is UNKNOWN (absent or not started)"),
         ));
     }
-    Observation::Level {
-        source: Source::Ascend,
-        device: Some(device(id)),
-        domain: DOMAIN_CHIP.into(),
-        present,
-    }
+    level(id, DOMAIN_CHIP, present)
 }
 
 fn net_level(id: ChipId, n: &NetHealth) -> Observation {
@@ -354,23 +331,10 @@ fn net_level(id: ChipId, n: &NetHealth) -> Observation {
         vec![signal(
             FaultCode::named("NPU_NET_UNHEALTHY"),
             id,
-            format!("{} net health is {:?}", chip_name(id), n.state),
+            format!("{id} net health is {:?}", n.state),
         )]
     };
-    Observation::Level {
-        source: Source::Ascend,
-        device: Some(device(id)),
-        domain: DOMAIN_NET.into(),
-        present,
-    }
-}
-
-fn detector(name: &str, state: DetectorState, reason: Option<String>) -> Observation {
-    Observation::Detector {
-        name: name.into(),
-        state,
-        reason,
-    }
+    level(id, DOMAIN_NET, present)
 }
 
 /// Down with the first few reasons, Idle when the tool is absent, else Running.
@@ -381,12 +345,7 @@ fn detector_from(name: &str, errors: &[String], absent: bool) -> Observation {
     if errors.is_empty() {
         return detector(name, DetectorState::Running, None);
     }
-    let mut reason = errors
-        .iter()
-        .take(3)
-        .cloned()
-        .collect::<Vec<_>>()
-        .join("; ");
+    let mut reason = errors[..errors.len().min(3)].join("; ");
     if errors.len() > 3 {
         reason.push_str(&format!("; and {} more", errors.len() - 3));
     }

@@ -23,42 +23,49 @@ use super::{Input, SourceContext};
 use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::{Metrics, ToolLabel};
 use crate::metrics::{DETECTOR_HCCN, DETECTOR_NPU_SMI};
-use faultline_core::engine::{DetectorState, Observation};
+use faultline_core::engine::DetectorState;
 use faultline_core::parse::ascend::{self as parse, AscendParseError};
 use faultline_core::policy::AscendPolicy;
 use faultline_core::policy::LoadedPolicy;
 
-/// One call: runs the tool, counts the outcome, parses. The error is the reason for the
-/// detector status.
-async fn call<T: Tools, R>(
-    tools: &T,
-    metrics: &Metrics,
-    policy: &AscendPolicy,
-    tool: Tool,
-    args: &[&str],
-    parse: impl FnOnce(&str) -> Result<R, AscendParseError>,
-) -> Result<R, Unread> {
-    let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
-    let call = format!("{} {}", tool.as_str(), args.join(" "));
-    let result = match tools.run(tool, &args, policy.call_timeout).await {
-        Ok(out) => parse(&out).map_err(|source| ("garbage", Unread::Garbage { call, source })),
-        // Not installed (a node without Ascend NPUs) is no failed call.
-        Err(ToolError::NotFound(n)) => Err(("absent", Unread::Absent(n))),
-        Err(source @ ToolError::Timeout(_)) => Err(("timeout", Unread::Tool { call, source })),
-        Err(source) => Err(("failed", Unread::Tool { call, source })),
-    };
-    let label = match &result {
-        Ok(_) => "ok",
-        Err((l, _)) => l,
-    };
-    metrics
-        .tool_calls
-        .get_or_create(&ToolLabel {
-            tool: tool.as_str(),
-            result: label,
-        })
-        .inc();
-    result.map_err(|(_, e)| e)
+/// What every call of one poll uses.
+struct Caller<'a, T> {
+    tools: &'a T,
+    metrics: &'a Metrics,
+    policy: &'a AscendPolicy,
+}
+
+impl<T: Tools> Caller<'_, T> {
+    /// One call: runs the tool, counts the outcome, parses. The error is the reason for the
+    /// detector status.
+    async fn call<R>(
+        &self,
+        tool: Tool,
+        args: &[&str],
+        parse: impl FnOnce(&str) -> Result<R, AscendParseError>,
+    ) -> Result<R, Unread> {
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        let call = format!("{} {}", tool.as_str(), args.join(" "));
+        let result = match self.tools.run(tool, &args, self.policy.call_timeout).await {
+            Ok(out) => parse(&out).map_err(|source| ("garbage", Unread::Garbage { call, source })),
+            // Not installed (a node without Ascend NPUs) is no failed call.
+            Err(ToolError::NotFound(n)) => Err(("absent", Unread::Absent(n))),
+            Err(source @ ToolError::Timeout(_)) => Err(("timeout", Unread::Tool { call, source })),
+            Err(source) => Err(("failed", Unread::Tool { call, source })),
+        };
+        let label = match &result {
+            Ok(_) => "ok",
+            Err((l, _)) => l,
+        };
+        self.metrics
+            .tool_calls
+            .get_or_create(&ToolLabel {
+                tool: tool.as_str(),
+                result: label,
+            })
+            .inc();
+        result.map_err(|(_, e)| e)
+    }
 }
 
 /// `npu-smi` is not installed (under the name or path the agent was given).
@@ -71,15 +78,14 @@ pub(crate) async fn poll_once<T: Tools>(
     policy: &AscendPolicy,
     metrics: &Metrics,
 ) -> Result<Poll, NotInstalled> {
-    let chips = match call(
+    let caller = &Caller {
         tools,
         metrics,
         policy,
-        Tool::NpuSmi,
-        &["info"],
-        parse::parse_npu_info,
-    )
-    .await
+    };
+    let chips = match caller
+        .call(Tool::NpuSmi, &["info"], parse::parse_npu_info)
+        .await
     {
         Err(Unread::Absent(name)) => return Err(NotInstalled(name)),
         r => r,
@@ -112,15 +118,9 @@ pub(crate) async fn poll_once<T: Tools>(
             "-c",
             chip.as_str(),
         ];
-        let r = call(
-            tools,
-            metrics,
-            policy,
-            Tool::NpuSmi,
-            &args,
-            parse::parse_chip_health,
-        )
-        .await;
+        let r = caller
+            .call(Tool::NpuSmi, &args, parse::parse_chip_health)
+            .await;
         if let Err(e) = &r {
             if e.is_hung() {
                 npu_smi_hung = Some(e.clone());
@@ -132,15 +132,9 @@ pub(crate) async fn poll_once<T: Tools>(
         let id = c.logical_id();
         let ids = id.to_string();
         let q = |what: &'static str| ["-i", ids.as_str(), what, "-g"];
-        let status = match call(
-            tools,
-            metrics,
-            policy,
-            Tool::HccnTool,
-            &q("-link"),
-            parse::parse_link_status,
-        )
-        .await
+        let status = match caller
+            .call(Tool::HccnTool, &q("-link"), parse::parse_link_status)
+            .await
         {
             Err(Unread::Absent(_)) => {
                 poll.hccn_absent = true;
@@ -160,7 +154,7 @@ pub(crate) async fn poll_once<T: Tools>(
                     if !on {
                         return None;
                     }
-                    Some(call(tools, metrics, policy, Tool::HccnTool, &args, parse).await)
+                    Some(caller.call(Tool::HccnTool, &args, parse).await)
                 }
             };
         let speed_mbps = counter(
@@ -175,15 +169,9 @@ pub(crate) async fn poll_once<T: Tools>(
             parse::parse_link_up_count,
         )
         .await;
-        let net = call(
-            tools,
-            metrics,
-            policy,
-            Tool::HccnTool,
-            &q("-net_health"),
-            parse::parse_net_health,
-        )
-        .await;
+        let net = caller
+            .call(Tool::HccnTool, &q("-net_health"), parse::parse_net_health)
+            .await;
         poll.links.insert(
             id,
             LinkPoll {
@@ -199,8 +187,8 @@ pub(crate) async fn poll_once<T: Tools>(
 
 /// The longest wait before a node without `npu-smi` is looked at again: the wait starts at the
 /// poll interval and doubles up to this. Each look is a search of the tool's `PATH` (11 `stat`
-/// calls with the DaemonSet's); at the poll interval (10 s) forever that was the idle agent's
-/// most frequent wake-up on every node without NPUs (issue 27 §2). A driver installed soon
+/// calls with the DaemonSet's); at the poll interval (10 s) forever it would be the idle
+/// agent's most frequent wake-up on every node without NPUs. A driver installed soon
 /// after the agent started (a driver DaemonSet) is seen soon; later, within this, or at once
 /// with a policy change or a restart.
 pub(crate) const ABSENT_RECHECK: std::time::Duration = std::time::Duration::from_secs(300);
@@ -273,10 +261,9 @@ pub(crate) async fn run<T: Tools>(
                     info!(tool = %tool, "npu-smi not found (--npu-smi); the Ascend source is idle");
                     [DETECTOR_NPU_SMI, DETECTOR_HCCN]
                         .into_iter()
-                        .map(|name| Observation::Detector {
-                            name: name.into(),
-                            state: DetectorState::Idle,
-                            reason: Some(format!("{tool} not found")),
+                        .map(|name| {
+                            let why = format!("{tool} not found");
+                            super::detector(name, DetectorState::Idle, Some(why))
                         })
                         .collect()
                 }
@@ -314,6 +301,7 @@ pub(crate) async fn run<T: Tools>(
 mod tests {
     use super::*;
     use crate::source::ascend::tools::{Tool, ToolError};
+    use faultline_core::engine::Observation;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::time::Duration;
     use tokio_util::sync::CancellationToken;
@@ -334,10 +322,9 @@ mod tests {
         }
     }
 
-    /// Issue 27 §2: on a node without `npu-smi` the source looks for it after the poll interval
-    /// (10 s), then twice as long each time up to [`ABSENT_RECHECK`] (before: every 10 s, 91
-    /// times in 15 minutes), reports the detector idle once, and looks at once when the policy
-    /// changes.
+    /// On a node without `npu-smi` the source looks for it after the poll interval (10 s), then
+    /// twice as long each time up to [`ABSENT_RECHECK`] (not every 10 s: 91 times in 15
+    /// minutes), reports the detector idle once, and looks at once when the policy changes.
     #[tokio::test(start_paused = true)]
     async fn a_node_without_npu_smi_is_looked_at_rarely() {
         let tools = Arc::new(Absent::default());

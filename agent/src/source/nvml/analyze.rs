@@ -72,23 +72,16 @@ fn device_ref(id: &Identity) -> DeviceRef {
 }
 
 impl Analyzer {
-    pub(crate) fn new() -> Self {
-        Analyzer::default()
-    }
-
     /// A GPU's identity (at start): names it for the engine.
     pub(crate) fn identity(&mut self, id: Identity) -> Vec<Observation> {
-        let mut out = Vec::new();
-        if let Some(pci) = id.pci {
-            out.push(Observation::DeviceSeen {
-                pci,
-                uuid: id.uuid.clone(),
-                index: Some(id.index),
-            });
-        }
+        let seen = id.pci.map(|pci| Observation::DeviceSeen {
+            pci,
+            uuid: id.uuid.clone(),
+            index: Some(id.index),
+        });
         let index = id.index;
         self.devices.entry(index).or_default().identity = id;
-        out
+        seen.into_iter().collect()
     }
 
     /// The device count against the expected count (0, no expectation: nothing missing). An
@@ -108,7 +101,7 @@ impl Analyzer {
                 msg,
             ));
         }
-        // The node as the device: the fault's key is `node`, as before levels.
+        // The node as the device: the fault's key is `node`.
         vec![level(
             &DeviceRef::default(),
             domain_of("GPU_MISSING"),
@@ -204,9 +197,7 @@ impl Analyzer {
             });
             read("ECC_UNCORRECTABLE", present);
             dev.ecc_volatile = Some(v);
-            if agg.is_some() {
-                dev.ecc_aggregate = agg;
-            }
+            dev.ecc_aggregate = agg.or(dev.ecc_aggregate);
         }
         if let Ok(pending) = r.pages_pending {
             read(
@@ -466,7 +457,7 @@ mod tests {
     impl Rig {
         fn new(nvml: NvmlPolicy) -> Rig {
             let mut r = Rig {
-                a: Analyzer::new(),
+                a: Analyzer::default(),
                 engine: Engine::new(),
                 policy: Policy::parse("").unwrap(),
                 catalog: Catalog::builtin().unwrap(),
@@ -483,7 +474,7 @@ mod tests {
         fn restart(&mut self) {
             self.engine =
                 serde_json::from_str(&serde_json::to_string(&self.engine).unwrap()).unwrap();
-            self.a = Analyzer::new();
+            self.a = Analyzer::default();
             let obs = self.a.identity(identity());
             self.apply(obs);
         }
@@ -601,8 +592,7 @@ mod tests {
 
     /// A restart (new analyzer, engine from saved state) while a condition holds: one poll later
     /// it has ended if it cleared while the agent was down, and it is still one fault with the
-    /// same count if it stayed. Before levels, the first stayed forever and the second was
-    /// counted again.
+    /// same count if it stayed (neither kept forever nor counted again).
     #[test]
     fn a_restart_neither_keeps_a_cleared_condition_nor_recounts_one_that_stayed() {
         for (code, mutate) in CONDITIONS {

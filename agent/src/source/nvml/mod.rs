@@ -28,7 +28,7 @@ use super::gpu_count::GpuCountLabel;
 use super::{Input, SourceContext};
 use crate::component::{Component, Context, Handle, StartError};
 use crate::metrics::DETECTOR_NVML;
-use faultline_core::engine::{DetectorState, Observation};
+use faultline_core::engine::DetectorState;
 use faultline_core::policy::LoadedPolicy;
 
 /// The NVML source's flags.
@@ -85,11 +85,7 @@ enum Msg {
 }
 
 async fn detector(ctx: &SourceContext, state: DetectorState, reason: Option<String>) -> bool {
-    let obs = Observation::Detector {
-        name: DETECTOR_NVML.into(),
-        state,
-        reason,
-    };
+    let obs = super::detector(DETECTOR_NVML, state, reason);
     ctx.tx.send(Input::Obs(obs)).await.is_ok()
 }
 
@@ -159,17 +155,40 @@ pub(crate) async fn run(
     }
 }
 
-/// Starts a source thread; its death (a panic) is reported to the source's loop.
+/// Whether a GPU thread has read its GPU's identity.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdentityRead {
+    Unread,
+    /// Tried and failed (logged once); tried again every poll.
+    Failed,
+    Read,
+}
+
+/// The NVML detector's state as the loop last reported it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Health {
+    Running,
+    /// A call has not returned within the policy's `call_timeout`.
+    Hung,
+    /// A thread died: the detector stays down (nothing watches its GPU any more).
+    Dead,
+}
+
+/// Starts a source thread running `f` with its own sender to the source's loop and its own
+/// context; its death (a panic) is reported to the loop.
 fn spawn_thread(
     name: String,
     ctx: &SourceContext,
-    died: mpsc::Sender<Msg>,
-    f: impl FnOnce() + Send + 'static,
+    tx: &mpsc::Sender<Msg>,
+    f: impl FnOnce(mpsc::Sender<Msg>, SourceContext) + Send + 'static,
 ) {
+    let died = tx.clone();
     let on_death = move |why: String| {
         let _ = died.blocking_send(Msg::Died(why));
     };
-    if let Err(e) = super::spawn_watched(&name, ctx.shutdown.clone(), f, on_death) {
+    let (tx, own) = (tx.clone(), ctx.clone());
+    let body = move || f(tx, own);
+    if let Err(e) = super::spawn_watched(&name, ctx.shutdown.clone(), body, on_death) {
         warn!(thread = %name, error = %e, "cannot start an NVML thread");
     }
 }
@@ -225,108 +244,92 @@ pub(crate) async fn run_with(
     }
     let _ = tx.send(Msg::Count(Ok(count))).await;
 
-    {
-        let died = tx.clone();
-        let (b, c, tx, ctx2, iv) = (
-            backend.clone(),
-            inventory_calls.clone(),
-            tx.clone(),
-            ctx.clone(),
-            interval_ms.clone(),
-        );
-        spawn_thread("nvml-count".into(), &ctx, died, move || loop {
-            nap(Duration::from_millis(iv.load(Ordering::Relaxed)), &ctx2);
-            if ctx2.shutdown.is_cancelled()
-                || tx.blocking_send(Msg::Count(b.device_count(&c))).is_err()
-            {
-                return;
-            }
-        });
-    }
+    let (b, c, iv) = (
+        backend.clone(),
+        inventory_calls.clone(),
+        interval_ms.clone(),
+    );
+    spawn_thread("nvml-count".into(), &ctx, &tx, move |tx, ctx| loop {
+        nap(Duration::from_millis(iv.load(Ordering::Relaxed)), &ctx);
+        if ctx.shutdown.is_cancelled() || tx.blocking_send(Msg::Count(b.device_count(&c))).is_err()
+        {
+            return;
+        }
+    });
     let mut trackers: Vec<(u32, Arc<CallTracker>)> = vec![(u32::MAX, inventory_calls)];
     for i in 0..count {
         let calls = Arc::new(CallTracker::new(clock.clone()));
         trackers.push((i, calls.clone()));
-        let died = tx.clone();
-        let (b, tx, ctx2, iv) = (
-            backend.clone(),
-            tx.clone(),
-            ctx.clone(),
-            interval_ms.clone(),
-        );
-        spawn_thread(format!("nvml-gpu{i}"), &ctx, died, move || {
+        let (b, iv) = (backend.clone(), interval_ms.clone());
+        spawn_thread(format!("nvml-gpu{i}"), &ctx, &tx, move |tx, ctx| {
             // Read again every poll until it succeeds: a GPU lost at start has no identity yet,
-            // and its faults are keyed by PCI address once it is known.
-            let mut identified = false;
-            let mut warned = false;
-            while !ctx2.shutdown.is_cancelled() {
-                if !identified {
+            // and its faults are keyed by PCI address once it is known. The first failure is
+            // logged.
+            let mut identity = IdentityRead::Unread;
+            while !ctx.shutdown.is_cancelled() {
+                if identity != IdentityRead::Read {
                     match b.identity(i, &calls) {
                         Ok(id) => {
-                            identified = true;
+                            identity = IdentityRead::Read;
                             if tx.blocking_send(Msg::Identity(id)).is_err() {
                                 return;
                             }
                         }
-                        Err(e) if !warned => {
-                            warned = true;
-                            warn!(gpu = i, error = ?e, "cannot read the GPU's identity; trying again every poll");
+                        Err(e) => {
+                            if identity == IdentityRead::Unread {
+                                warn!(gpu = i, error = ?e, "cannot read the GPU's identity; trying again every poll");
+                            }
+                            identity = IdentityRead::Failed;
                         }
-                        Err(_) => {}
                     }
                 }
                 let r = b.read(i, &calls);
                 if tx.blocking_send(Msg::Readings(Box::new(r))).is_err() {
                     return;
                 }
-                nap(Duration::from_millis(iv.load(Ordering::Relaxed)), &ctx2);
+                nap(Duration::from_millis(iv.load(Ordering::Relaxed)), &ctx);
             }
         });
     }
-    {
-        let died = tx.clone();
-        let (b, tx, ctx2) = (backend.clone(), tx.clone(), ctx.clone());
-        spawn_thread("nvml-events".into(), &ctx, died, move || {
-            let mut backoff =
-                crate::backoff::Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
-            while !ctx2.shutdown.is_cancelled() {
-                let mut events = match b.events() {
-                    Ok(e) => e,
-                    Err(e) => {
-                        info!(error = ?e, "NVML events unavailable; polling only");
-                        nap(Duration::from_secs(300), &ctx2);
-                        continue;
+    let b = backend.clone();
+    spawn_thread("nvml-events".into(), &ctx, &tx, move |tx, ctx| {
+        let mut backoff =
+            crate::backoff::Backoff::new(Duration::from_secs(1), Duration::from_secs(60));
+        while !ctx.shutdown.is_cancelled() {
+            let mut events = match b.events() {
+                Ok(e) => e,
+                Err(e) => {
+                    info!(error = ?e, "NVML events unavailable; polling only");
+                    nap(Duration::from_secs(300), &ctx);
+                    continue;
+                }
+            };
+            while !ctx.shutdown.is_cancelled() {
+                match events.wait(1000) {
+                    Ok(Some(ev)) => {
+                        if tx.blocking_send(Msg::Event(ev)).is_err() {
+                            return;
+                        }
+                        backoff.reset();
                     }
-                };
-                while !ctx2.shutdown.is_cancelled() {
-                    match events.wait(1000) {
-                        Ok(Some(ev)) => {
-                            if tx.blocking_send(Msg::Event(ev)).is_err() {
-                                return;
-                            }
-                            backoff.reset();
-                        }
-                        Ok(None) => {}
-                        Err(e) => {
-                            // A lost GPU shows in its polling thread; here only back off.
-                            warn!(error = ?e, "waiting for NVML events failed");
-                            nap(backoff.next_delay(), &ctx2);
-                            break;
-                        }
+                    Ok(None) => {}
+                    Err(e) => {
+                        // A lost GPU shows in its polling thread; here only back off.
+                        warn!(error = ?e, "waiting for NVML events failed");
+                        nap(backoff.next_delay(), &ctx);
+                        break;
                     }
                 }
             }
-        });
-    }
+        }
+    });
     drop(tx);
 
-    let mut analyzer = Analyzer::new();
+    let mut analyzer = Analyzer::default();
     let started = clock.instant();
     let waited = || clock.instant().saturating_duration_since(started) >= LOADING_WAIT;
     let mut last_count: Option<u32> = None;
-    let mut hung = false;
-    // A thread died: the detector stays down (nothing watches its GPU any more).
-    let mut dead = false;
+    let mut health = Health::Running;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -360,8 +363,8 @@ pub(crate) async fn run_with(
                     Msg::Readings(r) => analyzer.readings(&loaded.policy.nvml, &r, clock.instant().into_std()),
                     Msg::Event(ev) => analyzer.event(&ev),
                     Msg::Died(why) => {
-                        if !dead {
-                            dead = true;
+                        if health != Health::Dead {
+                            health = Health::Dead;
                             if !detector(&ctx, DetectorState::Down, Some(why)).await {
                                 return;
                             }
@@ -371,15 +374,15 @@ pub(crate) async fn run_with(
                 }
             }
             _ = tick.tick() => {
-                if dead {
+                if health == Health::Dead {
                     continue;
                 }
                 let limit = policy.borrow().policy.nvml.call_timeout;
                 let now = clock.since_boot();
                 let stuck = trackers.iter().find_map(|(i, t)| t.stuck(limit, now).map(|(name, d)| (*i, name, d)));
-                match (stuck, hung) {
-                    (Some((i, name, d)), false) => {
-                        hung = true;
+                match (stuck, health) {
+                    (Some((i, name, d)), Health::Running) => {
+                        health = Health::Hung;
                         let on = if i == u32::MAX { String::new() } else { format!(" on GPU {i}") };
                         let why = format!("{name}{on} has not returned for {} s", d.as_secs());
                         warn!(reason = %why, "NVML call hung");
@@ -387,8 +390,8 @@ pub(crate) async fn run_with(
                             return;
                         }
                     }
-                    (None, true) => {
-                        hung = false;
+                    (None, Health::Hung) => {
+                        health = Health::Running;
                         info!("NVML calls return again");
                         if !detector(&ctx, DetectorState::Running, None).await {
                             return;
@@ -412,6 +415,7 @@ mod tests {
     use super::readings::{CallError, EventWaiter};
     use super::*;
     use crate::metrics::Metrics;
+    use faultline_core::engine::Observation;
     use tokio_util::sync::CancellationToken;
 
     /// `count` GPUs whose readings are all unsupported (never a fault); reading GPU

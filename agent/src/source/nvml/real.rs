@@ -38,11 +38,7 @@ pub enum OpenError {
     Broken(String),
 }
 
-fn call_error(e: NvmlError) -> CallError {
-    call_error_ref(&e)
-}
-
-fn call_error_ref(e: &NvmlError) -> CallError {
+fn call_error(e: &NvmlError) -> CallError {
     match e {
         NvmlError::NotSupported | NvmlError::FailedToLoadSymbol(_) => CallError::NotSupported,
         NvmlError::GpuLost => CallError::GpuLost,
@@ -108,23 +104,28 @@ fn field_u64(v: &Result<SampleValue, NvmlError>) -> Reading<u64> {
         Ok(SampleValue::U64(x)) => Ok(*x),
         Ok(SampleValue::I64(x)) => Ok((*x).max(0) as u64),
         Ok(SampleValue::F64(x)) => Ok(x.max(0.0) as u64),
-        Err(e) => Err(call_error_ref(e)),
+        Err(e) => Err(call_error(e)),
     }
+}
+
+/// Runs `f` as the NVML call `name`, its error as a [`CallError`].
+fn nvml<T>(
+    calls: &CallTracker,
+    name: &'static str,
+    f: impl FnOnce() -> Result<T, NvmlError>,
+) -> Reading<T> {
+    calls.call(name, f).map_err(|e| call_error(&e))
 }
 
 impl NvmlBackend for RealNvml {
     fn device_count(&self, calls: &CallTracker) -> Reading<u32> {
-        calls
-            .call("nvmlDeviceGetCount", || self.nvml.device_count())
-            .map_err(call_error)
+        nvml(calls, "nvmlDeviceGetCount", || self.nvml.device_count())
     }
 
     fn identity(&self, index: u32, calls: &CallTracker) -> Reading<Identity> {
-        let d = calls
-            .call("nvmlDeviceGetHandleByIndex", || {
-                self.nvml.device_by_index(index)
-            })
-            .map_err(call_error)?;
+        let d = nvml(calls, "nvmlDeviceGetHandleByIndex", || {
+            self.nvml.device_by_index(index)
+        })?;
         let uuid = calls.call("nvmlDeviceGetUUID", || d.uuid()).ok();
         let pci = calls
             .call("nvmlDeviceGetPciInfo", || d.pci_info())
@@ -140,26 +141,22 @@ impl NvmlBackend for RealNvml {
     }
 
     fn read(&self, index: u32, calls: &CallTracker) -> DeviceReadings {
-        let d = match calls.call("nvmlDeviceGetHandleByIndex", || {
+        let d = match nvml(calls, "nvmlDeviceGetHandleByIndex", || {
             self.nvml.device_by_index(index)
         }) {
             Ok(d) => d,
-            Err(e) => return DeviceReadings::all_failed(index, call_error(e)),
+            Err(e) => return DeviceReadings::all_failed(index, e),
         };
         let ecc = |counter| {
-            calls
-                .call("nvmlDeviceGetTotalEccErrors", || {
-                    d.total_ecc_errors(MemoryError::Uncorrected, counter)
-                })
-                .map_err(call_error)
+            nvml(calls, "nvmlDeviceGetTotalEccErrors", || {
+                d.total_ecc_errors(MemoryError::Uncorrected, counter)
+            })
         };
         let ecc_volatile = ecc(EccCounter::Volatile);
         let ecc_aggregate = ecc(EccCounter::Aggregate);
-        let pages_pending = calls
-            .call("nvmlDeviceGetRetiredPagesPendingStatus", || {
-                d.are_pages_pending_retired()
-            })
-            .map_err(call_error);
+        let pages_pending = nvml(calls, "nvmlDeviceGetRetiredPagesPendingStatus", || {
+            d.are_pages_pending_retired()
+        });
         let ids = [
             FI_REMAPPED_COR,
             FI_REMAPPED_UNC,
@@ -168,14 +165,14 @@ impl NvmlBackend for RealNvml {
             FI_RECOVERY_ACTION,
         ]
         .map(FieldId);
-        let fields = calls
-            .call("nvmlDeviceGetFieldValues", || d.field_values_for(&ids))
-            .map_err(call_error);
+        let fields = nvml(calls, "nvmlDeviceGetFieldValues", || {
+            d.field_values_for(&ids)
+        });
         let (remap, recovery_action) = match fields {
             Ok(v) if v.len() == ids.len() => {
                 let val = |i: usize| {
                     v[i].as_ref()
-                        .map_err(call_error_ref)
+                        .map_err(call_error)
                         .and_then(|s| field_u64(&s.value))
                 };
                 let remap = (|| {
@@ -207,9 +204,9 @@ impl NvmlBackend for RealNvml {
                             ErrorCounter::DlCrcFlit,
                             ErrorCounter::DlCrcData,
                         ] {
-                            let v = calls
-                                .call("nvmlDeviceGetNvLinkErrorCounter", || link.error_counter(c))
-                                .map_err(call_error);
+                            let v = nvml(calls, "nvmlDeviceGetNvLinkErrorCounter", || {
+                                link.error_counter(c)
+                            });
                             sum = match (sum, v) {
                                 (Ok(a), Ok(b)) => Ok(a.saturating_add(b)),
                                 (Err(e), _) | (_, Err(e)) => Err(e),
@@ -221,12 +218,12 @@ impl NvmlBackend for RealNvml {
                             errors: sum,
                         });
                     }
-                    // Past the last link NVML answers INVALID_ARGUMENT; no NVLink at all is NOT_SUPPORTED.
+                    // Past the last link NVML answers INVALID_ARGUMENT; no NVLink at all is
+                    // NOT_SUPPORTED (at link 0). A lost GPU fails the reading at any link.
                     Err(NvmlError::InvalidArg) => break,
-                    Err(e) if l == 0 => return Err(call_error(e)),
                     Err(e) => {
-                        let e = call_error(e);
-                        if e.is_lost() {
+                        let e = call_error(&e);
+                        if l == 0 || e.is_lost() {
                             return Err(e);
                         }
                         break;
@@ -237,30 +234,24 @@ impl NvmlBackend for RealNvml {
         })();
         let pcie = (|| {
             Ok(Pcie {
-                cur_gen: calls
-                    .call("nvmlDeviceGetCurrPcieLinkGeneration", || {
-                        d.current_pcie_link_gen()
-                    })
-                    .map_err(call_error)?,
-                max_gen: calls
-                    .call("nvmlDeviceGetMaxPcieLinkGeneration", || {
-                        d.max_pcie_link_gen()
-                    })
-                    .map_err(call_error)?,
-                cur_width: calls
-                    .call("nvmlDeviceGetCurrPcieLinkWidth", || {
-                        d.current_pcie_link_width()
-                    })
-                    .map_err(call_error)?,
-                max_width: calls
-                    .call("nvmlDeviceGetMaxPcieLinkWidth", || d.max_pcie_link_width())
-                    .map_err(call_error)?,
+                cur_gen: nvml(calls, "nvmlDeviceGetCurrPcieLinkGeneration", || {
+                    d.current_pcie_link_gen()
+                })?,
+                max_gen: nvml(calls, "nvmlDeviceGetMaxPcieLinkGeneration", || {
+                    d.max_pcie_link_gen()
+                })?,
+                cur_width: nvml(calls, "nvmlDeviceGetCurrPcieLinkWidth", || {
+                    d.current_pcie_link_width()
+                })?,
+                max_width: nvml(calls, "nvmlDeviceGetMaxPcieLinkWidth", || {
+                    d.max_pcie_link_width()
+                })?,
             })
         })();
-        let pcie_replay = calls
-            .call("nvmlDeviceGetPcieReplayCounter", || d.pcie_replay_counter())
-            .map(u64::from)
-            .map_err(call_error);
+        let pcie_replay = nvml(calls, "nvmlDeviceGetPcieReplayCounter", || {
+            d.pcie_replay_counter()
+        })
+        .map(u64::from);
         DeviceReadings {
             index,
             ecc_volatile,
@@ -276,8 +267,8 @@ impl NvmlBackend for RealNvml {
 
     fn events(&self) -> Reading<Box<dyn EventWaiter>> {
         let wanted = EventTypes::CRITICAL_XID_ERROR | EventTypes::DOUBLE_BIT_ECC_ERROR;
-        let mut set = self.nvml.create_event_set().map_err(call_error)?;
-        let count = self.nvml.device_count().map_err(call_error)?;
+        let mut set = self.nvml.create_event_set().map_err(|e| call_error(&e))?;
+        let count = self.nvml.device_count().map_err(|e| call_error(&e))?;
         let mut registered = 0;
         for i in 0..count {
             let Ok(d) = self.nvml.device_by_index(i) else {
@@ -290,16 +281,11 @@ impl NvmlBackend for RealNvml {
             if types.is_empty() {
                 continue;
             }
-            match d.register_events(types, set) {
-                Ok(s) => {
-                    set = s;
-                    registered += 1;
-                }
-                Err(e) => {
-                    // The set is gone with the error; events stay unavailable, polling goes on.
-                    return Err(call_error(e.error));
-                }
-            }
+            // On an error the set is gone with it; events stay unavailable, polling goes on.
+            set = d
+                .register_events(types, set)
+                .map_err(|e| call_error(&e.error))?;
+            registered += 1;
         }
         if registered == 0 {
             return Err(CallError::NotSupported);
@@ -328,7 +314,7 @@ impl EventWaiter for Events {
                 Ok(Some(NvmlEvent { index, kind }))
             }
             Err(NvmlError::Timeout) => Ok(None),
-            Err(e) => Err(call_error(e)),
+            Err(e) => Err(call_error(&e)),
         }
     }
 }
