@@ -617,7 +617,7 @@ mod tests {
         serde_json::to_string(&r).unwrap()
     }
 
-    /// A Healthy record left by a stopped agent no longer passes: without a heartbeat, with
+    /// A Healthy record left by a stopped agent does not pass: without a heartbeat, with
     /// one older than the bound, or with one dated ahead of the clock (written before the clock
     /// was stepped back), it is exit 2 at the timeout with one line saying why. These records
     /// carry no boot clock reading: the wall clock judges them.
@@ -762,8 +762,8 @@ mod tests {
 
     /// An agent killed (SIGKILL) while its node's clock was a day off, then the clock is
     /// corrected: its record is not alive for `wait-healthy` (exit 2) or `get` (exit 3 with a
-    /// warning), whichever way the clock was off. Before, a heartbeat dated a day ahead counted
-    /// as fresh for that whole day.
+    /// warning), whichever way the clock was off: a heartbeat dated a day ahead does not count
+    /// as fresh for that day.
     #[test]
     fn a_dead_agent_is_not_alive_whichever_way_the_clock_stepped() {
         for step in [DAY, -DAY] {
@@ -813,7 +813,7 @@ mod tests {
 
     /// A live agent stays alive for its readers across a step of the wall clock either way:
     /// just after the step (the heartbeat on disk was stamped before it) and after the next
-    /// heartbeat. Before, a forward step made it look dead until its next heartbeat.
+    /// heartbeat: a forward step does not make it look dead until its next heartbeat.
     #[test]
     fn a_live_agent_stays_alive_across_a_clock_step() {
         for step in [DAY, -DAY] {
@@ -1022,8 +1022,7 @@ mod tests {
     }
 
     /// `clear` says how many faults the agent cleared and which; none is exit 1 with what is
-    /// active (the names `--device` takes); before, every answer was "cleared ... on every
-    /// device", exit 0, whatever matched.
+    /// active (the names `--device` takes), never "cleared" for what did not match.
     #[test]
     fn clear_says_what_the_agent_cleared() {
         let d = tempfile::tempdir().unwrap();

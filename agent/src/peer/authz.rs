@@ -508,9 +508,9 @@ mod tests {
         assert_eq!(refilled, (FORWARD_RATE / 2.0) as usize);
     }
 
-    /// Issue 28 review: while the Lease cannot be read, the last holder stays obeyed only for
-    /// the term it had when it was read (a replica that lost the Lease, frozen and woken during
-    /// an API outage, was obeyed for as long as the reads failed).
+    /// While the Lease cannot be read, the last holder stays obeyed only for the term it had
+    /// when it was read: a replica that lost the Lease, frozen and woken during an API outage,
+    /// is not obeyed for as long as the reads fail.
     #[tokio::test(start_paused = true)]
     async fn a_cached_holder_is_obeyed_only_for_its_term() {
         let key = faultline_proto::auth::CoordinatorKey::generate()

@@ -161,8 +161,7 @@ mod tests {
         std::iter::from_fn(|| inputs.try_recv().ok()).count()
     }
 
-    /// Issue 28: any member could act as the coordinator (the sender was a name it wrote,
-    /// signed with the key every agent held). A member now holds its own node's key, a
+    /// No member can act as the coordinator. A member holds its own node's key, a
     /// requester's secret and an Ed25519 key of its own making, and signs the coordinator's
     /// messages with each, under the coordinator's name: `Conclude` (which made a healthy node
     /// Degraded), `Assign` (four filled the node's check slots so that the real checks were
@@ -241,7 +240,7 @@ mod tests {
         assert!(r.get_ref().accepted, "{r:?}");
     }
 
-    /// Issue 28: the Lease moves to another replica (its key in the holder identity): the new
+    /// The Lease moves to another replica (its key in the holder identity): the new
     /// one is obeyed at once (the agent reads the holder again when a signature does not
     /// verify), the old one, frozen and woken, is refused; when the Lease comes back to it, what
     /// it sent before is still a replay; with no holder nobody is obeyed.
@@ -283,8 +282,8 @@ mod tests {
         assert!(e.message().contains("no coordinator"), "{e:?}");
     }
 
-    /// Issue 28: a Conclude the coordinator signed for one agent, replayed verbatim to a
-    /// second, was accepted (each agent keeps its own nonces). Requests name their receiver:
+    /// A Conclude the coordinator signed for one agent, replayed verbatim to a second, is
+    /// refused although each agent keeps its own nonces: requests name their receiver:
     /// n1 takes the conclusion, n2 refuses the same bytes (`UNAUTHENTICATED`, "addressed to")
     /// and records nothing; an assignment signed for another node is refused likewise.
     #[tokio::test]
@@ -315,9 +314,9 @@ mod tests {
         assert!(n2.checks.running.lock().is_empty(), "nothing started");
     }
 
-    /// Issue 28: a Conclude signed 25 s ahead of the agent's clock was accepted (30 s either
-    /// way). Now refused (`UNAUTHENTICATED`, "ahead") and nothing is recorded; one signed
-    /// 0.5 s ahead (within `auth::MAX_AHEAD`) is taken.
+    /// A Conclude signed 25 s ahead of the agent's clock is refused (`UNAUTHENTICATED`,
+    /// "ahead") and nothing is recorded; one signed 0.5 s ahead (within `auth::MAX_AHEAD`) is
+    /// taken.
     #[tokio::test]
     async fn a_request_signed_in_the_future_is_refused() {
         let c = coordinator();

@@ -394,7 +394,7 @@ mod tests {
 
     use super::super::test_fixtures::{assignment, coordinator, known, service_on};
 
-    /// Issue 26 §2 (`faultline_peer_checks_total{result}`): every check this agent is assigned
+    /// `faultline_peer_checks_total{result}`: every check this agent is assigned
     /// counts once, by how it ended here: its probe passed, failed, ran out of time or could not
     /// start, the coordinator cancelled it, or the agent refused the assignment. The members
     /// are on loopback, the probe is a script.

@@ -284,9 +284,9 @@ mod tests {
 
     /// The relay's bounds (`Forward`): the coordinator's messages only in an envelope the
     /// coordinator signed for this relay, never to itself; a report only of a check whose
-    /// assignment it passed on (issue 28 review: anyone could make every relay send junk
-    /// reports, each a TokenReview); too large a message and too many forwards are refused. Nothing here reaches the network. On the paused clock, so
-    /// the rate does not refill.
+    /// assignment it passed on (otherwise anyone could make every relay send junk reports,
+    /// each a TokenReview); too large a message and too many forwards are refused. Nothing here
+    /// reaches the network. On the paused clock, so the rate does not refill.
     #[tokio::test(start_paused = true)]
     async fn a_relay_forwards_only_within_its_bounds() {
         let c = coordinator();
