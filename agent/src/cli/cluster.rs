@@ -228,12 +228,7 @@ pub(crate) fn usable_hosts(
             }
             (_, None) => Some("no faultline agent pod on the node".to_string()),
             (_, Some(false)) => Some("its faultline agent pod is not Ready".to_string()),
-            _ if !accept.accepts(r) => Some(format!(
-                "the record says {}{}",
-                r.health,
-                r.handling.map(|h| format!(" ({h})")).unwrap_or_default()
-            )),
-            _ => None,
+            _ => accept.refusal(r),
         };
         match why {
             Some(w) => left_out.push((r.node.clone(), w)),
@@ -455,14 +450,18 @@ pub async fn hosts(
         }
         found = usable_pods(&job, &found, slots, q.ip);
     }
-    let (usable, left_out) = found;
     // What was left out: nodes, or with --pods the job's pods.
-    let what = if pods_mode { "pod" } else { "node" };
+    hosts_outcome(&found, if pods_mode { "pod" } else { "node" })
+}
+
+/// `hosts`' answer: the `host:slots` lines, and as JSON the hosts and what was left out (each
+/// named under `what`, `node` or `pod`) with why.
+pub(crate) fn hosts_outcome((usable, left_out): &Hosts, what: &str) -> Outcome {
     let data = json!({
         "hosts": usable.iter().map(|(h, s)| json!({"host": h, "slots": s})).collect::<Vec<_>>(),
         "leftOut": left_out.iter().map(|(n, w)| json!({what: n, "why": w})).collect::<Vec<_>>(),
     });
-    Outcome::ok(hosts_lines(&usable).trim_end().to_string()).with_data(data)
+    Outcome::ok(hosts_lines(usable).trim_end().to_string()).with_data(data)
 }
 
 /// The agent pods (the DaemonSet's pod template labels).

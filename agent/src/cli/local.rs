@@ -373,32 +373,20 @@ pub fn clear(
     if let Err(e) = write_atomic(&path, &body) {
         return Outcome::error(format!("error: {e}"));
     }
+    let answered = || verdict(state_dir, &dir, &name, &req);
     let deadline = clock.instant() + wait;
     while clock.instant() < deadline {
-        if is_rejected(&dir, &name) {
-            return Outcome::error(format!(
-                "error: the agent rejected the request (its log says why): {}",
-                path.display()
-            ));
-        }
         // The agent answers (`*.done`) once the clear is on its disk, and removes the request
         // after: the answer is looked for after the request is seen gone, so it is never missed.
         let pending = is_pending(&dir, &name);
-        match read_result(&dir, &name) {
-            Some(Ok(result)) => {
-                let _ = remove_result(&dir, &name);
-                return cleared(state_dir, &req, &result);
-            }
-            Some(Err(e)) => {
-                return Outcome::error(format!("error: cannot read the agent's answer: {e}"))
-            }
-            None if !pending => {
-                let msg = "the agent applied the request but could not write its answer saying \
-                           what it cleared (its log says why); faultline get shows what is active";
-                let data = clear_json("applied", 0, msg, &req, None);
-                return Outcome::ok(msg).with_data(data);
-            }
-            None => {}
+        if let Some(o) = answered() {
+            return o;
+        }
+        if !pending {
+            let msg = "the agent applied the request but could not write its answer saying \
+                       what it cleared (its log says why); faultline get shows what is active";
+            let data = clear_json("applied", 0, msg, &req, None);
+            return Outcome::ok(msg).with_data(data);
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -416,25 +404,13 @@ pub fn clear(
             // the clear is saved, so wait a little longer for it before saying anything.
             let grace = clock.instant() + TAKEN_GRACE;
             loop {
-                if is_rejected(&dir, &name) {
-                    return Outcome::error(format!(
-                        "error: the agent rejected the request (its log says why): {}",
-                        path.display()
-                    ));
+                if let Some(o) = answered() {
+                    return o;
                 }
-                match read_result(&dir, &name) {
-                    Some(Ok(result)) => {
-                        let _ = remove_result(&dir, &name);
-                        return cleared(state_dir, &req, &result);
-                    }
-                    Some(Err(e)) => {
-                        return Outcome::error(format!(
-                            "error: cannot read the agent's answer: {e}"
-                        ))
-                    }
-                    None if clock.instant() >= grace => break,
-                    None => std::thread::sleep(Duration::from_millis(50)),
+                if clock.instant() >= grace {
+                    break;
                 }
+                std::thread::sleep(Duration::from_millis(50));
             }
             if is_taken(&dir, &name) {
                 Outcome::error(format!(
@@ -458,6 +434,24 @@ pub fn clear(
             path.display()
         )),
     }
+}
+
+/// The agent's verdict on the request `name` in `dir`, once it has given one: rejected, or its
+/// answer (removed once read).
+fn verdict(state_dir: &Path, dir: &Path, name: &str, req: &ClearRequest) -> Option<Outcome> {
+    if is_rejected(dir, name) {
+        return Some(Outcome::error(format!(
+            "error: the agent rejected the request (its log says why): {}",
+            dir.join(name).display()
+        )));
+    }
+    Some(match read_result(dir, name)? {
+        Ok(result) => {
+            let _ = remove_result(dir, name);
+            cleared(state_dir, req, &result)
+        }
+        Err(e) => Outcome::error(format!("error: cannot read the agent's answer: {e}")),
+    })
 }
 
 /// The outcome of an answered clear: what it cleared, or, when nothing matched, what is active.
