@@ -456,23 +456,9 @@ fn verdict(state_dir: &Path, dir: &Path, name: &str, req: &ClearRequest) -> Opti
 
 /// The outcome of an answered clear: what it cleared, or, when nothing matched, what is active.
 fn cleared(state_dir: &Path, req: &ClearRequest, result: &ClearResult) -> Outcome {
-    let listed = |faults: &mut dyn Iterator<Item = (&str, &str)>, total: usize| {
-        let shown: Vec<String> = faults
-            .take(MAX_SHOWN)
-            .map(|(code, device)| format!("{code} on {device}"))
-            .collect();
-        let mut s = shown.join(", ");
-        if total > shown.len() {
-            let _ = write!(s, " and {} more", total - shown.len());
-        }
-        s
-    };
     if result.cleared > 0 {
         let n = usize::try_from(result.cleared).unwrap_or(usize::MAX);
-        let mut faults = result
-            .faults
-            .iter()
-            .map(|f| (f.code.as_str(), f.device.as_str()));
+        let faults = result.faults.iter().map(|f| (&f.code, &f.device));
         let msg = format!(
             "cleared {} {}: {}",
             result.cleared,
@@ -481,7 +467,7 @@ fn cleared(state_dir: &Path, req: &ClearRequest, result: &ClearResult) -> Outcom
             } else {
                 "faults"
             },
-            listed(&mut faults, n)
+            listed(faults, n)
         );
         let data = clear_json("cleared", 0, &msg, req, Some(result));
         return Outcome::ok(msg).with_data(data);
@@ -504,12 +490,10 @@ fn cleared(state_dir: &Path, req: &ClearRequest, result: &ClearResult) -> Outcom
             if active.is_empty() {
                 "the node has no active fault".to_string()
             } else {
-                let mut faults = active
-                    .iter()
-                    .map(|f| (f.fault_code.as_str(), f.device.as_str()));
+                let faults = active.iter().map(|f| (&f.fault_code, &f.device));
                 format!(
                     "active: {} (--device takes the DEVICE faultline get shows, a UUID or a PCI bus id)",
-                    listed(&mut faults, active.len())
+                    listed(faults, active.len())
                 )
             }
         }
@@ -522,6 +506,19 @@ fn cleared(state_dir: &Path, req: &ClearRequest, result: &ClearResult) -> Outcom
 
 /// Faults named in one line.
 const MAX_SHOWN: usize = 5;
+
+/// The first [`MAX_SHOWN`] of `total` faults (code, device) in one line, and how many more.
+fn listed<'a>(faults: impl Iterator<Item = (&'a String, &'a String)>, total: usize) -> String {
+    let shown: Vec<String> = faults
+        .take(MAX_SHOWN)
+        .map(|(code, device)| format!("{code} on {device}"))
+        .collect();
+    let mut s = shown.join(", ");
+    if total > shown.len() {
+        let _ = write!(s, " and {} more", total - shown.len());
+    }
+    s
+}
 
 /// `clear -o json`: the result, the exit code, the line a person reads, the request, and what
 /// the agent cleared.
