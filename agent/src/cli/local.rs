@@ -185,12 +185,10 @@ pub fn get(path: &Path, json: bool, all: bool, now: &Now, stale_after: Duration)
     match dead {
         None => Outcome::ok(message),
         Some(why) => Outcome {
-            code: NOT_ALIVE_EXIT,
-            message,
-            data: None,
             warning: Some(format!(
                 "warning: {why} (the record below may be out of date)"
             )),
+            ..Outcome::new(NOT_ALIVE_EXIT, message)
         },
     }
 }
@@ -288,35 +286,30 @@ pub fn wait_healthy(
 ) -> Outcome {
     let deadline = clock.instant() + timeout;
     loop {
-        let last = read_record(path);
-        let mut dead = None;
-        match &last {
-            Ok(r) => match not_alive(r, &Now::read(clock), stale_after) {
-                Some(why) => dead = Some(why),
-                None if accept.accepts(r) => {
-                    let msg = format!("healthy: {}", summary(r));
-                    let data = verdict_json("healthy", 0, &msg, Some(r));
+        // The answer should the time be up now.
+        let answer = match read_record(path) {
+            Err(e @ ReadError::Invalid(..)) => return Outcome::error(format!("error: {e}")),
+            Err(e) => Outcome::error(format!("error: {e}")),
+            Ok(r) => match not_alive(&r, &Now::read(clock), stale_after) {
+                Some(why) => Outcome::error(format!("error: {why}")),
+                None if accept.accepts(&r) => {
+                    let msg = format!("healthy: {}", summary(&r));
+                    let data = verdict_json("healthy", 0, &msg, &r);
                     return Outcome::ok(msg).with_data(data);
                 }
-                None => {}
-            },
-            Err(e @ ReadError::Invalid(..)) => return Outcome::error(format!("error: {e}")),
-            _ => {}
-        }
-        if clock.instant() >= deadline {
-            return match (last, dead) {
-                (_, Some(why)) => Outcome::error(format!("error: {why}")),
-                (Ok(r), None) => {
+                None => {
                     let msg = format!(
                         "unhealthy after {}: {}",
                         humantime::format_duration(timeout),
                         summary(&r)
                     );
-                    let data = verdict_json("unhealthy", 1, &msg, Some(&r));
+                    let data = verdict_json("unhealthy", 1, &msg, &r);
                     Outcome::unhealthy(msg).with_data(data)
                 }
-                (Err(e), None) => Outcome::error(format!("error: {e}")),
-            };
+            },
+        };
+        if clock.instant() >= deadline {
+            return answer;
         }
         std::thread::sleep(
             interval
@@ -328,14 +321,14 @@ pub fn wait_healthy(
 
 /// `wait-healthy -o json`: the result, the exit code, the line a person reads, and the
 /// record's node, health and most severe handling.
-fn verdict_json(result: &str, code: u8, message: &str, r: Option<&NodeRecord>) -> Value {
+fn verdict_json(result: &str, code: u8, message: &str, r: &NodeRecord) -> Value {
     json!({
         "result": result,
         "exitCode": code,
         "message": message,
-        "node": r.map(|r| r.node.as_str()),
-        "health": r.map(|r| r.health.as_str()),
-        "handling": r.and_then(|r| r.handling).map(|h| h.as_str()),
+        "node": r.node,
+        "health": r.health.as_str(),
+        "handling": r.handling.map(|h| h.as_str()),
     })
 }
 
