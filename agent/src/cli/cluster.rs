@@ -423,35 +423,34 @@ pub async fn hosts(
             .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
         *agents_ready.entry(node).or_default() |= ready;
     }
-    let mut found = usable_hosts(&records, &nodes, &agents_ready, accept, slots);
-    let pods_mode = pods.is_some();
-    if let Some(q) = pods {
-        let listed = kube::Api::<Pod>::namespaced(client, &q.namespace)
-            .list(
-                &kube::api::ListParams::default()
-                    .match_any()
-                    .labels(&q.selector),
-            )
-            .await;
-        let job: Vec<PodFacts> = match listed {
-            Ok(l) => l.items.iter().map(PodFacts::of).collect(),
-            Err(e) => {
-                return Outcome::error(format!(
-                    "error: cannot list the pods {:?} in {}: {e}",
-                    q.selector, q.namespace
-                ))
-            }
-        };
-        if job.is_empty() {
+    let found = usable_hosts(&records, &nodes, &agents_ready, accept, slots);
+    let Some(q) = pods else {
+        return hosts_outcome(&found, "node");
+    };
+    // With --pods, the job's pods on those nodes.
+    let listed = kube::Api::<Pod>::namespaced(client, &q.namespace)
+        .list(
+            &kube::api::ListParams::default()
+                .match_any()
+                .labels(&q.selector),
+        )
+        .await;
+    let job: Vec<PodFacts> = match listed {
+        Ok(l) => l.items.iter().map(PodFacts::of).collect(),
+        Err(e) => {
             return Outcome::error(format!(
-                "error: no pod matches {:?} in namespace {}",
+                "error: cannot list the pods {:?} in {}: {e}",
                 q.selector, q.namespace
-            ));
+            ))
         }
-        found = usable_pods(&job, &found, slots, q.ip);
+    };
+    if job.is_empty() {
+        return Outcome::error(format!(
+            "error: no pod matches {:?} in namespace {}",
+            q.selector, q.namespace
+        ));
     }
-    // What was left out: nodes, or with --pods the job's pods.
-    hosts_outcome(&found, if pods_mode { "pod" } else { "node" })
+    hosts_outcome(&usable_pods(&job, &found, slots, q.ip), "pod")
 }
 
 /// `hosts`' answer: the `host:slots` lines, and as JSON the hosts and what was left out (each

@@ -161,9 +161,9 @@ mod tests {
 
     /// No member can act as the coordinator. A member holds its own node's key, a
     /// requester's secret and an Ed25519 key of its own making, and signs the coordinator's
-    /// messages with each, under the coordinator's name: `Conclude` (which made a healthy node
-    /// Degraded), `Assign` (four filled the node's check slots so that the real checks were
-    /// refused), `Cancel` and `Ping`. Every one is refused (`UNAUTHENTICATED`), nothing is
+    /// messages with each, under the coordinator's name: `Conclude` (taken, it would make a
+    /// healthy node Degraded), `Assign` (four taken would fill the node's check slots so that the
+    /// real checks are refused), `Cancel` and `Ping`. Every one is refused (`UNAUTHENTICATED`), nothing is
     /// recorded or started, and the coordinator's own assignment then finds the slots free.
     #[tokio::test]
     async fn a_member_with_every_agent_credential_cannot_speak_as_the_coordinator() {
