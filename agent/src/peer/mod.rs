@@ -279,21 +279,21 @@ pub async fn retried<T, E, Fut>(
     attempts: u32,
     pause: Duration,
     again: impl Fn(&E) -> bool,
-    mut f: impl FnMut() -> Fut,
+    f: impl FnMut() -> Fut,
 ) -> Result<T, E>
 where
     Fut: std::future::Future<Output = Result<T, E>>,
 {
-    let mut last = f().await;
-    for _ in 1..attempts.max(1) {
-        match &last {
-            Err(e) if again(e) => {}
-            _ => break,
-        }
-        tokio::time::sleep(pause).await;
-        last = f().await;
-    }
-    last
+    use backon::{ConstantBuilder, Retryable};
+    let retries = usize::try_from(attempts.saturating_sub(1)).unwrap_or(usize::MAX);
+    f.retry(
+        ConstantBuilder::new()
+            .with_delay(pause)
+            .with_max_times(retries),
+    )
+    .sleep(tokio::time::sleep)
+    .when(again)
+    .await
 }
 
 /// Waits `interval` plus or minus `jitter` of it.
