@@ -348,7 +348,7 @@ mod tests {
     }
 
     /// `--kube-write-interval` takes 0 (every change at once) up to 10 minutes; longer is refused
-    /// with the limit named (an absurd value overflowed the clock).
+    /// with the limit named (an absurd value would overflow the clock).
     #[test]
     fn the_kube_write_interval_is_bounded() {
         let parse = |v: &str| Flags::try_parse_from(["agent", "--kube-write-interval", v]);

@@ -65,7 +65,7 @@ pub(crate) const RT_MAX: i32 = 64;
 pub fn table() -> Vec<Handled> {
     use rustix::process::Signal as S;
     let stop = Action::Stop { exit: 0 };
-    let mut t: Vec<Handled> = [
+    [
         ("SIGTERM", S::TERM, stop),
         ("SIGINT", S::INT, stop),
         ("SIGPWR", S::POWER, stop),
@@ -87,13 +87,12 @@ pub fn table() -> Vec<Handled> {
         number: s.as_raw(),
         action,
     })
-    .collect();
-    t.extend((RT_MIN..=RT_MAX).map(|n| Handled {
+    .chain((RT_MIN..=RT_MAX).map(|n| Handled {
         name: format!("SIGRTMIN+{}", n - RT_MIN),
         number: n,
         action: Action::Ignore,
-    }));
-    t
+    }))
+    .collect()
 }
 
 /// Installs a handler for every signal of [`table`]; each signal received comes out of the

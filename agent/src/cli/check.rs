@@ -155,17 +155,9 @@ pub fn check_report(r: &faultline_proto::v1::RunResult, json: bool) -> Outcome {
         }
         out
     };
-    Outcome {
-        code,
-        message,
-        data: None,
-        warning: None,
-    }
+    Outcome::new(code, message)
 }
 
-/// `faultline check --nodes a,b,c`: asks the coordinator to run a check among these nodes now
-/// and prints the verdicts. Retries (re-reading the Lease) while the coordinator is unreachable
-/// or changing, until `timeout`.
 /// What a run request must name: at least two nodes, none empty, none twice (a check pairs
 /// nodes; a duplicate or a lone node would come back as a silent de-duplication or "unknown").
 pub fn validate_nodes(nodes: &[String]) -> Result<(), BadNodes> {
@@ -214,7 +206,19 @@ async fn lease_moved(client: kube::Client, namespace: &str, address: &str) -> St
     }
 }
 
-pub async fn check(args: CheckArgs) -> Outcome {
+/// How `faultline check` proves who asks.
+enum Credential {
+    /// The requester secret signs each request.
+    Sign(crate::peer::wire::Signer),
+    /// A service-account token, read again on every attempt (the kubelet rotates projected
+    /// tokens).
+    Token(PathBuf),
+}
+
+/// `faultline check --nodes a,b,c`: asks the coordinator to run a check among these nodes now
+/// and prints the verdicts. Retries (re-reading the Lease) while the coordinator is unreachable
+/// or changing, until `timeout`.
+pub async fn check(mut args: CheckArgs) -> Outcome {
     if args.pods.is_none() {
         if let Err(e) = validate_nodes(&args.nodes) {
             return Outcome::error(format!("error: {e}"));
@@ -223,17 +227,15 @@ pub async fn check(args: CheckArgs) -> Outcome {
     use faultline_proto::v1::coordinator_client::CoordinatorClient;
     use faultline_proto::v1::RunRequest;
     use tonic::Code;
-    // The requester's credential: a service-account token (read again on every attempt: the
-    // kubelet rotates projected tokens), or the requester secret.
-    let signer = match &args.token_file {
-        Some(_) => None,
+    let credential = match &args.token_file {
+        Some(path) => Credential::Token(path.clone()),
         None => {
             let key = match crate::peer::wire::load_key(&args.secret_file) {
                 Ok(k) => k,
                 Err(e) => return Outcome::error(format!("error: {e}")),
             };
             let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-            Some(crate::peer::wire::Signer {
+            Credential::Sign(crate::peer::wire::Signer {
                 key,
                 sender: format!("cli@{}", host.trim()),
             })
@@ -245,7 +247,6 @@ pub async fn check(args: CheckArgs) -> Outcome {
     let request_id = format!("{:016x}", crate::peer::wire::random_u64());
     let mut last_error = String::from("no attempt made");
     let mut client_kube = None;
-    let mut args = args;
     if let Some((ns, selector)) = args.pods.clone() {
         let client = match crate::kube_client::client_infer(args.kubeconfig.as_deref()).await {
             Ok(c) => c,
@@ -264,8 +265,7 @@ pub async fn check(args: CheckArgs) -> Outcome {
         client_kube = Some(client);
     }
     loop {
-        let now = SystemClock.instant();
-        if now >= deadline {
+        if SystemClock.instant() >= deadline {
             return Outcome::error(format!(
                 "error: no result within {}: {last_error}",
                 humantime::format_duration(args.timeout)
@@ -280,33 +280,33 @@ pub async fn check(args: CheckArgs) -> Outcome {
                 faultline_proto::auth::COORDINATOR_ROLE.to_string(),
             )),
             None => {
-                if client_kube.is_none() {
-                    match crate::kube_client::client_infer(args.kubeconfig.as_deref()).await {
-                        Ok(c) => client_kube = Some(c),
-                        Err(e) => {
-                            return Outcome::error(format!(
-                                "error: no --coordinator and no Kubernetes to find it in: {e}"
-                            ))
+                let client = match &client_kube {
+                    Some(c) => c.clone(),
+                    None => {
+                        match crate::kube_client::client_infer(args.kubeconfig.as_deref()).await {
+                            Ok(c) => client_kube.insert(c).clone(),
+                            Err(e) => {
+                                return Outcome::error(format!(
+                                    "error: no --coordinator and no Kubernetes to find it in: {e}"
+                                ))
+                            }
                         }
                     }
-                }
-                match &client_kube {
-                    Some(c) => match crate::peer::lease::holder(c.clone(), &args.namespace).await {
-                        Ok(Some(id)) => crate::peer::authz::CoordinatorId::from_holder(&id)
-                            .and_then(|c| Some((c.address?, c.node)))
-                            .ok_or_else(|| anyhow::anyhow!("Lease holder {id:?} names no address")),
-                        Ok(None) => Err(anyhow::anyhow!("no coordinator holds the Lease yet")),
-                        Err(kube::Error::Api(s)) if s.code == 401 || s.code == 403 => {
-                            return Outcome::error(format!(
-                                "error: cannot read the coordinator Lease {}/{}: {} (this client needs get on leases)",
-                                args.namespace,
-                                crate::peer::lease::NAME,
-                                s.message
-                            ))
-                        }
-                        Err(e) => Err(anyhow::anyhow!("cannot read the coordinator Lease: {e}")),
-                    },
-                    None => Err(anyhow::anyhow!("no Kubernetes client")),
+                };
+                match crate::peer::lease::holder(client, &args.namespace).await {
+                    Ok(Some(id)) => crate::peer::authz::CoordinatorId::from_holder(&id)
+                        .and_then(|c| Some((c.address?, c.node)))
+                        .ok_or_else(|| anyhow::anyhow!("Lease holder {id:?} names no address")),
+                    Ok(None) => Err(anyhow::anyhow!("no coordinator holds the Lease yet")),
+                    Err(kube::Error::Api(s)) if s.code == 401 || s.code == 403 => {
+                        return Outcome::error(format!(
+                            "error: cannot read the coordinator Lease {}/{}: {} (this client needs get on leases)",
+                            args.namespace,
+                            crate::peer::lease::NAME,
+                            s.message
+                        ))
+                    }
+                    Err(e) => Err(anyhow::anyhow!("cannot read the coordinator Lease: {e}")),
                 }
             }
         };
@@ -334,9 +334,9 @@ pub async fn check(args: CheckArgs) -> Outcome {
                     .unwrap_or(0),
                 request_id: request_id.clone(),
             };
-            let mut request = match (&signer, &args.token_file) {
-                (Some(s), _) => tonic::Request::new(s.sign(req, &receiver)),
-                (None, Some(path)) => {
+            let mut request = match &credential {
+                Credential::Sign(s) => tonic::Request::new(s.sign(req, &receiver)),
+                Credential::Token(path) => {
                     let token = std::fs::read_to_string(path).map_err(|e| {
                         anyhow::anyhow!("cannot read the token {}: {e}", path.display())
                     })?;
@@ -349,7 +349,6 @@ pub async fn check(args: CheckArgs) -> Outcome {
                     r.metadata_mut().insert("authorization", value);
                     r
                 }
-                (None, None) => anyhow::bail!("no credential"),
             };
             request.set_timeout(deadline.saturating_duration_since(SystemClock.instant()));
             let answer = CoordinatorClient::new(channel)

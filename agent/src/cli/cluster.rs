@@ -228,12 +228,7 @@ pub(crate) fn usable_hosts(
             }
             (_, None) => Some("no faultline agent pod on the node".to_string()),
             (_, Some(false)) => Some("its faultline agent pod is not Ready".to_string()),
-            _ if !accept.accepts(r) => Some(format!(
-                "the record says {}{}",
-                r.health,
-                r.handling.map(|h| format!(" ({h})")).unwrap_or_default()
-            )),
-            _ => None,
+            _ => accept.refusal(r),
         };
         match why {
             Some(w) => left_out.push((r.node.clone(), w)),
@@ -428,41 +423,44 @@ pub async fn hosts(
             .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
         *agents_ready.entry(node).or_default() |= ready;
     }
-    let mut found = usable_hosts(&records, &nodes, &agents_ready, accept, slots);
-    let pods_mode = pods.is_some();
-    if let Some(q) = pods {
-        let listed = kube::Api::<Pod>::namespaced(client, &q.namespace)
-            .list(
-                &kube::api::ListParams::default()
-                    .match_any()
-                    .labels(&q.selector),
-            )
-            .await;
-        let job: Vec<PodFacts> = match listed {
-            Ok(l) => l.items.iter().map(PodFacts::of).collect(),
-            Err(e) => {
-                return Outcome::error(format!(
-                    "error: cannot list the pods {:?} in {}: {e}",
-                    q.selector, q.namespace
-                ))
-            }
-        };
-        if job.is_empty() {
+    let found = usable_hosts(&records, &nodes, &agents_ready, accept, slots);
+    let Some(q) = pods else {
+        return hosts_outcome(&found, "node");
+    };
+    // With --pods, the job's pods on those nodes.
+    let listed = kube::Api::<Pod>::namespaced(client, &q.namespace)
+        .list(
+            &kube::api::ListParams::default()
+                .match_any()
+                .labels(&q.selector),
+        )
+        .await;
+    let job: Vec<PodFacts> = match listed {
+        Ok(l) => l.items.iter().map(PodFacts::of).collect(),
+        Err(e) => {
             return Outcome::error(format!(
-                "error: no pod matches {:?} in namespace {}",
+                "error: cannot list the pods {:?} in {}: {e}",
                 q.selector, q.namespace
-            ));
+            ))
         }
-        found = usable_pods(&job, &found, slots, q.ip);
+    };
+    if job.is_empty() {
+        return Outcome::error(format!(
+            "error: no pod matches {:?} in namespace {}",
+            q.selector, q.namespace
+        ));
     }
-    let (usable, left_out) = found;
-    // What was left out: nodes, or with --pods the job's pods.
-    let what = if pods_mode { "pod" } else { "node" };
+    hosts_outcome(&usable_pods(&job, &found, slots, q.ip), "pod")
+}
+
+/// `hosts`' answer: the `host:slots` lines, and as JSON the hosts and what was left out (each
+/// named under `what`, `node` or `pod`) with why.
+pub(crate) fn hosts_outcome((usable, left_out): &Hosts, what: &str) -> Outcome {
     let data = json!({
         "hosts": usable.iter().map(|(h, s)| json!({"host": h, "slots": s})).collect::<Vec<_>>(),
         "leftOut": left_out.iter().map(|(n, w)| json!({what: n, "why": w})).collect::<Vec<_>>(),
     });
-    Outcome::ok(hosts_lines(&usable).trim_end().to_string()).with_data(data)
+    Outcome::ok(hosts_lines(usable).trim_end().to_string()).with_data(data)
 }
 
 /// The agent pods (the DaemonSet's pod template labels).

@@ -185,12 +185,10 @@ pub fn get(path: &Path, json: bool, all: bool, now: &Now, stale_after: Duration)
     match dead {
         None => Outcome::ok(message),
         Some(why) => Outcome {
-            code: NOT_ALIVE_EXIT,
-            message,
-            data: None,
             warning: Some(format!(
                 "warning: {why} (the record below may be out of date)"
             )),
+            ..Outcome::new(NOT_ALIVE_EXIT, message)
         },
     }
 }
@@ -288,35 +286,30 @@ pub fn wait_healthy(
 ) -> Outcome {
     let deadline = clock.instant() + timeout;
     loop {
-        let last = read_record(path);
-        let mut dead = None;
-        match &last {
-            Ok(r) => match not_alive(r, &Now::read(clock), stale_after) {
-                Some(why) => dead = Some(why),
-                None if accept.accepts(r) => {
-                    let msg = format!("healthy: {}", summary(r));
-                    let data = verdict_json("healthy", 0, &msg, Some(r));
+        // The answer should the time be up now.
+        let answer = match read_record(path) {
+            Err(e @ ReadError::Invalid(..)) => return Outcome::error(format!("error: {e}")),
+            Err(e) => Outcome::error(format!("error: {e}")),
+            Ok(r) => match not_alive(&r, &Now::read(clock), stale_after) {
+                Some(why) => Outcome::error(format!("error: {why}")),
+                None if accept.accepts(&r) => {
+                    let msg = format!("healthy: {}", summary(&r));
+                    let data = verdict_json("healthy", 0, &msg, &r);
                     return Outcome::ok(msg).with_data(data);
                 }
-                None => {}
-            },
-            Err(e @ ReadError::Invalid(..)) => return Outcome::error(format!("error: {e}")),
-            _ => {}
-        }
-        if clock.instant() >= deadline {
-            return match (last, dead) {
-                (_, Some(why)) => Outcome::error(format!("error: {why}")),
-                (Ok(r), None) => {
+                None => {
                     let msg = format!(
                         "unhealthy after {}: {}",
                         humantime::format_duration(timeout),
                         summary(&r)
                     );
-                    let data = verdict_json("unhealthy", 1, &msg, Some(&r));
+                    let data = verdict_json("unhealthy", 1, &msg, &r);
                     Outcome::unhealthy(msg).with_data(data)
                 }
-                (Err(e), None) => Outcome::error(format!("error: {e}")),
-            };
+            },
+        };
+        if clock.instant() >= deadline {
+            return answer;
         }
         std::thread::sleep(
             interval
@@ -328,14 +321,14 @@ pub fn wait_healthy(
 
 /// `wait-healthy -o json`: the result, the exit code, the line a person reads, and the
 /// record's node, health and most severe handling.
-fn verdict_json(result: &str, code: u8, message: &str, r: Option<&NodeRecord>) -> Value {
+fn verdict_json(result: &str, code: u8, message: &str, r: &NodeRecord) -> Value {
     json!({
         "result": result,
         "exitCode": code,
         "message": message,
-        "node": r.map(|r| r.node.as_str()),
-        "health": r.map(|r| r.health.as_str()),
-        "handling": r.and_then(|r| r.handling).map(|h| h.as_str()),
+        "node": r.node,
+        "health": r.health.as_str(),
+        "handling": r.handling.map(|h| h.as_str()),
     })
 }
 
@@ -373,32 +366,20 @@ pub fn clear(
     if let Err(e) = write_atomic(&path, &body) {
         return Outcome::error(format!("error: {e}"));
     }
+    let answered = || verdict(state_dir, &dir, &name, &req);
     let deadline = clock.instant() + wait;
     while clock.instant() < deadline {
-        if is_rejected(&dir, &name) {
-            return Outcome::error(format!(
-                "error: the agent rejected the request (its log says why): {}",
-                path.display()
-            ));
-        }
         // The agent answers (`*.done`) once the clear is on its disk, and removes the request
         // after: the answer is looked for after the request is seen gone, so it is never missed.
         let pending = is_pending(&dir, &name);
-        match read_result(&dir, &name) {
-            Some(Ok(result)) => {
-                let _ = remove_result(&dir, &name);
-                return cleared(state_dir, &req, &result);
-            }
-            Some(Err(e)) => {
-                return Outcome::error(format!("error: cannot read the agent's answer: {e}"))
-            }
-            None if !pending => {
-                let msg = "the agent applied the request but could not write its answer saying \
-                           what it cleared (its log says why); faultline get shows what is active";
-                let data = clear_json("applied", 0, msg, &req, None);
-                return Outcome::ok(msg).with_data(data);
-            }
-            None => {}
+        if let Some(o) = answered() {
+            return o;
+        }
+        if !pending {
+            let msg = "the agent applied the request but could not write its answer saying \
+                       what it cleared (its log says why); faultline get shows what is active";
+            let data = clear_json("applied", 0, msg, &req, None);
+            return Outcome::ok(msg).with_data(data);
         }
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -416,25 +397,13 @@ pub fn clear(
             // the clear is saved, so wait a little longer for it before saying anything.
             let grace = clock.instant() + TAKEN_GRACE;
             loop {
-                if is_rejected(&dir, &name) {
-                    return Outcome::error(format!(
-                        "error: the agent rejected the request (its log says why): {}",
-                        path.display()
-                    ));
+                if let Some(o) = answered() {
+                    return o;
                 }
-                match read_result(&dir, &name) {
-                    Some(Ok(result)) => {
-                        let _ = remove_result(&dir, &name);
-                        return cleared(state_dir, &req, &result);
-                    }
-                    Some(Err(e)) => {
-                        return Outcome::error(format!(
-                            "error: cannot read the agent's answer: {e}"
-                        ))
-                    }
-                    None if clock.instant() >= grace => break,
-                    None => std::thread::sleep(Duration::from_millis(50)),
+                if clock.instant() >= grace {
+                    break;
                 }
+                std::thread::sleep(Duration::from_millis(50));
             }
             if is_taken(&dir, &name) {
                 Outcome::error(format!(
@@ -460,25 +429,29 @@ pub fn clear(
     }
 }
 
+/// The agent's verdict on the request `name` in `dir`, once it has given one: rejected, or its
+/// answer (removed once read).
+fn verdict(state_dir: &Path, dir: &Path, name: &str, req: &ClearRequest) -> Option<Outcome> {
+    if is_rejected(dir, name) {
+        return Some(Outcome::error(format!(
+            "error: the agent rejected the request (its log says why): {}",
+            dir.join(name).display()
+        )));
+    }
+    Some(match read_result(dir, name)? {
+        Ok(result) => {
+            let _ = remove_result(dir, name);
+            cleared(state_dir, req, &result)
+        }
+        Err(e) => Outcome::error(format!("error: cannot read the agent's answer: {e}")),
+    })
+}
+
 /// The outcome of an answered clear: what it cleared, or, when nothing matched, what is active.
 fn cleared(state_dir: &Path, req: &ClearRequest, result: &ClearResult) -> Outcome {
-    let listed = |faults: &mut dyn Iterator<Item = (&str, &str)>, total: usize| {
-        let shown: Vec<String> = faults
-            .take(MAX_SHOWN)
-            .map(|(code, device)| format!("{code} on {device}"))
-            .collect();
-        let mut s = shown.join(", ");
-        if total > shown.len() {
-            let _ = write!(s, " and {} more", total - shown.len());
-        }
-        s
-    };
     if result.cleared > 0 {
         let n = usize::try_from(result.cleared).unwrap_or(usize::MAX);
-        let mut faults = result
-            .faults
-            .iter()
-            .map(|f| (f.code.as_str(), f.device.as_str()));
+        let faults = result.faults.iter().map(|f| (&f.code, &f.device));
         let msg = format!(
             "cleared {} {}: {}",
             result.cleared,
@@ -487,7 +460,7 @@ fn cleared(state_dir: &Path, req: &ClearRequest, result: &ClearResult) -> Outcom
             } else {
                 "faults"
             },
-            listed(&mut faults, n)
+            listed(faults, n)
         );
         let data = clear_json("cleared", 0, &msg, req, Some(result));
         return Outcome::ok(msg).with_data(data);
@@ -510,12 +483,10 @@ fn cleared(state_dir: &Path, req: &ClearRequest, result: &ClearResult) -> Outcom
             if active.is_empty() {
                 "the node has no active fault".to_string()
             } else {
-                let mut faults = active
-                    .iter()
-                    .map(|f| (f.fault_code.as_str(), f.device.as_str()));
+                let faults = active.iter().map(|f| (&f.fault_code, &f.device));
                 format!(
                     "active: {} (--device takes the DEVICE faultline get shows, a UUID or a PCI bus id)",
-                    listed(&mut faults, active.len())
+                    listed(faults, active.len())
                 )
             }
         }
@@ -528,6 +499,19 @@ fn cleared(state_dir: &Path, req: &ClearRequest, result: &ClearResult) -> Outcom
 
 /// Faults named in one line.
 const MAX_SHOWN: usize = 5;
+
+/// The first [`MAX_SHOWN`] of `total` faults (code, device) in one line, and how many more.
+fn listed<'a>(faults: impl Iterator<Item = (&'a String, &'a String)>, total: usize) -> String {
+    let shown: Vec<String> = faults
+        .take(MAX_SHOWN)
+        .map(|(code, device)| format!("{code} on {device}"))
+        .collect();
+    let mut s = shown.join(", ");
+    if total > shown.len() {
+        let _ = write!(s, " and {} more", total - shown.len());
+    }
+    s
+}
 
 /// `clear -o json`: the result, the exit code, the line a person reads, the request, and what
 /// the agent cleared.
@@ -617,7 +601,7 @@ mod tests {
         serde_json::to_string(&r).unwrap()
     }
 
-    /// A Healthy record left by a stopped agent no longer passes: without a heartbeat, with
+    /// A Healthy record left by a stopped agent does not pass: without a heartbeat, with
     /// one older than the bound, or with one dated ahead of the clock (written before the clock
     /// was stepped back), it is exit 2 at the timeout with one line saying why. These records
     /// carry no boot clock reading: the wall clock judges them.
@@ -762,8 +746,8 @@ mod tests {
 
     /// An agent killed (SIGKILL) while its node's clock was a day off, then the clock is
     /// corrected: its record is not alive for `wait-healthy` (exit 2) or `get` (exit 3 with a
-    /// warning), whichever way the clock was off. Before, a heartbeat dated a day ahead counted
-    /// as fresh for that whole day.
+    /// warning), whichever way the clock was off: a heartbeat dated a day ahead does not count
+    /// as fresh for that day.
     #[test]
     fn a_dead_agent_is_not_alive_whichever_way_the_clock_stepped() {
         for step in [DAY, -DAY] {
@@ -813,7 +797,7 @@ mod tests {
 
     /// A live agent stays alive for its readers across a step of the wall clock either way:
     /// just after the step (the heartbeat on disk was stamped before it) and after the next
-    /// heartbeat. Before, a forward step made it look dead until its next heartbeat.
+    /// heartbeat: a forward step does not make it look dead until its next heartbeat.
     #[test]
     fn a_live_agent_stays_alive_across_a_clock_step() {
         for step in [DAY, -DAY] {
@@ -1022,8 +1006,7 @@ mod tests {
     }
 
     /// `clear` says how many faults the agent cleared and which; none is exit 1 with what is
-    /// active (the names `--device` takes); before, every answer was "cleared ... on every
-    /// device", exit 0, whatever matched.
+    /// active (the names `--device` takes), never "cleared" for what did not match.
     #[test]
     fn clear_says_what_the_agent_cleared() {
         let d = tempfile::tempdir().unwrap();

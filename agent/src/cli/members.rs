@@ -12,7 +12,6 @@ use faultline_core::record::NodeRecord;
 use faultline_core::time::Timestamp;
 use futures::StreamExt;
 use http_body_util::BodyExt;
-use serde_json::json;
 
 use super::{not_alive, Accept, Hosts, Now, Outcome};
 use crate::clock::{Clock, SystemClock};
@@ -85,17 +84,8 @@ pub(crate) fn usable_members(
                 "its agent answers for node {:?}, not {:?}",
                 r.node, m.node
             )),
-            Answer::Record(r) => {
-                not_alive(r, &Now::remote(now, stale_after), stale_after).or_else(|| {
-                    (!accept.accepts(r)).then(|| {
-                        format!(
-                            "the record says {}{}",
-                            r.health,
-                            r.handling.map(|h| format!(" ({h})")).unwrap_or_default()
-                        )
-                    })
-                })
-            }
+            Answer::Record(r) => not_alive(r, &Now::remote(now, stale_after), stale_after)
+                .or_else(|| accept.refusal(r)),
         };
         match why {
             Some(w) => left_out.push((m.node.clone(), w)),
@@ -156,11 +146,6 @@ pub async fn hosts(
             "error: no member's agent answered on port {agent_port} (start the agents with --listen <ip>:{agent_port}); {first}"
         ));
     }
-    let (usable, left_out) =
-        usable_members(&answers, slots, accept, SystemClock.now(), stale_after);
-    let data = json!({
-        "hosts": usable.iter().map(|(h, s)| json!({"host": h, "slots": s})).collect::<Vec<_>>(),
-        "leftOut": left_out.iter().map(|(n, w)| json!({"node": n, "why": w})).collect::<Vec<_>>(),
-    });
-    Outcome::ok(super::hosts_lines(&usable).trim_end().to_string()).with_data(data)
+    let found = usable_members(&answers, slots, accept, SystemClock.now(), stale_after);
+    super::cluster::hosts_outcome(&found, "node")
 }

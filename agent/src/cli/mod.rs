@@ -56,31 +56,24 @@ pub struct Outcome {
 }
 
 impl Outcome {
-    fn ok(message: impl Into<String>) -> Self {
+    fn new(code: u8, message: impl Into<String>) -> Self {
         Outcome {
-            code: 0,
+            code,
             message: message.into(),
             data: None,
             warning: None,
         }
+    }
+    fn ok(message: impl Into<String>) -> Self {
+        Self::new(0, message)
     }
     fn unhealthy(message: impl Into<String>) -> Self {
-        Outcome {
-            code: 1,
-            message: message.into(),
-            data: None,
-            warning: None,
-        }
+        Self::new(1, message)
     }
     fn error(message: impl Into<String>) -> Self {
-        Outcome {
-            code: 2,
-            message: message.into(),
-            data: None,
-            warning: None,
-        }
+        Self::new(2, message)
     }
-    /// Exit status 2: the command could not do its job.
+    /// Exit status 2: the command could not do its job (the binary's name for [`Outcome::error`]).
     pub fn failed(message: impl Into<String>) -> Self {
         Self::error(message)
     }
@@ -201,6 +194,14 @@ impl Accept {
                 .max_handling
                 .is_some_and(|max| r.handling.is_none_or(|h| h <= max)),
         }
+    }
+
+    /// Why `hosts` leaves a record out under this rule; `None` when it accepts it.
+    pub(crate) fn refusal(&self, r: &NodeRecord) -> Option<String> {
+        (!self.accepts(r)).then(|| {
+            let handling = r.handling.map(|h| format!(" ({h})")).unwrap_or_default();
+            format!("the record says {}{handling}", r.health)
+        })
     }
 }
 

@@ -101,10 +101,11 @@ pub(crate) const RECHECK_AFTER: Duration = Duration::from_millis(500);
 /// error is returned.
 #[derive(Debug, Default)]
 struct Cache {
+    /// When the source was last read; `None` until a read answers (a failed read before then
+    /// leaves nothing to fall back on, so it is not cached).
     at: Option<Instant>,
     /// The holder and the end of its term (Unix ms).
     value: Option<(CoordinatorId, i64)>,
-    known: bool,
     /// Why the last read failed (`None`: it answered).
     failed: Option<WhoError>,
 }
@@ -147,18 +148,17 @@ impl Cache {
     {
         let mut c = this.lock().await;
         let now = SystemClock.instant();
-        if c.known && c.fresh(recheck, now) {
+        if c.fresh(recheck, now) {
             return c.answer(now_ms());
         }
         match read.await {
             Ok(v) => {
                 c.at = Some(now);
                 c.value = v;
-                c.known = true;
                 c.failed = None;
                 c.answer(now_ms())
             }
-            Err(e) if c.known => {
+            Err(e) if c.at.is_some() => {
                 c.at = Some(now);
                 tracing::debug!(error = %e, "cannot read who coordinates; using the last answer within its term");
                 c.failed = Some(e);
@@ -508,9 +508,9 @@ mod tests {
         assert_eq!(refilled, (FORWARD_RATE / 2.0) as usize);
     }
 
-    /// Issue 28 review: while the Lease cannot be read, the last holder stays obeyed only for
-    /// the term it had when it was read (a replica that lost the Lease, frozen and woken during
-    /// an API outage, was obeyed for as long as the reads failed).
+    /// While the Lease cannot be read, the last holder stays obeyed only for the term it had
+    /// when it was read: a replica that lost the Lease, frozen and woken during an API outage,
+    /// is not obeyed for as long as the reads fail.
     #[tokio::test(start_paused = true)]
     async fn a_cached_holder_is_obeyed_only_for_its_term() {
         let key = faultline_proto::auth::CoordinatorKey::generate()

@@ -93,18 +93,20 @@ impl NvmlBusy {
 impl Busy for NvmlBusy {
     fn busy(&self) -> Option<String> {
         let mut guard = self.nvml.lock();
-        if guard.is_none() {
-            let mut b = Nvml::builder();
-            if let Some(p) = &self.library {
-                b.lib_path(p.as_os_str());
+        let nvml = match guard.take() {
+            Some(n) => n,
+            None => {
+                let mut b = Nvml::builder();
+                if let Some(p) = &self.library {
+                    b.lib_path(p.as_os_str());
+                }
+                match b.init() {
+                    Ok(n) => n,
+                    Err(e) => return Some(format!("cannot tell (NVML: {e})")),
+                }
             }
-            match b.init() {
-                Ok(n) => *guard = Some(n),
-                Err(e) => return Some(format!("cannot tell (NVML: {e})")),
-            }
-        }
-        let nvml = guard.as_ref()?;
-        match Self::check(nvml) {
+        };
+        match Self::check(guard.insert(nvml)) {
             Ok(b) => b,
             Err(e) => Some(format!("cannot tell (NVML: {e})")),
         }

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use faultline_proto::v1::peer_check_server::PeerCheckServer;
 use faultline_proto::MAX_MESSAGE_BYTES;
-use tokio::sync::{mpsc, watch};
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn, Instrument};
 
@@ -41,7 +41,6 @@ use busy::Busy;
 use service::{PeerService, ProbeSetup, ServiceSetup};
 
 use crate::component::{Component, Context, Handle, StartError};
-use crate::source::Input;
 use faultline_core::policy::LoadedPolicy;
 use faultline_core::policy::PeerPolicy;
 
@@ -108,15 +107,19 @@ impl Component for Peer {
     /// coordinator's.
     async fn start(self, cx: &Context) -> Result<Handle, StartError> {
         Ok(match self.setup(cx).await? {
-            Some(setup) => Handle::of(start(setup)),
+            Some((setup, listener)) => Handle::of(start(setup, listener, cx.shutdown.clone())),
             None => Handle::none(),
         })
     }
 }
 
 impl Peer {
-    /// Everything peer checks need, or `None` when this agent cannot take part (said why).
-    async fn setup(self, cx: &Context) -> Result<Option<PeerSetup>, StartError> {
+    /// The service's setup and its bound listener, or `None` when this agent cannot take part
+    /// (said why).
+    async fn setup(
+        self,
+        cx: &Context,
+    ) -> Result<Option<(ServiceSetup, tokio::net::TcpListener)>, StartError> {
         let (coordinator, credential): (Arc<dyn authz::WhoCoordinates>, wire::NodeCredential) =
             match &cx.kube {
                 Some(client) => {
@@ -161,19 +164,19 @@ impl Peer {
             gpu: cx.policy.borrow().policy.peer.gpu,
         };
         info!(listen = %addr, probe = %probe.bin.display(), "peer checks enabled");
-        Ok(Some(PeerSetup {
+        let base = self.flags.probe_port_base;
+        let setup = ServiceSetup {
             node: cx.node.clone(),
-            listener,
-            probe,
-            probe_port_base: self.flags.probe_port_base,
-            busy: self.busy,
             coordinator,
             credential,
-            policy: cx.policy.clone(),
+            probe,
+            busy: self.busy,
             inputs: cx.inputs.clone(),
+            policy: follow_policy(cx.policy.clone(), cx.shutdown.clone()),
+            probe_ports: base..base.saturating_add(PROBE_PORTS),
             metrics: cx.metrics.clone(),
-            shutdown: cx.shutdown.clone(),
-        }))
+        };
+        Ok(Some((setup, listener)))
     }
 }
 
@@ -187,24 +190,6 @@ fn probe_bin(flag: Option<&Path>) -> PathBuf {
         .and_then(|e| e.parent().map(|d| d.join("faultline-probe")))
         .filter(|p| p.exists());
     sibling.unwrap_or_else(|| PathBuf::from("faultline-probe"))
-}
-
-/// Everything the peer-check part of the agent needs.
-#[derive(Debug)]
-struct PeerSetup {
-    node: String,
-    listener: tokio::net::TcpListener,
-    probe: ProbeSetup,
-    probe_port_base: u16,
-    busy: Arc<dyn Busy>,
-    /// Who coordinates and with which key.
-    coordinator: Arc<dyn authz::WhoCoordinates>,
-    /// This node's own credential, for its reports.
-    credential: wire::NodeCredential,
-    policy: watch::Receiver<LoadedPolicy>,
-    inputs: mpsc::Sender<Input>,
-    metrics: Arc<crate::metrics::Metrics>,
-    shutdown: CancellationToken,
 }
 
 /// The peer-check policy, followed from the loaded policy.
@@ -228,28 +213,20 @@ pub fn follow_policy(
     rx
 }
 
-/// Starts the service; returns its task.
-fn start(s: PeerSetup) -> Vec<tokio::task::JoinHandle<()>> {
-    let policy = follow_policy(s.policy, s.shutdown.clone());
-    let svc = PeerService::new(ServiceSetup {
-        node: s.node,
-        coordinator: s.coordinator,
-        credential: s.credential,
-        probe: s.probe,
-        busy: s.busy,
-        inputs: s.inputs,
-        policy,
-        probe_ports: s.probe_port_base..s.probe_port_base.saturating_add(PROBE_PORTS),
-        metrics: s.metrics.clone(),
-    });
-    let shutdown = s.shutdown.clone();
-    let address = s.listener.local_addr().ok();
+/// Starts the service on `listener`; returns its task.
+fn start(
+    setup: ServiceSetup,
+    listener: tokio::net::TcpListener,
+    shutdown: CancellationToken,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let address = listener.local_addr().ok();
     let incoming = crate::listen::incoming(
-        s.listener,
+        listener,
         crate::listen::PEER_LIMITS,
-        s.metrics.clone(),
+        setup.metrics.clone(),
         "peer",
     );
+    let svc = PeerService::new(setup);
     // A server-wide request timeout; a few concurrent requests per connection, and HTTP/2
     // keep-alive so a peer that vanished is noticed; the listener caps connections (in all and
     // per address), their idle time and age (`listen::PEER_LIMITS`).
@@ -302,21 +279,21 @@ pub async fn retried<T, E, Fut>(
     attempts: u32,
     pause: Duration,
     again: impl Fn(&E) -> bool,
-    mut f: impl FnMut() -> Fut,
+    f: impl FnMut() -> Fut,
 ) -> Result<T, E>
 where
     Fut: std::future::Future<Output = Result<T, E>>,
 {
-    let mut last = f().await;
-    for _ in 1..attempts.max(1) {
-        match &last {
-            Err(e) if again(e) => {}
-            _ => break,
-        }
-        tokio::time::sleep(pause).await;
-        last = f().await;
-    }
-    last
+    use backon::{ConstantBuilder, Retryable};
+    let retries = usize::try_from(attempts.saturating_sub(1)).unwrap_or(usize::MAX);
+    f.retry(
+        ConstantBuilder::new()
+            .with_delay(pause)
+            .with_max_times(retries),
+    )
+    .sleep(tokio::time::sleep)
+    .when(again)
+    .await
 }
 
 /// Waits `interval` plus or minus `jitter` of it.

@@ -45,20 +45,28 @@ pub enum SecretError {
     },
 }
 
+impl SecretError {
+    /// The file at `path` cannot be read.
+    fn read(path: &Path) -> impl FnOnce(std::io::Error) -> SecretError + '_ {
+        |source| SecretError::Read {
+            path: path.display().to_string(),
+            source,
+        }
+    }
+
+    /// The key in the file at `path` is refused.
+    fn weak(path: &Path) -> impl FnOnce(faultline_proto::auth::AuthError) -> SecretError + '_ {
+        |source| SecretError::Weak {
+            path: path.display().to_string(),
+            source,
+        }
+    }
+}
+
 /// Reads a key file (a node's key, a requester's secret, a token; trailing whitespace dropped).
 pub fn load_key(path: &Path) -> Result<Key, SecretError> {
-    let bytes = std::fs::read(path).map_err(|source| SecretError::Read {
-        path: path.display().to_string(),
-        source,
-    })?;
-    let trimmed = bytes
-        .iter()
-        .rposition(|b| !b.is_ascii_whitespace())
-        .map_or(&bytes[..0], |end| &bytes[..=end]);
-    Key::new(trimmed).map_err(|source| SecretError::Weak {
-        path: path.display().to_string(),
-        source,
-    })
+    let bytes = std::fs::read(path).map_err(SecretError::read(path))?;
+    Key::new(bytes.trim_ascii_end()).map_err(SecretError::weak(path))
 }
 
 /// Refuses a private key file that users other than its owner may read or write (group or
@@ -68,10 +76,7 @@ pub fn load_key(path: &Path) -> Result<Key, SecretError> {
 pub fn ensure_private(path: &Path) -> Result<(), SecretError> {
     use std::os::unix::fs::PermissionsExt;
     let mode = std::fs::metadata(path)
-        .map_err(|source| SecretError::Read {
-            path: path.display().to_string(),
-            source,
-        })?
+        .map_err(SecretError::read(path))?
         .permissions()
         .mode()
         & 0o7777;
@@ -94,10 +99,7 @@ pub fn load_private_key(path: &Path) -> Result<Key, SecretError> {
 /// Reads a node's own key (`faultline keys node` writes it as hex), after [`ensure_private`].
 pub(crate) fn load_node_key(path: &Path) -> Result<Key, SecretError> {
     ensure_private(path)?;
-    let text = std::fs::read_to_string(path).map_err(|source| SecretError::Read {
-        path: path.display().to_string(),
-        source,
-    })?;
+    let text = std::fs::read_to_string(path).map_err(SecretError::read(path))?;
     let not = || SecretError::NotNodeKey {
         path: path.display().to_string(),
     };
@@ -105,10 +107,7 @@ pub(crate) fn load_node_key(path: &Path) -> Result<Key, SecretError> {
     if bytes.len() != 32 {
         return Err(not());
     }
-    Key::new(&bytes).map_err(|source| SecretError::Weak {
-        path: path.display().to_string(),
-        source,
-    })
+    Key::new(&bytes).map_err(SecretError::weak(path))
 }
 
 /// Signs requests as one sender.
@@ -166,33 +165,23 @@ impl NodeCredential {
         node: &str,
         receiver: &str,
     ) -> Result<SignedReport<M>, SecretError> {
-        match self {
-            NodeCredential::Key(key) => Ok(SignedReport {
-                msg: Signer {
-                    key: key.clone(),
-                    sender: node.to_string(),
-                }
-                .sign(msg, receiver),
-                token: None,
-            }),
+        let (key, token) = match self {
+            NodeCredential::Key(key) => (key.clone(), None),
             NodeCredential::Token(path) => {
-                let read = std::fs::read_to_string(path).map_err(|source| SecretError::Read {
-                    path: path.display().to_string(),
-                    source,
-                })?;
+                let read = std::fs::read_to_string(path).map_err(SecretError::read(path))?;
                 let token = read.trim().to_string();
-                let key = Key::new(token.as_bytes()).map_err(|source| SecretError::Weak {
-                    path: path.display().to_string(),
-                    source,
-                })?;
-                let mut msg = msg;
-                sign(&mut msg, &key, node, receiver, now_ms(), nonce());
-                Ok(SignedReport {
-                    msg,
-                    token: Some(token),
-                })
+                let key = Key::new(token.as_bytes()).map_err(SecretError::weak(path))?;
+                (key, Some(token))
             }
-        }
+        };
+        let signer = Signer {
+            key,
+            sender: node.to_string(),
+        };
+        Ok(SignedReport {
+            msg: signer.sign(msg, receiver),
+            token,
+        })
     }
 }
 

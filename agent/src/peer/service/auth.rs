@@ -106,16 +106,14 @@ impl CoordinatorAuth {
             };
             let verified = {
                 let mut v = self.verifiers.lock();
-                if !v.iter().any(|(k, _)| *k == id.key) {
+                let i = v.iter().position(|(k, _)| *k == id.key).unwrap_or_else(|| {
                     if v.len() >= KEYS_REMEMBERED {
                         v.pop_front();
                     }
                     v.push_back((id.key, Verifier::new(id.key, MAX_SKEW, &self.me)));
-                }
-                match v.iter_mut().find(|(k, _)| *k == id.key) {
-                    Some((_, verifier)) => verifier.verify(msg, wire::now_ms()),
-                    None => Err(AuthError::Missing),
-                }
+                    v.len() - 1
+                });
+                v[i].1.verify(msg, wire::now_ms())
             };
             match verified {
                 Ok(sender) if id.node.is_empty() || sender == id.node => return Ok(id),
@@ -161,12 +159,11 @@ mod tests {
         std::iter::from_fn(|| inputs.try_recv().ok()).count()
     }
 
-    /// Issue 28: any member could act as the coordinator (the sender was a name it wrote,
-    /// signed with the key every agent held). A member now holds its own node's key, a
+    /// No member can act as the coordinator. A member holds its own node's key, a
     /// requester's secret and an Ed25519 key of its own making, and signs the coordinator's
-    /// messages with each, under the coordinator's name: `Conclude` (which made a healthy node
-    /// Degraded), `Assign` (four filled the node's check slots so that the real checks were
-    /// refused), `Cancel` and `Ping`. Every one is refused (`UNAUTHENTICATED`), nothing is
+    /// messages with each, under the coordinator's name: `Conclude` (taken, it would make a
+    /// healthy node Degraded), `Assign` (four taken would fill the node's check slots so that the
+    /// real checks are refused), `Cancel` and `Ping`. Every one is refused (`UNAUTHENTICATED`), nothing is
     /// recorded or started, and the coordinator's own assignment then finds the slots free.
     #[tokio::test]
     async fn a_member_with_every_agent_credential_cannot_speak_as_the_coordinator() {
@@ -241,7 +238,7 @@ mod tests {
         assert!(r.get_ref().accepted, "{r:?}");
     }
 
-    /// Issue 28: the Lease moves to another replica (its key in the holder identity): the new
+    /// The Lease moves to another replica (its key in the holder identity): the new
     /// one is obeyed at once (the agent reads the holder again when a signature does not
     /// verify), the old one, frozen and woken, is refused; when the Lease comes back to it, what
     /// it sent before is still a replay; with no holder nobody is obeyed.
@@ -283,8 +280,8 @@ mod tests {
         assert!(e.message().contains("no coordinator"), "{e:?}");
     }
 
-    /// Issue 28: a Conclude the coordinator signed for one agent, replayed verbatim to a
-    /// second, was accepted (each agent keeps its own nonces). Requests name their receiver:
+    /// A Conclude the coordinator signed for one agent, replayed verbatim to a second, is
+    /// refused although each agent keeps its own nonces: requests name their receiver:
     /// n1 takes the conclusion, n2 refuses the same bytes (`UNAUTHENTICATED`, "addressed to")
     /// and records nothing; an assignment signed for another node is refused likewise.
     #[tokio::test]
@@ -315,9 +312,9 @@ mod tests {
         assert!(n2.checks.running.lock().is_empty(), "nothing started");
     }
 
-    /// Issue 28: a Conclude signed 25 s ahead of the agent's clock was accepted (30 s either
-    /// way). Now refused (`UNAUTHENTICATED`, "ahead") and nothing is recorded; one signed
-    /// 0.5 s ahead (within `auth::MAX_AHEAD`) is taken.
+    /// A Conclude signed 25 s ahead of the agent's clock is refused (`UNAUTHENTICATED`,
+    /// "ahead") and nothing is recorded; one signed 0.5 s ahead (within `auth::MAX_AHEAD`) is
+    /// taken.
     #[tokio::test]
     async fn a_request_signed_in_the_future_is_refused() {
         let c = coordinator();

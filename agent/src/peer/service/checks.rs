@@ -180,12 +180,10 @@ impl Checks {
 
     /// Cancels the running check the cancellation `a` names; whether one ran.
     pub(super) fn cancel(&self, a: &CheckAssignment) -> bool {
-        let found =
-            check_key(a, &self.node).and_then(|(key, _, _)| self.running.lock().get(&key).cloned());
-        if let Some(c) = &found {
-            c.cancel();
-        }
-        found.is_some()
+        check_key(a, &self.node)
+            .and_then(|(key, _, _)| self.running.lock().get(&key).cloned())
+            .inspect(CancellationToken::cancel)
+            .is_some()
     }
 
     /// Why this node's own probe could not start in `run_id`: named only when every failure of
@@ -239,6 +237,7 @@ impl Checks {
             ProbeOutcome::TimedOut(_) => PeerCheckResult::timeout,
             ProbeOutcome::CannotRun(_) => PeerCheckResult::cannot_run,
         });
+        // Not passed unless the probe passed.
         let mut report = CheckReport {
             auth: None,
             protocol: PROTOCOL,
@@ -262,18 +261,15 @@ impl Checks {
             }
             ProbeOutcome::Failed(e) => {
                 self.note_failure(&a.run_id, None);
-                report.passed = false;
                 report.error = e;
             }
             ProbeOutcome::TimedOut(e) => {
-                report.passed = false;
                 report.timed_out = true;
                 report.error = e;
             }
             ProbeOutcome::CannotRun(e) => {
                 warn!(error = %e, "the probe cannot run on this node");
                 self.note_failure(&a.run_id, Some(&e));
-                report.passed = false;
                 report.error = e;
             }
         }
@@ -284,23 +280,26 @@ impl Checks {
     /// or it failed otherwise.
     fn note_failure(&self, run_id: &str, cause: Option<&str>) {
         let mut f = self.own_failures.lock();
-        if !f.iter().any(|r| r.run_id == run_id) {
-            if f.len() >= OWN_FAILURES_KEPT {
-                f.pop_front();
-            }
-            f.push_back(OwnRun {
-                run_id: run_id.to_string(),
-                cannot_run: None,
-                other_failures: false,
-            });
-        }
-        if let Some(r) = f.iter_mut().find(|r| r.run_id == run_id) {
-            match cause {
-                Some(c) => {
-                    r.cannot_run.get_or_insert_with(|| c.to_string());
+        let i = f
+            .iter()
+            .position(|r| r.run_id == run_id)
+            .unwrap_or_else(|| {
+                if f.len() >= OWN_FAILURES_KEPT {
+                    f.pop_front();
                 }
-                None => r.other_failures = true,
+                f.push_back(OwnRun {
+                    run_id: run_id.to_string(),
+                    cannot_run: None,
+                    other_failures: false,
+                });
+                f.len() - 1
+            });
+        let r = &mut f[i];
+        match cause {
+            Some(c) => {
+                r.cannot_run.get_or_insert_with(|| c.to_string());
             }
+            None => r.other_failures = true,
         }
     }
 
@@ -394,7 +393,7 @@ mod tests {
 
     use super::super::test_fixtures::{assignment, coordinator, known, service_on};
 
-    /// Issue 26 §2 (`faultline_peer_checks_total{result}`): every check this agent is assigned
+    /// `faultline_peer_checks_total{result}`: every check this agent is assigned
     /// counts once, by how it ended here: its probe passed, failed, ran out of time or could not
     /// start, the coordinator cancelled it, or the agent refused the assignment. The members
     /// are on loopback, the probe is a script.

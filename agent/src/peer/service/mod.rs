@@ -292,7 +292,7 @@ mod tests {
             assert!(!r.accepted && r.reason.contains(why), "{why}: {r:?}");
         }
         assert!(svc.checks.running.lock().is_empty(), "nothing started");
-        // Issue 28 review: a Cancel is the same message as an Assign; one replayed as the other
+        // A Cancel is the same message as an Assign; one replayed as the other
         // (by a relay, or on the path) is refused.
         let cancel = c.sign(
             CheckAssignment {

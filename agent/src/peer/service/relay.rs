@@ -94,53 +94,64 @@ impl Relay {
                 )),
             ));
         }
-        let report_key = match &msg {
-            forward::Message::Report(r) => {
-                Some((r.run_id.clone(), r.round, r.node.clone(), r.partner.clone()))
-            }
-            _ => None,
-        };
-        if let Some(k) = &report_key {
-            // Only the report of a check whose assignment went through here (anyone may send a
-            // report to be passed on: it is not this relay's to verify).
-            let known = self.relayed.lock().contains(k);
-            if !known {
-                return Err(auth.refused(
-                    "Forward",
-                    Status::permission_denied(format!(
-                        "{} passed on no assignment of {} in run {} round {} with {}",
-                        self.node, k.2, k.0, k.1, k.3
-                    )),
-                ));
-            }
+        match msg {
+            forward::Message::Report(r) => self.pass_report(auth, r, &f.token).await,
+            msg => self.pass_to_member(auth, f.to, msg).await,
         }
-        let taken = self.forwards.lock().take(SystemClock.instant());
-        if !taken {
+    }
+
+    /// A member's report, to the coordinator as its own last message named it: the report's
+    /// signature is its author's, checked by the coordinator; this relay cannot change it, and
+    /// sends it nowhere else.
+    async fn pass_report(
+        &self,
+        auth: &CoordinatorAuth,
+        r: CheckReport,
+        token: &str,
+    ) -> Result<ForwardReply, Status> {
+        // Only the report of a check whose assignment went through here (anyone may send a
+        // report to be passed on: it is not this relay's to verify).
+        let key = (r.run_id.clone(), r.round, r.node.clone(), r.partner.clone());
+        if !self.relayed.lock().contains(&key) {
             return Err(auth.refused(
                 "Forward",
-                Status::resource_exhausted("too many forwards; ask again later"),
+                Status::permission_denied(format!(
+                    "{} passed on no assignment of {} in run {} round {} with {}",
+                    self.node, r.node, r.run_id, r.round, r.partner
+                )),
             ));
         }
-        let to = match msg {
-            forward::Message::Report(r) => {
-                // A member's report, to the coordinator as its own last message named it: the
-                // report's signature is its author's, checked by the coordinator; this relay
-                // cannot change it, and sends it nowhere else.
-                let address = self.coordinator_address.lock().clone().ok_or_else(|| {
-                    Status::unavailable("this relay has had no message from the coordinator")
-                })?;
-                let token = (!f.token.is_empty()).then_some(f.token.as_str());
-                pass_report_on(&address, r, token)
-                    .await
-                    .map_err(|e| Status::unavailable(e.to_string()))?;
-                if let Some(k) = &report_key {
-                    self.relayed.lock().retain(|x| x != k);
-                }
-                return Ok(ForwardReply::default());
-            }
-            msg => (f.to, msg),
-        };
-        let (Some(to), msg) = to else {
+        self.take_forward(auth)?;
+        let address = self.coordinator_address.lock().clone().ok_or_else(|| {
+            Status::unavailable("this relay has had no message from the coordinator")
+        })?;
+        pass_report_on(&address, r, (!token.is_empty()).then_some(token))
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        self.relayed.lock().retain(|x| x != &key);
+        Ok(ForwardReply::default())
+    }
+
+    /// One forward off the rate, or the refusal when it is spent.
+    fn take_forward(&self, auth: &CoordinatorAuth) -> Result<(), Status> {
+        if self.forwards.lock().take(SystemClock.instant()) {
+            return Ok(());
+        }
+        Err(auth.refused(
+            "Forward",
+            Status::resource_exhausted("too many forwards; ask again later"),
+        ))
+    }
+
+    /// The coordinator's message (verified) on to the member `to`; the member's answer.
+    async fn pass_to_member(
+        &self,
+        auth: &CoordinatorAuth,
+        to: Option<faultline_proto::v1::Member>,
+        msg: forward::Message,
+    ) -> Result<ForwardReply, Status> {
+        self.take_forward(auth)?;
+        let Some(to) = to else {
             return Err(Status::invalid_argument("no member to forward to"));
         };
         if to.node == self.node {
@@ -198,11 +209,7 @@ async fn pass_report_on(
     if let Some(t) = token {
         bearer(&mut request, t)?;
     }
-    match tokio::time::timeout(CALL_TIMEOUT, c.report(request)).await {
-        Ok(Ok(_)) => Ok(()),
-        Ok(Err(s)) => Err(CallError::Answer(s)),
-        Err(_) => Err(CallError::Timeout(CALL_TIMEOUT)),
-    }
+    within(CALL_TIMEOUT, |_| c.report(request)).await.map(drop)
 }
 
 /// A relay's call onward: the coordinator's message to the member at `address`, verbatim (its
@@ -284,9 +291,9 @@ mod tests {
 
     /// The relay's bounds (`Forward`): the coordinator's messages only in an envelope the
     /// coordinator signed for this relay, never to itself; a report only of a check whose
-    /// assignment it passed on (issue 28 review: anyone could make every relay send junk
-    /// reports, each a TokenReview); too large a message and too many forwards are refused. Nothing here reaches the network. On the paused clock, so
-    /// the rate does not refill.
+    /// assignment it passed on (otherwise anyone could make every relay send junk reports,
+    /// each a TokenReview); too large a message and too many forwards are refused. Nothing here
+    /// reaches the network. On the paused clock, so the rate does not refill.
     #[tokio::test(start_paused = true)]
     async fn a_relay_forwards_only_within_its_bounds() {
         let c = coordinator();
