@@ -37,9 +37,9 @@ pub(crate) struct Context {
     pub clock: Arc<dyn Clock>,
     /// The Kubernetes API clients; `None` when the agent runs without Kubernetes.
     pub kube: Option<Clients>,
-    /// When to stop. Sources get a signal of their own, cancelled only after the engine loop
-    /// has drained what they sent; sinks and the engine loop stop first, each after its last
-    /// write (the daemon's `stop` has the order).
+    /// When to stop: one signal for every part. The engine loop then applies what is already
+    /// queued and publishes a final snapshot, and each sink writes it (the daemon waits for
+    /// them in that order).
     pub shutdown: CancellationToken,
 }
 

@@ -107,16 +107,14 @@ struct Running {
     sinks: Handle,
     sources: Handle,
     peer: Handle,
-    /// Cancelled once the engine loop has drained what the sources sent.
-    sources_stop: CancellationToken,
 }
 
 impl Running {
-    /// The engine loop stops on shutdown, draining its queue and publishing a final snapshot;
-    /// then the sources stop; the sinks write the final snapshot; the peer tasks end.
+    /// Every part stops on the one shutdown signal. Waited for in this order: the engine loop
+    /// (it applies what is already queued and publishes a final snapshot), the sinks (they
+    /// write that snapshot), the sources, the peer tasks.
     async fn stop(self) {
         self.engine.join().await;
-        self.sources_stop.cancel();
         self.sinks.join().await;
         self.sources.join().await;
         self.peer.join().await;
@@ -174,14 +172,7 @@ async fn run_node(
         kube,
         shutdown: shutdown.clone(),
     };
-    let mut running = Running {
-        sources_stop: shutdown.child_token(),
-        ..Running::default()
-    };
-    let sources = Context {
-        shutdown: running.sources_stop.clone(),
-        ..cx.clone()
-    };
+    let mut running = Running::default();
 
     let timeline = Timeline::for_boot(
         restored.saved_timeline.as_ref(),
@@ -213,11 +204,9 @@ async fn run_node(
         results,
     };
     let (gpu_count, gpu_count_label) = gpu_count::GpuCountWatch::new(cx.kube.is_some());
-    running.sources = policy_file.start(&sources).await?;
-    running.sources = running.sources.join_with(clears.start(&sources).await?);
-    running.sources = running.sources.join_with(gpu_count.start(&sources).await?);
-    let policy = cx.policy.borrow().policy.clone();
-    let now = timeline.at(cx.clock.since_boot());
+    running.sources = policy_file.start(&cx).await?;
+    running.sources = running.sources.join_with(clears.start(&cx).await?);
+    running.sources = running.sources.join_with(gpu_count.start(&cx).await?);
     let calls = cx.kube.as_ref().map(|k| k.calls.clone());
     let restored = restore::from_cluster(
         restored,
@@ -225,8 +214,8 @@ async fn run_node(
         &restore_cfg,
         &cx.node,
         &catalog,
-        &policy,
-        now,
+        &cx.policy,
+        &timeline,
     )
     .await;
     let kmsg = cfg.kmsg.config(
@@ -237,9 +226,9 @@ async fn run_node(
         timeline.anchor,
     );
     for started in [
-        kmsg.start(&sources).await,
-        cfg.nvml.source(gpu_count_label).start(&sources).await,
-        cfg.ascend.source().start(&sources).await,
+        kmsg.start(&cx).await,
+        cfg.nvml.source(gpu_count_label).start(&cx).await,
+        cfg.ascend.source().start(&cx).await,
     ] {
         running.sources = running.sources.join_with(started?);
     }
@@ -249,11 +238,10 @@ async fn run_node(
         namespace: cfg.kube.namespace.clone(),
         busy: peer::busy::from_flags(&cfg.nvml),
     };
-    running.peer = peer.start(&sources).await.unwrap_or_else(|e| {
+    running.peer = peer.start(&cx).await.unwrap_or_else(|e| {
         warn!(error = %format!("{:#}", anyhow::Error::from(e)), "peer checks disabled");
         Handle::none()
     });
-    drop(sources);
 
     // The engine loop.
     let (report_tx, report_rx) = watch::channel(SinkReport {

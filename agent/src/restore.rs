@@ -407,8 +407,8 @@ pub(crate) async fn from_cluster(
     cfg: &RestoreConfig,
     node: &str,
     catalog: &Catalog,
-    policy: &faultline_core::policy::Policy,
-    now: faultline_core::time::Timestamp,
+    policy: &tokio::sync::watch::Receiver<faultline_core::policy::LoadedPolicy>,
+    timeline: &faultline_core::time::Timeline,
 ) -> Restored {
     let Some(client) = kube else {
         restored.taint_budget = None;
@@ -425,7 +425,11 @@ pub(crate) async fn from_cluster(
             restored.taint_budget = record.agent.taint_budget;
         }
         ClusterRecord::Absent => {
-            if let Some(engine) = rebuild_from_taints(client, node, policy, catalog, now).await {
+            // The policy and the time after the wait for the record: a slow policy file may
+            // have been read meanwhile, and which taints an operator holds depends on it.
+            let policy = policy.borrow().policy.clone();
+            let now = timeline.at(cfg.clock.since_boot());
+            if let Some(engine) = rebuild_from_taints(client, node, &policy, catalog, now).await {
                 restored.origin = Origin::Record;
                 restored.engine = engine;
             }

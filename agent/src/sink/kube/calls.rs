@@ -90,14 +90,14 @@ pub const API_CALLS: &[ApiCall] = &[
         "nodes",
         "list",
         Scope::Cluster,
-        "sink::kube::own (the watch of this Node starts with a list pinned to its name)",
+        "sink::kube::node (its controller's watch of this Node starts with a list pinned to its name; without it the sink reads the Node itself)",
     ),
     call(
         "",
         "nodes",
         "watch",
         Scope::Cluster,
-        "sink::kube::own (this Node, by fieldSelector metadata.name: drift is repaired at once)",
+        "sink::kube::node (this Node, by fieldSelector metadata.name: drift is repaired at once)",
     ),
     call(
         "coordination.k8s.io",
@@ -133,14 +133,14 @@ pub const API_CALLS: &[ApiCall] = &[
         "configmaps",
         "list",
         Scope::AgentNamespace,
-        "sink::kube::own (the watch of faultline-<node> starts with a list pinned to its name)",
+        "sink::kube::configmap (the watch of faultline-<node> starts with a list pinned to its name)",
     ),
     call(
         "",
         "configmaps",
         "watch",
         Scope::AgentNamespace,
-        "sink::kube::own (faultline-<node>, by fieldSelector metadata.name: a deleted or overwritten record is written again at once)",
+        "sink::kube::configmap (faultline-<node>, by fieldSelector metadata.name: a deleted or overwritten record is written again at once)",
     ),
     call(
         "",

@@ -9,6 +9,9 @@ use kube::Resource;
 
 use crate::backoff::Backoff;
 
+/// How often a failing watch of an own object is logged (with the count of failures since).
+pub(crate) const WATCH_WARN_EVERY: Duration = Duration::from_secs(300);
+
 /// The resource versions a sink itself wrote or read last, the newest last: the watch's echo
 /// of them is not drift (the agent's own multi-call pass makes intermediate versions).
 #[derive(Debug, Default)]

@@ -378,7 +378,7 @@ pub(crate) async fn run_with(
                     continue;
                 }
                 let limit = policy.borrow().policy.nvml.call_timeout;
-                let now = clock.since_boot();
+                let now = clock.instant();
                 let stuck = trackers.iter().find_map(|(i, t)| t.stuck(limit, now).map(|(name, d)| (*i, name, d)));
                 match (stuck, health) {
                     (Some((i, name, d)), Health::Running) => {

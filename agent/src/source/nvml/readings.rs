@@ -147,7 +147,9 @@ pub struct NvmlEvent {
 #[derive(Debug)]
 pub struct CallTracker {
     clock: Arc<dyn Clock>,
-    running: Mutex<Option<(&'static str, Duration)>>,
+    /// The call running and when it started, on the monotonic clock: a suspend of the machine
+    /// while a call is in flight does not make it hung.
+    running: Mutex<Option<(&'static str, tokio::time::Instant)>>,
 }
 
 impl CallTracker {
@@ -160,16 +162,20 @@ impl CallTracker {
 
     /// Runs `f` as the NVML call `name`.
     pub(crate) fn call<T>(&self, name: &'static str, f: impl FnOnce() -> T) -> T {
-        *self.running.lock() = Some((name, self.clock.since_boot()));
+        *self.running.lock() = Some((name, self.clock.instant()));
         let out = f();
         *self.running.lock() = None;
         out
     }
 
-    /// The call running for longer than `limit` at `now` (time since boot), with how long.
-    pub(crate) fn stuck(&self, limit: Duration, now: Duration) -> Option<(&'static str, Duration)> {
+    /// The call running for longer than `limit` at `now` ([`Clock::instant`]), with how long.
+    pub(crate) fn stuck(
+        &self,
+        limit: Duration,
+        now: tokio::time::Instant,
+    ) -> Option<(&'static str, Duration)> {
         let (name, since) = (*self.running.lock())?;
-        let d = now.saturating_sub(since);
+        let d = now.saturating_duration_since(since);
         (d > limit).then_some((name, d))
     }
 }

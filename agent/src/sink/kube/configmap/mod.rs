@@ -29,11 +29,12 @@ use tokio::sync::watch;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::own::{DriftPacer, OwnVersions};
+use super::own::{DriftPacer, OwnVersions, WATCH_WARN_EVERY};
 use super::{api, KubeSinkConfig, KubeSinkError, FIELD_MANAGER};
 use crate::clock::Clock;
 use crate::engine_loop::Snapshot;
 use crate::metrics::{Metrics, SinkLabel};
+use crate::rate_limit::LogPacer;
 use faultline_core::record::NodeRecord;
 use plan::{CountsPacer, RecordKeys, WriteWhen, CONFIGMAP_LIMIT, RECORD_KEY};
 
@@ -58,7 +59,8 @@ pub(crate) async fn run(
     let label = SinkLabel { sink: "configmap" };
     let mut own = watch_object(watched, &name).default_backoff().boxed();
     let started = clock.instant();
-    let (mut written, adopted_base) = match adopt(&cms, &cfg.node).await {
+    let mut versions = OwnVersions::default();
+    let (mut written, adopted_base) = match adopt(&cms, &cfg.node, &mut versions).await {
         Some((keys, base)) => (Some(keys), Some(base)),
         None => (None, None),
     };
@@ -71,8 +73,8 @@ pub(crate) async fn run(
     // Writes of counters alone: one per interval, an interval after any write.
     let mut counts = CountsPacer::new(cfg.write_interval, started);
     let mut wake: Option<Instant> = None;
-    let mut versions = OwnVersions::default();
     let mut pacer = DriftPacer::default();
+    let mut watch_warnings = LogPacer::new(WATCH_WARN_EVERY);
     // What the watch reported since the last turn, if anything.
     let mut seen: Option<Option<ConfigMap>> = None;
     // A repair the pacer put off: counted when it is written.
@@ -179,7 +181,11 @@ pub(crate) async fn run(
             going = crate::sink::changed_or_woken(&mut snapshots, wake) => if !going { break },
             Some(event) = own.next() => match event {
                 Ok(cm) => seen = Some(cm),
-                Err(e) => warn!(error = %e, "watching the fault ConfigMap failed; the periodic resync still repairs it"),
+                Err(e) => {
+                    if let Some((since, _)) = watch_warnings.note(1, clock.instant()) {
+                        warn!(error = %e, failures = since.times, "watching the fault ConfigMap failed; a change someone else makes to it is repaired at the sink's next write");
+                    }
+                }
             },
         }
     }
@@ -226,6 +232,14 @@ pub(crate) async fn read_back(
     cms: &Api<ConfigMap>,
     node: &str,
 ) -> Result<Option<NodeRecord>, ReadBackError> {
+    Ok(read_own(cms, node).await?.map(|(record, _)| record))
+}
+
+/// [`read_back`], with the resourceVersion of the ConfigMap it was read from.
+async fn read_own(
+    cms: &Api<ConfigMap>,
+    node: &str,
+) -> Result<Option<(NodeRecord, Option<String>)>, ReadBackError> {
     let Some(cm) = cms.get_opt(&name(node)).await.map_err(ReadBackError::Api)? else {
         return Ok(None);
     };
@@ -236,7 +250,7 @@ pub(crate) async fn read_back(
             record.node
         )));
     }
-    Ok(Some(record))
+    Ok(Some((record, cm.metadata.resource_version)))
 }
 
 /// The record a fault ConfigMap holds under [`RECORD_KEY`].
@@ -251,10 +265,17 @@ fn record_in(cm: &ConfigMap) -> Result<NodeRecord, ReadBackError> {
 
 /// The keys of the ConfigMap as it is, and its content key without the detectors' states, if
 /// it exists and holds a readable record.
-async fn adopt(cms: &Api<ConfigMap>, node: &str) -> Option<(RecordKeys, String)> {
-    match read_back(cms, node).await {
-        Ok(Some(r)) => {
+async fn adopt(
+    cms: &Api<ConfigMap>,
+    node: &str,
+    versions: &mut OwnVersions,
+) -> Option<(RecordKeys, String)> {
+    match read_own(cms, node).await {
+        Ok(Some((r, version))) => {
             info!(health = %r.health, faults = r.faults.len(), "fault ConfigMap found; adopting it");
+            // The watch's first event may be this version, arriving after the sink's first
+            // write: read by the sink itself, it is not drift.
+            versions.note(version.as_deref());
             Some((RecordKeys::of(&r), plan::content_key_without_detectors(&r)))
         }
         Ok(None) => None,

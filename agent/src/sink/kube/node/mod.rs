@@ -38,7 +38,7 @@ use tracing::{debug, info, warn};
 
 use super::budget::{Answer, Budget};
 use super::events::plan::Notice;
-use super::own::{DriftPacer, OwnVersions};
+use super::own::{DriftPacer, OwnVersions, WATCH_WARN_EVERY};
 use super::{api, is_conflict, KubeSinkConfig, KubeSinkError, FIELD_MANAGER};
 use crate::backoff::Backoff;
 use crate::clock::Clock;
@@ -206,9 +206,6 @@ pub(crate) fn controller(
         .applied_objects();
     Controller::for_stream(nodes, store)
 }
-
-/// How often a failing watch of the node is logged (with the count of failures since).
-const WATCH_WARN_EVERY: Duration = Duration::from_secs(300);
 
 /// The Node, read until a read succeeds (the sink's backoff between failures).
 async fn read_node(api: Api<Node>, node: String) -> Node {
