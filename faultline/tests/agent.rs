@@ -184,7 +184,12 @@ fn whole_corpus_through_the_agent() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
-    let r = agent.wait_for("corpus faults", |r| r.faults.len() >= want.len());
+    // Every code the corpus names (one code can be on several devices, so a count of faults
+    // can be reached before the last code is in).
+    let r = agent.wait_for("corpus faults", |r| {
+        want.iter()
+            .all(|c| r.faults.iter().any(|f| &f.fault_code == c))
+    });
     let got: std::collections::BTreeSet<String> =
         r.faults.iter().map(|f| f.fault_code.clone()).collect();
     assert_eq!(got, want);
