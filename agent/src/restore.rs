@@ -292,7 +292,7 @@ fn rebuild_from_record(
 }
 
 /// How long start-up waits for the cluster's copy of the record when nothing survived locally
-/// (trying again every second meanwhile).
+/// (trying again meanwhile, after 200 ms doubling to 1 s, with jitter).
 const CLUSTER_RESTORE_WAIT: Duration = Duration::from_secs(10);
 
 /// The fault an operator-held taint stands for, when nothing else is left of it: the code in
@@ -456,6 +456,8 @@ async fn rebuild_from_cluster(
     use kube_sink::configmap::{read_back, ReadBackError};
     let clock = &cfg.clock;
     let deadline = clock.instant() + CLUSTER_RESTORE_WAIT;
+    let mut retry =
+        crate::backoff::Backoff::new(Duration::from_millis(200), Duration::from_secs(1));
     let record = loop {
         let left = deadline.saturating_duration_since(clock.instant());
         match tokio::time::timeout(left, read_back(&cms, node)).await {
@@ -467,7 +469,7 @@ async fn rebuild_from_cluster(
             }
             Ok(Err(e)) if !left.is_zero() => {
                 debug!(error = %e, "reading the cluster's record failed; trying again");
-                tokio::time::sleep(Duration::from_secs(1).min(left)).await;
+                tokio::time::sleep(retry.next_delay().min(left)).await;
             }
             _ => {
                 warn!(
