@@ -233,7 +233,6 @@ impl Component for KubeSinks {
             kube::Api::all(clients.watch.clone()),
             kube::Api::all(client.clone()),
             &cfg.node,
-            cfg.resync,
             cx.clock.clone(),
         );
         let node_store = node_controller.store();

@@ -145,23 +145,22 @@ pub(crate) struct NodeSink {
 const MAX_TAINT_CONFLICTS: u32 = 8;
 
 /// The controller of the agent's own Node. Its store is fed from two sources:
-/// - a direct read of the Node: first, before anything else, as the initial list a watcher
-///   would make (which also marks the store ready, as a controller waits for), then every
-///   `resync` ([`read_node`]); so the sink works without the watch: a watch that RBAC denies or
-///   that cannot connect would leave the store empty, and a controller reconciles only what
-///   its store holds;
+/// - one direct read of the Node, before anything else, as the initial list a watcher would
+///   make (which also marks the store ready, as a controller waits for): a watch that RBAC
+///   denies or that cannot connect would otherwise leave the store empty, and a controller
+///   reconciles only what its store holds. Once the Node is there, the sink's own passes read
+///   it when the store's copy is not known to be current ([`NodeSink::reconcile`]), at the
+///   latest at every resync, so the sink works without the watch;
 /// - kube-runtime's watcher on that one Node (`fieldSelector=metadata.name=<node>`), so that
 ///   someone else's change is repaired at once.
 ///
 /// The watch's errors are logged here at a bounded rate and never reach the controller, whose
-/// own backoff would otherwise hold back the reads and the snapshots' wake-ups with them. Every
-/// change of the Node, every new snapshot and every requeue runs [`NodeSink::step`] on the
-/// newest of both.
+/// own backoff would otherwise hold back the snapshots' wake-ups. Every change of the Node,
+/// every new snapshot and every requeue runs [`NodeSink::step`] on the newest of both.
 pub(crate) fn controller(
     watch: Api<Node>,
     calls: Api<Node>,
     node: &str,
-    resync: Duration,
     clock: Arc<dyn Clock>,
 ) -> Controller<Node> {
     use futures::stream::{self, StreamExt as _};
@@ -184,8 +183,7 @@ pub(crate) fn controller(
         };
         std::future::ready(event)
     });
-    let (calls, name) = (calls, node.to_string());
-    let first = stream::once(read_node(calls.clone(), name.clone())).flat_map(|n| {
+    let first = stream::once(read_node(calls, node.to_string())).flat_map(|n| {
         let list = [
             watcher::Event::Init,
             watcher::Event::InitApply(n),
@@ -193,17 +191,7 @@ pub(crate) fn controller(
         ];
         stream::iter(list.map(Ok))
     });
-    let every = stream::unfold((), move |()| {
-        let (calls, name) = (calls.clone(), name.clone());
-        async move {
-            tokio::time::sleep(resync).await;
-            Some((Ok(watcher::Event::Apply(read_node(calls, name).await)), ()))
-        }
-    });
-    let nodes = first
-        .chain(stream::select(watched, every))
-        .reflect(writer)
-        .applied_objects();
+    let nodes = first.chain(watched).reflect(writer).applied_objects();
     Controller::for_stream(nodes, store)
 }
 
@@ -1122,7 +1110,6 @@ mod tests {
             Api::all(client.clone()),
             Api::all(client),
             "n1",
-            Duration::from_secs(300),
             Arc::new(crate::clock::SystemClock),
         );
         let (snapshots, rx) = watch::channel(None);
