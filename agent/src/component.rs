@@ -149,10 +149,9 @@ impl Handle {
         Handle(tasks)
     }
 
-    /// One handle for several components.
-    pub(crate) fn join_with(mut self, other: Handle) -> Self {
+    /// Adds another component's tasks to this handle.
+    pub(crate) fn add(&mut self, other: Handle) {
         self.0.extend(other.0);
-        self
     }
 
     /// Waits until every task has ended (a task that panicked counts as ended).

@@ -204,9 +204,9 @@ async fn run_node(
         results,
     };
     let (gpu_count, gpu_count_label) = gpu_count::GpuCountWatch::new(cx.kube.is_some());
-    running.sources = policy_file.start(&cx).await?;
-    running.sources = running.sources.join_with(clears.start(&cx).await?);
-    running.sources = running.sources.join_with(gpu_count.start(&cx).await?);
+    running.sources.add(policy_file.start(&cx).await?);
+    running.sources.add(clears.start(&cx).await?);
+    running.sources.add(gpu_count.start(&cx).await?);
     let calls = cx.kube.as_ref().map(|k| k.calls.clone());
     let restored = restore::from_cluster(
         restored,
@@ -230,7 +230,7 @@ async fn run_node(
         cfg.nvml.source(gpu_count_label).start(&cx).await,
         cfg.ascend.source().start(&cx).await,
     ] {
-        running.sources = running.sources.join_with(started?);
+        running.sources.add(started?);
     }
     let peer = peer::Peer {
         flags: cfg.peer.clone(),
@@ -300,7 +300,7 @@ async fn run_node(
         kube_sinks.start(&cx).await,
         file.start(&cx).await,
     ] {
-        running.sinks = running.sinks.join_with(started?);
+        running.sinks.add(started?);
     }
     let endpoints = http::Endpoints {
         flags: cfg.http.clone(),
@@ -309,7 +309,7 @@ async fn run_node(
         record: record_status.subscribe(),
     };
     match endpoints.start(&cx).await {
-        Ok(h) => running.sinks = running.sinks.join_with(h),
+        Ok(h) => running.sinks.add(h),
         Err(e) => {
             // Nothing is flushed by a half-started agent that exits here: stop what runs.
             shutdown.cancel();

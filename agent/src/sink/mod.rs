@@ -55,8 +55,9 @@ impl Component for MindCluster {
             metrics: cx.metrics.clone(),
             shutdown: cx.shutdown.clone(),
         };
-        let document = Handle::spawn(Self::NAME, document.with_publisher(publisher).run());
-        Ok(document.join_with(Handle::spawn("publicfault", public.run())))
+        let mut handle = Handle::spawn(Self::NAME, document.with_publisher(publisher).run());
+        handle.add(Handle::spawn("publicfault", public.run()));
+        Ok(handle)
     }
 }
 
