@@ -68,7 +68,9 @@ pub fn is_fault_code(code: &str) -> bool {
     code.len() == 8 && code.bytes().all(|b| b.is_ascii_hexdigit())
 }
 
-/// The built-in `faultCode.json` (docs/catalog.md lists its sources).
+/// The built-in `faultCode.json`: the table MindCluster's device plugin ships in release
+/// v26.1.0 (`component/ascend-device-plugin/build/faultCode.json`), codes upper-cased and each
+/// listed once per level (docs/catalog.md, "Ascend codes").
 pub const BUILTIN_FAULT_CODES: &str = include_str!("../../catalog/ascend-faultCode.json");
 /// The built-in `faultCustomization.json`.
 pub const BUILTIN_CUSTOMIZATION: &str =
@@ -480,6 +482,34 @@ mod tests {
         assert_eq!(rules[3].duration, Some(Duration::from_secs(20)));
         assert_eq!(rules[3].recover_after, Some(Duration::from_secs(60)));
         assert_eq!(rules[3].handling, Handling::PreSeparateNPU);
+    }
+
+    /// The built-in table holds MindCluster v26.1.0's levels: its size per level, and the codes
+    /// whose level changed across releases (816F8002 was SeparateNPU up to v7.3.2).
+    #[test]
+    fn builtin_table_is_mindcluster_v26_1_0() {
+        let t = AscendTable::parse("builtin", BUILTIN_FAULT_CODES).unwrap();
+        // 803 entries: A2301001 (RestartBusiness and SeparateNPU) counts once, and four network
+        // codes listed under chip keys are network codes.
+        assert_eq!(t.len(), (798, 4));
+        for (code, level) in [
+            ("816F8002", Handling::RestartNPU),
+            ("81A3880C", Handling::SubHealthFault),
+            ("80F38009", Handling::NotHandleFault),
+            ("814D800A", Handling::RestartNPU),
+            ("80CB8000", Handling::RestartRequest),
+            ("A2301001", Handling::SeparateNPU),
+        ] {
+            assert_eq!(t.lookup(code, false), Some(level), "{code}");
+        }
+        for (code, level) in [
+            ("81078603", Handling::NotHandleFault),
+            ("81078607", Handling::NotHandleFault),
+            ("110000002", Handling::SubHealthFault),
+            ("110001024", Handling::PreSeparateNPU),
+        ] {
+            assert_eq!(t.lookup(code, true), Some(level), "{code}");
+        }
     }
 
     #[test]

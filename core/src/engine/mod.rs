@@ -807,6 +807,8 @@ impl Engine {
     ) {
         // `None`: every device of the source in this domain.
         let dkey = device.as_ref().map(|d| self.resolve_device(Some(d)).0);
+        let mut present = present;
+        unlisted_follow_listed(ctx, &mut present);
         let mut seen = BTreeSet::new();
         for mut s in present {
             if s.device.is_none() {
@@ -858,4 +860,29 @@ fn set_handling(f: &mut Fault, h: Handling) {
     f.fault_handling = h;
     f.fault_level = h;
     f.large_model_fault_level = h;
+}
+
+/// MindCluster's device plugin gives an Ascend chip the level of its listed codes whenever it has
+/// one, and falls back to a default (SeparateNPU for a severe code) only when none of the chip's
+/// codes is listed (`GetFaultTypeByCode`, then `getFaultTypeBySeverity`, in its
+/// `pkg/common/fault_code.go`). So an unlisted chip code read together with a listed one on the
+/// same chip is not severe: it never raises the chip above what the listed code says.
+fn unlisted_follow_listed(ctx: Ctx<'_>, present: &mut [Signal]) {
+    let listed = |s: &Signal| {
+        matches!(s.code, FaultCode::Ascend { network: false, .. })
+            && ctx.policy.classify(ctx.catalog, &s.code).known
+    };
+    if !present.iter().any(listed) {
+        return;
+    }
+    for s in present.iter_mut() {
+        if let FaultCode::Ascend {
+            network: false,
+            severe,
+            ..
+        } = &mut s.code
+        {
+            *severe = false;
+        }
+    }
 }

@@ -829,7 +829,7 @@ fn ascend_levels_classify_and_clear() {
     let codes = [
         npu_code("80E3A201", false, false), // listed SeparateNPU
         npu_code("80E01801", false, false), // listed RestartBusiness
-        npu_code("80ABCDEF", false, true),  // unlisted, chip health Alarm: SeparateNPU
+        npu_code("80ABCDEF", false, true),  // unlisted, chip health Alarm, beside listed codes
         npu_code("80ABCDEE", false, false), // unlisted, chip health OK: NotHandleFault
     ];
     let events = r.at(0, level(3, "npu-chip", &codes));
@@ -843,10 +843,10 @@ fn ascend_levels_classify_and_clear() {
     assert_eq!(
         states(&r),
         [
-            "80ABCDEF@Ascend910-3:SeparateNPU",
             "80E3A201@Ascend910-3:SeparateNPU",
             "80E01801@Ascend910-3:RestartBusiness",
             "80ABCDEE@Ascend910-3:NotHandleFault",
+            "80ABCDEF@Ascend910-3:NotHandleFault",
         ]
     );
     let f = &r.view().faults[0];
@@ -872,6 +872,49 @@ fn ascend_levels_classify_and_clear() {
             "80ABCDEF@Ascend910-3:-",
         ]
     );
+}
+
+/// The level of an unlisted chip code, as MindCluster's device plugin decides it: the chip's
+/// health only counts when none of the chip's codes is listed; beside a listed code the unlisted
+/// one never raises the chip (so a SubHealth code and an unknown one under an Alarm stay below
+/// SeparateNPU). Network codes are not chip codes and keep their own default.
+#[test]
+fn unlisted_codes_never_rise_above_the_listed_ones() {
+    let cases: [(&[FaultCode], &[&str]); 4] = [
+        (
+            &[npu_code("80ABCDEF", false, true)],
+            &["80ABCDEF@Ascend910-0:SeparateNPU"],
+        ),
+        (
+            &[
+                npu_code("81A3880C", false, true),
+                npu_code("80ABCDEF", false, true),
+            ],
+            &[
+                "81A3880C@Ascend910-0:SubHealthFault",
+                "80ABCDEF@Ascend910-0:NotHandleFault",
+            ],
+        ),
+        (
+            &[npu_code("80ABCDEF", false, false)],
+            &["80ABCDEF@Ascend910-0:NotHandleFault"],
+        ),
+        (
+            &[
+                npu_code("81078603", true, true),
+                npu_code("80ABCDEF", false, true),
+            ],
+            &[
+                "80ABCDEF@Ascend910-0:SeparateNPU",
+                "81078603@Ascend910-0:NotHandleFault",
+            ],
+        ),
+    ];
+    for (codes, want) in cases {
+        let mut r = Rig::new("");
+        r.at(0, level(0, "npu-chip", codes));
+        assert_eq!(states(&r), want, "{codes:?}");
+    }
 }
 
 /// MindCluster's duration rule (built in): link down 20 s -> PreSeparateNPU; recovered only after
