@@ -139,7 +139,7 @@ impl Default for MindClusterPolicy {
 
 /// Public faults for MindCluster's ClusterD (docs/ascend.md, "Public faults"). Off by default;
 /// ClusterD drops them unless its `publicCustomization.json` lists `resource` and faultline's
-/// codes (`manifests/examples/mindcluster/publicCustomization.json`).
+/// codes (`manifests/examples/mindcluster/<release>/publicCustomization.json`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct PublicFaultPolicy {

@@ -12,10 +12,10 @@
 //! - a fault that ended is sent as `recover` in every message for [`RECOVER_KEPT`] after, so a
 //!   ClusterD that missed one update still sees it;
 //! - `faultCode` is one of faultline's nine-character public codes ([`public_code`]), by the
-//!   fault's kind (NPU, Network, Node) and its level as ClusterD knows levels; the operator lists
-//!   them in ClusterD's `publicCustomization.json`
-//!   (`manifests/examples/mindcluster/publicCustomization.json`), with `resource` in
-//!   `publicFaultResource`, or ClusterD drops the message;
+//!   fault's kind (NPU, Network, Node) and its level as ClusterD knows levels; the operator
+//!   gives ClusterD a `publicCustomization.json` that lists them and `resource`, or ClusterD
+//!   drops the faults (`manifests/examples/mindcluster/<release>/publicCustomization.json`, one
+//!   complete file per ClusterD release line, since the file replaces ClusterD's own);
 //! - Ascend hex codes stay out: the device plugin reports those itself.
 //!
 //! Building a message is pure ([`entries`], [`Outbox::message`]); [`PublicFaultSink::run`]
@@ -662,9 +662,172 @@ mod tests {
 
     fn shipped_config() -> ClusterdConfig {
         serde_json::from_str(include_str!(
-            "../../../manifests/examples/mindcluster/publicCustomization.json"
+            "../../../manifests/examples/mindcluster/v26.1.0/publicCustomization.json"
         ))
         .unwrap()
+    }
+
+    /// One ClusterD release line, restated from MindCluster's code at its tags: the built-in
+    /// `component/clusterd/build/publicFaultConfiguration.json` (codes by level, resources),
+    /// and the level keys its code struct has (`pubFaultCode` in
+    /// `pkg/domain/publicfault/file.go`; `PreSeparateNPUCodes` from v7.3.0 on).
+    struct Release {
+        dir: &'static str,
+        pre_separate: bool,
+        codes: Vec<(&'static str, Vec<&'static str>)>,
+        resources: Vec<&'static str>,
+    }
+
+    fn releases() -> Vec<Release> {
+        let separate = vec![
+            "220001001",
+            "220001002",
+            "220001003",
+            "220001004",
+            "220001005",
+            "220001006",
+            "220001007",
+        ];
+        let not_handle = vec![
+            "200001006",
+            "200001010",
+            "200001011",
+            "200001012",
+            "100001011",
+        ];
+        let sub_health_70 = vec![
+            "010001001",
+            "010001004",
+            "310001005",
+            "210001007",
+            "210001008",
+            "210001009",
+        ];
+        let sub_health_71 = [
+            sub_health_70.clone(),
+            vec!["110001010", "110001020", "110001021"],
+        ]
+        .concat();
+        let resources_70 = vec!["CCAE", "fd-online", "pingmesh", "Netmind"];
+        let resources_71 = [resources_70.clone(), vec!["dpcStorage"]].concat();
+        let v71 = |dir, pre_separate| Release {
+            dir,
+            pre_separate,
+            codes: vec![
+                ("NotHandleFaultCodes", not_handle.clone()),
+                ("SubHealthFaultCodes", sub_health_71.clone()),
+                ("SeparateNPUCodes", separate.clone()),
+            ],
+            resources: resources_71.clone(),
+        };
+        vec![
+            Release {
+                dir: "v7.0.RC1",
+                pre_separate: false,
+                codes: vec![
+                    ("NotHandleFaultCodes", vec!["200001006"]),
+                    ("SubHealthFaultCodes", sub_health_70.clone()),
+                    ("SeparateNPUCodes", separate.clone()),
+                ],
+                resources: resources_70.clone(),
+            },
+            v71("v7.1.RC1-v7.2.RC1", false),
+            v71("v7.3.0-v26.0.1", true),
+            Release {
+                dir: "v26.1.0",
+                pre_separate: true,
+                codes: vec![
+                    ("NotHandleFaultCodes", not_handle.clone()),
+                    (
+                        "SubHealthFaultCodes",
+                        [sub_health_71.clone(), vec!["010001002"]].concat(),
+                    ),
+                    (
+                        "SeparateNPUCodes",
+                        [separate, vec!["120001001", "020001001"]].concat(),
+                    ),
+                    ("PreSeparateNPUCodes", vec!["110001022", "110001023"]),
+                ],
+                resources: [resources_71, vec!["dtfsStorage"]].concat(),
+            },
+        ]
+    }
+
+    /// The shipped file of each release line keeps everything ClusterD's own file has (an
+    /// operator's file replaces it: `LoadPubFaultCfgFromFile` resets the code cache and the
+    /// resources), uses only the level keys that release reads (Go's decoder drops any other
+    /// key, and the codes under it become unknown: v7.0.RC1 then refuses the whole message),
+    /// and lists every code faultline sends exactly once: at its own level, or, before
+    /// PreSeparateNPU exists, under SeparateNPU (the chip is kept from new work either way).
+    #[test]
+    fn one_complete_clusterd_configuration_per_release_line() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../manifests/examples/mindcluster");
+        let mut found: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        found.sort();
+        let mut want: Vec<String> = releases().iter().map(|r| r.dir.to_string()).collect();
+        want.sort();
+        assert_eq!(found, want, "one directory per release line");
+        let resource = faultline_core::policy::PublicFaultPolicy::default().resource;
+        for r in releases() {
+            let path = dir.join(r.dir).join("publicCustomization.json");
+            let text = std::fs::read_to_string(&path).unwrap();
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            let top: Vec<&String> = v.as_object().unwrap().keys().collect();
+            assert_eq!(top, ["publicFaultCode", "publicFaultResource"], "{}", r.dir);
+            let cfg: ClusterdConfig = serde_json::from_value(v).unwrap();
+            let read = |key: &str| key != "PreSeparateNPUCodes" || r.pre_separate;
+            for key in cfg.public_fault_code.keys() {
+                assert!(
+                    [
+                        "NotHandleFaultCodes",
+                        "SubHealthFaultCodes",
+                        "SeparateNPUCodes",
+                        "PreSeparateNPUCodes"
+                    ]
+                    .contains(&key.as_str())
+                        && read(key),
+                    "{}: {key} is not read",
+                    r.dir
+                );
+            }
+            // ClusterD's level of a code (`GetFaultLevelByCode`): the first list that has it.
+            let level_of = |code: &str| {
+                let lists: Vec<&str> = cfg
+                    .public_fault_code
+                    .iter()
+                    .filter(|(_, codes)| codes.iter().any(|c| c == code))
+                    .map(|(k, _)| k.as_str())
+                    .collect();
+                assert!(lists.len() <= 1, "{}: {code} under {lists:?}", r.dir);
+                lists.first().map(|k| k.to_string())
+            };
+            for (key, codes) in &r.codes {
+                for code in codes {
+                    assert_eq!(level_of(code).as_deref(), Some(*key), "{}: {code}", r.dir);
+                }
+            }
+            for res in r.resources.iter().copied().chain([resource.as_str()]) {
+                assert!(
+                    cfg.public_fault_resource.iter().any(|x| x == res),
+                    "{}: resource {res}",
+                    r.dir
+                );
+            }
+            for level in PublicLevel::ALL {
+                let key = match level.table_key() {
+                    k if read(k) => k,
+                    _ => "SeparateNPUCodes",
+                };
+                for ty in FAULT_TYPES {
+                    let code = public_code(ty, level);
+                    assert_eq!(level_of(&code).as_deref(), Some(key), "{}: {code}", r.dir);
+                }
+            }
+        }
     }
 
     fn id_ok(s: &str) -> bool {
@@ -678,9 +841,13 @@ mod tests {
         (1_000_000_000_000..10_000_000_000_000).contains(&v) && v >= 1_735_689_600_000
     }
 
-    /// ClusterD's check of one public-fault message, restated from its checker: any failure
-    /// discards the whole message. Parsed into a plain JSON value first, as ClusterD decodes
-    /// into its own structs (so our struct cannot hide a missing or misnamed field).
+    /// ClusterD's check of one public-fault message, restated from its checker
+    /// (`application/publicfault/checker.go`). A failure of the message's own fields discards
+    /// it on every release; an invalid fault discards the whole message on v7.0.RC1
+    /// (`checkFaults`) and only that fault from v7.1.RC1 on (`checkFaultsAndFlush`). faultline
+    /// must pass on both, so here any failure fails. Parsed into a plain JSON value first, as
+    /// ClusterD decodes into its own structs (so our struct cannot hide a missing or misnamed
+    /// field).
     fn clusterd_check(text: &str, cfg: &ClusterdConfig) -> anyhow::Result<()> {
         let v: serde_json::Value = serde_json::from_str(text)?;
         let s = |x: &serde_json::Value, k: &str| x[k].as_str().unwrap_or_default().to_string();
