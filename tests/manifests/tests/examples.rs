@@ -1,5 +1,5 @@
-//! The examples: every pod template keeps off Unhealthy nodes and waits for a usable record
-//! with `faultline wait-healthy`, reading the host's record read-only.
+//! The examples: every pod template that trains keeps off Unhealthy nodes and waits for a usable
+//! record with `faultline wait-healthy`, reading the host's record read-only.
 
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{Container, PodSpec, PodTemplateSpec};
@@ -35,6 +35,23 @@ fn pod_specs() -> Vec<(String, PodSpec)> {
                         .unwrap_or_else(|e| panic!("{}: Worker: {e}", d.at()));
                 out.push((format!("{} Worker", d.at()), t.spec.expect("pod spec")));
             }
+            "ElasticJob" => {
+                // DLRover's job master starts no training and needs no agent on its node (its
+                // pre-check asks the cluster about the workers' nodes); every other replica
+                // trains and is held to the same rules as every training pod.
+                let replicas = d.value["spec"]["replicaSpecs"]
+                    .as_object()
+                    .expect("replicaSpecs");
+                assert!(replicas.contains_key("dlrover-master") && replicas.contains_key("worker"));
+                for (role, r) in replicas
+                    .iter()
+                    .filter(|(role, _)| *role != "dlrover-master")
+                {
+                    let t: PodTemplateSpec =
+                        common::strict(&r["template"]).unwrap_or_else(|e| panic!("{role}: {e}"));
+                    out.push((format!("{} {role}", d.at()), t.spec.expect("pod spec")));
+                }
+            }
             // The launcher's identity and its discovery script.
             "ServiceAccount" | "Role" | "RoleBinding" | "ClusterRole" | "ClusterRoleBinding"
             | "ConfigMap" => {}
@@ -42,8 +59,8 @@ fn pod_specs() -> Vec<(String, PodSpec)> {
         }
     }
     assert!(
-        out.len() >= 4,
-        "a Job, a PyTorchJob's Master and Worker, an MPIJob's Worker"
+        out.len() >= 5,
+        "a Job, a PyTorchJob's Master and Worker, an MPIJob's Worker, an ElasticJob's worker"
     );
     out
 }

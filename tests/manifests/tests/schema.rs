@@ -45,6 +45,7 @@ fn check_doc(doc: &Doc) -> Result<(), String> {
         ("monitoring.coreos.com/v1", "ServiceMonitor") => check_servicemonitor(v),
         ("monitoring.coreos.com/v1", "PrometheusRule") => check_prometheusrule(v),
         ("kubeflow.org/v2beta1", "MPIJob") => check_mpijob(v),
+        ("elastic.iml.github.io/v1alpha1", "ElasticJob") => check_elasticjob(v),
         ("kustomize.config.k8s.io/v1beta1", "Kustomization") => {
             if doc.file.ends_with("kustomization.yaml") {
                 Ok(())
@@ -258,6 +259,56 @@ fn check_mpijob(v: &Value) -> Result<(), String> {
     Ok(())
 }
 
+/// An ElasticJob (DLRover's custom resource, v1alpha1): the fields of its spec and of each
+/// replica (DLRover's go/elasticjob/api/v1alpha1/elasticjob_types.go, `ElasticJobSpec` and
+/// `ReplicaSpec`, which inlines pkg/common/api/v1/types.go `ReplicaSpec`, at v0.6.1), the
+/// replica types the master knows (dlrover/python/common/constants.py `NodeType`, and the
+/// controller's `dlrover-master`), every template a strict `PodTemplateSpec`.
+fn check_elasticjob(v: &Value) -> Result<(), String> {
+    only_keys(v, "", &["apiVersion", "kind", "metadata", "spec"])?;
+    let spec = &v["spec"];
+    only_keys(
+        spec,
+        "spec",
+        &[
+            "distributionStrategy",
+            "resourceLimits",
+            "optimizeMode",
+            "brainService",
+            "replicaSpecs",
+            "envs",
+            "suspend",
+        ],
+    )?;
+    let replicas = spec["replicaSpecs"]
+        .as_object()
+        .ok_or("no spec.replicaSpecs")?;
+    if !replicas.contains_key("worker") {
+        return Err("spec.replicaSpecs has no worker".into());
+    }
+    for (role, r) in replicas {
+        if !["dlrover-master", "worker", "ps", "chief", "evaluator"].contains(&role.as_str()) {
+            return Err(format!("replica type {role}: not one DLRover knows"));
+        }
+        only_keys(
+            r,
+            &format!("spec.replicaSpecs.{role}"),
+            &[
+                "replicas",
+                "template",
+                "restartPolicy",
+                "restartCount",
+                "autoScale",
+                "restartTimeout",
+                "priority",
+                "BatchScheduler",
+            ],
+        )?;
+        strict::<PodTemplateSpec>(&r["template"]).map_err(|e| format!("{role}.template: {e}"))?;
+    }
+    Ok(())
+}
+
 #[test]
 fn every_document_is_a_faithful_instance_of_its_type() {
     let docs = common::load("");
@@ -269,6 +320,7 @@ fn every_document_is_a_faithful_instance_of_its_type() {
         "base/coordinator.yaml",
         "examples/job.yaml",
         "examples/pytorchjob.yaml",
+        "examples/elasticjob.yaml",
     ] {
         assert!(files.contains(required), "{required} not found");
     }
@@ -293,6 +345,7 @@ fn every_document_is_a_faithful_instance_of_its_type() {
         "ValidatingAdmissionPolicyBinding",
         "Job",
         "PyTorchJob",
+        "ElasticJob",
         "Service",
         "ServiceMonitor",
         "PrometheusRule",
@@ -336,6 +389,22 @@ fn the_strict_check_catches_misplaced_and_mistyped_fields() {
         check_doc(&bad).is_err(),
         "a typo inside a PyTorchJob template"
     );
+
+    let ej = common::load("examples")
+        .into_iter()
+        .find(|d| d.kind() == "ElasticJob")
+        .expect("an ElasticJob");
+    assert!(check_doc(&ej).is_ok());
+    let mut bad = ej.clone();
+    bad.value["spec"]["replicaSpecs"]["worker"]["template"]["spec"]["initContainer"] =
+        Value::Array(vec![]);
+    assert!(
+        check_doc(&bad).is_err(),
+        "a typo inside an ElasticJob template"
+    );
+    let mut bad = ej.clone();
+    bad.value["spec"]["replicaSpecs"]["worker"]["restartCounts"] = 3.into();
+    assert!(check_doc(&bad).is_err(), "a typo in an ElasticJob replica");
 
     let mut unknown = ds.clone();
     unknown.value["kind"] = "DeamonSet".into();
