@@ -1,7 +1,7 @@
 //! Atomic file replacement: a temporary file in the same directory, written, synced and
 //! renamed over the target, so a reader sees the old bytes or the new ones, never a mix. Used
-//! by every writer of files that other programs read: the record, the state, MindCluster's
-//! document, the peer-check result, the CLI's clear requests.
+//! by every writer of files that other programs (or a later run) read: the record, the state,
+//! the public-fault outbox, the peer-check result, the CLI's clear requests.
 
 use std::io::Write;
 use std::path::{Path, PathBuf};

@@ -273,8 +273,7 @@ async fn run_node(
     running.engine = Handle::spawn("engine", engine_loop.run());
 
     // Sinks and the endpoints. They stop on shutdown, after their last write.
-    let mindcluster = sink::MindCluster {
-        state_dir: cfg.state_dir.clone(),
+    let public_faults = sink::PublicFaults {
         data_dir: cfg.data_dir.clone(),
         settle: cfg.kube_sinks.settle,
     };
@@ -296,7 +295,7 @@ async fn run_node(
         engine: heartbeat.clone(),
     };
     for started in [
-        mindcluster.start(&cx).await,
+        public_faults.start(&cx).await,
         kube_sinks.start(&cx).await,
         file.start(&cx).await,
     ] {

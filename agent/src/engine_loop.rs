@@ -107,8 +107,6 @@ pub struct Snapshot {
     pub marker: u64,
     /// The devices each polled source last reported, by kind (the engine's view).
     pub inventory: Arc<BTreeMap<String, BTreeSet<String>>>,
-    /// Active faults waiting out a recovery hold, as `(device, fault_code)` (the engine's view).
-    pub recovering: Arc<BTreeSet<(String, String)>>,
     pub state: Arc<PersistedState>,
     /// The newest revision (this one or an earlier one; 0: none in this run) holding a change
     /// that a restart would not make again: anything but a record of a kernel log that replays
@@ -726,7 +724,6 @@ impl EngineLoop {
             condition: view.condition,
             marker: self.marker,
             inventory: Arc::new(view.inventory),
-            recovering: Arc::new(view.recovering),
             state: Arc::new(PersistedState {
                 version: STATE_VERSION,
                 kmsg_cursor: self.kmsg_cursor.and_then(|c| c.seq),
@@ -766,7 +763,6 @@ pub(crate) fn test_snapshot(revision: u64, marker: u64) -> Snapshot {
         },
         marker,
         inventory: Default::default(),
-        recovering: Default::default(),
         state: Arc::new(PersistedState::default()),
         // Saved first: nothing in it replays.
         save_first: revision,

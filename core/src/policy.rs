@@ -111,15 +111,14 @@ impl Default for NvmlPolicy {
     }
 }
 
-/// The MindCluster-compatible output (opt-in): the `DeviceInfoCfg` document Volcano's Ascend
-/// rescheduling reads, as the ConfigMap `mindx-dl-deviceinfo-<node>` in `kube-system`
-/// (Kubernetes mode) and as `deviceinfo.json` next to the fault file.
+/// What faultline tells MindCluster: only public faults for its ClusterD. faultline writes none
+/// of the device plugin's own documents (docs/ascend.md, "MindCluster's device documents").
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct MindClusterPolicy {
-    pub enabled: bool,
-    /// Rewritten at least this often even when nothing changed (consumers treat an old
-    /// `UpdateTime` as a dead node).
+    /// The public-fault message is written again at least this often (± 25 % per node) while
+    /// anything is published, even when nothing changed: ClusterD drops messages beyond its
+    /// rate limit and after a restart replays only the last one.
     #[serde(with = "humantime_serde")]
     pub resync: Duration,
     /// MindCluster's public-fault interface (Kubernetes mode): faultline's own findings, which
@@ -130,7 +129,6 @@ pub struct MindClusterPolicy {
 impl Default for MindClusterPolicy {
     fn default() -> Self {
         MindClusterPolicy {
-            enabled: false,
             resync: Duration::from_secs(300),
             public_faults: PublicFaultPolicy::default(),
         }
@@ -1122,6 +1120,9 @@ expected_gpus: 8
             ("ascend: { mindcluster: { public_faults: { enabled: true, resource: \"\" } } }\n",
              &["ascend.mindcluster.public_faults.resource"]),
             ("ascend: { mindcluster: { public_faults: { enable: true } } }\n", &["unknown field", "enable"]),
+            // The device plugin's document is not faultline's to write (docs/ascend.md): the
+            // switch that wrote it is gone, and a policy that still sets it is refused.
+            ("ascend: { mindcluster: { enabled: true } }\n", &["unknown field", "enabled", "ascend"]),
         ];
         for (text, needles) in cases {
             let err = Policy::parse(text).expect_err(text).to_string();

@@ -8,15 +8,12 @@
 
 mod common;
 
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use common::{fault, fixtures, Agent};
 use faultline_core::record::{FaultType, Handling, Health, NodeRecord, Source};
 use faultline_core::time::{SignedDuration, Timestamp};
-use serde::Deserialize;
-use sha2::{Digest, Sha256};
 
 fn fixture(name: &str) -> String {
     std::fs::read_to_string(fixtures().join("ascend").join(name)).unwrap()
@@ -157,137 +154,14 @@ fn active_on(r: &NodeRecord, code: &str, device: &str) -> bool {
     on(r, code, device).is_some_and(|f| f.active)
 }
 
-// MindCluster's DeviceInfoCfg, as Volcano's Ascend plugin reads it (its field names).
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DeviceInfoCfg {
-    #[serde(rename = "DeviceInfo")]
-    device_info: DeviceInfo,
-    #[serde(rename = "SuperPodID")]
-    super_pod_id: i64,
-    #[serde(rename = "ServerIndex")]
-    server_index: i64,
-    #[serde(rename = "CheckCode")]
-    check_code: String,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DeviceInfo {
-    #[serde(rename = "DeviceList")]
-    device_list: BTreeMap<String, String>,
-    #[serde(rename = "UpdateTime")]
-    update_time: i64,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct DeviceFault {
-    fault_type: String,
-    npu_name: String,
-    large_model_fault_level: String,
-    fault_level: String,
-    fault_handling: String,
-    fault_code: String,
-    fault_time_and_level_map: BTreeMap<String, TimeAndLevel>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct TimeAndLevel {
-    fault_time: i64,
-    fault_level: String,
-}
-
-/// Parses a DeviceInfoCfg document and checks what every consumer relies on: the CheckCode
-/// over the DeviceInfo bytes, the five keys, and the Fault list's elements.
-fn parse_device_info(doc: &str) -> (DeviceInfoCfg, Vec<DeviceFault>) {
-    let cfg: DeviceInfoCfg = serde_json::from_str(doc).unwrap();
-    let start = doc.find("{\"DeviceList\"").unwrap();
-    let end = doc.rfind(",\"SuperPodID\"").unwrap();
-    assert_eq!(
-        cfg.check_code,
-        hex::encode(Sha256::digest(&doc.as_bytes()[start..end]))
-    );
-    assert_eq!((cfg.super_pod_id, cfg.server_index), (-2, -2));
-    let keys: Vec<&str> = cfg
-        .device_info
-        .device_list
-        .keys()
-        .map(|k| k.as_str())
-        .collect();
-    assert_eq!(
-        keys,
-        [
-            "huawei.com/Ascend910",
-            "huawei.com/Ascend910-Fault",
-            "huawei.com/Ascend910-NetworkUnhealthy",
-            "huawei.com/Ascend910-Recovering",
-            "huawei.com/Ascend910-Unhealthy",
-        ]
-    );
-    let faults: Vec<DeviceFault> =
-        serde_json::from_str(&cfg.device_info.device_list["huawei.com/Ascend910-Fault"]).unwrap();
-    for f in &faults {
-        assert_eq!(f.fault_level, f.fault_handling);
-        assert_eq!(f.large_model_fault_level, f.fault_handling);
-        let codes: Vec<&str> = f.fault_code.split(',').collect();
-        assert_eq!(codes.len(), f.fault_time_and_level_map.len());
-        for c in codes {
-            assert!(
-                c.len() == 8
-                    && c.bytes()
-                        .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_lowercase()),
-                "{c}"
-            );
-            assert!(f.fault_time_and_level_map[c].fault_time > 1_700_000_000_000);
-        }
-    }
-    (cfg, faults)
-}
-
-fn read_device_info(
-    rig: &Rig,
-    what: &str,
-    f: impl Fn(&DeviceInfoCfg, &[DeviceFault]) -> bool,
-) -> (DeviceInfoCfg, Vec<DeviceFault>) {
-    let path = rig.agent.state().join("deviceinfo.json");
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        if let Ok(text) = std::fs::read_to_string(&path) {
-            let (cfg, faults) = parse_device_info(&text);
-            if f(&cfg, &faults) {
-                return (cfg, faults);
-            }
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "timed out waiting for deviceinfo.json: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// A chip error code appears and clears; records use Ascend names and the operator's level
-/// table; the MindCluster document follows, standalone, in the state directory.
+/// table.
 #[test]
 fn chip_error_code_appears_and_clears() {
-    let rig = Rig::start("  mindcluster: { enabled: true }\n", &[]);
+    let rig = Rig::start("", &[]);
     let r = rig.running();
     assert!(r.faults.is_empty(), "{:?}", r.faults);
     assert_eq!(r.health, Health::Healthy);
-    let (cfg, faults) = read_device_info(&rig, "eight healthy chips", |c, _| {
-        c.device_info.device_list["huawei.com/Ascend910"]
-            .split(',')
-            .count()
-            == 8
-    });
-    assert!(faults.is_empty());
-    assert_eq!(
-        cfg.device_info.device_list["huawei.com/Ascend910-Unhealthy"],
-        ""
-    );
 
     // Card 3 (chip 0): a listed SeparateNPU code, in lower case as some drivers print it.
     rig.put("health-3-0.txt", &health_with("Critical", "0x80e3a201"));
@@ -300,19 +174,6 @@ fn chip_error_code_appears_and_clears() {
     assert_eq!(f.source, Source::Ascend);
     assert!(f.message.contains("HBM"), "{}", f.message);
     assert_eq!(r.health, Health::Unhealthy);
-    let (cfg, faults) = read_device_info(&rig, "Ascend910-3 unhealthy", |c, _| {
-        c.device_info.device_list["huawei.com/Ascend910-Unhealthy"] == "Ascend910-3"
-    });
-    assert!(!cfg.device_info.device_list["huawei.com/Ascend910"].contains("Ascend910-3"));
-    assert_eq!(faults.len(), 1);
-    assert_eq!(faults[0].npu_name, "Ascend910-3");
-    assert_eq!(faults[0].fault_type, "CardUnhealthy");
-    assert_eq!(faults[0].fault_code, "80E3A201");
-    assert_eq!(faults[0].fault_handling, "SeparateNPU");
-    assert_eq!(
-        faults[0].fault_time_and_level_map["80E3A201"].fault_level,
-        "SeparateNPU"
-    );
 
     // The code clears: the fault recovers, the chip is healthy again.
     rig.remove("health-3-0.txt");
@@ -320,13 +181,6 @@ fn chip_error_code_appears_and_clears() {
         on(r, "80E3A201", "Ascend910-3").is_some_and(|f| !f.active)
     });
     assert_eq!(r.health, Health::Healthy);
-    read_device_info(&rig, "all healthy again", |c, f| {
-        f.is_empty()
-            && c.device_info.device_list["huawei.com/Ascend910"]
-                .split(',')
-                .count()
-                == 8
-    });
     rig.agent.stop();
 }
 
@@ -481,8 +335,7 @@ fn garbage_and_hangs_are_detector_faults() {
     rig.agent.stop();
 }
 
-/// A node without the Ascend tools: both detectors idle, no faults, nothing written for
-/// MindCluster unless it is turned on.
+/// A node without the Ascend tools: both detectors idle, no faults.
 #[test]
 fn no_ascend_tools_is_idle() {
     let rig = Rig::start_with("", false, &[]);
@@ -491,7 +344,6 @@ fn no_ascend_tools_is_idle() {
     });
     assert!(r.faults.is_empty(), "{:?}", r.faults);
     assert_eq!(r.health, Health::Healthy);
-    assert!(!rig.agent.state().join("deviceinfo.json").exists());
     // A tool that is not installed is no failed call (issue 26 §2: before, every node without
     // NPUs counted failed npu-smi calls for ever), and the detector reads idle, not down.
     let m = |name: &str| rig.agent.metric(name);
@@ -547,7 +399,7 @@ fn tool_paths_in_the_policy_run_nothing() {
 }
 
 /// The API emulator with node-a, the agents' and kube-system namespaces, and the agent's token
-/// allowed exactly the call tables (the MindCluster one included); its kubeconfig is
+/// allowed exactly the call tables (the public faults' one included); its kubeconfig is
 /// `<dir>/kubeconfig`.
 fn kube_rig() -> (
     tokio::runtime::Runtime,
@@ -575,116 +427,6 @@ fn kube_rig() -> (
     emu.write_kubeconfig(&kdir.path().join("kubeconfig"), "agent")
         .unwrap();
     (rt, emu, kdir)
-}
-
-/// With the Kubernetes sinks present and the compatibility output on, the same document is the
-/// ConfigMap `mindx-dl-deviceinfo-<node>` in kube-system, labelled for MindCluster's consumers,
-/// rewritten when the lists change and refreshed every `resync` when nothing does. The agent
-/// runs against the API emulator with exactly the permissions of the call tables.
-#[test]
-fn deviceinfo_configmap_in_kubernetes_mode() {
-    use faultline_kube_emulator::ResourceRef;
-
-    let (_rt, emu, kdir) = kube_rig();
-    let kubeconfig = kdir.path().join("kubeconfig");
-
-    let rig = Rig::start(
-        "  mindcluster: { enabled: true, resync: 2s }\n",
-        &[
-            "--kubeconfig",
-            kubeconfig.to_str().unwrap(),
-            "--settle",
-            "0s",
-        ],
-    );
-    rig.running();
-    rig.put(
-        "health-4-0.txt",
-        &health_with("Critical", "80E18402 80C98008"),
-    );
-    let cm_ref = ResourceRef::config_map("kube-system", "mindx-dl-deviceinfo-node-a");
-    let read = || -> Option<(serde_json::Value, DeviceInfoCfg, Vec<DeviceFault>, String)> {
-        let cm = emu.get(&cm_ref)?;
-        let doc = cm["data"]["DeviceInfoCfg"].as_str()?.to_string();
-        let (cfg, faults) = parse_device_info(&doc);
-        Some((cm, cfg, faults, doc))
-    };
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    let (cm, cfg, faults) = loop {
-        if let Some((cm, cfg, faults, _)) = read() {
-            if cfg.device_info.device_list["huawei.com/Ascend910-Unhealthy"] == "Ascend910-4" {
-                break (cm, cfg, faults);
-            }
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "no DeviceInfoCfg with Ascend910-4 unhealthy"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert_eq!(cm["metadata"]["labels"]["mx-consumer-cim"], "true");
-    assert_eq!(faults.len(), 1);
-    let f = &faults[0];
-    assert_eq!(
-        (f.npu_name.as_str(), f.fault_type.as_str()),
-        ("Ascend910-4", "CardUnhealthy")
-    );
-    // 80E18402 is SeparateNPU, 80C98008 RestartRequest: the element carries the worse.
-    assert_eq!(f.fault_handling, "SeparateNPU");
-    assert_eq!(f.fault_code, "80C98008,80E18402");
-    assert_eq!(
-        f.fault_time_and_level_map["80C98008"].fault_level,
-        "RestartRequest"
-    );
-    assert_eq!(
-        cfg.device_info.device_list["huawei.com/Ascend910"],
-        "Ascend910-0,Ascend910-1,Ascend910-2,Ascend910-3,Ascend910-5,Ascend910-6,Ascend910-7"
-    );
-    let now = Timestamp::now().as_second();
-    assert!(
-        (now - cfg.device_info.update_time).abs() <= 5,
-        "UpdateTime {}",
-        cfg.device_info.update_time
-    );
-
-    // Nothing changes: the document is still refreshed within resync (2 s).
-    let first = cfg.device_info.update_time;
-    let deadline = std::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let (_, cfg, _, _) = read().unwrap();
-        if cfg.device_info.update_time > first {
-            assert_eq!(
-                cfg.device_info.device_list["huawei.com/Ascend910-Unhealthy"],
-                "Ascend910-4"
-            );
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "UpdateTime not refreshed"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    // The standalone file says the same.
-    let local = std::fs::read_to_string(rig.agent.state().join("deviceinfo.json")).unwrap();
-    let (local, _) = parse_device_info(&local);
-    assert_eq!(
-        local.device_info.device_list["huawei.com/Ascend910-Unhealthy"],
-        "Ascend910-4"
-    );
-    // The node sinks act on the same fault by the normal rules, and no call was refused.
-    let node = emu.get(&ResourceRef::node("node-a")).unwrap();
-    assert_eq!(
-        node["metadata"]["labels"]["faultline.io/health"],
-        "Unhealthy"
-    );
-    rig.agent.stop();
-    let refused: Vec<_> = emu
-        .calls()
-        .into_iter()
-        .filter(|c| c.status == 403)
-        .collect();
-    assert!(refused.is_empty(), "{refused:?}");
 }
 
 /// With `public_faults` on, what the device plugin does not report itself (here a chip whose

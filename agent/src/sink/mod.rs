@@ -5,59 +5,45 @@
 
 pub mod file;
 pub mod kube;
-pub(crate) mod mindcluster;
 pub(crate) mod publicfault;
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use crate::component::{Component, Context, Handle, StartError};
-use kube::deviceinfo::DeviceInfoPublisher;
 
-/// MindCluster's outputs, as the daemon starts them: the `DeviceInfoCfg` document (a local file
-/// and, in Kubernetes, its ConfigMap) and, in Kubernetes only, the public faults for ClusterD.
+/// The public-fault output as the daemon starts it: in Kubernetes mode only (ClusterD reads
+/// ConfigMaps), whatever the policy says then, since the policy may turn it on later.
 #[derive(Debug)]
-pub(crate) struct MindCluster {
-    /// The document's local file.
-    pub state_dir: PathBuf,
-    /// The public faults' outbox: durable state, since after a reboot the faults the reboot
-    /// ended must still be retracted (ClusterD clears a public fault only on `recover`).
-    pub data_dir: PathBuf,
+pub(crate) struct PublicFaults {
+    /// The outbox's directory: durable state, since after a reboot the faults the reboot ended
+    /// must still be retracted (ClusterD clears a public fault only on `recover`).
+    pub data_dir: std::path::PathBuf,
     /// How long after start a retraction waits (`--settle`).
     pub settle: Duration,
 }
 
-impl Component for MindCluster {
-    const NAME: &'static str = "mindcluster";
+impl Component for PublicFaults {
+    const NAME: &'static str = "publicfault";
 
     async fn start(self, cx: &Context) -> Result<Handle, StartError> {
-        let document = mindcluster::MindClusterSink {
-            dir: self.state_dir,
-            publisher: mindcluster::FileOnly,
-            snapshots: cx.snapshots.clone(),
-            policy: cx.policy.clone(),
-            clock: cx.clock.clone(),
-            metrics: cx.metrics.clone(),
-            shutdown: cx.shutdown.clone(),
+        let Some(clients) = &cx.kube else {
+            return Ok(Handle::none());
         };
-        let Some(kube) = &cx.kube else {
-            return Ok(Handle::spawn(Self::NAME, document.run()));
-        };
-        let publisher = DeviceInfoPublisher::new(kube.calls.clone(), &cx.node);
-        let public = publicfault::PublicFaultSink {
+        let sink = publicfault::PublicFaultSink {
             node: cx.node.clone(),
             dir: self.data_dir,
             settle: self.settle,
-            publisher: DeviceInfoPublisher::public_faults(kube.calls.clone(), &cx.node),
+            publisher: kube::publicfault::PublicFaultPublisher::new(
+                clients.calls.clone(),
+                &cx.node,
+            ),
             snapshots: cx.snapshots.clone(),
             policy: cx.policy.clone(),
             clock: cx.clock.clone(),
             metrics: cx.metrics.clone(),
             shutdown: cx.shutdown.clone(),
         };
-        let mut handle = Handle::spawn(Self::NAME, document.with_publisher(publisher).run());
-        handle.add(Handle::spawn("publicfault", public.run()));
-        Ok(handle)
+        Ok(Handle::spawn(Self::NAME, sink.run()))
     }
 }
 
@@ -72,7 +58,7 @@ pub(crate) enum Woke {
     Stop,
 }
 
-/// The wait of a sink that follows both the snapshots and the policy (the MindCluster outputs):
+/// The wait of a sink that follows both the snapshots and the policy (the public faults):
 /// until a new snapshot, `wake` (`None`: no deadline), a policy change or shutdown.
 pub(crate) async fn next_input<T, P>(
     shutdown: &tokio_util::sync::CancellationToken,

@@ -38,7 +38,6 @@ use tracing::{debug, warn};
 use crate::clock::Clock;
 use crate::engine_loop::Snapshot;
 use crate::metrics::{Metrics, SinkLabel};
-use crate::sink::mindcluster::DocumentPublisher;
 
 pub(crate) const CONFIGMAP_PREFIX: &str = "faultline-publicfault-";
 pub(crate) const NAMESPACE: &str = "kube-system";
@@ -447,6 +446,17 @@ impl Outbox {
 /// Not before 2025-01-01T00:00:00Z: ClusterD discards a message dated earlier (a node whose
 /// clock is unset).
 const EARLIEST_MS: i64 = 1_735_689_600_000;
+
+/// Where a message goes: the ConfigMap in Kubernetes mode.
+pub(crate) trait DocumentPublisher: Send + Sync + 'static {
+    /// Why a message could not be written.
+    type Error: std::error::Error + Send;
+    /// Writes the message; the error is logged and retried.
+    fn publish(
+        &self,
+        document: &str,
+    ) -> impl std::future::Future<Output = Result<(), Self::Error>> + Send;
+}
 
 /// Everything `run` needs.
 #[derive(Debug)]
@@ -1018,6 +1028,78 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// A node-level fault on an NPU's own PCI function reaches ClusterD as a fault of every
+    /// chip. The kernel reports a fatal PCIe AER error on 0000:01:00.0, the Bus-Id npu-smi shows
+    /// for Ascend910-4 (`npu-smi-info-910b-8.txt`); the engine, with the built-in catalog, keeps
+    /// it under the PCI function (it does not map Bus-Ids to chip names) as a NodeUnhealthy
+    /// fault and the node goes Unhealthy. The message then has a `Node` fault at SeparateNPU
+    /// with every chip in `deviceIds`, 4 included: the one level ClusterD files a chip as
+    /// unhealthy at on every release (v7.0.RC1 only that one), so no chip of the node, chip 4
+    /// least of all, is left listed as usable.
+    #[test]
+    fn a_fatal_aer_error_on_a_chips_pci_function_withdraws_every_chip() {
+        use faultline_core::catalog::Catalog;
+        use faultline_core::engine::{Ctx, Engine, Observation};
+        use faultline_core::policy::Policy;
+        use faultline_core::record::Health;
+
+        let (policy, catalog) = (Policy::parse("").unwrap(), Catalog::builtin().unwrap());
+        let ctx = Ctx {
+            policy: &policy,
+            catalog: &catalog,
+        };
+        let mut engine = Engine::new();
+        engine.step(
+            ctx,
+            Observation::Inventory {
+                kind: "Ascend910".into(),
+                names: (0..8).map(|i| format!("Ascend910-{i}")).collect(),
+            },
+            t(0),
+        );
+        let line = "pcieport 0000:00:01.0: AER: Uncorrected (Fatal) error received: 0000:01:00.0";
+        let event = faultline_core::parse::parse_message(line).expect("an AER line");
+        engine.step(
+            ctx,
+            faultline_core::kmsg_reader::to_observation(event, None),
+            t(1),
+        );
+        let view = engine.view(&policy);
+        assert_eq!(view.health, Health::Unhealthy);
+        let aer = view
+            .faults
+            .iter()
+            .find(|f| f.fault_code == "PCIE_AER_FATAL")
+            .expect("the AER fault");
+        assert_eq!(
+            (aer.fault_type, aer.fault_handling, aer.device.as_str()),
+            (
+                FaultType::NodeUnhealthy,
+                Handling::SeparateNPU,
+                "pci-0000:01:00.0"
+            )
+        );
+
+        let current = entries("gpu-node-1", &view.faults, &view.inventory);
+        assert_eq!(current.len(), 1, "{current:?}");
+        let f = &current[0];
+        assert_eq!(f.fault_type, "Node");
+        assert_eq!(f.fault_code, public_code("Node", PublicLevel::SeparateNPU));
+        assert_eq!(f.influence[0].node_name, "gpu-node-1");
+        assert_eq!(f.influence[0].device_ids, (0..8).collect::<Vec<i32>>());
+        assert_eq!(f.fault_location["device"], "pci-0000:01:00.0");
+        let (msg, _) = Outbox::default()
+            .message("gpu-node-1", "faultline", &current, t(10))
+            .unwrap();
+        let text = serde_json::to_string(&msg).unwrap();
+        let cfg = shipped_config();
+        if let Err(e) = clusterd_check(&text, &cfg) {
+            panic!("{e}: {text}");
+        }
+        // ClusterD's level for the code is its table's: SeparateNPU in the shipped file.
+        assert!(cfg.public_fault_code["SeparateNPUCodes"].contains(&f.fault_code));
     }
 
     /// The checker above is not a formality: each broken message is refused.

@@ -389,7 +389,7 @@ fn the_agents_cannot_do_the_coordinators_work() {
     );
 }
 
-/// The opt-in MindCluster component grants exactly the calls the MindCluster output makes.
+/// The opt-in MindCluster component grants exactly the calls the public-fault output makes.
 #[test]
 fn the_mindcluster_component_grants_exactly_its_calls() {
     let docs: Vec<Doc> = common::component_objects("mindcluster")

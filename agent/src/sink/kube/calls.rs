@@ -172,22 +172,23 @@ pub const API_CALLS: &[ApiCall] = &[
     ),
 ];
 
-/// Calls made only with the MindCluster output on (`ascend.mindcluster.enabled`). Their RBAC is
-/// the opt-in component `manifests/components/mindcluster`, checked against this table.
+/// Calls made only with MindCluster's public faults on (`ascend.mindcluster.public_faults`).
+/// Their RBAC is the opt-in component `manifests/components/mindcluster`, checked against this
+/// table.
 pub const MINDCLUSTER_CALLS: &[ApiCall] = &[
     call(
         "",
         "configmaps",
         "patch",
         Scope::Namespace("kube-system"),
-        "sink::kube::deviceinfo (mindx-dl-deviceinfo-<node> and faultline-publicfault-<node> by server-side apply)",
+        "sink::kube::publicfault (faultline-publicfault-<node> by server-side apply)",
     ),
     call(
         "",
         "configmaps",
         "create",
         Scope::Namespace("kube-system"),
-        "sink::kube::deviceinfo (the first apply creates each ConfigMap: checked as create too)",
+        "sink::kube::publicfault (the first apply creates the ConfigMap: checked as create too)",
     ),
 ];
 

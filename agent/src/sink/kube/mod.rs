@@ -25,10 +25,10 @@
 pub(crate) mod budget;
 pub mod calls;
 pub(crate) mod configmap;
-pub(crate) mod deviceinfo;
 pub(crate) mod events;
 pub(crate) mod node;
 pub(crate) mod own;
+pub(crate) mod publicfault;
 
 use std::time::Duration;
 
