@@ -448,9 +448,6 @@ pub struct NodeView {
     pub dropped_faults: u64,
     /// The devices each polled source last reported, by kind (`Ascend910` -> chip names).
     pub inventory: BTreeMap<String, BTreeSet<String>>,
-    /// Active faults whose condition is gone and that are waiting out their recovery hold, as
-    /// `(device, fault_code)`.
-    pub recovering: BTreeSet<(String, String)>,
 }
 
 /// The label every node gets.
@@ -818,8 +815,7 @@ impl Engine {
             seen.insert(key.clone());
             match self.faults.get_mut(&key) {
                 Some(f) if f.fault.active => {
-                    // Still there: nothing to record; a running recovery hold is cancelled
-                    // (which shows in the record's `recovering` set).
+                    // Still there: nothing to record; a running recovery hold is cancelled.
                     if f.resolving_since.take().is_some() {
                         self.revision += 1;
                     }

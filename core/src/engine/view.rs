@@ -89,11 +89,6 @@ impl Engine {
                 .collect(),
             dropped_faults: self.dropped,
             inventory: self.inventory.clone(),
-            recovering: active
-                .iter()
-                .filter(|f| f.resolving_since.is_some())
-                .map(|f| (f.fault.device.clone(), f.fault.fault_code.clone()))
-                .collect(),
         }
     }
 }
