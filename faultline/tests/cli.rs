@@ -7,7 +7,7 @@ mod common;
 
 use common::{cli, Agent};
 use faultline_core::record::NodeRecord;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// The record a killed agent leaves when its node's clock was a day ahead (reproduced with
 /// libfaketime +1 day, then SIGKILL): the wall-clock heartbeat a day in the future. Its boot
@@ -114,4 +114,168 @@ fn json_output_covers_argument_errors() {
     let (code, out, _) = cli(&["get", "--help", "-o", "json"], dir.path());
     assert_eq!(code, Some(0));
     assert!(out.contains("Usage"), "{out}");
+}
+
+/// The examples' files, parsed (every document of a multi-document file).
+fn example(name: &str) -> Vec<Value> {
+    let path = format!(
+        "{}/../manifests/examples/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let text = std::fs::read_to_string(&path).unwrap();
+    serde_saphyr::from_multiple(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+/// The record loops of the examples' trainers, as written: job.yaml's `python -c` script and
+/// the PyTorchJob's train.py (its ConfigMap), with their names.
+fn training_loops() -> Vec<(&'static str, String)> {
+    let job = example("job.yaml");
+    let command = &job[0]["spec"]["template"]["spec"]["containers"][0]["command"];
+    assert_eq!((&command[0], &command[1]), (&json!("python"), &json!("-c")));
+    let pytorch = example("pytorchjob.yaml");
+    let train = pytorch
+        .iter()
+        .find(|d| d["kind"] == "ConfigMap" && d["metadata"]["name"] == "pytorch-example-train")
+        .expect("the PyTorchJob's train.py");
+    vec![
+        ("job.yaml", command[2].as_str().unwrap().to_string()),
+        (
+            "pytorchjob.yaml train.py",
+            train["data"]["train.py"].as_str().unwrap().to_string(),
+        ),
+    ]
+}
+
+/// Runs a trainer's loop as written with python3, as its pod would: `record` stands where the
+/// pod mounts the host's /run/faultline/faults.json, and each "step" (the `time.sleep` that
+/// stands for training) takes no time. Exit status and stdout.
+fn run_loop(script: &str, record: &std::path::Path) -> (Option<i32>, String) {
+    const HARNESS: &str = r#"
+import builtins, sys, time
+script, record = sys.argv[1], sys.argv[2]
+real_open = builtins.open
+def mounted(path, *args, **kwargs):
+    if path == "/run/faultline/faults.json":
+        path = record
+    return real_open(path, *args, **kwargs)
+builtins.open = mounted
+time.sleep = lambda seconds: None
+exec(compile(script, "trainer", "exec"), {"__name__": "__main__"})
+"#;
+    let out = std::process::Command::new("python3")
+        .args(["-c", HARNESS, script])
+        .arg(record)
+        .output()
+        .expect("python3 runs the examples' trainers (it is what their images run)");
+    assert!(
+        out.stderr.is_empty(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+    )
+}
+
+/// The trainers of job.yaml and pytorchjob.yaml (the same loop), run as written against the
+/// records the real agent writes: a live agent's Healthy record trains every step; Unhealthy
+/// stops the run (exit 1), from a live agent or a dead one; a dead agent's Healthy record
+/// (killed, its heartbeat a minute old; from another boot; dated a day ahead of the clock)
+/// still trains, but every step says the agent is not running and new faults go unseen.
+/// Before, the loop printed "node Healthy" for a dead agent's record, as for a live one's, and
+/// the PyTorchJob had no loop at all.
+#[test]
+fn the_examples_trainers_say_when_the_agent_is_not_running() {
+    let loops = training_loops();
+    assert_eq!(
+        loops[0].1, loops[1].1,
+        "the PyTorchJob runs job.yaml's loop"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let agent = Agent::start(dir.path(), &[]);
+    let healthy = agent.wait_for("a heartbeat", |r| r.agent.heartbeat_time.is_some());
+    let record = dir.path().join("faults.json");
+    let put = |r: &NodeRecord| std::fs::write(&record, serde_json::to_vec(r).unwrap()).unwrap();
+    let steps = |out: &str| out.lines().filter(|l| l.starts_with("step ")).count();
+
+    for (name, script) in &loops {
+        let (code, out) = run_loop(script, &agent.record_path());
+        assert_eq!(code, Some(0), "{name}: {out}");
+        assert_eq!(steps(&out), 10, "{name}: {out}");
+        assert!(out.contains("step 9: node Healthy\n"), "{name}: {out}");
+        assert!(!out.contains("not running"), "{name}: a live agent: {out}");
+    }
+    agent.append(&common::xid79(1, "3b"));
+    let unhealthy = agent.wait_for("the Xid 79", |r| {
+        r.health == faultline_core::record::Health::Unhealthy
+    });
+    for (name, script) in &loops {
+        let (code, out) = run_loop(script, &agent.record_path());
+        assert_eq!(code, Some(1), "{name}: {out}");
+        assert!(
+            out.starts_with("node unhealthy (") && out.contains("Xid79 on GPU-"),
+            "{name}: {out}"
+        );
+    }
+    let mut agent = agent;
+    agent.child.kill().unwrap();
+    agent.child.wait().unwrap();
+
+    // Killed a minute ago: the heartbeat, on both clocks, a minute older than when it was read.
+    let aged = |r: &NodeRecord| {
+        let mut r = r.clone();
+        r.agent.heartbeat_time = r
+            .agent
+            .heartbeat_time
+            .map(|t| t - faultline_core::time::SignedDuration::from_secs(60));
+        let boot = r
+            .agent
+            .heartbeat_boot
+            .as_mut()
+            .expect("a boot clock reading");
+        boot.since_boot_ms = boot.since_boot_ms.saturating_sub(60_000);
+        r
+    };
+    let mut other_boot = healthy.clone();
+    other_boot.agent.heartbeat_boot.as_mut().unwrap().boot_id = "an-earlier-boot".into();
+    // No boot clock reading (judged on the wall clock), dated a day ahead: written before the
+    // clock was stepped back.
+    let mut ahead = healthy.clone();
+    ahead.agent.heartbeat_boot = None;
+    ahead.agent.heartbeat_time = ahead
+        .agent
+        .heartbeat_time
+        .map(|t| t + faultline_core::time::SignedDuration::from_hours(24));
+    for (dead, why) in [
+        (aged(&healthy), "its last heartbeat is 6"),
+        (other_boot, "its last heartbeat is from another boot"),
+        (ahead, "its last heartbeat is dated 86"),
+    ] {
+        put(&dead);
+        // What `faultline get` says of the same file.
+        let (code, _, err) =
+            common::cli(&["get", "--file", record.to_str().unwrap()], &agent.state());
+        assert_eq!(code, Some(3), "{err}");
+        for (name, script) in &loops {
+            let (code, out) = run_loop(script, &record);
+            assert_eq!(code, Some(0), "{name}: trains on: {out}");
+            assert_eq!(steps(&out), 10, "{name}: {out}");
+            for line in out.lines() {
+                assert!(
+                    line.contains(
+                        "node Healthy when last checked; the faultline agent is not running ("
+                    ) && line.contains(why)
+                        && line.ends_with("new faults are not seen"),
+                    "{name}: {line}"
+                );
+            }
+        }
+    }
+    put(&aged(&unhealthy));
+    for (name, script) in &loops {
+        let (code, out) = run_loop(script, &record);
+        assert_eq!(code, Some(1), "{name}: the last verdict stands: {out}");
+        assert!(out.starts_with("node unhealthy ("), "{name}: {out}");
+    }
 }

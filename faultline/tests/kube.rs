@@ -406,7 +406,25 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
         );
         String::from_utf8(out.stdout).unwrap()
     };
-    // `faultline get --cluster` reads every node's record from the ConfigMaps.
+    // `faultline get --cluster` reads every node's record from the ConfigMaps, and takes the
+    // agent behind each for alive while its pod on the node is Ready.
+    let agent_pod = |ready: &str| {
+        let mut pod = c
+            .emu
+            .get(&ResourceRef::pod(NS, "faultline-node-a"))
+            .unwrap_or_else(|| {
+                json!({"apiVersion": "v1", "kind": "Pod",
+                    "metadata": {"name": "faultline-node-a", "namespace": NS,
+                        "labels": {"app.kubernetes.io/name": "faultline",
+                                   "app.kubernetes.io/component": "agent"}},
+                    "spec": {"nodeName": "node-a",
+                             "containers": [{"name": "agent", "image": "faultline"}]},
+                    "status": {"phase": "Running", "podIP": "127.0.0.1"}})
+            });
+        pod["status"]["conditions"] = json!([{"type": "Ready", "status": ready}]);
+        pod
+    };
+    c.emu.put(agent_pod("True"));
     let get = |args: &[&str]| cluster_cli(&["get", "--cluster"], args);
     let json: Vec<NodeRecord> =
         serde_json::from_str(&get(&["--health", "unhealthy", "-o", "json"])).unwrap();
@@ -421,6 +439,52 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
         table.contains("node-a") && table.contains("Xid79@GPU-0000:3b:00.0"),
         "{table}"
     );
+    // An agent whose pod is not Ready (stopped, restarting), or that has no pod: its record is
+    // still printed, with a warning on stderr, `notAlive` in the JSON, and exit 3. (Before: the
+    // record alone, exit 0.)
+    let get_dead = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
+            .args([
+                "get",
+                "--cluster",
+                "--kubeconfig",
+                cli_kubeconfig.to_str().unwrap(),
+            ])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8(out.stdout).unwrap(),
+            String::from_utf8(out.stderr).unwrap(),
+        )
+    };
+    for (pod, why) in [
+        (Some("False"), "its faultline agent pod is not Ready"),
+        (None, "no faultline agent pod on the node"),
+    ] {
+        match pod {
+            Some(ready) => c.emu.put(agent_pod(ready)),
+            None => {
+                c.emu.delete(&ResourceRef::pod(NS, "faultline-node-a"));
+                Value::Null
+            }
+        };
+        let (code, out, err) = get_dead(&["-o", "json"]);
+        assert_eq!(code, Some(3), "{out}{err}");
+        let docs: Vec<Value> = serde_json::from_str(&out).unwrap();
+        assert_eq!(docs[0]["node"], "node-a");
+        assert_eq!(docs[0]["notAlive"], why);
+        assert_eq!(
+            err,
+            format!("warning: not known to be alive, so their records may be out of date: node-a ({why})\n")
+        );
+        let (code, out, err) = get_dead(&["--node", "node-a"]);
+        assert_eq!(code, Some(3), "{err}");
+        assert!(out.starts_with("NODE") && out.contains("Xid79"), "{out}");
+        assert!(err.contains(why), "{err}");
+    }
+    c.emu.put(agent_pod("True"));
     // `faultline hosts` leaves the unhealthy node out: with no usable node it prints nothing.
     let hosts = |args: &[&str]| cluster_cli(&["hosts", "--slots", "8"], args);
     assert_eq!(hosts(&[]), "");
@@ -465,11 +529,6 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
     let mut node = c.emu.get(&ResourceRef::node("node-a")).unwrap();
     node["status"]["allocatable"]["nvidia.com/gpu"] = json!("8");
     c.emu.put(node);
-    c.emu.put(json!({"apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "faultline-abcde", "namespace": NS,
-            "labels": {"app.kubernetes.io/name": "faultline", "app.kubernetes.io/component": "agent"}},
-        "spec": {"nodeName": "node-a", "containers": [{"name": "agent", "image": "faultline"}]},
-        "status": {"conditions": [{"type": "Ready", "status": "True"}]}}));
     assert_eq!(hosts(&[]), "node-a:8\n");
     c.assert_calls_listed();
 }
@@ -714,25 +773,58 @@ fn hosts_lists_only_what_a_launcher_can_use() {
     let refused = refresh.replace("${JOB_NAMESPACE:-default}", "kube-system");
     assert_ne!(sh(&refused).0, Some(0));
     assert_eq!(horovod_hosts(&sh(&discovery).1), both);
-    // The PyTorchJob example's pre-flight script, run as written: with this build's CLI (no
-    // coordinator here: exit 2, and the Master starts), and with a stand-in `faultline` that
-    // exits with each verdict code, to show what the script does with each.
-    let yaml = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-            .join("../manifests/examples/pytorchjob.yaml"),
+    // The PyTorchJob example's pre-flight script, run as written: with this build's CLI, as the
+    // recipe's service account (list pods in the job's namespace, get the coordinator Lease),
+    // and with a stand-in `faultline` that exits with each verdict code, to show what the script
+    // does with each.
+    let pytorchjob: Vec<Value> = serde_saphyr::from_multiple(
+        &std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../manifests/examples/pytorchjob.yaml"),
+        )
+        .unwrap(),
     )
     .unwrap();
-    let preflight: String = yaml
-        .split_once("                - |\n")
+    let master = pytorchjob
+        .iter()
+        .find(|d| d["kind"] == "PyTorchJob")
+        .map(|d| &d["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"])
+        .unwrap();
+    let peer_check = master["initContainers"]
+        .as_array()
         .unwrap()
-        .1
-        .lines()
-        .take_while(|l| l.starts_with("                  "))
-        .map(|l| format!("{}\n", &l[18..]))
-        .collect();
+        .iter()
+        .find(|c| c["name"] == "peer-check")
+        .unwrap();
+    assert_eq!(
+        (&peer_check["command"][0], &peer_check["command"][1]),
+        (&json!("sh"), &json!("-c"))
+    );
+    let preflight = peer_check["command"][2].as_str().unwrap().to_string();
     assert!(
-        preflight.starts_with("faultline check --pods"),
+        preflight.starts_with("faultline check --pods") && preflight.contains("--timeout 5m"),
         "{preflight}"
+    );
+    let preflight_kubeconfig = dir.path().join("preflight-kubeconfig");
+    emu.write_kubeconfig(&preflight_kubeconfig, "preflight")
+        .unwrap();
+    emu.authorize(
+        "preflight",
+        UserInfo {
+            username: "system:serviceaccount:jobs:pytorch-preflight".into(),
+            groups: vec!["system:serviceaccounts".into()],
+            extra: Default::default(),
+        },
+        vec![
+            rule("pods", Some("jobs")),
+            Rule {
+                verbs: vec!["get".into()],
+                api_groups: vec!["coordination.k8s.io".into()],
+                resources: vec!["leases".into()],
+                resource_names: vec!["faultline-peercheck".into()],
+                namespace: Some(NS.into()),
+            },
+        ],
     );
     let bin_dir = dir.path().join("bin");
     std::fs::create_dir_all(&bin_dir).unwrap();
@@ -741,22 +833,20 @@ fn hosts_lists_only_what_a_launcher_can_use() {
         let shim = bin_dir.join("faultline");
         std::fs::write(&shim, faultline).unwrap();
         std::fs::set_permissions(&shim, std::fs::Permissions::from_mode(0o755)).unwrap();
-        let out = std::process::Command::new("sh")
-            .args(["-c", &preflight])
+        let mut sh = std::process::Command::new("sh");
+        sh.args(["-c", &preflight])
             .env("PATH", format!("{}:/usr/bin:/bin", bin_dir.display()))
-            .env("FAULTLINE_JOB_NAMESPACE", "jobs")
-            .output()
-            .unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).to_string(),
-        )
+            .env("FAULTLINE_JOB_NAMESPACE", "jobs");
+        // A guard against a hang (the check waiting out its --timeout), not a timing test.
+        let (code, out, _) = common::run_guarded(&mut sh, Duration::from_secs(60));
+        (code, out)
     };
-    // (Its --timeout 5m made 3s: the unreachable coordinator is retried until the timeout.)
+    // This build's CLI with the pod's settings: its service account (the kubeconfig) and the
+    // mounted requesters' secret. Nothing else is changed: the --timeout is the recipe's 5m.
     let real = format!(
-        "#!/bin/sh\nset -- $(echo \"$@\" | sed 's/--timeout 5m/--timeout 3s/')\nexec '{}' \"$@\" --kubeconfig '{}' --coordinator 127.0.0.1:9 --secret-file '{}'\n",
+        "#!/bin/sh\nexec '{}' \"$@\" --kubeconfig '{}' --secret-file '{}'\n",
         env!("CARGO_BIN_EXE_faultline"),
-        kubeconfig.display(),
+        preflight_kubeconfig.display(),
         dir.path().join("secret").display()
     );
     std::fs::write(
@@ -774,12 +864,47 @@ fn hosts_lists_only_what_a_launcher_can_use() {
             "spec": {"nodeName": node, "containers": [{"name": "pytorch", "image": "x"}]},
             "status": {"phase": "Pending"}}));
     }
+    // No coordinator installed (no Lease): no check can run, said at once, and the Master
+    // starts. (Before, the check retried "no coordinator holds the Lease yet" for the whole 5m.)
+    let (code, out) = run_preflight(&real);
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("no peer check (exit 2); starting"), "{out}");
+    let answer: Value = serde_json::from_str(out.lines().next().unwrap()).unwrap();
+    assert_eq!(answer["exitCode"], 2, "{out}");
+    assert!(
+        answer["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("no peer check can run: there is no coordinator Lease faultline-system/faultline-peercheck"),
+        "{out}"
+    );
+    // A coordinator that stopped (it released the Lease) and none took over: said after one
+    // Lease term, not at --timeout.
+    emu.put(
+        json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+        "metadata": {"name": "faultline-peercheck", "namespace": NS},
+        "spec": {"leaseDurationSeconds": 15}}),
+    );
     let (code, out) = run_preflight(&real);
     assert_eq!(code, Some(0), "{out}");
     assert!(out.contains("no peer check (exit 2); starting"), "{out}");
     assert!(
-        out.contains(r#""exitCode":2"#) && out.contains("127.0.0.1:9"),
+        out.contains("nobody holds the coordinator Lease faultline-system/faultline-peercheck")
+            && out.contains("and no coordinator came within 20s"),
         "{out}"
+    );
+    emu.delete(&ResourceRef::lease(NS, "faultline-peercheck"));
+    // Nor does it wait for the job's pods to be scheduled first (train-w-2 is Pending).
+    let mut pending = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"));
+    pending
+        .args(["check", "--pods", "job=train", "--pod-namespace", "jobs"])
+        .args(["--kubeconfig", preflight_kubeconfig.to_str().unwrap()])
+        .args(["--secret-file", dir.path().join("secret").to_str().unwrap()]);
+    let (code, _, err) = common::run_guarded(&mut pending, Duration::from_secs(60));
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.starts_with("error: no peer check can run: there is no coordinator Lease"),
+        "{err}"
     );
     for (verdict, want) in [(0, 0), (1, 1), (3, 0), (2, 0)] {
         let (code, out) = run_preflight(&format!("#!/bin/sh\necho '{{}}'\nexit {verdict}\n"));
@@ -1993,4 +2118,124 @@ fn a_repeating_xid_writes_the_configmap_once_per_interval_and_an_escalation_at_o
         "SeparateNPU"
     );
     c.assert_calls_listed();
+}
+
+/// `faultline check` through the Lease says within one Lease term (20 s) that no check can run
+/// when nothing shows a coordinator: the Lease's holder stopped renewing it, or nothing takes
+/// connections at its address (exit 2, the reason in one line). A coordinator that takes the
+/// connection but does not answer (frozen, busy) is asked again until --timeout, and so is one
+/// whose Lease changes hands within the term. Every case runs with --timeout 5m (30s where the
+/// timeout is the expected end) and under a 90 s guard against a hang. (Before, every case
+/// waited out --timeout.)
+#[test]
+fn check_says_within_a_lease_term_that_no_check_can_run() {
+    use faultline_kube_emulator::Rule;
+    let (_rt, emu) = common::emulator();
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("kubeconfig");
+    emu.write_kubeconfig(&kubeconfig, "checker").unwrap();
+    emu.authorize(
+        "checker",
+        UserInfo {
+            username: "system:serviceaccount:jobs:checker".into(),
+            groups: vec![],
+            extra: Default::default(),
+        },
+        vec![Rule {
+            verbs: vec!["get".into()],
+            api_groups: vec!["coordination.k8s.io".into()],
+            resources: vec!["leases".into()],
+            resource_names: vec!["faultline-peercheck".into()],
+            namespace: None,
+        }],
+    );
+    let secret = dir.path().join("secret");
+    std::fs::write(&secret, "0123456789abcdef0123456789abcdef").unwrap();
+    let key = faultline_proto::auth::CoordinatorKey::generate()
+        .unwrap()
+        .public_key();
+    let micro =
+        |t: faultline_core::time::Timestamp| t.strftime("%Y-%m-%dT%H:%M:%S%.6fZ").to_string();
+    let now = faultline_core::time::Timestamp::now();
+    let lease = |ns: &str, holder: Option<String>, renewed: faultline_core::time::Timestamp| {
+        json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+            "metadata": {"name": "faultline-peercheck", "namespace": ns},
+            "spec": {"holderIdentity": holder, "leaseDurationSeconds": 15,
+                     "renewTime": micro(renewed), "acquireTime": micro(renewed)}})
+    };
+    // A coordinator's port that takes connections (the kernel's backlog) and never answers.
+    let frozen = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let frozen_at = frozen.local_addr().unwrap();
+    // A port nothing listens on.
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let holder = |addr: std::net::SocketAddr| Some(format!("coord-0@{addr}#{key}"));
+    let hour = faultline_core::time::SignedDuration::from_hours(1);
+    for ns in ["expired", "refused", "frozen", "handover"] {
+        emu.put(json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}));
+    }
+    emu.put(lease(
+        "expired",
+        holder(frozen_at),
+        now - faultline_core::time::SignedDuration::from_secs(60),
+    ));
+    emu.put(lease("refused", holder(closed), now + hour));
+    emu.put(lease("frozen", holder(frozen_at), now + hour));
+    emu.put(lease("handover", None, now));
+    let check = |ns: &str, timeout: &str| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"));
+        c.args(["check", "--nodes", "gpu-a,gpu-b", "--namespace", ns])
+            .args(["--timeout", timeout])
+            .args(["--kubeconfig", kubeconfig.to_str().unwrap()])
+            .args(["--secret-file", secret.to_str().unwrap()]);
+        let (code, _, err) = common::run_guarded(&mut c, Duration::from_secs(90));
+        (code, err)
+    };
+    std::thread::scope(|s| {
+        let expired = s.spawn(|| check("expired", "5m"));
+        let refused = s.spawn(|| check("refused", "5m"));
+        let frozen = s.spawn(|| check("frozen", "30s"));
+        let handover = s.spawn(|| check("handover", "30s"));
+        // Ten seconds into the hand-over (within the term), a replica takes the Lease.
+        std::thread::sleep(Duration::from_secs(10));
+        emu.put(lease(
+            "handover",
+            holder(frozen_at),
+            faultline_core::time::Timestamp::now() + hour,
+        ));
+
+        let (code, err) = expired.join().unwrap();
+        assert_eq!(code, Some(2), "{err}");
+        assert!(
+            err.starts_with(
+                "error: no peer check can run: the coordinator Lease's holder coord-0 stopped renewing it, last at "
+            ) && err.trim_end().ends_with("and no coordinator came within 20s")
+                && err.lines().count() == 1,
+            "{err}"
+        );
+        let (code, err) = refused.join().unwrap();
+        assert_eq!(code, Some(2), "{err}");
+        assert!(
+            err.starts_with(&format!(
+                "error: no peer check can run: cannot reach the coordinator at {closed} ("
+            )) && err.contains("efused")
+                && err
+                    .trim_end()
+                    .ends_with("and no coordinator came within 20s"),
+            "{err}"
+        );
+        for (case, answer) in [("frozen", frozen), ("handover", handover)] {
+            let (code, err) = answer.join().unwrap();
+            assert_eq!(code, Some(2), "{case}: {err}");
+            assert!(
+                err.starts_with(&format!(
+                    "error: no result within 30s: the coordinator at {frozen_at}: "
+                )),
+                "{case}: asked until --timeout: {err}"
+            );
+        }
+    });
+    drop(frozen);
 }

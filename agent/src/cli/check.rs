@@ -191,13 +191,142 @@ pub enum BadNodes {
 const KEEPALIVE: Duration = Duration::from_secs(5);
 /// How often the Lease is read again while a call waits.
 const LEASE_POLL: Duration = Duration::from_secs(5);
+/// The pause between two attempts.
+const RETRY_EVERY: Duration = Duration::from_secs(2);
 
-/// Resolves with the new holder's identity once the Lease names a coordinator other than the
-/// one at `address` (read every `LEASE_POLL`; a failed read is tried again).
+/// How long `faultline check` goes on asking while nothing shows a coordinator (nobody holds
+/// the Lease, its holder stopped renewing it, nothing takes connections at the address): one
+/// Lease term and the agents' slack for clocks (docs/peer-checks.md, "When no check can run").
+/// A coordinator that exists holds the Lease and takes connections within that: a standby
+/// takes a Lease whose holder stopped renewing it once the term has run out, and one its holder
+/// released (SIGTERM) at its next look, at most a term later; a supervisor restarts a
+/// bare-metal coordinator within seconds.
+pub const NO_COORDINATOR_GRACE: Duration =
+    Duration::from_secs(crate::peer::lease::LEASE_SECONDS + 5);
+
+/// What one attempt showed about the coordinator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Sign {
+    /// There is none, and none will come: no check can run (there is no Lease at all).
+    Never(String),
+    /// There is none now: nobody holds the Lease or its holder stopped renewing it, the holder
+    /// names no address, or nothing takes connections at the address. One may come within
+    /// [`NO_COORDINATOR_GRACE`] (a replica taking over, a restart).
+    Absent(String),
+    /// There is one: it took the connection (busy, not the active replica any more, frozen or
+    /// gone during the call), or the Lease moved to a new holder during the call.
+    Present(String),
+    /// Nothing either way: the Lease or the token could not be read.
+    Unclear(String),
+}
+
+impl Sign {
+    fn why(&self) -> &str {
+        match self {
+            Sign::Never(w) | Sign::Absent(w) | Sign::Present(w) | Sign::Unclear(w) => w,
+        }
+    }
+}
+
+/// Since when every attempt has shown no coordinator.
+#[derive(Debug, Default)]
+struct Absence {
+    since: Option<tokio::time::Instant>,
+}
+
+impl Absence {
+    /// Takes one attempt's sign, seen at `now`: why no check can run, once that is settled (at
+    /// once for [`Sign::Never`]; for [`Sign::Absent`], when nothing but absence has been seen
+    /// for `grace`). A coordinator seen starts the count again; an unclear attempt changes
+    /// nothing.
+    fn settled(
+        &mut self,
+        sign: &Sign,
+        now: tokio::time::Instant,
+        grace: Duration,
+    ) -> Option<String> {
+        match sign {
+            Sign::Never(why) => Some(why.clone()),
+            Sign::Absent(why) => {
+                let since = *self.since.get_or_insert(now);
+                (now.saturating_duration_since(since) >= grace).then(|| {
+                    format!(
+                        "{why}, and no coordinator came within {}",
+                        humantime::format_duration(grace)
+                    )
+                })
+            }
+            Sign::Present(_) => {
+                self.since = None;
+                None
+            }
+            Sign::Unclear(_) => None,
+        }
+    }
+}
+
+/// The Lease's word on where to ask, as the address and the receiver to sign for (the
+/// coordinator's name), or the sign that there is no one to ask.
+fn target_of(
+    lease: crate::peer::lease::Coordinator,
+    namespace: &str,
+) -> Result<(String, String), Sign> {
+    use crate::peer::lease::{Coordinator, NAME};
+    match lease {
+        Coordinator::Live(id) => crate::peer::authz::CoordinatorId::from_holder(&id)
+            .and_then(|c| Some((c.address?, c.node)))
+            .ok_or_else(|| {
+                Sign::Absent(format!(
+                    "the coordinator Lease's holder {id:?} names no address"
+                ))
+            }),
+        Coordinator::NoLease => Err(Sign::Never(format!(
+            "there is no coordinator Lease {namespace}/{NAME}: no coordinator has run in \
+             {namespace} (is it installed, and is {namespace} the agents' namespace?)"
+        ))),
+        Coordinator::Unheld => Err(Sign::Absent(format!(
+            "nobody holds the coordinator Lease {namespace}/{NAME} (its last holder released it)"
+        ))),
+        Coordinator::Expired { holder, renewed } => {
+            let name = holder.split('@').next().unwrap_or_default();
+            let when = renewed
+                .map(|t| format!(", last at {}", t.strftime("%Y-%m-%dT%H:%M:%SZ")))
+                .unwrap_or_default();
+            Err(Sign::Absent(format!(
+                "the coordinator Lease's holder {name} stopped renewing it{when}"
+            )))
+        }
+    }
+}
+
+/// Resolves with why no check can run when the Lease shows no coordinator (read every
+/// [`RETRY_EVERY`], judged as [`check`] judges it); never otherwise. Runs while `--pods` waits
+/// for the job's pods to be scheduled, so that the answer does not wait for them.
+async fn no_coordinator(client: kube::Client, namespace: &str) -> String {
+    let mut absence = Absence::default();
+    loop {
+        let sign = match crate::peer::lease::coordinator(client.clone(), namespace).await {
+            Ok(lease) => match target_of(lease, namespace) {
+                Ok((address, _)) => Sign::Present(address),
+                Err(sign) => sign,
+            },
+            Err(e) => Sign::Unclear(e.to_string()),
+        };
+        if let Some(why) = absence.settled(&sign, SystemClock.instant(), NO_COORDINATOR_GRACE) {
+            return why;
+        }
+        tokio::time::sleep(RETRY_EVERY).await;
+    }
+}
+
+/// Resolves with the new holder's identity once the Lease names a live coordinator other than
+/// the one at `address` (read every `LEASE_POLL`; a failed read is tried again).
 async fn lease_moved(client: kube::Client, namespace: &str, address: &str) -> String {
     loop {
         tokio::time::sleep(LEASE_POLL).await;
-        if let Ok(Some(id)) = crate::peer::lease::holder(client.clone(), namespace).await {
+        if let Ok(crate::peer::lease::Coordinator::Live(id)) =
+            crate::peer::lease::coordinator(client.clone(), namespace).await
+        {
             let now = crate::peer::authz::CoordinatorId::from_holder(&id).and_then(|c| c.address);
             if now.as_deref() != Some(address) {
                 return id;
@@ -215,9 +344,21 @@ enum Credential {
     Token(PathBuf),
 }
 
+/// What one call to the coordinator gave.
+enum Called {
+    /// Its answer (a run's result, or a status).
+    Answer(Result<tonic::Response<faultline_proto::v1::RunResult>, tonic::Status>),
+    /// No connection (refused, unreachable, not within the connect timeout).
+    NoConnection(String),
+    /// Not sent: the token could not be read.
+    NotSent(String),
+}
+
 /// `faultline check --nodes a,b,c`: asks the coordinator to run a check among these nodes now
-/// and prints the verdicts. Retries (re-reading the Lease) while the coordinator is unreachable
-/// or changing, until `timeout`.
+/// and prints the verdicts. Retries (re-reading the Lease) while a coordinator is there but
+/// busy or changing, until `timeout`; ends with exit 2 as soon as no check can run: at once
+/// when there is no Lease, after [`NO_COORDINATOR_GRACE`] of no coordinator (docs/peer-checks.md,
+/// "When no check can run").
 pub async fn check(mut args: CheckArgs) -> Outcome {
     if args.pods.is_none() {
         if let Err(e) = validate_nodes(&args.nodes) {
@@ -241,6 +382,7 @@ pub async fn check(mut args: CheckArgs) -> Outcome {
             })
         }
     };
+    let no_run = |why: String| Outcome::error(format!("error: no peer check can run: {why}"));
     let deadline = SystemClock.instant() + args.timeout;
     // One id for every attempt: a coordinator that took over from the one first asked resumes
     // the run under it, and answers a retry with that run instead of starting another.
@@ -252,7 +394,19 @@ pub async fn check(mut args: CheckArgs) -> Outcome {
             Ok(c) => c,
             Err(e) => return Outcome::error(format!("error: --pods needs Kubernetes: {e}")),
         };
-        match job_nodes(client.clone(), &ns, &selector, deadline).await {
+        // The job's pods may take minutes to be scheduled; whether there is a coordinator is
+        // known sooner, and then there is nothing to wait for.
+        let lease_says = async {
+            match &args.coordinator {
+                None => no_coordinator(client.clone(), &args.namespace).await,
+                Some(_) => std::future::pending().await,
+            }
+        };
+        let nodes = tokio::select! {
+            n = job_nodes(client.clone(), &ns, &selector, deadline) => n,
+            why = lease_says => return no_run(why),
+        };
+        match nodes {
             Ok(nodes) => args.nodes = nodes,
             Err(e) => return Outcome::error(format!("error: {e}")),
         }
@@ -264,6 +418,7 @@ pub async fn check(mut args: CheckArgs) -> Outcome {
         }
         client_kube = Some(client);
     }
+    let mut absence = Absence::default();
     loop {
         if SystemClock.instant() >= deadline {
             return Outcome::error(format!(
@@ -274,7 +429,7 @@ pub async fn check(mut args: CheckArgs) -> Outcome {
         // Where to ask, and the receiver to sign the request for: the coordinator's name when
         // it is known (the Lease holder), so nothing else would take the request; with only an
         // address (its Service), the coordinator role (`auth::COORDINATOR_ROLE`).
-        let address = match &args.coordinator {
+        let target = match &args.coordinator {
             Some(a) => Ok((
                 a.clone(),
                 faultline_proto::auth::COORDINATOR_ROLE.to_string(),
@@ -293,11 +448,8 @@ pub async fn check(mut args: CheckArgs) -> Outcome {
                         }
                     }
                 };
-                match crate::peer::lease::holder(client, &args.namespace).await {
-                    Ok(Some(id)) => crate::peer::authz::CoordinatorId::from_holder(&id)
-                        .and_then(|c| Some((c.address?, c.node)))
-                        .ok_or_else(|| anyhow::anyhow!("Lease holder {id:?} names no address")),
-                    Ok(None) => Err(anyhow::anyhow!("no coordinator holds the Lease yet")),
+                match crate::peer::lease::coordinator(client, &args.namespace).await {
+                    Ok(lease) => target_of(lease, &args.namespace),
                     Err(kube::Error::Api(s)) if s.code == 401 || s.code == 403 => {
                         return Outcome::error(format!(
                             "error: cannot read the coordinator Lease {}/{}: {} (this client needs get on leases)",
@@ -306,93 +458,143 @@ pub async fn check(mut args: CheckArgs) -> Outcome {
                             s.message
                         ))
                     }
-                    Err(e) => Err(anyhow::anyhow!("cannot read the coordinator Lease: {e}")),
+                    Err(e) => Err(Sign::Unclear(format!(
+                        "cannot read the coordinator Lease: {e}"
+                    ))),
                 }
             }
         };
-        let asked = address.as_ref().ok().map(|(a, _)| a.clone());
-        let attempt = async {
-            let (address, receiver) = address?;
-            // HTTP/2 keep-alive: a coordinator that froze (SIGSTOP, a hung node) answers no
-            // ping, and the call ends within seconds instead of at --timeout.
-            let channel = tonic::transport::Endpoint::from_shared(format!("http://{address}"))
-                .map_err(|e| anyhow::anyhow!("bad coordinator address {address:?}: {e}"))?
-                .connect_timeout(Duration::from_secs(3))
-                .http2_keep_alive_interval(KEEPALIVE)
-                .keep_alive_timeout(KEEPALIVE)
-                .keep_alive_while_idle(true)
-                .connect()
-                .await
-                .map_err(|e| anyhow::anyhow!("cannot reach the coordinator at {address}: {e}"))?;
-            let req = RunRequest {
-                auth: None,
-                protocol: faultline_proto::PROTOCOL,
-                nodes: args.nodes.clone(),
-                timeout_ms: args
-                    .check_timeout
-                    .map(|t| t.as_millis().min(u128::from(u32::MAX)) as u32)
-                    .unwrap_or(0),
-                request_id: request_id.clone(),
-            };
-            let mut request = match &credential {
-                Credential::Sign(s) => tonic::Request::new(s.sign(req, &receiver)),
-                Credential::Token(path) => {
-                    let token = std::fs::read_to_string(path).map_err(|e| {
-                        anyhow::anyhow!("cannot read the token {}: {e}", path.display())
-                    })?;
-                    let value = format!("Bearer {}", token.trim())
-                        .parse::<tonic::metadata::MetadataValue<tonic::metadata::Ascii>>()
-                        .map_err(|_| {
-                            anyhow::anyhow!("the token {} is not printable text", path.display())
-                        })?;
-                    let mut r = tonic::Request::new(req);
-                    r.metadata_mut().insert("authorization", value);
-                    r
+        let sign = match target {
+            Err(sign) => sign,
+            Ok((address, receiver)) => 'asked: {
+                let endpoint =
+                    match tonic::transport::Endpoint::from_shared(format!("http://{address}")) {
+                        Ok(e) => e,
+                        // Given, it stays wrong; from the Lease, the next holder may differ.
+                        Err(e) => {
+                            let why = format!("bad coordinator address {address:?}: {e}");
+                            break 'asked match args.coordinator {
+                                Some(_) => Sign::Never(why),
+                                None => Sign::Absent(why),
+                            };
+                        }
+                    };
+                let attempt = async {
+                    // HTTP/2 keep-alive: a coordinator that froze (SIGSTOP, a hung node)
+                    // answers no ping, and the call ends within seconds instead of at --timeout.
+                    let channel = match endpoint
+                        .connect_timeout(Duration::from_secs(3))
+                        .http2_keep_alive_interval(KEEPALIVE)
+                        .keep_alive_timeout(KEEPALIVE)
+                        .keep_alive_while_idle(true)
+                        .connect()
+                        .await
+                    {
+                        Ok(c) => c,
+                        Err(e) => return Called::NoConnection(source_of(&e)),
+                    };
+                    let req = RunRequest {
+                        auth: None,
+                        protocol: faultline_proto::PROTOCOL,
+                        nodes: args.nodes.clone(),
+                        timeout_ms: args
+                            .check_timeout
+                            .map(|t| t.as_millis().min(u128::from(u32::MAX)) as u32)
+                            .unwrap_or(0),
+                        request_id: request_id.clone(),
+                    };
+                    let mut request = match &credential {
+                        Credential::Sign(s) => tonic::Request::new(s.sign(req, &receiver)),
+                        Credential::Token(path) => match bearer(path) {
+                            Ok(value) => {
+                                let mut r = tonic::Request::new(req);
+                                r.metadata_mut().insert("authorization", value);
+                                r
+                            }
+                            Err(why) => return Called::NotSent(why),
+                        },
+                    };
+                    request.set_timeout(deadline.saturating_duration_since(SystemClock.instant()));
+                    Called::Answer(
+                        CoordinatorClient::new(channel)
+                            .max_decoding_message_size(faultline_proto::MAX_MESSAGE_BYTES)
+                            .run(request)
+                            .await,
+                    )
+                };
+                // Found through the Lease: the Lease is read again while the call runs, and a
+                // new holder ends the wait on the old one (a frozen coordinator may keep its
+                // connection open).
+                let moved = async {
+                    match (&client_kube, &args.coordinator) {
+                        (Some(c), None) => lease_moved(c.clone(), &args.namespace, &address).await,
+                        _ => std::future::pending().await,
+                    }
+                };
+                let called = tokio::select! {
+                    c = attempt => c,
+                    holder = moved => Called::Answer(Err(tonic::Status::unavailable(format!(
+                        "the coordinator Lease moved to {holder} during the call"
+                    )))),
+                };
+                // Asked and refused for the request itself (credential, arguments): stop. Any
+                // other answer (busy, not the active replica any more, shutting down, the call
+                // broken off): a coordinator is there, ask again until --timeout. No
+                // connection: none may be there.
+                match called {
+                    Called::Answer(Ok(result)) => {
+                        return check_report(&result.into_inner(), args.json)
+                    }
+                    Called::Answer(Err(s))
+                        if matches!(
+                            s.code(),
+                            Code::Unauthenticated | Code::InvalidArgument | Code::PermissionDenied
+                        ) =>
+                    {
+                        return Outcome::error(format!(
+                            "error: the coordinator refused the request: {}",
+                            s.message()
+                        ))
+                    }
+                    Called::Answer(Err(s)) => {
+                        Sign::Present(format!("the coordinator at {address}: {}", s.message()))
+                    }
+                    Called::NoConnection(why) => {
+                        Sign::Absent(format!("cannot reach the coordinator at {address} ({why})"))
+                    }
+                    Called::NotSent(why) => Sign::Unclear(why),
                 }
-            };
-            request.set_timeout(deadline.saturating_duration_since(SystemClock.instant()));
-            let answer = CoordinatorClient::new(channel)
-                .max_decoding_message_size(faultline_proto::MAX_MESSAGE_BYTES)
-                .run(request)
-                .await;
-            Ok::<_, anyhow::Error>((address, answer))
-        };
-        // Could not ask (no coordinator yet, unreachable): retry. Asked and refused for the
-        // request itself (secret, arguments): stop. Any other answer (not the coordinator any
-        // more, shutting down): retry.
-        // Found through the Lease: the Lease is read again while the call runs, and a new holder
-        // ends the wait on the old one (a frozen coordinator may keep its connection open).
-        let moved = async {
-            match (&client_kube, &asked, &args.coordinator) {
-                (Some(c), Some(a), None) => lease_moved(c.clone(), &args.namespace, a).await,
-                _ => std::future::pending().await,
             }
         };
-        let answered = tokio::select! {
-            r = attempt => r,
-            holder = moved => Err(anyhow::anyhow!("the coordinator Lease moved to {holder} during the call")),
-        };
-        last_error = match answered {
-            Ok((_, Ok(result))) => return check_report(&result.into_inner(), args.json),
-            Ok((_, Err(s)))
-                if matches!(
-                    s.code(),
-                    Code::Unauthenticated | Code::InvalidArgument | Code::PermissionDenied
-                ) =>
-            {
-                return Outcome::error(format!(
-                    "error: the coordinator refused the request: {}",
-                    s.message()
-                ))
-            }
-            Ok((address, Err(s))) => format!("the coordinator at {address}: {}", s.message()),
-            Err(e) => e.to_string(),
-        };
+        last_error = sign.why().to_string();
+        if let Some(why) = absence.settled(&sign, SystemClock.instant(), NO_COORDINATOR_GRACE) {
+            return no_run(why);
+        }
         tokio::time::sleep(
-            Duration::from_secs(2).min(deadline.saturating_duration_since(SystemClock.instant())),
+            RETRY_EVERY.min(deadline.saturating_duration_since(SystemClock.instant())),
         )
         .await;
     }
+}
+
+/// The innermost cause of an error (a connect error's "Connection refused").
+fn source_of(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut inner = e;
+    while let Some(s) = inner.source() {
+        inner = s;
+    }
+    inner.to_string()
+}
+
+/// The `authorization` value for the service-account token at `path`, read now.
+fn bearer(
+    path: &std::path::Path,
+) -> Result<tonic::metadata::MetadataValue<tonic::metadata::Ascii>, String> {
+    let token = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read the token {}: {e}", path.display()))?;
+    format!("Bearer {}", token.trim())
+        .parse()
+        .map_err(|_| format!("the token {} is not printable text", path.display()))
 }
 
 #[cfg(test)]
@@ -418,6 +620,97 @@ mod tests {
     }
 
     use super::*;
+
+    /// What ends a check at once (no Lease), what after one Lease term of nothing but absence
+    /// (nobody holds the Lease, it ran out, nothing takes connections), and what is asked
+    /// again until --timeout (a coordinator that took the connection: busy, not active, in a
+    /// hand-over).
+    #[test]
+    fn no_coordinator_ends_the_check_within_one_lease_term() {
+        use crate::peer::lease::{HOLDER_SLACK_MS, LEASE_SECONDS};
+        let t0 = SystemClock.instant();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let g = NO_COORDINATOR_GRACE;
+        assert_eq!(
+            i64::try_from(g.as_millis()).unwrap(),
+            i64::try_from(LEASE_SECONDS * 1000).unwrap() + HOLDER_SLACK_MS,
+            "one Lease term and the agents' slack for clocks"
+        );
+        let mut a = Absence::default();
+        assert_eq!(
+            a.settled(&Sign::Never("no Lease".into()), at(0), g),
+            Some("no Lease".into())
+        );
+        let gone = Sign::Absent("nobody holds the Lease".into());
+        let busy = Sign::Present("the coordinator: busy".into());
+        let mut a = Absence::default();
+        assert_eq!(a.settled(&gone, at(0), g), None);
+        assert_eq!(a.settled(&Sign::Unclear("API".into()), at(10), g), None);
+        assert_eq!(a.settled(&gone, at(19), g), None);
+        assert_eq!(
+            a.settled(&gone, at(20), g).as_deref(),
+            Some("nobody holds the Lease, and no coordinator came within 20s")
+        );
+        // A coordinator seen in between (a replica took over) starts the count again.
+        let mut a = Absence::default();
+        assert_eq!(a.settled(&gone, at(0), g), None);
+        assert_eq!(a.settled(&busy, at(15), g), None);
+        assert_eq!(a.settled(&gone, at(30), g), None);
+        assert_eq!(a.settled(&gone, at(49), g), None);
+        assert!(a.settled(&gone, at(50), g).is_some());
+        // Busy or unclear for as long as it lasts: only --timeout ends that.
+        let mut a = Absence::default();
+        for s in 0..600 {
+            assert_eq!(a.settled(&busy, at(s), g), None);
+            assert_eq!(a.settled(&Sign::Unclear("API".into()), at(s), g), None);
+        }
+    }
+
+    /// The Lease's word as a place to ask: a live holder's address and name; no Lease is no
+    /// coordinator for good; nobody holding it, a holder past its term or one without an address
+    /// is no coordinator for now.
+    #[test]
+    fn the_lease_says_where_to_ask_or_why_not() {
+        use crate::peer::lease::Coordinator;
+        let key = faultline_proto::auth::CoordinatorKey::generate()
+            .unwrap()
+            .public_key();
+        let id = format!("coord-0@10.0.0.1:20262#{key}");
+        assert_eq!(
+            target_of(Coordinator::Live(id.clone()), "fs"),
+            Ok(("10.0.0.1:20262".into(), "coord-0".into()))
+        );
+        let never = target_of(Coordinator::NoLease, "fs").unwrap_err();
+        assert!(
+            matches!(&never, Sign::Never(w) if w.contains("no coordinator Lease fs/faultline-peercheck")),
+            "{never:?}"
+        );
+        let unheld = target_of(Coordinator::Unheld, "fs").unwrap_err();
+        assert!(
+            matches!(&unheld, Sign::Absent(w) if w.contains("nobody holds")),
+            "{unheld:?}"
+        );
+        let expired = target_of(
+            Coordinator::Expired {
+                holder: id,
+                renewed: Some("2026-11-24T12:00:00Z".parse().unwrap()),
+            },
+            "fs",
+        )
+        .unwrap_err();
+        assert_eq!(
+            expired,
+            Sign::Absent(
+                "the coordinator Lease's holder coord-0 stopped renewing it, last at 2026-11-24T12:00:00Z"
+                    .into()
+            )
+        );
+        let bad = target_of(Coordinator::Live("coord-0".into()), "fs").unwrap_err();
+        assert!(
+            matches!(&bad, Sign::Absent(w) if w.contains("names no address")),
+            "{bad:?}"
+        );
+    }
 
     #[test]
     fn check_report_exit_codes_and_lines() {

@@ -11,7 +11,7 @@ use faultline_core::record::{Health, NodeRecord};
 
 use serde_json::json;
 
-use super::{columns, table, Accept, Outcome};
+use super::{columns, table, Accept, Outcome, NOT_ALIVE_EXIT, NOT_ALIVE_FIELD};
 
 /// Which records `faultline get --cluster` shows.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -114,7 +114,10 @@ pub fn cluster_table(records: &[NodeRecord]) -> String {
     columns(&rows)
 }
 
-/// `faultline get --cluster`.
+/// `faultline get --cluster`: the records, and when the agent behind a record shown is not
+/// known to be alive, a warning on stderr, a `notAlive` field in that record's JSON and exit 3,
+/// as for this node's record (docs/record.md, "Alive"). A ConfigMap's record carries no
+/// heartbeat; its agent pod's Ready condition stands for one ([`agents_alive`]).
 pub async fn get_cluster(
     client: kube::Client,
     namespace: &str,
@@ -122,7 +125,7 @@ pub async fn get_cluster(
     json: bool,
     all: bool,
 ) -> Outcome {
-    let records = match readable_records(client, namespace).await {
+    let records = match readable_records(client.clone(), namespace).await {
         Ok(r) => r,
         Err(o) => return o,
     };
@@ -132,16 +135,99 @@ pub async fn get_cluster(
             r.faults.retain(|f| f.active);
         }
     }
-    if json {
-        return Outcome::ok(serde_json::to_string_pretty(&shown).unwrap_or_default());
+    let agents = if shown.is_empty() {
+        Ok(BTreeMap::new())
+    } else {
+        agent_pods_ready(client, namespace).await.map_err(|e| {
+            format!("cannot list the agent pods in {namespace} (needs list on pods there): {e}")
+        })
+    };
+    let dead = agents_alive(&shown, &agents);
+    let message = if json {
+        let docs: Vec<serde_json::Value> = shown
+            .iter()
+            .zip(&dead)
+            .map(|(r, why)| {
+                let mut doc = serde_json::to_value(r).unwrap_or_default();
+                if let (Some(why), Some(obj)) = (why, doc.as_object_mut()) {
+                    obj.insert(NOT_ALIVE_FIELD.into(), json!(why));
+                }
+                doc
+            })
+            .collect();
+        serde_json::to_string_pretty(&docs).unwrap_or_default()
+    } else if shown.is_empty() {
+        "no matching nodes".to_string()
+    } else if let (Some(_), [one]) = (&filter.node, shown.as_slice()) {
+        table(one, all).trim_end().to_string()
+    } else {
+        cluster_table(&shown).trim_end().to_string()
+    };
+    let named: Vec<String> = shown
+        .iter()
+        .zip(&dead)
+        .filter_map(|(r, why)| Some(format!("{} ({})", r.node, why.as_ref()?)))
+        .collect();
+    if named.is_empty() {
+        return Outcome::ok(message);
     }
-    if shown.is_empty() {
-        return Outcome::ok("no matching nodes");
+    Outcome {
+        warning: Some(format!(
+            "warning: not known to be alive, so their records may be out of date: {}",
+            named.join("; ")
+        )),
+        ..Outcome::new(NOT_ALIVE_EXIT, message)
     }
-    if let (Some(_), [one]) = (&filter.node, shown.as_slice()) {
-        return Outcome::ok(table(one, all).trim_end().to_string());
+}
+
+/// For each record, why its agent is not known to be alive; `None` when it is: its node has an
+/// agent pod whose Ready condition is True (the pod's readiness probe fails within 15 s of the
+/// agent stopping). `agents` maps nodes to whether one of their agent pods is Ready, or says
+/// why the pods could not be listed.
+pub(crate) fn agents_alive(
+    records: &[NodeRecord],
+    agents: &Result<BTreeMap<String, bool>, String>,
+) -> Vec<Option<String>> {
+    records
+        .iter()
+        .map(|r| match agents {
+            Err(why) => Some(format!("unknown: {why}")),
+            Ok(a) => match a.get(&r.node) {
+                None => Some("no faultline agent pod on the node".to_string()),
+                Some(false) => Some("its faultline agent pod is not Ready".to_string()),
+                Some(true) => None,
+            },
+        })
+        .collect()
+}
+
+/// Whether each node's faultline agent pod is Ready (any of them, should there be two), from
+/// the agent pods in `namespace` (the API server's cache).
+async fn agent_pods_ready(
+    client: kube::Client,
+    namespace: &str,
+) -> Result<BTreeMap<String, bool>, kube::Error> {
+    use k8s_openapi::api::core::v1::Pod;
+    let pods = kube::Api::<Pod>::namespaced(client, namespace)
+        .list(
+            &kube::api::ListParams::default()
+                .match_any()
+                .labels(AGENT_POD_SELECTOR),
+        )
+        .await?;
+    let mut ready: BTreeMap<String, bool> = BTreeMap::new();
+    for p in &pods.items {
+        let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) else {
+            continue;
+        };
+        let r = p
+            .status
+            .as_ref()
+            .and_then(|s| s.conditions.as_ref())
+            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+        *ready.entry(node).or_default() |= r;
     }
-    Outcome::ok(cluster_table(&shown).trim_end().to_string())
+    Ok(ready)
 }
 
 /// Extended resources that are accelerators (device plugins' names).
@@ -396,33 +482,14 @@ pub async fn hosts(
             .collect::<BTreeMap<_, _>>(),
         Err(e) => return Outcome::error(format!("error: cannot list Nodes: {e}")),
     };
-    let agent_pods = match kube::Api::<Pod>::namespaced(client.clone(), namespace)
-        .list(
-            &kube::api::ListParams::default()
-                .match_any()
-                .labels(AGENT_POD_SELECTOR),
-        )
-        .await
-    {
-        Ok(l) => l.items,
+    let agents_ready = match agent_pods_ready(client.clone(), namespace).await {
+        Ok(a) => a,
         Err(e) => {
             return Outcome::error(format!(
                 "error: cannot list the agent pods in {namespace}: {e}"
             ))
         }
     };
-    let mut agents_ready: BTreeMap<String, bool> = BTreeMap::new();
-    for p in &agent_pods {
-        let Some(node) = p.spec.as_ref().and_then(|s| s.node_name.clone()) else {
-            continue;
-        };
-        let ready = p
-            .status
-            .as_ref()
-            .and_then(|s| s.conditions.as_ref())
-            .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-        *agents_ready.entry(node).or_default() |= ready;
-    }
     let found = usable_hosts(&records, &nodes, &agents_ready, accept, slots);
     let Some(q) = pods else {
         return hosts_outcome(&found, "node");
@@ -537,6 +604,33 @@ mod tests {
         );
         let (usable, _) = usable_hosts(&records, &nodes, &agents, Accept::DEGRADED, Some(2));
         assert_eq!(hosts_lines(&usable), "a:2\nc:2\nd:2\n");
+    }
+
+    /// `get --cluster` takes a record's agent for alive only with a Ready agent pod on its node:
+    /// a pod not Ready, no pod, or pods that could not be listed (unknown) are not alive.
+    #[test]
+    fn get_cluster_judges_agents_by_their_pods() {
+        let rec = |node: &str| {
+            let mut r: NodeRecord = serde_json::from_str(HEALTHY).unwrap();
+            r.node = node.into();
+            r
+        };
+        let records = [rec("up"), rec("down"), rec("none")];
+        let agents: BTreeMap<String, bool> =
+            [("up".to_string(), true), ("down".to_string(), false)].into();
+        assert_eq!(
+            agents_alive(&records, &Ok(agents)),
+            [
+                None,
+                Some("its faultline agent pod is not Ready".to_string()),
+                Some("no faultline agent pod on the node".to_string())
+            ]
+        );
+        let unknown = agents_alive(&records[..1], &Err("cannot list: forbidden".into()));
+        assert_eq!(
+            unknown,
+            [Some("unknown: cannot list: forbidden".to_string())]
+        );
     }
 
     #[test]

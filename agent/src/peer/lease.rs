@@ -14,16 +14,56 @@ pub const LEASE_SECONDS: u64 = 15;
 pub const GRACE_SECONDS: u64 = 5;
 
 /// How long past its end a Lease still names its holder for the agents (clock differences).
-const HOLDER_SLACK_MS: i64 = 5_000;
+pub(crate) const HOLDER_SLACK_MS: i64 = 5_000;
 
-/// The current holder's identity (for `faultline check`).
-pub(crate) async fn holder(client: Client, namespace: &str) -> Result<Option<String>, kube::Error> {
+/// What the Lease says about the coordinator, for `faultline check`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Coordinator {
+    /// No Lease: no coordinator has run in the namespace (the first one to start creates it,
+    /// and none deletes it: a coordinator that stops only clears its holder).
+    NoLease,
+    /// Nobody holds it: a coordinator released it when it stopped, and none has taken it since.
+    Unheld,
+    /// Its holder stopped renewing it: its term, and the slack for clocks, are over (the
+    /// agents obey no such holder). The holder, and when it last renewed the Lease.
+    Expired {
+        holder: String,
+        renewed: Option<faultline_core::time::Timestamp>,
+    },
+    /// The holder, within its term.
+    Live(String),
+}
+
+/// The Lease's [`Coordinator`] now.
+pub(crate) async fn coordinator(
+    client: Client,
+    namespace: &str,
+) -> Result<Coordinator, kube::Error> {
     let api: Api<Lease> = Api::namespaced(client, namespace);
-    Ok(api
-        .get_opt(NAME)
-        .await?
-        .and_then(|l| l.spec?.holder_identity)
-        .filter(|h| !h.is_empty()))
+    let lease = api.get_opt(NAME).await?;
+    Ok(coordinator_of(
+        lease.map(|l| l.spec.unwrap_or_default()),
+        super::wire::now_ms(),
+    ))
+}
+
+/// [`coordinator`]'s reading of a Lease (`None`: there is none) at `now_ms`, by the agents'
+/// rule ([`live_holder`]).
+fn coordinator_of(
+    spec: Option<k8s_openapi::api::coordination::v1::LeaseSpec>,
+    now_ms: i64,
+) -> Coordinator {
+    let Some(spec) = spec else {
+        return Coordinator::NoLease;
+    };
+    let Some(holder) = spec.holder_identity.clone().filter(|h| !h.is_empty()) else {
+        return Coordinator::Unheld;
+    };
+    let renewed = spec.renew_time.as_ref().map(|t| t.0);
+    match live(spec, now_ms) {
+        Some((h, _)) => Coordinator::Live(h),
+        None => Coordinator::Expired { holder, renewed },
+    }
 }
 
 /// The current holder's identity and until when (Unix ms, with slack for clocks) its term
@@ -81,5 +121,49 @@ mod tests {
         assert_eq!(live(spec(true, Some(15)), until + 1), None);
         assert_eq!(live(spec(false, Some(15)), ms), None);
         assert_eq!(live(spec(true, None), ms), None);
+    }
+
+    /// `faultline check` reads the Lease by the agents' rule: no Lease, no holder, a holder
+    /// past its term (and the slack), and a holder within it are told apart.
+    #[test]
+    fn the_lease_tells_check_whether_there_is_a_coordinator() {
+        let renewed: faultline_core::time::Timestamp = "2026-11-24T12:00:00Z".parse().unwrap();
+        let ms = renewed.as_millisecond();
+        let held = |holder: Option<&str>| LeaseSpec {
+            holder_identity: holder.map(String::from),
+            renew_time: Some(MicroTime(renewed)),
+            lease_duration_seconds: Some(15),
+            ..Default::default()
+        };
+        let id = "c0@10.0.0.1:20262#k";
+        assert_eq!(coordinator_of(None, ms), Coordinator::NoLease);
+        assert_eq!(coordinator_of(Some(held(None)), ms), Coordinator::Unheld);
+        assert_eq!(
+            coordinator_of(Some(held(Some(""))), ms),
+            Coordinator::Unheld
+        );
+        let until = ms + 15_000 + HOLDER_SLACK_MS;
+        assert_eq!(
+            coordinator_of(Some(held(Some(id))), until),
+            Coordinator::Live(id.into())
+        );
+        assert_eq!(
+            coordinator_of(Some(held(Some(id))), until + 1),
+            Coordinator::Expired {
+                holder: id.into(),
+                renewed: Some(renewed)
+            }
+        );
+        let no_term = LeaseSpec {
+            renew_time: None,
+            ..held(Some(id))
+        };
+        assert_eq!(
+            coordinator_of(Some(no_term), ms),
+            Coordinator::Expired {
+                holder: id.into(),
+                renewed: None
+            }
+        );
     }
 }

@@ -65,7 +65,9 @@ enum Command {
         #[arg(long)]
         all: bool,
         /// Every node's record, from the cluster's fault ConfigMaps (needs a kubeconfig or a
-        /// service account that may list ConfigMaps in the namespace).
+        /// service account that may list ConfigMaps and pods in the namespace). A record whose
+        /// node has no Ready agent pod is printed with a warning on stderr, and the exit status
+        /// is 3.
         #[arg(long)]
         cluster: bool,
         /// With --cluster: the kubeconfig to use (default: KUBECONFIG, ~/.kube/config, in-cluster).
@@ -169,7 +171,8 @@ enum Command {
     },
     /// Run a peer check among these nodes now and print faulty nodes, broken and degraded
     /// links and stragglers. Exit 0: none; 1: some; 3: some nodes could not be judged; 2: no
-    /// run.
+    /// run (without a coordinator: at once when there is no coordinator Lease, after 20 s when
+    /// none holds it or takes connections).
     Check {
         /// Node names, comma separated.
         #[arg(
@@ -187,7 +190,8 @@ enum Command {
         /// The job's namespace (with --pods).
         #[arg(long, env = "FAULTLINE_JOB_NAMESPACE", default_value = "default")]
         pod_namespace: String,
-        /// Give up after this long (the run, and retries while the coordinator changes).
+        /// Give up after this long (the run, and retries while the coordinator is busy or
+        /// changing).
         #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
         timeout: Duration,
         /// Deadline of each check (default: the coordinator's policy, `peer.check_timeout`).

@@ -364,3 +364,39 @@ pub fn rules_for(
         })
         .collect()
 }
+
+/// Runs `cmd` to its end in a process group of its own; panics, after killing the group, when
+/// it is still running after `limit`: a guard against a hang, not a measure of how long it took.
+/// Exit status, stdout, stderr.
+pub fn run_guarded(cmd: &mut Command, limit: Duration) -> (Option<i32>, String, String) {
+    use std::os::unix::process::CommandExt;
+    let child = cmd
+        .process_group(0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let group = rustix::process::Pid::from_raw(child.id() as i32).expect("a live child has a pid");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    let out = match rx.recv_timeout(limit) {
+        Ok(out) => out.expect("wait"),
+        Err(_) => {
+            let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+            let out = rx.recv().expect("the waiter").expect("wait");
+            panic!(
+                "{cmd:?} still running after {limit:?}: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+    };
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}

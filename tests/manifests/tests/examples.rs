@@ -220,3 +220,78 @@ fn the_job_reads_the_local_record() {
         .flatten()
         .any(|m| m.mount_path == "/run/faultline" && m.read_only == Some(true)));
 }
+
+/// The PyTorchJob's training containers read the node's record during training, as the Job's
+/// trainer does: both replicas run torchrun on train.py from the ConfigMap, which is the Job's
+/// loop, with the host's /run/faultline mounted read-only (faultline/tests/cli.rs runs the loop
+/// against live and dead agents' records).
+#[test]
+fn the_pytorchjob_reads_the_local_record_during_training() {
+    use k8s_openapi::api::core::v1::ConfigMap;
+    let docs = common::load("examples");
+    let job: Job = docs
+        .iter()
+        .find(|d| d.kind() == "Job")
+        .expect("examples/job.yaml")
+        .to();
+    let trainer = &job
+        .spec
+        .expect("spec")
+        .template
+        .spec
+        .expect("pod spec")
+        .containers[0];
+    let job_loop = trainer.command.clone().unwrap_or_default()[2].clone();
+    let cm = docs
+        .iter()
+        .find(|d| d.kind() == "ConfigMap" && d.name() == "pytorch-example-train")
+        .expect("the PyTorchJob's training script");
+    let cm: ConfigMap = cm.to();
+    let train = cm.data.unwrap_or_default()["train.py"].clone();
+    assert_eq!(train, job_loop, "the same loop as job.yaml's trainer");
+    assert!(train.contains("/run/faultline/faults.json") && train.contains("heartbeatBoot"));
+    let pytorch = docs
+        .iter()
+        .find(|d| d.kind() == "PyTorchJob")
+        .expect("examples/pytorchjob.yaml");
+    for role in ["Master", "Worker"] {
+        let t: PodTemplateSpec =
+            common::strict(&pytorch.value["spec"]["pytorchReplicaSpecs"][role]["template"])
+                .unwrap_or_else(|e| panic!("{role}: {e}"));
+        let spec = t.spec.expect("pod spec");
+        let c = spec
+            .containers
+            .iter()
+            .find(|c| c.name == "pytorch")
+            .unwrap_or_else(|| panic!("{role}: the pytorch container"));
+        assert_eq!(
+            c.command.clone().unwrap_or_default(),
+            ["torchrun", "/workspace/train.py"],
+            "{role}"
+        );
+        let mounts = c.volume_mounts.clone().unwrap_or_default();
+        let volume = |path: &str| {
+            let m = mounts
+                .iter()
+                .find(|m| m.mount_path == path)
+                .unwrap_or_else(|| panic!("{role}: {path} not mounted"));
+            assert_eq!(m.read_only, Some(true), "{role}: {path} read-only");
+            spec.volumes
+                .iter()
+                .flatten()
+                .find(|v| v.name == m.name)
+                .unwrap_or_else(|| panic!("{role}: no volume {}", m.name))
+                .clone()
+        };
+        assert_eq!(
+            volume("/workspace").config_map.map(|c| c.name),
+            Some("pytorch-example-train".to_string()),
+            "{role}"
+        );
+        assert_eq!(
+            volume("/run/faultline").host_path.map(|h| h.path),
+            Some("/run/faultline".to_string()),
+            "{role}"
+        );
+    }
+}
