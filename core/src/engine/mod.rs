@@ -605,30 +605,11 @@ impl Engine {
     pub fn reclassify(&mut self, ctx: Ctx<'_>) -> Vec<EngineEvent> {
         // The health of a level is the policy's: derived again under the new one.
         self.health_cache = HealthCache(None);
-        let mut events = Vec::new();
-        for f in self.faults.values_mut() {
-            let c = ctx.policy.classify(ctx.catalog, &FaultCode::from(&f.code));
-            let from = f.fault.fault_handling;
-            f.base = c.handling;
-            f.fault.fault_type = c.fault_type;
-            let mut to = f.escalated.map_or(f.base, |e| e.max(f.base));
-            // An overflow fault keeps the worst of what it holds (not kept, so not judged again).
-            if let Some(folded) = &f.folded {
-                to = to.max(folded.worst);
-                if folded.worst >= f.base {
-                    f.fault.fault_type = folded.fault_type;
-                }
-            }
-            set_handling(&mut f.fault, to);
-            if from != to && f.fault.active {
-                events.push(EngineEvent::Reclassified {
-                    code: f.fault.fault_code.clone(),
-                    device: f.fault.device.clone(),
-                    from,
-                    to,
-                });
-            }
-        }
+        let events = self
+            .faults
+            .values_mut()
+            .filter_map(|f| classify_again(ctx, f))
+            .collect();
         self.revision += 1;
         events
     }
@@ -819,6 +800,15 @@ impl Engine {
                     if f.resolving_since.take().is_some() {
                         self.revision += 1;
                     }
+                    // An Ascend chip code read again with other codes beside it, or under
+                    // another health word: its level is judged again from this read, as the
+                    // device plugin judges a chip's codes on every read.
+                    let code = FaultCodeRepr::from(&s.code);
+                    if f.code != code {
+                        f.code = code;
+                        events.extend(classify_again(ctx, f));
+                        self.revision += 1;
+                    }
                     if f.domain.as_deref() != Some(domain.as_str()) {
                         f.domain = Some(domain.clone());
                     }
@@ -852,6 +842,30 @@ fn push_occurrence(q: &mut VecDeque<Timestamp>, at: Timestamp) {
     }
 }
 
+/// Applies the catalog and policy to `f`'s code again, keeping what escalation raised it to; the
+/// event when an active fault's level changed.
+fn classify_again(ctx: Ctx<'_>, f: &mut FaultState) -> Option<EngineEvent> {
+    let c = ctx.policy.classify(ctx.catalog, &FaultCode::from(&f.code));
+    let from = f.fault.fault_handling;
+    f.base = c.handling;
+    f.fault.fault_type = c.fault_type;
+    let mut to = f.escalated.map_or(f.base, |e| e.max(f.base));
+    // An overflow fault keeps the worst of what it holds (not kept, so not judged again).
+    if let Some(folded) = &f.folded {
+        to = to.max(folded.worst);
+        if folded.worst >= f.base {
+            f.fault.fault_type = folded.fault_type;
+        }
+    }
+    set_handling(&mut f.fault, to);
+    (from != to && f.fault.active).then(|| EngineEvent::Reclassified {
+        code: f.fault.fault_code.clone(),
+        device: f.fault.device.clone(),
+        from,
+        to,
+    })
+}
+
 fn set_handling(f: &mut Fault, h: Handling) {
     f.fault_handling = h;
     f.fault_level = h;
@@ -861,8 +875,9 @@ fn set_handling(f: &mut Fault, h: Handling) {
 /// MindCluster's device plugin gives an Ascend chip the level of its listed codes whenever it has
 /// one, and falls back to a default (SeparateNPU for a severe code) only when none of the chip's
 /// codes is listed (`GetFaultTypeByCode`, then `getFaultTypeBySeverity`, in its
-/// `pkg/common/fault_code.go`). So an unlisted chip code read together with a listed one on the
-/// same chip is not severe: it never raises the chip above what the listed code says.
+/// `pkg/common/fault_code.go`), on every read. So an unlisted chip code read together with a
+/// listed one on the same chip is not severe: it never raises the chip above what the listed
+/// code says. `level` judges an active fault again when this changes its code.
 fn unlisted_follow_listed(ctx: Ctx<'_>, present: &mut [Signal]) {
     let listed = |s: &Signal| {
         matches!(s.code, FaultCode::Ascend { network: false, .. })

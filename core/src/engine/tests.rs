@@ -915,6 +915,46 @@ fn unlisted_codes_never_rise_above_the_listed_ones() {
         r.at(0, level(0, "npu-chip", codes));
         assert_eq!(states(&r), want, "{codes:?}");
     }
+    // Judged on every read, whatever came first: alone, then beside a listed code, then alone
+    // again (the device plugin recomputes a chip's level from the codes it has now).
+    let mut r = Rig::new("");
+    let alone = [npu_code("80ABCDEF", false, true)];
+    let beside = [
+        npu_code("81A3880C", false, true),
+        npu_code("80ABCDEF", false, true),
+    ];
+    r.at(0, level(0, "npu-chip", &alone));
+    assert_eq!(states(&r), ["80ABCDEF@Ascend910-0:SeparateNPU"]);
+    let events = r.at(10, level(0, "npu-chip", &beside));
+    assert!(
+        events.iter().any(|e| matches!(
+            e,
+            EngineEvent::Reclassified {
+                from: Handling::SeparateNPU,
+                to: Handling::NotHandleFault,
+                ..
+            }
+        )),
+        "{events:?}"
+    );
+    assert_eq!(
+        states(&r),
+        [
+            "81A3880C@Ascend910-0:SubHealthFault",
+            "80ABCDEF@Ascend910-0:NotHandleFault",
+        ]
+    );
+    r.at(20, level(0, "npu-chip", &alone));
+    assert_eq!(
+        states(&r),
+        ["80ABCDEF@Ascend910-0:SeparateNPU", "81A3880C@Ascend910-0:-",]
+    );
+    // Under a health word that eases, the same code alone follows it.
+    r.at(
+        30,
+        level(0, "npu-chip", &[npu_code("80ABCDEF", false, false)]),
+    );
+    assert_eq!(states(&r)[0], "80ABCDEF@Ascend910-0:NotHandleFault");
 }
 
 /// MindCluster's duration rule (built in): link down 20 s -> PreSeparateNPU; recovered only after
