@@ -164,7 +164,7 @@ pub struct AscendPolicy {
     /// A tool call running longer than this is killed and the detector marked down.
     #[serde(with = "humantime_serde")]
     pub call_timeout: Duration,
-    /// The operator's `faultCode.json`; its entries win over the built-in table.
+    /// The operator's `faultCode.json`; it replaces the built-in table.
     pub fault_code_file: Option<PathBuf>,
     /// The operator's `faultCustomization.json`; replaces the built-in one.
     pub fault_customization_file: Option<PathBuf>,

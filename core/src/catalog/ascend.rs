@@ -30,8 +30,8 @@ use serde_json::Value;
 use crate::record::Handling;
 use crate::rules::EscalationRule;
 
-/// The device kind of Ascend training chips (910, 910B, 910A3) in records and in MindCluster's
-/// `DeviceInfoCfg`, and the default for a chip whose model name says nothing else.
+/// The device kind of Ascend training chips (910, 910B, 910A3) in records, as MindCluster's device
+/// plugin names them, and the default for a chip whose model name says nothing else.
 pub const KIND: &str = "Ascend910";
 /// Every family MindCluster names: the device plugin's run modes (`GetDeviceRunMode`).
 pub const FAMILIES: [&str; 3] = ["Ascend910", "Ascend310P", "Ascend310"];

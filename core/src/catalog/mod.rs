@@ -303,8 +303,10 @@ impl Catalog {
         }
     }
 
-    /// An Ascend code: the operator's table (when given) first, then the built-in one, then the
-    /// default for unlisted codes.
+    /// An Ascend code: the operator's table when given, else the built-in one, then the default
+    /// for unlisted codes. An operator's table replaces the built-in one, as the device plugin's
+    /// own file replaces its table (`LoadFaultCode`): an operator on an older MindCluster release
+    /// gets that release's levels, not the newest table's for codes the older file lacks.
     pub fn classify_ascend(
         &self,
         operator: Option<&ascend::AscendTable>,
@@ -313,9 +315,7 @@ impl Catalog {
         severe: bool,
     ) -> Classification {
         let norm = ascend::normalize_code(code).unwrap_or_else(|| code.to_string());
-        let listed = operator
-            .and_then(|t| t.lookup(&norm, network))
-            .or_else(|| self.ascend.lookup(&norm, network));
+        let listed = operator.unwrap_or(&self.ascend).lookup(&norm, network);
         let kind = if network { "network" } else { "chip" };
         Classification {
             fault_type: if network {

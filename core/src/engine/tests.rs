@@ -1053,8 +1053,9 @@ fn frequency_escalation_to_manual_separation_is_sticky() {
     assert_eq!(states(&r), ["80E01801@Ascend910-1:-"]);
 }
 
-/// The operator's faultCode.json wins over the built-in table; an operator customization file
-/// replaces the built-in duration rule.
+/// The operator's faultCode.json replaces the built-in table (a code only the built-in one lists
+/// is an unlisted code), as the device plugin's own file replaces its table; an operator
+/// customization file replaces the built-in duration rule.
 #[test]
 fn operator_ascend_tables() {
     let policy = Policy::parse("")
@@ -1090,6 +1091,13 @@ fn operator_ascend_tables() {
         states(&r),
         ["80E01801@Ascend910-0:RestartNPU", "81078603@Ascend910-0:-"]
     );
+    // 81A3880C is SubHealthFault in the built-in table, not in the operator's: on chip 1, alone
+    // under an Alarm, it is an unlisted code (SeparateNPU).
+    r.at(
+        10,
+        level(1, "npu-chip", &[npu_code("81A3880C", false, true)]),
+    );
+    assert_eq!(states(&r)[0], "81A3880C@Ascend910-1:SeparateNPU");
 }
 
 #[test]
