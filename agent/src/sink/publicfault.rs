@@ -1092,7 +1092,7 @@ mod tests {
         assert_eq!(f.influence[0].node_name, "gpu-node-1");
         assert_eq!(f.influence[0].device_ids, (0..8).collect::<Vec<i32>>());
         assert_eq!(f.fault_location["device"], "pci-0000:01:00.0");
-        let text = checked_message("gpu-node-1", &current);
+        checked_message("gpu-node-1", &current);
         // ClusterD's level for the code is its table's: SeparateNPU in the file of every release
         // line, the one level that takes a chip off on all of them (v7.0.RC1 files nothing
         // less as unhealthy).
