@@ -1,6 +1,6 @@
 //! The agent's HTTP endpoints on one port: `/metrics` (Prometheus text), `/healthz` (the engine
-//! loop is alive), `/readyz` (the newest record is on disk), `/v1/record` (the latest
-//! record as JSON).
+//! loop is alive), `/readyz` (the newest record is on disk and the loop alive), `/v1/record`
+//! (the latest record as JSON).
 //!
 //! `/v1/record` is serialized at most once a second ([`RecordBody`]) and the same bytes are
 //! shared by every request, with their `Content-Length`: concurrent readers cost no memory
@@ -107,7 +107,7 @@ pub(crate) struct HttpState {
     pub metrics: Arc<Metrics>,
     pub heartbeat: Arc<Heartbeat>,
     pub clock: Arc<dyn Clock>,
-    /// `/readyz` is 200 while the newest record is on disk.
+    /// `/readyz` is 200 while the newest record is on disk (and the heartbeat is fresh).
     pub record: watch::Receiver<RecordStatus>,
     pub snapshots: watch::Receiver<Option<Snapshot>>,
     /// `/v1/record`'s body, shared by every request.
@@ -213,16 +213,28 @@ async fn healthz(State(s): State<HttpState>) -> Response {
     }
 }
 
+/// 200 while the newest record is on disk and the engine loop has beaten within [`STALE_MS`]:
+/// what a reader of the record calls a live agent (its heartbeat no older than 30 s). The agent
+/// pod's Ready condition stands for that heartbeat where the record has none (`faultline get
+/// --cluster`, `hosts`), so a stuck engine loop turns the pod not Ready once the heartbeat is
+/// stale, not only after the liveness probe restarts it.
 async fn readyz(State(s): State<HttpState>) -> Response {
-    if s.record.borrow().is_written() {
-        (StatusCode::OK, "ready\n").into_response()
-    } else {
-        (
+    if !s.record.borrow().is_written() {
+        return (
             StatusCode::SERVICE_UNAVAILABLE,
             "the newest record is not on disk (not written yet, or the last write failed)\n",
         )
-            .into_response()
+            .into_response();
     }
+    let age = s.heartbeat.age_ms(&*s.clock);
+    if age > STALE_MS {
+        return (
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("engine loop silent for {age} ms: the record's heartbeat is stale\n"),
+        )
+            .into_response();
+    }
+    (StatusCode::OK, "ready\n").into_response()
 }
 
 /// The latest record, its `heartbeatTime` the engine loop's last beat (what `/healthz` reads),
@@ -434,6 +446,45 @@ mod tests {
             .expect("answered and closed (one request per connection)")
             .unwrap();
         String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// `/readyz` is 200 only while the record is on disk and the engine loop has beaten within
+    /// STALE_MS: a stuck loop turns it 503 once its heartbeat is stale, as a reader of the
+    /// record would call the agent dead. (Before, it stayed 200 while the last write had
+    /// succeeded, however old the heartbeat.)
+    #[tokio::test]
+    async fn readiness_needs_the_record_on_disk_and_a_fresh_heartbeat() {
+        use crate::clock::testing::FakeClock;
+        let clock = Arc::new(FakeClock::new(1_800_000_000_000, 600_000));
+        let heartbeat = Arc::new(Heartbeat::default());
+        let (record_tx, record) = watch::channel(RecordStatus::Written);
+        let state = HttpState {
+            metrics: Arc::new(Metrics::new()),
+            heartbeat: heartbeat.clone(),
+            clock: clock.clone() as Arc<dyn Clock>,
+            record,
+            snapshots: watch::channel(None).1,
+            record_body: Default::default(),
+        };
+        let ready = || async { readyz(State(state.clone())).await.status() };
+        // Written, but no beat yet.
+        assert_eq!(ready().await, StatusCode::SERVICE_UNAVAILABLE);
+        heartbeat.beat(&*clock);
+        assert_eq!(ready().await, StatusCode::OK);
+        clock.advance(Duration::from_millis(STALE_MS as u64 - 1));
+        assert_eq!(ready().await, StatusCode::OK);
+        // The loop stuck: the heartbeat goes stale, the record stays written.
+        clock.advance(Duration::from_millis(2));
+        assert_eq!(ready().await, StatusCode::SERVICE_UNAVAILABLE);
+        // A wall-clock step changes nothing: the age is on the boot clock.
+        heartbeat.beat(&*clock);
+        clock.step_wall(-86_400);
+        assert_eq!(ready().await, StatusCode::OK);
+        clock.step_wall(2 * 86_400);
+        assert_eq!(ready().await, StatusCode::OK);
+        // A fresh heartbeat with the last write failed.
+        record_tx.send_replace(RecordStatus::Failing("disk full".into()));
+        assert_eq!(ready().await, StatusCode::SERVICE_UNAVAILABLE);
     }
 
     /// A slowloris client (half a request line, then nothing) is dropped at the header

@@ -181,8 +181,11 @@ exec(compile(script, "trainer", "exec"), {"__name__": "__main__"})
 /// The trainers of job.yaml and pytorchjob.yaml (the same loop), run as written against the
 /// records the real agent writes: a live agent's Healthy record trains every step; Unhealthy
 /// stops the run (exit 1), from a live agent or a dead one; a dead agent's Healthy record
-/// (killed, its heartbeat a minute old; from another boot; dated a day ahead of the clock)
-/// still trains, but every step says the agent is not running and new faults go unseen.
+/// (killed, its heartbeat a minute old, or more by the time the loop reads it; from another
+/// boot; dated a day ahead of the clock) still trains, but every step says the agent is not
+/// running and new faults go unseen, and so does a record whose heartbeat cannot be read
+/// (`"agent": null`, a `heartbeatBoot` without `bootId`: before, the loops died of a Python
+/// exception on these).
 /// Before, the loop printed "node Healthy" for a dead agent's record, as for a live one's, and
 /// the PyTorchJob had no loop at all.
 #[test]
@@ -247,16 +250,46 @@ fn the_examples_trainers_say_when_the_agent_is_not_running() {
         .agent
         .heartbeat_time
         .map(|t| t + faultline_core::time::SignedDuration::from_hours(24));
+    // The age a trainer prints ("its last heartbeat is 61s old"), in seconds.
+    let age_of = |line: &str| -> u64 {
+        let rest = line
+            .split("its last heartbeat is ")
+            .nth(1)
+            .unwrap_or_else(|| panic!("no age in {line:?}"));
+        rest[..rest.find("s old").unwrap_or_else(|| panic!("{line:?}"))]
+            .parse()
+            .unwrap_or_else(|e| panic!("{line:?}: {e}"))
+    };
+    // Records no running agent writes: no agent block, a boot-clock reading without its boot id.
+    let mut no_agent = serde_json::to_value(&healthy).unwrap();
+    no_agent["agent"] = Value::Null;
+    let mut no_boot_id = serde_json::to_value(&healthy).unwrap();
+    no_boot_id["agent"]["heartbeatBoot"]
+        .as_object_mut()
+        .expect("a boot clock reading")
+        .remove("bootId")
+        .expect("its boot id");
     for (dead, why) in [
-        (aged(&healthy), "its last heartbeat is 6"),
-        (other_boot, "its last heartbeat is from another boot"),
-        (ahead, "its last heartbeat is dated 86"),
+        (
+            serde_json::to_value(aged(&healthy)).unwrap(),
+            "its last heartbeat is ",
+        ),
+        (
+            serde_json::to_value(other_boot).unwrap(),
+            "its last heartbeat is from another boot",
+        ),
+        (
+            serde_json::to_value(ahead).unwrap(),
+            "its last heartbeat is dated 86",
+        ),
+        (no_agent, "its heartbeat cannot be read"),
+        (no_boot_id, "its heartbeat cannot be read"),
     ] {
-        put(&dead);
-        // What `faultline get` says of the same file.
+        std::fs::write(&record, serde_json::to_vec(&dead).unwrap()).unwrap();
+        // What `faultline get` says of the same file: not alive (3), or no readable record (2).
         let (code, _, err) =
             common::cli(&["get", "--file", record.to_str().unwrap()], &agent.state());
-        assert_eq!(code, Some(3), "{err}");
+        assert!(matches!(code, Some(2 | 3)), "{code:?} {err}");
         for (name, script) in &loops {
             let (code, out) = run_loop(script, &record);
             assert_eq!(code, Some(0), "{name}: trains on: {out}");
@@ -269,6 +302,10 @@ fn the_examples_trainers_say_when_the_agent_is_not_running() {
                         && line.ends_with("new faults are not seen"),
                     "{name}: {line}"
                 );
+                // Killed and aged a minute: at least that old, whenever the loop reads it.
+                if why == "its last heartbeat is " {
+                    assert!(age_of(line) >= 60, "{name}: {line}");
+                }
             }
         }
     }

@@ -441,7 +441,8 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
     );
     // An agent whose pod is not Ready (stopped, restarting), or that has no pod: its record is
     // still printed, with a warning on stderr, `notAlive` in the JSON, and exit 3. (Before: the
-    // record alone, exit 0.)
+    // record alone, exit 0.) No pod may mean no Node any more: the reason says how to remove
+    // the record then. (Before: only "no faultline agent pod on the node".)
     let get_dead = |args: &[&str]| {
         let out = std::process::Command::new(env!("CARGO_BIN_EXE_faultline"))
             .args([
@@ -459,9 +460,13 @@ fn xid79_reaches_the_node_configmap_and_events_and_a_restart_changes_nothing() {
             String::from_utf8(out.stderr).unwrap(),
         )
     };
+    let no_pod = format!(
+        "no faultline agent pod on the node (if the node no longer exists, its record outlived \
+         it: kubectl -n {NS} delete configmap faultline-node-a)"
+    );
     for (pod, why) in [
         (Some("False"), "its faultline agent pod is not Ready"),
-        (None, "no faultline agent pod on the node"),
+        (None, no_pod.as_str()),
     ] {
         match pod {
             Some(ready) => c.emu.put(agent_pod(ready)),
@@ -878,8 +883,8 @@ fn hosts_lists_only_what_a_launcher_can_use() {
             .starts_with("no peer check can run: there is no coordinator Lease faultline-system/faultline-peercheck"),
         "{out}"
     );
-    // A coordinator that stopped (it released the Lease) and none took over: said after one
-    // Lease term, not at --timeout.
+    // A coordinator that stopped (it released the Lease) and none took over: said after the
+    // grace (30 s), not at --timeout.
     emu.put(
         json!({"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
         "metadata": {"name": "faultline-peercheck", "namespace": NS},
@@ -890,7 +895,7 @@ fn hosts_lists_only_what_a_launcher_can_use() {
     assert!(out.contains("no peer check (exit 2); starting"), "{out}");
     assert!(
         out.contains("nobody holds the coordinator Lease faultline-system/faultline-peercheck")
-            && out.contains("and no coordinator came within 20s"),
+            && out.contains("and no coordinator came within 30s"),
         "{out}"
     );
     emu.delete(&ResourceRef::lease(NS, "faultline-peercheck"));
@@ -2120,15 +2125,17 @@ fn a_repeating_xid_writes_the_configmap_once_per_interval_and_an_escalation_at_o
     c.assert_calls_listed();
 }
 
-/// `faultline check` through the Lease says within one Lease term (20 s) that no check can run
-/// when nothing shows a coordinator: the Lease's holder stopped renewing it, or nothing takes
-/// connections at its address (exit 2, the reason in one line). A coordinator that takes the
-/// connection but does not answer (frozen, busy) is asked again until --timeout, and so is one
-/// whose Lease changes hands within the term. Every case runs with --timeout 5m (30s where the
-/// timeout is the expected end) and under a 90 s guard against a hang. (Before, every case
-/// waited out --timeout.)
+/// `faultline check` through the Lease says within its grace (two Lease terms, 30 s) that no
+/// check can run when nothing shows a coordinator: the Lease's holder stopped renewing it, or
+/// nothing takes connections at its address (exit 2, the reason in one line). A coordinator
+/// that takes the connection but does not answer (frozen, busy) is asked again until
+/// --timeout, and so is one whose Lease a replica takes 24 s into the wait: later than one term
+/// and the clock slack (20 s, the grace before, which cut such a hand-over off with exit 2),
+/// within the slowest hand-over between running replicas. The first two run with --timeout 5m,
+/// the frozen one with 30s and the hand-over with 40s (the timeout is their expected end), all
+/// under a 90 s guard against a hang.
 #[test]
-fn check_says_within_a_lease_term_that_no_check_can_run() {
+fn check_says_within_the_grace_that_no_check_can_run() {
     use faultline_kube_emulator::Rule;
     let (_rt, emu) = common::emulator();
     let dir = tempfile::tempdir().unwrap();
@@ -2197,9 +2204,9 @@ fn check_says_within_a_lease_term_that_no_check_can_run() {
         let expired = s.spawn(|| check("expired", "5m"));
         let refused = s.spawn(|| check("refused", "5m"));
         let frozen = s.spawn(|| check("frozen", "30s"));
-        let handover = s.spawn(|| check("handover", "30s"));
-        // Ten seconds into the hand-over (within the term), a replica takes the Lease.
-        std::thread::sleep(Duration::from_secs(10));
+        let handover = s.spawn(|| check("handover", "40s"));
+        // 24 s into the hand-over, a replica takes the Lease.
+        std::thread::sleep(Duration::from_secs(24));
         emu.put(lease(
             "handover",
             holder(frozen_at),
@@ -2211,7 +2218,7 @@ fn check_says_within_a_lease_term_that_no_check_can_run() {
         assert!(
             err.starts_with(
                 "error: no peer check can run: the coordinator Lease's holder coord-0 stopped renewing it, last at "
-            ) && err.trim_end().ends_with("and no coordinator came within 20s")
+            ) && err.trim_end().ends_with("and no coordinator came within 30s")
                 && err.lines().count() == 1,
             "{err}"
         );
@@ -2223,15 +2230,15 @@ fn check_says_within_a_lease_term_that_no_check_can_run() {
             )) && err.contains("efused")
                 && err
                     .trim_end()
-                    .ends_with("and no coordinator came within 20s"),
+                    .ends_with("and no coordinator came within 30s"),
             "{err}"
         );
-        for (case, answer) in [("frozen", frozen), ("handover", handover)] {
+        for (case, answer, timeout) in [("frozen", frozen, "30s"), ("handover", handover, "40s")] {
             let (code, err) = answer.join().unwrap();
             assert_eq!(code, Some(2), "{case}: {err}");
             assert!(
                 err.starts_with(&format!(
-                    "error: no result within 30s: the coordinator at {frozen_at}: "
+                    "error: no result within {timeout}: the coordinator at {frozen_at}: "
                 )),
                 "{case}: asked until --timeout: {err}"
             );

@@ -195,14 +195,29 @@ const LEASE_POLL: Duration = Duration::from_secs(5);
 const RETRY_EVERY: Duration = Duration::from_secs(2);
 
 /// How long `faultline check` goes on asking while nothing shows a coordinator (nobody holds
-/// the Lease, its holder stopped renewing it, nothing takes connections at the address): one
-/// Lease term and the agents' slack for clocks (docs/peer-checks.md, "When no check can run").
-/// A coordinator that exists holds the Lease and takes connections within that: a standby
-/// takes a Lease whose holder stopped renewing it once the term has run out, and one its holder
-/// released (SIGTERM) at its next look, at most a term later; a supervisor restarts a
-/// bare-metal coordinator within seconds.
+/// the Lease, its holder stopped renewing it, nothing takes connections at the address): two
+/// Lease terms, 30 s (docs/peer-checks.md, "When no check can run"). A hand-over between two
+/// running replicas fits in it with about 10 s to spare for clock skew and slow API calls,
+/// counted from the first attempt that saw no coordinator, which is never before the old
+/// holder's last renewal:
+/// - released (SIGTERM): the standby sleeps until the end of the term it last read and looks
+///   again (kube-lease-manager's `watcher_step`); the holder renews [`LEASE_SECONDS`] -
+///   [`GRACE_SECONDS`] = 10 s into each term, so that look comes at most one term (15 s) after
+///   the release; then a read and a write of the Lease;
+/// - crashed or frozen: the standby looks at the holder's last renewal + one term on its own
+///   clock, clears the Lease, sleeps a random 0.1 s to 1 s, reads and writes it again: one term,
+///   about 1 s and four API calls after the last renewal, plus the skew between the two
+///   replicas' clocks; found through the Service (`--coordinator`), also the new holder's
+///   readiness probe (every 2 s) and the endpoints' update.
+///
+/// A coordinator that is not running at all gets no grace beyond this: a rollout whose new
+/// pods still pull their image, or a drained node that held both replicas, ends pre-flights
+/// with exit 2 after 30 s. A supervisor restarts a bare-metal coordinator within seconds.
+///
+/// [`LEASE_SECONDS`]: crate::peer::lease::LEASE_SECONDS
+/// [`GRACE_SECONDS`]: crate::peer::lease::GRACE_SECONDS
 pub const NO_COORDINATOR_GRACE: Duration =
-    Duration::from_secs(crate::peer::lease::LEASE_SECONDS + 5);
+    Duration::from_secs(2 * crate::peer::lease::LEASE_SECONDS);
 
 /// What one attempt showed about the coordinator.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -282,7 +297,8 @@ fn target_of(
             }),
         Coordinator::NoLease => Err(Sign::Never(format!(
             "there is no coordinator Lease {namespace}/{NAME}: no coordinator has run in \
-             {namespace} (is it installed, and is {namespace} the agents' namespace?)"
+             {namespace} (is it installed, and is {namespace} the agents' namespace?), or the \
+             Lease was deleted (a coordinator creates it only as it starts: restart it)"
         ))),
         Coordinator::Unheld => Err(Sign::Absent(format!(
             "nobody holds the coordinator Lease {namespace}/{NAME} (its last holder released it)"
@@ -621,21 +637,17 @@ mod tests {
 
     use super::*;
 
-    /// What ends a check at once (no Lease), what after one Lease term of nothing but absence
+    /// What ends a check at once (no Lease), what after two Lease terms of nothing but absence
     /// (nobody holds the Lease, it ran out, nothing takes connections), and what is asked
     /// again until --timeout (a coordinator that took the connection: busy, not active, in a
     /// hand-over).
     #[test]
-    fn no_coordinator_ends_the_check_within_one_lease_term() {
-        use crate::peer::lease::{HOLDER_SLACK_MS, LEASE_SECONDS};
+    fn no_coordinator_ends_the_check_within_two_lease_terms() {
+        use crate::peer::lease::LEASE_SECONDS;
         let t0 = SystemClock.instant();
         let at = |s: u64| t0 + Duration::from_secs(s);
         let g = NO_COORDINATOR_GRACE;
-        assert_eq!(
-            i64::try_from(g.as_millis()).unwrap(),
-            i64::try_from(LEASE_SECONDS * 1000).unwrap() + HOLDER_SLACK_MS,
-            "one Lease term and the agents' slack for clocks"
-        );
+        assert_eq!(g, Duration::from_secs(2 * LEASE_SECONDS), "two Lease terms");
         let mut a = Absence::default();
         assert_eq!(
             a.settled(&Sign::Never("no Lease".into()), at(0), g),
@@ -646,24 +658,49 @@ mod tests {
         let mut a = Absence::default();
         assert_eq!(a.settled(&gone, at(0), g), None);
         assert_eq!(a.settled(&Sign::Unclear("API".into()), at(10), g), None);
-        assert_eq!(a.settled(&gone, at(19), g), None);
+        // Past the old grace of one term and the clock slack (20 s): still asking.
+        assert_eq!(a.settled(&gone, at(20), g), None);
+        assert_eq!(a.settled(&gone, at(29), g), None);
         assert_eq!(
-            a.settled(&gone, at(20), g).as_deref(),
-            Some("nobody holds the Lease, and no coordinator came within 20s")
+            a.settled(&gone, at(30), g).as_deref(),
+            Some("nobody holds the Lease, and no coordinator came within 30s")
         );
         // A coordinator seen in between (a replica took over) starts the count again.
         let mut a = Absence::default();
         assert_eq!(a.settled(&gone, at(0), g), None);
-        assert_eq!(a.settled(&busy, at(15), g), None);
-        assert_eq!(a.settled(&gone, at(30), g), None);
-        assert_eq!(a.settled(&gone, at(49), g), None);
-        assert!(a.settled(&gone, at(50), g).is_some());
+        assert_eq!(a.settled(&busy, at(25), g), None);
+        assert_eq!(a.settled(&gone, at(40), g), None);
+        assert_eq!(a.settled(&gone, at(69), g), None);
+        assert!(a.settled(&gone, at(70), g).is_some());
         // Busy or unclear for as long as it lasts: only --timeout ends that.
         let mut a = Absence::default();
         for s in 0..600 {
             assert_eq!(a.settled(&busy, at(s), g), None);
             assert_eq!(a.settled(&Sign::Unclear("API".into()), at(s), g), None);
         }
+    }
+
+    /// The grace holds the slowest hand-over between running replicas with 10 s to spare (for
+    /// the skew between their clocks and slow API calls): after a release, the standby looks
+    /// again at the end of the term it last read (at most one term later); after a crash, one
+    /// term after the last renewal, then kube-lease-manager's random pause (at most 1 s), and
+    /// through the Service the new holder's readiness probe (every 2 s,
+    /// manifests/base/coordinator.yaml). One term and 5 s (the old grace) left 2 s.
+    #[test]
+    fn the_grace_holds_a_hand_over_with_room_to_spare() {
+        use crate::peer::lease::LEASE_SECONDS;
+        let term = Duration::from_secs(LEASE_SECONDS);
+        let release = term;
+        let crash = term + Duration::from_secs(1) + Duration::from_secs(2);
+        let spare = Duration::from_secs(10);
+        assert!(
+            NO_COORDINATOR_GRACE >= release + spare,
+            "{NO_COORDINATOR_GRACE:?}"
+        );
+        assert!(
+            NO_COORDINATOR_GRACE >= crash + spare,
+            "{NO_COORDINATOR_GRACE:?}"
+        );
     }
 
     /// The Lease's word as a place to ask: a live holder's address and name; no Lease is no
@@ -682,7 +719,8 @@ mod tests {
         );
         let never = target_of(Coordinator::NoLease, "fs").unwrap_err();
         assert!(
-            matches!(&never, Sign::Never(w) if w.contains("no coordinator Lease fs/faultline-peercheck")),
+            matches!(&never, Sign::Never(w) if w.contains("no coordinator Lease fs/faultline-peercheck")
+                && w.contains("or the Lease was deleted")),
             "{never:?}"
         );
         let unheld = target_of(Coordinator::Unheld, "fs").unwrap_err();

@@ -142,7 +142,7 @@ pub async fn get_cluster(
             format!("cannot list the agent pods in {namespace} (needs list on pods there): {e}")
         })
     };
-    let dead = agents_alive(&shown, &agents);
+    let dead = agents_alive(&shown, &agents, namespace);
     let message = if json {
         let docs: Vec<serde_json::Value> = shown
             .iter()
@@ -181,19 +181,27 @@ pub async fn get_cluster(
 }
 
 /// For each record, why its agent is not known to be alive; `None` when it is: its node has an
-/// agent pod whose Ready condition is True (the pod's readiness probe fails within 15 s of the
-/// agent stopping). `agents` maps nodes to whether one of their agent pods is Ready, or says
-/// why the pods could not be listed.
+/// agent pod whose Ready condition is True (the agent's `/readyz` fails once its heartbeat is
+/// 30 s old, so the pod turns not Ready about 45 s after a stuck engine loop's last beat, within
+/// seconds of the agent exiting; docs/record.md, "Alive"). `agents` maps nodes to whether one of
+/// their agent pods is Ready, or says why the pods could not be listed. A record without any
+/// agent pod may be a deleted Node's (records outlive their Nodes, and `get --cluster` may not
+/// list Nodes): the reason says so, and how to remove it from `namespace`.
 pub(crate) fn agents_alive(
     records: &[NodeRecord],
     agents: &Result<BTreeMap<String, bool>, String>,
+    namespace: &str,
 ) -> Vec<Option<String>> {
     records
         .iter()
         .map(|r| match agents {
             Err(why) => Some(format!("unknown: {why}")),
             Ok(a) => match a.get(&r.node) {
-                None => Some("no faultline agent pod on the node".to_string()),
+                None => Some(format!(
+                    "no faultline agent pod on the node (if the node no longer exists, its record \
+                     outlived it: kubectl -n {namespace} delete configmap {})",
+                    crate::sink::kube::configmap::name(&r.node)
+                )),
                 Some(false) => Some("its faultline agent pod is not Ready".to_string()),
                 Some(true) => None,
             },
@@ -619,14 +627,18 @@ mod tests {
         let agents: BTreeMap<String, bool> =
             [("up".to_string(), true), ("down".to_string(), false)].into();
         assert_eq!(
-            agents_alive(&records, &Ok(agents)),
+            agents_alive(&records, &Ok(agents), "fs"),
             [
                 None,
                 Some("its faultline agent pod is not Ready".to_string()),
-                Some("no faultline agent pod on the node".to_string())
+                Some(
+                    "no faultline agent pod on the node (if the node no longer exists, its \
+                     record outlived it: kubectl -n fs delete configmap faultline-none)"
+                        .to_string()
+                )
             ]
         );
-        let unknown = agents_alive(&records[..1], &Err("cannot list: forbidden".into()));
+        let unknown = agents_alive(&records[..1], &Err("cannot list: forbidden".into()), "fs");
         assert_eq!(
             unknown,
             [Some("unknown: cannot list: forbidden".to_string())]

@@ -20,7 +20,8 @@ pub(crate) const HOLDER_SLACK_MS: i64 = 5_000;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Coordinator {
     /// No Lease: no coordinator has run in the namespace (the first one to start creates it,
-    /// and none deletes it: a coordinator that stops only clears its holder).
+    /// and none deletes it: a coordinator that stops only clears its holder), or someone
+    /// deleted it (`kubectl delete lease`; a coordinator creates it again only as it starts).
     NoLease,
     /// Nobody holds it: a coordinator released it when it stopped, and none has taken it since.
     Unheld,
@@ -165,5 +166,44 @@ mod tests {
                 renewed: None
             }
         );
+    }
+
+    /// `faultline check` judges the Lease on its own clock against the holder's renewTime (the
+    /// holder's clock). A live holder renews every term less the grace (10 s), so the Lease
+    /// it reads is at most that old. A reader's clock behind reads a live holder as live however
+    /// far behind it is; one ahead reads it as live up to the term and the slack less the
+    /// Lease's age: always up to 10 s ahead, never more than 20 s ahead (docs/peer-checks.md,
+    /// "When no check can run").
+    #[test]
+    fn a_readers_clock_far_ahead_reads_a_live_holder_as_expired() {
+        let renewed: faultline_core::time::Timestamp = "2026-11-24T12:00:00Z".parse().unwrap();
+        let ms = renewed.as_millisecond();
+        let id = "c0@10.0.0.1:20262#k";
+        let spec = || LeaseSpec {
+            holder_identity: Some(id.into()),
+            renew_time: Some(MicroTime(renewed)),
+            lease_duration_seconds: Some(LEASE_SECONDS as i32),
+            ..Default::default()
+        };
+        let live = Coordinator::Live(id.into());
+        let renew_every = (LEASE_SECONDS - GRACE_SECONDS) as i64 * 1000;
+        // Read just after the renewal, and just before the next one.
+        for age in [0, renew_every] {
+            let true_now = ms + age;
+            for behind in [1_000, 60_000, 3_600_000] {
+                assert_eq!(coordinator_of(Some(spec()), true_now - behind), live);
+            }
+            let most_ahead = LEASE_SECONDS as i64 * 1000 + HOLDER_SLACK_MS - age;
+            assert_eq!(coordinator_of(Some(spec()), true_now + most_ahead), live);
+            assert!(matches!(
+                coordinator_of(Some(spec()), true_now + most_ahead + 1),
+                Coordinator::Expired { .. }
+            ));
+        }
+        assert_eq!(
+            LEASE_SECONDS as i64 * 1000 + HOLDER_SLACK_MS - renew_every,
+            10_000
+        );
+        assert_eq!(LEASE_SECONDS as i64 * 1000 + HOLDER_SLACK_MS, 20_000);
     }
 }

@@ -171,7 +171,7 @@ enum Command {
     },
     /// Run a peer check among these nodes now and print faulty nodes, broken and degraded
     /// links and stragglers. Exit 0: none; 1: some; 3: some nodes could not be judged; 2: no
-    /// run (without a coordinator: at once when there is no coordinator Lease, after 20 s when
+    /// run (without a coordinator: at once when there is no coordinator Lease, after 30 s when
     /// none holds it or takes connections).
     Check {
         /// Node names, comma separated.
