@@ -450,8 +450,7 @@ mod tests {
 
     /// `/readyz` is 200 only while the record is on disk and the engine loop has beaten within
     /// STALE_MS: a stuck loop turns it 503 once its heartbeat is stale, as a reader of the
-    /// record would call the agent dead. (Before, it stayed 200 while the last write had
-    /// succeeded, however old the heartbeat.)
+    /// record would call the agent dead, however recent the last successful write.
     #[tokio::test]
     async fn readiness_needs_the_record_on_disk_and_a_fresh_heartbeat() {
         use crate::clock::testing::FakeClock;
