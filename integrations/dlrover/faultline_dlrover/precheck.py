@@ -2,7 +2,7 @@
 own nodes before training starts.
 
 DLRover's job master (dlrover 0.6.1) runs the operators named by `--pre_check_ops` one after
-the other before it lets the workers train (integrations/dlrover/README.md restates its rules).
+the other before it lets the workers train (docs/dlrover.md restates its rules).
 `FaultlinePreCheckOperator.check` takes the job's nodes from the master's job context (the
 Kubernetes node each pod was placed on) and asks the `faultline` CLI, faultline's interface
 for job scripts, two questions:
@@ -12,26 +12,37 @@ for job scripts, two questions:
    Ready (a fault record outlives its agent), without Kubernetes (`--members`) the agent
    answers with a fresh heartbeat. A node the CLI leaves out is abnormal, with its reason.
 2. `faultline check --nodes ... -o json`: a peer check of the job's nodes against each other.
-   The nodes named by a verdict (faulty node, broken or degraded link, straggler) are abnormal.
+   The nodes named by a verdict other than `unknown` (faulty node, broken or degraded link,
+   straggler, or a kind this CLI cannot name) are abnormal.
 
 Abnormal nodes fail the check with DLRover's `PreCheckResult`; `failed_actions` then asks the
 master to relaunch those workers (as DLRover's own ConnectionPreCheckOperator does), or to
-abort the job (`FAULTLINE_DLROVER_ON_FAILURE=abort`). A question faultline cannot answer
-(exit 2: no coordinator, no permission, no records; or no CLI at all) is no verdict: the check
-passes and says why, as the PyTorchJob example's pre-flight lets the Master start.
+abort the job (`FAULTLINE_DLROVER_ON_FAILURE=abort`). A failure that no relaunch can mend
+aborts the job in either mode, since the same check would fail again at every round: an
+invalid setting of the operator's own, a CLI that cannot be run, no agent answering from the
+members file, a peer check that failed without naming a job node.
+
+A question faultline's infrastructure cannot answer (exit 2: no coordinator, no permission, no
+records on Kubernetes; or a CLI that hangs past its time) is no verdict: the check passes and
+says why, as the PyTorchJob example's pre-flight lets the Master start. DLRover counts an exception from
+`check` as a pass, so `check` never raises: every error becomes a failing result.
 
 Configuration is read from the environment at every check (DLRover builds the operator with no
-arguments): see `Settings`. The CLI reads its own variables (`FAULTLINE_KUBECONFIG`,
-`FAULTLINE_COORDINATOR`, `FAULTLINE_PEER_REQUESTER_SECRET_FILE`, ...) from the same environment.
+arguments) and validated strictly: see `Settings`. The CLI reads its own variables
+(`FAULTLINE_KUBECONFIG`, `FAULTLINE_COORDINATOR`, `FAULTLINE_PEER_REQUESTER_SECRET_FILE`, ...)
+from the same environment.
 """
 
 import json
 import os
+import re
+import shutil
+import signal
 import subprocess
 from dataclasses import dataclass, field
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
-from dlrover.python.common.constants import NodeStatus
+from dlrover.python.common.constants import NodeStatus, NodeType
 from dlrover.python.common.log import default_logger as logger
 from dlrover.python.common.node import Node
 from dlrover.python.diagnosis.common.constants import (
@@ -59,75 +70,199 @@ PEER_CHECK_FAILED = 2
 PEER_CHECK_FAILED_MSG = "FAULTLINE_PEER_CHECK_FAILED"
 NOT_PLACED = 3
 NOT_PLACED_MSG = "FAULTLINE_NODES_NOT_PLACED"
+CONFIG_INVALID = 4
+CONFIG_INVALID_MSG = "FAULTLINE_CONFIG_INVALID"
+NO_AGENT_ANSWERS = 5
+NO_AGENT_ANSWERS_MSG = "FAULTLINE_NO_AGENT_ANSWERS"
+OPERATOR_ERROR = 6
+OPERATOR_ERROR_MSG = "FAULTLINE_OPERATOR_ERROR"
+# Failures that abort the job whatever FAULTLINE_DLROVER_ON_FAILURE says: no node to relaunch,
+# and the master's environment (where the cause lies) does not change between rounds.
+ABORTS = (CONFIG_INVALID_MSG, NO_AGENT_ANSWERS_MSG, OPERATOR_ERROR_MSG)
 
-# Verdict kinds of `faultline check -o json` that name what the job must not use; `unknown`
-# (a node that could not be judged) is not one of them.
-BAD_VERDICTS = ("faulty_node", "broken_link", "degraded_link", "straggler")
+# The verdict kind of `faultline check -o json` for a node that could not be judged. Every
+# other kind, `unspecified` (a kind this CLI has no name for) included, makes the CLI exit 1
+# (agent/src/cli/check.rs, `check_report`), and the nodes it names are abnormal.
+NOT_JUDGED = "unknown"
 
-
-def _flag(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes", "on")
+# The handling levels `--max-handling` takes, least severe first (core/src/record.rs,
+# `Handling::ALL`); the CLI matches them without regard to case.
+HANDLING_LEVELS = (
+    "NotHandleFault",
+    "SubHealthFault",
+    "RestartRequest",
+    "RestartBusiness",
+    "FreeRestartNPU",
+    "RestartNPU",
+    "PreSeparateNPU",
+    "SeparateNPU",
+    "ManuallySeparateNPU",
+)
+# DLRover's node types a job's pods can have (`NodeType`; the job master itself is not one of
+# the job's nodes). DLRover compares them as written: lower case.
+NODE_TYPES = (
+    NodeType.WORKER,
+    NodeType.PS,
+    NodeType.CHIEF,
+    NodeType.MASTER,
+    NodeType.EVALUATOR,
+)
+SWITCH = {"on": True, "true": True, "yes": True, "1": True}
+SWITCH.update({"off": False, "false": False, "no": False, "0": False})
+# A Kubernetes namespace name (an RFC 1123 label).
+NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+DIGITS = re.compile(r"[0-9]+")
 
 
 @dataclass
 class Settings:
-    """What the operator does, from `FAULTLINE_*` variables of the master's environment."""
+    """What the operator does, from `FAULTLINE_*` variables of the master's environment. An
+    unset or empty variable takes its default; any other value must be one the variable
+    accepts (`load` lists what is wrong), never silently read as the default."""
 
-    # The faultline CLI (FAULTLINE_BIN): a path, or a name on PATH.
+    # The faultline CLI (FAULTLINE_BIN): a path, or a name on PATH; an executable file.
     bin: str = "faultline"
     # The agents' namespace (FAULTLINE_DLROVER_NAMESPACE): fault ConfigMaps, agent pods and the
     # coordinator's Lease.
     namespace: str = "faultline-system"
-    # Without Kubernetes (FAULTLINE_DLROVER_MEMBERS): the peer checks' members file; each
-    # member's agent answers for its record on FAULTLINE_DLROVER_AGENT_PORT.
+    # Without Kubernetes (FAULTLINE_DLROVER_MEMBERS): the peer checks' members file, a readable
+    # file; each member's agent answers for its record on FAULTLINE_DLROVER_AGENT_PORT (1-65535,
+    # only with a members file).
     members: Optional[str] = None
-    agent_port: Optional[str] = None
+    agent_port: Optional[int] = None
     # Which records pass (FAULTLINE_DLROVER_ACCEPT): `degraded` (the default, as the examples'
     # init containers: Degraded with faults that need at most a restart of the job), `healthy`,
-    # or a handling level (`--max-handling`).
+    # or a handling level of HANDLING_LEVELS (`--max-handling`).
     accept: str = "degraded"
-    # FAULTLINE_DLROVER_PEER_CHECK: `off` skips the peer check.
+    # FAULTLINE_DLROVER_PEER_CHECK: on or off (SWITCH).
     peer_check: bool = True
     # FAULTLINE_DLROVER_CHECK_TIMEOUT: seconds `faultline check` may take (its --timeout).
     check_timeout: int = 300
-    # FAULTLINE_DLROVER_NODE_TYPES: the DLRover node types checked (comma separated).
-    node_types: Tuple[str, ...] = ("worker",)
+    # FAULTLINE_DLROVER_NODE_TYPES: the DLRover node types checked (comma separated, of
+    # NODE_TYPES).
+    node_types: Tuple[str, ...] = (NodeType.WORKER,)
     # FAULTLINE_DLROVER_ON_FAILURE: `relaunch` the abnormal nodes' pods, or `abort` the job.
     on_failure: str = "relaunch"
     # FAULTLINE_DLROVER_RETRY_SECONDS: how long the master waits after a failed check before
     # it runs every operator again.
     retry_seconds: int = 60
-    # Seconds `faultline hosts` may take (it lists the records, Nodes and agent pods).
+    # FAULTLINE_DLROVER_HOSTS_TIMEOUT: seconds `faultline hosts` may take (it lists the
+    # records, Nodes and agent pods, or asks each member's agent).
     hosts_timeout: int = 60
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> "Settings":
+    def load(cls, env: Optional[Mapping[str, str]] = None) -> Tuple["Settings", List[str]]:
+        """The settings, and one line per invalid variable naming it, its value and what it
+        accepts (empty when all are valid). Never raises: an invalid value leaves its
+        default in the settings, which the caller must not act on."""
         e = os.environ if env is None else env
         s = cls(env=e)
-        s.bin = e.get("FAULTLINE_BIN", s.bin) or s.bin
-        s.namespace = e.get("FAULTLINE_DLROVER_NAMESPACE", s.namespace) or s.namespace
-        s.members = e.get("FAULTLINE_DLROVER_MEMBERS") or None
-        s.agent_port = e.get("FAULTLINE_DLROVER_AGENT_PORT") or None
-        s.accept = (e.get("FAULTLINE_DLROVER_ACCEPT") or s.accept).strip()
-        s.peer_check = _flag(e.get("FAULTLINE_DLROVER_PEER_CHECK", "on"))
-        s.check_timeout = int(e.get("FAULTLINE_DLROVER_CHECK_TIMEOUT") or s.check_timeout)
-        types = e.get("FAULTLINE_DLROVER_NODE_TYPES")
-        if types:
-            s.node_types = tuple(t.strip() for t in types.split(",") if t.strip())
-        s.on_failure = (e.get("FAULTLINE_DLROVER_ON_FAILURE") or s.on_failure).strip().lower()
-        if s.on_failure not in ("relaunch", "abort"):
-            raise ValueError(
-                f"FAULTLINE_DLROVER_ON_FAILURE={s.on_failure!r}: relaunch or abort"
+        errors: List[str] = []
+
+        def get(name: str) -> Optional[str]:
+            v = e.get(name)
+            return v.strip() if v is not None and v.strip() else None
+
+        def seconds(name: str, default: int) -> int:
+            v = get(name)
+            if v is None:
+                return default
+            if DIGITS.fullmatch(v) and int(v) >= 1:
+                return int(v)
+            errors.append(f"{name}={v!r}: a whole number of seconds, at least 1, no unit")
+            return default
+
+        v = get("FAULTLINE_BIN")
+        if v is not None:
+            s.bin = v
+        if _executable(s.bin, e.get("PATH")) is None:
+            errors.append(
+                f"FAULTLINE_BIN={s.bin!r}: no executable file there (a path, or a name on PATH)"
             )
-        s.retry_seconds = int(e.get("FAULTLINE_DLROVER_RETRY_SECONDS") or s.retry_seconds)
-        return s
+
+        v = get("FAULTLINE_DLROVER_NAMESPACE")
+        if v is not None:
+            if NAMESPACE.fullmatch(v):
+                s.namespace = v
+            else:
+                errors.append(
+                    f"FAULTLINE_DLROVER_NAMESPACE={v!r}: a Kubernetes namespace name "
+                    "(lower-case letters, digits and '-', at most 63)"
+                )
+
+        s.members = get("FAULTLINE_DLROVER_MEMBERS")
+        if s.members is not None and not (
+            os.path.isfile(s.members) and os.access(s.members, os.R_OK)
+        ):
+            errors.append(
+                f"FAULTLINE_DLROVER_MEMBERS={s.members!r}: no readable file there "
+                "(the peer checks' members file)"
+            )
+        v = get("FAULTLINE_DLROVER_AGENT_PORT")
+        if v is not None:
+            if not (DIGITS.fullmatch(v) and 1 <= int(v) <= 65535):
+                errors.append(f"FAULTLINE_DLROVER_AGENT_PORT={v!r}: a port, 1 to 65535")
+            elif s.members is None:
+                errors.append(
+                    f"FAULTLINE_DLROVER_AGENT_PORT={v!r}: set without "
+                    "FAULTLINE_DLROVER_MEMBERS, which it belongs to"
+                )
+            else:
+                s.agent_port = int(v)
+
+        v = get("FAULTLINE_DLROVER_ACCEPT")
+        if v is not None:
+            level = next((h for h in HANDLING_LEVELS if h.lower() == v.lower()), None)
+            if v.lower() in ("healthy", "degraded"):
+                s.accept = v.lower()
+            elif level is not None:
+                s.accept = level
+            else:
+                errors.append(
+                    f"FAULTLINE_DLROVER_ACCEPT={v!r}: healthy, degraded, or a handling level "
+                    f"({', '.join(HANDLING_LEVELS)})"
+                )
+
+        v = get("FAULTLINE_DLROVER_PEER_CHECK")
+        if v is not None:
+            if v.lower() in SWITCH:
+                s.peer_check = SWITCH[v.lower()]
+            else:
+                errors.append(
+                    f"FAULTLINE_DLROVER_PEER_CHECK={v!r}: on or off "
+                    "(or true/false, yes/no, 1/0)"
+                )
+
+        s.check_timeout = seconds("FAULTLINE_DLROVER_CHECK_TIMEOUT", s.check_timeout)
+
+        v = get("FAULTLINE_DLROVER_NODE_TYPES")
+        if v is not None:
+            types = [t.strip() for t in v.split(",") if t.strip()]
+            unknown = [t for t in types if t not in NODE_TYPES]
+            if not types or unknown:
+                errors.append(
+                    f"FAULTLINE_DLROVER_NODE_TYPES={v!r}: DLRover node types, comma "
+                    f"separated, each one of {', '.join(NODE_TYPES)} (lower case)"
+                )
+            else:
+                s.node_types = tuple(dict.fromkeys(types))
+
+        v = get("FAULTLINE_DLROVER_ON_FAILURE")
+        if v is not None:
+            if v.lower() in ("relaunch", "abort"):
+                s.on_failure = v.lower()
+            else:
+                errors.append(f"FAULTLINE_DLROVER_ON_FAILURE={v!r}: relaunch or abort")
+
+        s.retry_seconds = seconds("FAULTLINE_DLROVER_RETRY_SECONDS", s.retry_seconds)
+        s.hosts_timeout = seconds("FAULTLINE_DLROVER_HOSTS_TIMEOUT", s.hosts_timeout)
+        return s, errors
 
     def accept_flags(self) -> List[str]:
-        a = self.accept.lower()
-        if a == "healthy":
+        if self.accept == "healthy":
             return []
-        if a == "degraded":
+        if self.accept == "degraded":
             return ["--allow-degraded"]
         return ["--max-handling", self.accept]
 
@@ -136,8 +271,8 @@ class Settings:
         if self.members:
             # Without Kubernetes the CLI asks each member's agent; slots are not used here.
             args += ["--members", self.members, "--slots", "1"]
-            if self.agent_port:
-                args += ["--agent-port", self.agent_port]
+            if self.agent_port is not None:
+                args += ["--agent-port", str(self.agent_port)]
         else:
             args += ["--namespace", self.namespace]
         return args
@@ -156,6 +291,14 @@ class Settings:
         ]
 
 
+def _executable(name: str, path: Optional[str]) -> Optional[str]:
+    """The executable file `name` stands for (a path, or a name looked up on `path`), as
+    the CLI's run would find it; None when there is none."""
+    if os.sep in name:
+        return name if os.path.isfile(name) and os.access(name, os.X_OK) else None
+    return shutil.which(name, path=path)
+
+
 @dataclass
 class Answer:
     """One run of the CLI: its exit status and its JSON document, or why there is none."""
@@ -163,6 +306,8 @@ class Answer:
     code: Optional[int]
     doc: Optional[object]
     error: str = ""
+    # The CLI could not be started at all (no such file, not executable, wrong format).
+    cannot_run: bool = False
 
     def why(self) -> str:
         """The CLI's own reason (`{"error": ...}`), else what went wrong running it."""
@@ -173,47 +318,119 @@ class Answer:
 
 def run_cli(s: Settings, args: List[str], timeout: float) -> Answer:
     """Runs `faultline ARGS` (every command here asks for `-o json`: one document on stdout,
-    errors included). A CLI that cannot be run, hangs past `timeout` or prints no JSON is an
-    answer without a document."""
+    errors included). A CLI that cannot be started is `cannot_run`; one that hangs past
+    `timeout` is killed with every process it started (its own process group: the recipe's
+    CLI is a wrapper script) and is an answer without a document, as is one that prints no
+    JSON."""
     try:
-        p = subprocess.run(
+        p = subprocess.Popen(
             [s.bin] + args,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=timeout,
             env=dict(s.env) if s.env else None,
+            start_new_session=True,
         )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return Answer(None, None, f"cannot run {s.bin}: {e}")
+    except OSError as e:
+        return Answer(None, None, f"cannot run {s.bin}: {e}", cannot_run=True)
     try:
-        doc = json.loads(p.stdout)
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        try:
+            p.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            # Something outside its group still holds the pipes: stop reading them.
+            for pipe in (p.stdout, p.stderr):
+                pipe.close()
+            p.wait()
+        return Answer(
+            None, None, f"faultline {args[0]} did not answer within {timeout:g} s (killed)"
+        )
+    try:
+        doc = json.loads(out)
     except ValueError:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or [""]
+        tail = (err or out).strip().splitlines()[-1:] or [""]
         return Answer(p.returncode, None, f"exit {p.returncode}, no JSON: {tail[0]}")
     return Answer(p.returncode, doc)
 
 
-def job_nodes(node_types: Sequence[str]) -> Tuple[List[Node], List[Node]]:
-    """The job's live nodes of these types from the master's job context: those placed on a
-    Kubernetes node (`host_name`, the pod's spec.nodeName) and those not placed yet. Released
-    nodes and nodes in a final state are not the job's any more."""
+@dataclass
+class JobNodes:
+    """The job's nodes as the check sees them."""
+
+    # Live nodes of the checked types placed on a Kubernetes node (`host_name`, the pod's
+    # spec.nodeName), and those not placed yet.
+    placed: List[Node]
+    waiting: List[Node]
+    # Whether the job has any node of the checked types, live or not.
+    of_types: bool
+    # The types of the job's live nodes of other types.
+    other_types: List[str]
+
+
+def job_nodes(node_types: Sequence[str]) -> JobNodes:
+    """The job's nodes from the master's job context. Released nodes and nodes in a final
+    state are not the job's any more."""
     placed: List[Node] = []
     waiting: List[Node] = []
+    of_types = False
+    others: Set[str] = set()
     for node_type, nodes in get_job_context().dup_job_nodes().items():
-        if node_type not in node_types:
-            continue
         for node in nodes.values():
-            if node is None or node.is_released:
+            if node is None:
                 continue
-            if NodeStatus.is_terminal_status(node.status):
+            if node_type in node_types:
+                of_types = True
+            if node.is_released or NodeStatus.is_terminal_status(node.status):
+                continue
+            if node_type not in node_types:
+                others.add(str(node_type))
                 continue
             (placed if node.host_name else waiting).append(node)
     key = lambda n: (n.type, n.id)  # noqa: E731
-    return sorted(placed, key=key), sorted(waiting, key=key)
+    return JobNodes(
+        sorted(placed, key=key), sorted(waiting, key=key), of_types, sorted(others)
+    )
 
 
 def _names(nodes: Sequence[Node]) -> str:
     return ", ".join(f"{n.name or n.type + '-' + str(n.id)} on {n.host_name}" for n in nodes)
+
+
+def _hosts_doc(doc: object) -> Optional[Tuple[Set[str], Dict[str, str]]]:
+    """The usable hosts and the left-out nodes with why from `faultline hosts -o json`'s
+    document, or None when it does not have that shape."""
+    if not isinstance(doc, dict):
+        return None
+    hosts, left = doc.get("hosts"), doc.get("leftOut", [])
+    if not isinstance(hosts, list) or not isinstance(left, list):
+        return None
+    if not all(isinstance(x, dict) for x in hosts + left):
+        return None
+    usable = {str(h.get("host")) for h in hosts}
+    return usable, {str(x.get("node")): str(x.get("why") or "") for x in left}
+
+
+def _verdict(v: dict) -> str:
+    """One verdict as a line of the result's message."""
+    nodes = [str(x) for x in v.get("nodes") or []]
+    text = f"{v.get('kind')} {'<->'.join(nodes) if nodes else '(no node)'}"
+    slowdown = v.get("slowdown")
+    if isinstance(slowdown, (int, float)) and slowdown > 0:
+        text += f" ({slowdown:.2f}x)"
+    if v.get("reason"):
+        text += f": {v.get('reason')}"
+    return text
+
+
+def _config_invalid(errors: Sequence[str]) -> PreCheckResult:
+    msg = f"{CONFIG_INVALID_MSG}: {'; '.join(errors)}"
+    logger.error(f"faultline: the operator's settings are invalid: {msg}")
+    return PreCheckResult(result=CONFIG_INVALID, result_msg=msg)
 
 
 class FaultlinePreCheckOperator(PreCheckOperator):
@@ -221,11 +438,35 @@ class FaultlinePreCheckOperator(PreCheckOperator):
 
     @classmethod
     def get_retry_interval_secs(cls) -> int:
-        return Settings.from_env().retry_seconds
+        s, errors = Settings.load()
+        # With an invalid setting the check failed and aborted the job: the master's loop
+        # only has to see the stop.
+        return 1 if errors else s.retry_seconds
 
     def check(self, *args, **kwargs) -> PreCheckResult:
-        s = Settings.from_env()
-        placed, waiting = job_nodes(s.node_types)
+        try:
+            return self._check()
+        except Exception as e:
+            # DLRover would count the exception as a pass.
+            logger.exception("faultline: the pre-check operator failed")
+            return PreCheckResult(
+                result=OPERATOR_ERROR,
+                result_msg=f"{OPERATOR_ERROR_MSG}: {type(e).__name__}: {e}",
+            )
+
+    def _check(self) -> PreCheckResult:
+        s, errors = Settings.load()
+        if errors:
+            return _config_invalid(errors)
+        job = job_nodes(s.node_types)
+        if not job.of_types and job.other_types:
+            return _config_invalid(
+                [
+                    f"FAULTLINE_DLROVER_NODE_TYPES={','.join(s.node_types)!r}: the job has no "
+                    f"node of that type; its nodes are {', '.join(job.other_types)}"
+                ]
+            )
+        placed, waiting = job.placed, job.waiting
         if waiting:
             # A node not placed yet cannot be asked about; the master runs the check again.
             names = ", ".join(n.name or f"{n.type}-{n.id}" for n in waiting)
@@ -235,18 +476,19 @@ class FaultlinePreCheckOperator(PreCheckOperator):
             )
         if not placed:
             return PreCheckResult(
-                result_msg=f"faultline: no {'/'.join(s.node_types)} node to check"
+                result_msg=f"faultline: no live {'/'.join(s.node_types)} node to check"
             )
         hosts = sorted({n.host_name for n in placed})
         notes: List[str] = []
 
         # 1. Records and agents.
         answer = run_cli(s, s.hosts_args(), s.hosts_timeout)
-        if answer.code == 0 and isinstance(answer.doc, dict):
-            usable = {h.get("host") for h in answer.doc.get("hosts", [])}
-            left: Dict[str, str] = {
-                x.get("node"): x.get("why", "") for x in answer.doc.get("leftOut", [])
-            }
+        if answer.cannot_run:
+            return _config_invalid([f"FAULTLINE_BIN={s.bin!r}: {answer.error}"])
+        read = _hosts_doc(answer.doc) if answer.code == 0 else None
+        why = answer.why() if answer.code != 0 else "its answer is not a record list"
+        if read is not None:
+            usable, left = read
             why_of: Dict[str, str] = {}
             for h in hosts:
                 if h in usable:
@@ -261,11 +503,23 @@ class FaultlinePreCheckOperator(PreCheckOperator):
                     abnormal_nodes=bad,
                 )
             notes.append(f"usable: {', '.join(hosts)}")
+        elif s.members:
+            # The operator was told where the agents are and none gave an answer (the CLI
+            # exits 2 when no member's agent answers; or it failed, hung, or printed no
+            # record list): no node is shown usable, and relaunching cannot change that.
+            return PreCheckResult(
+                result=NO_AGENT_ANSWERS,
+                result_msg=(
+                    f"{NO_AGENT_ANSWERS_MSG}: faultline hosts --members {s.members}: "
+                    f"{why} ({_names(placed)})"
+                ),
+                abnormal_nodes=placed,
+            )
         else:
-            # No verdict (no permission, no records in the namespace, no CLI): say so, and go
-            # on; each worker's own init container still waits for a usable record.
-            logger.warning(f"faultline: records not read ({answer.why()}); not judged")
-            notes.append(f"records not read ({answer.why()})")
+            # No verdict (no permission, no records in the namespace, a CLI that hangs): say
+            # so, and go on; each worker's own init container still waits for a usable record.
+            logger.warning(f"faultline: records not read ({why}); not judged")
+            notes.append(f"records not read ({why})")
 
         # 2. The peer check of the job's own nodes.
         if not s.peer_check:
@@ -274,37 +528,36 @@ class FaultlinePreCheckOperator(PreCheckOperator):
             notes.append("no peer check (one node)")
         else:
             answer = run_cli(s, s.check_args(hosts), s.check_timeout + 30)
+            if answer.cannot_run:
+                return _config_invalid([f"FAULTLINE_BIN={s.bin!r}: {answer.error}"])
             doc = answer.doc if isinstance(answer.doc, dict) else {}
-            verdicts = [v for v in doc.get("verdicts", []) if isinstance(v, dict)]
+            verdicts = [v for v in doc.get("verdicts") or [] if isinstance(v, dict)]
             run = doc.get("run_id", "?")
+            found = [v for v in verdicts if v.get("kind") != NOT_JUDGED]
+            unjudged = [v for v in verdicts if v.get("kind") == NOT_JUDGED]
             if answer.code == 0:
                 notes.append(f"peer check run {run}: nothing found")
             elif answer.code == 1:
-                named: Dict[str, List[str]] = {}
-                lines = []
-                for v in verdicts:
-                    if v.get("kind") not in BAD_VERDICTS:
-                        continue
-                    vnodes = [str(x) for x in v.get("nodes", [])]
-                    lines.append(f"{v.get('kind')} {'<->'.join(vnodes)}")
-                    for h in vnodes:
-                        named.setdefault(h, []).append(str(v.get("kind")))
+                named = {str(h) for v in found for h in v.get("nodes") or []}
                 bad = [n for n in placed if n.host_name in named]
+                # The findings first, then the nodes it could not judge.
+                lines = "; ".join(map(_verdict, found + unjudged)) or "no verdict in its answer"
+                if bad:
+                    msg = f"{PEER_CHECK_FAILED_MSG}: run {run}: {lines} ({_names(bad)})"
+                else:
+                    # Nothing of the job's to relaunch (`failed_actions` aborts): a verdict
+                    # of a kind without nodes, or about nodes that are not the job's.
+                    msg = (
+                        f"{PEER_CHECK_FAILED_MSG}: run {run}: it failed and names no node "
+                        f"of the job ({', '.join(hosts)}): {lines}"
+                    )
                 return PreCheckResult(
-                    result=PEER_CHECK_FAILED,
-                    result_msg=(
-                        f"{PEER_CHECK_FAILED_MSG}: run {run}: {'; '.join(lines)} "
-                        f"({_names(bad)})"
-                    ),
-                    abnormal_nodes=bad,
+                    result=PEER_CHECK_FAILED, result_msg=msg, abnormal_nodes=bad
                 )
             elif answer.code == 3:
-                unknown = [
-                    f"{','.join(map(str, v.get('nodes', [])))}: {v.get('reason', '')}"
-                    for v in verdicts
-                ]
-                logger.warning(f"faultline: peer check run {run} left nodes unjudged: {unknown}")
-                notes.append(f"peer check run {run}: not judged: {'; '.join(unknown)}")
+                lines = "; ".join(map(_verdict, unjudged))
+                logger.warning(f"faultline: peer check run {run} left nodes unjudged: {lines}")
+                notes.append(f"peer check run {run}: not judged: {lines}")
             else:
                 # Exit 2 (no coordinator, no credential, timeout) or no answer: no verdict,
                 # the job starts (the PyTorchJob example's pre-flight does the same).
@@ -316,10 +569,13 @@ class FaultlinePreCheckOperator(PreCheckOperator):
         result_msg = str(kwargs.get("result_msg") or "")
         abnormal = kwargs.get("abnormal_nodes") or []
         kind = result_msg.split(":", 1)[0]
-        if kind == NOT_PLACED_MSG or not abnormal:
-            # Nothing to act on: the master waits and checks again.
+        if kind == NOT_PLACED_MSG:
+            # Nothing to act on yet: the master waits and checks again.
             return [NoAction()]
-        if Settings.from_env().on_failure == "abort":
+        s, errors = Settings.load()
+        # A failure naming no node of the job has nothing to relaunch and would fail the same
+        # way at every round until DLRover's pre-check timeout passes the job: abort instead.
+        if kind in ABORTS or not abnormal or errors or s.on_failure == "abort":
             return [JobAbortionAction(reason=kind, msg=result_msg)]
         return [
             NodeAction(

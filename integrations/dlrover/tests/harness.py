@@ -10,6 +10,9 @@ coordinator from a members file and agents with peer-check keys (docs/peer-check
 
 DLRover's side: `run_precheck` runs `DiagnosisMaster.pre_check`, the loop DLRover's job master
 runs before training, over a job context holding the given nodes.
+
+`FakeCli` stands in for the CLI where the real programs cannot be made to answer as a test
+needs (tests/fake_faultline.py).
 """
 
 import json
@@ -18,6 +21,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -344,7 +348,8 @@ def run_precheck(ops: list, nodes: List[Node], limit: float = 120.0, during=None
     The master's main loop takes those actions (`DistributedJobMaster._diagnose_job`): a
     `JobAbortionAction` stops the job, a `NodeAction` relaunches the node. A thread here takes
     them the same way (`JobContext.next_action` for the master's instance) and stops the job at
-    the first one, which ends the pre-check; that action is what the master would have done.
+    the first failure's actions (all of them), which ends the pre-check; those actions are what
+    the master would have done.
     `during(log)` is called by that thread every 0.1 s with DLRover's log lines so far (a test
     moves the job on with it).
     """
@@ -367,7 +372,11 @@ def run_precheck(ops: list, nodes: List[Node], limit: float = 120.0, during=None
         while not done.is_set():
             a = job_ctx.next_action(instance=DiagnosisConstant.MASTER_INSTANCE)
             if isinstance(a, (NodeAction, JobAbortionAction)):
-                actions.append(a)
+                # The rest of what the same failure enqueued (one relaunch per node).
+                time.sleep(0.2)
+                while isinstance(a, (NodeAction, JobAbortionAction)):
+                    actions.append(a)
+                    a = job_ctx.next_action(instance=DiagnosisConstant.MASTER_INSTANCE)
                 job_ctx.request_stop()
                 return
             if time.monotonic() - started > limit:
@@ -393,3 +402,34 @@ def run_precheck(ops: list, nodes: List[Node], limit: float = 120.0, during=None
         t.join()
         logger.removeHandler(collect)
     return Outcome(job_ctx.get_pre_check_status(), actions, collect.lines)
+
+
+class FakeCli:
+    """tests/fake_faultline.py as the operator's `FAULTLINE_BIN`, answering `hosts` and `check`
+    as `scenario` says (that file's docstring); `calls()` are the argument lists it was run
+    with."""
+
+    def __init__(self, tmp: Path, scenario: dict):
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.bin = tmp / "faultline"
+        self.bin.write_text(
+            "#!/bin/sh\n"
+            f'exec "{sys.executable}" "{Path(__file__).with_name("fake_faultline.py")}" "$@"\n'
+        )
+        self.bin.chmod(0o755)
+        self.scenario = tmp / "scenario.json"
+        self.scenario.write_text(json.dumps(scenario))
+        self.calls_file = tmp / "calls"
+        self.calls_file.write_text("")
+        self.pids = tmp / "pids"
+
+    def env(self) -> Dict[str, str]:
+        return {
+            "FAULTLINE_BIN": str(self.bin),
+            "FAULTLINE_FAKE_SCENARIO": str(self.scenario),
+            "FAULTLINE_FAKE_CALLS": str(self.calls_file),
+            "FAULTLINE_FAKE_PIDS": str(self.pids),
+        }
+
+    def calls(self) -> List[List[str]]:
+        return [json.loads(l) for l in self.calls_file.read_text().splitlines()]

@@ -14,7 +14,9 @@ Run (integrations/dlrover/README.md):
 (with dlrover[k8s]==0.6.1 installed; .ci/run makes the venv).
 """
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -40,7 +42,24 @@ from dlrover.python.diagnosis.common.diagnosis_action import (  # noqa: E402
 )
 from dlrover.python.master.node.job_context import get_job_context  # noqa: E402
 
+from faultline_dlrover import precheck  # noqa: E402
+
 OP = "FaultlinePreCheckOperator"
+
+
+def only_faultline():
+    """The recipe's faultline operator alone (DLRover's scheduling check would wait for an
+    unplaced pod itself, and has nothing to say about the rest)."""
+    return [o for o in harness.recipe_pre_check_ops() if o[1] == OP]
+
+
+def alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
 
 
 class Recipe(unittest.TestCase):
@@ -286,6 +305,121 @@ class OnKubernetes(unittest.TestCase):
         )
 
 
+    def test_a_job_node_without_any_record_is_refused(self):
+        # gpu-z has no Node, no agent pod and no fault ConfigMap: `hosts` does not mention it.
+        with self.env():
+            out = harness.run_precheck(
+                harness.recipe_pre_check_ops(), [worker(0, "gpu-a"), worker(1, "gpu-z")]
+            )
+        (action,) = out.actions
+        self.assertIsInstance(action, NodeAction)
+        self.assertEqual(action.node_id, 1)
+        result = out.results(OP)[0]
+        self.assertIn("result=1", result)
+        self.assertIn(
+            "FAULTLINE_NODE_UNUSABLE: gpu-z: no fault record for the node (no faultline agent?)",
+            result,
+        )
+
+    # Each invalid setting: the variable, its value, and what the message must say it accepts.
+    INVALID = [
+        ("FAULTLINE_DLROVER_ON_FAILURE", "kill", "relaunch or abort"),
+        ("FAULTLINE_DLROVER_CHECK_TIMEOUT", "5m", "a whole number of seconds, at least 1"),
+        ("FAULTLINE_DLROVER_RETRY_SECONDS", "x", "a whole number of seconds, at least 1"),
+        ("FAULTLINE_DLROVER_HOSTS_TIMEOUT", "0", "a whole number of seconds, at least 1"),
+        (
+            "FAULTLINE_DLROVER_ACCEPT",
+            "restart",
+            "healthy, degraded, or a handling level (NotHandleFault, SubHealthFault,",
+        ),
+        ("FAULTLINE_DLROVER_PEER_CHECK", "enabled", "on or off"),
+        (
+            "FAULTLINE_DLROVER_NODE_TYPES",
+            "Worker",
+            "DLRover node types, comma separated, each one of worker, ps, chief, master, "
+            "evaluator (lower case)",
+        ),
+        ("FAULTLINE_DLROVER_NAMESPACE", "Faultline_System", "a Kubernetes namespace name"),
+        ("FAULTLINE_DLROVER_MEMBERS", "/nonexistent/members", "no readable file there"),
+        ("FAULTLINE_DLROVER_AGENT_PORT", "20260", "set without FAULTLINE_DLROVER_MEMBERS"),
+        ("FAULTLINE_BIN", "/nonexistent/faultline", "no executable file there"),
+    ]
+
+    def test_an_invalid_setting_fails_the_check_and_aborts_the_job(self):
+        """Every one of these passed the job before: an exception from `check` (which DLRover
+        counts as a pass), a CLI refusing its flags (no verdict), a peer check switched off, a
+        node type matching nothing, no CLI at all."""
+        for var, value, accepted in self.INVALID:
+            with self.subTest(var=var, value=value), self.env(**{var: value}):
+                out = harness.run_precheck(
+                    harness.recipe_pre_check_ops(), [worker(0, "gpu-a"), worker(1, "gpu-d")]
+                )
+                self.assertNotEqual(out.status, PreCheckStatus.PASS, out.log)
+                (action,) = out.actions
+                self.assertIsInstance(action, JobAbortionAction)
+                self.assertEqual(action.reason, "FAULTLINE_CONFIG_INVALID")
+                self.assertIn(f"{var}={value!r}: {accepted}", action.msg)
+                self.assertIn("result=4", out.results(OP)[0])
+
+    def test_every_invalid_setting_is_named_at_once(self):
+        with self.env(FAULTLINE_DLROVER_ON_FAILURE="Abort!", FAULTLINE_DLROVER_PEER_CHECK="y"):
+            out = harness.run_precheck(only_faultline(), [worker(0, "gpu-a")])
+        (action,) = out.actions
+        self.assertIn("FAULTLINE_DLROVER_ON_FAILURE='Abort!'", action.msg)
+        self.assertIn("FAULTLINE_DLROVER_PEER_CHECK='y'", action.msg)
+
+    def test_node_types_matching_none_of_the_jobs_nodes_are_a_configuration_error(self):
+        # A valid DLRover type the job has no node of: nothing would be checked.
+        with self.env(FAULTLINE_DLROVER_NODE_TYPES="chief"):
+            out = harness.run_precheck(only_faultline(), [worker(0, "gpu-a")])
+        (action,) = out.actions
+        self.assertIsInstance(action, JobAbortionAction)
+        self.assertEqual(action.reason, "FAULTLINE_CONFIG_INVALID")
+        self.assertIn(
+            "FAULTLINE_DLROVER_NODE_TYPES='chief': the job has no node of that type; its "
+            "nodes are worker",
+            action.msg,
+        )
+
+    def test_valid_settings_other_than_the_defaults_are_taken(self):
+        # A handling level in any case (the CLI's own rule), a switch word, two node types.
+        with self.env(
+            FAULTLINE_DLROVER_ACCEPT="restartbusiness",
+            FAULTLINE_DLROVER_PEER_CHECK="OFF",
+            FAULTLINE_DLROVER_NODE_TYPES="worker, ps",
+            FAULTLINE_DLROVER_ON_FAILURE="Abort",
+        ):
+            out = harness.run_precheck(
+                harness.recipe_pre_check_ops(), [worker(0, "gpu-a"), worker(1, "gpu-d")]
+            )
+        self.assertEqual(out.status, PreCheckStatus.PASS, out.log)
+        (result,) = out.results(OP)
+        self.assertIn("usable: gpu-a, gpu-d; peer check off", result)
+
+    def test_the_operators_handling_levels_are_the_clis(self):
+        out = subprocess.run(
+            [str(self.bins["cli"]), "hosts", "-o", "json", "--max-handling", "none-such"],
+            capture_output=True,
+            text=True,
+        )
+        error = json.loads(out.stdout)["error"]
+        listed = re.search(r"one of (.*)$", error).group(1).split(", ")
+        self.assertEqual(tuple(listed), precheck.HANDLING_LEVELS)
+
+    def test_a_cli_that_is_not_a_program_fails_closed(self):
+        # The file exists and is executable, but exec refuses it (no interpreter line).
+        not_a_program = self.tmp / "not-a-program"
+        not_a_program.write_bytes(b"\x00\x01\x02 not an executable\n")
+        not_a_program.chmod(0o755)
+        with self.env(FAULTLINE_BIN=str(not_a_program)):
+            out = harness.run_precheck(only_faultline(), [worker(0, "gpu-a")])
+        (action,) = out.actions
+        self.assertIsInstance(action, JobAbortionAction)
+        self.assertEqual(action.reason, "FAULTLINE_CONFIG_INVALID")
+        self.assertIn(f"FAULTLINE_BIN={str(not_a_program)!r}: cannot run", action.msg)
+        self.assertIn("Exec format error", action.msg)
+
+
 class WithoutKubernetes(unittest.TestCase):
     """Peer checks without Kubernetes: a coordinator from a members file at 127.0.0.9, agents
     n1, n2, n3 at 127.0.0.1-3 with their node keys; n3's probe cannot run, so a check with it
@@ -373,19 +507,24 @@ class WithoutKubernetes(unittest.TestCase):
         cls.procs.stop_all()
         shutil.rmtree(cls.tmp, ignore_errors=True)
 
-    def env(self):
-        return mock.patch.dict(
-            os.environ,
-            {
-                "FAULTLINE_BIN": str(self.bins["cli"]),
-                "FAULTLINE_DLROVER_MEMBERS": str(self.tmp / "members"),
-                "FAULTLINE_DLROVER_AGENT_PORT": str(self.http_port),
-                "FAULTLINE_COORDINATOR": self.coordinator,
-                "FAULTLINE_PEER_REQUESTER_SECRET_FILE": str(self.secret),
-                "FAULTLINE_DLROVER_CHECK_TIMEOUT": "60",
-                "FAULTLINE_DLROVER_RETRY_SECONDS": "1",
-            },
-        )
+    def env(self, **extra):
+        e = {
+            "FAULTLINE_BIN": str(self.bins["cli"]),
+            "FAULTLINE_DLROVER_MEMBERS": str(self.tmp / "members"),
+            "FAULTLINE_DLROVER_AGENT_PORT": str(self.http_port),
+            "FAULTLINE_COORDINATOR": self.coordinator,
+            "FAULTLINE_PEER_REQUESTER_SECRET_FILE": str(self.secret),
+            "FAULTLINE_DLROVER_CHECK_TIMEOUT": "60",
+            "FAULTLINE_DLROVER_RETRY_SECONDS": "1",
+        }
+        e.update(extra)
+        return mock.patch.dict(os.environ, e)
+
+    def members_file(self, name: str, lines: str) -> str:
+        """Another members file for `hosts` (the coordinator keeps its own)."""
+        path = self.tmp / name
+        path.write_text(lines)
+        return str(path)
 
     def test_a_passing_peer_check_passes(self):
         with self.env():
@@ -412,6 +551,216 @@ class WithoutKubernetes(unittest.TestCase):
         result = out.results(OP)[0]
         self.assertIn("result=2", result)
         self.assertRegex(result, r"FAULTLINE_PEER_CHECK_FAILED: run \S+: faulty_node n3 ")
+
+
+    def test_nodes_a_peer_check_cannot_judge_do_not_hold_the_job(self):
+        # n1 and n3 alone: n3's probe cannot run, and with no third node to compare with
+        # neither can be judged (`check` exits 3). A peer check that found n3 faulty leaves its
+        # record Degraded with PreSeparateNPU: accepted here, so that only the check decides.
+        with self.env(FAULTLINE_DLROVER_ACCEPT="PreSeparateNPU"):
+            out = harness.run_precheck(
+                harness.recipe_pre_check_ops(), [worker(0, "n1"), worker(1, "n3")]
+            )
+        self.assertEqual(out.status, PreCheckStatus.PASS, out.log)
+        self.assertEqual(out.actions, [])
+        (result,) = out.results(OP)
+        self.assertIn("usable: n1, n3", result)
+        self.assertRegex(
+            result,
+            r"peer check run \S+: not judged: unknown n1: no node passed a check to compare "
+            r"with .*; unknown n3: ",
+        )
+
+    def test_one_silent_agent_refuses_its_node(self):
+        # n4's address has no agent; n1's and n2's answer.
+        members = self.members_file(
+            "members-n4",
+            (self.tmp / "members").read_text() + f"n4 127.0.0.4:{self.http_port}\n",
+        )
+        with self.env(FAULTLINE_DLROVER_MEMBERS=members):
+            out = harness.run_precheck(
+                harness.recipe_pre_check_ops(), [worker(0, "n1"), worker(1, "n4")]
+            )
+        (action,) = out.actions
+        self.assertIsInstance(action, NodeAction)
+        self.assertEqual(action.node_id, 1)
+        self.assertIn(
+            f"FAULTLINE_NODE_UNUSABLE: n4: its agent at 127.0.0.4:{self.http_port}: ",
+            out.results(OP)[0],
+        )
+
+    def test_no_agent_answering_fails_closed_and_aborts_the_job(self):
+        """`hosts --members` exits 2 when no member's agent answers; that passed the job as
+        "records not read" before. A wrong port, and a members file of the job's nodes whose
+        agents are all silent (none listens at 127.0.0.5 and .6)."""
+        port = harness.free_port(["127.0.0.1", "127.0.0.2", "127.0.0.3"])
+        silent = self.members_file(
+            "members-silent", f"n1 127.0.0.5:{port}\nn2 127.0.0.6:{port}\n"
+        )
+        for name, extra in [
+            ("wrong port", {"FAULTLINE_DLROVER_AGENT_PORT": str(port)}),
+            ("silent agents", {"FAULTLINE_DLROVER_MEMBERS": silent}),
+        ]:
+            with self.subTest(name), self.env(**extra):
+                out = harness.run_precheck(
+                    harness.recipe_pre_check_ops(), [worker(0, "n1"), worker(1, "n2")]
+                )
+                self.assertNotEqual(out.status, PreCheckStatus.PASS, out.log)
+                (action,) = out.actions
+                self.assertIsInstance(action, JobAbortionAction)
+                self.assertEqual(action.reason, "FAULTLINE_NO_AGENT_ANSWERS")
+                self.assertIn("no member's agent answered on port", action.msg)
+                self.assertIn("result=5", out.results(OP)[0])
+
+class StubbedCli(unittest.TestCase):
+    """The operator's reading of answers the real programs on loopback cannot be made to give
+    (link and straggler verdicts, a verdict kind the CLI has no name for, a hang): the CLI is
+    tests/fake_faultline.py (harness.FakeCli); DLRover's side is as everywhere else. Every
+    node is usable by `hosts` unless a test says otherwise."""
+
+    HOSTS = ["gpu-a", "gpu-b", "gpu-c", "gpu-d"]
+
+    def setUp(self):
+        self.tmp = Path(tempfile.mkdtemp(prefix="faultline-dlrover-stub-"))
+
+    def tearDown(self):
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def fake(self, check=None, hosts=None) -> harness.FakeCli:
+        hosts = hosts or {
+            "code": 0,
+            "doc": {"hosts": [{"host": h, "slots": 8} for h in self.HOSTS], "leftOut": []},
+        }
+        scenario = {"hosts": hosts}
+        if check is not None:
+            scenario["check"] = check
+        return harness.FakeCli(self.tmp, scenario)
+
+    @staticmethod
+    def failed(*verdicts):
+        """`faultline check`'s exit 1 with these verdicts."""
+        return {"code": 1, "doc": {"run_id": "r1", "rounds": 2, "verdicts": list(verdicts)}}
+
+    def run_with(self, cli: harness.FakeCli, nodes, **extra):
+        env = {
+            **cli.env(),
+            "FAULTLINE_DLROVER_CHECK_TIMEOUT": "3",
+            "FAULTLINE_DLROVER_RETRY_SECONDS": "1",
+            **extra,
+        }
+        with mock.patch.dict(os.environ, env):
+            return harness.run_precheck(only_faultline(), nodes, limit=20)
+
+    def workers(self, n):
+        return [worker(i, self.HOSTS[i]) for i in range(n)]
+
+    def relaunched(self, out):
+        self.assertTrue(out.actions, out.log)
+        for a in out.actions:
+            self.assertIsInstance(a, NodeAction)
+            self.assertEqual(a.action_type, DiagnosisActionType.MASTER_RELAUNCH_WORKER)
+        return sorted(a.node_id for a in out.actions)
+
+    def test_settings_reach_the_cli_as_its_flags(self):
+        cli = self.fake(check={"code": 0, "doc": {"run_id": "r1", "rounds": 1, "verdicts": []}})
+        out = self.run_with(
+            cli,
+            self.workers(2),
+            FAULTLINE_DLROVER_ACCEPT="restartnpu",
+            FAULTLINE_DLROVER_CHECK_TIMEOUT="7",
+            FAULTLINE_DLROVER_NAMESPACE="ns1",
+        )
+        self.assertEqual(out.status, PreCheckStatus.PASS, out.log)
+        self.assertEqual(
+            cli.calls(),
+            [
+                ["hosts", "-o", "json", "--max-handling", "RestartNPU", "--namespace", "ns1"],
+                ["check", "--nodes", "gpu-a,gpu-b", "--timeout", "7s", "--namespace", "ns1",
+                 "-o", "json"],
+            ],
+        )
+
+    def test_a_broken_link_relaunches_both_its_nodes(self):
+        cli = self.fake(check=self.failed({"kind": "broken_link", "nodes": ["gpu-a", "gpu-b"]}))
+        out = self.run_with(cli, self.workers(3))
+        self.assertEqual(self.relaunched(out), [0, 1])
+        self.assertIn(
+            "FAULTLINE_PEER_CHECK_FAILED: run r1: broken_link gpu-a<->gpu-b (", out.results(OP)[0]
+        )
+
+    def test_a_degraded_link_and_a_straggler_relaunch_the_nodes_they_name(self):
+        cli = self.fake(
+            check=self.failed(
+                {"kind": "degraded_link", "nodes": ["gpu-b", "gpu-c"], "slowdown": 2.5},
+                {"kind": "straggler", "nodes": ["gpu-d"], "slowdown": 4.0},
+                {"kind": "unknown", "nodes": ["gpu-a"], "reason": "accelerators busy"},
+            )
+        )
+        out = self.run_with(cli, self.workers(4))
+        # gpu-a was not judged, which names nothing.
+        self.assertEqual(self.relaunched(out), [1, 2, 3])
+        self.assertIn(
+            "run r1: degraded_link gpu-b<->gpu-c (2.50x); straggler gpu-d (4.00x); "
+            "unknown gpu-a: accelerators busy (",
+            out.results(OP)[0],
+        )
+
+    def test_a_verdict_of_a_kind_the_cli_cannot_name_is_a_finding(self):
+        # `unspecified`: the CLI exits 1 for it; before, the operator ignored it.
+        cli = self.fake(check=self.failed({"kind": "unspecified", "nodes": ["gpu-b"]}))
+        out = self.run_with(cli, self.workers(2))
+        self.assertEqual(self.relaunched(out), [1])
+
+    def test_a_failed_peer_check_naming_no_job_node_aborts_the_job(self):
+        """Before, the check failed with no abnormal node and `NoAction`, every retry
+        interval, until DLRover's pre-check timeout passed the job."""
+        for name, verdict, text in [
+            ("no node", {"kind": "unspecified", "nodes": []}, "unspecified (no node)"),
+            ("not the job's", {"kind": "faulty_node", "nodes": ["gpu-z"]}, "faulty_node gpu-z"),
+        ]:
+            for mode in ("relaunch", "abort"):
+                with self.subTest(name, mode=mode):
+                    cli = self.fake(check=self.failed(verdict))
+                    out = self.run_with(
+                        cli, self.workers(2), FAULTLINE_DLROVER_ON_FAILURE=mode
+                    )
+                    (action,) = out.actions
+                    self.assertIsInstance(action, JobAbortionAction)
+                    self.assertEqual(action.reason, "FAULTLINE_PEER_CHECK_FAILED")
+                    self.assertEqual(
+                        action.msg,
+                        "FAULTLINE_PEER_CHECK_FAILED: run r1: it failed and names no node of "
+                        f"the job (gpu-a, gpu-b): {text}",
+                    )
+                    self.assertIn("result=2", out.results(OP)[0])
+
+    def test_a_hanging_cli_is_killed_with_its_children_and_is_no_verdict(self):
+        cli = self.fake(
+            hosts={"hang": True},
+            check={"code": 0, "doc": {"run_id": "r1", "rounds": 1, "verdicts": []}},
+        )
+        out = self.run_with(cli, self.workers(2), FAULTLINE_DLROVER_HOSTS_TIMEOUT="2")
+        self.assertEqual(out.status, PreCheckStatus.PASS, out.log)
+        (result,) = out.results(OP)
+        self.assertIn(
+            "records not read (faultline hosts did not answer within 2 s (killed)); "
+            "peer check run r1: nothing found",
+            result,
+        )
+        pids = [int(p) for p in cli.pids.read_text().split()]
+        self.assertEqual(len(pids), 2)
+        for pid in pids:
+            wait_until(f"process {pid} killed", 5, lambda: not alive(pid))
+
+    def test_an_error_in_the_operator_fails_the_check(self):
+        """DLRover counts an exception from `check` as a pass."""
+        cli = self.fake()
+        with mock.patch.object(precheck, "job_nodes", side_effect=RuntimeError("boom")):
+            out = self.run_with(cli, self.workers(2))
+        (action,) = out.actions
+        self.assertIsInstance(action, JobAbortionAction)
+        self.assertEqual(action.reason, "FAULTLINE_OPERATOR_ERROR")
+        self.assertEqual(action.msg, "FAULTLINE_OPERATOR_ERROR: RuntimeError: boom")
 
 
 if __name__ == "__main__":
