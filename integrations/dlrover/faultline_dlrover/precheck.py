@@ -22,10 +22,18 @@ aborts the job in either mode, since the same check would fail again at every ro
 invalid setting of the operator's own, a CLI that cannot be run, no agent answering from the
 members file, a peer check that failed without naming a job node.
 
-A question faultline's infrastructure cannot answer (exit 2: no coordinator, no permission, no
-records on Kubernetes; or a CLI that hangs past its time) is no verdict: the check passes and
-says why, as the PyTorchJob example's pre-flight lets the Master start. DLRover counts an exception from
-`check` as a pass, so `check` never raises: every error becomes a failing result.
+The check fails closed, with one exception (docs/dlrover.md, "The decision on cannot run"):
+faultline's own "no run" answer, exit 2 with its JSON error document, or a CLI that hangs past
+its time, is no verdict from faultline's infrastructure: the check passes and says why, as the
+PyTorchJob example's pre-flight lets the Master start. That holds for `check` in both modes
+and for `hosts` on Kubernetes; without Kubernetes `hosts` giving no answer aborts the job. Any
+other exit status, a signal, or an exit 2 without that document is a CLI that could not run
+(the wrapper's loader missing, a panic, an OOM kill): a failure that aborts the job.
+
+DLRover counts an exception from `check` as a pass, so `check` turns every exception into a
+failing result, except DLRover's own pre-check timeout (`TimeoutException`, raised by its
+SIGALRM), which it lets through for DLRover to pass the job at its timeout as documented; the
+CLI's processes are killed whenever `run_cli` returns or raises.
 
 Configuration is read from the environment at every check (DLRover builds the operator with no
 arguments) and validated strictly: see `Settings`. The CLI reads its own variables
@@ -61,6 +69,7 @@ from dlrover.python.master.diagnosis.precheck_operator import (
     PreCheckResult,
 )
 from dlrover.python.master.node.job_context import get_job_context
+from dlrover.python.util.function_util import TimeoutException
 
 # Result codes (DLRover leaves every code above 0 to the operator) and the first word of the
 # message, which is all `failed_actions` is given besides the abnormal nodes.
@@ -112,6 +121,19 @@ SWITCH.update({"off": False, "false": False, "no": False, "0": False})
 # A Kubernetes namespace name (an RFC 1123 label).
 NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 DIGITS = re.compile(r"[0-9]+")
+# The longest wait between two rounds of the pre-check (FAULTLINE_DLROVER_RETRY_SECONDS): well
+# inside DLRover's own pre-check timeout (900 + 600 s by default), which passes the job, and
+# small enough for DLRover's `time.sleep` to take.
+MAX_RETRY_SECONDS = 600
+# The longest a CLI command may take (FAULTLINE_DLROVER_CHECK_TIMEOUT, _HOSTS_TIMEOUT): above
+# DLRover's whole default pre-check timeout, and a duration the CLI's `--timeout` accepts.
+MAX_CLI_SECONDS = 3600
+# Where `faultline check` reads the requesters' secret when FAULTLINE_PEER_REQUESTER_SECRET_FILE
+# is unset (faultline/src/bin/faultline.rs, the `check` command's `secret_file`), and the
+# shortest secret it accepts (proto/src/auth.rs, `MIN_SECRET_BYTES`; agent/src/peer/wire.rs,
+# `load_key`, trims trailing white space first).
+DEFAULT_SECRET_FILE = "/etc/faultline/peer/requester-secret"
+MIN_SECRET_BYTES = 16
 
 
 @dataclass
@@ -136,7 +158,8 @@ class Settings:
     accept: str = "degraded"
     # FAULTLINE_DLROVER_PEER_CHECK: on or off (SWITCH).
     peer_check: bool = True
-    # FAULTLINE_DLROVER_CHECK_TIMEOUT: seconds `faultline check` may take (its --timeout).
+    # FAULTLINE_DLROVER_CHECK_TIMEOUT: seconds `faultline check` may take (its --timeout),
+    # 1 to MAX_CLI_SECONDS.
     check_timeout: int = 300
     # FAULTLINE_DLROVER_NODE_TYPES: the DLRover node types checked (comma separated, of
     # NODE_TYPES).
@@ -144,10 +167,10 @@ class Settings:
     # FAULTLINE_DLROVER_ON_FAILURE: `relaunch` the abnormal nodes' pods, or `abort` the job.
     on_failure: str = "relaunch"
     # FAULTLINE_DLROVER_RETRY_SECONDS: how long the master waits after a failed check before
-    # it runs every operator again.
+    # it runs every operator again, 1 to MAX_RETRY_SECONDS.
     retry_seconds: int = 60
     # FAULTLINE_DLROVER_HOSTS_TIMEOUT: seconds `faultline hosts` may take (it lists the
-    # records, Nodes and agent pods, or asks each member's agent).
+    # records, Nodes and agent pods, or asks each member's agent), 1 to MAX_CLI_SECONDS.
     hosts_timeout: int = 60
     env: Mapping[str, str] = field(default_factory=dict, repr=False)
 
@@ -164,13 +187,13 @@ class Settings:
             v = e.get(name)
             return v.strip() if v is not None and v.strip() else None
 
-        def seconds(name: str, default: int) -> int:
+        def seconds(name: str, default: int, most: int) -> int:
             v = get(name)
             if v is None:
                 return default
-            if DIGITS.fullmatch(v) and int(v) >= 1:
+            if DIGITS.fullmatch(v) and 1 <= int(v) <= most:
                 return int(v)
-            errors.append(f"{name}={v!r}: a whole number of seconds, at least 1, no unit")
+            errors.append(f"{name}={v!r}: a whole number of seconds, 1 to {most}, no unit")
             return default
 
         v = get("FAULTLINE_BIN")
@@ -234,7 +257,9 @@ class Settings:
                     "(or true/false, yes/no, 1/0)"
                 )
 
-        s.check_timeout = seconds("FAULTLINE_DLROVER_CHECK_TIMEOUT", s.check_timeout)
+        s.check_timeout = seconds(
+            "FAULTLINE_DLROVER_CHECK_TIMEOUT", s.check_timeout, MAX_CLI_SECONDS
+        )
 
         v = get("FAULTLINE_DLROVER_NODE_TYPES")
         if v is not None:
@@ -255,8 +280,18 @@ class Settings:
             else:
                 errors.append(f"FAULTLINE_DLROVER_ON_FAILURE={v!r}: relaunch or abort")
 
-        s.retry_seconds = seconds("FAULTLINE_DLROVER_RETRY_SECONDS", s.retry_seconds)
-        s.hosts_timeout = seconds("FAULTLINE_DLROVER_HOSTS_TIMEOUT", s.hosts_timeout)
+        s.retry_seconds = seconds(
+            "FAULTLINE_DLROVER_RETRY_SECONDS", s.retry_seconds, MAX_RETRY_SECONDS
+        )
+        s.hosts_timeout = seconds(
+            "FAULTLINE_DLROVER_HOSTS_TIMEOUT", s.hosts_timeout, MAX_CLI_SECONDS
+        )
+
+        if s.members is not None and s.peer_check:
+            # Without Kubernetes the CLI finds no coordinator by itself and signs with the
+            # requesters' secret: both are the master's settings, checked here so that their
+            # absence is not mistaken for the CLI's "no peer check can run".
+            errors.extend(_peer_settings(get))
         return s, errors
 
     def accept_flags(self) -> List[str]:
@@ -291,6 +326,49 @@ class Settings:
         ]
 
 
+def _peer_settings(get) -> List[str]:
+    """What is wrong with the settings `faultline check` needs without Kubernetes: the
+    coordinator's address (FAULTLINE_COORDINATOR) and the requesters' secret, readable and
+    long enough (FAULTLINE_PEER_REQUESTER_SECRET_FILE, or the CLI's default path). A
+    coordinator from a members file takes no service-account token, so
+    FAULTLINE_PEER_TOKEN_FILE, which the CLI would send instead of signing, is refused."""
+    errors: List[str] = []
+    if get("FAULTLINE_COORDINATOR") is None:
+        errors.append(
+            "FAULTLINE_COORDINATOR unset: with FAULTLINE_DLROVER_MEMBERS (no Kubernetes) the "
+            "peer check needs the coordinator's address, host:port (or "
+            "FAULTLINE_DLROVER_PEER_CHECK=off)"
+        )
+    token = get("FAULTLINE_PEER_TOKEN_FILE")
+    if token is not None:
+        errors.append(
+            f"FAULTLINE_PEER_TOKEN_FILE={token!r}: a service-account token, which a coordinator "
+            "without Kubernetes does not take; unset it and give the requesters' secret"
+        )
+    name = "FAULTLINE_PEER_REQUESTER_SECRET_FILE"
+    secret = get(name)
+    if secret is not None:
+        shown = f"{name}={secret!r}"
+    else:
+        shown = f"{name} unset, its default {DEFAULT_SECRET_FILE!r}"
+    try:
+        with open(secret or DEFAULT_SECRET_FILE, "rb") as f:
+            # ASCII white space as Rust's `trim_ascii_end` takes it (no vertical tab).
+            length = len(f.read().rstrip(b" \t\n\r\x0c"))
+    except OSError as e:
+        errors.append(
+            f"{shown}: no readable file there ({e.strerror}); the peer check signs its "
+            "request with the requesters' secret"
+        )
+    else:
+        if length < MIN_SECRET_BYTES:
+            errors.append(
+                f"{shown}: the requesters' secret is {length} bytes, the CLI takes at "
+                f"least {MIN_SECRET_BYTES}"
+            )
+    return errors
+
+
 def _executable(name: str, path: Optional[str]) -> Optional[str]:
     """The executable file `name` stands for (a path, or a name looked up on `path`), as
     the CLI's run would find it; None when there is none."""
@@ -301,27 +379,95 @@ def _executable(name: str, path: Optional[str]) -> Optional[str]:
 
 @dataclass
 class Answer:
-    """One run of the CLI: its exit status and its JSON document, or why there is none."""
+    """One run of the CLI: how it ended, and its JSON document when stdout held one."""
 
+    # The exit status; negative: killed by that signal (subprocess's convention); None when it
+    # did not end by itself (hung) or did not start.
     code: Optional[int]
     doc: Optional[object]
+    # The last line of its stderr (else of its stdout), or why it could not be started.
     error: str = ""
     # The CLI could not be started at all (no such file, not executable, wrong format).
     cannot_run: bool = False
+    # It did not answer within its time and was killed.
+    hung: bool = False
+
+    def no_run(self) -> bool:
+        """Whether this is the CLI's own "cannot answer": exit 2 with the JSON error document
+        every command prints under `-o json` (`{"error": "...", "exitCode": 2}`,
+        agent/src/cli/mod.rs, `render`). An exit 2 without it is not the CLI speaking (a
+        wrapper, a shell, a loader)."""
+        d = self.doc
+        return (
+            self.code == 2
+            and isinstance(d, dict)
+            and isinstance(d.get("error"), str)
+            and d.get("exitCode") == 2
+        )
 
     def why(self) -> str:
         """The CLI's own reason (`{"error": ...}`), else what went wrong running it."""
         if isinstance(self.doc, dict) and isinstance(self.doc.get("error"), str):
             return self.doc["error"]
-        return self.error or f"exit {self.code}"
+        return self.error or self.status()
+
+    def status(self) -> str:
+        if self.code is None:
+            return "no exit status"
+        if self.code < 0:
+            try:
+                name = signal.Signals(-self.code).name
+            except ValueError:
+                name = f"signal {-self.code}"
+            return f"killed by {name}"
+        return f"exit {self.code}"
+
+    def broken(self) -> str:
+        """How a run that is neither an answer nor "cannot answer" ended, for the message."""
+        if self.code == 2 and self.doc is not None:
+            what = "exit 2 without its JSON error document"
+        elif self.doc is None:
+            what = f"{self.status()}, no JSON answer"
+        else:
+            what = f"{self.status()}, not the answer this command gives"
+        return f"{what}: {self.error}" if self.error else what
+
+
+def _last_line(*texts: Optional[str]) -> str:
+    """The last non-empty line of the first text that has one, at most 300 characters."""
+    for t in texts:
+        lines = [l.strip() for l in (t or "").splitlines() if l.strip()]
+        if lines:
+            return lines[-1][:300]
+    return ""
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL to the CLI's process group (it leads its own session): the CLI, and what a
+    wrapper or the CLI started. Then its pipes are read to their end, or closed when something
+    outside the group still holds them, and the CLI is reaped."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        # The group is empty (everything in it has ended and been reaped).
+        pass
+    try:
+        p.communicate(timeout=5)
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        # Still held (or already closed, after an interrupted read): stop reading them.
+        for pipe in (p.stdout, p.stderr):
+            if pipe is not None:
+                pipe.close()
+        p.wait()
 
 
 def run_cli(s: Settings, args: List[str], timeout: float) -> Answer:
     """Runs `faultline ARGS` (every command here asks for `-o json`: one document on stdout,
     errors included). A CLI that cannot be started is `cannot_run`; one that hangs past
-    `timeout` is killed with every process it started (its own process group: the recipe's
-    CLI is a wrapper script) and is an answer without a document, as is one that prints no
-    JSON."""
+    `timeout` is `hung`, without a document. However the call ends (an answer, a hang, or an
+    exception raised in it, such as DLRover's pre-check timeout from its SIGALRM), the CLI's
+    process group is killed before it returns: the recipe's CLI is a wrapper script, and no
+    process the call started outlives it."""
     try:
         p = subprocess.Popen(
             [s.bin] + args,
@@ -334,28 +480,22 @@ def run_cli(s: Settings, args: List[str], timeout: float) -> Answer:
     except OSError as e:
         return Answer(None, None, f"cannot run {s.bin}: {e}", cannot_run=True)
     try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
         try:
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            p.communicate(timeout=5)
+            out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            # Something outside its group still holds the pipes: stop reading them.
-            for pipe in (p.stdout, p.stderr):
-                pipe.close()
-            p.wait()
-        return Answer(
-            None, None, f"faultline {args[0]} did not answer within {timeout:g} s (killed)"
-        )
+            return Answer(
+                None,
+                None,
+                f"faultline {args[0]} did not answer within {timeout:g} s (killed)",
+                hung=True,
+            )
+    finally:
+        _kill_group(p)
     try:
         doc = json.loads(out)
     except ValueError:
-        tail = (err or out).strip().splitlines()[-1:] or [""]
-        return Answer(p.returncode, None, f"exit {p.returncode}, no JSON: {tail[0]}")
-    return Answer(p.returncode, doc)
+        doc = None
+    return Answer(p.returncode, doc, _last_line(err, out))
 
 
 @dataclass
@@ -433,6 +573,15 @@ def _config_invalid(errors: Sequence[str]) -> PreCheckResult:
     return PreCheckResult(result=CONFIG_INVALID, result_msg=msg)
 
 
+def _cli_broken(s: Settings, command: str, answer: Answer) -> PreCheckResult:
+    """The CLI ran and gave neither an answer nor its own "cannot answer" (a wrapper whose
+    loader is missing, a panic, a kill): the master's CLI is broken, as much a mistake in its
+    pod as a missing one, and no retry mends it."""
+    return _config_invalid(
+        [f"FAULTLINE_BIN={s.bin!r}: faultline {command} could not run ({answer.broken()})"]
+    )
+
+
 class FaultlinePreCheckOperator(PreCheckOperator):
     """A DLRover pre-check operator backed by faultline (module docstring)."""
 
@@ -446,6 +595,11 @@ class FaultlinePreCheckOperator(PreCheckOperator):
     def check(self, *args, **kwargs) -> PreCheckResult:
         try:
             return self._check()
+        except TimeoutException:
+            # DLRover's pre-check timeout (its SIGALRM, `timeout` in
+            # dlrover/python/util/function_util.py): DLRover's to handle (it passes the job
+            # at its timeout); `run_cli` has killed the CLI on the way out.
+            raise
         except Exception as e:
             # DLRover would count the exception as a pass.
             logger.exception("faultline: the pre-check operator failed")
@@ -486,7 +640,8 @@ class FaultlinePreCheckOperator(PreCheckOperator):
         if answer.cannot_run:
             return _config_invalid([f"FAULTLINE_BIN={s.bin!r}: {answer.error}"])
         read = _hosts_doc(answer.doc) if answer.code == 0 else None
-        why = answer.why() if answer.code != 0 else "its answer is not a record list"
+        if read is None and not (answer.hung or answer.no_run()):
+            return _cli_broken(s, "hosts", answer)
         if read is not None:
             usable, left = read
             why_of: Dict[str, str] = {}
@@ -505,19 +660,21 @@ class FaultlinePreCheckOperator(PreCheckOperator):
             notes.append(f"usable: {', '.join(hosts)}")
         elif s.members:
             # The operator was told where the agents are and none gave an answer (the CLI
-            # exits 2 when no member's agent answers; or it failed, hung, or printed no
-            # record list): no node is shown usable, and relaunching cannot change that.
+            # exits 2 when no member's agent answers, or it hung): no node is shown usable,
+            # and relaunching cannot change that.
             return PreCheckResult(
                 result=NO_AGENT_ANSWERS,
                 result_msg=(
                     f"{NO_AGENT_ANSWERS_MSG}: faultline hosts --members {s.members}: "
-                    f"{why} ({_names(placed)})"
+                    f"{answer.why()} ({_names(placed)})"
                 ),
                 abnormal_nodes=placed,
             )
         else:
-            # No verdict (no permission, no records in the namespace, a CLI that hangs): say
-            # so, and go on; each worker's own init container still waits for a usable record.
+            # No verdict on Kubernetes (no permission, no records in the namespace, a CLI that
+            # hangs): say so, and go on; each worker's own init container still waits for a
+            # usable record.
+            why = answer.why()
             logger.warning(f"faultline: records not read ({why}); not judged")
             notes.append(f"records not read ({why})")
 
@@ -530,7 +687,15 @@ class FaultlinePreCheckOperator(PreCheckOperator):
             answer = run_cli(s, s.check_args(hosts), s.check_timeout + 30)
             if answer.cannot_run:
                 return _config_invalid([f"FAULTLINE_BIN={s.bin!r}: {answer.error}"])
-            doc = answer.doc if isinstance(answer.doc, dict) else {}
+            if answer.hung or answer.no_run():
+                # No coordinator, no credential, its --timeout, or a hang: no verdict, the job
+                # starts (the PyTorchJob example's pre-flight does the same).
+                logger.warning(f"faultline: no peer check ({answer.why()}); starting")
+                notes.append(f"no peer check ({answer.why()})")
+                return PreCheckResult(result_msg="faultline: " + "; ".join(notes))
+            if answer.code not in (0, 1, 3) or not isinstance(answer.doc, dict):
+                return _cli_broken(s, "check", answer)
+            doc = answer.doc
             verdicts = [v for v in doc.get("verdicts") or [] if isinstance(v, dict)]
             run = doc.get("run_id", "?")
             found = [v for v in verdicts if v.get("kind") != NOT_JUDGED]
@@ -554,15 +719,10 @@ class FaultlinePreCheckOperator(PreCheckOperator):
                 return PreCheckResult(
                     result=PEER_CHECK_FAILED, result_msg=msg, abnormal_nodes=bad
                 )
-            elif answer.code == 3:
+            else:
                 lines = "; ".join(map(_verdict, unjudged))
                 logger.warning(f"faultline: peer check run {run} left nodes unjudged: {lines}")
                 notes.append(f"peer check run {run}: not judged: {lines}")
-            else:
-                # Exit 2 (no coordinator, no credential, timeout) or no answer: no verdict,
-                # the job starts (the PyTorchJob example's pre-flight does the same).
-                logger.warning(f"faultline: no peer check ({answer.why()}); starting")
-                notes.append(f"no peer check ({answer.why()})")
         return PreCheckResult(result_msg="faultline: " + "; ".join(notes))
 
     def failed_actions(self, *args, **kwargs) -> List[DiagnosisAction]:

@@ -48,6 +48,7 @@ from dlrover.python.master.args import parse_master_args
 from dlrover.python.master.diagnosis.diagnosis_master import DiagnosisMaster
 from dlrover.python.master.node.job_context import get_job_context
 from dlrover.python.scheduler.kubernetes import K8sJobArgs
+from dlrover.python.util.function_util import timeout
 
 REPO = Path(__file__).resolve().parents[3]
 RECIPE = REPO / "manifests" / "examples" / "elasticjob.yaml"
@@ -336,7 +337,13 @@ class Outcome:
         return [l for l in self.log if l.startswith(f"{op}(") and " done checking" in l]
 
 
-def run_precheck(ops: list, nodes: List[Node], limit: float = 120.0, during=None) -> Outcome:
+def run_precheck(
+    ops: list,
+    nodes: List[Node],
+    limit: float = 120.0,
+    during=None,
+    pre_check_timeout: Optional[int] = None,
+) -> Outcome:
     """Runs DLRover's own pre-check loop as the job master does: `DistributedJobMaster.
     pre_check` calls `DiagnosisMaster.pre_check` (dlrover/python/master/dist_master.py), which
     loads the operators named in `Context.pre_check_operators` by module and class name
@@ -352,6 +359,14 @@ def run_precheck(ops: list, nodes: List[Node], limit: float = 120.0, during=None
     the master would have done.
     `during(log)` is called by that thread every 0.1 s with DLRover's log lines so far (a test
     moves the job on with it).
+
+    `pre_check_timeout` (seconds) replaces the length of DLRover's pre-check timeout, which
+    its `timeout` decorator on `DiagnosisMaster.pre_check` fixes when the module is imported
+    (900 + 600 s): the same decorator (dlrover/python/util/function_util.py, `timeout`: a
+    SIGALRM raising `TimeoutException`) is applied again, with this length, to the undecorated
+    method. When it fires, `TimeoutException` leaves this function as it leaves
+    `DiagnosisMaster.pre_check` for `DistributedJobMaster.pre_check`, which marks the pre-check
+    passed (that module needs protobuf, which the venv does not have, so it is not called here).
     """
     ctx = Context.singleton_instance()
     # dlrover/python/master/main.py, `run`: the parsed --pre_check_ops go into the context.
@@ -396,7 +411,13 @@ def run_precheck(ops: list, nodes: List[Node], limit: float = 120.0, during=None
         # What K8sJobArgs.initilize reads from the ElasticJob (distributionStrategy
         # AllreduceStrategy); the scheduling operator checks the workers of such a job.
         job_args.distribution_strategy = DistributionStrategy.ALLREDUCE
-        DiagnosisMaster(job_args).pre_check()
+        master = DiagnosisMaster(job_args)
+        if pre_check_timeout is None:
+            master.pre_check()
+        else:
+            # `functools.wraps` in DLRover's decorator keeps the method it wrapped.
+            undecorated = DiagnosisMaster.pre_check.__wrapped__
+            timeout(secs=pre_check_timeout)(undecorated)(master)
     finally:
         done.set()
         t.join()

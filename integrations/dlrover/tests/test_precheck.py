@@ -41,6 +41,7 @@ from dlrover.python.diagnosis.common.diagnosis_action import (  # noqa: E402
     NodeAction,
 )
 from dlrover.python.master.node.job_context import get_job_context  # noqa: E402
+from dlrover.python.util.function_util import TimeoutException  # noqa: E402
 
 from faultline_dlrover import precheck  # noqa: E402
 
@@ -60,6 +61,15 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def kill_survivors(pids_file: Path):
+    """SIGKILL to the stand-in CLI's processes still running after a failed test (each by the
+    pid it wrote), so that they do not outlive the test run."""
+    if pids_file.exists():
+        for pid in map(int, pids_file.read_text().split()):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 class Recipe(unittest.TestCase):
@@ -324,9 +334,20 @@ class OnKubernetes(unittest.TestCase):
     # Each invalid setting: the variable, its value, and what the message must say it accepts.
     INVALID = [
         ("FAULTLINE_DLROVER_ON_FAILURE", "kill", "relaunch or abort"),
-        ("FAULTLINE_DLROVER_CHECK_TIMEOUT", "5m", "a whole number of seconds, at least 1"),
-        ("FAULTLINE_DLROVER_RETRY_SECONDS", "x", "a whole number of seconds, at least 1"),
-        ("FAULTLINE_DLROVER_HOSTS_TIMEOUT", "0", "a whole number of seconds, at least 1"),
+        ("FAULTLINE_DLROVER_CHECK_TIMEOUT", "5m", "a whole number of seconds, 1 to 3600"),
+        # The CLI refuses a --timeout this long with exit 2, which was read as no verdict.
+        (
+            "FAULTLINE_DLROVER_CHECK_TIMEOUT",
+            "99999999999999999999",
+            "a whole number of seconds, 1 to 3600",
+        ),
+        ("FAULTLINE_DLROVER_RETRY_SECONDS", "x", "a whole number of seconds, 1 to 600"),
+        # Past DLRover's pre-check timeout (which passes the job), and past what its
+        # `time.sleep` takes (OverflowError, which it counted as a pass).
+        ("FAULTLINE_DLROVER_RETRY_SECONDS", "601", "a whole number of seconds, 1 to 600"),
+        ("FAULTLINE_DLROVER_RETRY_SECONDS", "10000000000", "a whole number of seconds, 1 to 600"),
+        ("FAULTLINE_DLROVER_HOSTS_TIMEOUT", "0", "a whole number of seconds, 1 to 3600"),
+        ("FAULTLINE_DLROVER_HOSTS_TIMEOUT", "3601", "a whole number of seconds, 1 to 3600"),
         (
             "FAULTLINE_DLROVER_ACCEPT",
             "restart",
@@ -388,6 +409,8 @@ class OnKubernetes(unittest.TestCase):
             FAULTLINE_DLROVER_PEER_CHECK="OFF",
             FAULTLINE_DLROVER_NODE_TYPES="worker, ps",
             FAULTLINE_DLROVER_ON_FAILURE="Abort",
+            FAULTLINE_DLROVER_RETRY_SECONDS="600",
+            FAULTLINE_DLROVER_CHECK_TIMEOUT="3600",
         ):
             out = harness.run_precheck(
                 harness.recipe_pre_check_ops(), [worker(0, "gpu-a"), worker(1, "gpu-d")]
@@ -612,6 +635,35 @@ class WithoutKubernetes(unittest.TestCase):
                 self.assertIn("no member's agent answered on port", action.msg)
                 self.assertIn("result=5", out.results(OP)[0])
 
+    def test_the_peer_checks_own_settings_are_required(self):
+        """Without Kubernetes the CLI cannot find a coordinator or a secret by itself; it said
+        so with exit 2, which passed the job as "no peer check" (its own answer to an
+        infrastructure it cannot reach)."""
+        for name, extra, said in [
+            (
+                "no coordinator",
+                {"FAULTLINE_COORDINATOR": ""},
+                "FAULTLINE_COORDINATOR unset: with FAULTLINE_DLROVER_MEMBERS (no Kubernetes) "
+                "the peer check needs the coordinator's address",
+            ),
+            (
+                "no secret",
+                {"FAULTLINE_PEER_REQUESTER_SECRET_FILE": "/nonexistent/requester-secret"},
+                "FAULTLINE_PEER_REQUESTER_SECRET_FILE='/nonexistent/requester-secret': no "
+                "readable file there",
+            ),
+        ]:
+            with self.subTest(name), self.env(**extra):
+                out = harness.run_precheck(
+                    harness.recipe_pre_check_ops(), [worker(0, "n1"), worker(1, "n2")]
+                )
+                self.assertNotEqual(out.status, PreCheckStatus.PASS, out.log)
+                (action,) = out.actions
+                self.assertIsInstance(action, JobAbortionAction)
+                self.assertEqual(action.reason, "FAULTLINE_CONFIG_INVALID")
+                self.assertIn(said, action.msg)
+                self.assertIn("result=4", out.results(OP)[0])
+
 class StubbedCli(unittest.TestCase):
     """The operator's reading of answers the real programs on loopback cannot be made to give
     (link and straggler verdicts, a verdict kind the CLI has no name for, a hang): the CLI is
@@ -653,6 +705,30 @@ class StubbedCli(unittest.TestCase):
 
     def workers(self, n):
         return [worker(i, self.HOSTS[i]) for i in range(n)]
+
+    def mode_env(self, mode: str) -> dict:
+        """The operator's settings for `mode`: `kubernetes` (the defaults), or `members`: a
+        members file, the coordinator's address and the requesters' secret (the CLI here is
+        the stand-in: nothing listens there)."""
+        if mode == "kubernetes":
+            return {}
+        members = self.tmp / "members"
+        members.write_text("".join(f"{h} 127.0.0.1:1\n" for h in self.HOSTS))
+        secret = self.tmp / "requester-secret"
+        secret.write_text("0123456789abcdef0123456789abcdef\n")
+        return {
+            "FAULTLINE_DLROVER_MEMBERS": str(members),
+            "FAULTLINE_COORDINATOR": "127.0.0.1:1",
+            "FAULTLINE_PEER_REQUESTER_SECRET_FILE": str(secret),
+        }
+
+    def assert_aborted_as_config(self, out, said: str):
+        self.assertNotEqual(out.status, PreCheckStatus.PASS, out.log)
+        (action,) = out.actions
+        self.assertIsInstance(action, JobAbortionAction)
+        self.assertEqual(action.reason, "FAULTLINE_CONFIG_INVALID")
+        self.assertIn(said, action.msg)
+        self.assertIn("result=4", out.results(OP)[0])
 
     def relaunched(self, out):
         self.assertTrue(out.actions, out.log)
@@ -751,6 +827,191 @@ class StubbedCli(unittest.TestCase):
         self.assertEqual(len(pids), 2)
         for pid in pids:
             wait_until(f"process {pid} killed", 5, lambda: not alive(pid))
+
+    def test_a_cli_that_cannot_run_through_its_wrapper_fails_closed(self):
+        """The recipe's wrapper (manifests/examples/elasticjob.yaml) execs the image's loader:
+        missing, sh exits 127; not executable, 126. Both passed the job ("cannot answer"),
+        and with a members file were called "no agent answers"."""
+        loader = self.tmp / "ld-linux-x86-64.so.2"
+        loader.write_text("not executable\n")
+        loader.chmod(0o644)
+        for code, path in [(127, self.tmp / "missing" / loader.name), (126, loader)]:
+            wrapper = self.tmp / f"faultline-{code}"
+            wrapper.write_text(
+                f'#!/bin/sh\nexec "{path}" --argv0 faultline /x/faultline-agent "$@"\n'
+            )
+            wrapper.chmod(0o755)
+            for mode in ("kubernetes", "members"):
+                with self.subTest(exit=code, mode=mode):
+                    out = self.run_with(
+                        self.fake(),
+                        self.workers(2),
+                        **self.mode_env(mode),
+                        FAULTLINE_BIN=str(wrapper),
+                    )
+                    self.assert_aborted_as_config(
+                        out,
+                        f"FAULTLINE_BIN={str(wrapper)!r}: faultline hosts could not run "
+                        f"(exit {code}, no JSON answer: ",
+                    )
+
+    # What a CLI that runs but does not answer prints, and how the message describes it.
+    CRASHES = [
+        (
+            "a panic after junk",
+            {
+                "code": 101,
+                "stdout": "junk {\n",
+                "stderr": "thread 'main' panicked at agent/src/cli/check.rs:1:1:\nboom\n",
+            },
+            "exit 101, no JSON answer: boom",
+        ),
+        ("killed by a signal", {"signal": "SIGKILL"}, "killed by SIGKILL, no JSON answer"),
+        (
+            "exit 2 from something else",
+            {"code": 2, "stderr": "/opt/faultline/bin/faultline: line 2: syntax error\n"},
+            "exit 2, no JSON answer: /opt/faultline/bin/faultline: line 2: syntax error",
+        ),
+        (
+            "exit 2 with JSON that is not the error document",
+            {"code": 2, "doc": {"hosts": []}},
+            "exit 2 without its JSON error document",
+        ),
+        ("exit 0 without JSON", {"code": 0, "stdout": "ok\n"}, "exit 0, no JSON answer: ok"),
+    ]
+
+    def test_a_cli_that_crashes_fails_closed(self):
+        """Only the CLI's own "no run" (exit 2 with its JSON error document) or a hang is no
+        verdict; each of these passed the job before (with a members file, `hosts` was
+        called "no agent answers")."""
+        ok_check = {"code": 0, "doc": {"run_id": "r1", "rounds": 1, "verdicts": []}}
+        runs = [("hosts", c, mode) for c in self.CRASHES for mode in ("kubernetes", "members")]
+        # `check`'s answer is read the same way in both modes: each crash in one of them.
+        runs += [
+            ("check", c, ("kubernetes", "members")[i % 2]) for i, c in enumerate(self.CRASHES)
+        ]
+        for command, (name, crash, said), mode in runs:
+            with self.subTest(command, crash=name, mode=mode):
+                cli = (
+                    self.fake(hosts=crash, check=ok_check)
+                    if command == "hosts"
+                    else self.fake(check=crash)
+                )
+                out = self.run_with(cli, self.workers(2), **self.mode_env(mode))
+                self.assert_aborted_as_config(
+                    out,
+                    f"FAULTLINE_BIN={str(cli.bin)!r}: faultline {command} could not "
+                    f"run ({said}",
+                )
+                self.assertEqual(
+                    [c[0] for c in cli.calls()],
+                    ["hosts"] if command == "hosts" else ["hosts", "check"],
+                )
+
+    def test_the_clis_own_no_run_answer_to_the_peer_check_is_no_verdict_in_both_modes(self):
+        """docs/dlrover.md, "The decision on cannot run": exit 2 with the CLI's JSON error
+        document (a coordinator that does not answer, its --timeout), with the operator's
+        own settings valid, lets the job start."""
+        no_run = {
+            "code": 2,
+            "doc": {"error": "no peer check can run: coordinator down", "exitCode": 2},
+        }
+        for mode in ("kubernetes", "members"):
+            with self.subTest(mode=mode):
+                out = self.run_with(
+                    self.fake(check=no_run), self.workers(2), **self.mode_env(mode)
+                )
+                self.assertEqual(out.status, PreCheckStatus.PASS, out.log)
+                self.assertEqual(out.actions, [])
+                (result,) = out.results(OP)
+                self.assertIn(
+                    "usable: gpu-a, gpu-b; no peer check (no peer check can run: "
+                    "coordinator down)",
+                    result,
+                )
+
+    def test_without_kubernetes_the_peer_checks_settings_are_required(self):
+        """The CLI's exit 2 for each of these passed the job as "no peer check"; the stand-in
+        answers `check` as the real CLI does without a coordinator address."""
+        no_coordinator = {
+            "code": 2,
+            "doc": {
+                "error": "no --coordinator and no Kubernetes to find it in: no kubeconfig",
+                "exitCode": 2,
+            },
+        }
+        short = self.tmp / "short-secret"
+        short.write_text("12345\n")
+        token = self.tmp / "token"
+        token.write_text("a-token\n")
+        cases = [
+            (
+                {"FAULTLINE_COORDINATOR": ""},
+                "FAULTLINE_COORDINATOR unset: with FAULTLINE_DLROVER_MEMBERS (no Kubernetes) "
+                "the peer check needs the coordinator's address, host:port (or "
+                "FAULTLINE_DLROVER_PEER_CHECK=off)",
+            ),
+            (
+                {"FAULTLINE_PEER_REQUESTER_SECRET_FILE": str(self.tmp / "none")},
+                f"FAULTLINE_PEER_REQUESTER_SECRET_FILE={str(self.tmp / 'none')!r}: no readable "
+                "file there (No such file or directory)",
+            ),
+            (
+                {"FAULTLINE_PEER_REQUESTER_SECRET_FILE": str(short)},
+                f"FAULTLINE_PEER_REQUESTER_SECRET_FILE={str(short)!r}: the requesters' secret "
+                "is 5 bytes, the CLI takes at least 16",
+            ),
+            (
+                {"FAULTLINE_PEER_TOKEN_FILE": str(token)},
+                f"FAULTLINE_PEER_TOKEN_FILE={str(token)!r}: a service-account token, which a "
+                "coordinator without Kubernetes does not take",
+            ),
+        ]
+        if not Path(precheck.DEFAULT_SECRET_FILE).exists():
+            cases.append(
+                (
+                    {"FAULTLINE_PEER_REQUESTER_SECRET_FILE": ""},
+                    "FAULTLINE_PEER_REQUESTER_SECRET_FILE unset, its default "
+                    "'/etc/faultline/peer/requester-secret': no readable file there",
+                )
+            )
+        for extra, said in cases:
+            with self.subTest(**extra):
+                cli = self.fake(check=no_coordinator)
+                env = {**self.mode_env("members"), **extra}
+                out = self.run_with(cli, self.workers(2), **env)
+                self.assert_aborted_as_config(out, said)
+                # Settings are judged before the CLI is run.
+                self.assertEqual(cli.calls(), [])
+        # With the peer check off they are not needed.
+        env = {
+            **self.mode_env("members"),
+            "FAULTLINE_COORDINATOR": "",
+            "FAULTLINE_DLROVER_PEER_CHECK": "off",
+        }
+        out = self.run_with(self.fake(), self.workers(2), **env)
+        self.assertEqual(out.status, PreCheckStatus.PASS, out.log)
+
+    def test_dlrovers_pre_check_timeout_is_left_to_dlrover_and_the_cli_is_killed(self):
+        """DLRover's pre-check timeout raises `TimeoutException` (a SIGALRM) in whatever runs,
+        here the operator waiting for a hanging `hosts`. Before, `check` turned it into
+        FAULTLINE_OPERATOR_ERROR and aborted the job, and the CLI and its child ran on."""
+        cli = self.fake(hosts={"hang": True})
+        env = {
+            **cli.env(),
+            "FAULTLINE_DLROVER_HOSTS_TIMEOUT": "60",
+            "FAULTLINE_DLROVER_RETRY_SECONDS": "1",
+        }
+        self.addCleanup(kill_survivors, cli.pids)
+        with mock.patch.dict(os.environ, env):
+            with self.assertRaises(TimeoutException):
+                harness.run_precheck(only_faultline(), self.workers(2), pre_check_timeout=2)
+        pids = [int(p) for p in cli.pids.read_text().split()]
+        self.assertEqual(len(pids), 2)
+        # The CLI was reaped before `check` returned; its child (reparented) is dead too.
+        self.assertFalse(alive(pids[0]))
+        for pid in pids:
+            wait_until(f"process {pid} killed", 2, lambda: not alive(pid))
 
     def test_an_error_in_the_operator_fails_the_check(self):
         """DLRover counts an exception from `check` as a pass."""
