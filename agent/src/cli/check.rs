@@ -521,12 +521,9 @@ pub async fn check(mut args: CheckArgs) -> Outcome {
                     };
                     let mut request = match &credential {
                         Credential::Sign(s) => tonic::Request::new(s.sign(req, &receiver)),
-                        Credential::Token(path) => match bearer(path) {
-                            Ok(value) => {
-                                let mut r = tonic::Request::new(req);
-                                r.metadata_mut().insert("authorization", value);
-                                r
-                            }
+                        Credential::Token(path) => match with_token(tonic::Request::new(req), path)
+                        {
+                            Ok(r) => r,
                             Err(why) => return Called::NotSent(why),
                         },
                     };
@@ -602,15 +599,16 @@ fn source_of(e: &(dyn std::error::Error + 'static)) -> String {
     inner.to_string()
 }
 
-/// The `authorization` value for the service-account token at `path`, read now.
-fn bearer(
+/// `request` with the service-account token at `path`, read now, as its bearer credential.
+fn with_token<T>(
+    mut request: tonic::Request<T>,
     path: &std::path::Path,
-) -> Result<tonic::metadata::MetadataValue<tonic::metadata::Ascii>, String> {
+) -> Result<tonic::Request<T>, String> {
     let token = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read the token {}: {e}", path.display()))?;
-    format!("Bearer {}", token.trim())
-        .parse()
-        .map_err(|_| format!("the token {} is not printable text", path.display()))
+    crate::peer::client::bearer(&mut request, token.trim())
+        .map_err(|_| format!("the token {} is not printable text", path.display()))?;
+    Ok(request)
 }
 
 #[cfg(test)]
